@@ -1,0 +1,1 @@
+"""Topology config, launcher and the `tandem` command line."""

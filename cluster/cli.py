@@ -1,0 +1,92 @@
+"""The `tandem` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16"}
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="HF folder or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                   help="weights/KV dtype (default: bfloat16 on cuda, float32 on cpu)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_engine(args):
+    import torch
+
+    from engine import Engine
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = DTYPES[args.dtype] if args.dtype else ("bfloat16" if device == "cuda" else "float32")
+    return Engine.from_pretrained(args.model, device=device, dtype=getattr(torch, dtype))
+
+
+def cmd_generate(args) -> int:
+    from engine import InvalidRequestError, SamplingParams
+
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                seed=args.seed, max_tokens=args.max_tokens, stop=tuple(args.stop))
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("loading model…", file=sys.stderr, flush=True)
+    engine = build_engine(args)
+    prompt = [{"role": "user", "content": args.chat}] if args.chat else args.prompt
+    if not prompt:
+        print("error: give a prompt or --chat", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    reason = None
+    try:
+        for out in engine.stream(prompt, params):
+            if first is None:
+                first = time.perf_counter()
+            n += len(out.token_ids)
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            reason = out.finish_reason
+    except InvalidRequestError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 2
+    end = time.perf_counter()
+    ttft = (first or end) - t0
+    decode_tps = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
+    print(f"\n\n[{n} tokens, finish={reason}, TTFT {ttft * 1000:.0f} ms, "
+          f"decode {decode_tps:.1f} tokens/s, {engine.config.device}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="tandem", description="tandem LLM serving")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="stream one completion in the terminal")
+    g.add_argument("prompt", nargs="?", default=None, help="raw prompt text")
+    g.add_argument("--chat", default=None, help="a user message, rendered with the chat template")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    g.set_defaults(fn=cmd_generate)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The decode actor: the engine in decode role with speculation, streaming tokens."""

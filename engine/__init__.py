@@ -1,0 +1,12 @@
+"""tandem's model runtime: config, weights, paged KV cache, attention backends, sampler,
+scheduler, and the Engine both node kinds share. No Ray, gRPC or UCX imports here."""
+
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Completion, Engine, RequestOutput
+from engine.errors import InvalidRequestError, ResourceExhaustedError, UnsupportedModelError
+from engine.sequence import SamplingParams
+
+__all__ = [
+    "Completion", "Engine", "EngineConfig", "InvalidRequestError", "ModelConfig",
+    "RequestOutput", "ResourceExhaustedError", "SamplingParams", "UnsupportedModelError",
+]

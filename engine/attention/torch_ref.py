@@ -1,0 +1,45 @@
+"""Reference attention in plain torch: gathers each sequence's blocks, runs SDPA; CPU-ready."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+class TorchAttention(AttentionBackend):
+    """Correct first, simple always; the oracle other backends are tested against."""
+
+    name = "torch"
+
+    def store_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
+        flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+        flat[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+        flat[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+
+    def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        starts = meta.query_start_cpu or meta.query_start.tolist()
+        lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+        out = torch.empty_like(q)
+        bs = self.block_size
+        for i, ctx in enumerate(lens):
+            q0, q1 = starts[i], starts[i + 1]
+            blocks = meta.block_tables[i, : -(-ctx // bs)]
+            k = kv_cache[0, blocks].flatten(0, 1)[:ctx]  # [ctx, kvh, d]
+            v = kv_cache[1, blocks].flatten(0, 1)[:ctx]
+            out[q0:q1] = self._sdpa(q[q0:q1], k, v, ctx)
+        return out
+
+    def _sdpa(self, q, k, v, ctx):
+        qlen = q.shape[0]
+        qh, kh, vh = (x.transpose(0, 1).unsqueeze(0).to(q.dtype) for x in (q, k, v))
+        if qlen == 1:
+            mask = None  # one query sees the whole context
+        else:
+            # Query i sits at position ctx - qlen + i and sees keys up to there.
+            qpos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        return o[0].transpose(0, 1)

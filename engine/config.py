@@ -1,0 +1,167 @@
+"""Frozen configuration: the model's shape (from a transformers config) and the engine's knobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import UnsupportedModelError
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (default, linear and llama3 scaling)."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Llama-family decoder; built from a transformers config with `from_hf`."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedModelError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+
+    @classmethod
+    def from_hf(cls, hf, name: str = "model") -> ModelConfig:
+        """Build from a transformers `PretrainedConfig`; refuse what the engine cannot run."""
+        mt = getattr(hf, "model_type", None)
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"unsupported architecture {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = getattr(hf, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedModelError(f"unsupported activation {act!r} (only silu)")
+        heads = hf.num_attention_heads
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+        max_pos = hf.max_position_embeddings
+        window = getattr(hf, "sliding_window", None)
+        if window and (mt == "mistral" or getattr(hf, "use_sliding_window", False)):
+            # Within the window, sliding-window attention is plain causal attention.
+            max_pos = min(max_pos, window)
+        attn_bias = bool(getattr(hf, "attention_bias", False))
+        eos = getattr(hf, "eos_token_id", None)
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            model_type=mt,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.rms_norm_eps,
+            rope=_rope_from_hf(hf),
+            max_position=max_pos,
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            qkv_bias=attn_bias or mt == "qwen2",
+            o_bias=attn_bias,
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            bos_token_id=getattr(hf, "bos_token_id", None),
+            eos_token_ids=eos_ids,
+            name=name,
+        )
+
+
+def _rope_from_hf(hf) -> RopeConfig:
+    # transformers 5 keeps theta and scaling in `rope_parameters`; 4.x in rope_theta/rope_scaling.
+    params = dict(getattr(hf, "rope_parameters", None) or {})
+    scaling = getattr(hf, "rope_scaling", None) or {}
+    if not params:
+        params = dict(scaling)
+        params.setdefault("rope_theta", getattr(hf, "rope_theta", 10000.0))
+    rtype = params.get("rope_type") or params.get("type") or "default"
+    if rtype not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"unsupported rope scaling {rtype!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    return RopeConfig(
+        theta=float(params.get("rope_theta", 10000.0)),
+        type=rtype,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, validated once and passed down."""
+
+    model: ModelConfig
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int | None = None  # None: size from kv_cache_bytes / gpu_memory_utilization
+    kv_cache_bytes: int = 512 << 20  # CPU default budget for the KV tensor
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int | None = None  # None: the model's max_position
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    num_draft_layers: int = 0
+    attention_backend: str = "torch"
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_model_len is None:
+            object.__setattr__(self, "max_model_len", self.model.max_position)
+        if not 0 < self.max_model_len <= self.model.max_position:
+            raise ValueError(
+                f"max_model_len={self.max_model_len} must be in 1..{self.model.max_position}"
+            )
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError("num_blocks must be positive")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if self.num_draft_layers < 0:
+            raise ValueError("num_draft_layers must be >= 0")
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Target layers plus draft layers: the first dimension of the KV tensor."""
+        return self.model.num_layers + self.num_draft_layers
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        m = self.model
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.num_kv_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * itemsize

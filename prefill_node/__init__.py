@@ -1,0 +1,1 @@
+"""The prefill actor: the engine in prefill role, shipping KV blocks to a decode actor."""

@@ -1,0 +1,1 @@
+"""The public gRPC service: validation, routing, prefill→decode orchestration."""

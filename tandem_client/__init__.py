@@ -1,0 +1,1 @@
+"""The tandem Python SDK (gRPC; depends only on grpcio and protobuf)."""
