@@ -58,14 +58,20 @@ class Engine:
     """A paged-KV Llama-family engine. Pure compute: no Ray, gRPC or UCX here."""
 
     def __init__(self, config: EngineConfig, state_dict: dict[str, torch.Tensor] | None = None,
-                 tokenizer: loader.Tokenizer | None = None):
+                 tokenizer: loader.Tokenizer | None = None, weights_of: Engine | None = None):
+        """Build from HF-named `state_dict`, or share the weights of engine `weights_of`."""
         self.config = cfg = config
         m = cfg.model
         backend = get_backend(cfg.attention_backend)(m.num_heads, m.num_kv_heads, m.head_dim,
                                                     cfg.block_size)
         with torch.device(cfg.device):
             self.model = LlamaModel(m, backend).to(cfg.dtype)
-        if state_dict is not None:
+        if weights_of is not None:
+            self.model.load_state_dict(weights_of.model.state_dict(), assign=True)
+            if m.tie_word_embeddings:
+                self.model.lm_head.weight = self.model.embed_tokens.weight
+            tokenizer = tokenizer or weights_of.tokenizer
+        elif state_dict is not None:
             loader.load_weights(self.model, state_dict)
         self.model.eval()
         self.num_blocks = cfg.num_blocks or self._size_cache()
@@ -90,6 +96,12 @@ class Engine:
         mcfg = loader.load_config(ckpt)
         cfg = EngineConfig(model=mcfg, **overrides)
         return cls(cfg, loader.load_state_dict(ckpt, cfg.dtype), loader.Tokenizer.load(ckpt))
+
+    def with_config(self, **overrides) -> Engine:
+        """A fresh engine (own KV cache and queues) sharing this one's weights."""
+        from dataclasses import replace
+
+        return Engine(replace(self.config, **overrides), weights_of=self)
 
     def _size_cache(self) -> int:
         cfg = self.config
