@@ -179,10 +179,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule → run → postprocess; returns what each touched request produced."""
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        sampled = self._run(batch)
-        return self._postprocess(batch, sampled)
+        outs = [self._finished_output(s) for s in batch.out_of_blocks]
+        if batch.seqs:
+            outs += self._postprocess(batch, self._run(batch))
+        return outs
 
     def _run(self, batch: Batch) -> dict[str, int]:
         """Forward the batch; sample for entries whose tokens are now all computed."""
@@ -214,13 +214,14 @@ class Engine:
     def _append(self, seq: Sequence, tok: int) -> RequestOutput:
         seq.token_ids.append(tok)
         self.stats.generated_tokens += 1
-        text = self._detok[seq.request_id].step(seq.token_ids) if seq.request_id in self._detok \
-            else ""
+        detok = self._detok.get(seq.request_id)
+        seq.text += detok.step(seq.token_ids) if detok else ""
         reason = self._stop_reason(seq, tok)
-        if self.tokenizer is not None and seq.params.stop:
-            text, hit = self._cut_stop(seq, text)
-            reason = reason or hit
-        seq.text += text
+        if seq.params.stop and _cut_at_stop(seq):
+            reason = "stop"
+        # While a stop string could still be completing, hold its possible start back.
+        keep = len(seq.text) - (0 if reason else _stop_prefix_len(seq))
+        text, seq.num_emitted_chars = seq.text[seq.num_emitted_chars : keep], keep
         out = RequestOutput(seq.request_id, [tok], text, prompt_tokens=seq.num_prompt_tokens,
                             completion_tokens=len(seq.output_ids),
                             cached_tokens=seq.num_cached_tokens)
@@ -237,17 +238,15 @@ class Engine:
             return "length"
         return None
 
-    def _cut_stop(self, seq: Sequence, delta: str) -> tuple[str, str | None]:
-        """Trim the delta so the text ends just before the first stop string."""
-        full = seq.text + delta
-        start = max(0, len(seq.text) - max(len(s) for s in seq.params.stop) + 1)
-        hits = [i for s in seq.params.stop if (i := full.find(s, start)) >= 0]
-        if not hits:
-            return delta, None
-        return full[len(seq.text) : min(hits)] if min(hits) > len(seq.text) else "", "stop"
+    def _finished_output(self, seq: Sequence) -> RequestOutput:
+        """Report a request the scheduler had to stop (the KV cache cannot hold it)."""
+        self._finish(seq, seq.finish_reason or "length")
+        return RequestOutput(seq.request_id, [], "", True, seq.finish_reason,
+                             seq.num_prompt_tokens, len(seq.output_ids), seq.num_cached_tokens)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
+        if not seq.finished:
+            self.scheduler.finish(seq, reason)
         self.seqs.pop(seq.request_id, None)
         self._generators.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
@@ -285,6 +284,27 @@ class Engine:
                     yield out
                     if out.finished:
                         return
+
+
+def _cut_at_stop(seq: Sequence) -> bool:
+    """Truncate seq.text before the first stop string in it; True if one was found."""
+    stops = seq.params.stop
+    start = max(0, seq.num_emitted_chars - max(map(len, stops)) + 1)
+    hits = [i for s in stops if (i := seq.text.find(s, start)) >= 0]
+    if hits:
+        seq.text = seq.text[: min(hits)]
+    return bool(hits)
+
+
+def _stop_prefix_len(seq: Sequence) -> int:
+    """Length of the longest tail of seq.text that begins some stop string."""
+    text, best = seq.text, 0
+    for s in seq.params.stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
 
 
 def _progress(total: int, enabled: bool):

@@ -16,6 +16,7 @@ class Batch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    out_of_blocks: list[Sequence] = field(default_factory=list)  # finished: cache is full
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -23,6 +24,9 @@ class Batch:
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs or self.out_of_blocks)
 
 
 class Scheduler:
@@ -53,6 +57,8 @@ class Scheduler:
             if self._make_room(seq, seq.num_computed + n):
                 batch.add(seq, n)
                 budget -= n
+            elif seq.finished:
+                batch.out_of_blocks.append(seq)
         while self.waiting and budget and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
             self.blocks.match_prefix(seq)
@@ -72,6 +78,10 @@ class Scheduler:
         """Grow `seq` to `num_tokens`, preempting later requests if needed; False if seq itself
         had to go."""
         while not self.blocks.can_grow(seq, num_tokens):
+            if self.running == [seq]:
+                # Alone and still no room: the whole cache cannot hold it. Stop, don't thrash.
+                self.finish(seq, "length")
+                return False
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:

@@ -69,7 +69,8 @@ class Sequence:
         self.num_computed = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
         self.finish_reason: str | None = None
-        self.text = ""
+        self.text = ""  # detokenized output, cut before a stop string
+        self.num_emitted_chars = 0  # how much of text has been streamed out
         self.arrival_step = 0
 
     def __len__(self) -> int:

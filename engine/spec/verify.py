@@ -1,0 +1,89 @@
+"""Lossless verification of one sequence's K draft tokens against the target's K+1 positions.
+
+Rejection sampling (Leviathan et al. 2023; Chen et al. 2023): every emitted token is
+distributed exactly as plain sampling from the target would be, whatever the drafter does.
+Batching over sequences is the caller's loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampler import processed_probs, sample_from
+from engine.sequence import SamplingParams
+
+
+@dataclass
+class VerifyResult:
+    """Tokens to append (accepted drafts, then one target token) and how many drafts passed."""
+
+    tokens: list[int]
+    num_accepted: int
+
+
+def verify_greedy(draft: Sequence[int], target_argmax: Sequence[int]) -> VerifyResult:
+    """Greedy verification: keep drafts while they equal the target's argmax.
+
+    target_argmax: K+1 entries, the target's argmax at each position. At the first mismatch
+    the target's token is emitted instead; if all K match, the bonus target_argmax[K] follows.
+    Returns 1..K+1 tokens.
+    """
+    k = len(draft)
+    if len(target_argmax) != k + 1:
+        raise ValueError(f"need {k + 1} target tokens for {k} drafts, got {len(target_argmax)}")
+    n = 0
+    while n < k and draft[n] == target_argmax[n]:
+        n += 1
+    return VerifyResult([*(int(t) for t in draft[:n]), int(target_argmax[n])], n)
+
+
+def verify_sampled(draft: Sequence[int], q: torch.Tensor | None, target_logits: torch.Tensor,
+                   params: SamplingParams, generator: torch.Generator) -> VerifyResult:
+    """Sampled verification: accept draft i with probability min(1, p_i(x) / q_i(x)).
+
+    draft: K tokens, draft[i] drawn from q[i]. q: [K, vocab], or None for a point mass at each
+    draft (n-gram, argmax drafters). target_logits: [K+1, vocab] raw logits; p is
+    processed_probs(target_logits, params), i.e. after temperature, top-k and top-p, exactly
+    what plain sampling uses. On the first rejection a token is drawn from
+    normalize(max(0, p_i - q_i)) and verification stops; if all pass, a bonus is drawn from p_K.
+    All randomness comes from `generator`, so a seeded request replays exactly; the work runs
+    on the generator's device (logits on another device are copied there first, so create the
+    generator where the logits live to avoid the copy). temperature=0 falls through to
+    verify_greedy on the logits' argmax.
+    """
+    k = len(draft)
+    if target_logits.shape[0] != k + 1:
+        raise ValueError(f"need {k + 1} target rows for {k} drafts, got {target_logits.shape[0]}")
+    if params.greedy:
+        return verify_greedy(draft, target_logits.argmax(dim=-1).tolist())
+    # Every draw must come from `generator`, and torch draws only on the generator's device.
+    p = processed_probs(target_logits.to(generator.device), params)
+    q = None if q is None else q.to(p)
+    n = 0
+    if k:
+        x = torch.tensor(list(draft), device=p.device).unsqueeze(1)
+        # Accept iff u < p(x)/q(x), written as u*q(x) < p(x): no division, so q(x) = 0 cannot
+        # give NaN and p(x) = 0 never passes. A point mass has q(x) = 1.
+        lhs = torch.rand(k, 1, generator=generator, device=p.device)
+        if q is not None:
+            lhs = lhs * q[:k].gather(1, x)
+        passed = (lhs < p[:k].gather(1, x)).flatten().tolist()  # the one host sync
+        while n < k and passed[n]:
+            n += 1
+    if n == k:
+        residual = p[k]
+    else:
+        if q is None:
+            residual = p[n].clone()
+            residual[int(draft[n])] = 0.0  # max(0, p - point mass at x)
+        else:
+            residual = (p[n] - q[n]).clamp_(min=0)
+        total = residual.sum()
+        # p <= q everywhere (only reachable through rounding, or a q that is not normalized):
+        # nothing is left to correct, so p itself is the right law.
+        residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p[n])
+    token = int(sample_from(residual.unsqueeze(0), generator)[0])
+    return VerifyResult([*(int(t) for t in draft[:n]), token], n)

@@ -1,0 +1,74 @@
+"""Continuous batching and chunked prefill do not change what a request produces."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import SamplingParams
+from tests.helpers import tiny_engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def alone(engine, prompts, params=GREEDY):
+    return [engine.generate([p], params)[0].token_ids for p in prompts]
+
+
+def staggered(engine, prompts, arrive_at, params=GREEDY):
+    """Submit prompt i at step arrive_at[i]; run everything to the end."""
+    ids, step, pending = {}, 0, sorted(range(len(prompts)), key=lambda i: arrive_at[i])
+    outs: dict[str, list[int]] = {}
+    while pending or engine.has_unfinished():
+        while pending and arrive_at[pending[0]] <= step:
+            i = pending.pop(0)
+            ids[engine.add_request(prompts[i], params)] = i
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+        step += 1
+    res = [None] * len(prompts)
+    for rid, i in ids.items():
+        res[i] = outs[rid]
+    return res
+
+
+def test_mixed_batch_equals_alone_real_model(smol_engine, chat_ids):
+    prompts = chat_ids[:6]
+    engine = smol_engine.with_config(max_num_batched_tokens=64, enable_prefix_caching=False)
+    solo = alone(engine, prompts)
+    mixed = staggered(engine, prompts, arrive_at=[0, 0, 1, 3, 7, 12])
+    assert mixed == solo
+    engine.blocks.check_all_free()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mixed_batch_equals_alone_tiny(seed):
+    engine = tiny_engine(seed, max_num_batched_tokens=40)
+    import random
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(1, 70))] for _ in range(10)]
+    solo = alone(engine, prompts)
+    mixed = staggered(engine, prompts, arrive_at=[rng.randrange(8) for _ in prompts])
+    assert mixed == solo
+
+
+def test_chunked_prefill_equals_one_shot_real_model(smol_engine, chat_ids):
+    prompt = chat_ids[4]
+    assert len(prompt) > 40
+    one_shot = smol_engine.with_config(enable_prefix_caching=False)
+    ref = one_shot.generate([prompt], GREEDY)[0].token_ids
+    for budget in (7, 16, 33):
+        eng = smol_engine.with_config(max_num_batched_tokens=budget, enable_prefix_caching=False)
+        steps_before = eng.stats.steps
+        assert eng.generate([prompt], GREEDY)[0].token_ids == ref, f"chunk size {budget}"
+        # The prompt really was split into ceil(len/budget) prefill steps.
+        assert eng.stats.steps - steps_before >= -(-len(prompt) // budget)
+
+
+def test_chunked_prefill_tiny_many_sizes():
+    engine = tiny_engine(3)
+    prompt = list(range(5, 90))
+    ref = engine.generate([prompt], GREEDY)[0].token_ids
+    for budget in (1, 2, 5, 13, 64):
+        eng = engine.with_config(max_num_batched_tokens=budget)
+        assert eng.generate([prompt], GREEDY)[0].token_ids == ref, f"chunk size {budget}"

@@ -1,0 +1,55 @@
+"""Stop conditions: EOS, stop token ids, stop strings, max tokens."""
+
+from __future__ import annotations
+
+from engine import SamplingParams
+
+
+def test_stop_string_truncates_text(smol_engine, chat_ids):
+    prompt = chat_ids[2]
+    free = smol_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0]
+    words = free.text.split()
+    assert len(words) > 3
+    stop = words[2]
+    cut = smol_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=40,
+                                                        stop=(stop,)))[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == free.text[: free.text.index(stop)]
+    assert len(cut.token_ids) < len(free.token_ids)
+
+
+def test_stop_token_ids_and_max_tokens(smol_engine, chat_ids):
+    prompt = chat_ids[0]
+    free = smol_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0]
+    t = free.token_ids[5]
+    out = smol_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=20,
+                                                        stop_token_ids=(t,)))[0]
+    assert out.token_ids == free.token_ids[: free.token_ids.index(t) + 1]
+    assert out.finish_reason == "stop"
+    short = smol_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert short.token_ids == free.token_ids[:3] and short.finish_reason == "length"
+
+
+def test_eos_ends_generation(smol_engine, chat_ids):
+    out = smol_engine.generate([chat_ids[0]], SamplingParams(temperature=0, max_tokens=200))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == 2  # <|im_end|>
+    ignored = smol_engine.generate([chat_ids[0]], SamplingParams(temperature=0, max_tokens=40,
+                                                                 ignore_eos=True))[0]
+    assert len(ignored.token_ids) == 40
+
+
+def test_stop_string_split_across_tokens_is_never_streamed(smol_engine, chat_ids):
+    prompt = chat_ids[2]
+    free = smol_engine.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0]
+    tok = smol_engine.tokenizer
+    # A stop string made of the tail of one token and the head of the next.
+    pieces = [tok.decode(free.token_ids[: i + 1]) for i in range(len(free.token_ids))]
+    i = next(i for i in range(3, len(pieces) - 1)
+             if len(pieces[i]) - len(pieces[i - 1]) >= 2 and len(pieces[i + 1]) > len(pieces[i]))
+    stop = pieces[i][-1] + pieces[i + 1][len(pieces[i])]
+    start = free.text.index(stop)
+    deltas = list(smol_engine.stream(prompt, SamplingParams(temperature=0, max_tokens=40,
+                                                            stop=(stop,))))
+    streamed = "".join(d.text for d in deltas)
+    assert streamed == free.text[:start]
+    assert deltas[-1].finish_reason == "stop"
