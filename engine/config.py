@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -118,6 +118,37 @@ def _rope_from_hf(hf) -> RopeConfig:
     )
 
 
+SPEC_METHODS = ("eagle3", "ngram")
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: which drafter, how many tokens at most, and when to back off."""
+
+    method: str = "eagle3"
+    num_tokens: int = 5  # K, the most drafts per target forward
+    head: str | None = None  # EAGLE-3 checkpoint folder (None: the shipped SmolLM2 head)
+    dynamic: bool = True  # pick K per sequence and batch from measured acceptance
+    ngram_max: int = 4
+    ngram_min: int = 2
+    # Cost of one extra verified token and of one draft step, as fractions of a plain decode
+    # step at batch 1; they set where dynamic K stops paying.
+    verify_token_cost: float = 0.03
+    draft_step_cost: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"unknown speculation method {self.method!r}; have {SPEC_METHODS}")
+        if not 0 <= self.num_tokens <= 16:
+            raise ValueError(f"num_tokens must be in 0..16, got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+
+    @property
+    def num_draft_layers(self) -> int:
+        return 1 if self.method == "eagle3" else 0
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, validated once and passed down."""
@@ -134,8 +165,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
     num_draft_layers: int = 0
+    spec: SpecConfig | None = None
     attention_backend: str = "torch"
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -154,6 +185,8 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_draft_layers < 0:
             raise ValueError("num_draft_layers must be >= 0")
+        if self.spec is not None and self.num_draft_layers < self.spec.num_draft_layers:
+            object.__setattr__(self, "num_draft_layers", self.spec.num_draft_layers)
 
     @property
     def num_kv_layers(self) -> int:

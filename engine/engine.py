@@ -14,9 +14,10 @@ from engine.config import EngineConfig, ModelConfig
 from engine.errors import InvalidRequestError, ResourceExhaustedError
 from engine.model import LlamaModel
 from engine.runner import ModelRunner, allocate_kv_cache
-from engine.sampler import Sampler, new_generator
+from engine.sampler import new_generator
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import SamplingParams, Sequence
+from engine.spec.runtime import Span, SpecRunner, verify
 
 
 @dataclass
@@ -31,6 +32,7 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    accepted_tokens: int = 0  # draft tokens accepted so far
 
 
 @dataclass
@@ -43,6 +45,8 @@ class Completion:
     text: str
     finish_reason: str | None
     cached_tokens: int = 0
+    accepted_tokens: int = 0
+    verify_steps: int = 0
 
 
 @dataclass
@@ -58,7 +62,8 @@ class Engine:
     """A paged-KV Llama-family engine. Pure compute: no Ray, gRPC or UCX here."""
 
     def __init__(self, config: EngineConfig, state_dict: dict[str, torch.Tensor] | None = None,
-                 tokenizer: loader.Tokenizer | None = None, weights_of: Engine | None = None):
+                 tokenizer: loader.Tokenizer | None = None, weights_of: Engine | None = None,
+                 draft_head=None):
         """Build from HF-named `state_dict`, or share the weights of engine `weights_of`."""
         self.config = cfg = config
         m = cfg.model
@@ -79,7 +84,8 @@ class Engine:
         self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
         self.runner = ModelRunner(cfg, self.model, self.kv_cache)
-        self.sampler = Sampler()
+        self.spec = SpecRunner(cfg, self.model, self.kv_cache, self._draft_head(draft_head)) \
+            if cfg.spec else None
         self.tokenizer = tokenizer
         self.eos_ids = set(m.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -101,7 +107,32 @@ class Engine:
         """A fresh engine (own KV cache and queues) sharing this one's weights."""
         from dataclasses import replace
 
-        return Engine(replace(self.config, **overrides), weights_of=self)
+        head = self.spec.head if self.spec is not None else None
+        return Engine(replace(self.config, **overrides), weights_of=self, draft_head=head)
+
+    def _draft_head(self, given):
+        """This engine's EAGLE-3 head: sharing the weights of `given`, or loaded from the spec's
+        checkpoint. Either way it gets its own attention backend (block size is per engine)."""
+        from engine.spec.eagle3 import Eagle3Head, load_head
+
+        spec, m, cfg = self.config.spec, self.config.model, self.config
+        if spec.method != "eagle3":
+            return None
+
+        def backend(hc):
+            return get_backend(cfg.attention_backend)(hc.num_heads, hc.num_kv_heads,
+                                                      hc.head_dim, cfg.block_size)
+
+        if given is None:
+            return load_head(spec.head or loader.shipped_head(m), m, backend, cfg.dtype,
+                             cfg.device)
+        given.cfg.check_target(m)
+        with torch.device("meta"):
+            head = Eagle3Head(given.cfg, backend(given.cfg))
+        head.load_state_dict(given.state_dict(), assign=True)
+        head.rotary = given.rotary
+        head.midlayer.self_attn.rotary = given.rotary
+        return head.eval()
 
     def _size_cache(self) -> int:
         cfg = self.config
@@ -181,54 +212,93 @@ class Engine:
         batch = self.scheduler.schedule()
         outs = [self._finished_output(s) for s in batch.out_of_blocks]
         if batch.seqs:
-            outs += self._postprocess(batch, self._run(batch))
+            outs += self._postprocess(batch, *self._run(batch))
         return outs
 
-    def _run(self, batch: Batch) -> dict[str, int]:
-        """Forward the batch; sample for entries whose tokens are now all computed."""
-        done = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                if s.num_computed + n == len(s)]
-        logits = self.runner.forward(batch, done).logits
-        if not done:
-            return {}
-        seqs = [batch.seqs[i] for i in done]
-        toks = self.sampler(logits, [s.params for s in seqs],
-                            [self._generators.get(s.request_id) for s in seqs])
-        return {s.request_id: t for s, t in zip(seqs, toks)}
+    def _run(self, batch: Batch):
+        """Forward the batch; for entries whose tokens are all computed now, verify their
+        drafts (none: plain sampling) against the target's logits."""
+        done, rows, ks, end = [], [], [], 0
+        for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            end += n
+            if s.num_computed + n >= len(s):
+                k = s.num_computed + n - len(s)  # drafts riding in this entry
+                done.append(i)
+                ks.append(k)
+                rows.extend(range(end - k - 1, end))
+        aux = self.spec.aux_layers if self.spec else ()
+        fwd = self.runner.forward(batch, [], aux_layers=aux, rows=rows)
+        argmax = fwd.logits.argmax(dim=-1).tolist()
+        results, r = {}, 0
+        for i, k in zip(done, ks):
+            seq = batch.seqs[i]
+            results[i] = (k, verify(seq, k, fwd.logits[r : r + k + 1], argmax[r : r + k + 1],
+                                    self._generators.get(seq.request_id)))
+            r += k + 1
+        return fwd, results
 
-    def _postprocess(self, batch: Batch, sampled: dict[str, int]) -> list[RequestOutput]:
+    def _postprocess(self, batch: Batch, fwd, results) -> list[RequestOutput]:
         self.stats.steps += 1
-        outs = []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            if seq.num_computed < seq.num_prompt_tokens:
-                self.stats.prefill_tokens += n
+        outs, spans, row = [], [], 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            lo = seq.num_computed
+            if lo < seq.num_prompt_tokens:
+                self.stats.prefill_tokens += min(n, seq.num_prompt_tokens - lo)
             else:
                 self.stats.decode_tokens += n
-            seq.num_computed += n
+            if i not in results:  # a prefill chunk that does not reach the prompt's end
+                seq.num_computed += n
+                self.blocks.commit(seq)
+                spans.append(Span(seq, lo, n, row, draft=False))
+                row += n
+                continue
+            k, res = results[i]
+            if k:
+                self._record_verify(seq, k, res)
+            seq.draft, seq.draft_q = [], None
+            out, reason = self._emit(seq, res.tokens)
+            outs.append(out)
+            # KV is valid for the real tokens and the accepted drafts; the last token is pending.
+            seq.num_computed = min(lo + n - k + res.num_accepted, len(seq) - 1)
             self.blocks.commit(seq)
-            tok = sampled.get(seq.request_id)
-            if tok is not None:
-                outs.append(self._append(seq, tok))
+            if reason:
+                self._finish(seq, reason)
+                out.finished, out.finish_reason = True, reason
+            else:
+                spans.append(Span(seq, lo, seq.num_computed - lo, row, draft=True))
+            row += n
+        if self.spec is not None:
+            self.spec.propose(spans, fwd.aux, self.blocks, len(batch), self._generators)
         return outs
 
-    def _append(self, seq: Sequence, tok: int) -> RequestOutput:
-        seq.token_ids.append(tok)
-        self.stats.generated_tokens += 1
+    def _record_verify(self, seq: Sequence, k: int, res) -> None:
+        seq.num_drafted += k
+        seq.num_accepted += res.num_accepted
+        seq.num_verify_steps += 1
+        self.spec.stats.record(k, res)
+        self.spec.policy.update(seq, k, res.num_accepted)
+
+    def _emit(self, seq: Sequence, tokens: list[int]) -> tuple[RequestOutput, str | None]:
+        """Append tokens until one stops the request; the text delta holds back any tail that
+        could still become a stop string."""
         detok = self._detok.get(seq.request_id)
-        seq.text += detok.step(seq.token_ids) if detok else ""
-        reason = self._stop_reason(seq, tok)
-        if seq.params.stop and _cut_at_stop(seq):
-            reason = "stop"
-        # While a stop string could still be completing, hold its possible start back.
+        emitted, reason = [], None
+        for tok in tokens:
+            seq.token_ids.append(tok)
+            emitted.append(tok)
+            self.stats.generated_tokens += 1
+            seq.text += detok.step(seq.token_ids) if detok else ""
+            reason = self._stop_reason(seq, tok)
+            if seq.params.stop and _cut_at_stop(seq):
+                reason = "stop"
+            if reason:
+                break
         keep = len(seq.text) - (0 if reason else _stop_prefix_len(seq))
         text, seq.num_emitted_chars = seq.text[seq.num_emitted_chars : keep], keep
-        out = RequestOutput(seq.request_id, [tok], text, prompt_tokens=seq.num_prompt_tokens,
-                            completion_tokens=len(seq.output_ids),
-                            cached_tokens=seq.num_cached_tokens)
-        if reason:
-            self._finish(seq, reason)
-            out.finished, out.finish_reason = True, reason
-        return out
+        return RequestOutput(seq.request_id, emitted, text, prompt_tokens=seq.num_prompt_tokens,
+                             completion_tokens=len(seq.output_ids),
+                             cached_tokens=seq.num_cached_tokens,
+                             accepted_tokens=seq.num_accepted), reason
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -247,6 +317,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         if not seq.finished:
             self.scheduler.finish(seq, reason)
+        if self.spec is not None:
+            self.spec.release(seq)
         self.seqs.pop(seq.request_id, None)
         self._generators.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
@@ -273,7 +345,8 @@ class Engine:
                     bar.update(1)
         bar.close()
         return [Completion(rid, s.token_ids[: s.num_prompt_tokens], s.output_ids, s.text,
-                           s.finish_reason, s.num_cached_tokens) for rid, s in seqs.items()]
+                           s.finish_reason, s.num_cached_tokens, s.num_accepted,
+                           s.num_verify_steps) for rid, s in seqs.items()]
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate one request, yielding its outputs as they come (other requests keep going)."""

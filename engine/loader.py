@@ -41,6 +41,20 @@ def embedded_checkpoint() -> Checkpoint:
     return Checkpoint(os.path.dirname(spec.origin), EMBEDDED_GGUF)
 
 
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+SHIPPED_HEADS = {"SmolLM2-135M-Instruct": "eagle3-smollm2-135m-instruct"}
+
+
+def shipped_head(model: ModelConfig) -> str:
+    """Folder of the EAGLE-3 head shipped for `model`; a clear error when there is none."""
+    name = SHIPPED_HEADS.get(model.name.split(".")[0])
+    folder = os.path.join(ASSETS, name) if name else None
+    if folder is None or not os.path.isfile(os.path.join(folder, "config.json")):
+        raise FileNotFoundError(f"no EAGLE-3 head ships for {model.name!r}: pass SpecConfig("
+                                "head=...) or use method='ngram'")
+    return folder
+
+
 def resolve(path: str | None) -> Checkpoint:
     """None → the embedded model; a .gguf file; or a folder holding safetensors or one GGUF."""
     if path is None:

@@ -77,12 +77,12 @@ class LlamaModel(nn.Module):
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final normed hidden states [T, hidden] and the hidden states entering `aux_layers`."""
         h = self.embed_tokens(input_ids)
-        aux = []
+        taps = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
-                aux.append(h)
+                taps[i] = h
             h = layer(h, positions, kv_cache[i], meta)
-        return self.norm(h), aux
+        return self.norm(h), [taps[i] for i in aux_layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -18,6 +18,7 @@ class ForwardInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: list[int]  # packed row of the last token of each batch entry
+    starts: list[int]  # packed row where each entry begins (plus the total at the end)
 
 
 @dataclass
@@ -41,6 +42,8 @@ def build_inputs(batch: Batch, block_size: int, device: str) -> ForwardInputs:
     for seq, n in zip(batch.seqs, batch.num_tokens):
         lo, hi = seq.num_computed, seq.num_computed + n
         ids.extend(seq.token_ids[lo:hi])
+        if hi > len(seq):  # a verify step: the drafts follow the last real token
+            ids.extend(seq.draft[: hi - len(seq)])
         pos.extend(range(lo, hi))
         table = seq.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(lo, hi))
@@ -58,7 +61,7 @@ def build_inputs(batch: Batch, block_size: int, device: str) -> ForwardInputs:
         block_tables=t(tables, torch.int32), max_query_len=max(batch.num_tokens),
         max_seq_len=max(lens), query_start_cpu=starts, seq_lens_cpu=lens,
     )
-    return ForwardInputs(t(ids), t(pos), meta, rows)
+    return ForwardInputs(t(ids), t(pos), meta, rows, starts)
 
 
 class ModelRunner:
@@ -68,12 +71,14 @@ class ModelRunner:
         self.cfg, self.model, self.kv_cache = cfg, model, kv_cache
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, entries: list[int],
-                aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        """Run the batch; logits of the last token of each batch entry in `entries`."""
+    def forward(self, batch: Batch, entries: list[int], aux_layers: tuple[int, ...] = (),
+                rows: list[int] | None = None) -> ForwardOutput:
+        """Run the batch; logits of the last token of each entry in `entries` (or of the
+        packed `rows` when given)."""
         inp = build_inputs(batch, self.cfg.block_size, self.cfg.device)
         hidden, aux = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta,
                                  aux_layers)
-        rows = torch.tensor([inp.logits_rows[i] for i in entries], dtype=torch.int64,
-                            device=hidden.device)
-        return ForwardOutput(self.model.logits(hidden[rows]), hidden, aux, inp)
+        if rows is None:
+            rows = [inp.logits_rows[i] for i in entries]
+        idx = torch.tensor(rows, dtype=torch.int64, device=hidden.device)
+        return ForwardOutput(self.model.logits(hidden[idx]), hidden, aux, inp)

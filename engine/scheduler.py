@@ -54,6 +54,12 @@ class Scheduler:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
             n = min(seq.num_pending, budget)
+            if seq.draft:
+                if n == seq.num_pending and n + len(seq.draft) <= budget and \
+                        self.blocks.can_grow(seq, seq.num_computed + n + len(seq.draft)):
+                    n += len(seq.draft)
+                else:
+                    seq.draft, seq.draft_q = [], None  # no room to verify: plain decode
             if self._make_room(seq, seq.num_computed + n):
                 batch.add(seq, n)
                 budget -= n
@@ -91,6 +97,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
+        seq.draft, seq.draft_q = [], None
         self.running.remove(seq)
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

@@ -72,6 +72,13 @@ class Sequence:
         self.text = ""  # detokenized output, cut before a stop string
         self.num_emitted_chars = 0  # how much of text has been streamed out
         self.arrival_step = 0
+        self.draft: list[int] = []  # proposed tokens the next forward verifies
+        self.draft_q = None  # their draft distributions [K, vocab] when sampled, else None
+        self.num_drafted = 0
+        self.num_accepted = 0
+        self.num_verify_steps = 0
+        self.accept_rate: float | None = None  # per-draft-token acceptance estimate
+        self.idle_steps = 0  # decode steps spent at K=0
 
     def __len__(self) -> int:
         return len(self.token_ids)

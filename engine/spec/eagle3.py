@@ -1,0 +1,270 @@
+"""EAGLE-3 draft head: fuses three target hidden states, runs one decoder layer over
+[norm(embed(token)), norm(fused)], predicts over a reduced draft vocabulary.
+
+Checkpoints use the public layout (config.json with `draft_vocab_size`, `target_hidden_size`,
+`eagle_aux_hidden_state_layer_ids`, `norm_before_residual`; weights `fc.*`, `midlayer.*`,
+`norm.*`, `lm_head.*`, `d2t` (draft id → target id offset), `t2d` (target ids in the draft
+vocabulary)), so a head trained elsewhere for a Llama model loads as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+from engine.config import ModelConfig, RopeConfig
+from engine.layers import RMSNorm, Rotary
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """Shape of the head and which target it belongs to."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...]
+    norm_before_residual: bool = False
+
+    @classmethod
+    def for_target(cls, target: ModelConfig, draft_vocab_size: int,
+                   aux_layer_ids: tuple[int, ...] | None = None) -> Eagle3Config:
+        """A head shaped like one layer of `target`; taps default to (2, L//2, L-3)."""
+        n = target.num_layers
+        ids = tuple(aux_layer_ids) if aux_layer_ids else (min(2, n - 1), n // 2, max(n - 3, 0))
+        return cls(target.hidden_size, target.intermediate_size, target.num_heads,
+                   target.num_kv_heads, target.head_dim, target.rms_norm_eps, target.rope,
+                   target.max_position, target.vocab_size, draft_vocab_size,
+                   target.hidden_size, ids)
+
+    def check_target(self, target: ModelConfig) -> None:
+        """Refuse a head trained for a different target, naming the mismatch."""
+        problems = []
+        if self.target_hidden_size != target.hidden_size:
+            problems.append(f"target hidden size {self.target_hidden_size} != {target.hidden_size}")
+        if self.vocab_size != target.vocab_size:
+            problems.append(f"vocab size {self.vocab_size} != {target.vocab_size}")
+        if self.hidden_size != target.hidden_size:
+            problems.append(f"head hidden size {self.hidden_size} != target's "
+                            f"{target.hidden_size} (the embedding is shared)")
+        bad = [i for i in self.aux_layer_ids if not 0 <= i < target.num_layers]
+        if bad:
+            problems.append(f"aux layers {bad} outside the target's {target.num_layers} layers")
+        if problems:
+            raise ValueError("EAGLE-3 head does not fit this target: " + "; ".join(problems))
+
+    def to_hf(self) -> dict:
+        """config.json in the public EAGLE-3 layout."""
+        r = self.rope
+        rope_scaling = None if r.type == "default" else {
+            "rope_type": r.type, "factor": r.factor, "low_freq_factor": r.low_freq_factor,
+            "high_freq_factor": r.high_freq_factor,
+            "original_max_position_embeddings": r.original_max_position}
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim, "num_hidden_layers": 1, "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": r.theta, "rope_scaling": rope_scaling,
+            "max_position_embeddings": self.max_position, "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "norm_before_residual": self.norm_before_residual, "tie_word_embeddings": False,
+        }
+
+    @classmethod
+    def from_hf(cls, d: dict, target: ModelConfig | None = None) -> Eagle3Config:
+        """Read the public layout (flat, or speculators' nested `transformer_layer_config`)."""
+        layer = {**d.get("transformer_layer_config", {}), **d}
+        hidden = layer["hidden_size"]
+        heads = layer["num_attention_heads"]
+        rope = _rope(layer)
+        aux = layer.get("eagle_aux_hidden_state_layer_ids")
+        if aux is None and target is not None:
+            n = target.num_layers
+            aux = (2, n // 2, n - 3)
+        if aux is None:
+            raise ValueError("head config lacks eagle_aux_hidden_state_layer_ids and no target "
+                             "was given to default them")
+        return cls(hidden, layer["intermediate_size"], heads,
+                   layer.get("num_key_value_heads") or heads,
+                   layer.get("head_dim") or hidden // heads, layer.get("rms_norm_eps", 1e-6),
+                   rope, layer.get("max_position_embeddings", 2048), layer["vocab_size"],
+                   layer.get("draft_vocab_size") or layer["vocab_size"],
+                   layer.get("target_hidden_size") or hidden, tuple(aux),
+                   bool(layer.get("norm_before_residual", False)))
+
+
+def _rope(d: dict) -> RopeConfig:
+    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    return RopeConfig(theta=float(theta), type=params.get("rope_type", params.get("type",
+                      "default")), factor=float(params.get("factor", 1.0)),
+                      low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                      high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+                      original_max_position=int(params.get("original_max_position_embeddings",
+                                                           8192)))
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: Eagle3Config, backend: AttentionBackend, rotary: Rotary):
+        super().__init__()
+        self.nh, self.nkv, self.hd = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(2 * c.hidden_size, self.nh * self.hd, bias=False)
+        self.k_proj = nn.Linear(2 * c.hidden_size, self.nkv * self.hd, bias=False)
+        self.v_proj = nn.Linear(2 * c.hidden_size, self.nkv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
+        self.backend, self.rotary = backend, rotary
+
+    def forward(self, x, positions, kv_cache, meta):
+        q = self.q_proj(x).view(-1, self.nh, self.hd)
+        k = self.k_proj(x).view(-1, self.nkv, self.hd)
+        v = self.v_proj(x).view(-1, self.nkv, self.hd)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta).flatten(1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: Eagle3Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _MidLayer(nn.Module):
+    def __init__(self, c: Eagle3Config, backend: AttentionBackend, rotary: Rotary):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = _Attention(c, backend, rotary)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = _MLP(c)
+        self.norm_before_residual = c.norm_before_residual
+
+    def forward(self, embeds, hidden, positions, kv_cache, meta):
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
+        h = residual + self.self_attn(x, positions, kv_cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """The draft head. The target's token embedding is shared: callers pass embeddings in."""
+
+    def __init__(self, cfg: Eagle3Config, backend: AttentionBackend):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = _MidLayer(cfg, backend, self.rotary)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool)
+                             if cfg.draft_vocab_size == cfg.vocab_size
+                             else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+
+    def set_vocab(self, target_ids: torch.Tensor) -> None:
+        """Draft vocabulary = these target ids, in this order (d2t as offsets, t2d as a mask)."""
+        ids = target_ids.to(torch.int64)
+        assert ids.numel() == self.cfg.draft_vocab_size
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    @property
+    def draft_to_target(self) -> torch.Tensor:
+        """Target id of each draft id."""
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def fuse(self, aux: list[torch.Tensor]) -> torch.Tensor:
+        """Three target hidden states [T, h] each → one [T, h] feature."""
+        return self.fc(torch.cat(aux, dim=-1))
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """One draft step over a packed batch; returns the head's hidden state (pre-norm),
+        which is also what the next chained step takes as `hidden`."""
+        return self.midlayer(embeds, hidden, positions, kv_cache, meta)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [T, draft_vocab] in fp32."""
+        return self.lm_head(self.norm(out)).float()
+
+    def full_vocab_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Logits over the target vocabulary: -inf outside the draft vocabulary."""
+        dl = self.logits(out)
+        full = dl.new_full((dl.shape[0], self.cfg.vocab_size), float("-inf"))
+        full[:, self.draft_to_target] = dl
+        return full
+
+
+def save_head(head: Eagle3Head, folder: str, dtype: torch.dtype = torch.bfloat16,
+              extra: dict | None = None) -> None:
+    """Write config.json + model.safetensors in the public layout."""
+    from safetensors.torch import save_file
+
+    os.makedirs(folder, exist_ok=True)
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
+          for k, v in head.state_dict().items()}
+    save_file(sd, os.path.join(folder, "model.safetensors"))
+    cfg = head.cfg.to_hf()
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    cfg.update(extra or {})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def load_head(folder: str, target: ModelConfig, make_backend,
+              dtype: torch.dtype = torch.float32, device: str = "cpu") -> Eagle3Head:
+    """Load a public-layout EAGLE-3 checkpoint; refuses heads built for another target.
+    `make_backend(cfg)` builds the attention backend for the head's shape."""
+    import glob
+
+    from safetensors.torch import load_file
+
+    with open(os.path.join(folder, "config.json")) as f:
+        cfg = Eagle3Config.from_hf(json.load(f), target)
+    cfg.check_target(target)
+    cfg = replace(cfg, max_position=max(cfg.max_position, target.max_position))
+    sd: dict[str, torch.Tensor] = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))) or sorted(
+            glob.glob(os.path.join(folder, "*.bin"))):
+        sd.update(load_file(path) if path.endswith(".safetensors")
+                  else torch.load(path, map_location="cpu", weights_only=True))
+    sd = {k.removeprefix("model."): v for k, v in sd.items()}
+    sd.pop("embed_tokens.weight", None)  # the target's embedding is shared
+    if "t2d" in sd:
+        sd["t2d"] = sd["t2d"].to(torch.bool)
+    if "d2t" in sd:
+        sd["d2t"] = sd["d2t"].to(torch.int64)
+    with torch.device(device):
+        head = Eagle3Head(cfg, make_backend(cfg))
+    missing, unexpected = head.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if m not in ("d2t", "t2d") or cfg.draft_vocab_size
+               != cfg.vocab_size]
+    if missing or unexpected:
+        raise ValueError(f"EAGLE-3 checkpoint at {folder}: missing {missing}, "
+                         f"unexpected {unexpected}")
+    return head.to(dtype).eval()
+
