@@ -84,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(fn=cmd_generate)
+    from cluster import train_eagle3
+
+    train_eagle3.add_parser(sub)
     args = ap.parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
     return args.fn(args)
 
 

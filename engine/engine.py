@@ -91,6 +91,9 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.seqs: dict[str, Sequence] = {}
+        # Optional tap for trainers: capture(seq, lo, hidden, aux) sees every computed position.
+        self.capture = None
+        self.capture_layers: tuple[int, ...] = ()
         self._generators: dict[str, torch.Generator] = {}
         self._detok: dict[str, loader.Detokenizer] = {}
         self.stats = EngineStats()
@@ -226,7 +229,7 @@ class Engine:
                 done.append(i)
                 ks.append(k)
                 rows.extend(range(end - k - 1, end))
-        aux = self.spec.aux_layers if self.spec else ()
+        aux = self.spec.aux_layers if self.spec else self.capture_layers
         fwd = self.runner.forward(batch, [], aux_layers=aux, rows=rows)
         argmax = fwd.logits.argmax(dim=-1).tolist()
         results, r = {}, 0
@@ -242,6 +245,10 @@ class Engine:
         outs, spans, row = [], [], 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             lo = seq.num_computed
+            if self.capture is not None:
+                real = n - results.get(i, (0, None))[0]
+                self.capture(seq, lo, fwd.hidden[row : row + real],
+                             [a[row : row + real] for a in fwd.aux])
             if lo < seq.num_prompt_tokens:
                 self.stats.prefill_tokens += min(n, seq.num_prompt_tokens - lo)
             else:

@@ -19,6 +19,8 @@ class TorchAttention(AttentionBackend):
         flat[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
     def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        if meta.max_query_len == 1 and q.is_cuda:
+            return self._decode_batched(q, kv_cache, meta)
         starts = meta.query_start_cpu or meta.query_start.tolist()
         lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
         out = torch.empty_like(q)
@@ -30,6 +32,18 @@ class TorchAttention(AttentionBackend):
             v = kv_cache[1, blocks].flatten(0, 1)[:ctx]
             out[q0:q1] = self._sdpa(q[q0:q1], k, v, ctx)
         return out
+
+    def _decode_batched(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """All sequences decode one token: one padded SDPA instead of a Python loop. Used on
+        GPUs only; on the CPU the loop keeps results independent of batch composition."""
+        k = kv_cache[0][meta.block_tables].flatten(1, 2).transpose(1, 2)  # [B, kvh, S, d]
+        v = kv_cache[1][meta.block_tables].flatten(1, 2).transpose(1, 2)
+        pos = torch.arange(k.shape[2], device=q.device)
+        mask = (pos[None, :] < meta.seq_lens[:, None])[:, None, None, :]
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k.to(q.dtype), v.to(q.dtype),
+                                           attn_mask=mask, scale=self.scale,
+                                           enable_gqa=self.num_heads != self.num_kv_heads)
+        return o.squeeze(2)
 
     def _sdpa(self, q, k, v, ctx):
         qlen = q.shape[0]

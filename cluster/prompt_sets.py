@@ -1,0 +1,96 @@
+"""Prompt sets for self-distillation, built from what every machine has: the Python standard
+library's own documentation, plus templated chat, code and JSON requests. No hub datasets,
+no benchmark text (HumanEval, MT-bench) anywhere."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import random
+
+STDLIB = ("os", "os.path", "shutil", "string", "textwrap", "json", "itertools", "functools",
+          "collections", "math", "statistics", "re", "datetime", "random", "heapq", "bisect",
+          "pathlib", "csv", "glob", "fnmatch", "base64", "hashlib", "uuid", "time", "calendar",
+          "decimal", "fractions", "operator", "copy", "pprint", "difflib", "unicodedata",
+          "urllib.parse", "html", "zlib", "gzip", "tempfile", "argparse", "logging", "enum",
+          "dataclasses", "typing", "contextlib", "threading", "queue", "subprocess", "socket",
+          "struct", "array", "secrets", "shlex", "io", "sqlite3", "email.utils", "ipaddress")
+
+TOPICS = ("photosynthesis", "compound interest", "how vaccines work", "black holes",
+          "the water cycle", "recursion", "public-key cryptography", "inflation", "plate "
+          "tectonics", "the immune system", "neural networks", "supply and demand", "DNS",
+          "climate change", "the French Revolution", "relativity", "sorting algorithms",
+          "time zones", "garbage collection", "the stock market", "volcanoes", "sleep",
+          "electric cars", "coffee brewing", "version control", "the Roman Empire", "rainbows",
+          "bread baking", "solar panels", "caching", "binary numbers", "gravity", "tides")
+ACTIVITIES = ("learning a new language", "running a first marathon", "saving money",
+              "writing clean code", "growing tomatoes", "public speaking", "studying for exams",
+              "working from home", "cooking for a crowd", "traveling on a budget",
+              "debugging a program", "taking better photos", "staying focused")
+THINGS = ("remote work", "electric scooters", "open-source software", "nuclear power",
+          "social media", "microservices", "static typing", "city living", "online courses",
+          "standing desks", "cloud computing", "self-driving cars", "paper books")
+ENTITIES = {
+    "book": "title, author, year, genres", "user": "id, name, email, is_active",
+    "product": "sku, name, price, tags", "city": "name, country, population, landmarks",
+    "recipe": "name, servings, ingredients, steps", "movie": "title, director, year, rating",
+    "server": "hostname, ip, cpu_cores, services", "order": "order_id, items, total, status",
+    "student": "name, grade, courses, gpa", "event": "name, date, location, attendees",
+    "car": "make, model, year, features", "song": "title, artist, duration_s, album",
+}
+CHAT = ("Explain {t} in simple terms.", "What is {t}? Answer in two paragraphs.",
+        "Give me three surprising facts about {t}.", "Write a short poem about {t}.",
+        "How would you teach {t} to a twelve-year-old?", "Summarize {t} in five bullet points.")
+ADVICE = ("Give me five tips for {a}.", "What mistakes do beginners make when {a}?",
+          "Make a one-week plan for {a}.")
+OPINION = ("What are the pros and cons of {x}?", "Write a short debate about {x}.")
+JSON = ("Return only a JSON object describing a fictional {e} with the fields {f}.",
+        "Give a JSON array of three {e} records, each with {f}.",
+        "Write a JSON schema for a {e} object with the fields {f}.")
+
+
+def _doc_prompts() -> list[str]:
+    out = []
+    for mod_name in STDLIB:
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            continue
+        for name, obj in sorted(vars(mod).items()):
+            if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)
+                                            or inspect.isbuiltin(obj)):
+                continue
+            doc = inspect.getdoc(obj) or ""
+            first = doc.strip().split("\n")[0].strip()
+            if len(first) < 12:
+                continue
+            full = f"{mod_name}.{name}"
+            h = int(hashlib.md5(full.encode()).hexdigest(), 16)
+            kinds = (
+                f"Explain what `{full}` does in Python and show a short example.",
+                f"Write a Python function that uses `{full}`. The docs say: {first}",
+                f"Summarize this Python documentation in plain words:\n\n{doc[:600]}",
+                f"What are common mistakes when using `{full}`?",
+            )
+            out += [kinds[h % 4], kinds[(h + 2) % 4]]
+    return out
+
+
+def _templated() -> list[str]:
+    out = [c.format(t=t) for c in CHAT for t in TOPICS]
+    out += [c.format(a=a) for c in ADVICE for a in ACTIVITIES]
+    out += [c.format(x=x) for c in OPINION for x in THINGS]
+    out += [j.format(e=e, f=f) for j in JSON for e, f in ENTITIES.items()]
+    return out
+
+
+def build(n: int | None = None, seed: int = 0, eval_frac: float = 0.05
+          ) -> tuple[list[str], list[str]]:
+    """(train, eval) user messages. The split is by a hash of the text, so it never moves."""
+    prompts = sorted(set(_doc_prompts() + _templated()))
+    random.Random(seed).shuffle(prompts)
+    if n is not None:
+        prompts = prompts[:n]
+    is_eval = lambda p: int(hashlib.sha1(p.encode()).hexdigest(), 16) % 1000 < eval_frac * 1000  # noqa: E731
+    return [p for p in prompts if not is_eval(p)], [p for p in prompts if is_eval(p)]

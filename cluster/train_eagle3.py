@@ -1,0 +1,312 @@
+"""`tandem train-eagle3`: self-distil an EAGLE-3 head for a target with the engine itself.
+
+1. The target answers a prompt set (engine, greedy); every computed position's final hidden
+   state and the three aux taps are captured from the same forwards that produce the tokens.
+2. The draft vocabulary is the most frequent next tokens of the responses.
+3. The head trains with the multi-step "training-time test" unroll: at step j it consumes its
+   own hidden state from step j-1 (and the true next token), attending to the true-feature
+   keys before it plus its own chain, exactly the pattern it meets when drafting.
+4. Held-out prompts give teacher-forced accuracy per step as training goes, and real engine
+   acceptance (greedy, speculative) at the end. The head is written in the public layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from engine import Engine, SamplingParams
+from engine.spec.eagle3 import Eagle3Config, Eagle3Head, save_head
+
+
+@dataclass
+class Record:
+    ids: torch.Tensor  # prompt + response token ids [n]
+    prompt_len: int
+    aux: torch.Tensor  # [n-1, 3h] taps at positions 0..n-2
+    hidden: torch.Tensor  # [n-1, h] final normed hidden states
+
+
+def self_distill(engine: Engine, prompts: list[str], max_tokens: int, layers: tuple[int, ...],
+                 store_dtype: torch.dtype, desc: str = "self-distil") -> list[Record]:
+    """Generate answers with the target and capture the features of every position."""
+    caps: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def capture(seq, lo, hidden, aux):
+        if len(hidden):
+            caps.setdefault(seq.request_id, {})[lo] = (
+                torch.cat(aux, -1).to(store_dtype), hidden.to(store_dtype))
+
+    engine.capture, engine.capture_layers = capture, layers
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    msgs = [[{"role": "user", "content": p}] for p in prompts]
+    records = []
+    try:
+        bar = tqdm(total=len(msgs), desc=desc, unit="prompt")
+        for i in range(0, len(msgs), 256):
+            for c in engine.generate(msgs[i : i + 256], params):
+                got = caps.pop(c.request_id)
+                parts = [got[k] for k in sorted(got)]
+                ids = torch.tensor(c.prompt_token_ids + c.token_ids)
+                aux = torch.cat([a for a, _ in parts])[: len(ids) - 1]
+                hid = torch.cat([h for _, h in parts])[: len(ids) - 1]
+                records.append(Record(ids, len(c.prompt_token_ids), aux, hid))
+                bar.update(1)
+        bar.close()
+    finally:
+        engine.capture, engine.capture_layers = None, ()
+    return records
+
+
+def draft_vocab(records: list[Record], size: int, vocab: int) -> torch.Tensor:
+    """Target ids of the `size` most frequent response tokens (ties: lower id), sorted."""
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    for r in records:
+        counts += torch.bincount(r.ids[r.prompt_len :], minlength=vocab)
+    counts = counts.float() + torch.arange(vocab, 0, -1) * 1e-9  # deterministic ties
+    return torch.topk(counts, size).indices.sort().values
+
+
+def ttt_forward(head: Eagle3Head, embed: torch.nn.Embedding, aux: torch.Tensor,
+                next_ids: torch.Tensor, unroll: int) -> list[torch.Tensor]:
+    """The unrolled head on a padded batch. aux [B, L, 3h] and next_ids [B, L] (x_{t+1} for
+    position t). Returns per step j the head output [B, L, h] at draft position t + j, whose
+    input token is x_{t+j+1}; step j only reads next_ids[:, j:]."""
+    layer = head.midlayer
+    attn = layer.self_attn
+    B, L, _ = aux.shape
+    nh, nkv, d = attn.nh, attn.nkv, attn.hd
+    rep = nh // nkv
+    causal = torch.ones(L, L, dtype=torch.bool, device=aux.device).tril()
+    hidden = head.fuse([aux])
+    keys, vals, outs = [], [], []
+    for j in range(unroll):
+        tok = F.pad(next_ids[:, j:], (0, j))
+        emb = embed(tok).to(hidden.dtype)
+        normed = layer.hidden_norm(hidden)
+        residual = normed if layer.norm_before_residual else hidden
+        x = torch.cat([layer.input_layernorm(emb), normed], dim=-1)
+        pos = torch.arange(j, L + j, device=aux.device).clamp(max=head.rotary.cos.shape[0] - 1)
+        q = attn.q_proj(x).view(B, L, nh, d)
+        k = attn.k_proj(x).view(B, L, nkv, d)
+        v = attn.v_proj(x).view(B, L, nkv, d)
+        q, k = (t.flatten(0, 1) for t in head.rotary(pos.repeat(B), q.flatten(0, 1),
+                                                        k.flatten(0, 1)))
+        q = q.view(B, L, nh, d).transpose(1, 2)  # [B, H, L, d]
+        k = k.view(B, L, nkv, d).transpose(1, 2).repeat_interleave(rep, 1)
+        v = v.transpose(1, 2).repeat_interleave(rep, 1)
+        keys.append(k)
+        vals.append(v)
+        scale = attn.backend.scale
+        s0 = (q @ keys[0].transpose(-1, -2)) * scale
+        s0 = s0.masked_fill(~causal, float("-inf"))
+        diag = [(q * kk).sum(-1, keepdim=True) * scale for kk in keys[1:]]
+        p = torch.cat([s0, *diag], dim=-1).float().softmax(-1).to(q.dtype)
+        o = p[..., :L] @ vals[0]
+        for i, vv in enumerate(vals[1:]):
+            o = o + p[..., L + i : L + i + 1] * vv
+        o = attn.o_proj(o.transpose(1, 2).reshape(B, L, nh * d))
+        h = residual + o
+        hidden = h + layer.mlp(layer.post_attention_layernorm(h))
+        outs.append(hidden)
+    return outs
+
+
+def _batch(records: list[Record], device: str, dtype: torch.dtype):
+    L = max(len(r.ids) - 1 for r in records)
+    B = len(records)
+    aux = torch.zeros(B, L, records[0].aux.shape[1], dtype=dtype, device=device)
+    hid = torch.zeros(B, L, records[0].hidden.shape[1], dtype=dtype, device=device)
+    nxt = torch.zeros(B, L, dtype=torch.int64, device=device)
+    valid = torch.zeros(B, L, dtype=torch.bool, device=device)  # position predicts a response
+    for b, r in enumerate(records):
+        n = len(r.ids) - 1
+        aux[b, :n] = r.aux.to(device, dtype)
+        hid[b, :n] = r.hidden.to(device, dtype)
+        nxt[b, :n] = r.ids[1:].to(device)
+        valid[b, max(r.prompt_len - 1, 0) : n] = True
+    return aux, hid, nxt, valid
+
+
+def step_losses(head: Eagle3Head, target, aux, hid, nxt, valid, unroll: int):
+    """Soft cross-entropy against the target per unroll step, and top-1 agreement."""
+    with torch.no_grad():
+        p_t = target.logits(hid).softmax(-1)  # [B, L, V] the target's next-token law
+        p_draft = p_t[..., head.draft_to_target]
+        t_top = p_t.argmax(-1)
+    outs = ttt_forward(head, target.embed_tokens, aux, nxt, unroll)
+    losses, accs = [], []
+    L = aux.shape[1]
+    for j, out in enumerate(outs):
+        # Step j at index t predicts the token after x_{t+j+1}: the target law at t+j+1.
+        if j + 1 >= L:
+            break
+        o = out[:, : L - j - 1]
+        tgt = p_draft[:, j + 1 :]
+        m = valid[:, j + 1 :] & valid[:, : L - j - 1]
+        logp = head.logits(o).log_softmax(-1)
+        ce = -(tgt * logp).sum(-1)
+        losses.append((ce * m).sum() / m.sum().clamp(min=1))
+        pred = head.draft_to_target[logp.argmax(-1)]
+        accs.append(((pred == t_top[:, j + 1 :]) & m).sum().item() / max(m.sum().item(), 1))
+    return losses, accs
+
+
+def evaluate(head, target, records, unroll, device, dtype, batch_size=16) -> list[float]:
+    """Teacher-forced top-1 agreement with the target per unroll step on held-out records."""
+    head.eval()
+    tot = [0.0] * unroll
+    n = 0
+    with torch.no_grad():
+        for i in range(0, len(records), batch_size):
+            chunk = records[i : i + batch_size]
+            _, accs = step_losses(head, target, *_batch(chunk, device, dtype), unroll)
+            for j, a in enumerate(accs):
+                tot[j] += a * len(chunk)
+            n += len(chunk)
+    head.train()
+    return [t / max(n, 1) for t in tot]
+
+
+def expected_acceptance(accs: list[float]) -> float:
+    """Tokens per target forward if step j passes with conditional probability accs[j]."""
+    out, run = 1.0, 1.0
+    for a in accs:
+        run *= a
+        out += run
+    return out
+
+
+def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, epochs=4,
+          lr=1e-3, batch_size=16, log_every=50, aux_layers=None) -> tuple[Eagle3Head, dict]:
+    target = engine.model
+    cfg = engine.config
+    hc = Eagle3Config.for_target(cfg.model, len(vocab_ids), aux_layers)
+    from engine.attention import TorchAttention
+
+    with torch.device(cfg.device):
+        head = Eagle3Head(hc, TorchAttention(hc.num_heads, hc.num_kv_heads, hc.head_dim,
+                                             cfg.block_size))
+    head.set_vocab(vocab_ids.to(cfg.device))
+    with torch.no_grad():  # start the draft LM head from the target's rows
+        head.lm_head.weight.copy_(target.lm_head.weight[vocab_ids.to(cfg.device)])
+        head.norm.weight.copy_(target.norm.weight)
+    head = head.to(torch.float32).train()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    order = sorted(range(len(train_records)), key=lambda i: len(train_records[i].ids))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    total = epochs * len(batches)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (
+        1 + math.cos(math.pi * min(s / max(total, 1), 1.0))))
+    history = []
+    g = torch.Generator().manual_seed(0)
+    bar = tqdm(total=total, desc="train", unit="step")
+    step = 0
+    for ep in range(epochs):
+        for bi in torch.randperm(len(batches), generator=g).tolist():
+            recs = [train_records[i] for i in batches[bi]]
+            losses, accs = step_losses(head, target, *_batch(recs, cfg.device, torch.float32),
+                                       unroll)
+            loss = sum(0.8**j * lo for j, lo in enumerate(losses))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+            opt.step()
+            sched.step()
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0]:.2f}")
+            if step % log_every == 0 or step == total:
+                ev = evaluate(head, target, eval_records, unroll, cfg.device, torch.float32)
+                history.append({"step": step, "epoch": ep, "loss": round(loss.item(), 4),
+                                "eval_acc_per_step": [round(a, 4) for a in ev],
+                                "eval_expected_acceptance": round(expected_acceptance(ev), 3)})
+                tqdm.write(json.dumps(history[-1]))
+    bar.close()
+    return head.eval(), {"history": history}
+
+
+def engine_acceptance(engine: Engine, head: Eagle3Head, prompts: list[str], k: int,
+                      max_tokens: int) -> dict:
+    """Greedy speculative decoding on `prompts`: acceptance length and per-position rates."""
+    from dataclasses import replace
+
+    from engine.config import SpecConfig
+
+    spec = Engine(replace(engine.config, spec=SpecConfig(num_tokens=k, dynamic=False)),
+                  weights_of=engine, draft_head=head)
+    msgs = [[{"role": "user", "content": p}] for p in prompts]
+    t0 = time.perf_counter()
+    spec.generate(msgs, SamplingParams(temperature=0, max_tokens=max_tokens))
+    st = spec.spec.stats
+    return {"k": k, "acceptance_length": round(st.acceptance_length, 3),
+            "accept_rate_per_pos": [round(a / max(d, 1), 4) for a, d in
+                                    zip(st.accepted_per_pos, st.drafted_per_pos)],
+            "verify_steps": st.verify_steps, "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def run(args) -> int:
+    """The CLI entry: self-distil, train, evaluate, save."""
+    from cluster import prompt_sets
+
+    torch.manual_seed(args.seed)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    engine = Engine.from_pretrained(args.model, device=device, dtype=torch.float32,
+                                    enable_prefix_caching=False, max_num_seqs=256,
+                                    max_num_batched_tokens=8192)
+    train_p, eval_p = prompt_sets.build(args.num_prompts, seed=args.seed)
+    m = engine.config.model
+    layers = Eagle3Config.for_target(m, 1).aux_layer_ids
+    t0 = time.perf_counter()
+    store = torch.bfloat16 if device == "cuda" else torch.float32
+    tr = self_distill(engine, train_p, args.max_tokens, layers, store)
+    ev = self_distill(engine, eval_p, args.max_tokens, layers, store, desc="held-out")
+    t_data = time.perf_counter() - t0
+    vocab_ids = draft_vocab(tr, args.draft_vocab, m.vocab_size)
+    head, info = train(engine, tr, ev, vocab_ids, unroll=args.unroll, epochs=args.epochs,
+                       lr=args.lr, batch_size=args.batch_size, log_every=args.log_every)
+    acc = [engine_acceptance(engine, head, eval_p[: args.eval_prompts], k, args.max_tokens)
+           for k in sorted({1, 3, args.k_eval})]
+    recipe = {
+        "command": "tandem " + " ".join(args.argv), "target": m.name, "device": device,
+        "prompts": {"train": len(train_p), "held_out": len(eval_p),
+                    "source": "cluster/prompt_sets.py (stdlib docs + templated chat/code/JSON)"},
+        "responses": f"target greedy, max {args.max_tokens} tokens",
+        "train_tokens": int(sum(len(r.ids) - r.prompt_len for r in tr)),
+        "draft_vocab_size": args.draft_vocab, "unroll": args.unroll, "epochs": args.epochs,
+        "lr": args.lr, "batch_size": args.batch_size, "data_seconds": round(t_data, 1),
+        "held_out_engine_acceptance": acc, **info,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    save_head(head, args.out, dtype=torch.bfloat16)
+    with open(f"{args.out}/training.json", "w") as f:
+        json.dump(recipe, f, indent=2)
+    print(json.dumps({"held_out_engine_acceptance": acc}, indent=2))
+    return 0
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train-eagle3", help="self-distil and train an EAGLE-3 draft head")
+    p.add_argument("--model", default=None, help="target (default: embedded SmolLM2)")
+    p.add_argument("--out", required=True, help="output folder (public EAGLE-3 layout)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--num-prompts", type=int, default=None, help="cap the prompt set")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--draft-vocab", type=int, default=4096)
+    p.add_argument("--unroll", type=int, default=5)
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--eval-prompts", type=int, default=32)
+    p.add_argument("--k-eval", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=run)

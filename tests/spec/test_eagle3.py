@@ -1,0 +1,151 @@
+"""EAGLE-3 head: public checkpoint layout, target checks, train/inference consistency, and
+lossless greedy speculation on tiny random models."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from cluster.train_eagle3 import ttt_forward
+from engine import Engine, SamplingParams
+from engine.attention import TorchAttention
+from engine.config import SpecConfig
+from engine.spec.eagle3 import Eagle3Config, Eagle3Head, load_head, save_head
+from engine.spec.runtime import Span
+from tests.helpers import tiny_engine
+
+
+def random_head(engine: Engine, seed: int = 0, draft_vocab: int = 128,
+                norm_before_residual: bool = False) -> Eagle3Head:
+    m = engine.config.model
+    hc = replace(Eagle3Config.for_target(m, draft_vocab, (0, 1, 1)),
+                 norm_before_residual=norm_before_residual)
+    head = Eagle3Head(hc, TorchAttention(hc.num_heads, hc.num_kv_heads, hc.head_dim,
+                                         engine.config.block_size))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        head.set_vocab(torch.randperm(m.vocab_size, generator=g)[:draft_vocab])
+    return head.eval()
+
+
+def spec_engine(base: Engine, head: Eagle3Head | None, **spec) -> Engine:
+    cfg = replace(base.config, spec=SpecConfig(**spec))
+    return Engine(cfg, weights_of=base, draft_head=head)
+
+
+def test_checkpoint_round_trip_is_exact(tmp_path):
+    base = tiny_engine(0)
+    head = random_head(base, norm_before_residual=True)
+    save_head(head, str(tmp_path), dtype=torch.float32)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for key in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+                "norm_before_residual"):
+        assert key in cfg
+    back = load_head(str(tmp_path), base.config.model,
+                     lambda c: TorchAttention(c.num_heads, c.num_kv_heads, c.head_dim, 4))
+    assert back.cfg == head.cfg
+    a, b = head.state_dict(), back.state_dict()
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(back.draft_to_target, head.draft_to_target)
+
+
+def test_public_layout_names(tmp_path):
+    from safetensors.torch import load_file
+
+    base = tiny_engine(0)
+    save_head(random_head(base), str(tmp_path))
+    names = set(load_file(str(tmp_path / "model.safetensors")))
+    assert {"fc.weight", "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight",
+            "midlayer.input_layernorm.weight", "midlayer.mlp.gate_proj.weight", "norm.weight",
+            "lm_head.weight", "d2t", "t2d"} <= names
+
+
+def test_mismatched_target_is_refused(tmp_path):
+    base = tiny_engine(0)
+    save_head(random_head(base), str(tmp_path))
+    other = tiny_engine(0, vocab_size=300).config.model
+    with pytest.raises(ValueError, match="vocab size"):
+        load_head(str(tmp_path), other, lambda c: None)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["target_hidden_size"] = 128
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="target hidden size"):
+        load_head(str(tmp_path), base.config.model, lambda c: None)
+
+
+@pytest.mark.parametrize("nbr", [False, True])
+def test_training_unroll_matches_paged_inference(nbr):
+    """The trainer's dense unroll computes what the engine's paged head computes when the
+    drafted tokens are the true ones: train and serve see the same function."""
+    base = tiny_engine(1)
+    head = random_head(base, seed=2, norm_before_residual=nbr)
+    eng = spec_engine(base, head, method="eagle3", num_tokens=2, dynamic=False)
+    ids = list(range(3, 30))
+    caps = {}
+    eng.capture_layers = head.cfg.aux_layer_ids
+
+    def capture(seq, lo, hidden, aux):
+        caps[lo] = torch.cat(aux, -1)
+
+    eng.capture = capture
+    eng.generate([ids], SamplingParams(temperature=0, max_tokens=1))
+    aux = caps[0][None, :-1]  # [1, L, 3h]: positions 0..L-1, whose next token is known
+    L = aux.shape[1]
+    nxt = torch.tensor(ids[1:])[None]
+    with torch.no_grad():
+        outs = ttt_forward(head, base.model.embed_tokens, aux, nxt, unroll=3)
+    # Paged: a fresh sequence holding the blocks; step 0 over all positions, then a chain.
+    seq_id = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=5))
+    seq = eng.seqs[seq_id]
+    eng.blocks.grow(seq, len(ids) + 4)
+    t = 10  # chain from position t, as if the request's last real position were t
+    run = eng.spec
+    with torch.no_grad():
+        out0 = run._step([Span(seq, 0, L, 0, True)], [L], ids[1 : L + 1], list(range(L)),
+                         head.fuse([aux[0, :, i * 64 : (i + 1) * 64] for i in range(3)]))
+        assert torch.allclose(out0, outs[0][0], atol=1e-4)
+        # Step 1 at position t+1 consumes out0[t] and the true token x_{t+2}.
+        sp = Span(seq, 0, t + 1, 0, True)
+        h1 = run._step([sp], [1], [ids[t + 2]], [t + 1], out0[t : t + 1])
+        assert torch.allclose(h1[0], outs[1][0, t], atol=1e-4)
+        h2 = run._step([sp], [1], [ids[t + 3]], [t + 2], h1)
+        assert torch.allclose(h2[0], outs[2][0, t], atol=1e-4)
+    eng.abort(seq_id)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_speculation_is_lossless_tiny(method, k):
+    base = tiny_engine(0, max_num_batched_tokens=64)
+    head = random_head(base) if method == "eagle3" else None
+    rng = random.Random(k)
+    # Repetitive prompts, so n-gram drafts are often right and the accept path runs too.
+    prompts = [[rng.randrange(20) for _ in range(rng.randrange(2, 40))] * 2 for _ in range(8)]
+    sp = SamplingParams(temperature=0, max_tokens=30)
+    ref = [c.token_ids for c in base.generate(prompts, sp)]
+    eng = spec_engine(base, head, method=method, num_tokens=k, dynamic=False)
+    got = [c.token_ids for c in eng.generate(prompts, sp)]
+    assert got == ref
+    st = eng.spec.stats
+    assert st.verify_steps > 0 and st.drafted_per_pos[k - 1] > 0
+    if method == "ngram":
+        assert sum(st.accepted_per_pos) > 0
+    eng.blocks.check_all_free()
+
+
+def test_sampled_speculation_is_reproducible_and_frees_blocks():
+    base = tiny_engine(0)
+    eng = spec_engine(base, random_head(base), method="eagle3", num_tokens=3)
+    sp = SamplingParams(temperature=0.9, top_k=30, seed=11, max_tokens=25)
+    prompts = [[1, 2, 3, 4], [9] * 13]
+    a = [c.token_ids for c in eng.generate(prompts, sp)]
+    b = [c.token_ids for c in eng.generate(prompts, sp)]
+    assert a == b and all(len(x) == 25 for x in a)
+    eng.blocks.check_all_free()
