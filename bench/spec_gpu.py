@@ -55,6 +55,7 @@ def single_stream(eng: Engine, msgs, max_tokens: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="target (default: embedded SmolLM2)")
     ap.add_argument("--head", default=None)
     ap.add_argument("--out", default="bench/results/spec_gpu.json")
     ap.add_argument("--dtype", default="bfloat16")
@@ -64,7 +65,7 @@ def main() -> int:
     args = ap.parse_args()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
-    base = Engine.from_pretrained(None, device=dev, dtype=dtype, enable_prefix_caching=False,
+    base = Engine.from_pretrained(args.model, device=dev, dtype=dtype, enable_prefix_caching=False,
                                   spec=SpecConfig(head=args.head, num_tokens=5, dynamic=False))
     _, held_out = prompt_sets.build()
     msgs = [[{"role": "user", "content": p}] for p in held_out]
