@@ -27,7 +27,9 @@ def variant(base: Engine, spec: SpecConfig | None) -> Engine:
     head = None
     if spec is not None and spec.method == "eagle3":
         head = base.spec.head if base.spec else None
-    return Engine(replace(base.config, spec=spec), weights_of=base, draft_head=head)
+    # A fixed KV size per variant: 8192 blocks of 16 tokens holds every run here.
+    return Engine(replace(base.config, spec=spec, num_blocks=8192), weights_of=base,
+                  draft_head=head)
 
 
 def sync():
@@ -66,6 +68,7 @@ def main() -> int:
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype)
     base = Engine.from_pretrained(args.model, device=dev, dtype=dtype, enable_prefix_caching=False,
+                                  num_blocks=8192,
                                   spec=SpecConfig(head=args.head, num_tokens=5, dynamic=False))
     _, held_out = prompt_sets.build()
     msgs = [[{"role": "user", "content": p}] for p in held_out]

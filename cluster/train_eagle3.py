@@ -241,7 +241,8 @@ def engine_acceptance(engine: Engine, head: Eagle3Head, prompts: list[str], k: i
 
     from engine.config import SpecConfig
 
-    spec = Engine(replace(engine.config, spec=SpecConfig(num_tokens=k, dynamic=False)),
+    spec = Engine(replace(engine.config, spec=SpecConfig(num_tokens=k, dynamic=False),
+                          num_blocks=8192),
                   weights_of=engine, draft_head=head)
     msgs = [[{"role": "user", "content": p}] for p in prompts]
     t0 = time.perf_counter()

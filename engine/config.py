@@ -159,7 +159,7 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: size from kv_cache_bytes / gpu_memory_utilization
     kv_cache_bytes: int = 512 << 20  # CPU default budget for the KV tensor
-    gpu_memory_utilization: float = 0.85
+    gpu_memory_utilization: float = 0.85  # of the GPU memory free when the engine starts
     max_model_len: int | None = None  # None: the model's max_position
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048

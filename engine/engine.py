@@ -141,8 +141,10 @@ class Engine:
         cfg = self.config
         budget = cfg.kv_cache_bytes
         if str(cfg.device).startswith("cuda"):
-            free, total = torch.cuda.mem_get_info(cfg.device)
-            budget = int(free - total * (1 - cfg.gpu_memory_utilization))
+            # A share of what is free now, so engines sharing a GPU (or weights) each fit.
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info(cfg.device)
+            budget = int(free * cfg.gpu_memory_utilization)
         n = budget // cfg.kv_bytes_per_block
         need = -(-cfg.max_model_len // cfg.block_size)
         if n < need:
