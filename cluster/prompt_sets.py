@@ -8,6 +8,7 @@ import hashlib
 import importlib
 import inspect
 import random
+import warnings
 
 STDLIB = ("os", "os.path", "shutil", "string", "textwrap", "json", "itertools", "functools",
           "collections", "math", "statistics", "re", "datetime", "random", "heapq", "bisect",
@@ -61,7 +62,9 @@ def _doc_prompts() -> list[str]:
             if name.startswith("_") or not (inspect.isfunction(obj) or inspect.isclass(obj)
                                             or inspect.isbuiltin(obj)):
                 continue
-            doc = inspect.getdoc(obj) or ""
+            with warnings.catch_warnings():  # typing.io / typing.re warn when touched
+                warnings.simplefilter("ignore", DeprecationWarning)
+                doc = inspect.getdoc(obj) or ""
             first = doc.strip().split("\n")[0].strip()
             if len(first) < 12:
                 continue
