@@ -36,6 +36,9 @@ class Record:
 def self_distill(engine: Engine, prompts: list[str], max_tokens: int, layers: tuple[int, ...],
                  store_dtype: torch.dtype, desc: str = "self-distil") -> list[Record]:
     """Generate answers with the target and capture the features of every position."""
+    if engine.config.enable_prefix_caching:
+        raise ValueError("self-distillation needs every position computed: build the engine "
+                         "with enable_prefix_caching=False")
     caps: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def capture(seq, lo, hidden, aux):
