@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 run: venv
-	$(VENV)/bin/tandem generate --chat "$(PROMPT)" --max-tokens 128
+	$(VENV)/bin/tandem generate --chat "$(PROMPT)" --max-tokens 128 --spec eagle3
 
 test: venv
 	$(PY) -m ruff check .

@@ -16,6 +16,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                    help="weights/KV dtype (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--spec", default="none", choices=("none", "eagle3", "ngram"),
+                   help="speculative decoding (eagle3: the shipped head, or --spec-head)")
+    p.add_argument("--spec-head", default=None, help="EAGLE-3 head folder (public layout)")
+    p.add_argument("--spec-tokens", type=int, default=5, help="most drafts per step (K)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -31,10 +35,14 @@ def build_engine(args):
     import torch
 
     from engine import Engine
+    from engine.config import SpecConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = DTYPES[args.dtype] if args.dtype else ("bfloat16" if device == "cuda" else "float32")
-    return Engine.from_pretrained(args.model, device=device, dtype=getattr(torch, dtype))
+    spec = None if args.spec == "none" else SpecConfig(method=args.spec, head=args.spec_head,
+                                                         num_tokens=args.spec_tokens)
+    return Engine.from_pretrained(args.model, device=device, dtype=getattr(torch, dtype),
+                                  spec=spec)
 
 
 def cmd_generate(args) -> int:
@@ -70,8 +78,12 @@ def cmd_generate(args) -> int:
     end = time.perf_counter()
     ttft = (first or end) - t0
     decode_tps = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
+    spec = ""
+    if engine.spec is not None:
+        st = engine.spec.stats
+        spec = f", {args.spec} {st.acceptance_length:.2f} tokens/forward"
     print(f"\n\n[{n} tokens, finish={reason}, TTFT {ttft * 1000:.0f} ms, "
-          f"decode {decode_tps:.1f} tokens/s, {engine.config.device}]", file=sys.stderr)
+          f"decode {decode_tps:.1f} tokens/s, {engine.config.device}{spec}]", file=sys.stderr)
     return 0
 
 
