@@ -2,8 +2,9 @@
 scheduler, and the Engine both node kinds share. No Ray, gRPC or UCX imports here."""
 
 from engine.config import EngineConfig, ModelConfig
-from engine.engine import Completion, Engine, RequestOutput
+from engine.engine import Engine
 from engine.errors import InvalidRequestError, ResourceExhaustedError, UnsupportedModelError
+from engine.output import Completion, RequestOutput
 from engine.sequence import SamplingParams
 
 __all__ = [

@@ -198,3 +198,12 @@ class EngineConfig:
         m = self.model
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return self.num_kv_layers * 2 * self.block_size * m.num_kv_heads * m.head_dim * itemsize
+
+
+def tiny_config(**kw) -> ModelConfig:
+    """A small random Llama shape for unit tests and examples."""
+    base = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                rope=RopeConfig(), max_position=512, eos_token_ids=())
+    base.update(kw)
+    return ModelConfig(**base)

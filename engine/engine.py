@@ -3,59 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 
 from engine import loader
 from engine.attention import get_backend
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, ResourceExhaustedError
 from engine.model import LlamaModel
+from engine.output import (
+    Completion,
+    EngineStats,
+    RequestOutput,
+    cut_at_stop,
+    stop_prefix_len,
+)
 from engine.runner import ModelRunner, allocate_kv_cache
 from engine.sampler import new_generator
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import SamplingParams, Sequence
 from engine.spec.runtime import Span, SpecRunner, verify
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request: the new tokens and text delta."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    accepted_tokens: int = 0  # draft tokens accepted so far
-
-
-@dataclass
-class Completion:
-    """A finished request as `generate()` returns it."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    cached_tokens: int = 0
-    accepted_tokens: int = 0
-    verify_steps: int = 0
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prefill_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
-    decode_tokens: int = 0
-    generated_tokens: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
 
 
 class Engine:
@@ -298,11 +266,11 @@ class Engine:
             self.stats.generated_tokens += 1
             seq.text += detok.step(seq.token_ids) if detok else ""
             reason = self._stop_reason(seq, tok)
-            if seq.params.stop and _cut_at_stop(seq):
+            if seq.params.stop and cut_at_stop(seq):
                 reason = "stop"
             if reason:
                 break
-        keep = len(seq.text) - (0 if reason else _stop_prefix_len(seq))
+        keep = len(seq.text) - (0 if reason else stop_prefix_len(seq))
         text, seq.num_emitted_chars = seq.text[seq.num_emitted_chars : keep], keep
         return RequestOutput(seq.request_id, emitted, text, prompt_tokens=seq.num_prompt_tokens,
                              completion_tokens=len(seq.output_ids),
@@ -368,40 +336,7 @@ class Engine:
                         return
 
 
-def _cut_at_stop(seq: Sequence) -> bool:
-    """Truncate seq.text before the first stop string in it; True if one was found."""
-    stops = seq.params.stop
-    start = max(0, seq.num_emitted_chars - max(map(len, stops)) + 1)
-    hits = [i for s in stops if (i := seq.text.find(s, start)) >= 0]
-    if hits:
-        seq.text = seq.text[: min(hits)]
-    return bool(hits)
-
-
-def _stop_prefix_len(seq: Sequence) -> int:
-    """Length of the longest tail of seq.text that begins some stop string."""
-    text, best = seq.text, 0
-    for s in seq.params.stop:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
-
-
 def _progress(total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, disable=not enabled, desc="generate", unit="req")
-
-
-def tiny_config(**kw) -> ModelConfig:
-    """A small random Llama shape for unit tests and examples."""
-    from engine.config import RopeConfig
-
-    base = dict(model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                rope=RopeConfig(), max_position=512, eos_token_ids=())
-    base.update(kw)
-    return ModelConfig(**base)
-

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine import Engine, EngineConfig
-from engine.engine import tiny_config
+from engine.config import tiny_config
 
 TIE_EPS = 1e-4
 
