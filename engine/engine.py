@@ -11,6 +11,7 @@ from engine.attention import get_backend
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, ResourceExhaustedError
+from engine.handoff import Handoff
 from engine.model import LlamaModel
 from engine.output import (
     Completion,
@@ -59,6 +60,8 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(tokenizer.eos_token_id)
         self.seqs: dict[str, Sequence] = {}
+        self.held: dict[str, Sequence] = {}  # prefill role: finished, blocks kept for transfer
+        self.reserved: dict[str, Sequence] = {}  # decode role: blocks waiting for incoming KV
         # Optional tap for trainers: capture(seq, lo, hidden, aux) sees every computed position.
         self.capture = None
         self.capture_layers: tuple[int, ...] = ()
@@ -147,16 +150,21 @@ class Engine:
         return ids
 
     def add_request(self, prompt: str | list[int] | list[dict],
-                    params: SamplingParams | None = None, request_id: str | None = None) -> str:
-        """Queue a request; returns its id. Bad input raises InvalidRequestError."""
+                    params: SamplingParams | None = None, request_id: str | None = None,
+                    hold: bool = False) -> str:
+        """Queue a request; returns its id. Bad input raises InvalidRequestError.
+
+        hold=True is the prefill role: after the first token the request stops with
+        `handoff=True` and keeps its KV blocks until `release()` (see `export_handoff`)."""
         params = params or SamplingParams()
-        if request_id is not None and request_id in self.seqs:
+        if request_id is not None and (request_id in self.seqs or request_id in self.held):
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         seq = Sequence(self.encode_prompt(prompt), params, request_id)
+        seq.hold = hold
         seq.arrival_step = self.stats.steps
         self.seqs[seq.request_id] = seq
         if not params.greedy:
-            self._generators[seq.request_id] = new_generator(params.seed)
+            self._generators[seq.request_id] = new_generator(params.seed, self.config.device)
         if self.tokenizer is not None:
             self._detok[seq.request_id] = loader.Detokenizer(self.tokenizer, seq.token_ids)
         self.scheduler.add(seq)
@@ -169,6 +177,9 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its KV blocks are free when this returns."""
+        if request_id in self.held or request_id in self.reserved:
+            self.release(request_id)
+            return True
         seq = self.seqs.get(request_id)
         if seq is None:
             return False
@@ -238,7 +249,13 @@ class Engine:
             # KV is valid for the real tokens and the accepted drafts; the last token is pending.
             seq.num_computed = min(lo + n - k + res.num_accepted, len(seq) - 1)
             self.blocks.commit(seq)
-            if reason:
+            if reason == "handoff":
+                # Draft here exactly as one engine would, so the decode side verifies the same
+                # drafts and the request's RNG advances the same way: output is identical.
+                spans.append(Span(seq, lo, seq.num_computed - lo, row, draft=True))
+                self._finish(seq, reason)
+                out.handoff = True
+            elif reason:
                 self._finish(seq, reason)
                 out.finished, out.finish_reason = True, reason
             else:
@@ -270,7 +287,11 @@ class Engine:
                 reason = "stop"
             if reason:
                 break
-        keep = len(seq.text) - (0 if reason else stop_prefix_len(seq))
+            if seq.hold:
+                reason = "handoff"
+                break
+        done = reason is not None and reason != "handoff"
+        keep = len(seq.text) - (0 if done else stop_prefix_len(seq))
         text, seq.num_emitted_chars = seq.text[seq.num_emitted_chars : keep], keep
         return RequestOutput(seq.request_id, emitted, text, prompt_tokens=seq.num_prompt_tokens,
                              completion_tokens=len(seq.output_ids),
@@ -293,13 +314,80 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if not seq.finished:
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, reason, keep_blocks=reason == "handoff")
         if self.spec is not None:
             self.spec.release(seq)
         self.seqs.pop(seq.request_id, None)
+        if reason == "handoff":
+            self.held[seq.request_id] = seq
+            return
         self._generators.pop(seq.request_id, None)
         self._detok.pop(seq.request_id, None)
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+    # ---- disaggregation: prefill side holds, decode side reserves and admits ----------------
+
+    def export_handoff(self, request_id: str) -> Handoff:
+        """Everything but the KV blocks that a decode engine needs to continue the request."""
+        seq = self.held[request_id]
+        g = self._generators.get(request_id)
+        detok = self._detok.get(request_id)
+        return Handoff(request_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed,
+                       Handoff.params_dict(seq.params), seq.num_cached_tokens,
+                       bytes(g.get_state().numpy().tobytes()) if g is not None else None,
+                       seq.text, seq.num_emitted_chars,
+                       (detok.prefix, detok.read) if detok else None, list(seq.draft),
+                       None if seq.draft_q is None else seq.draft_q.cpu())
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        return list(self.held[request_id].block_table)
+
+    def reserve(self, request_id: str, num_tokens: int) -> list[int]:
+        """Set aside blocks for `num_tokens` tokens of KV about to arrive; returns their ids."""
+        if request_id in self.reserved or request_id in self.seqs:
+            raise InvalidRequestError(f"request id {request_id!r} is already here")
+        placeholder = Sequence([0], SamplingParams(), request_id)
+        if not self.blocks.can_grow(placeholder, num_tokens):
+            raise ResourceExhaustedError(f"no room for {num_tokens} tokens of KV "
+                                         f"({self.blocks.num_free} blocks free)")
+        self.blocks.grow(placeholder, num_tokens)
+        self.reserved[request_id] = placeholder
+        return list(placeholder.block_table)
+
+    def admit(self, h: Handoff) -> None:
+        """Start decoding a request whose KV has landed in its reserved blocks."""
+        res = self.reserved.pop(h.request_id)
+        params = h.sampling()
+        seq = Sequence(h.token_ids, params, h.request_id)
+        seq.num_prompt_tokens, seq.num_cached_tokens = h.num_prompt_tokens, h.cached_tokens
+        seq.block_table, seq.num_computed = res.block_table, h.num_computed
+        seq.text, seq.num_emitted_chars = h.text, h.num_emitted_chars
+        if self.spec is not None and h.draft:
+            seq.draft = list(h.draft)[: self.spec.spec.num_tokens]
+            if h.draft_q is not None:
+                seq.draft_q = h.draft_q[: len(seq.draft)].to(self.config.device)
+        self.blocks.commit(seq)
+        if not params.greedy:
+            g = new_generator(None, self.config.device)
+            if h.rng_state is not None:
+                g.set_state(torch.frombuffer(bytearray(h.rng_state), dtype=torch.uint8))
+            self._generators[h.request_id] = g
+        if self.tokenizer is not None:
+            d = loader.Detokenizer(self.tokenizer, h.token_ids[: h.num_prompt_tokens])
+            if h.detok_offsets:
+                d.prefix, d.read = h.detok_offsets
+            self._detok[h.request_id] = d
+        self.seqs[h.request_id] = seq
+        self.scheduler.admit_running(seq)
+
+    def release(self, request_id: str) -> None:
+        """Free a held (prefill) or reserved (decode) request's blocks."""
+        seq = self.held.pop(request_id, None) or self.reserved.pop(request_id, None)
+        if seq is None:
+            return
+        self.blocks.release(seq)
+        self._generators.pop(request_id, None)
+        self._detok.pop(request_id, None)
 
     # ---- offline use -----------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     accepted_tokens: int = 0  # draft tokens accepted so far
+    handoff: bool = False  # prefill role: first token out, KV held for the decode side
 
 
 @dataclass

@@ -45,6 +45,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def admit_running(self, seq: Sequence) -> None:
+        """A sequence whose KV is already in its blocks (a hand-off) joins the running batch."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -103,12 +108,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark finished and free its blocks at once."""
+    def finish(self, seq: Sequence, reason: str, keep_blocks: bool = False) -> None:
+        """Mark finished and free its blocks at once (unless kept for a hand-off)."""
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:
             self.waiting.remove(seq)
-        self.blocks.release(seq)
+        if not keep_blocks:
+            self.blocks.release(seq)
         seq.status = Status.FINISHED
         seq.finish_reason = reason

@@ -79,6 +79,7 @@ class Sequence:
         self.num_verify_steps = 0
         self.accept_rate: float | None = None  # per-draft-token acceptance estimate
         self.idle_steps = 0  # decode steps spent at K=0
+        self.hold = False  # prefill role: stop after the first token, keep the KV blocks
 
     def __len__(self) -> int:
         return len(self.token_ids)
