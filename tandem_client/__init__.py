@@ -1,1 +1,49 @@
-"""The tandem Python SDK (gRPC; depends only on grpcio and protobuf)."""
+"""The tandem Python SDK (gRPC; depends only on grpcio and protobuf).
+
+    from tandem_client import Client
+
+    with Client("localhost:50051", timeout=60) as client:
+        for chunk in client.generate("Once upon a time", max_tokens=64, temperature=0.8):
+            print(chunk.text, end="", flush=True)
+        reply = client.chat([{"role": "user", "content": "Name three colours."}])
+        print(reply.text, reply.usage)
+
+`AsyncClient` is the same API on asyncio (`async for`, `await`). Failures raise a `TandemError`
+subclass carrying the gRPC status code. The generated stubs of `proto/tandem/v1/` are in
+`tandem_client._gen.tandem.v1` (regenerate with `python tools/gen_proto.py`).
+"""
+
+from tandem_client.aio import AsyncClient, AsyncStream
+from tandem_client.client import Client, Stream
+from tandem_client.errors import (
+    DeadlineExceededError,
+    InternalError,
+    InvalidArgumentError,
+    RequestCancelledError,
+    ResourceExhaustedError,
+    TandemError,
+    UnavailableError,
+    UnimplementedError,
+)
+from tandem_client.types import Chunk, Completion, FinishReason, Message, ModelInfo, Usage
+
+__all__ = [
+    "AsyncClient",
+    "AsyncStream",
+    "Chunk",
+    "Client",
+    "Completion",
+    "DeadlineExceededError",
+    "FinishReason",
+    "InternalError",
+    "InvalidArgumentError",
+    "Message",
+    "ModelInfo",
+    "RequestCancelledError",
+    "ResourceExhaustedError",
+    "Stream",
+    "TandemError",
+    "UnavailableError",
+    "UnimplementedError",
+    "Usage",
+]

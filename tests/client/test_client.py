@@ -168,7 +168,7 @@ def test_model_info_is_retried_on_unavailable(client, fake):
     assert client.model_info().model == "fake-135m"
 
 
-def test_no_server_at_all_is_unavailable(fake):
+def test_no_server_at_all_is_unavailable():
     with Client(_closed_port_target(), retries=1, **FAST_RETRY) as c:
         with pytest.raises(UnavailableError):
             c.complete("x", timeout=5)

@@ -1,0 +1,98 @@
+"""What Client and AsyncClient share: construction, the `generate` signature, the request."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
+
+import grpc
+
+from tandem_client import _request
+from tandem_client._gen.tandem.v1 import generation_pb2 as pb
+from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc
+from tandem_client._retry import Deadline, RetryPolicy
+from tandem_client.types import Message, SpeculationMethod
+
+StreamT = TypeVar("StreamT")
+ChannelOptions = Sequence[tuple[str, Any]]
+
+DEFAULT_TARGET = "localhost:50051"
+
+
+class ClientBase(ABC, Generic[StreamT]):
+    """A connection to a tandem router. `StreamT` is what `generate` returns."""
+
+    def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
+                 retries: int = 3, backoff: float = 0.1, max_backoff: float = 2.0,
+                 credentials: grpc.ChannelCredentials | None = None,
+                 metadata: Sequence[tuple[str, str]] = (), options: ChannelOptions = ()) -> None:
+        """Open a channel to `target` ("host:port"; gRPC connects lazily, on the first call).
+
+        timeout: default deadline of each call in seconds, retries included; None: no deadline.
+        retries, backoff, max_backoff: retry a call that failed UNAVAILABLE before any output,
+            up to `retries` times, waiting `backoff` seconds doubling up to `max_backoff`.
+        credentials: TLS (grpc.ssl_channel_credentials()); None: plaintext.
+        metadata: sent with every call (e.g. [("authorization", "Bearer ...")]).
+        options: extra gRPC channel arguments.
+        """
+        self.target = target
+        self.timeout = timeout
+        self._policy = RetryPolicy(retries, backoff, max_backoff)
+        self._metadata = tuple(metadata)
+        opts = self._policy.channel_options(options)
+        self._channel = self._make_channel(target, credentials, opts)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+
+    @abstractmethod
+    def _make_channel(self, target: str, credentials: grpc.ChannelCredentials | None,
+                      options: ChannelOptions) -> Any: ...
+
+    @abstractmethod
+    def _open(self, request: pb.GenerateRequest, deadline: Deadline) -> StreamT: ...
+
+    def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        messages: Sequence[Message] | None = None,
+        token_ids: Sequence[int] | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
+        max_tokens: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool | None = None,
+        speculation: SpeculationMethod | None = None,
+        num_speculative_tokens: int | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> StreamT:
+        """Start generating; returns a stream of `Chunk`s (the RPC starts on the first read).
+
+        The prompt is exactly one of `prompt` (plain text), `messages` (a chat, rendered with the
+        model's template) or `token_ids`. Sampling arguments left None keep the server's
+        defaults (temperature 1.0; 0 is greedy). `speculation` ("none", "eagle3", "ngram") and
+        `num_speculative_tokens` override the deployment's speculative decoding for this request;
+        outputs do not change, only speed. `timeout` overrides the client's default deadline.
+        Only the argument shapes are checked here (TypeError / ValueError); the server checks
+        values and answers InvalidArgumentError.
+        """
+        sampling = _request.sampling_params(
+            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
+            stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        req = pb.GenerateRequest(request_id=request_id or "", sampling=sampling,
+                                 **_request.prompt_fields(prompt, messages, token_ids))
+        spec = _request.speculation(speculation, num_speculative_tokens)
+        if spec is not None:
+            req.speculation.CopyFrom(spec)
+        return self._open(req, self._deadline(timeout))
+
+    def _deadline(self, timeout: float | None) -> Deadline:
+        return Deadline(self.timeout if timeout is None else timeout)
+
+    def _call_kwargs(self, deadline: Deadline) -> dict[str, Any]:
+        """Per-attempt keyword arguments of a stub call: what is left of the deadline."""
+        return {"timeout": deadline.remaining(), "metadata": self._metadata}
