@@ -151,16 +151,17 @@ class Engine:
 
     def add_request(self, prompt: str | list[int] | list[dict],
                     params: SamplingParams | None = None, request_id: str | None = None,
-                    hold: bool = False) -> str:
+                    hold: bool = False, max_draft: int | None = None) -> str:
         """Queue a request; returns its id. Bad input raises InvalidRequestError.
 
+        max_draft caps this request's draft tokens per step (0: no speculation).
         hold=True is the prefill role: after the first token the request stops with
         `handoff=True` and keeps its KV blocks until `release()` (see `export_handoff`)."""
         params = params or SamplingParams()
         if request_id is not None and (request_id in self.seqs or request_id in self.held):
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         seq = Sequence(self.encode_prompt(prompt), params, request_id)
-        seq.hold = hold
+        seq.hold, seq.max_draft = hold, max_draft
         seq.arrival_step = self.stats.steps
         self.seqs[seq.request_id] = seq
         if not params.greedy:
@@ -337,7 +338,7 @@ class Engine:
                        bytes(g.get_state().numpy().tobytes()) if g is not None else None,
                        seq.text, seq.num_emitted_chars,
                        (detok.prefix, detok.read) if detok else None, list(seq.draft),
-                       None if seq.draft_q is None else seq.draft_q.cpu())
+                       None if seq.draft_q is None else seq.draft_q.cpu(), seq.max_draft)
 
     def held_blocks(self, request_id: str) -> list[int]:
         return list(self.held[request_id].block_table)
@@ -362,6 +363,7 @@ class Engine:
         seq.num_prompt_tokens, seq.num_cached_tokens = h.num_prompt_tokens, h.cached_tokens
         seq.block_table, seq.num_computed = res.block_table, h.num_computed
         seq.text, seq.num_emitted_chars = h.text, h.num_emitted_chars
+        seq.max_draft = h.max_draft
         if self.spec is not None and h.draft:
             seq.draft = list(h.draft)[: self.spec.spec.num_tokens]
             if h.draft_q is not None:

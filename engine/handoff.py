@@ -27,6 +27,7 @@ class Handoff:
     detok_offsets: tuple[int, int] | None = None
     draft: list[int] = field(default_factory=list)  # drafts the first decode step verifies
     draft_q: torch.Tensor | None = None  # their draft distributions when sampled [K, vocab]
+    max_draft: int | None = None  # the request's own cap on drafts per step
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(**self.params)

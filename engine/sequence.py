@@ -79,6 +79,7 @@ class Sequence:
         self.num_verify_steps = 0
         self.accept_rate: float | None = None  # per-draft-token acceptance estimate
         self.idle_steps = 0  # decode steps spent at K=0
+        self.max_draft: int | None = None  # per-request cap on drafts per step
         self.hold = False  # prefill role: stop after the first token, keep the KV blocks
 
     def __len__(self) -> int:

@@ -105,6 +105,8 @@ class SpecRunner:
         left = min(seq.params.max_tokens - len(seq.output_ids),
                    self.cfg.max_model_len - len(seq)) - 1
         k = min(self.policy.choose(seq, batch_size), max(left, 0))
+        if seq.max_draft is not None:
+            k = min(k, seq.max_draft)
         need = span.lo + span.m + 1  # the pending token, then k drafts
         while k and not blocks.can_grow(seq, need + k):
             k -= 1

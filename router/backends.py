@@ -1,0 +1,31 @@
+"""What the router generates with. `LocalBackend`: one in-process engine (colocated mode)."""
+
+from __future__ import annotations
+
+from engine import Engine
+from router.local import EngineLoop
+
+
+class LocalBackend:
+    """Colocated: tokenizes with the engine's tokenizer, generates on its engine thread."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.loop = EngineLoop(engine)
+        self.loop.start()
+
+    def encode(self, prompt) -> list[int]:
+        return self.engine.encode_prompt(prompt)
+
+    def generate(self, rid, ids, params, spec_cap=None):
+        return self.loop.generate(rid, ids, params, spec_cap)
+
+    def info(self) -> dict:
+        cfg = self.engine.config
+        return {"model": cfg.model.name, "vocab_size": cfg.model.vocab_size,
+                "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
+                "dtype": str(cfg.dtype).removeprefix("torch."),
+                "speculation": cfg.spec.method if cfg.spec else "none"}
+
+    def close(self) -> None:
+        self.loop.stop()

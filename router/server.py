@@ -1,0 +1,100 @@
+"""The public gRPC server: validation, tokenization, streaming, cancellation, health checks,
+reflection. Backends (colocated engine loop, or prefill/decode actors) do the generating."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import grpc
+
+from engine import InvalidRequestError, ResourceExhaustedError
+from router.convert import FINISH, prompt_of, sampling_of, spec_cap_of
+from tandem_client._gen.tandem.v1 import generation_pb2 as pb
+from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger("tandem.router")
+SPEC_ENUM = {"none": pb.SPECULATION_METHOD_NONE, "eagle3": pb.SPECULATION_METHOD_EAGLE3,
+             "ngram": pb.SPECULATION_METHOD_NGRAM}
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    """Serves `tandem.v1.Generation` over a backend with `encode`, `generate`, `info`."""
+
+    def __init__(self, backend, metrics=None, max_inflight: int = 1024):
+        self.backend, self.metrics, self.max_inflight = backend, metrics, max_inflight
+        self.inflight: set[str] = set()
+        self._ids = itertools.count()
+
+    async def Generate(self, request, context):
+        t0 = time.perf_counter()
+        rid = request.request_id or f"r{next(self._ids)}-{int(t0 * 1e6) % 10**9}"
+        try:
+            if rid in self.inflight:
+                raise InvalidRequestError(f"request_id {rid!r} is already in flight")
+            if len(self.inflight) >= self.max_inflight:
+                raise ResourceExhaustedError("too many requests in flight; retry later")
+            params = sampling_of(request)
+            ids = self.backend.encode(prompt_of(request))
+            cap = spec_cap_of(request, self.backend.info()["speculation"])
+        except InvalidRequestError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ResourceExhaustedError as e:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        self.inflight.add(rid)
+        timer = self.metrics.timer() if self.metrics else None
+        status = "cancelled"
+        try:
+            async for out in self.backend.generate(rid, ids, params, cap):
+                if timer is not None and out.token_ids:
+                    timer.token(len(out.token_ids))
+                resp = pb.GenerateResponse(request_id=rid, text=out.text,
+                                           token_ids=out.token_ids)
+                if out.finished:
+                    status = out.finish_reason or "stop"
+                    resp.finish_reason = FINISH.get(status, pb.FINISH_REASON_ERROR)
+                    resp.usage.CopyFrom(pb.Usage(
+                        prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                        cached_tokens=out.cached_tokens, accepted_draft_tokens=out.accepted_tokens,
+                        ttft_ms=(timer.ttft * 1000 if timer and timer.ttft else 0.0)))
+                yield resp
+        except InvalidRequestError as e:
+            status = "invalid"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except ResourceExhaustedError as e:
+            status = "rejected"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        finally:
+            self.inflight.discard(rid)
+            if timer is not None:
+                timer.finish(status, prompt_tokens=len(ids))
+
+    async def GetModelInfo(self, request, context):
+        i = self.backend.info()
+        return pb.ModelInfo(model=i["model"], vocab_size=i["vocab_size"],
+                            max_model_len=i["max_model_len"], block_size=i["block_size"],
+                            dtype=i["dtype"], default_speculation=SPEC_ENUM[i["speculation"]])
+
+
+async def start_server(service: GenerationService, host: str = "127.0.0.1", port: int = 0
+                       ) -> tuple[grpc.aio.Server, int]:
+    """Bind and start; returns the server and its port. Adds health checking and reflection."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection
+
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(service, server)
+    hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    names = (pb.DESCRIPTOR.services_by_name["Generation"].full_name,
+             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    for name in ("", names[0]):
+        r = hs.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if hasattr(r, "__await__"):
+            await r
+    return server, bound

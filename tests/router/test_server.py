@@ -1,0 +1,127 @@
+"""The public gRPC server in colocated mode, driven through the real SDK over localhost."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+
+from engine import SamplingParams
+from router.backends import LocalBackend
+from router.server import GenerationService, start_server
+from tandem_client import Client
+from tandem_client.errors import InvalidArgumentError, ResourceExhaustedError
+from tests.helpers import tiny_engine
+
+
+class Served:
+    """A server on its own event-loop thread, so sync clients can call it from the test."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.backend = LocalBackend(engine)
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def boot():
+            self.server, self.port = await start_server(GenerationService(self.backend))
+            ready.set()
+
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(boot(), self.loop)
+        assert ready.wait(30)
+        self.target = f"127.0.0.1:{self.port}"
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
+        self.backend.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+@pytest.fixture
+def served():
+    s = Served(tiny_engine(0, max_position=128))
+    yield s
+    s.close()
+
+
+def test_streams_what_the_engine_generates(served):
+    prompts = [[1, 2, 3], [7] * 20, list(range(40, 90))]
+    want = [c.token_ids for c in served.engine.with_config().generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12))]
+    with Client(served.target) as c:
+        got = [c.complete(token_ids=p, temperature=0, max_tokens=12) for p in prompts]
+    assert [list(g.token_ids) for g in got] == want
+    assert all(g.finish_reason == "length" and g.usage.completion_tokens == 12 for g in got)
+    assert got[0].usage.prompt_tokens == 3
+
+
+def test_concurrent_streams(served):
+    prompts = [[i, i + 1, i + 2] for i in range(1, 17)]
+    want = [c.token_ids for c in served.engine.with_config().generate(
+        prompts, SamplingParams(temperature=0, max_tokens=10))]
+    out = [None] * len(prompts)
+
+    def run(i):
+        with Client(served.target) as c:
+            out[i] = list(c.complete(token_ids=prompts[i], temperature=0, max_tokens=10).token_ids)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    assert out == want
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"token_ids": []}, {"prompt": "text needs a tokenizer"}, {"token_ids": [1], "max_tokens": 0},
+    {"token_ids": [1], "temperature": -1.0}, {"token_ids": [1], "top_p": 1.5},
+    {"token_ids": [10_000]}, {"token_ids": [1] * 200}, {"token_ids": [1], "stop": [""]},
+    {"token_ids": [1], "speculation": "ngram"},
+])
+def test_bad_requests_are_invalid_argument_and_server_keeps_serving(served, kwargs):
+    with Client(served.target, retries=0) as c:
+        with pytest.raises(InvalidArgumentError):
+            c.complete(**kwargs)
+        assert c.complete(token_ids=[1, 2], temperature=0, max_tokens=3).token_ids
+    served.engine.blocks.check_all_free()
+
+
+def test_prompt_larger_than_the_kv_cache_is_resource_exhausted():
+    s = Served(tiny_engine(0, num_blocks=4, max_position=128))
+    try:
+        with Client(s.target, retries=0) as c, pytest.raises(ResourceExhaustedError):
+            c.complete(token_ids=list(range(1, 60)))
+    finally:
+        s.close()
+
+
+def test_cancel_mid_stream_frees_blocks(served):
+    with Client(served.target) as c:
+        stream = c.generate(token_ids=list(range(1, 30)), temperature=0, max_tokens=100,
+                            ignore_eos=True)
+        got = 0
+        for chunk in stream:
+            got += len(chunk.token_ids)
+            if got >= 3:
+                stream.cancel()
+                break
+    for _ in range(100):  # the abort reaches the engine thread asynchronously
+        if not served.engine.seqs:
+            break
+        threading.Event().wait(0.05)
+    assert not served.engine.seqs
+    served.engine.blocks.check_all_free()
+
+
+def test_model_info_and_health(served):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with Client(served.target) as c:
+        info = c.model_info()
+    assert info.vocab_size == 256 and info.max_model_len == 128
+    with grpc.insecure_channel(served.target) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(
+            service="tandem.v1.Generation"))
+    assert resp.status == health_pb2.HealthCheckResponse.SERVING
