@@ -87,15 +87,79 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Serve tandem.v1.Generation on host:port until interrupted (colocated engine)."""
+    import asyncio
+
+    from router.backends import LocalBackend
+    from router.server import GenerationService, start_server
+
+    print("loading model…", file=sys.stderr, flush=True)
+    backend = LocalBackend(build_engine(args))
+
+    async def run() -> None:
+        server, port = await start_server(GenerationService(backend), args.host, args.port)
+        print(f"serving tandem.v1.Generation on {args.host}:{port} "
+              f"({backend.info()['model']}, speculation {backend.info()['speculation']})",
+              file=sys.stderr, flush=True)
+        await server.wait_for_termination()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        backend.close()
+    return 0
+
+
+def cmd_remote_generate(args) -> int:
+    """`tandem generate --address`: stream from a running server through the SDK."""
+    from tandem_client import Client
+    from tandem_client.errors import TandemError
+
+    t0 = time.perf_counter()
+    first, n, last = None, 0, None
+    kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+              max_tokens=args.max_tokens, stop=args.stop or None)
+    try:
+        with Client(args.address) as c:
+            stream = (c.generate(messages=[{"role": "user", "content": args.chat}], **kw)
+                      if args.chat else c.generate(args.prompt, **kw))
+            for chunk in stream:
+                first = first or time.perf_counter()
+                n += len(chunk.token_ids)
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                last = chunk
+    except TandemError as e:
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 2
+    end = time.perf_counter()
+    tps = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
+    acc = last.usage.accepted_draft_tokens if last and last.usage else 0
+    print(f"\n\n[{n} tokens, finish={last.finish_reason if last else None}, TTFT "
+          f"{((first or end) - t0) * 1000:.0f} ms, {tps:.1f} tokens/s, {acc} draft tokens "
+          f"accepted, via {args.address}]", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem", description="tandem LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream one completion in the terminal")
     g.add_argument("prompt", nargs="?", default=None, help="raw prompt text")
     g.add_argument("--chat", default=None, help="a user message, rendered with the chat template")
+    g.add_argument("--address", default=None,
+                   help="host:port of a running tandem server (default: run the engine here)")
     _add_model_args(g)
     _add_sampling_args(g)
-    g.set_defaults(fn=cmd_generate)
+    g.set_defaults(fn=lambda a: cmd_remote_generate(a) if a.address else cmd_generate(a))
+    sv = sub.add_parser("serve", help="serve the gRPC API")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=50051)
+    _add_model_args(sv)
+    sv.set_defaults(fn=cmd_serve)
     from cluster import train_eagle3
 
     train_eagle3.add_parser(sub)
