@@ -1,0 +1,373 @@
+"""Cluster topology: YAML → frozen dataclasses, validated once in `__post_init__`, passed down.
+
+`load_config(path, overrides)` is the one entry point; `apply_overrides` takes the CLI's
+`section.key=value` strings; `engine_kwargs(cfg, role)` turns a role into the keyword arguments
+of `engine.Engine.from_pretrained`. This module imports neither torch nor the engine at import
+time, so the CLI stays quick.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_args, get_type_hints
+
+import yaml
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+SPEC_METHODS = ("eagle3", "ngram", "none")
+MODES = ("disaggregated", "colocated")
+ENGINE_ROLES = ("prefill", "decode", "colocated")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+class ConfigError(ValueError):
+    """A config that cannot be built: unknown key, wrong type or value out of range."""
+
+
+class _Section:
+    """Base of every section: check field types against the annotations, then its own rules."""
+
+    def __post_init__(self) -> None:
+        hints = get_type_hints(type(self))
+        for f in fields(self):
+            value = _typed(f.name, getattr(self, f.name), hints[f.name])
+            object.__setattr__(self, f.name, value)
+        self._validate()
+
+    def _validate(self) -> None:
+        """Range and choice checks; raise ConfigError naming the field."""
+
+
+@dataclass(frozen=True)
+class ModelSection(_Section):
+    """Which checkpoint, at which precision, and the KV block geometry."""
+
+    path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    max_model_len: int | None = None  # None: the model's own context length
+    block_size: int = 16
+
+    def _validate(self) -> None:
+        _choice("dtype", self.dtype, DTYPES)
+        _require(self.max_model_len is None or self.max_model_len > 0,
+                 f"max_model_len must be > 0, got {self.max_model_len}")
+        _require(self.block_size > 0 and not self.block_size & (self.block_size - 1),
+                 f"block_size must be a power of two, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class RouterSection(_Section):
+    """The public gRPC endpoint and its admission limits."""
+
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: pick a free port
+    max_concurrent_requests: int = 256
+    request_timeout_s: float = 600.0
+
+    def _validate(self) -> None:
+        _port("port", self.port)
+        _require(self.max_concurrent_requests >= 1,
+                 f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
+        _require(self.request_timeout_s > 0,
+                 f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+
+
+@dataclass(frozen=True)
+class RoleSection(_Section):
+    """One engine role (prefill or decode): how many replicas, where, and the engine's knobs."""
+
+    replicas: int = 1
+    device: str = "auto"  # auto: cuda when num_gpus > 0, else cpu
+    num_gpus: float = 0.0  # Ray GPU reservation per replica; a fraction shares a GPU
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_bytes: int | str | None = None  # int or "512MiB"; None: the engine default (CPU)
+    gpu_memory_utilization: float | None = None  # share of free GPU memory; None: engine default
+    enable_prefix_caching: bool = True
+
+    def _validate(self) -> None:
+        _require(self.replicas >= 1, f"replicas must be >= 1, got {self.replicas}")
+        _choice("device", self.device, DEVICES)
+        self._validate_gpus()
+        _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _require(self.max_num_batched_tokens >= 1,
+                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if isinstance(self.kv_cache_bytes, str):
+            object.__setattr__(self, "kv_cache_bytes", _parse_size(self.kv_cache_bytes))
+        _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0,
+                 f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+        u = self.gpu_memory_utilization
+        _require(u is None or 0 < u <= 1, f"gpu_memory_utilization must be in (0, 1], got {u}")
+
+    def _validate_gpus(self) -> None:
+        g = self.num_gpus
+        _require(g >= 0, f"num_gpus must be >= 0, got {g}")
+        # Ray only accepts fractions below one GPU; above it, whole GPUs.
+        _require(g <= 1 or g.is_integer(), f"num_gpus above 1 must be whole, got {g}")
+        _require(self.device != "cpu" or g == 0, f"num_gpus must be 0 when device is cpu, got {g}")
+        # Without a reservation Ray does not hide the GPUs, so the engine would use one unbooked.
+        _require(self.device != "cuda" or g > 0,
+                 "device is cuda but num_gpus is 0 (book one; a fraction such as 0.5 shares a GPU)")
+
+    @property
+    def resolved_device(self) -> str:
+        """'cpu' or 'cuda': auto follows the Ray GPU reservation."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if self.num_gpus > 0 else "cpu"
+
+
+@dataclass(frozen=True)
+class SpecSection(_Section):
+    """Speculative decoding on the decode side (method none: plain decoding)."""
+
+    method: str = "eagle3"
+    num_tokens: int = 5  # K, the most drafts per target forward
+    head: str | None = None  # EAGLE-3 checkpoint folder; None: the shipped SmolLM2 head
+    dynamic: bool = True  # choose K per sequence from measured acceptance
+
+    def _validate(self) -> None:
+        _choice("method", self.method, SPEC_METHODS)
+        _require(0 <= self.num_tokens <= 16, f"num_tokens must be in 0..16, got {self.num_tokens}")
+
+
+@dataclass(frozen=True)
+class MetricsSection(_Section):
+    """Prometheus endpoints: component k serves on port_base + k (0: each picks a free port)."""
+
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port_base: int = 0
+
+    def _validate(self) -> None:
+        _port("port_base", self.port_base)
+
+
+@dataclass(frozen=True)
+class ClusterConfig(_Section):
+    """The whole deployment. In colocated mode the decode section describes the engines (each
+    does prefill and decode) and the prefill section is unused."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    router: RouterSection = field(default_factory=RouterSection)
+    prefill: RoleSection = field(default_factory=RoleSection)
+    decode: RoleSection = field(default_factory=RoleSection)
+    speculation: SpecSection = field(default_factory=SpecSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    mode: str = "disaggregated"
+    ray_address: str | None = None  # None: start a local Ray; "auto" or an address: connect
+
+    def _validate(self) -> None:
+        _choice("mode", self.mode, MODES)
+        base, n = self.metrics.port_base, len(self.components())
+        _require(base == 0 or base + n - 1 <= 65535,
+                 f"metrics.port_base={base} leaves no room for {n} components below 65536")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The engine roles this mode runs."""
+        return ("prefill", "decode") if self.mode == "disaggregated" else ("colocated",)
+
+    def role_section(self, role: str) -> RoleSection:
+        """The section that configures engines of `role` (colocated reads decode)."""
+        _choice("role", role, ENGINE_ROLES)
+        return self.prefill if role == "prefill" else self.decode
+
+    def components(self) -> list[str]:
+        """Every process with a metrics endpoint: 'router', then 'prefill-0', 'decode-0', ..."""
+        engines = [f"{r}-{i}" for r in self.roles for i in range(self.role_section(r).replicas)]
+        return ["router", *engines]
+
+    def metrics_ports(self) -> dict[str, int]:
+        """Metrics port of each component (all 0, meaning pick a free one, when port_base is 0)."""
+        base = self.metrics.port_base
+        return {name: base + k if base else 0 for k, name in enumerate(self.components())}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict; `config_from_dict(cfg.to_dict()) == cfg`."""
+        return asdict(self)
+
+
+_SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelSection, "router": RouterSection, "prefill": RoleSection,
+    "decode": RoleSection, "speculation": SpecSection, "metrics": MetricsSection,
+}
+
+
+def config_from_dict(d: dict[str, Any] | None) -> ClusterConfig:
+    """Build and validate a config from nested dicts (missing keys take their defaults)."""
+    d = _mapping(d, "the top level")
+    _check_keys(d, ClusterConfig, "the top level")
+    kw = {k: _section(k, v) if k in _SECTIONS else v for k, v in d.items()}
+    return ClusterConfig(**kw)
+
+
+def load_config(path: str | Path | None = None,
+                overrides: dict[str, Any] | None = None) -> ClusterConfig:
+    """Read a YAML file (None: all defaults: 1 prefill + 1 decode replica on CPU, EAGLE-3), then
+    apply `overrides`, a dict of dotted paths (or nested dicts) to already typed values."""
+    d = _read_yaml(path) if path is not None else {}
+    for key, value in (overrides or {}).items():
+        _set_path(d, key, value)
+    try:
+        return config_from_dict(d)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None
+
+
+def apply_overrides(cfg: ClusterConfig, items: list[str]) -> ClusterConfig:
+    """A new config with `section.key=value` strings applied (values typed by YAML)."""
+    d = cfg.to_dict()
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        _set_path(d, key.strip(), _parse_value(item, raw))
+    return config_from_dict(d)
+
+
+def engine_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
+    """Keyword arguments for `engine.Engine.from_pretrained(cfg.model.path, **kwargs)`."""
+    sec = cfg.role_section(role)
+    device = sec.resolved_device
+    kw: dict[str, Any] = {
+        "device": device,
+        "dtype": torch_dtype(cfg.model.dtype, device),
+        "block_size": cfg.model.block_size,
+        "max_num_seqs": sec.max_num_seqs,
+        "max_num_batched_tokens": sec.max_num_batched_tokens,
+        "enable_prefix_caching": sec.enable_prefix_caching,
+        # Prefill needs the spec too: it fills the EAGLE-3 draft layer's KV that it ships.
+        "spec": spec_config(cfg.speculation),
+    }
+    optional = {"kv_cache_bytes": sec.kv_cache_bytes, "max_model_len": cfg.model.max_model_len,
+                "gpu_memory_utilization": sec.gpu_memory_utilization}
+    kw.update({k: v for k, v in optional.items() if v is not None})
+    return kw
+
+
+def torch_dtype(name: str, device: str):
+    """The torch dtype for a config dtype name; auto is bfloat16 on CUDA, float32 on CPU."""
+    import torch
+
+    if name == "auto":
+        name = "bfloat16" if device.startswith("cuda") else "float32"
+    return getattr(torch, name)
+
+
+def spec_config(spec: SpecSection):
+    """The engine's `SpecConfig` for this section, or None for method none."""
+    if spec.method == "none":
+        return None
+    from engine.config import SpecConfig
+
+    return SpecConfig(method=spec.method, num_tokens=spec.num_tokens, head=spec.head,
+                      dynamic=spec.dynamic)
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+def _section(name: str, value: Any) -> _Section:
+    cls = _SECTIONS[name]
+    value = _mapping(value, f"section {name!r}")
+    _check_keys(value, cls, f"section {name!r}")
+    try:
+        return cls(**value)
+    except ConfigError as e:
+        raise ConfigError(f"{name}.{e}") from None
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where} must be a mapping, got {value!r}")
+    return dict(value)
+
+
+def _check_keys(d: dict[str, Any], cls: type, where: str) -> None:
+    valid = [f.name for f in fields(cls)]
+    for key in d:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(
+                f"unknown key {key!r} in {where}{hint}; valid keys: {', '.join(valid)}")
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping")
+    return data or {}
+
+
+def _parse_value(item: str, raw: str) -> Any:
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        raise ConfigError(f"override {item!r}: value is not valid YAML") from None
+
+
+def _set_path(d: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set d[a][b]... = value for 'a.b...'; a dict value is merged into an existing section."""
+    *parents, leaf = dotted.split(".")
+    node = d
+    for i, part in enumerate(parents):
+        if node.get(part) is None:
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {dotted!r}: {'.'.join(parents[:i + 1])} is a value")
+    if isinstance(value, dict) and isinstance(node.get(leaf), dict):
+        for k, v in value.items():
+            _set_path(node[leaf], str(k), v)
+    else:
+        node[leaf] = value
+
+
+def _typed(name: str, value: Any, hint: Any) -> Any:
+    """`value` checked against `hint`: ints pass as floats, bools never pass as numbers."""
+    kinds = get_args(hint) or (hint,)
+    if value is None and type(None) in kinds:
+        return None
+    if float in kinds and type(value) is int:
+        return float(value)
+    if any(isinstance(value, k) and not (k in (int, float) and isinstance(value, bool))
+           for k in kinds):
+        return value
+    names = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+    raise ConfigError(f"{name} must be {names}, got {value!r}")
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}{hint}")
+
+
+def _port(name: str, value: int) -> None:
+    _require(0 <= value <= 65535, f"{name} must be in 0..65535, got {value}")
+
+
+def _parse_size(text: str) -> int:
+    """'512MiB' → 536870912; plain digits are bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ConfigError(f"kv_cache_bytes must be bytes or a size like '512MiB', got {text!r}")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])

@@ -1,0 +1,208 @@
+"""Prometheus metrics for every component: one registry per `Metrics` object, a `role` label.
+
+A dedicated registry per component means several components in one process (colocated mode,
+tests) never collide, and each serves exactly its own series on its own port.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
+
+ROLES = ("router", "prefill", "decode", "colocated")
+# Per-token gaps (ITL, TPOT): a fast GPU decode step up to a stalled CPU one.
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
+                 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+# Whole-request latencies (TTFT, end to end): a cached short prompt up to a long generation.
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5,
+                   10.0, 15.0, 20.0, 30.0, 60.0, 120.0)
+# One request's KV handoff: a few blocks over NVLink up to a long prompt over TCP.
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0)
+
+
+class Metrics:
+    """All tandem metrics of one component, in its own registry, labelled with its role."""
+
+    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        self.role = role
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._spec_seen: tuple[list[int], list[int]] = ([], [])
+        self._latency_metrics()
+        self._token_metrics()
+        self._transfer_metrics()
+        self._gauges()
+
+    # ---- construction ------------------------------------------------------------------------
+
+    def _metric(self, kind: type, name: str, doc: str, extra: tuple[str, ...] = (), **kw):
+        m = kind(name, doc, ("role", *extra), registry=self.registry, **kw)
+        # Bind the role now so role-only series exist (at zero) before the first observation.
+        return m if extra else m.labels(role=self.role)
+
+    def _latency_metrics(self) -> None:
+        h = Histogram
+        self.ttft = self._metric(h, "tandem_ttft_seconds", "Time to first token.",
+                                 buckets=REQUEST_BUCKETS)
+        self.itl = self._metric(h, "tandem_itl_seconds", "Inter-token latency, per token.",
+                                buckets=TOKEN_BUCKETS)
+        self.tpot = self._metric(h, "tandem_tpot_seconds",
+                                 "Time per output token after the first, per request.",
+                                 buckets=TOKEN_BUCKETS)
+        self.e2e = self._metric(h, "tandem_e2e_seconds", "Request latency, arrival to finish.",
+                                buckets=REQUEST_BUCKETS)
+
+    def _token_metrics(self) -> None:
+        c = Counter
+        self.requests = self._metric(c, "tandem_requests_total", "Finished requests.",
+                                     ("status",))
+        self.prompt_tokens = self._metric(c, "tandem_prompt_tokens_total", "Prompt tokens.")
+        self.generated_tokens = self._metric(c, "tandem_generated_tokens_total",
+                                             "Generated tokens.")
+        self.spec_drafted = self._metric(c, "tandem_spec_drafted_tokens_total",
+                                         "Draft tokens proposed, by draft position (0-based).",
+                                         ("position",))
+        self.spec_accepted = self._metric(c, "tandem_spec_accepted_tokens_total",
+                                          "Draft tokens accepted, by draft position (0-based).",
+                                          ("position",))
+
+    def _transfer_metrics(self) -> None:
+        self.kv_bytes = self._metric(Counter, "tandem_kv_transfer_bytes_total",
+                                     "KV-cache bytes moved by successful transfers.")
+        self.kv_failures = self._metric(Counter, "tandem_kv_transfer_failures_total",
+                                        "KV-cache transfers that failed.")
+        self.kv_seconds = self._metric(Histogram, "tandem_kv_transfer_seconds",
+                                       "Duration of one successful KV-cache transfer.",
+                                       buckets=TRANSFER_BUCKETS)
+
+    def _gauges(self) -> None:
+        g = Gauge
+        self.queue_depth = self._metric(g, "tandem_queue_depth", "Requests waiting.")
+        self.running = self._metric(g, "tandem_running_requests", "Requests running.")
+        self.blocks_used = self._metric(g, "tandem_kv_blocks_used", "KV blocks in use.")
+        self.blocks_total = self._metric(g, "tandem_kv_blocks_total", "KV blocks in the cache.")
+        self.acceptance_length = self._metric(
+            g, "tandem_spec_acceptance_length",
+            "Mean tokens emitted per verifying forward (accepted drafts + the target's token).")
+
+    # ---- recording ---------------------------------------------------------------------------
+
+    def observe_request(self, ttft: float | None, itls: Sequence[float], e2e: float,
+                        prompt_tokens: int, output_tokens: int, status: str) -> None:
+        """One finished request. `ttft` is None when no token came out; TPOT needs two tokens."""
+        self.requests.labels(self.role, status).inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generated_tokens.inc(output_tokens)
+        self.e2e.observe(e2e)
+        for gap in itls:
+            self.itl.observe(gap)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            if output_tokens > 1:
+                self.tpot.observe((e2e - ttft) / (output_tokens - 1))
+
+    def observe_spec(self, drafted_per_pos: Sequence[int],
+                     accepted_per_pos: Sequence[int]) -> None:
+        """Add per-position draft counts since the last call (deltas, not totals)."""
+        if len(drafted_per_pos) != len(accepted_per_pos):
+            raise ValueError("drafted_per_pos and accepted_per_pos differ in length")
+        for pos, (d, a) in enumerate(zip(drafted_per_pos, accepted_per_pos)):
+            self.spec_drafted.labels(self.role, str(pos)).inc(d)
+            self.spec_accepted.labels(self.role, str(pos)).inc(a)
+
+    def observe_spec_totals(self, drafted_per_pos: Sequence[int],
+                            accepted_per_pos: Sequence[int]) -> None:
+        """Feed cumulative counts (the engine's `SpecStats` lists); records what is new."""
+        seen_d, seen_a = self._spec_seen
+        self.observe_spec(_delta(drafted_per_pos, seen_d), _delta(accepted_per_pos, seen_a))
+        self._spec_seen = (list(drafted_per_pos), list(accepted_per_pos))
+
+    def observe_transfer(self, nbytes: int, seconds: float, ok: bool) -> None:
+        """One KV transfer: bytes and duration when it succeeded, a failure otherwise."""
+        if not ok:
+            self.kv_failures.inc()
+            return
+        self.kv_bytes.inc(nbytes)
+        self.kv_seconds.observe(seconds)
+
+    def set_engine_gauges(self, queue_depth: int, running: int, blocks_used: int,
+                          blocks_total: int, acceptance_length: float | None = None) -> None:
+        """Snapshot of an engine (or the router's queue); acceptance None leaves it as it was."""
+        self.queue_depth.set(queue_depth)
+        self.running.set(running)
+        self.blocks_used.set(blocks_used)
+        self.blocks_total.set(blocks_total)
+        if acceptance_length is not None:
+            self.acceptance_length.set(acceptance_length)
+
+    # ---- exposition --------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """This component's metrics in the Prometheus text format."""
+        return generate_latest(self.registry)
+
+    def serve(self, host: str = "127.0.0.1", port: int = 0):
+        """Serve this registry over HTTP in a daemon thread; returns (server, actual port).
+
+        Port 0 binds a free port; the bound port is read back from the socket, so there is no
+        window in which another process could take it. Stop with `server.shutdown()`."""
+        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        return server, server.server_address[1]
+
+
+class RequestTimer:
+    """Times one request from arrival: TTFT on the first streamed chunk, ITL after it.
+
+    A later chunk of n tokens records its gap / n, n times (per-token ITL); the extra tokens
+    of the first chunk count as output but record no gap."""
+
+    def __init__(self, metrics: Metrics, prompt_tokens: int = 0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.metrics = metrics
+        self.prompt_tokens = prompt_tokens  # may be set later, once the prompt is tokenized
+        self.clock = clock
+        self.start = clock()
+        self.ttft: float | None = None
+        self.itls: list[float] = []
+        self.output_tokens = 0
+        self.finished = False
+        self._last: float | None = None
+
+    def token(self, n: int = 1) -> None:
+        """A streamed chunk carrying `n` tokens arrived now (n = 0 is ignored)."""
+        if n < 0:
+            raise ValueError(f"token count must be >= 0, got {n}")
+        if n == 0:
+            return
+        now = self.clock()
+        if self._last is None:
+            self.ttft = now - self.start
+        else:
+            self.itls.extend([(now - self._last) / n] * n)
+        self._last = now
+        self.output_tokens += n
+
+    def finish(self, status: str = "stop") -> None:
+        """Record the request with its finish status; later calls do nothing."""
+        if self.finished:
+            return
+        self.finished = True
+        self.metrics.observe_request(self.ttft, self.itls, self.clock() - self.start,
+                                     self.prompt_tokens, self.output_tokens, status)
+
+
+def _delta(totals: Sequence[int], seen: Sequence[int]) -> list[int]:
+    """New counts since `seen`; a total that went down means the source restarted."""
+    old = list(seen) + [0] * max(0, len(totals) - len(seen))
+    return [t - o if t >= o else t for t, o in zip(totals, old)]
