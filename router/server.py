@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from cluster.metrics import RequestTimer
 from engine import InvalidRequestError, ResourceExhaustedError
 from router.convert import FINISH, prompt_of, sampling_of, spec_cap_of
 from tandem_client._gen.tandem.v1 import generation_pb2 as pb
@@ -43,10 +44,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         except ResourceExhaustedError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.inflight.add(rid)
-        timer = self.metrics.timer() if self.metrics else None
-        status = "cancelled"
+        timer = RequestTimer(self.metrics, len(ids)) if self.metrics else None
+        status, first = "cancelled", None
         try:
             async for out in self.backend.generate(rid, ids, params, cap):
+                if first is None and out.token_ids:
+                    first = time.perf_counter()
                 if timer is not None and out.token_ids:
                     timer.token(len(out.token_ids))
                 resp = pb.GenerateResponse(request_id=rid, text=out.text,
@@ -57,7 +60,7 @@ class GenerationService(pb_grpc.GenerationServicer):
                     resp.usage.CopyFrom(pb.Usage(
                         prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
                         cached_tokens=out.cached_tokens, accepted_draft_tokens=out.accepted_tokens,
-                        ttft_ms=(timer.ttft * 1000 if timer and timer.ttft else 0.0)))
+                        ttft_ms=((first or time.perf_counter()) - t0) * 1000))
                 yield resp
         except InvalidRequestError as e:
             status = "invalid"
@@ -68,7 +71,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         finally:
             self.inflight.discard(rid)
             if timer is not None:
-                timer.finish(status, prompt_tokens=len(ids))
+                timer.finish(status if status in FINISH else "error")
 
     async def GetModelInfo(self, request, context):
         i = self.backend.info()

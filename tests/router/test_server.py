@@ -125,3 +125,29 @@ def test_model_info_and_health(served):
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(
             service="tandem.v1.Generation"))
     assert resp.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_metrics_move_with_traffic():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from cluster.metrics import Metrics
+
+    m = Metrics("router")
+    s = Served(tiny_engine(0, max_position=128))
+    try:
+        asyncio.run_coroutine_threadsafe(s.server.stop(0), s.loop).result(10)
+
+        async def boot():
+            return await start_server(GenerationService(s.backend, metrics=m))
+
+        s.server, port = asyncio.run_coroutine_threadsafe(boot(), s.loop).result(30)
+        with Client(f"127.0.0.1:{port}") as c:
+            for n in (3, 5):
+                c.complete(token_ids=[1, 2, 3], temperature=0, max_tokens=n)
+        fams = {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
+        gen = sum(x.value for x in fams["tandem_generated_tokens"].samples)
+        reqs = [x for x in fams["tandem_requests"].samples if x.name.endswith("_total")]
+        ttft = [x for x in fams["tandem_ttft_seconds"].samples if x.name.endswith("_count")]
+        assert gen == 8 and sum(x.value for x in reqs) == 2 and ttft[0].value == 2
+    finally:
+        s.close()
