@@ -20,6 +20,7 @@ from engine.output import (
     cut_at_stop,
     stop_prefix_len,
 )
+from engine.prompt import PromptEncoder
 from engine.runner import ModelRunner, allocate_kv_cache
 from engine.sampler import new_generator
 from engine.scheduler import Batch, Scheduler
@@ -128,26 +129,13 @@ class Engine:
 
     def encode_prompt(self, prompt: str | list[int] | list[dict]) -> list[int]:
         """Text, chat messages or token ids → validated token ids."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty")
-            ids = self._require_tokenizer().encode(prompt)
-        elif prompt and isinstance(prompt[0], dict):
-            ids = self._require_tokenizer().apply_chat(list(prompt))
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise InvalidRequestError("prompt is empty")
-        vocab = self.config.model.vocab_size
-        if min(ids) < 0 or max(ids) >= vocab:
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
-        if len(ids) >= self.config.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; the context holds {self.config.max_model_len} "
-                "(prompt plus at least one generated token)")
-        if -(-(len(ids) + 1) // self.config.block_size) > self.num_blocks:
-            raise ResourceExhaustedError(f"prompt of {len(ids)} tokens exceeds the KV cache")
-        return ids
+        return self.prompt_encoder()(prompt)
+
+    def prompt_encoder(self) -> PromptEncoder:
+        """The same validation, as plain data a router can use without the model."""
+        c = self.config
+        return PromptEncoder(self.tokenizer, c.model.vocab_size, c.max_model_len, c.block_size,
+                             self.num_blocks)
 
     def add_request(self, prompt: str | list[int] | list[dict],
                     params: SamplingParams | None = None, request_id: str | None = None,
@@ -170,11 +158,6 @@ class Engine:
             self._detok[seq.request_id] = loader.Detokenizer(self.tokenizer, seq.token_ids)
         self.scheduler.add(seq)
         return seq.request_id
-
-    def _require_tokenizer(self) -> loader.Tokenizer:
-        if self.tokenizer is None:
-            raise InvalidRequestError("this engine has no tokenizer: send token ids")
-        return self.tokenizer
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its KV blocks are free when this returns."""

@@ -4,9 +4,10 @@ caller's asyncio queue. The baseline every disaggregated figure is compared agai
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engine import Engine, SamplingParams
 from engine.output import RequestOutput
@@ -31,27 +32,39 @@ class EngineLoop:
         self.inbox.put(("noop",))
         self._thread.join(timeout=10)
 
-    async def generate(self, rid: str, ids: list[int], params: SamplingParams,
-                       spec_cap: int | None = None) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as the engine produces them; closing the iterator early
-        cancels the request and frees its blocks."""
+    async def generate(self, rid: str, ids: list[int] | None, params: SamplingParams | None,
+                       spec_cap: int | None = None, hold: bool = False,
+                       handoff=None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as the engine produces them, until it finishes (or, with
+        hold=True, until its first token is out and its KV is held for a hand-off). `handoff`
+        instead admits a request prefilled elsewhere. Closing the iterator early cancels the
+        request and frees its blocks."""
         q: asyncio.Queue = asyncio.Queue()
         self.subs[rid] = (asyncio.get_running_loop(), q)
-        self.inbox.put(("add", rid, ids, params, spec_cap))
-        finished = False
+        if handoff is not None:
+            self.inbox.put(("call", lambda eng: eng.admit(handoff), None, rid))
+        else:
+            self.inbox.put(("add", rid, ids, params, spec_cap, hold))
+        done = False
         try:
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finished:
-                    finished = True
+                if item.finished or item.handoff:
+                    done = True
                     return
         finally:
             self.subs.pop(rid, None)
-            if not finished:
+            if not done:
                 self.inbox.put(("abort", rid))
+
+    async def call(self, fn: Callable):
+        """Run fn(engine) on the engine thread; its result (or exception) comes back here."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.inbox.put(("call", fn, fut, None))
+        return await asyncio.wrap_future(fut)
 
     def _run(self) -> None:
         eng = self.engine
@@ -70,18 +83,34 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
-            if msg[0] == "add":
-                _, rid, ids, params, cap = msg
-                try:
-                    self.engine.add_request(ids, params, request_id=rid, max_draft=cap)
-                except Exception as e:  # reaches the caller as its error, never kills the loop
-                    self._send(rid, e)
-            elif msg[0] == "abort":
-                self.engine.abort(msg[1])
+            self._handle(msg)
             try:
                 msg = self.inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            _, rid, ids, params, cap, hold = msg
+            try:
+                self.engine.add_request(ids, params, request_id=rid, hold=hold, max_draft=cap)
+            except Exception as e:  # reaches the caller as its error, never kills the loop
+                self._send(rid, e)
+        elif kind == "abort":
+            self.engine.abort(msg[1])
+        elif kind == "call":
+            _, fn, fut, rid = msg
+            try:
+                result = fn(self.engine)
+            except Exception as e:
+                if fut is not None:
+                    fut.set_exception(e)
+                elif rid is not None:
+                    self._send(rid, e)
+                return
+            if fut is not None:
+                fut.set_result(result)
 
     def _send(self, rid: str, item) -> None:
         sub = self.subs.get(rid)
