@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 run: venv
-	$(VENV)/bin/tandem generate --chat "$(PROMPT)" --max-tokens 128 --spec eagle3
+	$(VENV)/bin/tandem serve --demo "$(PROMPT)" --max-tokens 128
 
 test: venv
 	$(PY) -m ruff check .

@@ -88,28 +88,63 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    """Serve tandem.v1.Generation on host:port until interrupted (colocated engine)."""
+    """Serve tandem.v1.Generation until interrupted: the disaggregated cluster (Ray prefill and
+    decode actors, KV over UCX) or, with --colocated, one engine in this process."""
     import asyncio
+    import threading
 
-    from router.backends import LocalBackend
+    from cluster.config import apply_overrides, engine_kwargs, load_config
+    from cluster.metrics import Metrics
     from router.server import GenerationService, start_server
 
-    print("loading model…", file=sys.stderr, flush=True)
-    backend = LocalBackend(build_engine(args))
+    sets = list(args.set) + (["mode=colocated"] if args.colocated else [])
+    cfg = apply_overrides(load_config(args.config), sets)
+    host, port = cfg.router.host, args.port if args.port is not None else cfg.router.port
+    print(f"starting {cfg.mode} serving…", file=sys.stderr, flush=True)
+    if cfg.mode == "colocated":
+        from engine import Engine
+        from router.backends import LocalBackend
+
+        backend = LocalBackend(Engine.from_pretrained(cfg.model.path,
+                                                      **engine_kwargs(cfg, "colocated")))
+        close = backend.close
+    else:
+        from cluster import launcher
+
+        cluster = launcher.start_from_config(cfg)
+        backend, close = cluster.backend, cluster.shutdown
+    metrics = Metrics("router") if cfg.metrics.enabled else None
+    if metrics is not None:
+        _, mport = metrics.serve(cfg.metrics.host, cfg.metrics_ports()["router"])
+        print(f"metrics on http://{cfg.metrics.host}:{mport}/metrics", file=sys.stderr)
 
     async def run() -> None:
-        server, port = await start_server(GenerationService(backend), args.host, args.port)
-        print(f"serving tandem.v1.Generation on {args.host}:{port} "
-              f"({backend.info()['model']}, speculation {backend.info()['speculation']})",
-              file=sys.stderr, flush=True)
-        await server.wait_for_termination()
+        server, bound = await start_server(GenerationService(
+            backend, metrics, cfg.router.max_concurrent_requests), host, port)
+        info = backend.info()
+        print(f"serving tandem.v1.Generation on {host}:{bound} ({info['model']}, "
+              f"{cfg.mode}, speculation {info['speculation']})", file=sys.stderr, flush=True)
+        if args.demo:
+            args.address, args.chat, args.prompt = f"{host}:{bound}", args.demo, None
+            done = asyncio.Event()
+            loop = asyncio.get_running_loop()
+
+            def demo() -> None:
+                cmd_remote_generate(args)
+                loop.call_soon_threadsafe(done.set)
+
+            threading.Thread(target=demo, daemon=True).start()
+            await done.wait()
+            await server.stop(1)
+        else:
+            await server.wait_for_termination()
 
     try:
         asyncio.run(run())
     except KeyboardInterrupt:
         pass
     finally:
-        backend.close()
+        close()
     return 0
 
 
@@ -155,10 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     _add_model_args(g)
     _add_sampling_args(g)
     g.set_defaults(fn=lambda a: cmd_remote_generate(a) if a.address else cmd_generate(a))
-    sv = sub.add_parser("serve", help="serve the gRPC API")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=50051)
-    _add_model_args(sv)
+    sv = sub.add_parser("serve", help="serve the gRPC API (disaggregated cluster by default)")
+    sv.add_argument("--config", default=None, help="topology YAML (deploy/examples/*.yaml)")
+    sv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config value, e.g. decode.replicas=2 (repeatable)")
+    sv.add_argument("--colocated", action="store_true", help="one engine, no Ray")
+    sv.add_argument("--port", type=int, default=None)
+    sv.add_argument("--demo", default=None, metavar="MESSAGE",
+                    help="stream one chat completion through the server, then exit")
+    _add_sampling_args(sv)
     sv.set_defaults(fn=cmd_serve)
     from cluster import train_eagle3
 

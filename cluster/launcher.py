@@ -1,0 +1,67 @@
+"""Start the cluster: Ray (embedded or `address`), prefill and decode actors, the router's
+disaggregated backend. Actors get GPUs when the config asks for them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from decode_node.node import DecodeNode
+from engine.prompt import PromptEncoder
+from prefill_node.node import PrefillNode
+from router.disagg import DisaggBackend
+
+
+@dataclass
+class Cluster:
+    backend: DisaggBackend
+    prefills: list
+    decodes: list
+
+    def shutdown(self) -> None:
+        import ray
+
+        for a in self.prefills + self.decodes:
+            ray.kill(a)
+
+
+def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = None, *,
+          prefill_replicas: int = 1, decode_replicas: int = 1, transport: str = "ucx",
+          address: str | None = None, prefill_gpus: float = 0.0, decode_gpus: float = 0.0
+          ) -> Cluster:
+    """Connect to (or start) Ray, place the actors, and return the router's backend.
+    `engine_kwargs` configure prefill engines, `decode_kwargs` (default: the same) decode."""
+    import ray
+
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    if not ray.is_initialized():
+        address = address or os.environ.get("RAY_ADDRESS")
+        if address:  # an existing cluster, e.g. inside `ray job submit`
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+                     log_to_driver=False)
+    P = ray.remote(PrefillNode).options(num_gpus=prefill_gpus, num_cpus=0,
+                                        max_concurrency=1000)
+    D = ray.remote(DecodeNode).options(num_gpus=decode_gpus, num_cpus=0, max_concurrency=1000)
+    prefills = [P.remote(model, engine_kwargs, transport) for _ in range(prefill_replicas)]
+    decodes = [D.remote(model, decode_kwargs or engine_kwargs, transport)
+               for _ in range(decode_replicas)]
+    infos = ray.get([a.info.remote() for a in prefills + decodes])  # waits for the models
+    from engine import loader
+
+    info = infos[-1]
+    tok = loader.Tokenizer.load(loader.resolve(model))
+    encoder = PromptEncoder(tok, info["vocab_size"], info["max_model_len"], info["block_size"],
+                            min(i["num_blocks"] for i in infos))
+    return Cluster(DisaggBackend(prefills, decodes, encoder, info), prefills, decodes)
+
+
+def start_from_config(cfg, transport: str = "ucx") -> Cluster:
+    """The cluster a `ClusterConfig` (cluster/config.py) describes, in disaggregated mode."""
+    from cluster.config import engine_kwargs
+
+    return start(cfg.model.path, engine_kwargs(cfg, "prefill"), engine_kwargs(cfg, "decode"),
+                 prefill_replicas=cfg.prefill.replicas, decode_replicas=cfg.decode.replicas,
+                 transport=transport, address=cfg.ray_address,
+                 prefill_gpus=cfg.prefill.num_gpus, decode_gpus=cfg.decode.num_gpus)

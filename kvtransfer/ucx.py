@@ -1,0 +1,235 @@
+"""UCX transport on ucxx: shared memory on one host, TCP (or RDMA) between hosts.
+
+Two ways to reach a receiver, both over the same tagged protocol (see `wire`):
+- `mode="worker"` (default): the address is the receiver's UCX worker address, exchanged out
+  of band (through Ray). Endpoint error handling is off on both sides, which is what lets UCX
+  pick shared memory (sm/cma) on one host. The sender puts its own worker address in the
+  hello so the receiver can open the reverse endpoint for replies and acks.
+- `mode="listener"`: the address is host:port of a UCX listener (TCP connection setup). UCX
+  requires error handling on for these endpoints here (off is refused as "asymmetric").
+
+A request is: header (request id, dst ids, layer chunks, extras spec) -> one message per layer
+chunk of gathered blocks -> extras blob -> optional crc32 trailer; the receiver scatters each
+chunk into its kv_cache as it lands, then acks. The sender returns on the ack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import torch
+import ucxx
+
+from kvtransfer import staging, wire
+from kvtransfer.base import OnReceive, TransferError, Transport, check_block_ids
+from kvtransfer.layout import BlockLayout, LayoutMismatch, check_compatible
+from kvtransfer.ucx_send import UcxConnection
+
+log = logging.getLogger(__name__)
+MODES = ("worker", "listener")
+
+
+class UcxTransport(Transport):
+    """A UCX end. Receivers call `start()`; senders only `connect()`. `mode` is how this end
+    receives (the kind of address it publishes); a sender follows the receiver's address.
+
+    `progress_mode` is process-wide in ucxx (the first transport decides); see
+    `wire.ensure_ucx`. `thread` (default) is the only mode that idles at ~0 CPU, and it was also
+    the fastest here (2.5 GB/s vs 1.3 for `blocking`, 93 MiB between two processes). It binds
+    ucxx to one event loop per process.
+    """
+
+    def __init__(self, layout: BlockLayout, kv_cache: torch.Tensor | None = None,
+                 on_receive: OnReceive | None = None, *, mode: str = "worker",
+                 host: str = "127.0.0.1",
+                 port: int = 0, num_chunks: int = 1, checksum: bool = False,
+                 timeout: float = 30.0, progress_mode: str = "thread"):
+        super().__init__(layout, kv_cache, on_receive)
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode, self.host, self.port = mode, host, port
+        self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout
+        self._progress_mode = progress_mode
+        self._id = wire.new_id()
+        self._listener: Any = None
+        self._self_ep: Any = None  # to wake our own pending receives on close
+        self._links: dict[int, Any] = {}  # link id -> endpoint to that sender
+        self._endpoints: list[Any] = []
+        self._tasks: set[asyncio.Task] = set()
+        self._conns: list[UcxConnection] = []
+        self._started = self._closed = False
+        self.pool = staging.StagingPool()
+
+    @property
+    def address(self) -> dict[str, Any]:
+        if not self._started:
+            raise RuntimeError("start() the transport before asking for its address")
+        if self.mode == "worker":
+            return {"kind": "ucx", "mode": "worker", "id": self._id,
+                    "worker": wire.worker_address_hex()}
+        return {"kind": "ucx", "mode": "listener", "host": self.host, "port": self._listener.port}
+
+    async def start(self) -> None:
+        if self.kv_cache is None:
+            raise ValueError("a receiver needs a kv_cache")
+        wire.ensure_ucx(self._progress_mode)
+        self._self_ep = await wire.endpoint_to_worker(wire.worker_address_hex())
+        if self.mode == "worker":
+            self._spawn(self._accept_loop())
+        else:
+            self._listener = ucxx.create_listener(self._on_endpoint, port=self.port,
+                                                  endpoint_error_handling=True)
+        self._started = True
+
+    async def connect(self, peer_address: dict[str, Any]) -> UcxConnection:
+        if peer_address.get("kind") != "ucx" or peer_address.get("mode") not in MODES:
+            raise ValueError(f"not a UCX transport address: {peer_address!r}")
+        wire.ensure_ucx(self._progress_mode)
+        link = wire.new_id()
+        hello = {"op": "hello", "link": link, "layout": self.layout.to_dict()}
+        reply = asyncio.ensure_future(wire.recv_ctrl(wire.tag(link, 0, wire.HELLO_REPLY)))
+        if peer_address["mode"] == "worker":
+            ep = await wire.endpoint_to_worker(peer_address["worker"])
+            hello["reply_to"] = wire.worker_address_hex()
+            await wire.send(ep, wire.encode(hello), wire.tag(peer_address["id"], 0, wire.HELLO))
+        else:
+            ep = await ucxx.create_endpoint(peer_address["host"], peer_address["port"],
+                                            endpoint_error_handling=True)
+            await ep.send(wire.encode(hello))  # the endpoint's own tag: unique to this pair
+        try:
+            msg = await asyncio.wait_for(reply, self.timeout)
+        except asyncio.TimeoutError:
+            self._endpoints.append(ep)
+            raise ConnectionError(f"no handshake reply within {self.timeout}s from "
+                                  f"{peer_address.get('host') or peer_address['id']}") from None
+        peer_layout = BlockLayout.from_dict(msg["layout"])
+        if not msg["ok"]:
+            self._endpoints.append(ep)
+            try:
+                check_compatible(self.layout, peer_layout)
+            except LayoutMismatch as e:
+                raise LayoutMismatch(f"{e} (the receiver refused the handshake)",
+                                     e.fields) from None
+            raise LayoutMismatch(msg.get("error", "the receiver refused the handshake"))
+        conn = UcxConnection(ep, link, self.layout, peer_layout, msg["num_blocks"], self.pool,
+                             num_chunks=self.num_chunks, checksum=self.checksum,
+                             timeout=self.timeout)
+        self._conns.append(conn)
+        return conn
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for conn in self._conns:
+            await conn.close()
+        if self._self_ep is not None:
+            stop = wire.encode({"op": "stop"})
+            if self.mode == "worker":
+                await wire.send(self._self_ep, stop, wire.tag(self._id, 0, wire.HELLO))
+            for link in list(self._links):
+                await wire.send(self._self_ep, stop, wire.tag(link, 0, wire.HEADER))
+        if self._listener is not None:
+            self._listener.close()
+        # A transfer whose sender vanished mid-way would wait forever: give it a grace period.
+        tasks = set(self._tasks)
+        _, pending = await asyncio.wait(tasks, timeout=min(self.timeout, 5.0)) if tasks else (
+            (), ())
+        for t in pending:
+            t.cancel()
+        for ep in self._endpoints + ([self._self_ep] if self._self_ep else []):
+            wire.drop(ep)
+        self._endpoints.clear()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept_loop(self) -> None:
+        """Worker mode: hellos from any sender arrive on this transport's own tag."""
+        while True:
+            hello = await wire.recv_ctrl(wire.tag(self._id, 0, wire.HELLO))
+            if hello.get("op") == "stop":
+                return
+            try:
+                ep = await wire.endpoint_to_worker(hello["reply_to"])
+                await self._admit(ep, hello)
+            except Exception:  # one bad sender must not stop the others
+                log.exception("kvtransfer: bad hello")
+
+    async def _on_endpoint(self, ep: Any) -> None:
+        """Listener mode: the hello comes on the new endpoint's own tag."""
+        buf = bytearray(wire.CTRL_SMALL)
+        await ep.recv(buf)
+        await self._admit(ep, wire.decode(buf))
+
+    async def _admit(self, ep: Any, hello: dict[str, Any]) -> None:
+        """Receiver half of the handshake: refuse a mismatched layout before any data."""
+        self._endpoints.append(ep)
+        link = int(hello["link"])
+        reply: dict[str, Any] = {"ok": True, "layout": self.layout.to_dict(),
+                                 "num_blocks": self.num_blocks}
+        try:
+            check_compatible(self.layout, BlockLayout.from_dict(hello["layout"]))
+        except (LayoutMismatch, TypeError, ValueError) as e:
+            reply.update(ok=False, error=str(e))
+            log.warning("kvtransfer: refused a sender: %s", e)
+        if reply["ok"]:
+            self._links[link] = ep
+            self._spawn(self._serve(link, ep))
+        await wire.send(ep, wire.encode(reply), wire.tag(link, 0, wire.HELLO_REPLY))
+
+    async def _serve(self, link: int, ep: Any) -> None:
+        """One sender's headers, in arrival order; each request then lands on its own."""
+        while True:
+            hdr = await wire.recv_ctrl(wire.tag(link, 0, wire.HEADER), wire.CTRL_HEADER)
+            if hdr.get("op") != "send":  # "bye" from the sender, "stop" from our close()
+                break
+            self._spawn(self._receive(link, ep, hdr))
+        self._links.pop(link, None)
+
+    async def _receive(self, link: int, ep: Any, hdr: dict[str, Any]) -> None:
+        seq, rid, dst, chunks = hdr["seq"], hdr["request_id"], hdr["dst"], hdr["chunks"]
+        kv, error, extras = self.kv_cache, None, {}
+        layer_bytes = len(dst) * self.layout.block_bytes // self.layout.num_layers
+        bufs = [self.pool.take((hi - lo) * layer_bytes, kv.device) for lo, hi in chunks]
+        try:
+            blob = torch.empty(hdr["extras_nbytes"], dtype=torch.uint8)
+            # Post every receive at once; scatter each chunk as soon as it is in.
+            recvs = [asyncio.ensure_future(ucxx.recv(wire.as_buffer(b),
+                                                     wire.tag(link, seq, wire.CHUNK + i)))
+                     for i, b in enumerate(bufs)]
+            if blob.numel():
+                recvs.append(asyncio.ensure_future(
+                    ucxx.recv(blob.numpy(), wire.tag(link, seq, wire.EXTRAS))))
+            trailer = asyncio.ensure_future(wire.recv_ctrl(wire.tag(link, seq, wire.TRAILER))
+                                            ) if hdr["checksum"] else None
+            try:  # still drain the payload on bad ids, so nothing lingers in UCX's queues
+                check_block_ids(dst, dst, self.num_blocks, self.num_blocks)
+            except ValueError as e:
+                error = str(e)
+            for layers, buf, r in zip(chunks, bufs, recvs):
+                await r
+                if error is None:
+                    staging.scatter(kv, layers, dst, buf.view(kv.dtype))
+            await asyncio.gather(*recvs[len(bufs):])
+            if trailer is not None:
+                sums = [wire.crc(b) for b in bufs] + [wire.crc(blob)]
+                if (await trailer)["crc"] != sums:
+                    error = error or "checksum mismatch: payload corrupted in flight"
+            for buf in bufs:  # every receive has completed: UCX no longer writes into them
+                self.pool.give(buf)
+            if kv.is_cuda:
+                torch.cuda.synchronize(kv.device)  # "landed" must mean readable by the engine
+            extras = wire.unpack_extras(hdr["extras"], blob, kv.device)
+        except Exception as e:
+            error = error or f"{type(e).__name__}: {e}"
+        self.inbox.put(rid, extras if error is None else TransferError(f"{rid}: {error}"))
+        try:
+            await wire.send(ep, wire.encode({"ok": error is None, "error": error}),
+                            wire.tag(link, seq, wire.ACK))
+        except Exception:  # the sender is gone; its lease will expire on its own
+            log.warning("kvtransfer: could not ack %s", rid, exc_info=True)

@@ -1,0 +1,176 @@
+"""UCX specifics: checksums, receiver-side refusals, timeouts, and real two-process transfers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from kvtransfer import LayoutMismatch, TransferError
+from tests.kvtransfer.conftest import random_kv, sample_extras, tiny_layout
+
+pytest.importorskip("ucxx", reason="ucxx-cu12 is not installed: UCX transport untested")
+
+from kvtransfer.bench import spawn_receiver, stop_receiver  # noqa: E402
+from kvtransfer.ucx import UcxTransport  # noqa: E402
+
+
+@pytest.mark.parametrize("mode", ["worker", "listener"])
+def test_layer_chunks_with_checksum(ucx_loop, mode):
+    layout = tiny_layout("bfloat16")
+    src, dst = random_kv(layout, seed=5), random_kv(layout, seed=6)
+
+    async def go():
+        async with UcxTransport(layout, dst, mode=mode) as rx:
+            tx = UcxTransport(layout, num_chunks=3, checksum=True)
+            conn = await tx.connect(rx.address)
+            await conn.send_blocks("r", src, [1, 2, 3], [4, 5, 6], sample_extras())
+            await tx.close()
+
+    ucx_loop.run(go(), timeout=60)
+    assert torch.equal(dst[:, :, [4, 5, 6]], src[:, :, [1, 2, 3]])
+
+
+def test_corrupted_payload_is_reported(ucx_loop):
+    layout = tiny_layout()
+    src, dst = random_kv(layout), random_kv(layout, seed=1)
+
+    async def go():
+        async with UcxTransport(layout, dst) as rx:
+            tx = UcxTransport(layout, checksum=True)
+            conn = await tx.connect(rx.address)
+            send_payload = conn._send_payload
+
+            async def corrupt(*args):  # what a flipped bit in flight looks like to the receiver
+                sends, sums = await send_payload(*args)
+                return sends, [s ^ 1 for s in sums]
+
+            conn._send_payload = corrupt
+            with pytest.raises(TransferError, match="checksum"):
+                await conn.send_blocks("bad", src, [1], [2])
+            with pytest.raises(TransferError, match="checksum"):
+                await rx.recv_blocks("bad", timeout=10)
+            await tx.close()
+
+    ucx_loop.run(go(), timeout=60)
+
+
+def test_receiver_refuses_by_itself(ucx_loop):
+    """The receiver checks too: bad ids from a sender that skipped its own checks never land,
+    and the link keeps working afterwards."""
+    layout = tiny_layout()
+    src, dst = random_kv(layout), random_kv(layout, num_blocks=8, seed=1)
+    before = dst.clone()
+
+    async def go():
+        async with UcxTransport(layout, dst) as rx:
+            tx = UcxTransport(layout)
+            conn = await tx.connect(rx.address)
+            conn.peer_num_blocks = 100  # a sender with a wrong idea of the peer
+            with pytest.raises(TransferError, match="out of range"):
+                await conn.send_blocks("bad", src, [1], [50])
+            with pytest.raises(TransferError):
+                await rx.recv_blocks("bad", timeout=10)
+            assert torch.equal(dst, before)
+            await conn.send_blocks("good", src, [1], [7])
+            await tx.close()
+
+    ucx_loop.run(go(), timeout=60)
+    assert torch.equal(dst[:, :, 7], src[:, :, 1])
+
+
+def test_refusal_comes_from_the_receiver(ucx_loop):
+    async def go():
+        async with UcxTransport(tiny_layout(), random_kv(tiny_layout())) as rx:
+            tx = UcxTransport(tiny_layout(head_dim=16))
+            with pytest.raises(LayoutMismatch, match="receiver refused") as err:
+                await tx.connect(rx.address)
+            await tx.close()
+            assert not rx._links
+            return err.value
+
+    assert ucx_loop.run(go(), timeout=60).fields == ("head_dim",)
+
+
+def test_missing_ack_times_out(ucx_loop):
+    """A receiver that went away: the sender's lease expires instead of hanging."""
+    layout = tiny_layout()
+
+    async def go():
+        rx = UcxTransport(layout, random_kv(layout))
+        await rx.start()
+        conn = await UcxTransport(layout, timeout=0.5).connect(rx.address)
+        await rx.close()
+        with pytest.raises(TransferError, match="no ack"):
+            await conn.send_blocks("late", random_kv(layout), [1], [2])
+        await conn.close()
+
+    ucx_loop.run(go(), timeout=60)
+
+
+def test_idle_receiver_does_not_spin(ucx_loop):
+    """Pending receives must wait on futures, not busy-yield: the hosts have 2 cores."""
+    layout = tiny_layout()
+
+    async def go():
+        async with UcxTransport(layout, random_kv(layout)) as rx:
+            conn = await UcxTransport(layout).connect(rx.address)
+            cpu = time.process_time()
+            await asyncio.sleep(0.5)  # an accept loop, a serve loop: both waiting
+            cpu = time.process_time() - cpu
+            await conn.close()
+            return cpu
+
+    assert ucx_loop.run(go(), timeout=60) < 0.2
+
+
+def test_connecting_to_a_closed_receiver_fails_fast(ucx_loop):
+    layout = tiny_layout()
+
+    async def go():
+        rx = UcxTransport(layout, random_kv(layout))
+        await rx.start()
+        address = rx.address
+        await rx.close()
+        tx = UcxTransport(layout, timeout=0.5)
+        with pytest.raises(ConnectionError, match="no handshake reply"):
+            await tx.connect(address)
+        await tx.close()
+
+    ucx_loop.run(go(), timeout=60)
+
+
+@pytest.mark.parametrize("mode,device", [("worker", "cpu"), ("listener", "cpu"),
+                                         pytest.param("worker", "cuda", marks=pytest.mark.gpu)])
+def test_two_processes(ucx_loop, mode, device, capsys):
+    """A receiver in a spawned process: shared memory (worker) or TCP (listener) for real;
+    on a GPU, CUDA tensors straight from one process's memory to the other's."""
+    layout = tiny_layout(head_dim=64)  # 48 KiB per block
+    src = random_kv(layout, num_blocks=512, seed=7).to(device)
+    proc, pipe, address = spawn_receiver(layout, 512, mode, return_kv=True, device=device)
+    big = list(range(256))
+
+    async def go():
+        tx = UcxTransport(layout)
+        conn = await tx.connect(address)
+        await conn.send_blocks("warm", src, big, big)
+        stats = await conn.send_blocks("big", src, big, [b + 256 for b in big])
+        await conn.send_blocks("a", src, [9, 8, 7], [0, 1, 2], sample_extras())
+        await tx.close()
+        return stats
+
+    try:
+        stats = ucx_loop.run(go(), timeout=60)
+    finally:
+        dst = stop_receiver(proc, pipe, layout)
+    assert dst is not None and proc.exitcode == 0
+    src = src.cpu()
+    assert torch.equal(dst[:, :, [0, 1, 2]], src[:, :, [9, 8, 7]])
+    assert torch.equal(dst[:, :, 3:256], src[:, :, 3:256])
+    assert torch.equal(dst[:, :, 256:], src[:, :, :256])
+    assert stats.bytes == 256 * layout.block_bytes
+    with capsys.disabled():
+        print(f"\n[kvtransfer] ucx {mode} {device}, 2 processes: {stats.bytes / 2**20:.1f} MiB in "
+              f"{stats.seconds * 1e3:.1f} ms = {stats.bytes_per_s / 1e9:.2f} GB/s")
