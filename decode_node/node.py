@@ -49,6 +49,7 @@ class DecodeNode:
     async def cancel(self, rid: str) -> None:
         """Cancel a running request or drop a reservation; its blocks are free after this."""
         await self.loop.call(lambda e: e.abort(rid))
+        self.transport.inbox.discard(rid)  # KV that landed for nobody
 
     async def stats(self) -> dict:
         return await self.loop.call(_engine_stats)

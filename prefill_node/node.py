@@ -4,6 +4,9 @@ decode node's reserved blocks and held under a lease until the decode side ackno
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+
 from engine import Engine, SamplingParams
 from engine.handoff import Handoff
 from engine.output import RequestOutput
@@ -22,30 +25,52 @@ class PrefillNode:
         self.layout = BlockLayout.from_engine_config(self.engine.config)
         self.transport = make_transport(transport, self.layout)
         self._conns: dict[str, object] = {}
+        self._active: set[str] = set()  # requests inside prefill()
+        self._cancelled: set[str] = set()
+        self._sending: dict[str, asyncio.Future] = {}
         self.transferred_bytes = 0
 
     async def prefill(self, rid: str, ids: list[int], params: SamplingParams,
                       spec_cap: int | None, decode_address: dict, dst_blocks: list[int]
-                      ) -> tuple[RequestOutput, Handoff | None]:
-        """Prefill, then ship the KV; returns the first output and the hand-off (None when the
-        request already finished at its first token)."""
-        outs = [o async for o in self.loop.generate(rid, ids, params, spec_cap, hold=True)]
-        out = outs[-1]
-        if not out.handoff:
-            return out, None
+                      ) -> AsyncIterator[RequestOutput | Handoff]:
+        """Prefill and yield the first output at once (TTFT does not wait for the transfer);
+        then ship the KV and yield the hand-off. Nothing more when the request already
+        finished at its first token."""
+        self._active.add(rid)
         try:
-            h = await self.loop.call(lambda e: e.export_handoff(rid))
-            src = await self.loop.call(lambda e: e.held_blocks(rid))
-            conn = await self._connect(decode_address)
-            stats = await conn.send_blocks(rid, self.engine.kv_cache, src[: len(dst_blocks)],
-                                           dst_blocks)
-            self.transferred_bytes += stats.bytes
+            outs = [o async for o in self.loop.generate(rid, ids, params, spec_cap, hold=True)]
+            yield outs[-1]
+            if not outs[-1].handoff or rid in self._cancelled:
+                return
+            # Registered before any await, so cancel() always sees a send it must wait for.
+            send = asyncio.ensure_future(self._ship(rid, decode_address, dst_blocks))
+            self._sending[rid] = send
+            h = await send
         finally:  # the lease ends with the receiver's ack, or with the failure
+            self._active.discard(rid)
+            self._cancelled.discard(rid)
+            self._sending.pop(rid, None)
             await self.loop.call(lambda e: e.release(rid))
-        return out, h
+        yield h
+
+    async def _ship(self, rid: str, decode_address: dict, dst_blocks: list[int]) -> Handoff:
+        h = await self.loop.call(lambda e: e.export_handoff(rid))
+        src = await self.loop.call(lambda e: e.held_blocks(rid))
+        conn = await self._connect(decode_address)
+        stats = await conn.send_blocks(rid, self.engine.kv_cache, src[: len(dst_blocks)],
+                                       dst_blocks)
+        self.transferred_bytes += stats.bytes
+        return h
 
     async def cancel(self, rid: str) -> None:
+        """Stop the request here. Returns only once no transfer for it can still be writing
+        into the decode side's blocks, so the decode side may then free them."""
+        if rid in self._active:
+            self._cancelled.add(rid)
         await self.loop.call(lambda e: e.abort(rid))
+        send = self._sending.get(rid)
+        if send is not None:
+            await asyncio.wait([send])
 
     async def _connect(self, address: dict):
         key = repr(sorted(address.items()))

@@ -3,6 +3,7 @@ streamed back. Routing: prefix-cache affinity for prefill, least loaded decode."
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import AsyncIterator
 
@@ -45,12 +46,15 @@ class DisaggBackend:
             if id(d) not in self._addr:
                 self._addr[id(d)] = await d.address.remote()
             dst = await d.reserve.remote(rid, len(ids))
-            first, handoff = await p.prefill.remote(rid, ids, params, spec_cap,
-                                                    self._addr[id(d)], dst)
-            yield first
-            if handoff is None:
+            steps = p.prefill.options(num_returns="streaming").remote(
+                rid, ids, params, spec_cap, self._addr[id(d)], dst)
+            first = await (await steps.__anext__())
+            yield first  # before the KV moves: TTFT is prefill time only
+            if first.finished:  # done at its first token: no KV will come
                 finished = True
+                d.cancel.remote(rid)
                 return
+            handoff = await (await steps.__anext__())
             async for ref in d.generate.options(num_returns="streaming").remote(handoff):
                 out = await ref
                 yield out
@@ -58,5 +62,13 @@ class DisaggBackend:
         finally:
             self.load[id(d)] -= 1
             if not finished:  # cancelled or failed: free blocks on both sides
-                p.cancel.remote(rid)
-                d.cancel.remote(rid)
+                asyncio.ensure_future(self._cancel(p, d, rid))
+
+    @staticmethod
+    async def _cancel(p, d, rid: str) -> None:
+        """Prefill first: once it returns no transfer can still land in the decode side's
+        reserved blocks, so freeing them cannot corrupt a later request."""
+        try:
+            await p.cancel.remote(rid)
+        finally:
+            await d.cancel.remote(rid)

@@ -83,3 +83,33 @@ def test_bad_request_and_cancel_leave_nothing_behind(cluster, chat_ids):
             break
         threading.Event().wait(0.1)
     assert all(s["blocks_free"] == s["blocks_total"] and s["running"] == 0 for s in stats)
+
+
+def test_fifty_requests_with_cancellations_leak_nothing(cluster, chat_ids):
+    import random
+
+    import ray
+
+    c, target = cluster
+    rng = random.Random(5)
+    plans = [(rng.choice(chat_ids), rng.randrange(1, 8), rng.random() < 0.3) for _ in range(50)]
+
+    def run(share):
+        with Client(target, timeout=300) as cl:
+            for ids, n, cancel in share:
+                stream = cl.generate(token_ids=ids, temperature=0.5, seed=n, max_tokens=n)
+                for _ in stream:
+                    if cancel:
+                        stream.cancel()
+                        break
+
+    ts = [threading.Thread(target=run, args=(plans[i::5],)) for i in range(5)]
+    [t.start() for t in ts]
+    [t.join(600) for t in ts]
+    for _ in range(100):
+        stats = ray.get([a.stats.remote() for a in c.prefills + c.decodes])
+        if all(s["blocks_free"] == s["blocks_total"] and s["running"] == 0 for s in stats):
+            break
+        threading.Event().wait(0.1)
+    assert all(s["blocks_free"] == s["blocks_total"] for s in stats), stats
+    assert all(s["held"] == 0 and s["reserved"] == 0 and s["running"] == 0 for s in stats)
