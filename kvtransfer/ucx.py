@@ -43,8 +43,8 @@ class UcxTransport(Transport):
 
     def __init__(self, layout: BlockLayout, kv_cache: torch.Tensor | None = None,
                  on_receive: OnReceive | None = None, *, mode: str = "worker",
-                 host: str = "127.0.0.1",
-                 port: int = 0, num_chunks: int = 1, checksum: bool = False,
+                 host: str = "127.0.0.1", port: int = 0, num_chunks: int = 1,
+                 checksum: bool = False,
                  timeout: float = 30.0, progress_mode: str = "thread"):
         super().__init__(layout, kv_cache, on_receive)
         if mode not in MODES:
