@@ -7,11 +7,11 @@ from collections.abc import AsyncIterator
 
 from engine import Engine
 from engine.handoff import Handoff
+from engine.loop import EngineLoop
 from engine.output import RequestOutput
 from kvtransfer.factory import make_transport
 from kvtransfer.layout import BlockLayout
 from prefill_node.node import _engine_stats, engine_info
-from router.local import EngineLoop
 
 RECV_TIMEOUT_S = 60.0
 

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 
 from engine import Engine, SamplingParams
 from engine.handoff import Handoff
+from engine.loop import EngineLoop
 from engine.output import RequestOutput
 from kvtransfer.factory import make_transport
 from kvtransfer.layout import BlockLayout
-from router.local import EngineLoop
 
 
 class PrefillNode:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine import Engine
-from router.local import EngineLoop
+from engine.loop import EngineLoop
 
 
 class LocalBackend:

@@ -3,6 +3,7 @@ the next ones (EAGLE-3 head over the target's hidden states, or n-gram lookup)."
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -123,7 +124,7 @@ class SpecRunner:
         toks = [t for s in spans for t in s.seq.token_ids[s.lo + 1 : s.lo + s.m + 1]]
         pos = [p for s in spans for p in range(s.lo, s.lo + s.m)]
         out = self._step(spans, [s.m for s in spans], toks, pos, fused)
-        ends = torch.tensor(_cumsum([s.m for s in spans]), device=dev) - 1
+        ends = torch.tensor(list(itertools.accumulate(s.m for s in spans)), device=dev) - 1
         h = out[ends]
         live = [i for i, k in enumerate(ks) if k]
         drafts: dict[int, list[int]] = {i: [] for i in live}
@@ -180,10 +181,3 @@ class SpecRunner:
         embeds = self.model.embed_tokens(t(toks))
         return self.head(embeds, hidden.to(embeds.dtype), t(pos), self.kv, meta)
 
-
-def _cumsum(xs: list[int]) -> list[int]:
-    out, acc = [], 0
-    for x in xs:
-        acc += x
-        out.append(acc)
-    return out

@@ -1,5 +1,5 @@
-"""Colocated backend: one engine stepping on its own thread, requests in, outputs out to each
-caller's asyncio queue. The baseline every disaggregated figure is compared against."""
+"""An engine on its own thread: requests in, outputs out to each caller's asyncio queue. Every
+engine call goes through this thread. Colocated serving and both node kinds use it."""
 
 from __future__ import annotations
 
