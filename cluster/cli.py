@@ -94,7 +94,7 @@ def cmd_serve(args) -> int:
     import threading
 
     from cluster.config import apply_overrides, engine_kwargs, load_config
-    from cluster.metrics import Metrics
+    from engine.metrics import Metrics
     from router.server import GenerationService, start_server
 
     sets = list(args.set) + (["mode=colocated"] if args.colocated else [])
@@ -113,6 +113,9 @@ def cmd_serve(args) -> int:
 
         cluster = launcher.start_from_config(cfg)
         backend, close = cluster.backend, cluster.shutdown
+        for name, p in zip(cfg.components()[1:], cluster.metrics_ports):
+            if p is not None:
+                print(f"{name} metrics on http://127.0.0.1:{p}/metrics", file=sys.stderr)
     metrics = Metrics("router") if cfg.metrics.enabled else None
     if metrics is not None:
         _, mport = metrics.serve(cfg.metrics.host, cfg.metrics_ports()["router"])

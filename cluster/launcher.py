@@ -17,6 +17,7 @@ class Cluster:
     backend: DisaggBackend
     prefills: list
     decodes: list
+    metrics_ports: list  # per actor, prefills then decodes (None: metrics off)
 
     def shutdown(self) -> None:
         import ray
@@ -27,8 +28,8 @@ class Cluster:
 
 def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = None, *,
           prefill_replicas: int = 1, decode_replicas: int = 1, transport: str = "ucx",
-          address: str | None = None, prefill_gpus: float = 0.0, decode_gpus: float = 0.0
-          ) -> Cluster:
+          address: str | None = None, prefill_gpus: float = 0.0, decode_gpus: float = 0.0,
+          metrics: bool = True) -> Cluster:
     """Connect to (or start) Ray, place the actors, and return the router's backend.
     `engine_kwargs` configure prefill engines, `decode_kwargs` (default: the same) decode."""
     import ray
@@ -44,8 +45,9 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
     P = ray.remote(PrefillNode).options(num_gpus=prefill_gpus, num_cpus=0,
                                         max_concurrency=1000)
     D = ray.remote(DecodeNode).options(num_gpus=decode_gpus, num_cpus=0, max_concurrency=1000)
-    prefills = [P.remote(model, engine_kwargs, transport) for _ in range(prefill_replicas)]
-    decodes = [D.remote(model, decode_kwargs or engine_kwargs, transport)
+    port = 0 if metrics else None  # each node serves /metrics on a free port (see info())
+    prefills = [P.remote(model, engine_kwargs, transport, port) for _ in range(prefill_replicas)]
+    decodes = [D.remote(model, decode_kwargs or engine_kwargs, transport, port)
                for _ in range(decode_replicas)]
     infos = ray.get([a.info.remote() for a in prefills + decodes])  # waits for the models
     from engine import loader
@@ -54,7 +56,8 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
     tok = loader.Tokenizer.load(loader.resolve(model))
     encoder = PromptEncoder(tok, info["vocab_size"], info["max_model_len"], info["block_size"],
                             min(i["num_blocks"] for i in infos))
-    return Cluster(DisaggBackend(prefills, decodes, encoder, info), prefills, decodes)
+    return Cluster(DisaggBackend(prefills, decodes, encoder, info), prefills, decodes,
+                   [i["metrics_port"] for i in infos])
 
 
 def start_from_config(cfg, transport: str = "ucx") -> Cluster:
@@ -64,4 +67,5 @@ def start_from_config(cfg, transport: str = "ucx") -> Cluster:
     return start(cfg.model.path, engine_kwargs(cfg, "prefill"), engine_kwargs(cfg, "decode"),
                  prefill_replicas=cfg.prefill.replicas, decode_replicas=cfg.decode.replicas,
                  transport=transport, address=cfg.ray_address,
-                 prefill_gpus=cfg.prefill.num_gpus, decode_gpus=cfg.decode.num_gpus)
+                 prefill_gpus=cfg.prefill.num_gpus, decode_gpus=cfg.decode.num_gpus,
+                 metrics=cfg.metrics.enabled)

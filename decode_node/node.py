@@ -11,7 +11,7 @@ from engine.loop import EngineLoop
 from engine.output import RequestOutput
 from kvtransfer.factory import make_transport
 from kvtransfer.layout import BlockLayout
-from prefill_node.node import _engine_stats, engine_info
+from prefill_node.node import _engine_stats, node_info, serve_metrics
 
 RECV_TIMEOUT_S = 60.0
 
@@ -19,9 +19,12 @@ RECV_TIMEOUT_S = 60.0
 class DecodeNode:
     """Plain class; cluster/launcher.py runs it as a Ray actor."""
 
-    def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx"):
+    def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
+                 metrics_port: int | None = None):
         self.engine = Engine.from_pretrained(model, **engine_kwargs)
+        self.metrics, self.metrics_port = serve_metrics("decode", metrics_port)
         self.loop = EngineLoop(self.engine)
+        self.loop.on_step = self.metrics.engine_step
         self.loop.start()
         self.layout = BlockLayout.from_engine_config(self.engine.config)
         self.transport = make_transport(transport, self.layout, self.engine.kv_cache)
@@ -55,4 +58,4 @@ class DecodeNode:
         return await self.loop.call(_engine_stats)
 
     async def info(self) -> dict:
-        return engine_info(self.engine)
+        return node_info(self)

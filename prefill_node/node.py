@@ -18,9 +18,12 @@ from kvtransfer.layout import BlockLayout
 class PrefillNode:
     """Plain class; cluster/launcher.py runs it as a Ray actor."""
 
-    def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx"):
+    def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
+                 metrics_port: int | None = None):
         self.engine = Engine.from_pretrained(model, **engine_kwargs)
+        self.metrics, self.metrics_port = serve_metrics("prefill", metrics_port)
         self.loop = EngineLoop(self.engine)
+        self.loop.on_step = self.metrics.engine_step
         self.loop.start()
         self.layout = BlockLayout.from_engine_config(self.engine.config)
         self.transport = make_transport(transport, self.layout)
@@ -57,8 +60,13 @@ class PrefillNode:
         h = await self.loop.call(lambda e: e.export_handoff(rid))
         src = await self.loop.call(lambda e: e.held_blocks(rid))
         conn = await self._connect(decode_address)
-        stats = await conn.send_blocks(rid, self.engine.kv_cache, src[: len(dst_blocks)],
-                                       dst_blocks)
+        try:
+            stats = await conn.send_blocks(rid, self.engine.kv_cache, src[: len(dst_blocks)],
+                                           dst_blocks)
+        except BaseException:
+            self.metrics.observe_transfer(0, 0.0, ok=False)
+            raise
+        self.metrics.observe_transfer(stats.bytes, stats.seconds, ok=True)
         self.transferred_bytes += stats.bytes
         return h
 
@@ -82,7 +90,15 @@ class PrefillNode:
         return await self.loop.call(_engine_stats)
 
     async def info(self) -> dict:
-        return engine_info(self.engine)
+        return node_info(self)
+
+
+def serve_metrics(role: str, port: int | None):
+    """This node's Prometheus metrics, exposed over HTTP unless port is None."""
+    from engine.metrics import Metrics
+
+    m = Metrics(role)
+    return m, (m.serve("127.0.0.1", port)[1] if port is not None else None)
 
 
 def engine_info(e: Engine) -> dict:
@@ -92,6 +108,10 @@ def engine_info(e: Engine) -> dict:
             "max_model_len": c.max_model_len, "block_size": c.block_size,
             "dtype": str(c.dtype).removeprefix("torch."), "num_blocks": e.num_blocks,
             "speculation": c.spec.method if c.spec else "none"}
+
+
+def node_info(node) -> dict:
+    return {**engine_info(node.engine), "metrics_port": node.metrics_port}
 
 
 def _engine_stats(e: Engine) -> dict:

@@ -9,8 +9,8 @@ import time
 
 import grpc
 
-from cluster.metrics import RequestTimer
 from engine import InvalidRequestError, ResourceExhaustedError
+from engine.metrics import RequestTimer
 from router.convert import FINISH, prompt_of, sampling_of, spec_cap_of
 from tandem_client._gen.tandem.v1 import generation_pb2 as pb
 from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc

@@ -1,4 +1,4 @@
-"""cluster.metrics: exposition, exact counter values, the HTTP endpoint, RequestTimer math."""
+"""engine.metrics: exposition, exact counter values, the HTTP endpoint, RequestTimer math."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.metrics import Metrics, RequestTimer
+from engine.metrics import Metrics, RequestTimer
 
 
 def samples(text: str | bytes) -> dict[tuple[str, frozenset], float]:

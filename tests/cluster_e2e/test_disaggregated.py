@@ -113,3 +113,21 @@ def test_fifty_requests_with_cancellations_leak_nothing(cluster, chat_ids):
         threading.Event().wait(0.1)
     assert all(s["blocks_free"] == s["blocks_total"] for s in stats), stats
     assert all(s["held"] == 0 and s["reserved"] == 0 and s["running"] == 0 for s in stats)
+
+
+def test_node_metrics_endpoints_parse_and_move(cluster):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    c, _ = cluster
+    values = []
+    for port in c.metrics_ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+        fams = {f.name: f for f in text_string_to_metric_families(text.decode())}
+        values.append({s.name: s.value for f in fams.values() for s in f.samples
+                       if not s.labels.get("position") and not s.labels.get("status")})
+    prefill, decode = values
+    assert prefill["tandem_kv_transfer_bytes_total"] > 0
+    assert prefill["tandem_kv_transfer_seconds_count"] > 0
+    assert decode["tandem_kv_blocks_total"] > 0 and decode["tandem_spec_acceptance_length"] >= 1

@@ -130,7 +130,7 @@ def test_model_info_and_health(served):
 def test_metrics_move_with_traffic():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from cluster.metrics import Metrics
+    from engine.metrics import Metrics
 
     m = Metrics("router")
     s = Served(tiny_engine(0, max_position=128))

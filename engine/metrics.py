@@ -152,6 +152,15 @@ class Metrics:
         """This component's metrics in the Prometheus text format."""
         return generate_latest(self.registry)
 
+    def engine_step(self, engine) -> None:
+        """After each engine step: queue, running, KV blocks, speculation counters."""
+        spec = engine.spec.stats if engine.spec is not None else None
+        self.set_engine_gauges(len(engine.scheduler.waiting), len(engine.scheduler.running),
+                               engine.num_blocks - engine.blocks.num_free, engine.num_blocks,
+                               spec.acceptance_length if spec and spec.verify_steps else None)
+        if spec is not None:
+            self.observe_spec_totals(spec.drafted_per_pos, spec.accepted_per_pos)
+
     def serve(self, host: str = "127.0.0.1", port: int = 0):
         """Serve this registry over HTTP in a daemon thread; returns (server, actual port).
 
