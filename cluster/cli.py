@@ -182,6 +182,28 @@ def cmd_remote_generate(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    """Health and model of a running server."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tandem_client import Client
+    from tandem_client.errors import TandemError
+
+    try:
+        with grpc.insecure_channel(args.address) as ch:
+            health = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service="tandem.v1.Generation"), timeout=5)
+        with Client(args.address, timeout=5, retries=0) as c:
+            info = c.model_info()
+    except (grpc.RpcError, TandemError) as e:
+        print(f"{args.address}: unreachable ({e})", file=sys.stderr)
+        return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
+    print(f"{args.address}: {status}\n{info}")
+    return 0 if health.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem", description="tandem LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -203,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="stream one chat completion through the server, then exit")
     _add_sampling_args(sv)
     sv.set_defaults(fn=cmd_serve)
+    st = sub.add_parser("status", help="health and model of a running server")
+    st.add_argument("--address", default="127.0.0.1:50051")
+    st.set_defaults(fn=cmd_status)
     from cluster import train_eagle3
 
     train_eagle3.add_parser(sub)
