@@ -18,7 +18,6 @@ class ForwardInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     logits_rows: list[int]  # packed row of the last token of each batch entry
-    starts: list[int]  # packed row where each entry begins (plus the total at the end)
 
 
 @dataclass
@@ -61,7 +60,7 @@ def build_inputs(batch: Batch, block_size: int, device: str) -> ForwardInputs:
         block_tables=t(tables, torch.int32), max_query_len=max(batch.num_tokens),
         max_seq_len=max(lens), query_start_cpu=starts, seq_lens_cpu=lens,
     )
-    return ForwardInputs(t(ids), t(pos), meta, rows, starts)
+    return ForwardInputs(t(ids), t(pos), meta, rows)
 
 
 class ModelRunner:

@@ -1,26 +1,8 @@
-"""What every drafter offers the verifier: up to k guessed next tokens (and, optionally, q)."""
+"""What a token-only drafter offers the verifier: up to k guessed next tokens."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-
-import torch
-
-
-@dataclass
-class DraftProposal:
-    """Draft tokens and the distribution q each was drawn from.
-
-    probs: [len(tokens), vocab], row i the exact law q that tokens[i] was *sampled* from.
-    None means a point mass at each proposed token: right for deterministic drafters (n-gram,
-    a draft model decoded by argmax), and lossless however the tokens were chosen, only with
-    fewer acceptances than the true q would give. A q that is not the law the token was drawn
-    from (e.g. a softmax passed for an argmax pick) breaks losslessness.
-    """
-
-    tokens: list[int]
-    probs: torch.Tensor | None = None
 
 
 class Drafter(ABC):

@@ -21,6 +21,19 @@ ENGINE_KW = {"enable_prefix_caching": False, "kv_cache_bytes": 256 << 20, "max_m
              "spec": SpecConfig(num_tokens=3, dynamic=False)}
 
 
+def settled_stats(c, tries: int = 100) -> list[dict]:
+    """Every actor's stats once nothing runs and every block is free (cancels land
+    asynchronously), or the last stats seen."""
+    import ray
+
+    for _ in range(tries):
+        stats = ray.get([a.stats.remote() for a in c.prefills + c.decodes])
+        if all(s["blocks_free"] == s["blocks_total"] and s["running"] == 0 for s in stats):
+            break
+        threading.Event().wait(0.1)
+    return stats
+
+
 @pytest.fixture(scope="module")
 def cluster():
     import ray
@@ -62,7 +75,6 @@ def test_disaggregated_greedy_equals_colocated(cluster, smol_engine, chat_ids):
 
 
 def test_bad_request_and_cancel_leave_nothing_behind(cluster, chat_ids):
-    import ray
 
     c, target = cluster
     with Client(target, retries=0, timeout=120) as cl:
@@ -77,18 +89,13 @@ def test_bad_request_and_cancel_leave_nothing_behind(cluster, chat_ids):
                 stream.cancel()
                 break
         assert cl.complete(token_ids=chat_ids[2], temperature=0, max_tokens=4).token_ids
-    for _ in range(100):
-        stats = ray.get([a.stats.remote() for a in c.prefills + c.decodes])
-        if all(s["blocks_free"] == s["blocks_total"] for s in stats):
-            break
-        threading.Event().wait(0.1)
+    stats = settled_stats(c)
     assert all(s["blocks_free"] == s["blocks_total"] and s["running"] == 0 for s in stats)
 
 
 def test_fifty_requests_with_cancellations_leak_nothing(cluster, chat_ids):
     import random
 
-    import ray
 
     c, target = cluster
     rng = random.Random(5)
@@ -106,11 +113,7 @@ def test_fifty_requests_with_cancellations_leak_nothing(cluster, chat_ids):
     ts = [threading.Thread(target=run, args=(plans[i::5],)) for i in range(5)]
     [t.start() for t in ts]
     [t.join(600) for t in ts]
-    for _ in range(100):
-        stats = ray.get([a.stats.remote() for a in c.prefills + c.decodes])
-        if all(s["blocks_free"] == s["blocks_total"] and s["running"] == 0 for s in stats):
-            break
-        threading.Event().wait(0.1)
+    stats = settled_stats(c)
     assert all(s["blocks_free"] == s["blocks_total"] for s in stats), stats
     assert all(s["held"] == 0 and s["reserved"] == 0 and s["running"] == 0 for s in stats)
 
