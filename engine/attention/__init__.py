@@ -2,8 +2,9 @@
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
 from engine.attention.torch_ref import TorchAttention
+from engine.attention.triton_backend import TritonAttention, triton_available
 
-BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention}
+BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchAttention, "triton": TritonAttention}
 
 
 def get_backend(name: str) -> type[AttentionBackend]:
@@ -14,4 +15,5 @@ def get_backend(name: str) -> type[AttentionBackend]:
         raise ValueError(f"unknown attention backend {name!r}; have {sorted(BACKENDS)}") from None
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttention", "get_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "TorchAttention", "TritonAttention",
+           "get_backend", "triton_available"]

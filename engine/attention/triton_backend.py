@@ -1,0 +1,157 @@
+"""Triton attention over the paged KV cache: one store kernel, one attention kernel.
+
+The attention kernel serves every shape the engine runs — prefill chunks (prefix-cache aware),
+one-token decode, and the K+1-token speculative verify — because all three are the same case:
+sequence i has `q_len` new queries at the end of a `seq_len`-token context, causal among
+themselves. Grouped-query heads are packed into the query tile: row r of a tile is query token
+r // G of query head kv_head * G + r % G, so a decode step of a GQA model still fills a
+16-row matrix-unit tile and reads each KV block once per KV head.
+
+Every launch is shape-static given (num_seqs, max_query_len): loop bounds come from tensors on
+the device, so the kernels can be captured in CUDA graphs. A slot of -1 in `slot_mapping`
+skips the store (padding rows of a captured batch bucket).
+
+On the CPU these kernels run under `TRITON_INTERPRET=1` (tests, small shapes; the interpreter
+is wrong for bf16, so CPU tests use fp32/fp16).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata
+
+try:  # Triton is optional: the torch backend needs nothing beyond torch.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _store_kv_kernel(K, V, KC, VC, slots, stride_kt, stride_vt, stride_cs,
+                         ROW: tl.constexpr, BLOCK: tl.constexpr):
+        """Token t's K and V rows ([kv_heads * head_dim]) into cache slot slots[t]."""
+        t = tl.program_id(0)
+        slot = tl.load(slots + t)
+        if slot >= 0:
+            offs = tl.arange(0, BLOCK)
+            mask = offs < ROW
+            k = tl.load(K + t * stride_kt + offs, mask=mask)
+            v = tl.load(V + t * stride_vt + offs, mask=mask)
+            tl.store(KC + slot * stride_cs + offs, k.to(KC.dtype.element_ty), mask=mask)
+            tl.store(VC + slot * stride_cs + offs, v.to(VC.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _paged_attention_kernel(
+        Q, KC, VC, Out, query_start, seq_lens, block_tables, scale,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_cb, stride_cs, stride_ch, stride_bt,
+        G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        q0 = tl.load(query_start + b)
+        q_len = tl.load(query_start + b + 1) - q0
+        ctx = tl.load(seq_lens + b)
+        if tile * BLOCK_M < q_len * G:
+            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            t = rows // G
+            head = kvh * G + rows % G
+            row_ok = t < q_len
+            d = tl.arange(0, BLOCK_D)
+            d_ok = d < HEAD_DIM
+            q = tl.load(Q + (q0 + t)[:, None] * stride_qt + head[:, None] * stride_qh
+                        + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            q_pos = ctx - q_len + t  # absolute position of each query row
+            # Keys this tile can see: up to the position of its last real query.
+            last_t = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
+            kv_end = ctx - q_len + last_t + 1
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            qk_scale = scale * 1.4426950408889634  # exp2 domain
+            for start in range(0, kv_end, BLOCK_N):
+                k_pos = start + tl.arange(0, BLOCK_N)
+                k_ok = k_pos < kv_end
+                page = tl.load(block_tables + b * stride_bt + k_pos // PAGE, mask=k_ok, other=0)
+                off = page.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs + kvh * stride_ch
+                kv_mask = k_ok[:, None] & d_ok[None, :]
+                k = tl.load(KC + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * qk_scale
+                visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+                s = tl.where(visible, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(VC + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                                    input_precision=PRECISION)
+                m_i = m_new
+            out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(Out + (q0 + t)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                     out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+class TritonAttention(AttentionBackend):
+    """Paged attention in Triton: prefill, decode and verify through one kernel."""
+
+    name = "triton"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+        if triton is None:
+            raise RuntimeError("the triton attention backend needs the `triton` package")
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"{num_heads} heads do not group over {num_kv_heads} KV heads")
+        self.group = num_heads // num_kv_heads
+
+    def store_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
+        t = k.shape[0]
+        if t == 0:
+            return
+        row = self.num_kv_heads * self.head_dim
+        k = k.reshape(t, row)
+        v = v.reshape(t, row)
+        kc, vc = kv_cache[0], kv_cache[1]
+        _store_kv_kernel[(t,)](k, v, kc, vc, meta.slot_mapping, k.stride(0), v.stride(0),
+                               kc.stride(1), ROW=row, BLOCK=_pow2(row))
+
+    def tile_m(self, max_query_len: int) -> int:
+        """Rows per program: enough for one decode/verify step's grouped heads, 64 at most."""
+        return min(64, _pow2(max_query_len * self.group))
+
+    def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        out = torch.empty_like(q)
+        if q.shape[0] == 0:
+            return out
+        kc, vc = kv_cache[0], kv_cache[1]  # [blocks, block, kv_heads, d]
+        block_m = self.tile_m(meta.max_query_len)
+        grid = (triton.cdiv(meta.max_query_len * self.group, block_m), self.num_kv_heads,
+                meta.num_seqs)
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        _paged_attention_kernel[grid](
+            q, kc, vc, out, meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
+            G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=_pow2(self.head_dim),
+            PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=max(16, min(64, 4 * self.block_size)),
+            PRECISION=precision, num_warps=4 if block_m <= 32 else 8,
+        )
+        return out
