@@ -166,7 +166,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_draft_layers: int = 0
     spec: SpecConfig | None = None
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto: triton on CUDA when importable, else torch
+    cuda_graphs: bool = True  # replay captured decode/verify/draft steps (CUDA + triton only)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -187,6 +188,21 @@ class EngineConfig:
             raise ValueError("num_draft_layers must be >= 0")
         if self.spec is not None and self.num_draft_layers < self.spec.num_draft_layers:
             object.__setattr__(self, "num_draft_layers", self.spec.num_draft_layers)
+
+    @property
+    def backend_name(self) -> str:
+        """The attention backend this engine runs ("auto" resolved)."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        from engine.attention import triton_available
+
+        on_cuda = str(self.device).startswith("cuda")
+        return "triton" if on_cuda and triton_available() else "torch"
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return (self.cuda_graphs and str(self.device).startswith("cuda")
+                and self.backend_name == "triton")
 
     @property
     def num_kv_layers(self) -> int:

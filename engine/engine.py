@@ -37,8 +37,8 @@ class Engine:
         """Build from HF-named `state_dict`, or share the weights of engine `weights_of`."""
         self.config = cfg = config
         m = cfg.model
-        backend = get_backend(cfg.attention_backend)(m.num_heads, m.num_kv_heads, m.head_dim,
-                                                    cfg.block_size)
+        backend = get_backend(cfg.backend_name)(m.num_heads, m.num_kv_heads, m.head_dim,
+                                                cfg.block_size)
         with torch.device(cfg.device):
             self.model = LlamaModel(m, backend).to(cfg.dtype)
         if weights_of is not None:
@@ -56,6 +56,12 @@ class Engine:
         self.runner = ModelRunner(cfg, self.model, self.kv_cache)
         self.spec = SpecRunner(cfg, self.model, self.kv_cache, self._draft_head(draft_head)) \
             if cfg.spec else None
+        if cfg.use_cuda_graphs:
+            k = cfg.spec.num_tokens if cfg.spec else 0
+            self.runner.enable_graphs(min(cfg.max_num_seqs, 256), range(1, k + 2),
+                                      self.spec.aux_layers if self.spec else ())
+            if self.spec is not None:
+                self.spec.enable_graphs(min(cfg.max_num_seqs, 256))
         self.tokenizer = tokenizer
         self.eos_ids = set(m.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -95,8 +101,8 @@ class Engine:
             return None
 
         def backend(hc):
-            return get_backend(cfg.attention_backend)(hc.num_heads, hc.num_kv_heads,
-                                                      hc.head_dim, cfg.block_size)
+            return get_backend(cfg.backend_name)(hc.num_heads, hc.num_kv_heads, hc.head_dim,
+                                                 cfg.block_size)
 
         if given is None:
             return load_head(spec.head or loader.shipped_head(m), m, backend, cfg.dtype,
@@ -195,7 +201,7 @@ class Engine:
                 ks.append(k)
                 rows.extend(range(end - k - 1, end))
         aux = self.spec.aux_layers if self.spec else self.capture_layers
-        fwd = self.runner.forward(batch, [], aux_layers=aux, rows=rows)
+        fwd = self.runner.forward(batch, rows, aux_layers=aux)
         argmax = fwd.logits.argmax(dim=-1).tolist()
         results, r = {}, 0
         for i, k in zip(done, ks):

@@ -211,6 +211,11 @@ class Eagle3Head(nn.Module):
         """Draft-vocabulary logits [T, draft_vocab] in fp32."""
         return self.lm_head(self.norm(out)).float()
 
+    def greedy_tokens(self, out: torch.Tensor) -> torch.Tensor:
+        """The head's argmax as target token ids, on the device."""
+        d = self.logits(out).argmax(dim=-1)
+        return d + self.d2t[d]
+
     def full_vocab_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Logits over the target vocabulary: -inf outside the draft vocabulary."""
         dl = self.logits(out)

@@ -6,10 +6,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
+from engine.graphs import GraphSet, HostStager, pack, to_device
 from engine.model import LlamaModel
 from engine.sampler import processed_probs, sample_from
 from engine.sequence import Sequence
@@ -80,6 +81,8 @@ class SpecRunner:
             if cfg.spec.method == "ngram" else None
         self.policy = KPolicy(cfg.spec)
         self.stats = SpecStats(cfg.spec.num_tokens)
+        self.stager = HostStager(cfg.device, 1 << 12)
+        self.graphs: GraphSet | None = None
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -115,69 +118,99 @@ class SpecRunner:
             blocks.grow(seq, need + k)
         return k
 
+    def enable_graphs(self, max_batch: int) -> None:
+        """Capture the chained one-token draft step (head forward + greedy pick) per batch
+        bucket; the first, variable-length step over a span stays eager."""
+        if self.head is None:
+            return
+        head, model, kv = self.head, self.model, self.kv
+
+        def fn(ids, pos, meta, toks, hidden):
+            out = head(model.embed_tokens(toks[:, 0]), hidden, pos, kv, meta)
+            return out, head.greedy_tokens(out)
+
+        max_blocks = -(-self.cfg.max_model_len // self.cfg.block_size)
+        self.graphs = GraphSet(fn, self.cfg.device, max_batch, (1,), max_blocks,
+                               extras=((1, torch.int64), (head.cfg.hidden_size, self.cfg.dtype)))
+
     @torch.inference_mode()
     def _eagle(self, spans: list[Span], aux: list[torch.Tensor], ks: list[int],
                generators: dict[str, torch.Generator]) -> None:
-        head, dev = self.head, self.cfg.device
-        rows = torch.tensor([r for s in spans for r in range(s.row, s.row + s.m)], device=dev)
+        """Draft k_i tokens for each span with the head, keeping tokens on the device: the
+        whole chain costs one host sync, at the end."""
+        head, idx = self.head, self._index
+        rows = idx([r for s in spans for r in range(s.row, s.row + s.m)])
         fused = head.fuse([a[rows] for a in aux])
         toks = [t for s in spans for t in s.seq.token_ids[s.lo + 1 : s.lo + s.m + 1]]
         pos = [p for s in spans for p in range(s.lo, s.lo + s.m)]
         out = self._step(spans, [s.m for s in spans], toks, pos, fused)
-        ends = torch.tensor(list(itertools.accumulate(s.m for s in spans)), device=dev) - 1
-        h = out[ends]
         live = [i for i, k in enumerate(ks) if k]
-        drafts: dict[int, list[int]] = {i: [] for i in live}
+        if not live:
+            return
+        ends = list(itertools.accumulate(s.m for s in spans))
+        h = out[idx([ends[i] - 1 for i in live])]
+        tok = head.greedy_tokens(h)
+        steps: list[tuple[list[int], torch.Tensor]] = []
         qs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
-        h = h[live]
         step = 0
-        while live:
-            logits = head.full_vocab_logits(h)
-            for j, i in enumerate(live):
-                seq = spans[i].seq
-                if seq.params.greedy:
-                    tok = int(logits[j].argmax())
-                else:
-                    q = processed_probs(logits[j : j + 1], seq.params)
-                    tok = int(sample_from(q, generators[seq.request_id])[0])
-                    qs[i].append(q[0])
-                drafts[i].append(tok)
-            keep = [j for j, i in enumerate(live) if len(drafts[i]) < ks[i]]
+        while True:
+            tok = self._sample_drafts(spans, live, h, tok, qs, generators)
+            steps.append((live, tok))
+            keep = [j for j, i in enumerate(live) if step + 1 < ks[i]]
             if not keep:
                 break
+            if len(keep) < len(live):
+                sel = idx(keep)
+                tok, h = tok[sel], h[sel]
             live = [live[j] for j in keep]
             step += 1
-            sel = [spans[i] for i in live]
-            toks = [drafts[i][-1] for i in live]
-            pos = [s.lo + s.m - 1 + step for s in sel]
-            h = self._step(sel, [1] * len(sel), toks, pos, h[keep])
-        for i in drafts:
+            h, tok = self._chain_step([spans[i] for i in live], step, tok, h)
+        flat = torch.cat([t for _, t in steps]).tolist()  # the one sync
+        drafts: dict[int, list[int]] = {i: [] for i in steps[0][0]}
+        it = iter(flat)
+        for lv, _ in steps:
+            for i in lv:
+                drafts[i].append(next(it))
+        for i, d in drafts.items():
             seq = spans[i].seq
-            seq.draft = drafts[i]
+            seq.draft = d
             seq.draft_q = torch.stack(qs[i]) if qs[i] else None
+
+    def _sample_drafts(self, spans, live, h, greedy_tok, qs, generators) -> torch.Tensor:
+        """Greedy requests keep the head's argmax; sampled ones draw from q (kept for
+        verification), written into the same device tensor."""
+        sampled = [j for j, i in enumerate(live) if not spans[i].seq.params.greedy]
+        if not sampled:
+            return greedy_tok
+        tok = greedy_tok.clone()
+        logits = self.head.full_vocab_logits(h[self._index(sampled)])
+        for r, j in enumerate(sampled):
+            seq = spans[live[j]].seq
+            q = processed_probs(logits[r : r + 1], seq.params)
+            tok[j : j + 1] = sample_from(q, generators[seq.request_id])
+            qs[live[j]].append(q[0])
+        return tok
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return self.stager.to_device(np.asarray(rows, dtype=np.int64))
+
+    def _chain_step(self, spans: list[Span], step: int, tok: torch.Tensor, h: torch.Tensor):
+        """Draft step `step` (>= 1): one token per span, from the device tokens just drafted."""
+        bs = self.cfg.block_size
+        pos = [s.lo + s.m - 1 + step for s in spans]
+        inp = pack([0] * len(spans), pos, [s.seq.block_table for s in spans],
+                   [1] * len(spans), bs)
+        if self.graphs is not None and self.graphs.supports(inp):
+            return self.graphs.run(inp, (tok[:, None], h))
+        _, p, meta = to_device(inp, self.stager)
+        out = self.head(self.model.embed_tokens(tok), h.to(self.cfg.dtype), p, self.kv, meta)
+        return out, self.head.greedy_tokens(out)
 
     def _step(self, spans: list[Span], lens: list[int], toks: list[int], pos: list[int],
               hidden: torch.Tensor) -> torch.Tensor:
         """One head forward: `lens[i]` tokens of span i at positions `pos`, into the draft
         layer's KV slot."""
-        dev, bs = self.cfg.device, self.cfg.block_size
-        t = lambda x, dt=torch.int64: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
-        tables = [s.seq.block_table for s in spans]
-        slots = []
-        seq_lens, starts = [], [0]
-        it = iter(pos)
-        for table, n in zip(tables, lens):
-            ps = [next(it) for _ in range(n)]
-            slots += [table[p // bs] * bs + p % bs for p in ps]
-            seq_lens.append(ps[-1] + 1)
-            starts.append(starts[-1] + n)
-        width = max(map(len, tables))
-        meta = AttentionMetadata(
-            slot_mapping=t(slots), query_start=t(starts, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            block_tables=t([tb + [0] * (width - len(tb)) for tb in tables], torch.int32),
-            max_query_len=max(lens), max_seq_len=max(seq_lens), query_start_cpu=starts,
-            seq_lens_cpu=seq_lens)
-        embeds = self.model.embed_tokens(t(toks))
-        return self.head(embeds, hidden.to(embeds.dtype), t(pos), self.kv, meta)
-
+        inp = pack(toks, pos, [s.seq.block_table for s in spans], lens, self.cfg.block_size)
+        ids, p, meta = to_device(inp, self.stager)
+        embeds = self.model.embed_tokens(ids)
+        return self.head(embeds, hidden.to(embeds.dtype), p, self.kv, meta)

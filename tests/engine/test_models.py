@@ -69,7 +69,7 @@ def test_prefill_logits_match_transformers(name):
     ids = list(range(10, 60))
     seq_id = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1))
     batch = eng.scheduler.schedule()
-    out = eng.runner.forward(batch, [0])
+    out = eng.runner.forward(batch, [len(ids) - 1])
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0, -1]
     assert torch.allclose(out.logits[0], ref, atol=1e-4, rtol=1e-4)

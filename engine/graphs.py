@@ -1,0 +1,242 @@
+"""Host→device staging without stalls, and CUDA graphs for fixed-shape steps.
+
+Every step's metadata (token ids, positions, KV slots, query starts, context lengths, block
+tables) is packed into one int64 buffer. On the GPU the host side of that buffer lives in a
+ring of pinned buffers, so the copy is asynchronous and never waits for the stream; a ring
+slot is reused only after the copy that read it has finished (an event per slot).
+
+`GraphSet` captures a forward once per (batch bucket, query length) on static device buffers
+and replays it: one launch for the whole decode, verify or draft step instead of hundreds.
+Batches are padded up to the bucket with sequences whose KV stores are skipped (slot -1) and
+whose one-block context is finite, so padded rows never touch real requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+
+BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+class HostStager:
+    """Copies int64 host arrays to the device through a ring of pinned buffers."""
+
+    def __init__(self, device: str, size: int, slots: int = 16):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.size = size
+        self.host = [torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
+                     for _ in range(slots)]
+        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]
+        self.used = [False] * slots
+        self.i = 0
+
+    def slot(self, n: int) -> tuple[torch.Tensor, int]:
+        """A pinned host buffer of at least n elements that no pending copy still reads."""
+        if n > self.size:  # grow every slot; rare (a larger prefill chunk than seen before)
+            self.size = max(n, 2 * self.size)
+            self.host = [torch.empty(self.size, dtype=torch.int64, pin_memory=self.cuda)
+                         for _ in self.host]
+            self.used = [False] * len(self.host)
+        i = self.i
+        self.i = (i + 1) % len(self.host)
+        if self.cuda and self.used[i]:
+            self.events[i].synchronize()
+        return self.host[i], i
+
+    def copy(self, i: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+        if self.cuda:
+            self.events[i].record()
+            self.used[i] = True
+
+    def to_device(self, arr: np.ndarray) -> torch.Tensor:
+        """A new device tensor holding arr (int64)."""
+        n = arr.shape[0]
+        if not self.cuda:
+            return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
+        host, i = self.slot(n)
+        host.numpy()[:n] = arr
+        out = torch.empty(n, dtype=torch.int64, device=self.device)
+        self.copy(i, host[:n], out)
+        return out
+
+
+class PackedInputs:
+    """Host-side description of one packed forward, in the order the model wants it."""
+
+    __slots__ = ("ids", "pos", "slots", "starts", "lens", "tables", "max_query_len")
+
+    def __init__(self, ids, pos, slots, starts, lens, tables, max_query_len):
+        self.ids, self.pos, self.slots = ids, pos, slots
+        self.starts, self.lens, self.tables = starts, lens, tables
+        self.max_query_len = max_query_len
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+
+def pack(ids: list[int], pos: list[int], tables: list[list[int]], qlens: list[int],
+         block_size: int) -> PackedInputs:
+    """Token ids and positions per packed row, each sequence's block table and query count."""
+    p = np.asarray(pos, dtype=np.int64)
+    starts = np.zeros(len(qlens) + 1, dtype=np.int64)
+    np.cumsum(qlens, out=starts[1:])
+    seq_of_row = np.repeat(np.arange(len(qlens)), qlens)
+    width = max(map(len, tables))
+    tab = np.zeros((len(tables), width), dtype=np.int64)
+    for r, t in enumerate(tables):
+        tab[r, : len(t)] = t
+    slots = tab[seq_of_row, p // block_size] * block_size + p % block_size
+    lens = p[starts[1:] - 1] + 1
+    return PackedInputs(np.asarray(ids, dtype=np.int64), p, slots, starts, lens, tab,
+                        max(qlens))
+
+
+def to_device(inp: PackedInputs, stager: HostStager):
+    """(ids, positions, meta) as device tensors for an eager forward."""
+    n, b = inp.num_tokens, inp.num_seqs
+    flat = np.concatenate([inp.ids, inp.pos, inp.slots, inp.starts, inp.lens,
+                           inp.tables.reshape(-1)])
+    dev = stager.to_device(flat)
+    o = np.cumsum([0, n, n, n, b + 1, b])
+    ids, pos, slots = dev[o[0]:o[1]], dev[o[1]:o[2]], dev[o[2]:o[3]]
+    meta = AttentionMetadata(
+        slot_mapping=slots, query_start=dev[o[3]:o[4]], seq_lens=dev[o[4]:o[5]],
+        block_tables=dev[o[5]:].view(b, -1), max_query_len=inp.max_query_len,
+        max_seq_len=int(inp.lens.max()), query_start_cpu=inp.starts.tolist(),
+        seq_lens_cpu=inp.lens.tolist())
+    return ids, pos, meta
+
+
+class GraphSet:
+    """CUDA graphs of `fn(ids, pos, meta, *extras) -> tuple[Tensor, ...]`, one per
+    (batch bucket, query length), replayed on static buffers.
+
+    `extras` are per-row device tensors (e.g. the hidden state a draft step consumes), given
+    as (row width, dtype) pairs; they are copied device-to-device into static buffers."""
+
+    def __init__(self, fn: Callable, device: str, max_batch: int, query_lens: Sequence[int],
+                 max_blocks: int, extras: Sequence[tuple[int, torch.dtype]] = (),
+                 pool=None, buckets: Sequence[int] = BATCH_BUCKETS):
+        self.fn, self.device = fn, torch.device(device)
+        self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
+        self.query_lens = tuple(sorted(set(query_lens)))
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        tm = max_batch * max(self.query_lens)
+        self.tm = tm
+        # Layout of the static int64 buffer; block tables last so a prefix copy covers a bucket.
+        self.off = dict(ids=0, pos=tm, slots=2 * tm, starts=3 * tm, lens=3 * tm + max_batch + 1,
+                        tables=3 * tm + 2 * max_batch + 1)
+        self.size = self.off["tables"] + max_batch * max_blocks
+        self.buf = torch.zeros(self.size, dtype=torch.int64, device=self.device)
+        self.extras = [torch.zeros(tm, w, dtype=dt, device=self.device) for w, dt in extras]
+        self.stager = HostStager(device, self.size)
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        # Off CUDA the same static-buffer path runs eagerly (tests the padding on the CPU).
+        self.capturable = self.device.type == "cuda"
+        self.pool = (pool or torch.cuda.graph_pool_handle()) if self.capturable else None
+
+    def _views(self, b: int, q: int):
+        o, n = self.off, b * q
+        buf = self.buf
+        meta = AttentionMetadata(
+            slot_mapping=buf[o["slots"]: o["slots"] + n],
+            query_start=buf[o["starts"]: o["starts"] + b + 1],
+            seq_lens=buf[o["lens"]: o["lens"] + b],
+            block_tables=buf[o["tables"]: o["tables"] + b * self.max_blocks].view(b, -1),
+            max_query_len=q, max_seq_len=0)
+        extras = [e[:n] for e in self.extras]
+        return buf[o["ids"]: o["ids"] + n], buf[o["pos"]: o["pos"] + n], meta, extras
+
+    def _fill(self, inp: PackedInputs, b: int, q: int) -> None:
+        """Stage inp, padded to b sequences of q queries, into the static buffer."""
+        o = self.off
+        n_used = o["tables"] + b * self.max_blocks
+        host, i = self.stager.slot(n_used)
+        h = host.numpy()
+        real, rows = inp.num_seqs, inp.num_tokens
+        n = b * q
+        h[o["ids"]: o["ids"] + n] = 0
+        h[o["ids"]: o["ids"] + rows] = inp.ids
+        h[o["pos"]: o["pos"] + n] = 0
+        h[o["pos"]: o["pos"] + rows] = inp.pos
+        h[o["slots"]: o["slots"] + n] = -1
+        h[o["slots"]: o["slots"] + rows] = inp.slots
+        h[o["starts"]: o["starts"] + b + 1] = np.arange(b + 1) * q
+        h[o["lens"]: o["lens"] + b] = q
+        h[o["lens"]: o["lens"] + real] = inp.lens
+        tab = h[o["tables"]: o["tables"] + b * self.max_blocks].reshape(b, self.max_blocks)
+        tab[:] = 0
+        tab[:real, : inp.tables.shape[1]] = inp.tables
+        self.stager.copy(i, host[:n_used], self.buf[:n_used])
+
+    def supports(self, inp: PackedInputs) -> bool:
+        q = inp.max_query_len
+        return (inp.num_seqs <= self.max_batch and q in self.query_lens
+                and inp.num_tokens == inp.num_seqs * q
+                and inp.tables.shape[1] <= self.max_blocks)
+
+    def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
+        """Capture every bucket, largest first so smaller graphs reuse its memory."""
+        keys = [(b, q) for b in reversed(self.buckets) for q in reversed(self.query_lens)]
+        for n, (b, q) in enumerate(keys):
+            self._capture(b, q)
+            if progress:
+                progress(n + 1, len(keys))
+
+    def _capture(self, b: int, q: int) -> None:
+        if not self.capturable:
+            self.graphs[(b, q)] = (None, None)
+            return
+        self.buf.zero_()
+        o = self.off
+        self.buf[o["slots"]: o["slots"] + b * q] = -1
+        self.buf[o["starts"]: o["starts"] + b + 1] = torch.arange(b + 1, device=self.device) * q
+        self.buf[o["lens"]: o["lens"] + b] = q
+        ids, pos, meta, extras = self._views(b, q)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compile kernels and settle allocations outside the graph
+                self.fn(ids, pos, meta, *extras)
+        torch.cuda.current_stream().wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = self.fn(ids, pos, meta, *extras)
+        self.graphs[(b, q)] = (g, out)
+
+    def run(self, inp: PackedInputs, extras: Sequence[torch.Tensor] = ()) -> tuple:
+        """Replay the bucket for inp; returns the graph's outputs cut to inp's rows."""
+        q = inp.max_query_len
+        b = bucket_for(inp.num_seqs, self.buckets)
+        if (b, q) not in self.graphs:
+            self._capture(b, q)
+        self._fill(inp, b, q)
+        rows = inp.num_tokens
+        for dst, src in zip(self.extras, extras):
+            dst[:rows].copy_(src)
+        g, out = self.graphs[(b, q)]
+        if g is None:
+            ids, pos, meta, extras = self._views(b, q)
+            out = self.fn(ids, pos, meta, *extras)
+        else:
+            g.replay()
+        return tuple(x[:rows] for x in out)
