@@ -37,15 +37,25 @@ def main():
                                num_blocks=4096, attention_backend="torch", cuda_graphs=False))
     res["torch_eager"] = run(base)
     res["triton_eager"] = run(base.with_config(attention_backend="triton", cuda_graphs=False))
-    res["triton_graphs"] = run(base.with_config(attention_backend="triton"))
+    res["triton_graphs"] = run(base.with_config(attention_backend="triton", cuda_graphs=True))
     for k in (1, 3, 5):
-        e = base.with_config(attention_backend="triton", spec=SpecConfig(num_tokens=k,
-                                                                         dynamic=False))
+        e = base.with_config(attention_backend="triton", cuda_graphs=True,
+                             spec=SpecConfig(num_tokens=k, dynamic=False))
         res[f"triton_graphs_eagle3_k{k}_steps_per_s"] = run(e)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        run(base.with_config(attention_backend="triton"), n=64, reps=1)
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    import cProfile
+    import io
+    import pstats
+
+    g = base.with_config(attention_backend="triton", cuda_graphs=True,
+                         spec=SpecConfig(num_tokens=3, dynamic=False))
+    run(g, n=64, reps=1)
+    prof = cProfile.Profile()
+    prof.enable()
+    run(g, n=128, reps=1)
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
+    table = buf.getvalue()
     out = os.environ.get("OUT", ".")
     with open(f"{out}/profile.txt", "w") as f:
         f.write(table)
