@@ -28,6 +28,7 @@ class _Tok:
 
 
 def test_trainer_runs_end_to_end_and_learns(tmp_path):
+    torch.manual_seed(0)  # head init and batch order: independent of the tests run before
     eng = tiny_engine(0, max_num_seqs=32, enable_prefix_caching=False)
     eng.tokenizer = _Tok()
     layers = Eagle3Config.for_target(eng.config.model, 1).aux_layer_ids
@@ -41,7 +42,8 @@ def test_trainer_runs_end_to_end_and_learns(tmp_path):
     head, info = train(eng, recs, held, vocab, unroll=3, epochs=8, lr=3e-3, batch_size=4,
                        log_every=16)
     hist = info["history"]
-    assert hist and hist[-1]["eval_expected_acceptance"] >= hist[0]["eval_expected_acceptance"]
+    assert hist and hist[-1]["loss"] < hist[0]["loss"]
+    assert hist[-1]["eval_expected_acceptance"] > 1.0
     assert expected_acceptance([0.5, 0.5]) == 1.75
     save_head(head, str(tmp_path), dtype=torch.float32)
     back = load_head(str(tmp_path), eng.config.model,
