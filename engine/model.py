@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.layers import RMSNorm, Rotary
@@ -20,8 +21,14 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
         self.backend, self.rotary = backend, rotary
 
-    def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
+    def forward(self, x, positions, kv_cache, meta: AttentionMetadata, fused: bool = False):
         qkv = self.qkv_proj(x)
+        if fused:  # rotate q and k in place inside qkv: one launch
+            heads = qkv.view(-1, self.nh + 2 * self.nkv, self.hd)
+            ops.rope_(heads[:, : self.nh + self.nkv], positions, self.rotary.cos, self.rotary.sin)
+            q, k, v = heads.split([self.nh, self.nkv, self.nkv], dim=1)
+            o = self.backend.forward(q, k, v, kv_cache, meta)
+            return self.o_proj(o.reshape(-1, self.nh * self.hd))
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q = q.view(-1, self.nh, self.hd)
         k = k.view(-1, self.nkv, self.hd)
@@ -38,7 +45,9 @@ class MLP(nn.Module):
                                       bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x):
+    def forward(self, x, fused: bool = False):
+        if fused:
+            return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -71,18 +80,42 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # Fused elementwise kernels ride with the Triton backend (the fast path); the torch
+        # backend keeps the plain reference code.
+        self.fused = backend.name == "triton" and ops.triton_available()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Final normed hidden states [T, hidden] and the hidden states entering `aux_layers`."""
         h = self.embed_tokens(input_ids)
+        if self.fused:
+            return self._forward_fused(h, positions, kv_cache, meta, aux_layers)
         taps = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 taps[i] = h
             h = layer(h, positions, kv_cache[i], meta)
         return self.norm(h), [taps[i] for i in aux_layers]
+
+    def _forward_fused(self, h, positions, kv_cache, meta, aux_layers):
+        """Same math, residual adds folded into the norms: norm(x + r) also returns x + r."""
+        taps, res = {}, None
+        for i, layer in enumerate(self.layers):
+            ln = layer.input_layernorm
+            if res is None:
+                res = h
+                x = ops.add_rmsnorm(h, ln.weight, ln.eps)
+            else:
+                x, res = ops.add_rmsnorm(h, ln.weight, ln.eps, res)
+            if i in aux_layers:
+                taps[i] = res
+            a = layer.self_attn(x, positions, kv_cache[i], meta, fused=True)
+            ln = layer.post_attention_layernorm
+            x, res = ops.add_rmsnorm(a, ln.weight, ln.eps, res)
+            h = layer.mlp(x, fused=True)
+        out, _ = ops.add_rmsnorm(h, self.norm.weight, self.norm.eps, res)
+        return out, [taps[i] for i in aux_layers]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -114,3 +114,54 @@ def test_static_bucket_path_matches_torch_backend():
     b = [c.token_ids for c in tri.generate(prompts, params)]
     assert a == b
     assert (4, 1) in graphs.graphs  # three running sequences padded to the bucket of 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_ops_round_like_the_reference(dtype):
+    """add+RMSNorm, rotary and SiLU-and-mul kernels against the torch modules they replace:
+    equal to fp32 rounding (the norm's sum runs in another order), and in fp16 up to one
+    rounding step."""
+    import torch.nn.functional as F
+
+    from engine import ops
+    from engine.config import RopeConfig
+    from engine.layers import RMSNorm, Rotary
+
+    g = torch.Generator().manual_seed(3)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-3, rtol=2e-3)
+    x, r = rnd(7, 48), rnd(7, 48)
+    norm = RMSNorm(48, 1e-5).to(dtype).to(DEV)
+    with torch.no_grad():
+        norm.weight.copy_(rnd(48))
+        y, s = ops.add_rmsnorm(x, norm.weight, 1e-5, r)
+        torch.testing.assert_close(s, x + r, **tol)
+        torch.testing.assert_close(y, norm(x + r), **tol)
+        torch.testing.assert_close(ops.add_rmsnorm(x, norm.weight, 1e-5), norm(x), **tol)
+    rot = Rotary(RopeConfig(theta=10000.0), 32, 64).to(DEV)
+    q, pos = rnd(5, 3, 32), torch.tensor([0, 9, 3, 63, 17], device=DEV)
+    (ref,) = rot(pos, q)
+    torch.testing.assert_close(ops.rope_(q.clone(), pos, rot.cos, rot.sin), ref, **tol)
+    gu = rnd(4, 2 * 40)
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, **tol)
+
+
+def test_fused_model_matches_reference_logits():
+    """The whole fused forward (triton backend) against the reference model, fp32: the aux
+    taps too, which the EAGLE-3 head reads."""
+    from tests.helpers import tiny_engine
+
+    ref = tiny_engine(num_blocks=64)
+    tri = ref.with_config(attention_backend="triton")
+    assert tri.model.fused and not ref.model.fused
+    ids = list(range(3, 40))
+    from engine.graphs import pack
+
+    inp = pack(ids, list(range(len(ids))), [list(range(10))], [len(ids)], 4)
+    a = ref.runner.forward_packed(inp, [len(ids) - 1], aux_layers=(0, 1))
+    b = tri.runner.forward_packed(inp, [len(ids) - 1], aux_layers=(0, 1))
+    torch.testing.assert_close(b.hidden, a.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(b.logits, a.logits, atol=1e-4, rtol=1e-4)
+    for x, y in zip(b.aux, a.aux):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,109 @@
+"""Fused elementwise kernels for the fast path: residual-add + RMSNorm, rotary, SiLU-and-mul.
+
+Each kernel rounds to the storage dtype where the torch reference (engine/layers.py,
+engine/model.py) rounds, so fused and unfused models differ only by the order of the norm's
+sum; a decode step falls from about 40 launches per layer to about 10.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.triton_backend import triton, triton_available
+
+if triton_available():
+    import triton.language as tl
+
+    @triton.jit
+    def _add_rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, eps,
+                            N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < N
+        x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+            tl.store(RES_OUT + row * N + offs, x, mask=mask)
+        h = x.to(tl.float32)
+        var = tl.sum(h * h, 0) / N
+        h = (h * tl.math.rsqrt(var + eps)).to(X.dtype.element_ty)
+        w = tl.load(W + offs, mask=mask, other=0.0)
+        y = (w.to(tl.float32) * h.to(tl.float32)).to(Y.dtype.element_ty)
+        tl.store(Y + row * stride_y + offs, y, mask=mask)
+
+    @triton.jit
+    def _rope_kernel(X, COS, SIN, POS, stride_xt, stride_xh, stride_c,
+                     HALF: tl.constexpr, BLOCK: tl.constexpr):
+        """In place on x [T, heads, 2*HALF]: x*cos + rotate_half(x)*sin, rounding like torch."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
+        p = tl.load(POS + t)
+        base = X + t * stride_xt + h * stride_xh
+        x1 = tl.load(base + offs, mask=mask, other=0.0)
+        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
+        dt = x1.dtype
+        c1 = tl.load(COS + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+        c2 = tl.load(COS + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
+        s1 = tl.load(SIN + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+        s2 = tl.load(SIN + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
+        a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
+        b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
+        a2 = (x2.to(tl.float32) * c2.to(tl.float32)).to(dt).to(tl.float32)
+        b2 = (x1.to(tl.float32) * s2.to(tl.float32)).to(dt).to(tl.float32)
+        tl.store(base + offs, (a1 + b1).to(dt), mask=mask)
+        tl.store(base + HALF + offs, (a2 + b2).to(dt), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(GU, Y, stride_g, N: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = col < N
+        g = tl.load(GU + row * stride_g + col, mask=mask, other=0.0)
+        u = tl.load(GU + row * stride_g + N + col, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        s = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+        y = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+        tl.store(Y + row * N + col, y, mask=mask)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                residual: torch.Tensor | None = None):
+    """norm(x) (no residual) or (norm(x + residual), x + residual)."""
+    t, n = x.shape
+    y = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else y
+    if t:
+        _add_rmsnorm_kernel[(t,)](x, residual if residual is not None else x, weight, y, res_out,
+                                  x.stride(0), (residual if residual is not None else x).stride(0),
+                                  y.stride(0), eps, N=n, BLOCK=_pow2(n),
+                                  HAS_RES=residual is not None, num_warps=4)
+    return y if residual is None else (y, res_out)
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+          ) -> torch.Tensor:
+    """Rotate x ([T, heads, head_dim], last dim contiguous) in place."""
+    t, h, d = x.shape
+    if t:
+        _rope_kernel[(t, h)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0),
+                             HALF=d // 2, BLOCK=_pow2(d // 2), num_warps=1)
+    return x
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+    t, n2 = gate_up.shape
+    n = n2 // 2
+    y = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
+    if t:
+        block = min(1024, _pow2(n))
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, y, gate_up.stride(0), N=n,
+                                                    BLOCK=block, num_warps=4)
+    return y
