@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -204,6 +205,26 @@ def cmd_status(args) -> int:
     return 0 if health.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+def _add_bench_parser(sub) -> None:
+    """`tandem bench`: the figures of bench/suite.py (a source checkout; bench/ is no package)."""
+    desc = "run the benchmark figures (bench/suite.py), one JSON per figure"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if os.path.isfile(os.path.join(root, "bench", "suite.py")) and root not in sys.path:
+        sys.path.append(root)
+    try:
+        from bench import suite
+    except ImportError as e:
+        err = f"bench/suite.py is not importable ({e}); run from a source checkout"
+        b = sub.add_parser("bench", help=desc, description=err)
+        b.set_defaults(fn=lambda a: print(f"error: {err}", file=sys.stderr) or 2)
+        return
+    b = sub.add_parser("bench", help=desc, description=suite.__doc__.split("\n")[0],
+                       epilog="figures: " + ", ".join(f"{n} {v[0]}"
+                                                      for n, v in suite.FIGURES.items()))
+    suite.add_arguments(b)
+    b.set_defaults(fn=suite.run)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem", description="tandem LLM serving")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -231,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster import train_eagle3
 
     train_eagle3.add_parser(sub)
+    _add_bench_parser(sub)
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     return args.fn(args)

@@ -1,0 +1,974 @@
+"""`tandem bench`: the benchmark figures, each a ratio against a baseline measured in the same run.
+
+    tandem bench --figures 1,2,3 --model /path/SmolLM2-135M-Instruct.Q4_1.gguf
+    python -m bench.suite --figures 1,2,3,4 --out bench/results       # the same, from the repo root
+
+Figures (one JSON per figure in --out, `figN_<name>.json`, plus a PNG when matplotlib imports):
+
+1. single_stream  SmolLM2 single-stream tokens/s: tandem without speculation, EAGLE-3 (fixed K
+                  and dynamic K), n-gram, HF `generate` eager and HF static cache + torch.compile.
+2. llama8b_shape  random-weight Llama-3.1-8B-shaped engine: HBM bandwidth measured here, decode
+                  step vs the weight-read floor, verify cost (K+1 tokens vs 1), batch 1..64.
+3. concurrency    SmolLM2 throughput vs concurrent streams, speculation vs none.
+4. kv_transfer    KV movement between two GPUs: peer copy, the in-process transport, UCX.
+5. itl_disagg     P50/P99 inter-token latency of running decodes while long prompts arrive:
+                  one engine (colocated) vs a prefill engine on GPU 0 and a decode engine on GPU 1.
+
+Every figure records the command line, date, GPU, library versions and every number; a figure
+that raises records its traceback and the next one still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python bench/suite.py` and the `tandem` entry point
+    sys.path.insert(0, ROOT)
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+# ---- shared helpers -------------------------------------------------------------------------
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def is_cuda(args) -> bool:
+    return str(args.device).startswith("cuda")
+
+
+def sync(args) -> None:
+    if is_cuda(args):
+        _torch().cuda.synchronize()
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch = _torch()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def environment(args) -> dict:
+    torch = _torch()
+    env = {"python": platform.python_version(), "platform": platform.platform(),
+           "torch": torch.__version__, "device": args.device, "dtype": args.dtype,
+           "gpu": None, "gpu_count": 0}
+    for name in ("triton", "transformers"):
+        try:
+            env[name] = __import__(name).__version__
+        except Exception as e:  # noqa: BLE001 - a missing library is a fact to record
+            env[name] = f"not importable: {e}"
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["gpu_count"] = torch.cuda.device_count()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def command_line() -> str:
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(".py"):  # python bench/suite.py or python -m bench.suite
+        argv = [os.path.basename(sys.executable), os.path.relpath(argv[0])] + argv[1:]
+    return shlex.join(argv)
+
+
+def header(args, name: str, num: int) -> dict:
+    return {"figure": num, "name": name, "command": command_line(),
+            "argv": list(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "environment": environment(args)}
+
+
+def rnd(x, n: int = 3):
+    return None if x is None else round(float(x), n)
+
+
+def ratio(a, b):
+    return None if a is None or not b else round(a / b, 3)
+
+
+def held_out_messages(n: int, offset: int = 0) -> list[list[dict]]:
+    from cluster import prompt_sets
+
+    _, held_out = prompt_sets.build()
+    if not held_out:
+        raise RuntimeError("cluster.prompt_sets.build() gave no held-out prompts")
+    return [[{"role": "user", "content": held_out[(offset + i) % len(held_out)]}]
+            for i in range(n)]
+
+
+def torch_dtype(args):
+    return getattr(_torch(), args.dtype)
+
+
+def load_smol(args, spec=None, num_blocks: int = 1024):
+    """The SmolLM2 engine whose weights (and EAGLE-3 head) every variant shares."""
+    from engine import Engine
+
+    return Engine.from_pretrained(args.model, device=args.device, dtype=torch_dtype(args),
+                                  num_blocks=num_blocks, enable_prefix_caching=False, spec=spec)
+
+
+def eagle(args, k: int, dynamic: bool):
+    from engine.config import SpecConfig
+
+    return SpecConfig(method="eagle3", num_tokens=k, dynamic=dynamic, head=args.head)
+
+
+def ngram(k: int):
+    from engine.config import SpecConfig
+
+    return SpecConfig(method="ngram", num_tokens=k, dynamic=False)
+
+
+def precapture(eng, batch_sizes) -> str:
+    """Capture the CUDA graphs the timed runs will replay, so no capture lands inside a timed
+    region (the engine captures lazily). Uses GraphSet internals; on any mismatch the warm-up
+    run still captures most of them, and the returned note says what happened."""
+    torch = _torch()
+    sets = [getattr(eng.runner, "graphs", None)]
+    if eng.spec is not None:
+        sets.append(getattr(eng.spec, "graphs", None))
+    sets = [g for g in sets if g is not None]
+    if not sets:
+        return "no CUDA graphs (eager)"
+    try:
+        from engine.graphs import bucket_for
+
+        n = 0
+        with torch.inference_mode():
+            for g in sets:
+                buckets = {bucket_for(b, g.buckets) for b in batch_sizes} - {None}
+                for b in sorted(buckets, reverse=True):
+                    for q in g.query_lens:
+                        if (b, q) not in g.graphs:
+                            g._capture(b, q)
+                            n += 1
+        return f"captured {n} graphs before timing"
+    except Exception as e:  # noqa: BLE001
+        return f"precapture failed ({type(e).__name__}: {e}); relying on the warm-up run"
+
+
+def spec_counts(eng) -> tuple[int, int]:
+    if eng.spec is None:
+        return 0, 0
+    st = eng.spec.stats
+    return st.emitted, st.verify_steps
+
+
+def acceptance(before: tuple[int, int], after: tuple[int, int]):
+    steps = after[1] - before[1]
+    return round((after[0] - before[0]) / steps, 3) if steps else None
+
+
+def first_diff(a: list[int], b: list[int]):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def timed_ms(fn, reps: int, warmup: int = 3) -> list[float]:
+    """Milliseconds per call of fn, one CUDA-event pair per call; the host never waits between
+    calls, so this is device time (host overhead shows only where it starves the GPU)."""
+    torch = _torch()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in ev]
+
+
+def save(out_dir: str, res: dict, plot=None) -> str:
+    """Write figN_<name>.json (and the PNG when matplotlib imports and `plot` is given)."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"fig{res['figure']}_{res['name']}")
+    if plot is not None and "error" not in res and "skipped" not in res:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except Exception as e:  # noqa: BLE001
+            res["png"] = f"skipped: matplotlib not importable ({e})"
+        else:
+            try:
+                fig = plot(plt, res)
+                fig.tight_layout()
+                fig.savefig(stem + ".png", dpi=120)
+                plt.close(fig)
+                res["png"] = os.path.basename(stem + ".png")
+            except Exception:  # noqa: BLE001
+                res["png"] = "failed: " + traceback.format_exc(limit=3)
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=2, default=str)
+        f.write("\n")
+    return stem + ".json"
+
+
+# ---- figure 1: single stream -------------------------------------------------------------
+
+
+def run_single(args, eng, msgs, n: int) -> dict:
+    """Each prompt alone at batch 1, n tokens, EOS ignored; tokens/s = tokens / wall time of
+    the generate call (prefill included)."""
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    note = precapture(eng, (1,))
+    # Warm-up: the full length on a prompt not in the timed set (Triton JIT, lazy graphs).
+    eng.generate(held_out_messages(1, offset=len(msgs) + args.prompt_offset + 7), params)
+    before = spec_counts(eng)
+    per, outs, secs = [], [], 0.0
+    for m in msgs:
+        sync(args)
+        t0 = time.perf_counter()
+        c = eng.generate([m], params)[0]
+        sync(args)
+        dt = time.perf_counter() - t0
+        secs += dt
+        outs.append(c.token_ids)
+        per.append({"tokens": len(c.token_ids), "seconds": rnd(dt, 4),
+                    "tokens_per_s": rnd(len(c.token_ids) / dt, 1)})
+    toks = sum(len(o) for o in outs)
+    return {"tokens": toks, "seconds": rnd(secs, 4), "tokens_per_s": rnd(toks / secs, 1),
+            "acceptance_length": acceptance(before, spec_counts(eng)), "per_prompt": per,
+            "graphs": note, "_outs": outs}
+
+
+def load_hf(args):
+    import transformers
+
+    from engine import loader
+
+    ck = loader.resolve(args.model)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        ck.folder, dtype=torch_dtype(args), **ck.hf_kwargs()).to(args.device).eval()
+    # Never stop on EOS, like tandem's ignore_eos: HF takes the argmax at every step.
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_generate(args, model, ids: list[int], n: int, **kw) -> tuple[list[int], float]:
+    torch = _torch()
+    x = torch.tensor([ids], device=args.device)
+    sync(args)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                             do_sample=False, **kw)
+    sync(args)
+    dt = time.perf_counter() - t0
+    toks = out[0, len(ids):].tolist()
+    if len(toks) != n:
+        raise RuntimeError(f"HF generated {len(toks)} tokens, expected {n}")
+    return toks, dt
+
+
+def run_hf(args, model, prompts: list[list[int]], n: int, **kw) -> dict:
+    per, outs, secs = [], [], 0.0
+    for ids in prompts:
+        toks, dt = hf_generate(args, model, ids, n, **kw)
+        secs += dt
+        outs.append(toks)
+        per.append({"tokens": len(toks), "seconds": rnd(dt, 4),
+                    "tokens_per_s": rnd(len(toks) / dt, 1)})
+    total = sum(len(o) for o in outs)
+    return {"tokens": total, "seconds": rnd(secs, 4), "tokens_per_s": rnd(total / secs, 1),
+            "per_prompt": per, "_outs": outs}
+
+
+def fig_single_stream(args, res: dict) -> None:
+    n = args.fig1_tokens
+    msgs = held_out_messages(args.fig1_prompts, args.prompt_offset)
+    res["config"] = {"prompts": len(msgs), "max_tokens": n, "ignore_eos": True,
+                     "greedy": True, "prefix_caching": False, "num_blocks": args.num_blocks,
+                     "prompt_source": "held-out split of cluster/prompt_sets.py",
+                     "tokens_per_s": "generated tokens / wall time of each generate call, "
+                                     "prefill included, one prompt at a time"}
+    log("fig 1: loading SmolLM2 + EAGLE-3 head")
+    base = load_smol(args, spec=eagle(args, 5, False))
+    res["config"]["model"] = base.config.model.name
+    res["config"]["attention_backend"] = base.config.backend_name
+    res["config"]["cuda_graphs"] = base.config.use_cuda_graphs
+    prompts = [base.encode_prompt(m) for m in msgs]
+    res["config"]["prompt_tokens"] = [len(p) for p in prompts]
+    variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False),
+                f"eagle3_dynamic_k{args.dynamic_k}": eagle(args, args.dynamic_k, True),
+                "ngram_k5": ngram(5)}
+    runs: dict[str, dict] = {}
+    res["tandem"] = runs
+    for name, spec in variants.items():
+        log(f"fig 1: tandem {name}")
+        try:
+            eng = base.with_config(spec=spec, num_blocks=args.num_blocks)
+            runs[name] = run_single(args, eng, prompts, n)
+        except Exception:  # noqa: BLE001 - one variant failing leaves the others
+            runs[name] = {"error": traceback.format_exc()}
+        eng = None
+        free_memory()
+        log(f"fig 1: tandem {name}: {runs[name].get('tokens_per_s')} tok/s, "
+            f"acceptance {runs[name].get('acceptance_length')}")
+    base = None
+    free_memory()
+    hf: dict[str, dict] = {}
+    res["hf"] = hf
+    try:
+        log("fig 1: loading the HF model")
+        model = load_hf(args)
+        log("fig 1: HF generate, eager (dynamic cache)")
+        hf["eager"] = run_hf(args, model, prompts, n)
+        log(f"fig 1: HF eager {hf['eager']['tokens_per_s']} tok/s")
+    except Exception:  # noqa: BLE001
+        hf["eager"] = {"error": traceback.format_exc()}
+        model = None
+    if model is not None and is_cuda(args):
+        hf["compiled"] = hf_compiled(args, model, prompts, n)
+    elif model is not None:
+        hf["compiled"] = {"skipped": "torch.compile reduce-overhead (CUDA graphs) needs CUDA"}
+    model = None
+    free_memory()
+    ref = runs.get("no_spec", {}).get("_outs")
+    hf_ref = hf.get("compiled", {}).get("tokens_per_s")
+    eager_ref = hf.get("eager", {}).get("tokens_per_s")
+    nospec = runs.get("no_spec", {}).get("tokens_per_s")
+    for name, r in list(runs.items()) + [(f"hf_{k}", v) for k, v in hf.items()]:
+        outs = r.pop("_outs", None)
+        if "tokens_per_s" not in r:
+            continue
+        r["vs_tandem_no_spec"] = ratio(r["tokens_per_s"], nospec)
+        r["vs_hf_compiled"] = ratio(r["tokens_per_s"], hf_ref)
+        r["vs_hf_eager"] = ratio(r["tokens_per_s"], eager_ref)
+        if ref is not None and outs is not None and name != "no_spec":
+            r["streams"] = len(ref)
+            r["token_identical_to_no_spec"] = sum(a == b for a, b in zip(outs, ref))
+            r["first_divergence"] = [first_diff(a, b) for a, b in zip(outs, ref)]
+    best_eagle = max((r.get("vs_tandem_no_spec") or 0 for k, r in runs.items()
+                      if k.startswith("eagle3")), default=None)
+    res["goals"] = {
+        "no_spec_at_least_1500_tok_s": None if nospec is None else nospec >= 1500,
+        "best_eagle3_at_least_2.5x_no_spec": None if not best_eagle else best_eagle >= 2.5,
+        "best_eagle3_vs_no_spec": best_eagle,
+    }
+    res["note"] = ("greedy identity with speculation is informational: verify (K+1 queries) "
+                   "and decode (1 query) may round differently in bf16")
+
+
+def hf_compiled(args, model, prompts, n) -> dict:
+    """HF generate with a static cache and torch.compile(mode="reduce-overhead",
+    fullgraph=True). transformers compiles the decode step itself when the cache is static
+    (prefill stays eager); that built-in path is tried first, the manual
+    `model.forward = torch.compile(...)` recipe second."""
+    import transformers
+
+    torch = _torch()
+    longest = max(prompts, key=len)
+    attempts = []
+    try:
+        cc = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
+        attempts.append(("transformers auto-compile: cache_implementation='static', "
+                         "CompileConfig(fullgraph=True, mode='reduce-overhead')",
+                         dict(cache_implementation="static", compile_config=cc), None))
+    except Exception as e:  # noqa: BLE001
+        attempts.append((f"CompileConfig unavailable: {e}", None, None))
+
+    def manual():
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+    attempts.append(("manual: model.forward = torch.compile(model.forward, "
+                     "mode='reduce-overhead', fullgraph=True), cache_implementation='static', "
+                     "disable_compile=True", dict(cache_implementation="static",
+                                                  disable_compile=True), manual))
+    errors = []
+    for how, kw, setup in attempts:
+        if kw is None:
+            errors.append(how)
+            continue
+        try:
+            if setup:
+                setup()
+            log(f"fig 1: HF compiled ({how.split(':')[0]}): compiling on the longest prompt")
+            t0 = time.perf_counter()
+            # Longest prompt first: the static cache keeps the largest size seen, so timed
+            # calls reuse its shape and do not recompile.
+            hf_generate(args, model, longest, n, **kw)
+            compile_s = time.perf_counter() - t0
+            hf_generate(args, model, longest, n, **kw)
+            r = run_hf(args, model, prompts, n, **kw)
+            r["method"] = how
+            r["warmup_compile_seconds"] = rnd(compile_s, 1)
+            if errors:
+                r["earlier_attempts_failed"] = errors
+            log(f"fig 1: HF compiled {r['tokens_per_s']} tok/s")
+            return r
+        except Exception:  # noqa: BLE001
+            errors.append(f"{how}:\n{traceback.format_exc()}")
+            log(f"fig 1: HF compiled attempt failed: {how.split(':')[0]}")
+            torch._dynamo.reset()
+    return {"error": "\n\n".join(errors)}
+
+
+def plot_single_stream(plt, res):
+    names, vals = [], []
+    for k, r in res.get("tandem", {}).items():
+        if r.get("tokens_per_s"):
+            names.append(f"tandem\n{k}")
+            vals.append(r["tokens_per_s"])
+    for k, r in res.get("hf", {}).items():
+        if r.get("tokens_per_s"):
+            names.append(f"HF\n{k}")
+            vals.append(r["tokens_per_s"])
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.bar(names, vals)
+    ax.set_ylabel("tokens/s (single stream)")
+    ax.set_title(f"fig 1: single stream, {res['environment'].get('gpu')}")
+    for i, v in enumerate(vals):
+        ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
+    return fig
+
+
+# ---- figure 2: Llama-3.1-8B shape --------------------------------------------------------
+
+
+def llama8b_shape(max_position: int = 8192):
+    from engine.config import ModelConfig, RopeConfig
+
+    return ModelConfig(
+        name="Llama-3.1-8B-shape (random weights)", model_type="llama", vocab_size=128256,
+        hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
+                        high_freq_factor=4.0, original_max_position=8192),
+        max_position=max_position, tie_word_embeddings=False, eos_token_ids=())
+
+
+def random_engine(args, model_cfg, num_blocks: int, device: str | None = None, **kw):
+    """An engine with random weights (timing only): matrices ~ N(0, 0.02), norms 1."""
+    from engine import Engine, EngineConfig
+
+    torch = _torch()
+    torch.manual_seed(0)
+    eng = Engine(EngineConfig(model=model_cfg, dtype=torch_dtype(args),
+                              device=device or args.device, num_blocks=num_blocks,
+                              enable_prefix_caching=False, **kw))
+    with torch.no_grad():
+        for p in eng.model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.02)
+            else:
+                p.fill_(1.0)
+    return eng
+
+
+def hbm_bandwidth(gib: float, reps: int = 10) -> dict:
+    """Device-to-device copy of `gib` GiB: bytes read + bytes written over the copy time."""
+    torch = _torch()
+    nbytes = int(gib * (1 << 30))
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = timed_ms(lambda: dst.copy_(src), reps, warmup=2)
+    src = dst = None
+    free_memory()
+    med = statistics.median(ms)
+    return {"bytes_copied": nbytes, "reps": reps, "median_ms": rnd(med, 3),
+            "ms": [rnd(x, 3) for x in ms],
+            "bandwidth_gb_s": rnd(2 * nbytes / (med / 1e3) / 1e9, 1),
+            "method": "torch copy_ of a uint8 tensor on the same GPU; bandwidth = 2*bytes/time"}
+
+
+def fig_llama8b_shape(args, res: dict) -> None:
+    torch = _torch()
+    if not is_cuda(args):
+        res["skipped"] = "needs CUDA"
+        return
+    from engine import SamplingParams
+    from engine.graphs import pack
+
+    ctx, reps = args.fig2_context, args.fig2_reps
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= args.fig2_max_batch]
+    qlens = list(range(1, 9))
+    per_seq = -(-(ctx + max(qlens) + 1) // 16)
+    num_blocks = max(args.fig2_blocks, max(batches) * per_seq + 1)
+    res["config"] = {"context_tokens": ctx, "reps": reps, "batches": batches,
+                     "query_lens": qlens, "num_blocks": num_blocks, "block_size": 16,
+                     "dtype": args.dtype, "weights": "random, N(0, 0.02); norms 1"}
+    log("fig 2: HBM bandwidth")
+    res["hbm"] = bw = hbm_bandwidth(args.hbm_gib)
+    log(f"fig 2: HBM copy bandwidth {bw['bandwidth_gb_s']} GB/s")
+    log("fig 2: building the random Llama-3.1-8B-shaped engine")
+    eng = random_engine(args, llama8b_shape(), num_blocks)
+    cfg = eng.config
+    m = cfg.model
+    res["config"].update(attention_backend=cfg.backend_name, cuda_graphs=cfg.use_cuda_graphs,
+                         model=m.name)
+    params = {id(p): p for p in eng.model.parameters()}.values()
+    total = sum(p.numel() * p.element_size() for p in params)
+    embed = eng.model.embed_tokens.weight
+    embed_bytes = embed.numel() * embed.element_size()
+    # A decode step reads every weight but the embedding table (one row of it).
+    weight_read = total - embed_bytes + embed.shape[1] * embed.element_size()
+    kv_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * embed.element_size()
+    kv_read = kv_per_token * (ctx + 1)
+    gbps = bw["bandwidth_gb_s"] * 1e9
+    floor_ms = (weight_read + kv_read) / gbps * 1e3
+    res["floor"] = {"param_bytes": total, "embedding_bytes": embed_bytes,
+                    "weight_bytes_read_per_step": weight_read,
+                    "kv_bytes_read_per_step_at_context": kv_read,
+                    "floor_ms": rnd(floor_ms, 4),
+                    "floor_weights_only_ms": rnd(weight_read / gbps * 1e3, 4),
+                    "definition": "(weights read + KV read at the context) / measured HBM "
+                                  "copy bandwidth"}
+    log(f"fig 2: params {total / 2**30:.2f} GiB, floor {floor_ms:.3f} ms")
+    if cfg.use_cuda_graphs:
+        eng.runner.enable_graphs(max(batches), qlens, ())
+    runner = eng.runner
+
+    def tables(b: int) -> list[list[int]]:
+        return [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(b)]
+
+    def fwd(b: int, q: int):
+        ids = [(7 * i + 11) % m.vocab_size for i in range(b * q)]
+        pos = [ctx + j for _ in range(b) for j in range(q)]
+        inp = pack(ids, pos, tables(b), [q] * b, cfg.block_size)
+        rows = list(range(b * q))
+        return lambda: runner.forward_packed(inp, rows)
+
+    verify = []
+    with torch.inference_mode():
+        for q in qlens:
+            ms = timed_ms(fwd(1, q), reps)
+            verify.append({"tokens": q, "median_ms": rnd(statistics.median(ms), 4),
+                           "min_ms": rnd(min(ms), 4)})
+            log(f"fig 2: batch 1, {q} tokens/forward: {verify[-1]['median_ms']} ms")
+        one = verify[0]["median_ms"]
+        for v in verify:
+            v["vs_1_token"] = ratio(v["median_ms"], one)
+        batch = []
+        for b in batches:
+            ms = timed_ms(fwd(b, 1), reps)
+            med = statistics.median(ms)
+            batch.append({"batch": b, "median_ms": rnd(med, 4), "min_ms": rnd(min(ms), 4),
+                          "tokens_per_s": rnd(b / med * 1e3, 1)})
+            log(f"fig 2: batch {b} decode step: {batch[-1]['median_ms']} ms")
+        for r in batch:
+            r["step_vs_batch_1"] = ratio(r["median_ms"], batch[0]["median_ms"])
+            r["throughput_vs_batch_1"] = ratio(r["tokens_per_s"], batch[0]["tokens_per_s"])
+    res["verify_cost"] = verify
+    res["batch_decode"] = batch
+    res["forward_timing"] = ("runner.forward_packed (graph replay when captured, plus the LM "
+                             "head), CUDA events per call, host never waits between calls")
+    # The engine step as users see it: schedule, forward, sample, one host sync per step.
+    log("fig 2: engine.step() at batch 1")
+    n = args.fig2_decode_tokens
+    prompt = [(13 * i + 5) % m.vocab_size for i in range(ctx)]
+    eng.generate([prompt[:64]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    rid = eng.add_request(prompt, SamplingParams(temperature=0, max_tokens=n + 1,
+                                                 ignore_eos=True))
+    stamps, done = [], False
+    while not done:
+        outs = eng.step()
+        stamps.append(time.perf_counter())
+        done = any(o.request_id == rid and o.finished for o in outs)
+    steps = [b - a for a, b in zip(stamps, stamps[1:])]  # the decode steps after prefill
+    step_ms = statistics.median(steps) * 1e3
+    res["engine_step_batch1"] = {
+        "decode_steps": len(steps), "median_ms": rnd(step_ms, 4),
+        "mean_ms": rnd(statistics.mean(steps) * 1e3, 4),
+        "tokens_per_s": rnd(1e3 / step_ms, 1)}
+    fwd_ms = verify[0]["median_ms"]
+    six = next(v["vs_1_token"] for v in verify if v["tokens"] == 6)
+    res["pct_of_floor"] = {
+        "definition": "100 * floor_ms / step_ms (100 = moves bytes at the measured copy "
+                      "bandwidth)",
+        "forward_device_time": rnd(100 * floor_ms / fwd_ms, 1),
+        "engine_step": rnd(100 * floor_ms / step_ms, 1)}
+    res["goals"] = {
+        "engine_step_at_least_85pct_of_floor": 100 * floor_ms / step_ms >= 85,
+        "forward_at_least_85pct_of_floor": 100 * floor_ms / fwd_ms >= 85,
+        "verify_6_tokens_at_most_1.10x": six <= 1.10, "verify_6_tokens_vs_1": six}
+    log(f"fig 2: engine step {step_ms:.3f} ms = {100 * floor_ms / step_ms:.1f}% of floor; "
+        f"forward {fwd_ms:.3f} ms; 6-token verify {six}x")
+
+
+def plot_llama8b(plt, res):
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    v = res["verify_cost"]
+    a.plot([r["tokens"] for r in v], [r["vs_1_token"] for r in v], "o-")
+    a.axhline(1.10, ls="--", c="gray")
+    a.set_xlabel("tokens per forward (K+1)")
+    a.set_ylabel("time vs 1-token step")
+    a.set_title("verify cost, batch 1")
+    bd = res["batch_decode"]
+    b.plot([r["batch"] for r in bd], [r["median_ms"] for r in bd], "o-", label="step")
+    b.axhline(res["floor"]["floor_ms"], ls="--", c="gray", label="floor (batch 1)")
+    b.set_xscale("log", base=2)
+    b.set_xlabel("batch")
+    b.set_ylabel("decode step ms")
+    b.legend()
+    b.set_title("Llama-3.1-8B shape, bf16")
+    return fig
+
+
+# ---- figure 3: concurrency ----------------------------------------------------------------
+
+
+def fig_concurrency(args, res: dict) -> None:
+    from engine import SamplingParams
+
+    conc = [int(c) for c in args.concurrency.split(",")]
+    n = args.fig3_tokens
+    res["config"] = {"concurrency": conc, "max_tokens": n, "ignore_eos": True,
+                     "reps": args.fig3_reps, "num_blocks": args.num_blocks,
+                     "throughput": "total generated tokens / wall time of one generate call "
+                                   "with all streams (prefill included); median of reps",
+                     "prompts": "held-out split of cluster/prompt_sets.py, cycled"}
+    log("fig 3: loading SmolLM2 + EAGLE-3 head")
+    base = load_smol(args, spec=eagle(args, 5, False))
+    msgs = held_out_messages(max(conc), args.prompt_offset)
+    prompts = [base.encode_prompt(m) for m in msgs]
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    dyn = f"eagle3_dynamic_k{args.dynamic_k}"
+    variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False),
+                dyn: eagle(args, args.dynamic_k, True)}
+    table: dict[str, list[dict]] = {}
+    res["runs"] = table
+    for name, spec in variants.items():
+        log(f"fig 3: {name}")
+        rows: list[dict] = []
+        table[name] = rows
+        eng = base.with_config(spec=spec, num_blocks=args.num_blocks)
+        note = precapture(eng, conc)
+        eng.generate(prompts[: min(4, len(prompts))],
+                     SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        for c in conc:
+            batch = [prompts[i % len(prompts)] for i in range(c)]
+            tps, acc = [], []
+            for _ in range(args.fig3_reps):
+                before = spec_counts(eng)
+                sync(args)
+                t0 = time.perf_counter()
+                outs = eng.generate(batch, params)
+                sync(args)
+                dt = time.perf_counter() - t0
+                tps.append(sum(len(o.token_ids) for o in outs) / dt)
+                acc.append(acceptance(before, spec_counts(eng)))
+            rows.append({"concurrency": c, "tokens_per_s": rnd(statistics.median(tps), 1),
+                         "reps_tokens_per_s": [rnd(x, 1) for x in tps],
+                         "acceptance_length": acc[-1]})
+            log(f"fig 3: {name} c={c}: {rows[-1]['tokens_per_s']} tok/s")
+        res.setdefault("graphs", {})[name] = note
+        eng = None
+        free_memory()
+    base = None
+    free_memory()
+    ref = {r["concurrency"]: r["tokens_per_s"] for r in table["no_spec"]}
+    summary = {}
+    for name in variants:
+        if name == "no_spec":
+            continue
+        for r in table[name]:
+            r["vs_no_spec"] = ratio(r["tokens_per_s"], ref[r["concurrency"]])
+        summary[name] = {str(r["concurrency"]): r["vs_no_spec"] for r in table[name]}
+    res["ratio_vs_no_spec"] = summary
+    res["break_even_fixed_k5"] = break_even(table["eagle3_k5"])
+    dyn_min = min(r["vs_no_spec"] for r in table[dyn])
+    res["goals"] = {"dynamic_at_least_0.97x_no_spec_everywhere": dyn_min >= 0.97,
+                    "dynamic_min_ratio": dyn_min}
+    log(f"fig 3: fixed K=5 break-even {res['break_even_fixed_k5']}; dynamic min {dyn_min}")
+
+
+def break_even(rows: list[dict]) -> dict:
+    """Where speculation stops paying: the first concurrency with ratio < 1, and the crossing
+    interpolated on log2(concurrency)."""
+    import math
+
+    prev = None
+    for r in rows:
+        if r["vs_no_spec"] < 1:
+            out = {"first_concurrency_below_1": r["concurrency"],
+                   "last_concurrency_at_or_above_1": prev["concurrency"] if prev else None}
+            if prev:
+                x0, x1 = math.log2(prev["concurrency"]), math.log2(r["concurrency"])
+                y0, y1 = prev["vs_no_spec"], r["vs_no_spec"]
+                x = x0 + (y0 - 1) * (x1 - x0) / (y0 - y1) if y0 != y1 else x0
+                out["interpolated_concurrency"] = rnd(2**x, 1)
+            return out
+        prev = r
+    return {"first_concurrency_below_1": None,
+            "note": "fixed K pays at every measured concurrency"}
+
+
+def plot_concurrency(plt, res):
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for name, rows in res["runs"].items():
+        xs = [r["concurrency"] for r in rows]
+        a.plot(xs, [r["tokens_per_s"] for r in rows], "o-", label=name)
+        if name != "no_spec":
+            b.plot(xs, [r["vs_no_spec"] for r in rows], "o-", label=name)
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.legend()
+    a.set_ylabel("tokens/s")
+    b.axhline(1.0, c="gray", ls="--")
+    b.axhline(0.97, c="gray", ls=":")
+    b.set_ylabel("vs no speculation")
+    return fig
+
+
+# ---- figure 4: KV transfer ----------------------------------------------------------------
+
+
+def fig_kv_transfer(args, res: dict) -> None:
+    torch = _torch()
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        res["skipped"] = "needs 2 GPUs"
+        return
+    import asyncio
+
+    from kvtransfer.layout import BlockLayout
+    from kvtransfer.local import LocalTransport
+
+    sizes = [16 << 20, 64 << 20, 256 << 20, 1 << 30]
+    d0, d1 = torch.device("cuda:0"), torch.device("cuda:1")
+    res["config"] = {"sizes_bytes": sizes, "reps": args.fig4_reps,
+                     "peer_access_0_to_1": torch.cuda.can_device_access_peer(0, 1)}
+    peer = []
+    for nbytes in sizes:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=d0)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=d1)
+        secs = []
+        for i in range(args.fig4_reps + 2):
+            torch.cuda.synchronize(d0)
+            torch.cuda.synchronize(d1)
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            torch.cuda.synchronize(d0)
+            torch.cuda.synchronize(d1)
+            if i >= 2:
+                secs.append(time.perf_counter() - t0)
+        med = statistics.median(secs)
+        peer.append({"bytes": nbytes, "median_ms": rnd(med * 1e3, 3),
+                     "gb_s": rnd(nbytes / med / 1e9, 1)})
+        log(f"fig 4: peer copy {nbytes >> 20} MiB: {peer[-1]['gb_s']} GB/s")
+        del src, dst
+    res["peer_copy"] = peer
+    # The engine's in-process path: gather blocks on GPU 0, copy, scatter on GPU 1
+    # (kvtransfer.local), Llama-3.1-8B layout (2 MiB per 16-token block in bf16).
+    layout = BlockLayout("llama8b-shape", "bfloat16", 16, 32, 8, 128, 0)
+    nblk = (1 << 30) // layout.block_bytes
+    kv0 = torch.randn(layout.kv_shape(nblk), device=d0).to(torch.bfloat16)
+    kv1 = torch.zeros(layout.kv_shape(nblk), dtype=torch.bfloat16, device=d1)
+    local = []
+
+    async def go():
+        rx = LocalTransport(layout, kv1)
+        await rx.start()
+        tx = LocalTransport(layout)
+        conn = await tx.connect(rx.address)
+        for nb in sorted({max(1, s // layout.block_bytes) for s in sizes}):
+            ids = list(range(nb))
+            secs = []
+            for i in range(args.fig4_reps + 2):
+                torch.cuda.synchronize(d0)
+                st = await conn.send_blocks(f"b{nb}-{i}", kv0, ids, ids)
+                await rx.recv_blocks(f"b{nb}-{i}", timeout=30)
+                if i >= 2:
+                    secs.append(st.seconds)
+            med = statistics.median(secs)
+            local.append({"blocks": nb, "bytes": nb * layout.block_bytes,
+                          "median_ms": rnd(med * 1e3, 3),
+                          "gb_s": rnd(nb * layout.block_bytes / med / 1e9, 1)})
+            log(f"fig 4: local transport {nb} blocks: {local[-1]['gb_s']} GB/s")
+        await conn.close()
+        await rx.close()
+
+    asyncio.run(go())
+    res["local_transport"] = {"layout": layout.to_dict(), "block_bytes": layout.block_bytes,
+                              "rows": local}
+    kv0 = kv1 = None
+    free_memory()
+    res["ucx"] = ucx_transfer(args, sizes)
+    ucx_rows = res["ucx"].get("rows") if isinstance(res["ucx"], dict) else None
+    if ucx_rows:
+        by = {r["bytes"]: r["gb_s"] for r in peer}
+        res["ucx_vs_peer_copy"] = {str(r["bytes"]): ratio(r["gb_s"], by.get(r["bytes"]))
+                                   for r in ucx_rows}
+    by = {r["bytes"]: r["gb_s"] for r in peer}
+    res["local_transport_vs_peer_copy"] = {
+        str(r["bytes"]): ratio(r["gb_s"], by.get(r["bytes"])) for r in local}
+
+
+def ucx_transfer(args, sizes) -> dict:
+    """UCX from GPU 0 (this process) to a receiver process holding its cache on GPU 1, with
+    kvtransfer/bench.py's machinery."""
+    try:
+        import ucxx  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return {"skipped": f"ucxx not importable ({type(e).__name__}: {e})"}
+    try:
+        import asyncio
+        from types import SimpleNamespace
+
+        from kvtransfer import bench as kvb
+        from kvtransfer.layout import BlockLayout
+
+        rows = []
+        for nbytes in sizes:
+            layout = BlockLayout("bench", "bfloat16", 16, 32, 8, 128, 0)
+            blocks = max(1, nbytes // layout.block_bytes)
+            proc, pipe, address = kvb.spawn_receiver(layout, blocks, "worker",
+                                                     device="cuda:1")
+            try:
+                ns = SimpleNamespace(blocks=blocks, chunks=[1], checksum=False,
+                                     progress="thread", reps=args.fig4_reps, device="cuda:0")
+                for r in asyncio.run(kvb.measure(ns, layout, address)):
+                    rows.append({"bytes": blocks * layout.block_bytes, "gb_s": r["median_gb_s"],
+                                 "median_ms": r["median_ms"], "raw": r})
+            finally:
+                kvb.stop_receiver(proc, pipe, layout)
+            log(f"fig 4: UCX {nbytes >> 20} MiB: {rows[-1]['gb_s']} GB/s")
+        return {"rows": rows, "sender": "cuda:0", "receiver": "cuda:1 (separate process)"}
+    except Exception:  # noqa: BLE001
+        return {"error": traceback.format_exc()}
+
+
+def plot_kv(plt, res):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, rows in (("peer copy", res.get("peer_copy")),
+                      ("local transport", (res.get("local_transport") or {}).get("rows")),
+                      ("UCX", (res.get("ucx") or {}).get("rows"))):
+        if rows:
+            ax.plot([r["bytes"] / 2**20 for r in rows], [r["gb_s"] for r in rows], "o-",
+                    label=key)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("MiB per transfer")
+    ax.set_ylabel("GB/s")
+    ax.legend()
+    ax.set_title("KV transfer GPU 0 -> GPU 1")
+    return fig
+
+
+# ---- figure 5: inter-token latency, colocated vs disaggregated ------------------------------
+
+
+def fig_itl_disagg(args, res: dict) -> None:
+    res["skipped"] = "needs the 2-GPU cluster run"
+
+
+# ---- driver -----------------------------------------------------------------------------------
+
+FIGURES = {
+    1: ("single_stream", fig_single_stream, plot_single_stream),
+    2: ("llama8b_shape", fig_llama8b_shape, plot_llama8b),
+    3: ("concurrency", fig_concurrency, plot_concurrency),
+    4: ("kv_transfer", fig_kv_transfer, plot_kv),
+    5: ("itl_disagg", fig_itl_disagg, None),
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--figures", default="1,2,3,4",
+                   help="comma-separated figure numbers: 1 single_stream, 2 llama8b_shape, "
+                        "3 concurrency, 4 kv_transfer, 5 itl_disagg (default 1,2,3,4)")
+    p.add_argument("--out", default="bench/results", help="folder for figN_<name>.json/.png")
+    p.add_argument("--model", default=None,
+                   help="SmolLM2 .gguf file or HF folder (default: the embedded model)")
+    p.add_argument("--head", default=None, help="EAGLE-3 head folder (default: the shipped one)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="default bfloat16 on cuda, float32 on cpu")
+    p.add_argument("--num-blocks", type=int, default=8192,
+                   help="KV blocks (of 16 tokens) per SmolLM2 engine variant")
+    p.add_argument("--prompt-offset", type=int, default=0,
+                   help="first held-out prompt used")
+    p.add_argument("--dynamic-k", type=int, default=7, help="max K for dynamic EAGLE-3")
+    g = p.add_argument_group("figure 1 (single stream)")
+    g.add_argument("--fig1-prompts", type=int, default=4)
+    g.add_argument("--fig1-tokens", type=int, default=256)
+    g = p.add_argument_group("figure 2 (Llama-3.1-8B shape)")
+    g.add_argument("--fig2-context", type=int, default=512, help="tokens already in the KV")
+    g.add_argument("--fig2-reps", type=int, default=50)
+    g.add_argument("--fig2-max-batch", type=int, default=64)
+    g.add_argument("--fig2-blocks", type=int, default=2048)
+    g.add_argument("--fig2-decode-tokens", type=int, default=128,
+                   help="engine.step() decode steps timed at batch 1")
+    g.add_argument("--hbm-gib", type=float, default=4.0, help="size of the bandwidth copy")
+    g = p.add_argument_group("figure 3 (concurrency)")
+    g.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    g.add_argument("--fig3-tokens", type=int, default=128)
+    g.add_argument("--fig3-reps", type=int, default=2)
+    g = p.add_argument_group("figure 4 (KV transfer)")
+    g.add_argument("--fig4-reps", type=int, default=10)
+
+
+def run(args) -> int:
+    torch = _torch()
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype is None:
+        args.dtype = "bfloat16" if is_cuda(args) else "float32"
+    try:
+        nums = [int(x) for x in str(args.figures).split(",") if x.strip()]
+    except ValueError:
+        print(f"error: --figures wants numbers like 1,2,3, got {args.figures!r}",
+              file=sys.stderr)
+        return 2
+    bad = [n for n in nums if n not in FIGURES]
+    if bad:
+        print(f"error: no figure {bad}; have {sorted(FIGURES)}", file=sys.stderr)
+        return 2
+    log(f"figures {nums} on {args.device} ({args.dtype}) -> {args.out}")
+    failed = []
+    for num in nums:
+        name, fn, plot = FIGURES[num]
+        log(f"=== figure {num}: {name} ===")
+        res = header(args, name, num)
+        t0 = time.perf_counter()
+        try:
+            fn(args, res)
+        except Exception:  # noqa: BLE001 - record it; the next figure still runs
+            res["error"] = traceback.format_exc()
+            failed.append(num)
+            print(res["error"], flush=True)
+        res["seconds"] = rnd(time.perf_counter() - t0, 1)
+        free_memory()
+        path = save(args.out, res, plot)
+        status = "error" if "error" in res else res.get("skipped", "ok")
+        log(f"figure {num} {name}: {status} in {res['seconds']}s -> {path}")
+        if res.get("goals"):
+            log(f"figure {num} goals: {json.dumps(res['goals'])}")
+    log(f"done; failed figures: {failed or 'none'}")
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.suite", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
