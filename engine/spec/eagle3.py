@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import ops
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeConfig
 from engine.layers import RMSNorm, Rotary
@@ -131,11 +132,15 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
         self.backend, self.rotary = backend, rotary
 
-    def forward(self, x, positions, kv_cache, meta):
+    def forward(self, x, positions, kv_cache, meta, fused: bool = False):
         q = self.q_proj(x).view(-1, self.nh, self.hd)
         k = self.k_proj(x).view(-1, self.nkv, self.hd)
         v = self.v_proj(x).view(-1, self.nkv, self.hd)
-        q, k = self.rotary(positions, q, k)
+        if fused:
+            ops.rope_(q, positions, self.rotary.cos, self.rotary.sin)
+            ops.rope_(k, positions, self.rotary.cos, self.rotary.sin)
+        else:
+            q, k = self.rotary(positions, q, k)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta).flatten(1))
 
 
@@ -159,13 +164,28 @@ class _MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = _MLP(c)
         self.norm_before_residual = c.norm_before_residual
+        self.fused = backend.name == "triton" and ops.triton_available()
 
     def forward(self, embeds, hidden, positions, kv_cache, meta):
+        if self.fused:
+            return self._forward_fused(embeds, hidden, positions, kv_cache, meta)
         normed = self.hidden_norm(hidden)
         residual = normed if self.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
         h = residual + self.self_attn(x, positions, kv_cache, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+    def _forward_fused(self, embeds, hidden, positions, kv_cache, meta):
+        """The same math with the fused norm and rotary kernels."""
+        hn, en = self.hidden_norm, self.input_layernorm
+        normed = ops.add_rmsnorm(hidden, hn.weight, hn.eps)
+        residual = normed if self.norm_before_residual else hidden
+        x = torch.cat([ops.add_rmsnorm(embeds, en.weight, en.eps), normed], dim=-1)
+        a = self.self_attn(x, positions, kv_cache, meta, fused=True)
+        pn = self.post_attention_layernorm
+        x, h = ops.add_rmsnorm(a, pn.weight, pn.eps, residual)
+        return h + self.mlp(x)
 
 
 class Eagle3Head(nn.Module):

@@ -83,6 +83,7 @@ class SpecRunner:
         self.stats = SpecStats(cfg.spec.num_tokens)
         self.stager = HostStager(cfg.device, 1 << 12)
         self.graphs: GraphSet | None = None
+        self.first_graphs: GraphSet | None = None
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -129,9 +130,16 @@ class SpecRunner:
             out = head(model.embed_tokens(toks[:, 0]), hidden, pos, kv, meta)
             return out, head.greedy_tokens(out)
 
+        def first(ids, pos, meta, hidden):
+            return (head(model.embed_tokens(ids), hidden, pos, kv, meta),)
+
         max_blocks = -(-self.cfg.max_model_len // self.cfg.block_size)
+        width, dt = head.cfg.hidden_size, self.cfg.dtype
         self.graphs = GraphSet(fn, self.cfg.device, max_batch, (1,), max_blocks,
-                               extras=((1, torch.int64), (head.cfg.hidden_size, self.cfg.dtype)))
+                               extras=((1, torch.int64), (width, dt)))
+        self.first_graphs = GraphSet(first, self.cfg.device, max_batch,
+                                     range(1, self.spec.num_tokens + 2), max_blocks,
+                                     extras=((width, dt),), pool=self.graphs.pool)
 
     @torch.inference_mode()
     def _eagle(self, spans: list[Span], aux: list[torch.Tensor], ks: list[int],
@@ -211,6 +219,8 @@ class SpecRunner:
         """One head forward: `lens[i]` tokens of span i at positions `pos`, into the draft
         layer's KV slot."""
         inp = pack(toks, pos, [s.seq.block_table for s in spans], lens, self.cfg.block_size)
+        if self.first_graphs is not None and self.first_graphs.supports(inp):
+            return self.first_graphs.run(inp, (hidden,))[0]
         ids, p, meta = to_device(inp, self.stager)
         embeds = self.model.embed_tokens(ids)
         return self.head(embeds, hidden.to(embeds.dtype), p, self.kv, meta)

@@ -149,3 +149,25 @@ def test_sampled_speculation_is_reproducible_and_frees_blocks():
     b = [c.token_ids for c in eng.generate(prompts, sp)]
     assert a == b and all(len(x) == 25 for x in a)
     eng.blocks.check_all_free()
+
+
+def test_fast_path_drafts_like_the_reference(k=3):
+    """Triton backend + fused head + the static-bucket (graph) path, run eagerly on the CPU:
+    output equals plain decoding and every draft equals the reference path's drafts (same
+    acceptance counts per position)."""
+    base = tiny_engine(0, max_num_batched_tokens=64)
+    head = random_head(base)
+    prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 2 for i in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    ref = [c.token_ids for c in base.generate(prompts, sp)]
+    slow = spec_engine(base, head, num_tokens=k, dynamic=False)
+    fast = Engine(replace(slow.config, attention_backend="triton"), weights_of=base,
+                  draft_head=head)
+    assert fast.model.fused and fast.spec.head.midlayer.fused
+    fast.runner.enable_graphs(8, range(1, k + 2), fast.spec.aux_layers)
+    fast.spec.enable_graphs(8)
+    assert [c.token_ids for c in slow.generate(prompts, sp)] == ref
+    assert [c.token_ids for c in fast.generate(prompts, sp)] == ref
+    assert fast.spec.stats.accepted_per_pos == slow.spec.stats.accepted_per_pos
+    assert fast.spec.graphs.graphs and fast.spec.first_graphs.graphs and fast.runner.graphs.graphs
+    fast.blocks.check_all_free()
