@@ -111,7 +111,24 @@ def engine_info(e: Engine) -> dict:
 
 
 def node_info(node) -> dict:
-    return {**engine_info(node.engine), "metrics_port": node.metrics_port}
+    return {**engine_info(node.engine), "metrics_port": node.metrics_port,
+            "placement": placement(node.engine)}
+
+
+def placement(e: Engine) -> dict:
+    """Where this node runs: its device, the GPU Ray gave it, the attention backend."""
+    import os
+
+    import torch
+
+    dev = str(e.config.device)
+    out = {"device": dev, "attention_backend": e.config.backend_name,
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+           "cuda_graphs": e.config.use_cuda_graphs}
+    if dev.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name(dev)
+        out["gpu_uuid"] = str(torch.cuda.get_device_properties(dev).uuid)
+    return out
 
 
 def _engine_stats(e: Engine) -> dict:
