@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# What one H200 session runs once the model and wheels are staged under /tmp (see
+# bench/README.md): `bash bench/h200_session.sh cluster` (GPU tests + the two-GPU cluster),
+# `bash bench/h200_session.sh bench` (the figures). Results land in $OUT/<part>.tgz.
+set -u
+part=${1:-bench}
+M=${MODEL:-/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf}
+R=/tmp/results/$part
+mkdir -p "$R"
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
+export RAY_USAGE_STATS_ENABLED=0
+nvidia-smi -L > "$R/gpus.txt"
+if [ "$part" = cluster ]; then
+  timeout 150 python3 -m pytest -q -m gpu tests/engine tests/spec tests/kvtransfer \
+    > "$R/gpu_tests.log" 2>&1
+  tail -3 "$R/gpu_tests.log"
+  timeout 240 python3 bench/cluster_gpu.py --model "$M" --out "$R/cluster_two_gpu.json" \
+    > "$R/cluster.log" 2>&1
+  tail -25 "$R/cluster.log"
+else
+  timeout "${BENCH_TIMEOUT:-540}" python3 -m bench.suite --model "$M" \
+    --figures "${FIGS:-1,2,3,4}" --out "$R" > "$R/bench.log" 2>&1
+  tail -40 "$R/bench.log"
+fi
+tar czf "$OUT/$part.tgz" -C "$R" .
