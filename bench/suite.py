@@ -379,42 +379,50 @@ def fig_single_stream(args, res: dict) -> None:
 def hf_compiled(args, model, prompts, n) -> dict:
     """HF generate with a static cache and torch.compile(mode="reduce-overhead",
     fullgraph=True). transformers compiles the decode step itself when the cache is static
-    (prefill stays eager); that built-in path is tried first, the manual
-    `model.forward = torch.compile(...)` recipe second."""
+    (prefill stays eager); that built-in path is tried first, then the manual
+    `model.forward = torch.compile(...)` recipe, then the built-in path without fullgraph.
+    The result names the path that ran and keeps the errors of those that failed."""
     import transformers
 
     torch = _torch()
     longest = max(prompts, key=len)
-    attempts = []
-    try:
-        cc = transformers.CompileConfig(fullgraph=True, mode="reduce-overhead")
-        attempts.append(("transformers auto-compile: cache_implementation='static', "
-                         "CompileConfig(fullgraph=True, mode='reduce-overhead')",
-                         dict(cache_implementation="static", compile_config=cc), None))
-    except Exception as e:  # noqa: BLE001
-        attempts.append((f"CompileConfig unavailable: {e}", None, None))
+
+    def auto(fullgraph: bool):
+        model.__dict__.pop("_compiled_call", None)
+        cc = transformers.CompileConfig(fullgraph=fullgraph, mode="reduce-overhead")
+        return (dict(cache_implementation="static", compile_config=cc),
+                lambda: model.__dict__.pop("_compiled_call", None))
 
     def manual():
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        return (dict(cache_implementation="static", disable_compile=True),
+                lambda: model.__dict__.pop("forward", None))
 
-    attempts.append(("manual: model.forward = torch.compile(model.forward, "
-                     "mode='reduce-overhead', fullgraph=True), cache_implementation='static', "
-                     "disable_compile=True", dict(cache_implementation="static",
-                                                  disable_compile=True), manual))
+    attempts = [
+        ("transformers auto-compile: cache_implementation='static', "
+         "CompileConfig(fullgraph=True, mode='reduce-overhead')", lambda: auto(True)),
+        ("manual: model.forward = torch.compile(model.forward, mode='reduce-overhead', "
+         "fullgraph=True), cache_implementation='static', disable_compile=True", manual),
+        ("transformers auto-compile: cache_implementation='static', "
+         "CompileConfig(fullgraph=False, mode='reduce-overhead')", lambda: auto(False)),
+    ]
     errors = []
-    for how, kw, setup in attempts:
-        if kw is None:
-            errors.append(how)
-            continue
+    for how, setup in attempts:
+        undo = None
         try:
-            if setup:
-                setup()
-            log(f"fig 1: HF compiled ({how.split(':')[0]}): compiling on the longest prompt")
+            kw, undo = setup()
+            log(f"fig 1: HF compiled ({how[:60]}...): compiling on the longest prompt")
             t0 = time.perf_counter()
             # Longest prompt first: the static cache keeps the largest size seen, so timed
             # calls reuse its shape and do not recompile.
             hf_generate(args, model, longest, n, **kw)
             compile_s = time.perf_counter() - t0
+            if "compile_config" in kw and "_compiled_call" not in model.__dict__:
+                # transformers skips compilation silently when its criteria are not met
+                raise RuntimeError("transformers did not compile the decode step")
+            # A second prompt length: where the prefill is compiled too (the manual recipe),
+            # dynamo recompiles once with dynamic shapes here rather than in a timed call.
+            hf_generate(args, model, longest[:-1], n, **kw)
             hf_generate(args, model, longest, n, **kw)
             r = run_hf(args, model, prompts, n, **kw)
             r["method"] = how
@@ -425,7 +433,9 @@ def hf_compiled(args, model, prompts, n) -> dict:
             return r
         except Exception:  # noqa: BLE001
             errors.append(f"{how}:\n{traceback.format_exc()}")
-            log(f"fig 1: HF compiled attempt failed: {how.split(':')[0]}")
+            log(f"fig 1: HF compiled attempt failed: {how[:60]}...")
+            if undo is not None:
+                undo()
             torch._dynamo.reset()
     return {"error": "\n\n".join(errors)}
 
@@ -741,82 +751,99 @@ def plot_concurrency(plt, res):
 # ---- figure 4: KV transfer ----------------------------------------------------------------
 
 
-def fig_kv_transfer(args, res: dict) -> None:
+def sync_devices(*devices) -> None:
     torch = _torch()
-    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
-        res["skipped"] = "needs 2 GPUs"
-        return
-    import asyncio
+    for d in devices:
+        if torch.device(d).type == "cuda":
+            torch.cuda.synchronize(d)
 
-    from kvtransfer.layout import BlockLayout
-    from kvtransfer.local import LocalTransport
 
-    sizes = [16 << 20, 64 << 20, 256 << 20, 1 << 30]
-    d0, d1 = torch.device("cuda:0"), torch.device("cuda:1")
-    res["config"] = {"sizes_bytes": sizes, "reps": args.fig4_reps,
-                     "peer_access_0_to_1": torch.cuda.can_device_access_peer(0, 1)}
-    peer = []
+def peer_copy(src_dev, dst_dev, sizes, reps: int) -> list[dict]:
+    """Plain tensor copy src_dev -> dst_dev (peer-to-peer between GPUs), wall time with both
+    devices synchronized, median of reps after 2 warm-ups."""
+    torch = _torch()
+    rows = []
     for nbytes in sizes:
-        src = torch.empty(nbytes, dtype=torch.uint8, device=d0)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=d1)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=src_dev)
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
         secs = []
-        for i in range(args.fig4_reps + 2):
-            torch.cuda.synchronize(d0)
-            torch.cuda.synchronize(d1)
+        for i in range(reps + 2):
+            sync_devices(src_dev, dst_dev)
             t0 = time.perf_counter()
             dst.copy_(src)
-            torch.cuda.synchronize(d0)
-            torch.cuda.synchronize(d1)
+            sync_devices(src_dev, dst_dev)
             if i >= 2:
                 secs.append(time.perf_counter() - t0)
         med = statistics.median(secs)
-        peer.append({"bytes": nbytes, "median_ms": rnd(med * 1e3, 3),
+        rows.append({"bytes": nbytes, "median_ms": rnd(med * 1e3, 3),
                      "gb_s": rnd(nbytes / med / 1e9, 1)})
-        log(f"fig 4: peer copy {nbytes >> 20} MiB: {peer[-1]['gb_s']} GB/s")
-        del src, dst
-    res["peer_copy"] = peer
-    # The engine's in-process path: gather blocks on GPU 0, copy, scatter on GPU 1
-    # (kvtransfer.local), Llama-3.1-8B layout (2 MiB per 16-token block in bf16).
-    layout = BlockLayout("llama8b-shape", "bfloat16", 16, 32, 8, 128, 0)
-    nblk = (1 << 30) // layout.block_bytes
-    kv0 = torch.randn(layout.kv_shape(nblk), device=d0).to(torch.bfloat16)
-    kv1 = torch.zeros(layout.kv_shape(nblk), dtype=torch.bfloat16, device=d1)
-    local = []
+        log(f"fig 4: peer copy {nbytes / 2**20:.0f} MiB: {rows[-1]['gb_s']} GB/s")
+        src = dst = None
+    return rows
+
+
+def local_transport(layout, src_dev, dst_dev, block_counts, reps: int) -> list[dict]:
+    """The engine's in-process path (kvtransfer.local): gather blocks on the source device,
+    copy, scatter on the destination; `send_blocks` time, median of reps after 2 warm-ups."""
+    import asyncio
+
+    from kvtransfer.local import LocalTransport
+
+    torch = _torch()
+    nblk = max(block_counts)
+    kv0 = torch.randn(layout.kv_shape(nblk), device=src_dev).to(layout.torch_dtype)
+    kv1 = torch.zeros(layout.kv_shape(nblk), dtype=layout.torch_dtype, device=dst_dev)
+    rows = []
 
     async def go():
         rx = LocalTransport(layout, kv1)
         await rx.start()
-        tx = LocalTransport(layout)
-        conn = await tx.connect(rx.address)
-        for nb in sorted({max(1, s // layout.block_bytes) for s in sizes}):
+        conn = await LocalTransport(layout).connect(rx.address)
+        for nb in block_counts:
             ids = list(range(nb))
             secs = []
-            for i in range(args.fig4_reps + 2):
-                torch.cuda.synchronize(d0)
+            for i in range(reps + 2):
+                sync_devices(src_dev)
                 st = await conn.send_blocks(f"b{nb}-{i}", kv0, ids, ids)
                 await rx.recv_blocks(f"b{nb}-{i}", timeout=30)
                 if i >= 2:
                     secs.append(st.seconds)
             med = statistics.median(secs)
-            local.append({"blocks": nb, "bytes": nb * layout.block_bytes,
-                          "median_ms": rnd(med * 1e3, 3),
-                          "gb_s": rnd(nb * layout.block_bytes / med / 1e9, 1)})
-            log(f"fig 4: local transport {nb} blocks: {local[-1]['gb_s']} GB/s")
+            rows.append({"blocks": nb, "bytes": nb * layout.block_bytes,
+                         "median_ms": rnd(med * 1e3, 3),
+                         "gb_s": rnd(nb * layout.block_bytes / med / 1e9, 1)})
+            log(f"fig 4: local transport {nb} blocks: {rows[-1]['gb_s']} GB/s")
         await conn.close()
         await rx.close()
 
     asyncio.run(go())
+    return rows
+
+
+def fig_kv_transfer(args, res: dict) -> None:
+    torch = _torch()
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        res["skipped"] = "needs 2 GPUs"
+        return
+    from kvtransfer.layout import BlockLayout
+
+    sizes = [16 << 20, 64 << 20, 256 << 20, 1 << 30]
+    res["config"] = {"sizes_bytes": sizes, "reps": args.fig4_reps,
+                     "peer_access_0_to_1": torch.cuda.can_device_access_peer(0, 1)}
+    res["peer_copy"] = peer = peer_copy("cuda:0", "cuda:1", sizes, args.fig4_reps)
+    # Llama-3.1-8B layout: 2 MiB per 16-token block in bf16.
+    layout = BlockLayout("llama8b-shape", "bfloat16", 16, 32, 8, 128, 0)
+    counts = sorted({max(1, s // layout.block_bytes) for s in sizes})
+    local = local_transport(layout, "cuda:0", "cuda:1", counts, args.fig4_reps)
     res["local_transport"] = {"layout": layout.to_dict(), "block_bytes": layout.block_bytes,
                               "rows": local}
-    kv0 = kv1 = None
     free_memory()
     res["ucx"] = ucx_transfer(args, sizes)
-    ucx_rows = res["ucx"].get("rows") if isinstance(res["ucx"], dict) else None
+    by = {r["bytes"]: r["gb_s"] for r in peer}
+    ucx_rows = res["ucx"].get("rows")
     if ucx_rows:
-        by = {r["bytes"]: r["gb_s"] for r in peer}
         res["ucx_vs_peer_copy"] = {str(r["bytes"]): ratio(r["gb_s"], by.get(r["bytes"]))
                                    for r in ucx_rows}
-    by = {r["bytes"]: r["gb_s"] for r in peer}
     res["local_transport_vs_peer_copy"] = {
         str(r["bytes"]): ratio(r["gb_s"], by.get(r["bytes"])) for r in local}
 
@@ -874,8 +901,334 @@ def plot_kv(plt, res):
 # ---- figure 5: inter-token latency, colocated vs disaggregated ------------------------------
 
 
+def pct(xs: list[float], q: float):
+    """Nearest-rank percentile (q in 0..100)."""
+    import math
+
+    if not xs:
+        return None
+    ys = sorted(xs)
+    return ys[max(0, math.ceil(q / 100 * len(ys)) - 1)]
+
+
+def itl_summary(gaps_s: list[float]) -> dict:
+    ms = [g * 1e3 for g in gaps_s]
+    return {"count": len(ms), "p50_ms": rnd(pct(ms, 50)), "p90_ms": rnd(pct(ms, 90)),
+            "p99_ms": rnd(pct(ms, 99)), "max_ms": rnd(max(ms) if ms else None),
+            "mean_ms": rnd(statistics.mean(ms) if ms else None)}
+
+
+class Workload:
+    """Background decode streams that keep running, and long prompts arriving on a clock.
+    Records when each background stream got each token (host time after the step)."""
+
+    def __init__(self, args, vocab: int):
+        import random
+
+        from engine import SamplingParams
+
+        rng = random.Random(0)
+        self.streams, self.arrivals = args.fig5_streams, args.fig5_arrivals
+        self.interval = args.fig5_interval_ms / 1e3
+        self.short = [[rng.randrange(vocab) for _ in range(args.fig5_short_len)]
+                      for _ in range(self.streams)]
+        self.long = [[rng.randrange(vocab) for _ in range(args.fig5_prompt_len)]
+                     for _ in range(self.arrivals)]
+        self.bg_params = SamplingParams(temperature=0, max_tokens=args.fig5_max_steps,
+                                        ignore_eos=True)
+        self.long_params = SamplingParams(temperature=0, max_tokens=args.fig5_long_tokens,
+                                          ignore_eos=True)
+        self.stamps: dict[str, list[float]] = {f"bg{i}": [] for i in range(self.streams)}
+        self.arrived: dict[str, float] = {}
+        self.first: dict[str, float] = {}  # long request -> time of its first token
+        self.done: dict[str, float] = {}  # long request -> time it finished decoding
+        self.tokens: dict[str, list[int]] = {}  # long request -> its output tokens
+        self.t0 = None
+
+    def record(self, outs, t: float) -> None:
+        for o in outs:
+            rid = o.request_id
+            if rid in self.stamps and o.token_ids:
+                self.stamps[rid].append(t)
+            elif rid in self.arrived:
+                self.tokens.setdefault(rid, []).extend(o.token_ids)
+                if rid not in self.first and o.token_ids:
+                    self.first[rid] = t
+                if o.finished:
+                    self.done[rid] = t
+
+    def warm(self) -> bool:
+        return all(len(v) >= 8 for v in self.stamps.values())
+
+    def due(self, now: float) -> list[tuple[str, list[int]]]:
+        """Long prompts whose arrival time has come and that were not added yet."""
+        out = []
+        for i in range(len(self.arrived), self.arrivals):
+            rid = f"long{i}"
+            if now < self.t0 + i * self.interval:
+                break
+            self.arrived[rid] = now
+            out.append((rid, self.long[i]))
+        return out
+
+    def finished(self) -> bool:
+        return len(self.done) == self.arrivals
+
+    def summary(self, t_end: float) -> dict:
+        quiet, busy = [], []
+        for ts in self.stamps.values():
+            for a, b in zip(ts, ts[1:]):
+                (busy if self.t0 <= b <= t_end else quiet if b < self.t0 else []).append(b - a)
+        ttft = [self.first[r] - self.arrived[r] for r in self.first]
+        return {"itl_while_prompts_arrive": itl_summary(busy),
+                "itl_before_arrivals": itl_summary(quiet),
+                "window_s": rnd(t_end - self.t0),
+                "long_ttft_ms": {"p50": rnd(pct([x * 1e3 for x in ttft], 50)),
+                                 "max": rnd(max(ttft) * 1e3 if ttft else None),
+                                 "all": [rnd(x * 1e3, 1) for x in ttft]},
+                "background_tokens_in_window": len(busy)}
+
+
+def fig5_model(args, prompt_len: int):
+    from engine.config import tiny_config
+
+    need = max(prompt_len + args.fig5_long_tokens, args.fig5_short_len + args.fig5_max_steps)
+    max_pos = -(-(need + 64) // 256) * 256
+    if args.fig5_model == "tiny":
+        return tiny_config(max_position=max_pos, vocab_size=256, name="tiny (random)")
+    return llama8b_shape(max_position=max_pos)
+
+
+def fig5_blocks(args) -> int:
+    per_bg = -(-(args.fig5_short_len + args.fig5_max_steps + 16) // 16)
+    per_long = -(-(args.fig5_prompt_len + args.fig5_long_tokens + 16) // 16)
+    return args.fig5_streams * per_bg + args.fig5_arrivals * per_long + 64
+
+
+def warm_engine(eng, w: Workload, batch_sizes) -> str:
+    """Capture the decode graphs and JIT the prefill kernels once, outside the measurement."""
+    note = precapture(eng, batch_sizes)
+    eng.generate([w.long[0]], w.long_params)
+    return note
+
+
+def run_colocated(eng, w: Workload, step_limit: int) -> dict:
+    for i, p in enumerate(w.short):
+        eng.add_request(p, w.bg_params, request_id=f"bg{i}")
+    steps = 0
+    while not w.warm() or steps < 32:
+        w.record(eng.step(), time.perf_counter())
+        steps += 1
+    w.t0 = time.perf_counter()
+    while not w.finished() and steps < step_limit:
+        for rid, p in w.due(time.perf_counter()):
+            eng.add_request(p, w.long_params, request_id=rid)
+        w.record(eng.step(), time.perf_counter())
+        steps += 1
+    t_end = time.perf_counter()
+    for rid in list(eng.seqs):
+        eng.abort(rid)
+    out = w.summary(t_end)
+    out["steps"] = steps
+    out["complete"] = w.finished()
+    return out
+
+
+def run_disaggregated(args, pre, dec, w: Workload, step_limit: int) -> dict:
+    """Prefill engine in this thread, decode engine on its own thread (own GPU): long prompts
+    prefill on `pre` (hold=True), their KV blocks are copied into blocks reserved on `dec`,
+    and `dec` admits them; the background streams decode on `dec` throughout."""
+    import concurrent.futures
+    import queue
+    import threading
+
+    torch = _torch()
+    ctrl: queue.SimpleQueue = queue.SimpleQueue()
+    stop = threading.Event()
+    failure: list[BaseException] = []
+    counter = {"steps": 0}
+    dec_dev = torch.device(dec.config.device)
+
+    def decode_loop():
+        try:
+            if dec_dev.type == "cuda":
+                torch.cuda.set_device(dec_dev)
+            while not stop.is_set():
+                while True:
+                    try:
+                        fn, fut = ctrl.get_nowait()
+                    except queue.Empty:
+                        break
+                    try:
+                        fut.set_result(fn(dec))
+                    except Exception as e:  # noqa: BLE001
+                        fut.set_exception(e)
+                if dec.has_unfinished() and counter["steps"] < step_limit:
+                    w.record(dec.step(), time.perf_counter())
+                    counter["steps"] += 1
+                else:
+                    time.sleep(0.0002)
+        except BaseException as e:  # noqa: BLE001
+            failure.append(e)
+
+    def on_decode(fn, wait: bool = True):
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        ctrl.put((fn, fut))
+        return fut.result(timeout=120) if wait else fut
+
+    side = torch.cuda.Stream(device=dec_dev) if dec_dev.type == "cuda" else None
+    copies, admits = [], []
+
+    def hand_off(rid: str) -> None:
+        h = pre.export_handoff(rid)
+        src = pre.held_blocks(rid)
+        dst = on_decode(lambda e: e.reserve(rid, h.num_computed))
+        t0 = time.perf_counter()
+        copy_kv(pre.kv_cache, dec.kv_cache, src[: len(dst)], dst, side)
+        copies.append({"blocks": len(dst), "ms": rnd((time.perf_counter() - t0) * 1e3, 3)})
+        pre.release(rid)
+        admits.append(on_decode(lambda e: e.admit(h), wait=False))
+
+    for i, p in enumerate(w.short):
+        dec.add_request(p, w.bg_params, request_id=f"bg{i}")
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)  # two busy Python threads: hand the GIL over quickly
+    th = threading.Thread(target=decode_loop, name="bench-decode", daemon=True)
+    th.start()
+    try:
+        while not (w.warm() and counter["steps"] >= 32):
+            if failure or not th.is_alive():
+                raise RuntimeError("decode thread died") from (failure[0] if failure else None)
+            time.sleep(0.001)
+        w.t0 = time.perf_counter()
+        while not w.finished() and counter["steps"] < step_limit:
+            if failure:
+                raise RuntimeError("decode thread failed") from failure[0]
+            for rid, p in w.due(time.perf_counter()):
+                pre.add_request(p, w.long_params, request_id=rid, hold=True)
+            if pre.has_unfinished():
+                outs = pre.step()
+                t = time.perf_counter()
+                for o in outs:
+                    w.tokens.setdefault(o.request_id, []).extend(o.token_ids)
+                    if o.token_ids and o.request_id not in w.first:
+                        w.first[o.request_id] = t
+                    if o.handoff:
+                        hand_off(o.request_id)
+                    elif o.finished:  # finished at its first token: nothing to hand off
+                        w.done[o.request_id] = t
+            else:
+                time.sleep(0.0005)
+        t_end = time.perf_counter()
+    finally:
+        stop.set()
+        th.join(timeout=60)
+        sys.setswitchinterval(old)
+    for f in admits:
+        if f.done():
+            f.result()  # an admit that raised
+    if failure:
+        raise RuntimeError("decode thread failed") from failure[0]
+    for rid in list(dec.seqs):
+        dec.abort(rid)
+    out = w.summary(t_end)
+    out["decode_steps"] = counter["steps"]
+    out["complete"] = w.finished()
+    out["kv_copies"] = copies
+    return out
+
+
+def copy_kv(src_kv, dst_kv, src_ids, dst_ids, stream=None) -> None:
+    """Blocks src_ids of src_kv into blocks dst_ids of dst_kv (all layers, K and V), on a side
+    stream of the destination GPU so the decode engine's own stream never waits on it."""
+    import contextlib
+
+    torch = _torch()
+    ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    with ctx:
+        data = src_kv.index_select(2, torch.tensor(src_ids, device=src_kv.device))
+        data = data.to(dst_kv.device, non_blocking=True)
+        dst_kv.index_copy_(2, torch.tensor(dst_ids, device=dst_kv.device), data)
+    if stream is not None:
+        stream.synchronize()
+
+
 def fig_itl_disagg(args, res: dict) -> None:
-    res["skipped"] = "needs the 2-GPU cluster run"
+    import contextlib
+
+    torch = _torch()
+    if is_cuda(args):
+        if torch.cuda.device_count() < 2:
+            res["skipped"] = "needs 2 GPUs"
+            return
+        dev0, dev1 = "cuda:0", "cuda:1"
+    else:
+        dev0 = dev1 = args.device  # a CPU smoke test of the mechanics; numbers mean nothing
+    mcfg = fig5_model(args, args.fig5_prompt_len)
+    nb = fig5_blocks(args)
+    limit = args.fig5_step_limit
+    batches = list(range(1, args.fig5_streams + args.fig5_arrivals + 1))
+    res["config"] = {
+        "model": mcfg.name, "dtype": args.dtype, "background_streams": args.fig5_streams,
+        "background_prompt_tokens": args.fig5_short_len, "long_prompts": args.fig5_arrivals,
+        "long_prompt_tokens": args.fig5_prompt_len, "long_max_tokens": args.fig5_long_tokens,
+        "arrival_interval_ms": args.fig5_interval_ms, "num_blocks": nb,
+        "speculation": "none", "devices": {"colocated": dev0, "prefill": dev0, "decode": dev1},
+        "itl": "gaps between successive tokens of the background streams (host time after "
+               "each engine step), for gaps ending between the first arrival and the last long "
+               "request's finish",
+        "transport": "in-process copy: index_select on the prefill GPU, peer copy, index_copy "
+                     "on a side stream of the decode GPU (no UCX, no Ray)"}
+    log(f"fig 5: building engines ({mcfg.name}, {nb} blocks each)")
+    base = random_engine(args, mcfg, nb, device=dev0)
+    res["config"]["max_num_batched_tokens"] = base.config.max_num_batched_tokens
+    res["config"]["attention_backend"] = base.config.backend_name
+    w = Workload(args, mcfg.vocab_size)
+    res["graphs"] = {"colocated": warm_engine(base, w, batches)}
+    log("fig 5: colocated")
+    res["colocated"] = co = run_colocated(base, w, limit)
+    log(f"fig 5: colocated ITL {co['itl_while_prompts_arrive']}")
+    pre = base.with_config()
+    base = None
+    free_memory()
+
+    on_dev1 = torch.cuda.device(dev1) if str(dev1).startswith("cuda") else contextlib.nullcontext()
+    with on_dev1, torch.no_grad():
+        dec = random_engine(args, mcfg, nb, device=dev1)
+        for a, b in zip(dec.model.parameters(), pre.model.parameters()):
+            a.copy_(b)  # the same weights as the colocated engine, so outputs can be compared
+        res["graphs"]["decode"] = warm_engine(dec, w, batches)
+    res["graphs"]["prefill"] = warm_engine(pre, w, (1,))
+    log("fig 5: disaggregated")
+    w2 = Workload(args, mcfg.vocab_size)
+    res["disaggregated"] = dg = run_disaggregated(args, pre, dec, w2, limit)
+    log(f"fig 5: disaggregated ITL {dg['itl_while_prompts_arrive']}")
+    pre = dec = None
+    free_memory()
+    same = [w.tokens.get(r) == w2.tokens.get(r) for r in w.tokens]
+    res["long_outputs_identical_colocated_vs_disaggregated"] = f"{sum(same)}/{len(same)}"
+    c, d = co["itl_while_prompts_arrive"], dg["itl_while_prompts_arrive"]
+    res["ratios"] = {
+        "p99_itl_colocated_over_disaggregated": ratio(c["p99_ms"], d["p99_ms"]),
+        "p50_itl_colocated_over_disaggregated": ratio(c["p50_ms"], d["p50_ms"]),
+        "long_ttft_p50_disaggregated_over_colocated": ratio(
+            dg["long_ttft_ms"]["p50"], co["long_ttft_ms"]["p50"])}
+    if not (co["complete"] and dg["complete"]):
+        res["warning"] = "a run hit --fig5-step-limit before every long request finished"
+
+
+def plot_itl(plt, res):
+    fig, ax = plt.subplots(figsize=(6, 4))
+    names = ["colocated", "disaggregated"]
+    for i, key in enumerate(("p50_ms", "p99_ms")):
+        vals = [res[n]["itl_while_prompts_arrive"][key] or 0 for n in names]
+        ax.bar([j + 0.4 * i for j in range(2)], vals, width=0.4, label=key.replace("_ms", ""))
+    ax.set_xticks([0.2, 1.2], names)
+    ax.set_ylabel("inter-token latency, ms")
+    ax.legend()
+    ax.set_title(f"fig 5: {res['config']['long_prompts']} x "
+                 f"{res['config']['long_prompt_tokens']}-token prompts arriving")
+    return fig
 
 
 # ---- driver -----------------------------------------------------------------------------------
@@ -885,14 +1238,14 @@ FIGURES = {
     2: ("llama8b_shape", fig_llama8b_shape, plot_llama8b),
     3: ("concurrency", fig_concurrency, plot_concurrency),
     4: ("kv_transfer", fig_kv_transfer, plot_kv),
-    5: ("itl_disagg", fig_itl_disagg, None),
+    5: ("itl_disagg", fig_itl_disagg, plot_itl),
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--figures", default="1,2,3,4",
+    p.add_argument("--figures", default="1,2,3,4,5",
                    help="comma-separated figure numbers: 1 single_stream, 2 llama8b_shape, "
-                        "3 concurrency, 4 kv_transfer, 5 itl_disagg (default 1,2,3,4)")
+                        "3 concurrency, 4 kv_transfer, 5 itl_disagg (default: all)")
     p.add_argument("--out", default="bench/results", help="folder for figN_<name>.json/.png")
     p.add_argument("--model", default=None,
                    help="SmolLM2 .gguf file or HF folder (default: the embedded model)")
@@ -922,6 +1275,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fig3-reps", type=int, default=2)
     g = p.add_argument_group("figure 4 (KV transfer)")
     g.add_argument("--fig4-reps", type=int, default=10)
+    g = p.add_argument_group("figure 5 (ITL, colocated vs disaggregated)")
+    g.add_argument("--fig5-model", default="llama8b", choices=("llama8b", "tiny"),
+                   help="random-weight model shape (tiny: a CPU smoke test)")
+    g.add_argument("--fig5-streams", type=int, default=8, help="background decode streams")
+    g.add_argument("--fig5-short-len", type=int, default=128, help="their prompt tokens")
+    g.add_argument("--fig5-arrivals", type=int, default=8, help="long prompts that arrive")
+    g.add_argument("--fig5-prompt-len", type=int, default=8192, help="tokens per long prompt")
+    g.add_argument("--fig5-interval-ms", type=float, default=500.0, help="between arrivals")
+    g.add_argument("--fig5-long-tokens", type=int, default=16,
+                   help="tokens each long request decodes")
+    g.add_argument("--fig5-max-steps", type=int, default=2000,
+                   help="max tokens of a background stream (it is aborted at the end)")
+    g.add_argument("--fig5-step-limit", type=int, default=5000,
+                   help="stop a run after this many steps even if unfinished")
 
 
 def run(args) -> int:
