@@ -119,12 +119,20 @@ def torch_dtype(args):
     return getattr(_torch(), args.dtype)
 
 
+_SMOL: dict = {}
+
+
 def load_smol(args, spec=None, num_blocks: int = 1024):
-    """The SmolLM2 engine whose weights (and EAGLE-3 head) every variant shares."""
+    """The SmolLM2 engine whose weights (and EAGLE-3 head) every variant shares; loaded once
+    per run (figures 1 and 3 both use it)."""
     from engine import Engine
 
-    return Engine.from_pretrained(args.model, device=args.device, dtype=torch_dtype(args),
-                                  num_blocks=num_blocks, enable_prefix_caching=False, spec=spec)
+    key = (args.model, args.device, args.dtype, spec, num_blocks)
+    if key not in _SMOL:
+        _SMOL[key] = Engine.from_pretrained(args.model, device=args.device,
+                                            dtype=torch_dtype(args), num_blocks=num_blocks,
+                                            enable_prefix_caching=False, spec=spec)
+    return _SMOL[key]
 
 
 def eagle(args, k: int, dynamic: bool):
@@ -344,27 +352,43 @@ def fig_single_stream(args, res: dict) -> None:
     except Exception:  # noqa: BLE001
         hf["eager"] = {"error": traceback.format_exc()}
         model = None
-    if model is not None and is_cuda(args):
+    outs = {name: r.pop("_outs", None) for name, r in runs.items()}
+    outs.update({f"hf_{k}": r.pop("_outs", None) for k, r in hf.items()})
+    single_stream_ratios(res, outs)
+    if model is not None and is_cuda(args) and not args.no_hf_compile:
+        # Compiling can take minutes: keep what is measured so far if the run dies here.
+        save(args.out, dict(res, partial="HF static cache + torch.compile still running"))
         hf["compiled"] = hf_compiled(args, model, prompts, n)
+        outs["hf_compiled"] = hf["compiled"].pop("_outs", None)
     elif model is not None:
-        hf["compiled"] = {"skipped": "torch.compile reduce-overhead (CUDA graphs) needs CUDA"}
+        hf["compiled"] = {"skipped": "--no-hf-compile" if args.no_hf_compile else
+                          "torch.compile reduce-overhead (CUDA graphs) needs CUDA"}
     model = None
     free_memory()
-    ref = runs.get("no_spec", {}).get("_outs")
+    single_stream_ratios(res, outs)
+    res["note"] = ("greedy identity with speculation is informational: verify (K+1 queries) "
+                   "and decode (1 query) may round differently in bf16")
+
+
+def single_stream_ratios(res: dict, outs: dict) -> None:
+    """Every run against tandem without speculation and against both HF baselines; token
+    identity of each run's streams with tandem's no-speculation streams."""
+    runs, hf = res["tandem"], res["hf"]
+    ref = outs.get("no_spec")
     hf_ref = hf.get("compiled", {}).get("tokens_per_s")
     eager_ref = hf.get("eager", {}).get("tokens_per_s")
     nospec = runs.get("no_spec", {}).get("tokens_per_s")
     for name, r in list(runs.items()) + [(f"hf_{k}", v) for k, v in hf.items()]:
-        outs = r.pop("_outs", None)
         if "tokens_per_s" not in r:
             continue
         r["vs_tandem_no_spec"] = ratio(r["tokens_per_s"], nospec)
         r["vs_hf_compiled"] = ratio(r["tokens_per_s"], hf_ref)
         r["vs_hf_eager"] = ratio(r["tokens_per_s"], eager_ref)
-        if ref is not None and outs is not None and name != "no_spec":
+        mine = outs.get(name)
+        if ref is not None and mine is not None and name != "no_spec":
             r["streams"] = len(ref)
-            r["token_identical_to_no_spec"] = sum(a == b for a, b in zip(outs, ref))
-            r["first_divergence"] = [first_diff(a, b) for a, b in zip(outs, ref)]
+            r["token_identical_to_no_spec"] = sum(a == b for a, b in zip(mine, ref))
+            r["first_divergence"] = [first_diff(a, b) for a, b in zip(mine, ref)]
     best_eagle = max((r.get("vs_tandem_no_spec") or 0 for k, r in runs.items()
                       if k.startswith("eagle3")), default=None)
     res["goals"] = {
@@ -372,8 +396,6 @@ def fig_single_stream(args, res: dict) -> None:
         "best_eagle3_at_least_2.5x_no_spec": None if not best_eagle else best_eagle >= 2.5,
         "best_eagle3_vs_no_spec": best_eagle,
     }
-    res["note"] = ("greedy identity with speculation is informational: verify (K+1 queries) "
-                   "and decode (1 query) may round differently in bf16")
 
 
 def hf_compiled(args, model, prompts, n) -> dict:
@@ -453,7 +475,7 @@ def plot_single_stream(plt, res):
     fig, ax = plt.subplots(figsize=(9, 4))
     ax.bar(names, vals)
     ax.set_ylabel("tokens/s (single stream)")
-    ax.set_title(f"fig 1: single stream, {res['environment'].get('gpu')}")
+    ax.set_title(f"fig 1: single stream, {res['environment'].get('gpu') or 'cpu'}")
     for i, v in enumerate(vals):
         ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
     return fig
@@ -1261,6 +1283,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("figure 1 (single stream)")
     g.add_argument("--fig1-prompts", type=int, default=4)
     g.add_argument("--fig1-tokens", type=int, default=256)
+    g.add_argument("--no-hf-compile", action="store_true",
+                   help="skip the HF static cache + torch.compile baseline (minutes of compile)")
     g = p.add_argument_group("figure 2 (Llama-3.1-8B shape)")
     g.add_argument("--fig2-context", type=int, default=512, help="tokens already in the KV")
     g.add_argument("--fig2-reps", type=int, default=50)
