@@ -78,7 +78,7 @@ def main() -> int:
     got, ttft, secs = [None] * len(msgs), [0.0] * len(msgs), [0.0] * len(msgs)
 
     def run(i):
-        with Client(target, timeout=300) as cl:
+        with Client(target, timeout=90) as cl:
             t = time.perf_counter()
             toks, first = [], None
             for ch in cl.generate(messages=msgs[i], temperature=0, max_tokens=args.max_tokens,
@@ -88,7 +88,15 @@ def main() -> int:
                 toks.extend(ch.token_ids)
             got[i], ttft[i], secs[i] = toks, first or 0.0, time.perf_counter() - t
 
-    run(0)  # warm-up: graph capture and kernel compilation on both actors
+    try:
+        run(0)  # warm-up: graph capture and kernel compilation on both actors
+    except Exception as e:  # report, then stop: later requests would hang the same way
+        res["error"] = repr(e)
+        print(json.dumps(res, indent=1, default=str), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+        c.shutdown()
+        return 1
     ts = [threading.Thread(target=run, args=(i,)) for i in range(len(msgs))]
     t1 = time.perf_counter()
     [t.start() for t in ts]

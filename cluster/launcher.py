@@ -41,7 +41,7 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
             ray.init(address=address, log_to_driver=False)
         else:
             ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
-                     log_to_driver=False)
+                     log_to_driver=os.environ.get("TANDEM_RAY_LOGS") == "1")
     P = ray.remote(PrefillNode).options(num_gpus=prefill_gpus, num_cpus=0,
                                         max_concurrency=1000)
     D = ray.remote(DecodeNode).options(num_gpus=decode_gpus, num_cpus=0, max_concurrency=1000)

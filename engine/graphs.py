@@ -219,7 +219,8 @@ class GraphSet:
                 self.fn(ids, pos, meta, *extras)
         torch.cuda.current_stream().wait_stream(stream)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
+        # thread_local: other threads (a UCX progress thread moving KV) may use CUDA meanwhile.
+        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             out = self.fn(ids, pos, meta, *extras)
         self.graphs[(b, q)] = (g, out)
 

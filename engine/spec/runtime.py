@@ -163,7 +163,8 @@ class SpecRunner:
         step = 0
         while True:
             tok = self._sample_drafts(spans, live, h, tok, qs, generators)
-            steps.append((live, tok))
+            # A graph's outputs live in its pool and the next replay overwrites them: keep a copy.
+            steps.append((live, tok.clone()))
             keep = [j for j, i in enumerate(live) if step + 1 < ks[i]]
             if not keep:
                 break
