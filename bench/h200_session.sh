@@ -11,10 +11,10 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
 export RAY_USAGE_STATS_ENABLED=0
 nvidia-smi -L > "$R/gpus.txt"
 if [ "$part" = cluster ]; then
-  timeout 150 python3 -m pytest -q -m gpu tests/engine tests/spec tests/kvtransfer \
+  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} \
     > "$R/gpu_tests.log" 2>&1
   tail -3 "$R/gpu_tests.log"
-  timeout 240 python3 bench/cluster_gpu.py --model "$M" --out "$R/cluster_two_gpu.json" \
+  TANDEM_RAY_LOGS=1 timeout "${CLUSTER_TIMEOUT:-240}" python3 bench/cluster_gpu.py --model "$M" --out "$R/cluster_two_gpu.json" \
     > "$R/cluster.log" 2>&1
   tail -25 "$R/cluster.log"
 else
