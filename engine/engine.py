@@ -186,8 +186,16 @@ class Engine:
         batch = self.scheduler.schedule()
         outs = [self._finished_output(s) for s in batch.out_of_blocks]
         if batch.seqs:
-            outs += self._postprocess(batch, *self._run(batch))
+            # Kernels, graphs and streams go to this engine's GPU even when another is current.
+            with self._on_device():
+                outs += self._postprocess(batch, *self._run(batch))
         return outs
+
+    def _on_device(self):
+        import contextlib
+
+        dev = torch.device(self.config.device)
+        return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
     def _run(self, batch: Batch):
         """Forward the batch; for entries whose tokens are all computed now, verify their

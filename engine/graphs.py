@@ -59,7 +59,7 @@ class HostStager:
     def copy(self, i: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
         if self.cuda:
-            self.events[i].record()
+            self.events[i].record(torch.cuda.current_stream(dst.device))
             self.used[i] = True
 
     def to_device(self, arr: np.ndarray) -> torch.Tensor:
@@ -167,7 +167,12 @@ class GraphSet:
         return buf[o["ids"]: o["ids"] + n], buf[o["pos"]: o["pos"] + n], meta, extras
 
     def _fill(self, inp: PackedInputs, b: int, q: int) -> None:
-        """Stage inp, padded to b sequences of q queries, into the static buffer."""
+        """Stage inp into the static buffer of bucket (b sequences, q queries at most each).
+
+        Real sequences keep their own query counts (they may differ: verify with per-sequence
+        K, a draft step over spans of different lengths). Rows past the real tokens belong to
+        no sequence and skip the KV store; padded sequences have no queries and no context,
+        so the attention kernel returns at once for them."""
         o = self.off
         n_used = o["tables"] + b * self.max_blocks
         host, i = self.stager.slot(n_used)
@@ -180,8 +185,9 @@ class GraphSet:
         h[o["pos"]: o["pos"] + rows] = inp.pos
         h[o["slots"]: o["slots"] + n] = -1
         h[o["slots"]: o["slots"] + rows] = inp.slots
-        h[o["starts"]: o["starts"] + b + 1] = np.arange(b + 1) * q
-        h[o["lens"]: o["lens"] + b] = q
+        h[o["starts"]: o["starts"] + b + 1] = rows
+        h[o["starts"]: o["starts"] + real + 1] = inp.starts
+        h[o["lens"]: o["lens"] + b] = 0
         h[o["lens"]: o["lens"] + real] = inp.lens
         tab = h[o["tables"]: o["tables"] + b * self.max_blocks].reshape(b, self.max_blocks)
         tab[:] = 0
@@ -189,9 +195,7 @@ class GraphSet:
         self.stager.copy(i, host[:n_used], self.buf[:n_used])
 
     def supports(self, inp: PackedInputs) -> bool:
-        q = inp.max_query_len
-        return (inp.num_seqs <= self.max_batch and q in self.query_lens
-                and inp.num_tokens == inp.num_seqs * q
+        return (inp.num_seqs <= self.max_batch and inp.max_query_len in self.query_lens
                 and inp.tables.shape[1] <= self.max_blocks)
 
     def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
@@ -206,6 +210,10 @@ class GraphSet:
         if not self.capturable:
             self.graphs[(b, q)] = (None, None)
             return
+        with torch.cuda.device(self.device):
+            self._capture_on_device(b, q)
+
+    def _capture_on_device(self, b: int, q: int) -> None:
         self.buf.zero_()
         o = self.off
         self.buf[o["slots"]: o["slots"] + b * q] = -1

@@ -151,7 +151,8 @@ def test_sampled_speculation_is_reproducible_and_frees_blocks():
     eng.blocks.check_all_free()
 
 
-def test_fast_path_drafts_like_the_reference(k=3):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fast_path_drafts_like_the_reference(dynamic, k=3):
     """Triton backend + fused head + the static-bucket (graph) path, run eagerly on the CPU:
     output equals plain decoding and every draft equals the reference path's drafts (same
     acceptance counts per position)."""
@@ -160,7 +161,7 @@ def test_fast_path_drafts_like_the_reference(k=3):
     prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 2 for i in range(3)]
     sp = SamplingParams(temperature=0, max_tokens=16)
     ref = [c.token_ids for c in base.generate(prompts, sp)]
-    slow = spec_engine(base, head, num_tokens=k, dynamic=False)
+    slow = spec_engine(base, head, num_tokens=k, dynamic=dynamic)
     fast = Engine(replace(slow.config, attention_backend="triton"), weights_of=base,
                   draft_head=head)
     assert fast.model.fused and fast.spec.head.midlayer.fused
