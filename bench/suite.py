@@ -885,6 +885,7 @@ def ucx_transfer(args, sizes) -> dict:
         from kvtransfer.layout import BlockLayout
 
         rows = []
+        loop = asyncio.new_event_loop()  # ucxx binds to the first loop that uses it: keep one
         for nbytes in sizes:
             layout = BlockLayout("bench", "bfloat16", 16, 32, 8, 128, 0)
             blocks = max(1, nbytes // layout.block_bytes)
@@ -893,7 +894,7 @@ def ucx_transfer(args, sizes) -> dict:
             try:
                 ns = SimpleNamespace(blocks=blocks, chunks=[1], checksum=False,
                                      progress="thread", reps=args.fig4_reps, device="cuda:0")
-                for r in asyncio.run(kvb.measure(ns, layout, address)):
+                for r in loop.run_until_complete(kvb.measure(ns, layout, address)):
                     rows.append({"bytes": blocks * layout.block_bytes, "gb_s": r["median_gb_s"],
                                  "median_ms": r["median_ms"], "raw": r})
             finally:
