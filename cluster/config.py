@@ -131,6 +131,9 @@ class SpecSection(_Section):
     num_tokens: int = 5  # K, the most drafts per target forward
     head: str | None = None  # EAGLE-3 checkpoint folder; None: the shipped SmolLM2 head
     dynamic: bool = True  # choose K per sequence from measured acceptance
+    # true: prefill drafts the first K (seeded sampling identical to colocated); false: it
+    # ships the head's hidden state and the decode side drafts with its own K
+    prefill_drafts: bool = True
 
     def _validate(self) -> None:
         _choice("method", self.method, SPEC_METHODS)
@@ -246,6 +249,8 @@ def engine_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
         # Prefill needs the spec too: it fills the EAGLE-3 draft layer's KV that it ships.
         "spec": spec_config(cfg.speculation),
     }
+    if role == "prefill":
+        kw["handoff_drafts"] = cfg.speculation.prefill_drafts
     optional = {"kv_cache_bytes": sec.kv_cache_bytes, "max_model_len": cfg.model.max_model_len,
                 "gpu_memory_utilization": sec.gpu_memory_utilization}
     kw.update({k: v for k, v in optional.items() if v is not None})

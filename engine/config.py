@@ -168,6 +168,10 @@ class EngineConfig:
     spec: SpecConfig | None = None
     attention_backend: str = "auto"  # auto: triton on CUDA when importable, else torch
     cuda_graphs: bool = True  # replay captured decode/verify/draft steps (CUDA + triton only)
+    # Prefill role: draft the first K tokens before a hand-off (the decode side verifies them
+    # at once; seeded sampling stays identical to one engine). False: ship only the head's
+    # hidden state and let the decode side draft with the K its own load calls for.
+    handoff_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -250,7 +250,8 @@ class Engine:
             if reason == "handoff":
                 # Draft here exactly as one engine would, so the decode side verifies the same
                 # drafts and the request's RNG advances the same way: output is identical.
-                spans.append(Span(seq, lo, seq.num_computed - lo, row, draft=True))
+                spans.append(Span(seq, lo, seq.num_computed - lo, row,
+                                  draft=self.config.handoff_drafts))
                 self._finish(seq, reason)
                 out.handoff = True
             elif reason:
@@ -335,7 +336,8 @@ class Engine:
                        bytes(g.get_state().numpy().tobytes()) if g is not None else None,
                        seq.text, seq.num_emitted_chars,
                        (detok.prefix, detok.read) if detok else None, list(seq.draft),
-                       None if seq.draft_q is None else seq.draft_q.cpu(), seq.max_draft)
+                       None if seq.draft_q is None else seq.draft_q.cpu(), seq.max_draft,
+                       None if seq.draft_hidden is None else seq.draft_hidden.cpu())
 
     def held_blocks(self, request_id: str) -> list[int]:
         return list(self.held[request_id].block_table)
@@ -371,6 +373,10 @@ class Engine:
             if h.rng_state is not None:
                 g.set_state(torch.frombuffer(bytearray(h.rng_state), dtype=torch.uint8))
             self._generators[h.request_id] = g
+        if self.spec is not None and not seq.draft and h.hidden is not None:
+            with self._on_device():
+                self.spec.draft_from_hidden(seq, h.hidden, self.blocks,
+                                            len(self.scheduler.running) + 1, self._generators)
         if self.tokenizer is not None:
             d = loader.Detokenizer(self.tokenizer, h.token_ids[: h.num_prompt_tokens])
             if h.detok_offsets:

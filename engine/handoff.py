@@ -28,6 +28,9 @@ class Handoff:
     draft: list[int] = field(default_factory=list)  # drafts the first decode step verifies
     draft_q: torch.Tensor | None = None  # their draft distributions when sampled [K, vocab]
     max_draft: int | None = None  # the request's own cap on drafts per step
+    # The EAGLE-3 head's hidden state at the last prompt position (built from the fused target
+    # features): with no drafts above, the decode side drafts from it itself.
+    hidden: torch.Tensor | None = None
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(**self.params)

@@ -80,6 +80,9 @@ class Sequence:
         self.accept_rate: float | None = None  # per-draft-token acceptance estimate
         self.idle_steps = 0  # decode steps spent at K=0
         self.max_draft: int | None = None  # per-request cap on drafts per step
+        # EAGLE-3 head's hidden state at the last computed position (prefill role only): the
+        # state drafting continues from, shipped with a hand-off.
+        self.draft_hidden = None
         self.hold = False  # prefill role: stop after the first token, keep the KV blocks
 
     def __len__(self) -> int:

@@ -152,11 +152,33 @@ class SpecRunner:
         toks = [t for s in spans for t in s.seq.token_ids[s.lo + 1 : s.lo + s.m + 1]]
         pos = [p for s in spans for p in range(s.lo, s.lo + s.m)]
         out = self._step(spans, [s.m for s in spans], toks, pos, fused)
+        ends = list(itertools.accumulate(s.m for s in spans))
+        for i, s in enumerate(spans):
+            if s.seq.hold:  # a hand-off ships the state drafting continues from
+                s.seq.draft_hidden = out[ends[i] - 1].clone()
         live = [i for i, k in enumerate(ks) if k]
         if not live:
             return
-        ends = list(itertools.accumulate(s.m for s in spans))
-        h = out[idx([ends[i] - 1 for i in live])]
+        self._chain(spans, live, ks, out[idx([ends[i] - 1 for i in live])], generators)
+
+    @torch.inference_mode()
+    def draft_from_hidden(self, seq: Sequence, hidden: torch.Tensor, blocks, batch_size: int,
+                          generators: dict[str, torch.Generator]) -> None:
+        """Decode role: draft for a handed-off request from the head's hidden state at its last
+        computed position (its draft-layer KV came with the blocks)."""
+        if self.head is None:
+            return
+        span = Span(seq, seq.num_computed - 1, 1, 0, draft=True)
+        k = self._k(span, blocks, batch_size)
+        if k:
+            h = hidden.to(device=self.cfg.device, dtype=self.cfg.dtype)[None]
+            self._chain([span], [0], [k], h, generators)
+
+    def _chain(self, spans: list[Span], live: list[int], ks: list[int], h: torch.Tensor,
+               generators: dict[str, torch.Generator]) -> None:
+        """From the head's hidden state `h` of each live span's last position, draft ks[i]
+        tokens, chaining one-token head steps."""
+        head, idx = self.head, self._index
         tok = head.greedy_tokens(h)
         steps: list[tuple[list[int], torch.Tensor]] = []
         qs: dict[int, list[torch.Tensor]] = {i: [] for i in live}

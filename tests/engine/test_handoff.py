@@ -99,3 +99,45 @@ def test_reserve_refuses_when_full_and_release_frees():
         eng.reserve("b", 20)
     assert eng.abort("a")
     eng.blocks.check_all_free()
+
+
+def test_decode_side_drafts_from_the_shipped_hidden_state():
+    """Prefill ships no drafts, only the EAGLE-3 head's hidden state at the last prompt
+    position; the decode side drafts from it (its first step already verifies drafts) and the
+    greedy output still equals one engine's."""
+    from tests.spec.test_eagle3 import random_head
+
+    base = tiny_engine(0, max_num_batched_tokens=32)
+    head = random_head(base)
+    spec = SpecConfig(num_tokens=3, dynamic=False)
+    colo = Engine(replace(base.config, spec=spec), weights_of=base, draft_head=head)
+    pre = Engine(replace(base.config, spec=spec, handoff_drafts=False), weights_of=base,
+                 draft_head=head)
+    dec = Engine(replace(base.config, spec=spec), weights_of=base, draft_head=head)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(3, 40))] for _ in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=16)
+    want = [c.token_ids for c in colo.generate(prompts, params)]
+    shipped = []
+    admit = dec.admit
+
+    def spy(h):
+        shipped.append(h)
+        admit(h)
+        shipped[-1] = (h, list(dec.seqs[h.request_id].draft))
+
+    dec.admit = spy
+    assert disaggregated(pre, dec, prompts, params) == want
+    assert len(shipped) == len(prompts)
+    for h, drafted in shipped:
+        assert h.draft == [] and h.hidden is not None
+        assert h.hidden.shape == (head.cfg.hidden_size,) and h.hidden.isfinite().all()
+        assert len(drafted) == 3  # the decode side drafted K tokens from the hidden state
+    # The same drafts the prefill side would have made and shipped itself.
+    pre2 = Engine(replace(base.config, spec=spec), weights_of=base, draft_head=head)
+    dec2 = Engine(replace(base.config, spec=spec), weights_of=base, draft_head=head)
+    own = []
+    admit2 = dec2.admit
+    dec2.admit = lambda h: (own.append(list(h.draft)), admit2(h))
+    assert disaggregated(pre2, dec2, prompts, params) == want
+    assert own == [d for _, d in shipped]
