@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.attention.triton_backend import LONG_CONTEXT
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -149,12 +150,12 @@ class GraphSet:
         self.buf = torch.zeros(self.size, dtype=torch.int64, device=self.device)
         self.extras = [torch.zeros(tm, w, dtype=dt, device=self.device) for w, dt in extras]
         self.stager = HostStager(device, self.size)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         # Off CUDA the same static-buffer path runs eagerly (tests the padding on the CPU).
         self.capturable = self.device.type == "cuda"
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.capturable else None
 
-    def _views(self, b: int, q: int):
+    def _views(self, b: int, q: int, long: bool):
         o, n = self.off, b * q
         buf = self.buf
         meta = AttentionMetadata(
@@ -162,7 +163,7 @@ class GraphSet:
             query_start=buf[o["starts"]: o["starts"] + b + 1],
             seq_lens=buf[o["lens"]: o["lens"] + b],
             block_tables=buf[o["tables"]: o["tables"] + b * self.max_blocks].view(b, -1),
-            max_query_len=q, max_seq_len=0)
+            max_query_len=q, max_seq_len=LONG_CONTEXT + 1 if long else 0)
         extras = [e[:n] for e in self.extras]
         return buf[o["ids"]: o["ids"] + n], buf[o["pos"]: o["pos"] + n], meta, extras
 
@@ -200,26 +201,26 @@ class GraphSet:
 
     def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
         """Capture every bucket, largest first so smaller graphs reuse its memory."""
-        keys = [(b, q) for b in reversed(self.buckets) for q in reversed(self.query_lens)]
-        for n, (b, q) in enumerate(keys):
-            self._capture(b, q)
+        keys = [(b, q, False) for b in reversed(self.buckets) for q in reversed(self.query_lens)]
+        for n, key in enumerate(keys):
+            self._capture(*key)
             if progress:
                 progress(n + 1, len(keys))
 
-    def _capture(self, b: int, q: int) -> None:
+    def _capture(self, b: int, q: int, long: bool) -> None:
         if not self.capturable:
-            self.graphs[(b, q)] = (None, None)
+            self.graphs[(b, q, long)] = (None, None)
             return
         with torch.cuda.device(self.device):
-            self._capture_on_device(b, q)
+            self._capture_on_device(b, q, long)
 
-    def _capture_on_device(self, b: int, q: int) -> None:
+    def _capture_on_device(self, b: int, q: int, long: bool) -> None:
         self.buf.zero_()
         o = self.off
         self.buf[o["slots"]: o["slots"] + b * q] = -1
         self.buf[o["starts"]: o["starts"] + b + 1] = torch.arange(b + 1, device=self.device) * q
         self.buf[o["lens"]: o["lens"] + b] = q
-        ids, pos, meta, extras = self._views(b, q)
+        ids, pos, meta, extras = self._views(b, q, long)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -230,21 +231,22 @@ class GraphSet:
         # thread_local: other threads (a UCX progress thread moving KV) may use CUDA meanwhile.
         with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
             out = self.fn(ids, pos, meta, *extras)
-        self.graphs[(b, q)] = (g, out)
+        self.graphs[(b, q, long)] = (g, out)
 
     def run(self, inp: PackedInputs, extras: Sequence[torch.Tensor] = ()) -> tuple:
         """Replay the bucket for inp; returns the graph's outputs cut to inp's rows."""
         q = inp.max_query_len
         b = bucket_for(inp.num_seqs, self.buckets)
-        if (b, q) not in self.graphs:
-            self._capture(b, q)
+        long = int(inp.lens.max()) > LONG_CONTEXT  # the split-KV attention variant
+        if (b, q, long) not in self.graphs:
+            self._capture(b, q, long)
         self._fill(inp, b, q)
         rows = inp.num_tokens
         for dst, src in zip(self.extras, extras):
             dst[:rows].copy_(src)
-        g, out = self.graphs[(b, q)]
+        g, out = self.graphs[(b, q, long)]
         if g is None:
-            ids, pos, meta, extras = self._views(b, q)
+            ids, pos, meta, extras = self._views(b, q, long)
             out = self.fn(ids, pos, meta, *extras)
         else:
             g.replay()

@@ -29,6 +29,11 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
 
 
+# Contexts longer than this take the split-KV path when few sequences run (graph buckets are
+# captured once per side of it).
+LONG_CONTEXT = 1024
+
+
 def triton_available() -> bool:
     return triton is not None
 
@@ -105,6 +110,99 @@ if triton is not None:
                      out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
+    @triton.jit
+    def _paged_attention_split_kernel(
+        Q, KC, VC, ACC, ML, query_start, seq_lens, block_tables, scale,
+        stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
+        stride_as, stride_at, stride_ah, stride_ms, stride_mt,
+        G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLIT_KEYS: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        """Split-KV (flash-decoding) for short query counts: program (split, kv head, seq)
+        covers keys [split * SPLIT_KEYS, (split + 1) * SPLIT_KEYS) of one sequence's context
+        for all its query rows and writes unnormalized partials (acc, max, sum)."""
+        split = tl.program_id(0)
+        kvh = tl.program_id(1)
+        b = tl.program_id(2)
+        q0 = tl.load(query_start + b)
+        q_len = tl.load(query_start + b + 1) - q0
+        ctx = tl.load(seq_lens + b)
+        lo = split * SPLIT_KEYS
+        if lo < ctx:
+            rows = tl.arange(0, BLOCK_M)
+            t = rows // G
+            head = kvh * G + rows % G
+            row_ok = t < q_len
+            d = tl.arange(0, BLOCK_D)
+            d_ok = d < HEAD_DIM
+            q = tl.load(Q + (q0 + t)[:, None] * stride_qt + head[:, None] * stride_qh
+                        + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            q_pos = ctx - q_len + t
+            hi = tl.minimum(lo + SPLIT_KEYS, ctx)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            qk_scale = scale * 1.4426950408889634
+            for start in range(lo, hi, BLOCK_N):
+                k_pos = start + tl.arange(0, BLOCK_N)
+                k_ok = k_pos < hi
+                page = tl.load(block_tables + b * stride_bt + k_pos // PAGE, mask=k_ok, other=0)
+                off = page.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs + kvh * stride_ch
+                kv_mask = k_ok[:, None] & d_ok[None, :]
+                k = tl.load(KC + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * qk_scale
+                visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+                s = tl.where(visible, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(VC + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                                    input_precision=PRECISION)
+                m_i = m_new
+            base_t = (q0 + t)
+            tl.store(ACC + split * stride_as + base_t[:, None] * stride_at
+                     + head[:, None] * stride_ah + d[None, :], acc,
+                     mask=row_ok[:, None] & d_ok[None, :])
+            ml = ML + split * stride_ms + base_t * stride_mt + head * 2
+            tl.store(ml, m_i, mask=row_ok)
+            tl.store(ml + 1, l_i, mask=row_ok)
+
+    @triton.jit
+    def _split_reduce_kernel(ACC, ML, Out, query_start, seq_lens, token_seq,
+                             stride_as, stride_at, stride_ah, stride_ms, stride_mt,
+                             stride_ot, stride_oh, SPLIT_KEYS: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Combine the partials of the splits a token's sequence used, in split order."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.load(token_seq + t)
+        if b >= 0:
+            ctx = tl.load(seq_lens + b)
+            n = tl.cdiv(ctx, SPLIT_KEYS)
+            d = tl.arange(0, BLOCK_D)
+            d_ok = d < HEAD_DIM
+            m = tl.load(ML + t * stride_mt + h * 2)
+            for s in range(1, n):
+                m = tl.maximum(m, tl.load(ML + s * stride_ms + t * stride_mt + h * 2))
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            acc = tl.zeros([BLOCK_D], tl.float32)
+            l_sum = 0.0
+            for s in range(0, n):
+                ms = tl.load(ML + s * stride_ms + t * stride_mt + h * 2)
+                ls = tl.load(ML + s * stride_ms + t * stride_mt + h * 2 + 1)
+                w = tl.exp2(ms - m_safe)
+                l_sum += ls * w
+                acc += w * tl.load(ACC + s * stride_as + t * stride_at + h * stride_ah + d,
+                                   mask=d_ok, other=0.0)
+            out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
+            tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty),
+                     mask=d_ok)
+
+
 def _pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
@@ -114,13 +212,17 @@ class TritonAttention(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 split_keys: int = 256):
         if triton is None:
             raise RuntimeError("the triton attention backend needs the `triton` package")
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads do not group over {num_kv_heads} KV heads")
         self.group = num_heads // num_kv_heads
+        # Keys per split of the split-KV path: fixed, so a sequence's partition never depends
+        # on how many queries it brings (decode and verify reduce in the same order).
+        self.split_keys = split_keys
 
     def store_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         t = k.shape[0]
@@ -137,11 +239,28 @@ class TritonAttention(AttentionBackend):
         """Rows per program: enough for one decode/verify step's grouped heads, 64 at most."""
         return min(64, _pow2(max_query_len * self.group))
 
+    def use_split(self, meta: AttentionMetadata, device: torch.device) -> int:
+        """Number of splits for this launch (0: the one-pass kernel). Split only for long
+        contexts, when one tile holds all of a sequence's queries and (KV head, sequence)
+        programs alone would leave most of the GPU idle; the split count covers the block
+        table's capacity, so it is static for a captured batch bucket."""
+        if (meta.block_tables is None or meta.max_query_len * self.group > 64
+                or meta.max_seq_len <= LONG_CONTEXT):
+            return 0
+        if self.num_kv_heads * meta.num_seqs >= _sm_count(device):
+            return 0
+        capacity = meta.block_tables.shape[1] * self.block_size
+        splits = -(-capacity // self.split_keys)
+        return splits if splits > 1 else 0
+
     def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         if q.shape[0] == 0:
             return out
         kc, vc = kv_cache[0], kv_cache[1]  # [blocks, block, kv_heads, d]
+        splits = self.use_split(meta, q.device)
+        if splits:
+            return self._attend_split(q, kc, vc, out, meta, splits)
         block_m = self.tile_m(meta.max_query_len)
         grid = (triton.cdiv(meta.max_query_len * self.group, block_m), self.num_kv_heads,
                 meta.num_seqs)
@@ -155,3 +274,45 @@ class TritonAttention(AttentionBackend):
             PRECISION=precision, num_warps=4 if block_m <= 32 else 8,
         )
         return out
+
+    def _attend_split(self, q, kc, vc, out, meta: AttentionMetadata, splits: int):
+        t, h, dim = q.shape
+        acc = torch.empty(splits, t, h, dim, dtype=torch.float32, device=q.device)
+        ml = torch.empty(splits, t, h, 2, dtype=torch.float32, device=q.device)
+        if meta.token_seq is None:
+            # Which sequence each packed row belongs to (-1: a padding row of a graph bucket).
+            rows = torch.arange(t, device=q.device)
+            ts = torch.searchsorted(meta.query_start[1:].to(torch.int64), rows, right=True)
+            meta.token_seq = torch.where(ts < meta.num_seqs, ts, -1)
+        token_seq = meta.token_seq
+        block_m = self.tile_m(meta.max_query_len)
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        _paged_attention_split_kernel[(splits, self.num_kv_heads, meta.num_seqs)](
+            q, kc, vc, acc, ml, meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+            meta.block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
+            ml.stride(0), ml.stride(1),
+            G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=_pow2(self.head_dim),
+            PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=max(16, min(64, self.split_keys)),
+            SPLIT_KEYS=self.split_keys,
+            PRECISION=precision, num_warps=4,
+        )
+        _split_reduce_kernel[(t, h)](
+            acc, ml, out, meta.query_start, meta.seq_lens, token_seq,
+            acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
+            out.stride(0), out.stride(1), SPLIT_KEYS=self.split_keys, HEAD_DIM=self.head_dim,
+            BLOCK_D=_pow2(self.head_dim), num_warps=1,
+        )
+        return out
+
+
+_SMS: dict[str, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of the device (the CPU interpreter: 8, so tests take the split path)."""
+    key = str(device)
+    if key not in _SMS:
+        _SMS[key] = (torch.cuda.get_device_properties(device).multi_processor_count
+                     if device.type == "cuda" else 8)
+    return _SMS[key]
