@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.graphs import GraphSet, HostStager, pack, to_device
 from engine.model import LlamaModel
@@ -84,6 +85,7 @@ class SpecRunner:
         self.stager = HostStager(cfg.device, 1 << 12)
         self.graphs: GraphSet | None = None
         self.first_graphs: GraphSet | None = None
+        self.chain_graphs: dict[int, GraphSet] = {}
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -120,8 +122,8 @@ class SpecRunner:
         return k
 
     def enable_graphs(self, max_batch: int) -> None:
-        """Capture the chained one-token draft step (head forward + greedy pick) per batch
-        bucket; the first, variable-length step over a span stays eager."""
+        """Graphs for the head: its first step over each span (per longest span), one chained
+        draft step (sampled requests), and whole greedy chains (`_chain_graph`)."""
         if self.head is None:
             return
         head, model, kv = self.head, self.model, self.kv
@@ -140,6 +142,43 @@ class SpecRunner:
         self.first_graphs = GraphSet(first, self.cfg.device, max_batch,
                                      range(1, self.spec.num_tokens + 2), max_blocks,
                                      extras=((width, dt),), pool=self.graphs.pool)
+        self._graph_batch, self._graph_blocks = max_batch, max_blocks
+        self.chain_graphs: dict[int, GraphSet] = {}
+
+    def _chain_graph(self, steps: int) -> GraphSet:
+        """One graph for `steps` chained greedy draft steps of every sequence in a bucket:
+        positions, KV slots and context lengths of step s are computed on the device from step
+        1's, and a sequence whose own K ends earlier stops writing KV (slot -1)."""
+        if steps in self.chain_graphs:
+            return self.chain_graphs[steps]
+        head, model, kv, bs = self.head, self.model, self.kv, self.cfg.block_size
+
+        def fn(ids, pos, meta, toks, hidden, kvec):
+            bt = meta.block_tables
+            width = bt.shape[1]
+            t, h, k = toks[:, 0], hidden, kvec[:, 0]
+            has_queries = meta.seq_lens > 0  # padded sequences of the bucket have none
+            outs = []
+            for s in range(1, steps + 1):
+                # Stale k in a padded row must not write KV: padded sequences have no queries.
+                valid = (k > s) & has_queries
+                p = torch.where(valid, pos + (s - 1), 0)
+                blk = bt.gather(1, (p // bs).clamp(max=width - 1)[:, None])[:, 0]
+                m = AttentionMetadata(
+                    slot_mapping=torch.where(valid, blk * bs + p % bs, -1),
+                    query_start=meta.query_start,
+                    seq_lens=torch.where(valid, p + 1, has_queries.to(p.dtype)),
+                    block_tables=bt, max_query_len=1, max_seq_len=meta.max_seq_len)
+                h = head(model.embed_tokens(t), h, p, kv, m)
+                t = head.greedy_tokens(h)
+                outs.append(t)
+            return (torch.stack(outs, dim=1),)
+
+        g = GraphSet(fn, self.cfg.device, self._graph_batch, (1,), self._graph_blocks,
+                     extras=((1, torch.int64), (self.head.cfg.hidden_size, self.cfg.dtype),
+                             (1, torch.int64)), pool=self.graphs.pool)
+        self.chain_graphs[steps] = g
+        return g
 
     @torch.inference_mode()
     def _eagle(self, spans: list[Span], aux: list[torch.Tensor], ks: list[int],
@@ -180,6 +219,10 @@ class SpecRunner:
         tokens, chaining one-token head steps."""
         head, idx = self.head, self._index
         tok = head.greedy_tokens(h)
+        if self.graphs is not None and all(spans[i].seq.params.greedy for i in live):
+            kmax = max(ks[i] for i in live)
+            if kmax > 1 and self._chain_in_one_graph(spans, live, ks, kmax, tok, h):
+                return
         steps: list[tuple[list[int], torch.Tensor]] = []
         qs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
         step = 0
@@ -206,6 +249,22 @@ class SpecRunner:
             seq = spans[i].seq
             seq.draft = d
             seq.draft_q = torch.stack(qs[i]) if qs[i] else None
+
+    def _chain_in_one_graph(self, spans, live, ks, kmax, tok, h) -> bool:
+        """Greedy drafting of every live span in one graph replay; False if no graph fits."""
+        sel = [spans[i] for i in live]
+        inp = pack([0] * len(sel), [s.lo + s.m for s in sel], [s.seq.block_table for s in sel],
+                   [1] * len(sel), self.cfg.block_size)
+        g = self._chain_graph(kmax - 1)
+        if not g.supports(inp):
+            return False
+        kvec = self._index([ks[i] for i in live])
+        (rest,) = g.run(inp, (tok[:, None], h, kvec[:, None]))
+        rows = torch.cat([tok[:, None], rest], dim=1).tolist()  # the one sync
+        for i, row in zip(live, rows):
+            spans[i].seq.draft = row[: ks[i]]
+            spans[i].seq.draft_q = None
+        return True
 
     def _sample_drafts(self, spans, live, h, greedy_tok, qs, generators) -> torch.Tensor:
         """Greedy requests keep the head's argmax; sampled ones draw from q (kept for

@@ -170,5 +170,5 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
     assert [c.token_ids for c in slow.generate(prompts, sp)] == ref
     assert [c.token_ids for c in fast.generate(prompts, sp)] == ref
     assert fast.spec.stats.accepted_per_pos == slow.spec.stats.accepted_per_pos
-    assert fast.spec.graphs.graphs and fast.spec.first_graphs.graphs and fast.runner.graphs.graphs
+    assert fast.spec.chain_graphs and fast.spec.first_graphs.graphs and fast.runner.graphs.graphs
     fast.blocks.check_all_free()
