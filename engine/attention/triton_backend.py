@@ -55,6 +55,31 @@ if triton is not None:
             tl.store(VC + slot * stride_cs + offs, v.to(VC.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _attend_keys(q, q_pos, m_i, l_i, acc, start, end, KC, VC, table, kvh, d, d_ok,
+                     qk_scale, stride_cb, stride_cs, stride_ch, PAGE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+        """Online-softmax update of (max, sum, acc) with keys [start, min(start+BLOCK_N, end))
+        of one sequence (`table`: its block-table row), causal against each row's q_pos."""
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < end
+        page = tl.load(table + k_pos // PAGE, mask=k_ok, other=0)
+        off = page.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs + kvh * stride_ch
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(KC + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * qk_scale
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(VC + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _paged_attention_kernel(
         Q, KC, VC, Out, query_start, seq_lens, block_tables, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
@@ -87,24 +112,10 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             qk_scale = scale * 1.4426950408889634  # exp2 domain
             for start in range(0, kv_end, BLOCK_N):
-                k_pos = start + tl.arange(0, BLOCK_N)
-                k_ok = k_pos < kv_end
-                page = tl.load(block_tables + b * stride_bt + k_pos // PAGE, mask=k_ok, other=0)
-                off = page.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs + kvh * stride_ch
-                kv_mask = k_ok[:, None] & d_ok[None, :]
-                k = tl.load(KC + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-                s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * qk_scale
-                visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-                s = tl.where(visible, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(VC + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                                    input_precision=PRECISION)
-                m_i = m_new
+                m_i, l_i, acc = _attend_keys(
+                    q, q_pos, m_i, l_i, acc, start, kv_end, KC, VC, block_tables + b * stride_bt,
+                    kvh, d, d_ok, qk_scale, stride_cb, stride_cs, stride_ch,
+                    PAGE, BLOCK_N, PRECISION)
             out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(Out + (q0 + t)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                      out.to(Out.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
@@ -145,24 +156,10 @@ if triton is not None:
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
             qk_scale = scale * 1.4426950408889634
             for start in range(lo, hi, BLOCK_N):
-                k_pos = start + tl.arange(0, BLOCK_N)
-                k_ok = k_pos < hi
-                page = tl.load(block_tables + b * stride_bt + k_pos // PAGE, mask=k_ok, other=0)
-                off = page.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs + kvh * stride_ch
-                kv_mask = k_ok[:, None] & d_ok[None, :]
-                k = tl.load(KC + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-                s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * qk_scale
-                visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
-                s = tl.where(visible, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(VC + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
-                                                    input_precision=PRECISION)
-                m_i = m_new
+                m_i, l_i, acc = _attend_keys(
+                    q, q_pos, m_i, l_i, acc, start, hi, KC, VC, block_tables + b * stride_bt,
+                    kvh, d, d_ok, qk_scale, stride_cb, stride_cs, stride_ch,
+                    PAGE, BLOCK_N, PRECISION)
             base_t = (q0 + t)
             tl.store(ACC + split * stride_as + base_t[:, None] * stride_at
                      + head[:, None] * stride_ah + d[None, :], acc,
