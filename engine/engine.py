@@ -25,7 +25,8 @@ from engine.runner import ModelRunner, allocate_kv_cache
 from engine.sampler import new_generator
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import SamplingParams, Sequence
-from engine.spec.runtime import Span, SpecRunner, verify
+from engine.spec.runtime import Span, SpecRunner
+from engine.spec.verify import VerifyResult, verify_greedy, verify_sampled_device
 
 
 class Engine:
@@ -199,7 +200,8 @@ class Engine:
 
     def _run(self, batch: Batch):
         """Forward the batch; for entries whose tokens are all computed now, verify their
-        drafts (none: plain sampling) against the target's logits."""
+        drafts (none: plain sampling) against the target's logits. Greedy and sampled entries
+        alike stay on the device until one host sync reads the whole batch's results."""
         done, rows, ks, end = [], [], [], 0
         for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             end += n
@@ -210,12 +212,29 @@ class Engine:
                 rows.extend(range(end - k - 1, end))
         aux = self.spec.aux_layers if self.spec else self.capture_layers
         fwd = self.runner.forward(batch, rows, aux_layers=aux)
-        argmax = fwd.logits.argmax(dim=-1).tolist()
+        parts, sampled, r = [fwd.logits.argmax(dim=-1)], [], 0
+        for i, k in zip(done, ks):
+            seq = batch.seqs[i]
+            if not seq.params.greedy:
+                x = self.runner.index(seq.draft[:k])
+                q = seq.draft_q[:k] if seq.draft_q is not None and k else None
+                n, tok = verify_sampled_device(x, q, fwd.logits[r : r + k + 1], seq.params,
+                                               self._generators[seq.request_id])
+                sampled.append(i)
+                parts += [n.view(1), tok.view(1)]
+            r += k + 1
+        flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()  # the sync
+        argmax, extra = flat[: len(rows)], iter(flat[len(rows):])
+        drawn = {i: (next(extra), next(extra)) for i in sampled}
         results, r = {}, 0
         for i, k in zip(done, ks):
             seq = batch.seqs[i]
-            results[i] = (k, verify(seq, k, fwd.logits[r : r + k + 1], argmax[r : r + k + 1],
-                                    self._generators.get(seq.request_id)))
+            if i in drawn:
+                n, tok = drawn[i]
+                res = VerifyResult([*seq.draft[:n], tok], n)
+            else:
+                res = verify_greedy(seq.draft[:k], argmax[r : r + k + 1])
+            results[i] = (k, res)
             r += k + 1
         return fwd, results
 

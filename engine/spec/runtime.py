@@ -18,7 +18,7 @@ from engine.sequence import Sequence
 from engine.spec.eagle3 import Eagle3Head
 from engine.spec.ngram import NgramDrafter
 from engine.spec.policy import KPolicy
-from engine.spec.verify import VerifyResult, verify_greedy, verify_sampled
+from engine.spec.verify import VerifyResult
 
 
 @dataclass
@@ -58,16 +58,6 @@ class SpecStats:
     def acceptance_length(self) -> float:
         """Mean tokens emitted per verifying target forward (accepted + bonus)."""
         return self.emitted / self.verify_steps if self.verify_steps else 0.0
-
-
-def verify(seq: Sequence, k: int, logits: torch.Tensor, argmax: list[int],
-           generator: torch.Generator | None) -> VerifyResult:
-    """Check seq's first k drafts against the target's k+1 logits rows (k=0: plain sampling)."""
-    draft = seq.draft[:k]
-    if seq.params.greedy:
-        return verify_greedy(draft, argmax)
-    q = seq.draft_q[:k] if seq.draft_q is not None and k else None
-    return verify_sampled(draft, q, logits, seq.params, generator)
 
 
 class SpecRunner:

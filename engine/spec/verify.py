@@ -52,38 +52,53 @@ def verify_sampled(draft: Sequence[int], q: torch.Tensor | None, target_logits: 
     All randomness comes from `generator`, so a seeded request replays exactly; the work runs
     on the generator's device (logits on another device are copied there first, so create the
     generator where the logits live to avoid the copy). temperature=0 falls through to
-    verify_greedy on the logits' argmax.
+    verify_greedy on the logits' argmax. (The engine uses `verify_sampled_device` and reads
+    the results of a whole batch with one host sync.)
     """
     k = len(draft)
     if target_logits.shape[0] != k + 1:
         raise ValueError(f"need {k + 1} target rows for {k} drafts, got {target_logits.shape[0]}")
     if params.greedy:
         return verify_greedy(draft, target_logits.argmax(dim=-1).tolist())
-    # Every draw must come from `generator`, and torch draws only on the generator's device.
+    x = torch.tensor(list(draft), dtype=torch.int64, device=generator.device)
+    n, token = verify_sampled_device(x, q, target_logits, params, generator)
+    n = int(n)
+    return VerifyResult([*(int(t) for t in draft[:n]), int(token)], n)
+
+
+def verify_sampled_device(x: torch.Tensor, q: torch.Tensor | None, target_logits: torch.Tensor,
+                          params: SamplingParams, generator: torch.Generator
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_sampled` without a host sync: x is the K drafts as a device tensor; returns
+    (number accepted, the token drawn after them) as 0-d device tensors. The draws are the
+    same as `verify_sampled`'s: K uniforms, then one exponential race."""
     p = processed_probs(target_logits.to(generator.device), params)
-    q = None if q is None else q.to(p)
-    n = 0
+    k = x.shape[0]
     if k:
-        x = torch.tensor(list(draft), device=p.device).unsqueeze(1)
+        x = x.to(p.device).unsqueeze(1)
         # Accept iff u < p(x)/q(x), written as u*q(x) < p(x): no division, so q(x) = 0 cannot
         # give NaN and p(x) = 0 never passes. A point mass has q(x) = 1.
         lhs = torch.rand(k, 1, generator=generator, device=p.device)
-        if q is not None:
-            lhs = lhs * q[:k].gather(1, x)
-        passed = (lhs < p[:k].gather(1, x)).flatten().tolist()  # the one host sync
-        while n < k and passed[n]:
-            n += 1
-    if n == k:
-        residual = p[k]
-    else:
+        qx = None if q is None else q[:k].to(p).gather(1, x)
+        if qx is not None:
+            lhs = lhs * qx
+        passed = (lhs < p[:k].gather(1, x)).flatten().to(torch.int64)
+        n = passed.cumprod(0).sum()
+        # Row i of q_ext: the draft law at position i; row K (the bonus) subtracts nothing.
+        q_ext = torch.zeros_like(p)
         if q is None:
-            residual = p[n].clone()
-            residual[int(draft[n])] = 0.0  # max(0, p - point mass at x)
+            q_ext[:k].scatter_(1, x, 1.0)
         else:
-            residual = (p[n] - q[n]).clamp_(min=0)
+            q_ext[:k] = q[:k].to(p)
+        p_n = p.index_select(0, n.view(1))[0]
+        residual = (p_n - q_ext.index_select(0, n.view(1))[0]).clamp_(min=0)
         total = residual.sum()
         # p <= q everywhere (only reachable through rounding, or a q that is not normalized):
-        # nothing is left to correct, so p itself is the right law.
-        residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p[n])
-    token = int(sample_from(residual.unsqueeze(0), generator)[0])
-    return VerifyResult([*(int(t) for t in draft[:n]), token], n)
+        # nothing is left to correct, so p itself is the right law. The bonus is p_K as is.
+        residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p_n)
+        residual = torch.where(n == k, p_n, residual)
+    else:
+        n = torch.zeros((), dtype=torch.int64, device=p.device)
+        residual = p[0]
+    token = sample_from(residual.unsqueeze(0), generator)[0]
+    return n, token
