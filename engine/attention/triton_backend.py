@@ -55,6 +55,22 @@ if triton is not None:
             tl.store(VC + slot * stride_cs + offs, v.to(VC.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _load_queries(Q, row0, q0, q_len, ctx, kvh, stride_qt, stride_qh, G: tl.constexpr,
+                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+        """A tile of query rows from row0: row r is query token r // G of head kvh*G + r % G.
+        Also returns each row's token, head, validity, the head-dim lanes and the absolute
+        position of each row's query."""
+        rows = row0 + tl.arange(0, BLOCK_M)
+        t = rows // G
+        head = kvh * G + rows % G
+        row_ok = t < q_len
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        q = tl.load(Q + (q0 + t)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        return q, t, head, row_ok, d, d_ok, ctx - q_len + t
+
+    @triton.jit
     def _attend_keys(q, q_pos, m_i, l_i, acc, start, end, KC, VC, table, kvh, d, d_ok,
                      qk_scale, stride_cb, stride_cs, stride_ch, PAGE: tl.constexpr,
                      BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
@@ -95,15 +111,9 @@ if triton is not None:
         q_len = tl.load(query_start + b + 1) - q0
         ctx = tl.load(seq_lens + b)
         if tile * BLOCK_M < q_len * G:
-            rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            t = rows // G
-            head = kvh * G + rows % G
-            row_ok = t < q_len
-            d = tl.arange(0, BLOCK_D)
-            d_ok = d < HEAD_DIM
-            q = tl.load(Q + (q0 + t)[:, None] * stride_qt + head[:, None] * stride_qh
-                        + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            q_pos = ctx - q_len + t  # absolute position of each query row
+            q, t, head, row_ok, d, d_ok, q_pos = _load_queries(
+                Q, tile * BLOCK_M, q0, q_len, ctx, kvh, stride_qt, stride_qh,
+                G, HEAD_DIM, BLOCK_D, BLOCK_M)
             # Keys this tile can see: up to the position of its last real query.
             last_t = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
             kv_end = ctx - q_len + last_t + 1
@@ -141,15 +151,8 @@ if triton is not None:
         ctx = tl.load(seq_lens + b)
         lo = split * SPLIT_KEYS
         if lo < ctx:
-            rows = tl.arange(0, BLOCK_M)
-            t = rows // G
-            head = kvh * G + rows % G
-            row_ok = t < q_len
-            d = tl.arange(0, BLOCK_D)
-            d_ok = d < HEAD_DIM
-            q = tl.load(Q + (q0 + t)[:, None] * stride_qt + head[:, None] * stride_qh
-                        + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            q_pos = ctx - q_len + t
+            q, t, head, row_ok, d, d_ok, q_pos = _load_queries(
+                Q, 0, q0, q_len, ctx, kvh, stride_qt, stride_qh, G, HEAD_DIM, BLOCK_D, BLOCK_M)
             hi = tl.minimum(lo + SPLIT_KEYS, ctx)
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
