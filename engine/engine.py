@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import torch
@@ -76,6 +77,7 @@ class Engine:
         self._generators: dict[str, torch.Generator] = {}
         self._detok: dict[str, loader.Detokenizer] = {}
         self.stats = EngineStats()
+        self.clock = time.perf_counter  # step timing for the dynamic-K cost model
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **overrides) -> Engine:
@@ -187,10 +189,25 @@ class Engine:
         batch = self.scheduler.schedule()
         outs = [self._finished_output(s) for s in batch.out_of_blocks]
         if batch.seqs:
+            t0 = self.clock()
             # Kernels, graphs and streams go to this engine's GPU even when another is current.
             with self._on_device():
-                outs += self._postprocess(batch, *self._run(batch))
+                fwd, results = self._run(batch)
+                outs += self._postprocess(batch, fwd, results)
+            self._time_step(batch, results, self.clock() - t0)
         return outs
+
+    def _time_step(self, batch: Batch, results: dict, seconds: float) -> None:
+        """Feed pure decode steps (every entry verifies its pending token and drafts) to the
+        dynamic-K cost model: drafts per sequence, verified and proposed, against time."""
+        if self.spec is None or len(results) != len(batch.seqs):
+            return
+        if any(n != k + 1 for n, (k, _) in zip(batch.num_tokens, results.values())):
+            return
+        # A step verifies last step's drafts and proposes the next: their mean is K in a steady
+        # state, which is what the policy's 1 + K*c model prices.
+        drafts = sum(k for k, _ in results.values()) + sum(len(s.draft) for s in batch.seqs)
+        self.spec.policy.costs.record(len(batch.seqs), drafts / (2 * len(batch.seqs)), seconds)
 
     def _on_device(self):
         import contextlib
@@ -280,6 +297,7 @@ class Engine:
                 spans.append(Span(seq, lo, seq.num_computed - lo, row, draft=True))
             row += n
         if self.spec is not None:
+            self.spec.policy.begin_propose(self.stats.steps, len(batch))
             self.spec.propose(spans, fwd.aux, self.blocks, len(batch), self._generators)
         return outs
 

@@ -7,26 +7,81 @@ from engine.config import SpecConfig
 from engine.sequence import Sequence
 
 PROBE_EVERY = 8  # a sequence at K=0 drafts one token this often, to notice recovery
+PLAIN_PROBE_EVERY = 64  # every this many steps, two steps without drafts time a plain step
+EMA = 0.2
+
+
+def _bucket(batch_size: int) -> int:
+    return 1 << max(batch_size - 1, 0).bit_length()
+
+
+class StepCosts:
+    """Measured step times per batch-size bucket (powers of two): a plain step's seconds, and
+    the extra cost of one draft token per sequence relative to it. Measured, because the real
+    overhead of speculating (head steps, launches, syncs) depends on the machine and model far
+    more than a configured guess can."""
+
+    def __init__(self) -> None:
+        self.plain: dict[int, float] = {}
+        self.per_draft: dict[int, float] = {}
+
+    def record(self, batch_size: int, drafts_per_seq: float, seconds: float) -> None:
+        """One pure decode step: `drafts_per_seq` drafts verified and proposed per sequence
+        on average (0: a plain step)."""
+        b = _bucket(batch_size)
+        if drafts_per_seq == 0:
+            old = self.plain.get(b)
+            self.plain[b] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        elif b in self.plain:
+            rel = max(seconds / self.plain[b] - 1.0, 0.0) / drafts_per_seq
+            old = self.per_draft.get(b)
+            self.per_draft[b] = rel if old is None else (1 - EMA) * old + EMA * rel
+
+    def per_token(self, batch_size: int) -> float | None:
+        return self.per_draft.get(_bucket(batch_size))
+
+    def knows_plain(self, batch_size: int) -> bool:
+        return _bucket(batch_size) in self.plain
 
 
 class KPolicy:
     """Maximizes expected tokens per unit of step cost.
 
     With per-token acceptance a, K drafts emit (1 - a^(K+1)) / (1 - a) tokens per target
-    forward; the step costs 1 + K * (verify + draft) relative to a plain decode step. Verify
-    cost per token grows with the batch (the forward leaves the memory-bound regime).
+    forward; the step costs 1 + K * c relative to a plain decode step. c is measured
+    (`StepCosts`: every PLAIN_PROBE_EVERY steps two steps run without drafts to time a plain
+    step at the current batch size); until then it is SpecConfig's verify + draft cost, the
+    verify part growing with the batch (the forward leaves the memory-bound regime).
     """
 
     def __init__(self, spec: SpecConfig, prior: float = 0.6, batch_knee: int = 16):
         self.spec, self.prior, self.knee = spec, prior, batch_knee
+        self.costs = StepCosts()
+        self.plain_probe = False
+
+    def begin_propose(self, step: int, batch_size: int) -> None:
+        """Called before a step's drafts are chosen: decides whether this is a probe step
+        (no drafts for anyone), so that the next step is a plain one and gets timed."""
+        if not self.spec.dynamic or self.spec.num_tokens == 0:
+            self.plain_probe = False
+            return
+        every = PLAIN_PROBE_EVERY if self.costs.knows_plain(batch_size) else 8
+        self.plain_probe = step % every in (0, 1)
 
     def choose(self, seq: Sequence, batch_size: int) -> int:
         kmax = self.spec.num_tokens
         if not self.spec.dynamic or kmax == 0:
             return kmax
+        # A seeded sampled request's draws depend on its K: keep its K a function of its own
+        # acceptance and the batch size, never of wall-clock timings, so it replays exactly.
+        seeded = not seq.params.greedy and seq.params.seed is not None
+        if self.plain_probe and not seeded:
+            return 0
         a = min(seq.accept_rate if seq.accept_rate is not None else self.prior, 0.999)
-        per_token = self.spec.verify_token_cost * max(1.0, batch_size / self.knee)
-        per_token += self.spec.draft_step_cost
+        per_token = None if seeded else self.costs.per_token(batch_size)
+        if per_token is None:
+            per_token = self.spec.verify_token_cost * max(1.0, batch_size / self.knee)
+            per_token += self.spec.draft_step_cost
         best_k, best = 0, 1.0
         for k in range(1, kmax + 1):
             gain = (1 - a ** (k + 1)) / (1 - a) / (1 + k * per_token)

@@ -45,3 +45,71 @@ def test_update_tracks_acceptance():
     for _ in range(20):
         KPolicy.update(s, drafted=4, accepted=0)
     assert high > 0.95 and s.accept_rate < 0.05
+
+
+def test_measured_costs_replace_the_configured_guess():
+    """Plain steps of 1 ms and K=4 steps of 2 ms → each draft costs 0.25 of a step: K stays
+    modest at a=0.6; at 1 ms per draft no K pays and speculation switches off."""
+    from engine.spec.policy import StepCosts
+
+    costs = StepCosts()
+    assert costs.per_token(4) is None
+    costs.record(4, 4.0, 2e-3)  # no plain time yet: nothing to compare against
+    assert costs.per_token(4) is None
+    costs.record(3, 0, 1e-3)  # bucket 4
+    costs.record(4, 4.0, 2e-3)
+    assert abs(costs.per_token(4) - 0.25) < 1e-9 and costs.per_token(16) is None
+    pol = KPolicy(SpecConfig(num_tokens=7))
+    s = seq_with_rate(0.6)
+    guess = pol.choose(s, batch_size=4)
+    pol.costs = costs
+    measured = pol.choose(s, batch_size=4)
+    assert 0 < measured < guess
+    for _ in range(40):
+        costs.record(4, 1.0, 2e-3)  # one draft doubles the step
+    assert pol.choose(seq_with_rate(0.6), batch_size=4) == 0
+
+
+def test_plain_probes_time_a_plain_step():
+    pol = KPolicy(SpecConfig(num_tokens=5))
+    s = seq_with_rate(0.9)
+    picks = []
+    for step in range(1, 20):
+        pol.begin_propose(step, batch_size=2)
+        picks.append(pol.choose(s, batch_size=2))
+    # Plain time unknown: two consecutive probe steps every 8 (0-1, 8-9, 16-17).
+    assert [i + 1 for i, k in enumerate(picks) if k == 0] == [1, 8, 9, 16, 17]
+    pol.costs.record(2, 0, 1e-3)
+    pol.begin_propose(16, batch_size=2)
+    assert pol.choose(s, batch_size=2) > 0  # known now: probes only every PLAIN_PROBE_EVERY
+    fixed = KPolicy(SpecConfig(num_tokens=5, dynamic=False))
+    fixed.begin_propose(8, batch_size=2)
+    assert fixed.choose(s, batch_size=2) == 5
+
+
+def test_engine_times_pure_decode_steps():
+    """The engine feeds its step times to the cost model (an injected clock: spec steps look
+    expensive), and dynamic K then turns speculation off; output stays lossless."""
+    from dataclasses import replace
+
+    from engine import Engine
+    from tests.helpers import tiny_engine
+    from tests.spec.test_eagle3 import random_head
+
+    base = tiny_engine(0)
+    eng = Engine(replace(base.config, spec=SpecConfig(num_tokens=4, dynamic=True)),
+                 weights_of=base, draft_head=random_head(base))
+    now = [0.0]
+
+    def clock():  # each call advances by 1 ms plus 3 ms per draft currently pending
+        now[0] += 1e-3 + 3e-3 * sum(len(s.draft) for s in eng.seqs.values())
+        return now[0]
+
+    eng.clock = clock
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    want = [c.token_ids for c in base.generate(prompts, sp)]
+    assert [c.token_ids for c in eng.generate(prompts, sp)] == want
+    costs = eng.spec.policy.costs
+    assert costs.knows_plain(2) and costs.per_token(2) is not None
+    assert costs.per_token(2) > 1.0  # a draft costs more than a whole plain step here
