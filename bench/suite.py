@@ -149,28 +149,11 @@ def ngram(k: int):
 
 def precapture(eng, batch_sizes) -> str:
     """Capture the CUDA graphs the timed runs will replay, so no capture lands inside a timed
-    region (the engine captures lazily). Uses GraphSet internals; on any mismatch the warm-up
-    run still captures most of them, and the returned note says what happened."""
-    torch = _torch()
-    sets = [getattr(eng.runner, "graphs", None)]
-    if eng.spec is not None:
-        sets.append(getattr(eng.spec, "graphs", None))
-    sets = [g for g in sets if g is not None]
-    if not sets:
+    region (`Engine.capture_graphs`); the returned note says what happened."""
+    if eng.runner.graphs is None:
         return "no CUDA graphs (eager)"
     try:
-        from engine.graphs import bucket_for
-
-        n = 0
-        with torch.inference_mode():
-            for g in sets:
-                buckets = {bucket_for(b, g.buckets) for b in batch_sizes} - {None}
-                for b in sorted(buckets, reverse=True):
-                    for q in g.query_lens:
-                        if (b, q) not in g.graphs:
-                            g._capture(b, q)
-                            n += 1
-        return f"captured {n} graphs before timing"
+        return f"captured {eng.capture_graphs(batch_sizes)} graphs before timing"
     except Exception as e:  # noqa: BLE001
         return f"precapture failed ({type(e).__name__}: {e}); relying on the warm-up run"
 

@@ -106,8 +106,9 @@ def cmd_serve(args) -> int:
         from engine import Engine
         from router.backends import LocalBackend
 
-        backend = LocalBackend(Engine.from_pretrained(cfg.model.path,
-                                                      **engine_kwargs(cfg, "colocated")))
+        engine = Engine.from_pretrained(cfg.model.path, **engine_kwargs(cfg, "colocated"))
+        engine.capture_graphs(progress=True)  # CUDA only
+        backend = LocalBackend(engine)
         close = backend.close
     else:
         from cluster import launcher

@@ -209,6 +209,32 @@ class Engine:
         drafts = sum(k for k, _ in results.values()) + sum(len(s.draft) for s in batch.seqs)
         self.spec.policy.costs.record(len(batch.seqs), drafts / (2 * len(batch.seqs)), seconds)
 
+    def capture_graphs(self, batch_sizes=None, progress: bool = False) -> int:
+        """Capture now every decode/verify/draft graph that batches of `batch_sizes` (default:
+        every bucket) will replay, instead of lazily in the middle of serving; returns how
+        many were captured. Long-context variants still capture on first use."""
+        from engine.graphs import bucket_for
+
+        sets = [self.runner.graphs]
+        if self.spec is not None and self.spec.graphs is not None:
+            k = self.spec.spec.num_tokens
+            sets += [self.spec.first_graphs, self.spec.graphs]
+            sets += [self.spec._chain_graph(s) for s in range(1, k)]
+        sets = [g for g in sets if g is not None]
+        keys = []
+        for g in sets:
+            buckets = g.buckets if batch_sizes is None else sorted(
+                {bucket_for(b, g.buckets) for b in batch_sizes} - {None})
+            keys += [(g, b, q) for b in sorted(buckets, reverse=True)
+                     for q in reversed(g.query_lens) if (b, q, False) not in g.graphs]
+        bar = _progress(len(keys), progress, "cuda graphs", "graph")
+        with self._on_device(), torch.inference_mode():
+            for g, b, q in keys:
+                g._capture(b, q, False)
+                bar.update(1)
+        bar.close()
+        return len(keys)
+
     def _on_device(self):
         import contextlib
 
@@ -466,7 +492,7 @@ class Engine:
                         return
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, desc: str = "generate", unit: str = "req"):
     from tqdm import tqdm
 
-    return tqdm(total=total, disable=not enabled, desc="generate", unit="req")
+    return tqdm(total=total, disable=not enabled, desc=desc, unit=unit)

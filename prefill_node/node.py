@@ -21,6 +21,7 @@ class PrefillNode:
     def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
                  metrics_port: int | None = None):
         self.engine = Engine.from_pretrained(model, **engine_kwargs)
+        self.engine.capture_graphs()  # CUDA only: no capture lands in a request's latency
         self.metrics, self.metrics_port = serve_metrics("prefill", metrics_port)
         self.loop = EngineLoop(self.engine)
         self.loop.on_step = self.metrics.engine_step
