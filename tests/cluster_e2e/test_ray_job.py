@@ -40,5 +40,5 @@ def test_ray_job_submit_serves_a_request():
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
     out = job.stdout + job.stderr
     assert job.returncode == 0, out[-3000:]
-    assert "succeeded" in out and "Connected to Ray cluster" in out
+    assert "succeeded" in out and "Connected to Ray cluster" in out, out[-3000:]
     assert "[8 tokens, finish=length" in out, out[-3000:]
