@@ -194,6 +194,11 @@ class EngineConfig:
             object.__setattr__(self, "num_draft_layers", self.spec.num_draft_layers)
 
     @property
+    def max_blocks_per_seq(self) -> int:
+        """KV blocks one max_model_len context needs: the width of a full block table."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
     def backend_name(self) -> str:
         """The attention backend this engine runs ("auto" resolved)."""
         if self.attention_backend != "auto":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 
@@ -127,7 +128,7 @@ class Engine:
             free, _ = torch.cuda.mem_get_info(cfg.device)
             budget = int(free * cfg.gpu_memory_utilization)
         n = budget // cfg.kv_bytes_per_block
-        need = -(-cfg.max_model_len // cfg.block_size)
+        need = cfg.max_blocks_per_seq
         if n < need:
             raise ResourceExhaustedError(
                 f"KV budget holds {n} blocks of {cfg.block_size} tokens, fewer than one "
@@ -213,31 +214,22 @@ class Engine:
         """Capture now every decode/verify/draft graph that batches of `batch_sizes` (default:
         every bucket) will replay, instead of lazily in the middle of serving; returns how
         many were captured. Long-context variants still capture on first use."""
-        from engine.graphs import bucket_for
-
         sets = [self.runner.graphs]
         if self.spec is not None and self.spec.graphs is not None:
             k = self.spec.spec.num_tokens
             sets += [self.spec.first_graphs, self.spec.graphs]
             sets += [self.spec._chain_graph(s) for s in range(1, k)]
         sets = [g for g in sets if g is not None]
-        keys = []
-        for g in sets:
-            buckets = g.buckets if batch_sizes is None else sorted(
-                {bucket_for(b, g.buckets) for b in batch_sizes} - {None})
-            keys += [(g, b, q) for b in sorted(buckets, reverse=True)
-                     for q in reversed(g.query_lens) if (b, q, False) not in g.graphs]
+        keys = [(g, b, q) for g in sets for b, q in g.pending(batch_sizes)]
         bar = _progress(len(keys), progress, "cuda graphs", "graph")
         with self._on_device(), torch.inference_mode():
             for g, b, q in keys:
-                g._capture(b, q, False)
+                g.capture(b, q)
                 bar.update(1)
         bar.close()
         return len(keys)
 
     def _on_device(self):
-        import contextlib
-
         dev = torch.device(self.config.device)
         return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
@@ -259,7 +251,7 @@ class Engine:
         for i, k in zip(done, ks):
             seq = batch.seqs[i]
             if not seq.params.greedy:
-                x = self.runner.index(seq.draft[:k])
+                x = self.runner.stager.index(seq.draft[:k])
                 q = seq.draft_q[:k] if seq.draft_q is not None and k else None
                 n, tok = verify_sampled_device(x, q, fwd.logits[r : r + k + 1], seq.params,
                                                self._generators[seq.request_id])

@@ -5,10 +5,10 @@ tables) is packed into one int64 buffer. On the GPU the host side of that buffer
 ring of pinned buffers, so the copy is asynchronous and never waits for the stream; a ring
 slot is reused only after the copy that read it has finished (an event per slot).
 
-`GraphSet` captures a forward once per (batch bucket, query length) on static device buffers
-and replays it: one launch for the whole decode, verify or draft step instead of hundreds.
-Batches are padded up to the bucket with sequences whose KV stores are skipped (slot -1) and
-whose one-block context is finite, so padded rows never touch real requests.
+`GraphSet` captures a forward once per (batch bucket, longest query, long-context flag) on
+static device buffers and replays it: one launch for the whole decode, verify or draft step
+instead of hundreds. Batches are padded up to the bucket with sequences that have no queries
+and rows whose KV stores are skipped (slot -1), so padding never touches real requests.
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ class HostStager:
         if self.cuda:
             self.events[i].record(torch.cuda.current_stream(dst.device))
             self.used[i] = True
+
+    def index(self, values: list[int]) -> torch.Tensor:
+        """Integers (row indices, token ids) as an int64 device tensor, without a sync."""
+        return self.to_device(np.asarray(values, dtype=np.int64))
 
     def to_device(self, arr: np.ndarray) -> torch.Tensor:
         """A new device tensor holding arr (int64)."""
@@ -129,7 +133,7 @@ def to_device(inp: PackedInputs, stager: HostStager):
 
 class GraphSet:
     """CUDA graphs of `fn(ids, pos, meta, *extras) -> tuple[Tensor, ...]`, one per
-    (batch bucket, query length), replayed on static buffers.
+    (batch bucket, longest query, long-context flag), replayed on static buffers.
 
     `extras` are per-row device tensors (e.g. the hidden state a draft step consumes), given
     as (row width, dtype) pairs; they are copied device-to-device into static buffers."""
@@ -142,7 +146,6 @@ class GraphSet:
         self.query_lens = tuple(sorted(set(query_lens)))
         self.max_batch, self.max_blocks = max_batch, max_blocks
         tm = max_batch * max(self.query_lens)
-        self.tm = tm
         # Layout of the static int64 buffer; block tables last so a prefix copy covers a bucket.
         self.off = dict(ids=0, pos=tm, slots=2 * tm, starts=3 * tm, lens=3 * tm + max_batch + 1,
                         tables=3 * tm + 2 * max_batch + 1)
@@ -199,15 +202,16 @@ class GraphSet:
         return (inp.num_seqs <= self.max_batch and inp.max_query_len in self.query_lens
                 and inp.tables.shape[1] <= self.max_blocks)
 
-    def capture(self, progress: Callable[[int, int], None] | None = None) -> None:
-        """Capture every bucket, largest first so smaller graphs reuse its memory."""
-        keys = [(b, q, False) for b in reversed(self.buckets) for q in reversed(self.query_lens)]
-        for n, key in enumerate(keys):
-            self._capture(*key)
-            if progress:
-                progress(n + 1, len(keys))
+    def pending(self, batch_sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:
+        """(bucket, query length) pairs not captured yet that batches of `batch_sizes` (None:
+        every bucket) would replay, largest first so smaller graphs reuse its memory."""
+        buckets = self.buckets if batch_sizes is None else \
+            {bucket_for(b, self.buckets) for b in batch_sizes} - {None}
+        return [(b, q) for b in sorted(buckets, reverse=True) for q in reversed(self.query_lens)
+                if (b, q, False) not in self.graphs]
 
-    def _capture(self, b: int, q: int, long: bool) -> None:
+    def capture(self, b: int, q: int, long: bool = False) -> None:
+        """Capture (off CUDA: register for eager runs) the graph of one bucket."""
         if not self.capturable:
             self.graphs[(b, q, long)] = (None, None)
             return
@@ -239,7 +243,7 @@ class GraphSet:
         b = bucket_for(inp.num_seqs, self.buckets)
         long = int(inp.lens.max()) > LONG_CONTEXT  # the split-KV attention variant
         if (b, q, long) not in self.graphs:
-            self._capture(b, q, long)
+            self.capture(b, q, long)
         self._fill(inp, b, q)
         rows = inp.num_tokens
         for dst, src in zip(self.extras, extras):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.triton_backend import triton, triton_available
+from engine.attention.triton_backend import next_pow2, triton, triton_available
 
 if triton_available():
     import triton.language as tl
@@ -69,10 +69,6 @@ if triton_available():
         tl.store(Y + row * N + col, y, mask=mask)
 
 
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                 residual: torch.Tensor | None = None):
     """norm(x) (no residual) or (norm(x + residual), x + residual)."""
@@ -82,7 +78,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if t:
         _add_rmsnorm_kernel[(t,)](x, residual if residual is not None else x, weight, y, res_out,
                                   x.stride(0), (residual if residual is not None else x).stride(0),
-                                  y.stride(0), eps, N=n, BLOCK=_pow2(n),
+                                  y.stride(0), eps, N=n, BLOCK=next_pow2(n, 1),
                                   HAS_RES=residual is not None, num_warps=4)
     return y if residual is None else (y, res_out)
 
@@ -93,7 +89,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     t, h, d = x.shape
     if t:
         _rope_kernel[(t, h)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0),
-                             HALF=d // 2, BLOCK=_pow2(d // 2), num_warps=1)
+                             HALF=d // 2, BLOCK=next_pow2(d // 2, 1), num_warps=1)
     return x
 
 
@@ -103,7 +99,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     n = n2 // 2
     y = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     if t:
-        block = min(1024, _pow2(n))
+        block = min(1024, next_pow2(n, 1))
         _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, y, gate_up.stride(0), N=n,
                                                     BLOCK=block, num_warps=4)
     return y

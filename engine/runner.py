@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -43,7 +42,8 @@ def pack_batch(batch: Batch, block_size: int) -> PackedInputs:
 
 class ModelRunner:
     """Owns the model and the KV tensor; one `forward` per engine step. On CUDA with a
-    graph-safe backend, uniform decode/verify batches replay captured graphs."""
+    graph-safe backend, decode/verify batches (any per-sequence K up to the captured query
+    lengths) replay captured graphs; prefill chunks run eagerly."""
 
     def __init__(self, cfg: EngineConfig, model: LlamaModel, kv_cache: torch.Tensor):
         self.cfg, self.model, self.kv_cache = cfg, model, kv_cache
@@ -58,13 +58,10 @@ class ModelRunner:
             hidden, aux = model(ids, pos, kv, meta, aux_layers)
             return (hidden, *aux)
 
-        max_blocks = -(-self.cfg.max_model_len // self.cfg.block_size)
-        self.graphs = GraphSet(fn, self.cfg.device, max_batch, query_lens, max_blocks)
+        self.graphs = GraphSet(fn, self.cfg.device, max_batch, query_lens,
+                               self.cfg.max_blocks_per_seq)
         self.graph_aux = aux_layers
         return self.graphs
-
-    def index(self, rows: list[int]) -> torch.Tensor:
-        return self.stager.to_device(np.asarray(rows, dtype=np.int64))
 
     @torch.inference_mode()
     def forward(self, batch: Batch, rows: list[int], aux_layers: tuple[int, ...] = ()
@@ -84,5 +81,5 @@ class ModelRunner:
         if len(rows) == inp.num_tokens and rows == list(range(len(rows))):
             picked = hidden
         else:
-            picked = hidden[self.index(rows)]
+            picked = hidden[self.stager.index(rows)]
         return ForwardOutput(self.model.logits(picked), hidden, list(aux), inp)

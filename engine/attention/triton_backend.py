@@ -203,7 +203,7 @@ if triton is not None:
                      mask=d_ok)
 
 
-def _pow2(n: int, lo: int = 16) -> int:
+def next_pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
@@ -233,11 +233,11 @@ class TritonAttention(AttentionBackend):
         v = v.reshape(t, row)
         kc, vc = kv_cache[0], kv_cache[1]
         _store_kv_kernel[(t,)](k, v, kc, vc, meta.slot_mapping, k.stride(0), v.stride(0),
-                               kc.stride(1), ROW=row, BLOCK=_pow2(row))
+                               kc.stride(1), ROW=row, BLOCK=next_pow2(row))
 
     def tile_m(self, max_query_len: int) -> int:
         """Rows per program: enough for one decode/verify step's grouped heads, 64 at most."""
-        return min(64, _pow2(max_query_len * self.group))
+        return min(64, next_pow2(max_query_len * self.group))
 
     def use_split(self, meta: AttentionMetadata, device: torch.device) -> int:
         """Number of splits for this launch (0: the one-pass kernel). Split only for long
@@ -269,7 +269,7 @@ class TritonAttention(AttentionBackend):
             q, kc, vc, out, meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
-            G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=_pow2(self.head_dim),
+            G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
             PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=max(16, min(64, 4 * self.block_size)),
             PRECISION=precision, num_warps=4 if block_m <= 32 else 8,
         )
@@ -292,7 +292,7 @@ class TritonAttention(AttentionBackend):
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
             meta.block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
             ml.stride(0), ml.stride(1),
-            G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=_pow2(self.head_dim),
+            G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
             PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=max(16, min(64, self.split_keys)),
             SPLIT_KEYS=self.split_keys,
             PRECISION=precision, num_warps=4,
@@ -301,7 +301,7 @@ class TritonAttention(AttentionBackend):
             acc, ml, out, meta.query_start, meta.seq_lens, token_seq,
             acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
             out.stride(0), out.stride(1), SPLIT_KEYS=self.split_keys, HEAD_DIM=self.head_dim,
-            BLOCK_D=_pow2(self.head_dim), num_warps=1,
+            BLOCK_D=next_pow2(self.head_dim), num_warps=1,
         )
         return out
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -125,15 +124,13 @@ class SpecRunner:
         def first(ids, pos, meta, hidden):
             return (head(model.embed_tokens(ids), hidden, pos, kv, meta),)
 
-        max_blocks = -(-self.cfg.max_model_len // self.cfg.block_size)
+        max_blocks = self.cfg.max_blocks_per_seq
         width, dt = head.cfg.hidden_size, self.cfg.dtype
         self.graphs = GraphSet(fn, self.cfg.device, max_batch, (1,), max_blocks,
                                extras=((1, torch.int64), (width, dt)))
         self.first_graphs = GraphSet(first, self.cfg.device, max_batch,
                                      range(1, self.spec.num_tokens + 2), max_blocks,
                                      extras=((width, dt),), pool=self.graphs.pool)
-        self._graph_batch, self._graph_blocks = max_batch, max_blocks
-        self.chain_graphs: dict[int, GraphSet] = {}
 
     def _chain_graph(self, steps: int) -> GraphSet:
         """One graph for `steps` chained greedy draft steps of every sequence in a bucket:
@@ -164,7 +161,7 @@ class SpecRunner:
                 outs.append(t)
             return (torch.stack(outs, dim=1),)
 
-        g = GraphSet(fn, self.cfg.device, self._graph_batch, (1,), self._graph_blocks,
+        g = GraphSet(fn, self.cfg.device, self.graphs.max_batch, (1,), self.graphs.max_blocks,
                      extras=((1, torch.int64), (self.head.cfg.hidden_size, self.cfg.dtype),
                              (1, torch.int64)), pool=self.graphs.pool)
         self.chain_graphs[steps] = g
@@ -175,7 +172,7 @@ class SpecRunner:
                generators: dict[str, torch.Generator]) -> None:
         """Draft k_i tokens for each span with the head, keeping tokens on the device: the
         whole chain costs one host sync, at the end."""
-        head, idx = self.head, self._index
+        head, idx = self.head, self.stager.index
         rows = idx([r for s in spans for r in range(s.row, s.row + s.m)])
         fused = head.fuse([a[rows] for a in aux])
         toks = [t for s in spans for t in s.seq.token_ids[s.lo + 1 : s.lo + s.m + 1]]
@@ -183,7 +180,7 @@ class SpecRunner:
         out = self._step(spans, [s.m for s in spans], toks, pos, fused)
         ends = list(itertools.accumulate(s.m for s in spans))
         for i, s in enumerate(spans):
-            if s.seq.hold:  # a hand-off ships the state drafting continues from
+            if s.seq.hold and s.seq.finished:  # a hand-off ships the state drafting resumes from
                 s.seq.draft_hidden = out[ends[i] - 1].clone()
         live = [i for i, k in enumerate(ks) if k]
         if not live:
@@ -207,7 +204,7 @@ class SpecRunner:
                generators: dict[str, torch.Generator]) -> None:
         """From the head's hidden state `h` of each live span's last position, draft ks[i]
         tokens, chaining one-token head steps."""
-        head, idx = self.head, self._index
+        head, idx = self.head, self.stager.index
         tok = head.greedy_tokens(h)
         if self.graphs is not None and all(spans[i].seq.params.greedy for i in live):
             kmax = max(ks[i] for i in live)
@@ -248,7 +245,7 @@ class SpecRunner:
         g = self._chain_graph(kmax - 1)
         if not g.supports(inp):
             return False
-        kvec = self._index([ks[i] for i in live])
+        kvec = self.stager.index([ks[i] for i in live])
         (rest,) = g.run(inp, (tok[:, None], h, kvec[:, None]))
         rows = torch.cat([tok[:, None], rest], dim=1).tolist()  # the one sync
         for i, row in zip(live, rows):
@@ -263,16 +260,13 @@ class SpecRunner:
         if not sampled:
             return greedy_tok
         tok = greedy_tok.clone()
-        logits = self.head.full_vocab_logits(h[self._index(sampled)])
+        logits = self.head.full_vocab_logits(h[self.stager.index(sampled)])
         for r, j in enumerate(sampled):
             seq = spans[live[j]].seq
             q = processed_probs(logits[r : r + 1], seq.params)
             tok[j : j + 1] = sample_from(q, generators[seq.request_id])
             qs[live[j]].append(q[0])
         return tok
-
-    def _index(self, rows: list[int]) -> torch.Tensor:
-        return self.stager.to_device(np.asarray(rows, dtype=np.int64))
 
     def _chain_step(self, spans: list[Span], step: int, tok: torch.Tensor, h: torch.Tensor):
         """Draft step `step` (>= 1): one token per span, from the device tokens just drafted."""
