@@ -132,6 +132,11 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer):
         self.hf = hf_tokenizer
+        # Decoding runs once per generated token (twice, for the text delta): call the fast
+        # tokenizer directly when transformers would add nothing on top of it.
+        fast = getattr(hf_tokenizer, "backend_tokenizer", None)
+        plain = not getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
+        self._fast_decode = fast.decode if fast is not None and plain else None
 
     @classmethod
     def load(cls, ckpt: Checkpoint) -> Tokenizer:
@@ -147,6 +152,8 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=True))
 
     def decode(self, ids: list[int]) -> str:
+        if self._fast_decode is not None:
+            return self._fast_decode(ids, skip_special_tokens=True)
         return self.hf.decode(ids, skip_special_tokens=True)
 
     def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

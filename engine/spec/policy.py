@@ -3,12 +3,14 @@ batch size, down to 0 (plain decode) when speculation stops paying."""
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
+
 from engine.config import SpecConfig
 from engine.sequence import Sequence
 
 PROBE_EVERY = 8  # a sequence at K=0 drafts one token this often, to notice recovery
 PLAIN_PROBE_EVERY = 64  # every this many steps, two steps without drafts time a plain step
-EMA = 0.2
 
 
 def _bucket(batch_size: int) -> int:
@@ -19,29 +21,39 @@ class StepCosts:
     """Measured step times per batch-size bucket (powers of two): a plain step's seconds, and
     the extra cost of one draft token per sequence relative to it. Measured, because the real
     overhead of speculating (head steps, launches, syncs) depends on the machine and model far
-    more than a configured guess can."""
+    more than a configured guess can. Each is the median of the last WINDOW samples, so one
+    stalled step (a graph captured, a kernel compiled, the host descheduled) cannot skew K."""
+
+    WINDOW = 15
 
     def __init__(self) -> None:
         self.plain: dict[int, float] = {}
         self.per_draft: dict[int, float] = {}
+        self._plain: dict[int, deque] = {}
+        self._per_draft: dict[int, deque] = {}
 
     def record(self, batch_size: int, drafts_per_seq: float, seconds: float) -> None:
         """One pure decode step: `drafts_per_seq` drafts verified and proposed per sequence
         on average (0: a plain step)."""
         b = _bucket(batch_size)
         if drafts_per_seq == 0:
-            old = self.plain.get(b)
-            self.plain[b] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+            self.plain[b] = _push(self._plain, b, seconds)
         elif b in self.plain:
             rel = max(seconds / self.plain[b] - 1.0, 0.0) / drafts_per_seq
-            old = self.per_draft.get(b)
-            self.per_draft[b] = rel if old is None else (1 - EMA) * old + EMA * rel
+            self.per_draft[b] = _push(self._per_draft, b, rel)
 
     def per_token(self, batch_size: int) -> float | None:
         return self.per_draft.get(_bucket(batch_size))
 
     def knows_plain(self, batch_size: int) -> bool:
         return _bucket(batch_size) in self.plain
+
+
+def _push(windows: dict[int, deque], b: int, x: float) -> float:
+    """Add a sample to bucket b's window; returns the window's median."""
+    w = windows.setdefault(b, deque(maxlen=StepCosts.WINDOW))
+    w.append(x)
+    return statistics.median(w)
 
 
 class KPolicy:

@@ -53,3 +53,15 @@ def test_stop_string_split_across_tokens_is_never_streamed(smol_engine, chat_ids
     streamed = "".join(d.text for d in deltas)
     assert streamed == free.text[:start]
     assert deltas[-1].finish_reason == "stop"
+
+
+def test_fast_decode_equals_transformers_decode(smol_engine, chat_ids):
+    """The per-token decode path calls the fast tokenizer directly; it must produce exactly
+    what transformers' decode does (special tokens dropped, unicode, spacing)."""
+    tok = smol_engine.tokenizer
+    assert tok._fast_decode is not None
+    samples = [chat_ids[0], tok.encode("naïve café — 東京 🙂  two  spaces , tabs\tend"),
+               list(range(0, 400, 7))]
+    for ids in samples:
+        for n in range(1, len(ids) + 1, 3):
+            assert tok.decode(ids[:n]) == tok.hf.decode(ids[:n], skip_special_tokens=True)

@@ -70,6 +70,22 @@ def test_measured_costs_replace_the_configured_guess():
     assert pol.choose(seq_with_rate(0.6), batch_size=4) == 0
 
 
+def test_one_stalled_step_does_not_skew_the_costs():
+    """A plain step that stalls (a graph captured, a kernel compiled) must not make every
+    draft look free, nor a stalled spec step make speculation look ruinous."""
+    from engine.spec.policy import StepCosts
+
+    costs = StepCosts()
+    for _ in range(5):
+        costs.record(16, 0, 1e-3)
+    costs.record(16, 0, 60e-3)  # a 60x stall
+    assert abs(costs.plain[16] - 1e-3) < 1e-12
+    for _ in range(5):
+        costs.record(16, 2.0, 1.5e-3)
+    costs.record(16, 2.0, 200e-3)
+    assert abs(costs.per_token(16) - 0.25) < 1e-9
+
+
 def test_plain_probes_time_a_plain_step():
     pol = KPolicy(SpecConfig(num_tokens=5))
     s = seq_with_rate(0.9)

@@ -1,0 +1,144 @@
+"""Where an engine step's time goes: host sections (cProfile) and device kernels (torch
+profiler) for no speculation, fixed-K EAGLE-3 and dynamic K at a few concurrencies.
+
+    python -m bench.step_profile --model PATH.gguf --out DIR [--concurrency 1,16,64]
+
+Writes DIR/step_profile.json (tokens/s, steps, ms per step, cumulative seconds of the step's
+sections) and DIR/profile_<variant>_c<N>.txt (the top functions by own time) and, on CUDA,
+DIR/kernels_<variant>_c<N>.txt (device time per kernel)."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import time
+
+import torch
+
+SECTIONS = {
+    "schedule": ("scheduler.py", "schedule"),
+    "run": ("engine.py", "_run"),
+    "forward": ("runner.py", "forward"),
+    "postprocess": ("engine.py", "_postprocess"),
+    "propose": ("runtime.py", "propose"),
+    "eagle_first_step": ("runtime.py", "_step"),
+    "chain": ("runtime.py", "_chain"),
+    "graph_fill": ("graphs.py", "_fill"),
+    "graph_replay": ("graphs.py", "run"),
+    "emit": ("engine.py", "_emit"),
+    "pack": ("graphs.py", "pack"),
+}
+
+
+def sections(prof: cProfile.Profile) -> dict:
+    st = pstats.Stats(prof)
+    out = {}
+    for name, (file, fn) in SECTIONS.items():
+        tot = 0.0
+        for (f, _, func), (_, _, _, ct, _) in st.stats.items():
+            if func == fn and f.endswith(file):
+                tot = max(tot, ct)
+        out[name] = round(tot, 4)
+    return out
+
+
+def kernel_table(eng, batch, out: str, tag: str) -> float:
+    """Device time per kernel over a short run (torch profiler); returns the busy seconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import SamplingParams
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as tp:
+        eng.generate(batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        torch.cuda.synchronize()
+    avg = tp.key_averages()
+    with open(os.path.join(out, f"kernels_{tag}.txt"), "w") as f:
+        f.write(avg.table(sort_by="self_cuda_time_total", row_limit=40))
+    return round(sum(e.self_device_time_total for e in avg) / 1e6, 4)
+
+
+def sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--out", default=".")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--variants", default="no_spec,eagle3_k5,eagle3_dynamic_k7")
+    args = p.parse_args(argv)
+    from bench.suite import held_out_messages
+    from engine import Engine, SamplingParams
+    from engine.config import SpecConfig
+
+    os.makedirs(args.out, exist_ok=True)
+    cuda = args.device.startswith("cuda")
+    dt = torch.bfloat16 if cuda else torch.float32
+    base = Engine.from_pretrained(args.model, device=args.device, dtype=dt, num_blocks=8192,
+                                  enable_prefix_caching=False,
+                                  spec=SpecConfig(method="eagle3", num_tokens=5, dynamic=False))
+    conc = [int(c) for c in args.concurrency.split(",")]
+    prompts = [base.encode_prompt(m) for m in held_out_messages(max(conc))]
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    variants = {"no_spec": None,
+                "eagle3_k5": SpecConfig(method="eagle3", num_tokens=5, dynamic=False),
+                "eagle3_dynamic_k7": SpecConfig(method="eagle3", num_tokens=7, dynamic=True)}
+    res = {"command": "python -m bench.step_profile " + " ".join(argv or []),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+           "device": torch.cuda.get_device_name() if cuda else "cpu", "runs": []}
+    for name in args.variants.split(","):
+        eng = base.with_config(spec=variants[name], num_blocks=8192)
+        eng.capture_graphs(conc)
+        for c in conc:
+            batch = [prompts[i % len(prompts)] for i in range(c)]
+            eng.generate(batch, params)  # warm: JIT, allocations, the dynamic-K cost model
+            steps0 = eng.stats.steps
+            sync(cuda)
+            t0 = time.perf_counter()
+            outs = eng.generate(batch, params)
+            sync(cuda)
+            wall = time.perf_counter() - t0
+            steps = eng.stats.steps - steps0
+            toks = sum(len(o.token_ids) for o in outs)
+            prof = cProfile.Profile()  # a second run under the profiler, for the sections
+            prof.enable()
+            eng.generate(batch, params)
+            sync(cuda)
+            prof.disable()
+            row = {"variant": name, "concurrency": c, "tokens_per_s": round(toks / wall, 1),
+                   "steps": steps, "ms_per_step": round(1000 * wall / steps, 3),
+                   "tokens_per_step": round(toks / steps, 2), "seconds": round(wall, 3),
+                   "profiled_sections_s": sections(prof)}
+            if eng.spec is not None:
+                row["acceptance_length"] = round(eng.spec.stats.acceptance_length, 3)
+                row["per_draft_cost"] = {str(k): round(v, 3)
+                                         for k, v in eng.spec.policy.costs.per_draft.items()}
+                row["plain_step_ms"] = {str(k): round(1000 * v, 3)
+                                        for k, v in eng.spec.policy.costs.plain.items()}
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(35)
+            with open(os.path.join(args.out, f"profile_{name}_c{c}.txt"), "w") as f:
+                f.write(buf.getvalue())
+            if cuda:
+                try:
+                    row["device_busy_s"] = kernel_table(eng, batch, args.out, f"{name}_c{c}")
+                except Exception as e:  # noqa: BLE001
+                    row["device_busy_s"] = f"profiler failed: {e}"
+            res["runs"].append(row)
+            print(json.dumps(row), flush=True)
+        eng = None
+    with open(os.path.join(args.out, "step_profile.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
