@@ -135,6 +135,9 @@ class SpecConfig:
     # step at batch 1; they set where dynamic K stops paying.
     verify_token_cost: float = 0.03
     draft_step_cost: float = 0.05
+    # Greedy decode steps run verify + head + draft chain as one graph replay and one host
+    # sync (engine/spec/fused.py); off: the step-by-step path (same tokens, slower).
+    fused_step: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:

@@ -193,8 +193,14 @@ class Engine:
             t0 = self.clock()
             # Kernels, graphs and streams go to this engine's GPU even when another is current.
             with self._on_device():
-                fwd, results = self._run(batch)
-                outs += self._postprocess(batch, fwd, results)
+                fused = None if self.spec is None else \
+                    self.spec.fused_step(batch, self.blocks, self.stats.steps + 1, self.capture)
+                if fused is not None:  # verify, head and drafts in one graph
+                    results, drafts = fused
+                    outs += self._postprocess(batch, None, results, drafts)
+                else:
+                    fwd, results = self._run(batch)
+                    outs += self._postprocess(batch, fwd, results)
             self._time_step(batch, results, self.clock() - t0)
         return outs
 
@@ -219,6 +225,8 @@ class Engine:
             k = self.spec.spec.num_tokens
             sets += [self.spec.first_graphs, self.spec.graphs]
             sets += [self.spec._chain_graph(s) for s in range(1, k)]
+            if self.spec.fused is not None:
+                sets += self.spec.fused.all_sets()
         sets = [g for g in sets if g is not None]
         keys = [(g, b, q) for g in sets for b, q in g.pending(batch_sizes)]
         bar = _progress(len(keys), progress, "cuda graphs", "graph")
@@ -273,7 +281,9 @@ class Engine:
             r += k + 1
         return fwd, results
 
-    def _postprocess(self, batch: Batch, fwd, results) -> list[RequestOutput]:
+    def _postprocess(self, batch: Batch, fwd, results, drafts=None) -> list[RequestOutput]:
+        """Emit each entry's verified tokens, advance its KV, and draft what comes next: from
+        `drafts` when the fused step already made them, else by proposing now."""
         self.stats.steps += 1
         outs, spans, row = [], [], 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
@@ -314,7 +324,11 @@ class Engine:
             else:
                 spans.append(Span(seq, lo, seq.num_computed - lo, row, draft=True))
             row += n
-        if self.spec is not None:
+        if drafts is not None:
+            for i, seq in enumerate(batch.seqs):
+                if not seq.finished:
+                    seq.draft = drafts[i]
+        elif self.spec is not None:
             self.spec.policy.begin_propose(self.stats.steps, len(batch))
             self.spec.propose(spans, fwd.aux, self.blocks, len(batch), self._generators)
         return outs

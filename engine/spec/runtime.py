@@ -6,15 +6,16 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.graphs import GraphSet, HostStager, pack, to_device
 from engine.model import LlamaModel
 from engine.sampler import processed_probs, sample_from
 from engine.sequence import Sequence
 from engine.spec.eagle3 import Eagle3Head
+from engine.spec.fused import FusedSteps, chain_steps, pack_uniform
 from engine.spec.ngram import NgramDrafter
 from engine.spec.policy import KPolicy
 from engine.spec.verify import VerifyResult
@@ -66,6 +67,7 @@ class SpecRunner:
                  head: Eagle3Head | None):
         assert cfg.spec is not None
         self.cfg, self.spec, self.model, self.head = cfg, cfg.spec, model, head
+        self.kv_cache = kv_cache
         self.kv = kv_cache[cfg.model.num_layers] if head is not None else None
         self.ngram = NgramDrafter(cfg.spec.ngram_max, cfg.spec.ngram_min) \
             if cfg.spec.method == "ngram" else None
@@ -75,6 +77,8 @@ class SpecRunner:
         self.graphs: GraphSet | None = None
         self.first_graphs: GraphSet | None = None
         self.chain_graphs: dict[int, GraphSet] = {}
+        self.fused: FusedSteps | None = None
+        self.fused_runs = 0  # steps that ran as one fused graph
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -97,18 +101,62 @@ class SpecRunner:
 
     def _k(self, span: Span, blocks, batch_size: int) -> int:
         """K for this sequence, capped by what it may still emit and by free KV blocks."""
-        seq = span.seq
+        return self._k_for(span.seq, span.lo + span.m + 1, blocks, batch_size)
+
+    def _k_for(self, seq: Sequence, need: int, blocks, batch_size: int) -> int:
+        """K for `seq` whose pending token will be its token number `need`: capped by what it
+        may still emit after that token and by free KV blocks (grown here for the drafts)."""
+        # Up to need - len(seq) tokens may be emitted before the pending one, and each verify
+        # of k drafts emits k + 1: keep within max_tokens and the model's length.
         left = min(seq.params.max_tokens - len(seq.output_ids),
-                   self.cfg.max_model_len - len(seq)) - 1
+                   self.cfg.max_model_len - len(seq)) - (need - len(seq) + 1)
         k = min(self.policy.choose(seq, batch_size), max(left, 0))
         if seq.max_draft is not None:
             k = min(k, seq.max_draft)
-        need = span.lo + span.m + 1  # the pending token, then k drafts
         while k and not blocks.can_grow(seq, need + k):
             k -= 1
         if k:
             blocks.grow(seq, need + k)
         return k
+
+    def fused_step(self, batch, blocks, step: int, capture=None):
+        """Run a pure greedy decode step as one graph (`engine/spec/fused.py`); returns
+        ({entry: (k, VerifyResult)}, {entry: next drafts}), or None when this batch must take
+        the step-by-step path (prefill chunks, sampled requests, no graph for its shape)."""
+        f = self.fused
+        if f is None or capture is not None:
+            return None
+        seqs = batch.seqs
+        for s, n in zip(seqs, batch.num_tokens):
+            if (not s.params.greedy or s.hold or s.num_computed != len(s) - 1
+                    or n != 1 + len(s.draft)):
+                return None
+        kcur = [len(s.draft) for s in seqs]
+        q = next(x for x in f.query_levels if x > max(kcur))
+        if len(seqs) > f.max_batch or max(len(s.block_table) for s in seqs) > f.max_blocks:
+            return None
+        # Next drafts are chosen before this step's acceptance is known (a one-step lag): the
+        # pending token after this step is at most token len + k + 1.
+        self.policy.begin_propose(step, len(seqs))
+        kn = [self._k_for(s, len(s) + k + 1, blocks, len(seqs)) for s, k in zip(seqs, kcur)]
+        inp = pack_uniform(seqs, q, self.cfg.block_size)
+        g = f.set_for(max(kn))
+        rows = np.zeros(len(seqs) * q, dtype=np.int64)
+        rows[::q] = kn
+        out = g.run(inp, (self.stager.index(rows)[:, None],))
+        self.fused_runs += 1
+        b = len(seqs)
+        flat = torch.cat([out[0], out[1][:b]] + ([out[2][:b].reshape(-1)] if len(out) > 2
+                                                  else [])).tolist()  # the one sync
+        grid, nacc = flat[: b * q], flat[b * q : b * q + b]
+        width = (len(flat) - b * q - b) // b
+        results, drafts = {}, {}
+        for j in range(b):
+            n = nacc[j]
+            results[j] = (kcur[j], VerifyResult(grid[j * q : j * q + n + 1], n))
+            d0 = b * q + b + j * width
+            drafts[j] = flat[d0 : d0 + kn[j]]
+        return results, drafts
 
     def enable_graphs(self, max_batch: int) -> None:
         """Graphs for the head: its first step over each span (per longest span), one chained
@@ -131,6 +179,9 @@ class SpecRunner:
         self.first_graphs = GraphSet(first, self.cfg.device, max_batch,
                                      range(1, self.spec.num_tokens + 2), max_blocks,
                                      extras=((width, dt),), pool=self.graphs.pool)
+        if self.spec.fused_step and self.spec.num_tokens:
+            self.fused = FusedSteps(model, head, self.kv_cache, self.aux_layers, self.cfg,
+                                    max_batch, self.graphs.pool)
 
     def _chain_graph(self, steps: int) -> GraphSet:
         """One graph for `steps` chained greedy draft steps of every sequence in a bucket:
@@ -141,24 +192,9 @@ class SpecRunner:
         head, model, kv, bs = self.head, self.model, self.kv, self.cfg.block_size
 
         def fn(ids, pos, meta, toks, hidden, kvec):
-            bt = meta.block_tables
-            width = bt.shape[1]
-            t, h, k = toks[:, 0], hidden, kvec[:, 0]
-            has_queries = meta.seq_lens > 0  # padded sequences of the bucket have none
-            outs = []
-            for s in range(1, steps + 1):
-                # Stale k in a padded row must not write KV: padded sequences have no queries.
-                valid = (k > s) & has_queries
-                p = torch.where(valid, pos + (s - 1), 0)
-                blk = bt.gather(1, (p // bs).clamp(max=width - 1)[:, None])[:, 0]
-                m = AttentionMetadata(
-                    slot_mapping=torch.where(valid, blk * bs + p % bs, -1),
-                    query_start=meta.query_start,
-                    seq_lens=torch.where(valid, p + 1, has_queries.to(p.dtype)),
-                    block_tables=bt, max_query_len=1, max_seq_len=meta.max_seq_len)
-                h = head(model.embed_tokens(t), h, p, kv, m)
-                t = head.greedy_tokens(h)
-                outs.append(t)
+            outs = chain_steps(head, model, kv, bs, meta.block_tables, toks[:, 0], hidden,
+                               kvec[:, 0], pos, meta.seq_lens > 0, meta.query_start,
+                               meta.max_seq_len, steps)
             return (torch.stack(outs, dim=1),)
 
         g = GraphSet(fn, self.cfg.device, self.graphs.max_batch, (1,), self.graphs.max_blocks,

@@ -63,6 +63,19 @@ def test_spec_with_graphs_is_lossless_fp32(random_smol):
                                    spec=SpecConfig(num_tokens=4, dynamic=False))
     assert _greedy(spec) == ref
     assert spec.spec.chain_graphs and any(g.graphs for g in spec.spec.chain_graphs.values())
+    assert spec.spec.fused_runs > 0  # pure decode steps ran as one fused graph
+
+
+def test_fused_step_is_lossless_with_dynamic_k_fp32(random_smol):
+    from engine.config import SpecConfig
+
+    ref = _greedy(random_smol)
+    spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
+                                   spec=SpecConfig(num_tokens=6, dynamic=True))
+    assert spec.capture_graphs([1, 2, 4]) > 0
+    assert _greedy(spec) == ref
+    assert spec.spec.fused_runs > 0
+    spec.blocks.check_all_free()
 
 
 def test_graph_drafts_equal_eager_drafts(random_smol):
@@ -72,7 +85,7 @@ def test_graph_drafts_equal_eager_drafts(random_smol):
     from engine import SamplingParams
     from engine.config import SpecConfig
 
-    spec = SpecConfig(num_tokens=4, dynamic=False)
+    spec = SpecConfig(num_tokens=4, dynamic=False, fused_step=False)  # the step-by-step graphs
     a = random_smol.with_config(attention_backend="triton", cuda_graphs=True, spec=spec)
     b = random_smol.with_config(attention_backend="triton", cuda_graphs=False, spec=spec,
                                 num_blocks=a.num_blocks)

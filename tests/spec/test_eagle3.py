@@ -162,8 +162,10 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
     sp = SamplingParams(temperature=0, max_tokens=16)
     ref = [c.token_ids for c in base.generate(prompts, sp)]
     slow = spec_engine(base, head, num_tokens=k, dynamic=dynamic)
-    fast = Engine(replace(slow.config, attention_backend="triton"), weights_of=base,
-                  draft_head=head)
+    # The step-by-step graph path (the fused step has its own test below).
+    fast = Engine(replace(slow.config, attention_backend="triton",
+                          spec=replace(slow.config.spec, fused_step=False)),
+                  weights_of=base, draft_head=head)
     assert fast.model.fused and fast.spec.head.midlayer.fused
     fast.runner.enable_graphs(8, range(1, k + 2), fast.spec.aux_layers)
     fast.spec.enable_graphs(8)
@@ -175,3 +177,71 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
     assert fast.spec.stats.accepted_per_pos == slow.spec.stats.accepted_per_pos
     assert fast.spec.chain_graphs and fast.spec.first_graphs.graphs and fast.runner.graphs.graphs
     fast.blocks.check_all_free()
+
+
+def fast_engine(base: Engine, head: Eagle3Head, max_batch: int = 8, **spec) -> Engine:
+    """Triton backend with the static-bucket (graph) path, run eagerly on the CPU."""
+    cfg = replace(base.config, attention_backend="triton", spec=SpecConfig(**spec))
+    eng = Engine(cfg, weights_of=base, draft_head=head)
+    eng.runner.enable_graphs(max_batch, range(1, eng.config.spec.num_tokens + 2),
+                             eng.spec.aux_layers)
+    eng.spec.enable_graphs(max_batch)
+    return eng
+
+
+def test_fused_step_equals_the_step_by_step_path(k=3):
+    """Verify + head + draft chain as one graph (engine/spec/fused.py): in lockstep with the
+    step-by-step path, every step leaves the same tokens, KV progress and next drafts, for
+    sequences whose drafts are accepted partly, fully or not at all."""
+    base = tiny_engine(0, max_num_batched_tokens=64)
+    head = random_head(base)
+    prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 2 for i in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=200)
+    # A random head is never right; one that always drafts the target's most frequent token
+    # is right exactly when the target repeats it: drafts get accepted fully, partly, not.
+    outs = [c.token_ids for c in base.generate(prompts, replace(sp, max_tokens=20))]
+    top = max(set(sum(outs, [])), key=sum(outs, []).count)
+    with torch.no_grad():
+        head.d2t.copy_(top - torch.arange(head.d2t.numel()))
+    step = fast_engine(base, head, num_tokens=k, dynamic=False, fused_step=False)
+    fused = fast_engine(base, head, num_tokens=k, dynamic=False)
+    assert step.spec.fused is None and fused.spec.fused is not None
+    ids = [(step.add_request(p, sp), fused.add_request(p, sp)) for p in prompts]
+    for _ in range(14):
+        step.step()
+        fused.step()
+        for a, b in ids:
+            x, y = step.seqs[a], fused.seqs[b]
+            assert (x.token_ids, x.num_computed, x.draft) == (y.token_ids, y.num_computed,
+                                                               y.draft)
+    assert fused.spec.fused_runs >= 10
+    assert fused.spec.stats.accepted_per_pos == step.spec.stats.accepted_per_pos
+    assert 0 < sum(fused.spec.stats.accepted_per_pos) < sum(fused.spec.stats.drafted_per_pos)
+    for a, b in ids:
+        step.abort(a)
+        fused.abort(b)
+    fused.blocks.check_all_free()
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_fused_step_is_lossless_to_the_end(dynamic, k=4):
+    """Fused steps through max_tokens and EOS-free ends, with new requests arriving mid-way
+    (their prefill steps take the step-by-step path): output equals plain decoding, blocks
+    all come back."""
+    base = tiny_engine(0, max_num_batched_tokens=64)
+    head = random_head(base)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(30) for _ in range(rng.randrange(3, 30))] for _ in range(6)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(5, 25)) for _ in prompts]
+    ref = [c.token_ids for c in base.generate(prompts, params)]
+    eng = fast_engine(base, head, num_tokens=k, dynamic=dynamic)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
+    for _ in range(4):
+        eng.step()
+    rids += [eng.add_request(p, sp) for p, sp in zip(prompts[3:], params[3:])]
+    seqs = {r: eng.seqs[r] for r in rids}
+    while eng.has_unfinished():
+        eng.step()
+    assert [seqs[r].output_ids for r in rids] == ref
+    assert eng.spec.fused_runs > 0
+    eng.blocks.check_all_free()

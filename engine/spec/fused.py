@@ -1,0 +1,152 @@
+"""One graph per greedy speculative decode step.
+
+A pure decode step of greedy EAGLE-3 requests does, per sequence: verify the pending token and
+its k drafts with the target, emit the accepted drafts and one target token, run the head's
+first step over the accepted positions, and chain the next k' drafts. Run as separate pieces
+that is three graph replays, an eager feature fuse and LM head, and two host syncs. Here it is
+one replay and one sync, because every data-dependent quantity stays on the device:
+
+- Every sequence gets the same number of rows, q: its pending token, its drafts, then padding
+  rows that store no KV (slot -1) and sit causally after the real rows, so they change nothing
+  the real rows compute. The batch is then a [B, q] grid.
+- Accepted drafts = the prefix where draft i+1 equals the target's argmax at row i. For
+  accepted rows that argmax *is* the next token, so the head's first step reads the argmax row
+  by row; it stores draft KV only up to the last accepted row.
+- The chain starts from the head's state at the last accepted row, at position
+  lo + accepted + 1, each step computing its positions and KV slots on the device.
+
+The host then reads (argmax grid, accepted counts, next drafts) in one copy. The result is what
+the step-by-step path computes (`SpecRunner.propose` after `Engine._run`), token for token:
+verification is the same comparison, and the head sees the same tokens, features and
+positions. Sampled requests, prefill chunks and hand-offs keep the step-by-step path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.graphs import GraphSet, PackedInputs
+
+
+def levels(n: int) -> tuple[int, ...]:
+    """1, 2, 4, ... below n, then n: the padded sizes graphs are captured for."""
+    out, x = [], 1
+    while x < n:
+        out.append(x)
+        x *= 2
+    return (*out, n)
+
+
+def pack_uniform(seqs, q: int, block_size: int) -> PackedInputs:
+    """q rows per sequence: pending token, drafts, padding (KV slot -1, the last real position,
+    context extended by the padding so causal offsets stay right)."""
+    b = len(seqs)
+    ids = np.zeros((b, q), dtype=np.int64)
+    lo = np.fromiter((s.num_computed for s in seqs), dtype=np.int64, count=b)
+    k = np.fromiter((len(s.draft) for s in seqs), dtype=np.int64, count=b)
+    for j, s in enumerate(seqs):
+        ids[j, 0] = s.token_ids[s.num_computed]
+        ids[j, 1 : k[j] + 1] = s.draft
+    r = np.arange(q)
+    real = r[None, :] <= k[:, None]
+    pos = lo[:, None] + np.minimum(r[None, :], k[:, None])
+    width = max(len(s.block_table) for s in seqs)
+    tab = np.zeros((b, width), dtype=np.int64)
+    for j, s in enumerate(seqs):
+        tab[j, : len(s.block_table)] = s.block_table
+    slots = tab[np.arange(b)[:, None], pos // block_size] * block_size + pos % block_size
+    slots = np.where(real, slots, -1)
+    starts = np.arange(b + 1, dtype=np.int64) * q
+    return PackedInputs(ids.reshape(-1), pos.reshape(-1), slots.reshape(-1), starts, lo + q,
+                        tab, q)
+
+
+class FusedSteps:
+    """The fused greedy step's graphs: one GraphSet per number of next drafts (a level of
+    `levels(K)`, or 0: verify and keep the draft KV current, draft nothing)."""
+
+    def __init__(self, model, head, kv_cache, aux_layers, cfg, max_batch: int, pool):
+        self.model, self.head, self.kv_cache = model, head, kv_cache
+        self.aux_layers, self.cfg = aux_layers, cfg
+        self.max_batch, self.pool = max_batch, pool
+        k = cfg.spec.num_tokens
+        self.query_levels = levels(k + 1)
+        self.draft_levels = (0, *levels(k))
+        # Padding rows may reach K positions past a sequence's last block: a few spare
+        # block-table columns (zeros) keep those reads in bounds.
+        self.max_blocks = cfg.max_blocks_per_seq + -(-(k + 1) // cfg.block_size)
+        self.sets: dict[int, GraphSet] = {}
+
+    def set_for(self, drafts: int) -> GraphSet:
+        d = next(x for x in self.draft_levels if x >= drafts)
+        if d not in self.sets:
+            self.sets[d] = GraphSet(self._fn(d), self.cfg.device, self.max_batch,
+                                    self.query_levels, self.max_blocks,
+                                    extras=((1, torch.int64),), pool=self.pool)
+        return self.sets[d]
+
+    def all_sets(self) -> list[GraphSet]:
+        return [self.set_for(d) for d in self.draft_levels]
+
+    def _fn(self, drafts: int):
+        model, head, kv_cache, aux_layers = self.model, self.head, self.kv_cache, self.aux_layers
+        kv, bs = kv_cache[self.cfg.model.num_layers], self.cfg.block_size
+
+        def fn(ids, pos, meta, kn_rows):
+            b = meta.seq_lens.shape[0]
+            q = ids.shape[0] // b
+            hidden, aux = model(ids, pos, kv_cache, meta, aux_layers)
+            am = model.logits(hidden).argmax(dim=-1)
+            grid, ids2 = am.view(b, q), ids.view(b, q)
+            real = meta.slot_mapping.view(b, q) >= 0
+            match = (ids2[:, 1:] == grid[:, :-1]) & real[:, 1:]
+            nacc = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+            # The head's first step: row i reads the target's next token (the argmax) and the
+            # fused features of row i; draft KV is stored for rows up to the last accepted.
+            rows = torch.arange(q, device=ids.device)
+            keep = real & (rows[None, :] <= nacc[:, None])
+            hmeta = AttentionMetadata(
+                slot_mapping=torch.where(keep.view(-1), meta.slot_mapping, -1),
+                query_start=meta.query_start, seq_lens=meta.seq_lens,
+                block_tables=meta.block_tables, max_query_len=q,
+                max_seq_len=meta.max_seq_len)
+            h = head(model.embed_tokens(am), head.fuse(aux), pos, kv, hmeta)
+            if drafts == 0:
+                return am, nacc
+            last = h.view(b, q, -1)[torch.arange(b, device=ids.device), nacc]
+            t = head.greedy_tokens(last)
+            out = [t]
+            if drafts > 1:
+                kn = kn_rows.view(b, q)[:, 0]
+                start = pos.view(b, q)[:, 0] + nacc + 1
+                out += chain_steps(head, model, kv, bs, meta.block_tables, t, last, kn, start,
+                                   meta.seq_lens > 0, torch.arange(b + 1, device=ids.device),
+                                   meta.max_seq_len, drafts - 1)
+            return am, nacc, torch.stack(out, dim=1)
+
+        return fn
+
+
+def chain_steps(head, model, kv, block_size: int, tables, t, h, k, start, has_queries,
+                query_start, max_seq_len: int, steps: int) -> list[torch.Tensor]:
+    """`steps` chained greedy draft steps, one row per sequence, on the device: step s
+    (1-based) embeds token t at position start + s - 1 with the previous step's state, and
+    yields the next token. A sequence whose own k ends at step s stops writing KV (slot -1);
+    padded sequences of a bucket (no queries) never write."""
+    width = tables.shape[1]
+    outs = []
+    for s in range(1, steps + 1):
+        valid = (k > s) & has_queries
+        p = torch.where(valid, start + (s - 1), 0)
+        blk = tables.gather(1, (p // block_size).clamp(max=width - 1)[:, None])[:, 0]
+        m = AttentionMetadata(
+            slot_mapping=torch.where(valid, blk * block_size + p % block_size, -1),
+            query_start=query_start,
+            seq_lens=torch.where(valid, p + 1, has_queries.to(p.dtype)),
+            block_tables=tables, max_query_len=1, max_seq_len=max_seq_len)
+        h = head(model.embed_tokens(t), h, p, kv, m)
+        t = head.greedy_tokens(h)
+        outs.append(t)
+    return outs
