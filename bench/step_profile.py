@@ -61,6 +61,48 @@ def kernel_table(eng, batch, out: str, tag: str) -> float:
     return round(sum(e.self_device_time_total for e in avg) / 1e6, 4)
 
 
+def llama8b_breakdown(out: str, reps: int = 5) -> dict:
+    """Eager decode forwards (batch 1, 512 tokens of context) of the random Llama-3.1-8B
+    shape under the profiler: device time per op and input shape, and for every linear layer
+    the bandwidth its weight read achieved (weight bytes / kernel time)."""
+    from types import SimpleNamespace
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.suite import llama8b_shape, random_engine
+    from engine.graphs import pack
+
+    args = SimpleNamespace(device="cuda", dtype="bfloat16")
+    eng = random_engine(args, llama8b_shape(), 128, cuda_graphs=False)
+    ctx = 512
+    inp = pack([11], [ctx], [list(range(1, 1 + ctx // 16 + 1))], [1], 16)
+    with torch.inference_mode():
+        for _ in range(3):
+            eng.runner.forward_packed(inp, [0])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                     record_shapes=True) as tp:
+            for _ in range(reps):
+                _ = eng.runner.forward_packed(inp, [0]).logits  # the LM head too
+            torch.cuda.synchronize()
+    by_shape = tp.key_averages(group_by_input_shape=True)
+    with open(os.path.join(out, "ops_llama8b.txt"), "w") as f:
+        f.write(by_shape.table(sort_by="cuda_time_total", row_limit=40))
+    with open(os.path.join(out, "kernels_llama8b.txt"), "w") as f:
+        f.write(tp.key_averages().table(sort_by="self_cuda_time_total", row_limit=30))
+    linears, total = [], 0.0
+    for e in by_shape:
+        if e.key == "aten::linear" and e.input_shapes and len(e.input_shapes) >= 2:
+            n, k = e.input_shapes[1][:2]
+            us = e.device_time_total / e.count
+            linears.append({"weight": [n, k], "per_step": e.count // reps,
+                            "us": round(us, 1), "gb_s": round(n * k * 2 / us / 1e3, 1)})
+            total += e.device_time_total / reps
+    return {"linears": linears, "linear_us_per_step": round(total, 1),
+            "device_us_per_step": round(sum(e.self_device_time_total for e in
+                                            tp.key_averages()) / reps, 1)}
+
+
 def sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
@@ -74,6 +116,8 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", default="1,16,64")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--variants", default="no_spec,eagle3_k5,eagle3_dynamic_k7")
+    p.add_argument("--llama8b", action="store_true",
+                   help="also break down an eager 8B-shape decode forward by op and shape")
     args = p.parse_args(argv)
     from bench.suite import held_out_messages
     from engine import Engine, SamplingParams
@@ -135,6 +179,14 @@ def main(argv=None) -> int:
             res["runs"].append(row)
             print(json.dumps(row), flush=True)
         eng = None
+    if args.llama8b and cuda:
+        base = None
+        torch.cuda.empty_cache()
+        try:
+            res["llama8b"] = llama8b_breakdown(args.out)
+        except Exception as e:  # noqa: BLE001
+            res["llama8b"] = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps(res["llama8b"]), flush=True)
     with open(os.path.join(args.out, "step_profile.json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0

@@ -875,11 +875,15 @@ def ucx_transfer(args, sizes) -> dict:
             proc, pipe, address = kvb.spawn_receiver(layout, blocks, "worker",
                                                      device="cuda:1")
             try:
-                ns = SimpleNamespace(blocks=blocks, chunks=[1], checksum=False,
+                # Whole payload at once, and in 8 layer chunks (gather, wire and scatter
+                # of successive chunks overlap).
+                ns = SimpleNamespace(blocks=blocks, chunks=[1, 8], checksum=False,
                                      progress="thread", reps=args.fig4_reps, device="cuda:0")
-                for r in loop.run_until_complete(kvb.measure(ns, layout, address)):
-                    rows.append({"bytes": blocks * layout.block_bytes, "gb_s": r["median_gb_s"],
-                                 "median_ms": r["median_ms"], "raw": r})
+                got = loop.run_until_complete(kvb.measure(ns, layout, address))
+                best = max(got, key=lambda r: r["median_gb_s"])
+                rows.append({"bytes": blocks * layout.block_bytes, "gb_s": best["median_gb_s"],
+                             "median_ms": best["median_ms"], "chunks": best["chunks"],
+                             "raw": got})
             finally:
                 kvb.stop_receiver(proc, pipe, layout)
             log(f"fig 4: UCX {nbytes >> 20} MiB: {rows[-1]['gb_s']} GB/s")

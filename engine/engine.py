@@ -255,7 +255,7 @@ class Engine:
                 rows.extend(range(end - k - 1, end))
         aux = self.spec.aux_layers if self.spec else self.capture_layers
         fwd = self.runner.forward(batch, rows, aux_layers=aux)
-        parts, sampled, r = [fwd.logits.argmax(dim=-1)], [], 0
+        parts, sampled, r = [fwd.argmax], [], 0
         for i, k in zip(done, ks):
             seq = batch.seqs[i]
             if not seq.params.greedy:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from engine.config import EngineConfig
@@ -12,12 +10,31 @@ from engine.model import LlamaModel
 from engine.scheduler import Batch
 
 
-@dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [len(rows), vocab] fp32
-    hidden: torch.Tensor  # [T, hidden] final normed hidden states of every packed token
-    aux: list[torch.Tensor]  # hidden states entering the requested aux layers
-    inputs: PackedInputs
+    """A forward's results for the requested logits rows. `logits` ([rows, vocab] fp32) is
+    computed on first use: greedy batches need only `argmax`, which decode and verify graphs
+    already produce on the device."""
+
+    def __init__(self, model: LlamaModel, picked: torch.Tensor, hidden: torch.Tensor,
+                 aux: list[torch.Tensor], inputs: PackedInputs,
+                 argmax: torch.Tensor | None = None):
+        self.model, self.picked = model, picked
+        self.hidden = hidden  # [T, hidden] final normed hidden states of every packed token
+        self.aux = aux  # hidden states entering the requested aux layers
+        self.inputs = inputs
+        self._argmax, self._logits = argmax, None
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = self.model.logits(self.picked)
+        return self._logits
+
+    @property
+    def argmax(self) -> torch.Tensor:
+        if self._argmax is None:
+            self._argmax = self.logits.argmax(dim=-1)
+        return self._argmax
 
 
 def allocate_kv_cache(cfg: EngineConfig, num_blocks: int) -> torch.Tensor:
@@ -56,7 +73,8 @@ class ModelRunner:
 
         def fn(ids, pos, meta):
             hidden, aux = model(ids, pos, kv, meta, aux_layers)
-            return (hidden, *aux)
+            # Every row's greedy token inside the graph: a greedy step needs nothing else.
+            return (hidden, model.logits(hidden).argmax(dim=-1), *aux)
 
         self.graphs = GraphSet(fn, self.cfg.device, max_batch, query_lens,
                                self.cfg.max_blocks_per_seq)
@@ -73,13 +91,15 @@ class ModelRunner:
     def forward_packed(self, inp: PackedInputs, rows: list[int],
                        aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
         g = self.graphs
+        top = None
         if g is not None and aux_layers == self.graph_aux and g.supports(inp):
-            hidden, *aux = g.run(inp)
+            hidden, top, *aux = g.run(inp)
         else:
             ids, pos, meta = to_device(inp, self.stager)
             hidden, aux = self.model(ids, pos, self.kv_cache, meta, aux_layers)
         if len(rows) == inp.num_tokens and rows == list(range(len(rows))):
             picked = hidden
         else:
-            picked = hidden[self.stager.index(rows)]
-        return ForwardOutput(self.model.logits(picked), hidden, list(aux), inp)
+            sel = self.stager.index(rows)
+            picked, top = hidden[sel], None if top is None else top[sel]
+        return ForwardOutput(self.model, picked, hidden, list(aux), inp, top)
