@@ -27,13 +27,15 @@ class ForwardOutput:
     @property
     def logits(self) -> torch.Tensor:
         if self._logits is None:
-            self._logits = self.model.logits(self.picked)
+            with torch.inference_mode():
+                self._logits = self.model.logits(self.picked)
         return self._logits
 
     @property
     def argmax(self) -> torch.Tensor:
         if self._argmax is None:
-            self._argmax = self.logits.argmax(dim=-1)
+            with torch.inference_mode():
+                self._argmax = self.logits.argmax(dim=-1)
         return self._argmax
 
 

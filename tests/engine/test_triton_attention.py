@@ -89,7 +89,8 @@ def test_engine_greedy_matches_torch_backend():
     from engine.sequence import SamplingParams
     from tests.helpers import tiny_engine
 
-    ref = tiny_engine(num_blocks=64, max_num_batched_tokens=24, device=DEV)
+    ref = tiny_engine(num_blocks=64, max_num_batched_tokens=24, device=DEV,
+                      attention_backend="torch")
     tri = ref.with_config(attention_backend="triton")
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [1, 2, 3, 4, 5, 6, 7, 8, 40],
                [200, 3, 5], list(range(30, 60))]
@@ -105,7 +106,8 @@ def test_static_bucket_path_matches_torch_backend():
     from engine.sequence import SamplingParams
     from tests.helpers import tiny_engine
 
-    ref = tiny_engine(num_blocks=64, max_num_batched_tokens=24, device=DEV)
+    ref = tiny_engine(num_blocks=64, max_num_batched_tokens=24, device=DEV,
+                      attention_backend="torch")
     tri = ref.with_config(attention_backend="triton")
     graphs = tri.runner.enable_graphs(8, (1,), ())
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [200, 3, 5], list(range(30, 45))]
@@ -152,7 +154,7 @@ def test_fused_model_matches_reference_logits():
     taps too, which the EAGLE-3 head reads."""
     from tests.helpers import tiny_engine
 
-    ref = tiny_engine(num_blocks=64, device=DEV)
+    ref = tiny_engine(num_blocks=64, device=DEV, attention_backend="torch")
     tri = ref.with_config(attention_backend="triton")
     assert tri.model.fused and not ref.model.fused
     ids = list(range(3, 40))

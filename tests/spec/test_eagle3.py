@@ -151,6 +151,11 @@ def test_sampled_speculation_is_reproducible_and_frees_blocks():
     eng.blocks.check_all_free()
 
 
+CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="the static-bucket path run "
+                              "eagerly on the CPU; on GPUs tests/engine/test_gpu_engine.py")
+
+
+@CPU_ONLY
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_fast_path_drafts_like_the_reference(dynamic, k=3):
     """Triton backend + fused head + the static-bucket (graph) path, run eagerly on the CPU:
@@ -189,6 +194,7 @@ def fast_engine(base: Engine, head: Eagle3Head, max_batch: int = 8, **spec) -> E
     return eng
 
 
+@CPU_ONLY
 def test_fused_step_equals_the_step_by_step_path(k=3):
     """Verify + head + draft chain as one graph (engine/spec/fused.py): in lockstep with the
     step-by-step path, every step leaves the same tokens, KV progress and next drafts, for
@@ -223,6 +229,7 @@ def test_fused_step_equals_the_step_by_step_path(k=3):
     fused.blocks.check_all_free()
 
 
+@CPU_ONLY
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_fused_step_is_lossless_to_the_end(dynamic, k=4):
     """Fused steps through max_tokens and EOS-free ends, with new requests arriving mid-way
