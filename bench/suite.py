@@ -679,6 +679,9 @@ def fig_concurrency(args, res: dict) -> None:
                      SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
         for c in conc:
             batch = [prompts[i % len(prompts)] for i in range(c)]
+            # Untimed, the same batch: shapes only this concurrency meets (prefill spans,
+            # mixed steps) compile and capture here, and dynamic K measures this batch size.
+            eng.generate(batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
             tps, acc = [], []
             for _ in range(args.fig3_reps):
                 before = spec_counts(eng)

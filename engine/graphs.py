@@ -138,6 +138,8 @@ class GraphSet:
     `extras` are per-row device tensors (e.g. the hidden state a draft step consumes), given
     as (row width, dtype) pairs; they are copied device-to-device into static buffers."""
 
+    captures = 0  # graphs captured by any set so far (a step that captured is not timed)
+
     def __init__(self, fn: Callable, device: str, max_batch: int, query_lens: Sequence[int],
                  max_blocks: int, extras: Sequence[tuple[int, torch.dtype]] = (),
                  pool=None, buckets: Sequence[int] = BATCH_BUCKETS):
@@ -212,6 +214,7 @@ class GraphSet:
 
     def capture(self, b: int, q: int, long: bool = False) -> None:
         """Capture (off CUDA: register for eager runs) the graph of one bucket."""
+        GraphSet.captures += 1
         if not self.capturable:
             self.graphs[(b, q, long)] = (None, None)
             return

@@ -127,16 +127,27 @@ def load_weights(model: torch.nn.Module, hf_sd: dict[str, torch.Tensor]) -> None
             own[k].copy_(v)
 
 
+_DECODE_PROBE = "Hello , world ! It 's a test . Don 't stop ? Yes : no ; maybe - fine ."
+
+
 class Tokenizer:
     """transformers tokenizer plus the chat template and incremental detokenization helpers."""
 
     def __init__(self, hf_tokenizer):
         self.hf = hf_tokenizer
         # Decoding runs once per generated token (twice, for the text delta): call the fast
-        # tokenizer directly when transformers would add nothing on top of it.
+        # tokenizer directly when it decodes exactly as transformers does (no clean-up pass on
+        # top; checked on text that clean-up would change, so any version's rule is honored).
+        self._fast_decode = None
         fast = getattr(hf_tokenizer, "backend_tokenizer", None)
-        plain = not getattr(hf_tokenizer, "clean_up_tokenization_spaces", False)
-        self._fast_decode = fast.decode if fast is not None and plain else None
+        if fast is not None:
+            try:
+                ids = hf_tokenizer.encode(_DECODE_PROBE, add_special_tokens=False)
+                same = fast.decode(ids, skip_special_tokens=True) == \
+                    hf_tokenizer.decode(ids, skip_special_tokens=True)
+            except Exception:  # noqa: BLE001 - any oddity: keep transformers' decode
+                same = False
+            self._fast_decode = fast.decode if same else None
 
     @classmethod
     def load(cls, ckpt: Checkpoint) -> Tokenizer:

@@ -11,6 +11,7 @@ from engine.sequence import Sequence
 
 PROBE_EVERY = 8  # a sequence at K=0 drafts one token this often, to notice recovery
 PLAIN_PROBE_EVERY = 64  # every this many steps, two steps without drafts time a plain step
+MIN_DRAFTS = 1.0  # a step prices drafts only if it carried this many per sequence on average
 
 
 def _bucket(batch_size: int) -> int:
@@ -30,17 +31,25 @@ class StepCosts:
         self.plain: dict[int, float] = {}
         self.per_draft: dict[int, float] = {}
         self._plain: dict[int, deque] = {}
-        self._per_draft: dict[int, deque] = {}
+        self._drafted: dict[int, deque] = {}  # (drafts per sequence, seconds) of draft steps
 
     def record(self, batch_size: int, drafts_per_seq: float, seconds: float) -> None:
         """One pure decode step: `drafts_per_seq` drafts verified and proposed per sequence
-        on average (0: a plain step)."""
+        on average (0: a plain step). Draft steps are kept raw and priced against the current
+        plain time, so those seen before the first plain step count too."""
         b = _bucket(batch_size)
         if drafts_per_seq == 0:
             self.plain[b] = _push(self._plain, b, seconds)
-        elif b in self.plain:
-            rel = max(seconds / self.plain[b] - 1.0, 0.0) / drafts_per_seq
-            self.per_draft[b] = _push(self._per_draft, b, rel)
+        elif drafts_per_seq >= MIN_DRAFTS:
+            # (With a few drafts spread over many sequences, timing noise divided by a small
+            # count would pass for the price of a draft.)
+            _push(self._drafted, b, (drafts_per_seq, seconds))
+        else:
+            return
+        if b in self.plain and self._drafted.get(b):
+            p = self.plain[b]
+            self.per_draft[b] = statistics.median(max(t / p - 1.0, 0.0) / d
+                                                  for d, t in self._drafted[b])
 
     def per_token(self, batch_size: int) -> float | None:
         return self.per_draft.get(_bucket(batch_size))
@@ -49,11 +58,11 @@ class StepCosts:
         return _bucket(batch_size) in self.plain
 
 
-def _push(windows: dict[int, deque], b: int, x: float) -> float:
+def _push(windows: dict[int, deque], b: int, x):
     """Add a sample to bucket b's window; returns the window's median."""
     w = windows.setdefault(b, deque(maxlen=StepCosts.WINDOW))
     w.append(x)
-    return statistics.median(w)
+    return statistics.median(w) if not isinstance(x, tuple) else None
 
 
 class KPolicy:
@@ -70,15 +79,19 @@ class KPolicy:
         self.spec, self.prior, self.knee = spec, prior, batch_knee
         self.costs = StepCosts()
         self.plain_probe = False
+        self.draft_probe = False
 
     def begin_propose(self, step: int, batch_size: int) -> None:
-        """Called before a step's drafts are chosen: decides whether this is a probe step
-        (no drafts for anyone), so that the next step is a plain one and gets timed."""
+        """Called before a step's drafts are chosen: decides whether this is a plain probe
+        (no drafts for anyone, so that the next step is a plain one and gets timed) or a
+        draft probe (K from the configured costs, so that drafting keeps being priced even
+        where the measured costs have switched it off)."""
+        self.plain_probe = self.draft_probe = False
         if not self.spec.dynamic or self.spec.num_tokens == 0:
-            self.plain_probe = False
             return
         every = PLAIN_PROBE_EVERY if self.costs.knows_plain(batch_size) else 8
         self.plain_probe = step % every in (0, 1)
+        self.draft_probe = step % every in (every // 2, every // 2 + 1)
 
     def choose(self, seq: Sequence, batch_size: int) -> int:
         kmax = self.spec.num_tokens
@@ -90,7 +103,7 @@ class KPolicy:
         if self.plain_probe and not seeded:
             return 0
         a = min(seq.accept_rate if seq.accept_rate is not None else self.prior, 0.999)
-        per_token = None if seeded else self.costs.per_token(batch_size)
+        per_token = None if seeded or self.draft_probe else self.costs.per_token(batch_size)
         if per_token is None:
             per_token = self.spec.verify_token_cost * max(1.0, batch_size / self.knee)
             per_token += self.spec.draft_step_cost

@@ -65,3 +65,23 @@ def test_fast_decode_equals_transformers_decode(smol_engine, chat_ids):
     for ids in samples:
         for n in range(1, len(ids) + 1, 3):
             assert tok.decode(ids[:n]) == tok.hf.decode(ids[:n], skip_special_tokens=True)
+
+
+def test_fast_decode_is_refused_when_transformers_cleans_up(smol_engine):
+    """A tokenizer whose decode post-processes text (clean-up of spaces before punctuation)
+    keeps transformers' decode: the shortcut would change the streamed text."""
+    from engine.loader import Tokenizer
+
+    hf = smol_engine.tokenizer.hf
+
+    class CleaningUp:
+        backend_tokenizer = hf.backend_tokenizer
+
+        def encode(self, *a, **k):
+            return hf.encode(*a, **k)
+
+        def decode(self, ids, **k):
+            return hf.decode(ids, **k).replace(" ,", ",").replace(" !", "!")
+
+    assert Tokenizer(CleaningUp())._fast_decode is None
+    assert Tokenizer(hf)._fast_decode is not None

@@ -86,6 +86,27 @@ def test_one_stalled_step_does_not_skew_the_costs():
     assert abs(costs.per_token(16) - 0.25) < 1e-9
 
 
+def test_sparse_drafts_are_not_priced_and_draft_probes_use_the_prior():
+    """A step where a few sequences probe one draft each says little about a draft's price
+    (timing noise over a tiny count); and where measured costs switched drafting off, a
+    draft probe still drafts (from the configured costs) so the price keeps being measured."""
+    from engine.spec.policy import PLAIN_PROBE_EVERY, StepCosts
+
+    costs = StepCosts()
+    costs.record(16, 0, 1e-3)
+    costs.record(16, 0.1, 1.2e-3)  # 2 probing sequences of 16: would read as 2.0 per draft
+    assert costs.per_token(16) is None
+    costs.record(16, 2.0, 10e-3)  # every draft costs 4.5 plain steps
+    assert abs(costs.per_token(16) - 4.5) < 1e-9
+    pol = KPolicy(SpecConfig(num_tokens=5))
+    pol.costs = costs
+    s = seq_with_rate(0.6)
+    pol.begin_propose(3, batch_size=16)
+    assert not pol.draft_probe and pol.choose(s, batch_size=16) == 0
+    pol.begin_propose(PLAIN_PROBE_EVERY // 2, batch_size=16)
+    assert pol.draft_probe and pol.choose(seq_with_rate(0.6), batch_size=16) > 0
+
+
 def test_plain_probes_time_a_plain_step():
     pol = KPolicy(SpecConfig(num_tokens=5))
     s = seq_with_rate(0.9)
