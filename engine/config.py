@@ -138,6 +138,9 @@ class SpecConfig:
     # Greedy decode steps run verify + head + draft chain as one graph replay and one host
     # sync (engine/spec/fused.py); off: the step-by-step path (same tokens, slower).
     fused_step: bool = True
+    # Fused steps overlap: the next is launched from this one's device outputs before the
+    # host reads them (same tokens; K is then chosen two steps ahead).
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:

@@ -80,6 +80,9 @@ class Engine:
         self._detok: dict[str, loader.Detokenizer] = {}
         self.stats = EngineStats()
         self.clock = time.perf_counter  # step timing for the dynamic-K cost model
+        self._inflight = None  # (Batch, FusedHandle): a step launched and not read yet
+        self._deferred: list[Sequence] = []  # finished meanwhile: blocks freed after it
+        self._carry: list[RequestOutput] = []  # outputs read outside step(), returned next
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **overrides) -> Engine:
@@ -172,6 +175,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its KV blocks are free when this returns."""
+        self._carry += self._drain()  # the step in flight may still write into its blocks
         if request_id in self.held or request_id in self.reserved:
             self.release(request_id)
             return True
@@ -187,24 +191,85 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule → run → postprocess; returns what each touched request produced."""
-        batch = self.scheduler.schedule()
-        outs = [self._finished_output(s) for s in batch.out_of_blocks]
-        if batch.seqs:
-            t0, captures = self.clock(), GraphSet.captures
-            # Kernels, graphs and streams go to this engine's GPU even when another is current.
-            with self._on_device():
-                fused = None if self.spec is None else \
-                    self.spec.fused_step(batch, self.blocks, self.stats.steps + 1, self.capture)
-                if fused is not None:  # verify, head and drafts in one graph
-                    results, drafts = fused
-                    outs += self._postprocess(batch, None, results, drafts)
-                else:
-                    fwd, results = self._run(batch)
-                    outs += self._postprocess(batch, fwd, results)
-            if GraphSet.captures == captures:  # a capture inside would skew the cost model
-                self._time_step(batch, results, self.clock() - t0)
+        """Schedule → run → postprocess; returns what each touched request produced.
+
+        Greedy EAGLE-3 decode steps overlap: the next step is launched from this one's device
+        outputs before the host reads them (`SpecRunner.fused_continue`), so emitting tokens,
+        detokenizing and stop checks run while the GPU computes. Whenever the batch would
+        change (a request finishes, arrives or is aborted) the pipeline drains first."""
+        outs, self._carry = self._carry, []
+        t0, captures = self.clock(), GraphSet.captures
+        with self._on_device():  # kernels, graphs, streams go to this engine's GPU
+            if self._inflight is not None:
+                batch, results, more = self._step_overlapped()
+            else:
+                batch = self.scheduler.schedule()
+                outs += [self._finished_output(s) for s in batch.out_of_blocks]
+                if not batch.seqs:
+                    return outs
+                batch, results, more = self._step_fresh(batch)
+        outs += more
+        if GraphSet.captures == captures:  # a capture inside would skew the cost model
+            self._time_step(batch, results, self.clock() - t0)
         return outs
+
+    def _step_fresh(self, batch: Batch):
+        h = None if self.spec is None else \
+            self.spec.fused_launch(batch, self.blocks, self.stats.steps + 1, self.capture)
+        if h is None:
+            fwd, results = self._run(batch)
+            return batch, results, self._postprocess(batch, fwd, results)
+        nxt = self.spec.fused_continue(h, self.blocks, self.stats.steps + 2) \
+            if self._can_overlap(batch) else None
+        results, drafts = self.spec.fused_finish(h)
+        if nxt is not None:
+            self._inflight = (_entries(nxt), nxt)
+        outs = self._postprocess(batch, None, results, drafts)
+        return batch, results, outs + self._settle(batch)
+
+    def _step_overlapped(self):
+        batch, h = self._inflight
+        nxt = self.spec.fused_continue(h, self.blocks, self.stats.steps + 2) \
+            if self._can_overlap(batch) else None
+        if nxt is None:
+            return batch, {}, self._drain()
+        results, drafts = self.spec.fused_finish(h)
+        self._inflight = (_entries(nxt), nxt)
+        outs = self._postprocess(batch, None, results, drafts)
+        return batch, results, outs + self._settle(batch)
+
+    def _can_overlap(self, batch: Batch) -> bool:
+        """The next step may be launched before this one is read: speculation overlaps, no
+        request waits to be admitted, and the running set is exactly this batch."""
+        run = self.scheduler.running
+        return (self.spec.spec.overlap and self.capture is None and not self.scheduler.waiting
+                and len(run) == len(batch.seqs) and all(a is b for a, b in zip(run, batch.seqs)))
+
+    def _settle(self, batch: Batch) -> list[RequestOutput]:
+        """After reading a step while the next is in flight: drain if the batch changed."""
+        if self._inflight is None:
+            return []
+        if any(s.finished for s in batch.seqs) or not self._can_overlap(batch):
+            return self._drain()
+        return []
+
+    def _drain(self) -> list[RequestOutput]:
+        """Read the step in flight, free the blocks of requests that finished meanwhile (it
+        may have written into them), and postprocess the requests still running."""
+        if self._inflight is None:
+            return []
+        batch, h = self._inflight
+        self._inflight = None
+        results, drafts = self.spec.fused_finish(h)
+        for seq in self._deferred:
+            self.blocks.release(seq)
+        self._deferred = []
+        keep = [i for i, s in enumerate(batch.seqs) if not s.finished]
+        if not keep:
+            return []
+        sub = Batch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep])
+        return self._postprocess(sub, None, {j: results[i] for j, i in enumerate(keep)},
+                                 {j: drafts[i] for j, i in enumerate(keep)})
 
     def _time_step(self, batch: Batch, results: dict, seconds: float) -> None:
         """Feed pure decode steps (every entry verifies its pending token and drafts) to the
@@ -384,7 +449,11 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if not seq.finished:
-            self.scheduler.finish(seq, reason, keep_blocks=reason == "handoff")
+            # A step in flight may write into its blocks: free them once that step is read.
+            later = self._inflight is not None and reason != "handoff"
+            self.scheduler.finish(seq, reason, keep_blocks=reason == "handoff" or later)
+            if later:
+                self._deferred.append(seq)
         if self.spec is not None:
             self.spec.release(seq)
         self.seqs.pop(seq.request_id, None)
@@ -498,6 +567,11 @@ class Engine:
                     yield out
                     if out.finished:
                         return
+
+
+def _entries(h) -> Batch:
+    """The batch a launched fused step computes: each sequence's pending token + drafts."""
+    return Batch(list(h.seqs), [1 + k for k in h.kcur])
 
 
 def _progress(total: int, enabled: bool, desc: str = "generate", unit: str = "req"):

@@ -43,6 +43,8 @@ class HostStager:
         self.events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]
         self.used = [False] * slots
         self.i = 0
+        self._out: list[torch.Tensor | None] = [None] * slots  # pinned buffers for `fetch`
+        self._out_i = 0
 
     def slot(self, n: int) -> tuple[torch.Tensor, int]:
         """A pinned host buffer of at least n elements that no pending copy still reads."""
@@ -62,6 +64,29 @@ class HostStager:
         if self.cuda:
             self.events[i].record(torch.cuda.current_stream(dst.device))
             self.used[i] = True
+
+    def fetch(self, t: torch.Tensor):
+        """Start copying int64 device tensor t to the host without waiting; returns a callable
+        that waits for the copy and gives t's values as a list. At most `slots` - 1 fetches
+        may be outstanding."""
+        if not self.cuda:
+            return t.tolist
+        n = t.numel()
+        i = self._out_i
+        self._out_i = (i + 1) % len(self._out)
+        buf = self._out[i]
+        if buf is None or buf.numel() < n:
+            buf = self._out[i] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
+        dst = buf[:n]
+        dst.copy_(t.reshape(-1), non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(t.device))
+
+        def wait() -> list[int]:
+            ev.synchronize()
+            return dst.tolist()
+
+        return wait
 
     def index(self, values: list[int]) -> torch.Tensor:
         """Integers (row indices, token ids) as an int64 device tensor, without a sync."""
@@ -240,8 +265,11 @@ class GraphSet:
             out = self.fn(ids, pos, meta, *extras)
         self.graphs[(b, q, long)] = (g, out)
 
-    def run(self, inp: PackedInputs, extras: Sequence[torch.Tensor] = ()) -> tuple:
-        """Replay the bucket for inp; returns the graph's outputs cut to inp's rows."""
+    def run(self, inp: PackedInputs, extras: Sequence[torch.Tensor] = (),
+            prepare: Callable | None = None) -> tuple:
+        """Replay the bucket for inp; returns the graph's outputs cut to inp's rows.
+        `prepare(ids, pos, meta)`, when given, may overwrite the staged inputs on the device
+        (views of the bucket's static buffers) before the replay."""
         q = inp.max_query_len
         b = bucket_for(inp.num_seqs, self.buckets)
         long = int(inp.lens.max()) > LONG_CONTEXT  # the split-KV attention variant
@@ -252,6 +280,9 @@ class GraphSet:
         for dst, src in zip(self.extras, extras):
             dst[:rows].copy_(src)
         g, out = self.graphs[(b, q, long)]
+        if prepare is not None:
+            ids, pos, meta, _ = self._views(b, q, long)
+            prepare(ids, pos, meta)
         if g is None:
             ids, pos, meta, extras = self._views(b, q, long)
             out = self.fn(ids, pos, meta, *extras)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.graphs import GraphSet, HostStager, pack, to_device
+from engine.graphs import GraphSet, HostStager, PackedInputs, pack, to_device
 from engine.model import LlamaModel
 from engine.sampler import processed_probs, sample_from
 from engine.sequence import Sequence
@@ -31,6 +31,51 @@ class Span:
     m: int
     row: int
     draft: bool
+
+
+@dataclass
+class FusedHandle:
+    """A launched fused step: its sequences, drafts verified (kcur) and drafted next (kn),
+    rows per sequence, its device outputs and the host copy being made of them."""
+
+    seqs: list[Sequence]
+    kcur: list[int]
+    kn: list[int]
+    q: int
+    out: tuple
+    flat: torch.Tensor
+    fetch: object  # () -> list[int], waits for the copy
+    continuable: bool = True  # blocks exist for the step after it
+
+
+def _continuation(prev: FusedHandle, state: torch.Tensor, b: int, q: int, block_size: int):
+    """Device-side inputs of the step after `prev`: per sequence the target's token after
+    the last accepted draft, then the drafts prev made, at positions after the accepted ones
+    (`state`: prev's num_computed per sequence, then this step's draft counts)."""
+
+    def prepare(ids, pos, meta):
+        pq = prev.q
+        grid = prev.out[0][: b * pq].view(b, pq)
+        nacc = prev.out[1][:b]
+        lo = state[:b] + nacc + 1
+        kc = state[b:]
+        r = torch.arange(q, device=ids.device)
+        new_ids = torch.zeros(b, q, dtype=ids.dtype, device=ids.device)
+        new_ids[:, 0] = grid.gather(1, nacc[:, None])[:, 0]
+        if len(prev.out) > 2 and q > 1:
+            d = prev.out[2][:b]
+            w = min(d.shape[1], q - 1)
+            new_ids[:, 1 : 1 + w] = torch.where(r[None, 1 : 1 + w] <= kc[:, None], d[:, :w], 0)
+        p = lo[:, None] + torch.minimum(r[None, :], kc[:, None])
+        tables = meta.block_tables[:b]
+        blk = tables.gather(1, p // block_size)
+        slots = torch.where(r[None, :] <= kc[:, None], blk * block_size + p % block_size, -1)
+        ids[: b * q].copy_(new_ids.view(-1))
+        pos[: b * q].copy_(p.view(-1))
+        meta.slot_mapping[: b * q].copy_(slots.view(-1))
+        meta.seq_lens[:b].copy_(lo + q)
+
+    return prepare
 
 
 @dataclass
@@ -79,6 +124,7 @@ class SpecRunner:
         self.chain_graphs: dict[int, GraphSet] = {}
         self.fused: FusedSteps | None = None
         self.fused_runs = 0  # steps that ran as one fused graph
+        self.overlapped_runs = 0  # of those, launched from the previous step's device outputs
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -101,11 +147,15 @@ class SpecRunner:
 
     def _k(self, span: Span, blocks, batch_size: int) -> int:
         """K for this sequence, capped by what it may still emit and by free KV blocks."""
-        return self._k_for(span.seq, span.lo + span.m + 1, blocks, batch_size)
+        return self._k_for(span.seq, span.lo + span.m + 1, blocks, batch_size) or 0
 
-    def _k_for(self, seq: Sequence, need: int, blocks, batch_size: int) -> int:
+    def _k_for(self, seq: Sequence, need: int, blocks, batch_size: int) -> int | None:
         """K for `seq` whose pending token will be its token number `need`: capped by what it
-        may still emit after that token and by free KV blocks (grown here for the drafts)."""
+        may still emit after that token and by free KV blocks. Grows the blocks for the
+        pending token and the drafts; None if not even the pending token fits."""
+        if not blocks.can_grow(seq, need):
+            return None
+        blocks.grow(seq, need)
         # Up to need - len(seq) tokens may be emitted before the pending one, and each verify
         # of k drafts emits k + 1: keep within max_tokens and the model's length.
         left = min(seq.params.max_tokens - len(seq.output_ids),
@@ -123,6 +173,12 @@ class SpecRunner:
         """Run a pure greedy decode step as one graph (`engine/spec/fused.py`); returns
         ({entry: (k, VerifyResult)}, {entry: next drafts}), or None when this batch must take
         the step-by-step path (prefill chunks, sampled requests, no graph for its shape)."""
+        h = self.fused_launch(batch, blocks, step, capture)
+        return None if h is None else self.fused_finish(h)
+
+    def fused_launch(self, batch, blocks, step: int, capture=None) -> FusedHandle | None:
+        """Launch a fused step from the host's view of the batch; read it with
+        `fused_finish`. None when the batch must take the step-by-step path."""
         f = self.fused
         if f is None or capture is not None:
             return None
@@ -131,23 +187,71 @@ class SpecRunner:
             if (not s.params.greedy or s.hold or s.num_computed != len(s) - 1
                     or n != 1 + len(s.draft)):
                 return None
-        kcur = [len(s.draft) for s in seqs]
-        q = next(x for x in f.query_levels if x > max(kcur))
         if len(seqs) > f.max_batch or max(len(s.block_table) for s in seqs) > f.max_blocks:
             return None
+        kcur = [len(s.draft) for s in seqs]
         # Next drafts are chosen before this step's acceptance is known (a one-step lag): the
         # pending token after this step is at most token len + k + 1.
         self.policy.begin_propose(step, len(seqs))
         kn = [self._k_for(s, len(s) + k + 1, blocks, len(seqs)) for s, k in zip(seqs, kcur)]
+        q = next(x for x in f.query_levels if x > max(kcur))
         inp = pack_uniform(seqs, q, self.cfg.block_size)
-        g = f.set_for(max(kn))
-        rows = np.zeros(len(seqs) * q, dtype=np.int64)
-        rows[::q] = kn
-        out = g.run(inp, (self.stager.index(rows)[:, None],))
-        self.fused_runs += 1
+        h = self._launch(seqs, kcur, [k or 0 for k in kn], q, inp, None)
+        h.continuable = None not in kn  # the next step's pending tokens have their blocks
+        return h
+
+    def fused_continue(self, prev: FusedHandle, blocks, step: int) -> FusedHandle | None:
+        """Launch the step after `prev` before reading it: the pending tokens, drafts,
+        positions and KV slots come from prev's outputs on the device, so the host's work
+        on prev's results overlaps this step's. K for the step after is chosen now (a
+        two-step lag) and capped as if prev and this step accept everything."""
+        f, seqs = self.fused, prev.seqs
+        if not prev.continuable or max(len(s.block_table) for s in seqs) > f.max_blocks:
+            return None
+        kcur = list(prev.kn)
+        self.policy.begin_propose(step, len(seqs))
+        # This step's tokens were given blocks when prev chose its drafts; the pending token
+        # after it and the drafts it makes get theirs now (none free: drain instead).
+        kn = [self._k_for(s, len(s) + kp + 1 + kc + 1, blocks, len(seqs))
+              for s, kp, kc in zip(seqs, prev.kcur, kcur)]
+        if None in kn or max(len(s.block_table) for s in seqs) > f.max_blocks:
+            return None
+        q = next(x for x in f.query_levels if x > max(kcur))
         b = len(seqs)
+        # Host part: block tables and query starts; the rest is a placeholder the device
+        # overwrites. Context upper bound: every draft of prev accepted.
+        bound = np.fromiter((len(s) + kp + q for s, kp in zip(seqs, prev.kcur)), np.int64, b)
+        width = max(len(s.block_table) for s in seqs)
+        tab = np.zeros((b, width), dtype=np.int64)
+        for j, s in enumerate(seqs):
+            tab[j, : len(s.block_table)] = s.block_table
+        inp = PackedInputs(np.zeros(b * q, np.int64), np.zeros(b * q, np.int64),
+                           np.full(b * q, -1, np.int64), np.arange(b + 1, dtype=np.int64) * q,
+                           bound, tab, q)
+        self.overlapped_runs += 1
+        return self._launch(seqs, kcur, kn, q, inp, prev)
+
+    def _launch(self, seqs, kcur, kn, q, inp, prev: FusedHandle | None) -> FusedHandle:
+        b = len(seqs)
+        rows = np.zeros(b * q, dtype=np.int64)
+        rows[::q] = kn
+        prepare = None
+        if prev is not None:
+            state = self.stager.index([*(s.num_computed for s in seqs), *kcur])
+            prepare = _continuation(prev, state, b, q, self.cfg.block_size)
+        out = self.fused.set_for(max(kn)).run(inp, (self.stager.index(rows)[:, None],),
+                                              prepare)
+        self.fused_runs += 1
+        # Outputs live in the graph pool, which the next replay overwrites: the host reads a
+        # copy, and a continuation reads this step's outputs before its own replay.
         flat = torch.cat([out[0], out[1][:b]] + ([out[2][:b].reshape(-1)] if len(out) > 2
-                                                  else [])).tolist()  # the one sync
+                                                  else []))
+        return FusedHandle(seqs, kcur, kn, q, out, flat, self.stager.fetch(flat))
+
+    def fused_finish(self, h: FusedHandle):
+        """Wait for a launched fused step; ({entry: (k, VerifyResult)}, {entry: drafts})."""
+        flat = h.fetch()
+        b, q, kcur, kn = len(h.seqs), h.q, h.kcur, h.kn
         grid, nacc = flat[: b * q], flat[b * q : b * q + b]
         width = (len(flat) - b * q - b) // b
         results, drafts = {}, {}

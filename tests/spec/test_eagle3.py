@@ -184,9 +184,11 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
     fast.blocks.check_all_free()
 
 
-def fast_engine(base: Engine, head: Eagle3Head, max_batch: int = 8, **spec) -> Engine:
+def fast_engine(base: Engine, head: Eagle3Head, max_batch: int = 8, num_blocks=None,
+                **spec) -> Engine:
     """Triton backend with the static-bucket (graph) path, run eagerly on the CPU."""
-    cfg = replace(base.config, attention_backend="triton", spec=SpecConfig(**spec))
+    cfg = replace(base.config, attention_backend="triton", spec=SpecConfig(**spec),
+                  num_blocks=num_blocks or base.config.num_blocks)
     eng = Engine(cfg, weights_of=base, draft_head=head)
     eng.runner.enable_graphs(max_batch, range(1, eng.config.spec.num_tokens + 2),
                              eng.spec.aux_layers)
@@ -210,45 +212,57 @@ def test_fused_step_equals_the_step_by_step_path(k=3):
     with torch.no_grad():
         head.d2t.copy_(top - torch.arange(head.d2t.numel()))
     step = fast_engine(base, head, num_tokens=k, dynamic=False, fused_step=False)
-    fused = fast_engine(base, head, num_tokens=k, dynamic=False)
+    fused = fast_engine(base, head, num_tokens=k, dynamic=False, overlap=False)
+    overlap = fast_engine(base, head, num_tokens=k, dynamic=False)
     assert step.spec.fused is None and fused.spec.fused is not None
-    ids = [(step.add_request(p, sp), fused.add_request(p, sp)) for p in prompts]
+    engines = (step, fused, overlap)
+    ids = [[e.add_request(p, sp) for e in engines] for p in prompts]
     for _ in range(14):
-        step.step()
-        fused.step()
-        for a, b in ids:
-            x, y = step.seqs[a], fused.seqs[b]
-            assert (x.token_ids, x.num_computed, x.draft) == (y.token_ids, y.num_computed,
-                                                               y.draft)
-    assert fused.spec.fused_runs >= 10
-    assert fused.spec.stats.accepted_per_pos == step.spec.stats.accepted_per_pos
+        for e in engines:
+            e.step()
+        for rids in ids:
+            x = step.seqs[rids[0]]
+            for e, r in zip(engines[1:], rids[1:]):
+                y = e.seqs[r]
+                assert (x.token_ids, x.num_computed, x.draft) == (y.token_ids,
+                                                                   y.num_computed, y.draft)
+    assert fused.spec.fused_runs >= 10 and overlap._inflight is not None
+    assert overlap.spec.fused_runs > fused.spec.fused_runs  # one step ahead
+    for e in engines[1:]:
+        assert e.spec.stats.accepted_per_pos == step.spec.stats.accepted_per_pos
     assert 0 < sum(fused.spec.stats.accepted_per_pos) < sum(fused.spec.stats.drafted_per_pos)
-    for a, b in ids:
-        step.abort(a)
-        fused.abort(b)
-    fused.blocks.check_all_free()
+    for rids in ids:
+        for e, r in zip(engines, rids):
+            e.abort(r)  # the overlapped engine drains its step in flight first
+    assert overlap._inflight is None and not overlap._deferred
+    for e in engines:
+        e.blocks.check_all_free()
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_fused_step_is_lossless_to_the_end(dynamic, k=4):
-    """Fused steps through max_tokens and EOS-free ends, with new requests arriving mid-way
-    (their prefill steps take the step-by-step path): output equals plain decoding, blocks
-    all come back."""
+@pytest.mark.parametrize("dynamic,num_blocks", [(False, None), (True, None), (False, 16)])
+def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, k=4):
+    """Fused (and overlapped) steps through max_tokens and EOS-free ends, with new requests
+    arriving mid-way (their prefill steps take the step-by-step path), and with a KV cache so
+    small that requests are preempted: output equals plain decoding, blocks all come back."""
     base = tiny_engine(0, max_num_batched_tokens=64)
     head = random_head(base)
     rng = random.Random(5)
     prompts = [[rng.randrange(30) for _ in range(rng.randrange(3, 30))] for _ in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randrange(5, 25)) for _ in prompts]
     ref = [c.token_ids for c in base.generate(prompts, params)]
-    eng = fast_engine(base, head, num_tokens=k, dynamic=dynamic)
+    eng = fast_engine(base, head, num_tokens=k, dynamic=dynamic, num_blocks=num_blocks)
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
     for _ in range(4):
         eng.step()
     rids += [eng.add_request(p, sp) for p, sp in zip(prompts[3:], params[3:])]
     seqs = {r: eng.seqs[r] for r in rids}
+    overlapped = 0
     while eng.has_unfinished():
         eng.step()
+        overlapped += eng._inflight is not None
     assert [seqs[r].output_ids for r in rids] == ref
-    assert eng.spec.fused_runs > 0
+    assert eng.spec.fused_runs > 0 and overlapped > 0
+    assert eng._inflight is None and not eng._deferred
+    assert (eng.scheduler.num_preemptions > 0) == (num_blocks is not None)
     eng.blocks.check_all_free()
