@@ -307,6 +307,7 @@ def fig_single_stream(args, res: dict) -> None:
     prompts = [base.encode_prompt(m) for m in msgs]
     res["config"]["prompt_tokens"] = [len(p) for p in prompts]
     variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False),
+                "eagle3_k7": eagle(args, 7, False),
                 f"eagle3_dynamic_k{args.dynamic_k}": eagle(args, args.dynamic_k, True),
                 "ngram_k5": ngram(5)}
     runs: dict[str, dict] = {}
@@ -674,7 +675,9 @@ def fig_concurrency(args, res: dict) -> None:
         rows: list[dict] = []
         table[name] = rows
         eng = base.with_config(spec=spec, num_blocks=args.num_blocks)
-        note = precapture(eng, conc)
+        # Every batch size up to the largest: with speculation, streams advance at different
+        # rates and finish apart, so each run's tail passes through the smaller buckets.
+        note = precapture(eng, range(1, max(conc) + 1))
         eng.generate(prompts[: min(4, len(prompts))],
                      SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
         for c in conc:
