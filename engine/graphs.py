@@ -184,6 +184,7 @@ class GraphSet:
         # Off CUDA the same static-buffer path runs eagerly (tests the padding on the CPU).
         self.capturable = self.device.type == "cuda"
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.capturable else None
+        self._stream: torch.cuda.Stream | None = None  # capture stream, made on first capture
 
     def _views(self, b: int, q: int, long: bool):
         o, n = self.off, b * q
@@ -253,7 +254,12 @@ class GraphSet:
         self.buf[o["starts"]: o["starts"] + b + 1] = torch.arange(b + 1, device=self.device) * q
         self.buf[o["lens"]: o["lens"] + b] = q
         ids, pos, meta, extras = self._views(b, q, long)
-        stream = torch.cuda.Stream()
+        if self._stream is None:
+            # Our own side stream on this set's device: torch.cuda.graph's default capture
+            # stream is one per process, made on whichever device captured first, so a second
+            # engine on another GPU would capture onto the first GPU's stream.
+            self._stream = torch.cuda.Stream(device=self.device)
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # compile kernels and settle allocations outside the graph
@@ -261,7 +267,8 @@ class GraphSet:
         torch.cuda.current_stream().wait_stream(stream)
         g = torch.cuda.CUDAGraph()
         # thread_local: other threads (a UCX progress thread moving KV) may use CUDA meanwhile.
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(g, pool=self.pool, stream=stream,
+                              capture_error_mode="thread_local"):
             out = self.fn(ids, pos, meta, *extras)
         self.graphs[(b, q, long)] = (g, out)
 

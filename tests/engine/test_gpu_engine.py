@@ -102,3 +102,30 @@ def test_graph_drafts_equal_eager_drafts(random_smol):
             assert s.draft == b.seqs[rid].draft, f"{rid} at {len(s.token_ids)}"
             compared += bool(s.draft)
     assert compared > 20 and not b.has_unfinished()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_engines_on_two_gpus_in_one_process_capture_on_their_own_device():
+    """A second engine on cuda:1 captures after one on cuda:0 has (the colocated-then-
+    disaggregated order of figure 5): its graphs must be captured on a cuda:1 stream, and it
+    decodes exactly what the cuda:0 engine does."""
+    from engine import Engine, EngineConfig, SamplingParams
+
+    cfg = EngineConfig(model=smol_shape(num_layers=4), dtype=torch.float32, device="cuda:0",
+                       num_blocks=256, attention_backend="triton")
+    torch.manual_seed(1)
+    a = Engine(cfg)
+    with torch.no_grad():
+        for p in a.model.parameters():
+            p.normal_(0, 0.05)
+    from dataclasses import replace
+
+    b = Engine(replace(cfg, device="cuda:1"))
+    b.model.load_state_dict(a.model.state_dict())
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert a.capture_graphs([1, 2]) > 0
+    outs_a = [c.token_ids for c in a.generate(PROMPTS[:2], sp)]
+    assert b.capture_graphs([1, 2]) > 0
+    outs_b = [c.token_ids for c in b.generate(PROMPTS[:2], sp)]
+    assert outs_a == outs_b
+    assert all(g is not None for g, _ in b.runner.graphs.graphs.values())
