@@ -683,8 +683,9 @@ def fig_concurrency(args, res: dict) -> None:
         # Every batch size up to the largest: with speculation, streams advance at different
         # rates and finish apart, so each run's tail passes through the smaller buckets.
         note = precapture(eng, range(1, max(conc) + 1))
-        eng.generate(prompts[: min(4, len(prompts))],
-                     SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        # Every prompt once: the steady runs cycle through all of them, and a prompt length
+        # not seen before may compile prefill kernels.
+        eng.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         for c in conc:
             batch = [prompts[i % len(prompts)] for i in range(c)]
             # Untimed, the same batch: shapes only this concurrency meets (prefill spans,

@@ -214,6 +214,12 @@ class Engine:
         return outs
 
     def _step_fresh(self, batch: Batch):
+        spec = self.spec
+        if spec is not None and spec.fused is not None and self.capture is None:
+            dec = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                   if spec.fusable(s, n)]
+            if dec and len(dec) < len(batch.seqs):
+                return self._step_split(batch, dec)
         h = None if self.spec is None else \
             self.spec.fused_launch(batch, self.blocks, self.stats.steps + 1, self.capture)
         if h is None:
@@ -226,6 +232,26 @@ class Engine:
             self._inflight = (_entries(nxt), nxt)
         outs = self._postprocess(batch, None, results, drafts)
         return batch, results, outs + self._settle(batch)
+
+    def _step_split(self, batch: Batch, dec: list[int]):
+        """Greedy decodes beside entries the fused step cannot run (prefill chunks of new
+        arrivals, sampled requests): the decodes still run as one fused graph, the rest
+        through the regular forward, in the same engine step. Under a steady stream of
+        arrivals this keeps decoding on the fused path instead of falling back every step."""
+        pick = set(dec)
+        d = Batch([batch.seqs[i] for i in dec], [batch.num_tokens[i] for i in dec])
+        r = Batch([s for i, s in enumerate(batch.seqs) if i not in pick],
+                  [n for i, n in enumerate(batch.num_tokens) if i not in pick])
+        h = self.spec.fused_launch(d, self.blocks, self.stats.steps + 1)
+        fwd, results = self._run(r)  # queued behind the fused graph; its sync covers both
+        outs = self._postprocess(r, fwd, results)
+        if h is not None:
+            res_d, drafts = self.spec.fused_finish(h)
+            outs += self._postprocess(d, None, res_d, drafts, count_step=False)
+        else:  # no graph for the decodes' shape: the regular forward
+            fwd, res_d = self._run(d)
+            outs += self._postprocess(d, fwd, res_d, count_step=False)
+        return batch, {}, outs
 
     def _step_overlapped(self):
         batch, h = self._inflight
@@ -348,10 +374,11 @@ class Engine:
             r += k + 1
         return fwd, results
 
-    def _postprocess(self, batch: Batch, fwd, results, drafts=None) -> list[RequestOutput]:
+    def _postprocess(self, batch: Batch, fwd, results, drafts=None,
+                     count_step: bool = True) -> list[RequestOutput]:
         """Emit each entry's verified tokens, advance its KV, and draft what comes next: from
         `drafts` when the fused step already made them, else by proposing now."""
-        self.stats.steps += 1
+        self.stats.steps += count_step
         outs, spans, row = [], [], 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             lo = seq.num_computed

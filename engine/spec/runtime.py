@@ -176,6 +176,13 @@ class SpecRunner:
         h = self.fused_launch(batch, blocks, step, capture)
         return None if h is None else self.fused_finish(h)
 
+    @staticmethod
+    def fusable(seq: Sequence, n: int) -> bool:
+        """A batch entry the fused step can run: a greedy decode of the pending token and its
+        drafts (not a prefill chunk, not a sampled request, not a prefill-side hand-off)."""
+        return (seq.params.greedy and not seq.hold and seq.num_computed == len(seq) - 1
+                and n == 1 + len(seq.draft))
+
     def fused_launch(self, batch, blocks, step: int, capture=None) -> FusedHandle | None:
         """Launch a fused step from the host's view of the batch; read it with
         `fused_finish`. None when the batch must take the step-by-step path."""
@@ -183,10 +190,8 @@ class SpecRunner:
         if f is None or capture is not None:
             return None
         seqs = batch.seqs
-        for s, n in zip(seqs, batch.num_tokens):
-            if (not s.params.greedy or s.hold or s.num_computed != len(s) - 1
-                    or n != 1 + len(s.draft)):
-                return None
+        if not all(self.fusable(s, n) for s, n in zip(seqs, batch.num_tokens)):
+            return None
         if len(seqs) > f.max_batch or max(len(s.block_table) for s in seqs) > f.max_blocks:
             return None
         kcur = [len(s.draft) for s in seqs]

@@ -252,6 +252,8 @@ def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, k=4):
     params = [SamplingParams(temperature=0, max_tokens=rng.randrange(5, 25)) for _ in prompts]
     ref = [c.token_ids for c in base.generate(prompts, params)]
     eng = fast_engine(base, head, num_tokens=k, dynamic=dynamic, num_blocks=num_blocks)
+    split, plain_split = [], eng._step_split
+    eng._step_split = lambda batch, dec: (split.append(len(dec)), plain_split(batch, dec))[1]
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
     for _ in range(4):
         eng.step()
@@ -263,6 +265,7 @@ def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, k=4):
         overlapped += eng._inflight is not None
     assert [seqs[r].output_ids for r in rids] == ref
     assert eng.spec.fused_runs > 0 and overlapped > 0
+    assert split  # arrivals prefilled beside fused decodes, in the same step
     assert eng._inflight is None and not eng._deferred
     assert (eng.scheduler.num_preemptions > 0) == (num_blocks is not None)
     eng.blocks.check_all_free()
