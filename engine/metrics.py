@@ -39,6 +39,7 @@ class Metrics:
         self.role = role
         self.registry = registry if registry is not None else CollectorRegistry()
         self._spec_seen: tuple[list[int], list[int]] = ([], [])
+        self._steps_seen: dict[str, int] = {}
         self._latency_metrics()
         self._token_metrics()
         self._transfer_metrics()
@@ -76,6 +77,10 @@ class Metrics:
         self.spec_accepted = self._metric(c, "tandem_spec_accepted_tokens_total",
                                           "Draft tokens accepted, by draft position (0-based).",
                                           ("position",))
+        self.engine_steps = self._metric(
+            c, "tandem_engine_steps_total",
+            "Engine steps by path: overlapped (a fused step launched before the previous one "
+            "was read), fused (verify, draft head and chain as one graph), regular.", ("path",))
 
     def _transfer_metrics(self) -> None:
         self.kv_bytes = self._metric(Counter, "tandem_kv_transfer_bytes_total",
@@ -160,6 +165,19 @@ class Metrics:
                                spec.acceptance_length if spec and spec.verify_steps else None)
         if spec is not None:
             self.observe_spec_totals(spec.drafted_per_pos, spec.accepted_per_pos)
+        self.observe_step_totals(engine.stats.steps, getattr(engine.spec, "fused_runs", 0),
+                                 getattr(engine.spec, "overlapped_runs", 0))
+
+    def observe_step_totals(self, steps: int, fused: int, overlapped: int) -> None:
+        """Cumulative engine counts: steps, fused-step launches, and those of them launched
+        overlapped; records what is new per path."""
+        totals = {"overlapped": overlapped, "fused": fused - overlapped,
+                  "regular": max(steps - fused, 0)}
+        for path, total in totals.items():
+            seen = self._steps_seen.get(path, 0)
+            self.engine_steps.labels(self.role, path).inc(total - seen if total >= seen
+                                                          else total)
+            self._steps_seen[path] = total
 
     def serve(self, host: str = "127.0.0.1", port: int = 0):
         """Serve this registry over HTTP in a daemon thread; returns (server, actual port).

@@ -94,6 +94,15 @@ def test_observe_spec_totals_records_only_what_is_new():
     assert value(m, "tandem_spec_accepted_tokens_total", position="1") == 1
 
 
+def test_engine_steps_are_counted_by_path():
+    m = Metrics("decode")
+    m.observe_step_totals(steps=10, fused=6, overlapped=4)
+    m.observe_step_totals(steps=15, fused=10, overlapped=7)
+    assert value(m, "tandem_engine_steps_total", path="overlapped") == 7
+    assert value(m, "tandem_engine_steps_total", path="fused") == 3
+    assert value(m, "tandem_engine_steps_total", path="regular") == 5
+
+
 def test_observe_transfer_counts_bytes_or_failures():
     m = Metrics("prefill")
     m.observe_transfer(1000, 0.002, ok=True)
