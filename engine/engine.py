@@ -186,7 +186,9 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        """Requests still running or waiting, or outputs read by an abort's drain that the
+        next `step()` has yet to return."""
+        return self.scheduler.has_work() or bool(self._carry)
 
     # ---- the step -------------------------------------------------------------------------
 

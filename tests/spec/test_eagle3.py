@@ -231,6 +231,12 @@ def test_fused_step_equals_the_step_by_step_path(k=3):
     for e in engines[1:]:
         assert e.spec.stats.accepted_per_pos == step.spec.stats.accepted_per_pos
     assert 0 < sum(fused.spec.stats.accepted_per_pos) < sum(fused.spec.stats.drafted_per_pos)
+    before = {r: len(overlap.seqs[r].token_ids) for r in (rids[2] for rids in ids)}
+    overlap.abort(ids[0][2])  # drains the step in flight: the others' tokens wait in a carry
+    assert overlap._inflight is None and not overlap._deferred and overlap.has_unfinished()
+    carried = overlap.step()
+    assert {o.request_id for o in carried} >= {rids[2] for rids in ids[1:]}
+    assert all(len(overlap.seqs[rids[2]].token_ids) > before[rids[2]] for rids in ids[1:])
     for rids in ids:
         for e, r in zip(engines, rids):
             e.abort(r)  # the overlapped engine drains its step in flight first
