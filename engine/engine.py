@@ -315,7 +315,7 @@ class Engine:
         """Capture now every decode/verify/draft graph that batches of `batch_sizes` (default:
         every bucket) will replay, instead of lazily in the middle of serving; returns how
         many were captured. Long-context variants still capture on first use."""
-        sets = [self.runner.graphs]
+        sets = [self.runner.graphs, self.runner.prefill_graphs]
         if self.spec is not None and self.spec.graphs is not None:
             k = self.spec.spec.num_tokens
             sets += [self.spec.first_graphs, self.spec.graphs]

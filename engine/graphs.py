@@ -167,8 +167,12 @@ class GraphSet:
 
     def __init__(self, fn: Callable, device: str, max_batch: int, query_lens: Sequence[int],
                  max_blocks: int, extras: Sequence[tuple[int, torch.dtype]] = (),
-                 pool=None, buckets: Sequence[int] = BATCH_BUCKETS):
+                 pool=None, buckets: Sequence[int] = BATCH_BUCKETS, pad_queries: bool = False):
+        """`pad_queries`: a batch whose longest query falls between captured lengths replays
+        the next longer one (prefill chunks); otherwise the longest query must be one of
+        `query_lens` exactly (decode, verify and draft steps)."""
         self.fn, self.device = fn, torch.device(device)
+        self.pad_queries = pad_queries
         self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
         self.query_lens = tuple(sorted(set(query_lens)))
         self.max_batch, self.max_blocks = max_batch, max_blocks
@@ -227,8 +231,12 @@ class GraphSet:
         self.stager.copy(i, host[:n_used], self.buf[:n_used])
 
     def supports(self, inp: PackedInputs) -> bool:
-        return (inp.num_seqs <= self.max_batch and inp.max_query_len in self.query_lens
-                and inp.tables.shape[1] <= self.max_blocks)
+        q = inp.max_query_len
+        fits = q <= self.query_lens[-1] if self.pad_queries else q in self.query_lens
+        return fits and inp.num_seqs <= self.max_batch and inp.tables.shape[1] <= self.max_blocks
+
+    def _query_level(self, q: int) -> int:
+        return next(x for x in self.query_lens if x >= q) if self.pad_queries else q
 
     def pending(self, batch_sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:
         """(bucket, query length) pairs not captured yet that batches of `batch_sizes` (None:
@@ -277,7 +285,7 @@ class GraphSet:
         """Replay the bucket for inp; returns the graph's outputs cut to inp's rows.
         `prepare(ids, pos, meta)`, when given, may overwrite the staged inputs on the device
         (views of the bucket's static buffers) before the replay."""
-        q = inp.max_query_len
+        q = self._query_level(inp.max_query_len)
         b = bucket_for(inp.num_seqs, self.buckets)
         long = int(inp.lens.max()) > LONG_CONTEXT  # the split-KV attention variant
         if (b, q, long) not in self.graphs:

@@ -39,6 +39,10 @@ class ForwardOutput:
         return self._argmax
 
 
+PREFILL_LENS = (32, 64, 128, 256, 512)  # prefill chunk lengths captured (padded up to)
+PREFILL_BATCH = 4  # sequences per captured prefill chunk
+
+
 def allocate_kv_cache(cfg: EngineConfig, num_blocks: int) -> torch.Tensor:
     """One tensor for all layers (target + draft): [layers, 2, blocks, block, kv_heads, d]."""
     m = cfg.model
@@ -68,9 +72,11 @@ class ModelRunner:
         self.cfg, self.model, self.kv_cache = cfg, model, kv_cache
         self.stager = HostStager(cfg.device, 1 << 14)
         self.graphs: GraphSet | None = None
+        self.prefill_graphs: GraphSet | None = None
         self.graph_aux: tuple[int, ...] = ()
 
-    def enable_graphs(self, max_batch: int, query_lens, aux_layers: tuple[int, ...]) -> GraphSet:
+    def enable_graphs(self, max_batch: int, query_lens, aux_layers: tuple[int, ...],
+                      prefill: bool = True) -> GraphSet:
         model, kv = self.model, self.kv_cache
 
         def fn(ids, pos, meta):
@@ -80,6 +86,13 @@ class ModelRunner:
 
         self.graphs = GraphSet(fn, self.cfg.device, max_batch, query_lens,
                                self.cfg.max_blocks_per_seq)
+        # Prefill chunks of a few sequences, padded up to a captured length: a chunk that
+        # arrives beside running decodes (one per step under steady load with speculation)
+        # would otherwise launch every kernel of the model from Python.
+        self.prefill_graphs = GraphSet(fn, self.cfg.device, min(max_batch, PREFILL_BATCH),
+                                       [q for q in PREFILL_LENS if q > max(query_lens)],
+                                       self.cfg.max_blocks_per_seq, pool=self.graphs.pool,
+                                       pad_queries=True) if prefill else None
         self.graph_aux = aux_layers
         return self.graphs
 
@@ -92,9 +105,10 @@ class ModelRunner:
 
     def forward_packed(self, inp: PackedInputs, rows: list[int],
                        aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
-        g = self.graphs
         top = None
-        if g is not None and aux_layers == self.graph_aux and g.supports(inp):
+        g = next((g for g in (self.graphs, self.prefill_graphs) if g is not None
+                  and aux_layers == self.graph_aux and g.supports(inp)), None)
+        if g is not None:
             hidden, top, *aux = g.run(inp)
         else:
             ids, pos, meta = to_device(inp, self.stager)

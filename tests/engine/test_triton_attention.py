@@ -116,6 +116,8 @@ def test_static_bucket_path_matches_torch_backend():
     b = [c.token_ids for c in tri.generate(prompts, params)]
     assert a == b
     assert (4, 1, False) in graphs.graphs  # three running sequences padded to the bucket of 4
+    # The prompts' prefill chunks (11 + 3 tokens, then 15) replayed a padded prefill graph.
+    assert any(q == 32 for _, q, _ in tri.runner.prefill_graphs.graphs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

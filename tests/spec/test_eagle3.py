@@ -175,7 +175,12 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
     fast.runner.enable_graphs(8, range(1, k + 2), fast.spec.aux_layers)
     fast.spec.enable_graphs(8)
     # Up front, as nodes do at start: buckets 2 and 4 (3 sequences) for every query count.
-    assert fast.capture_graphs([2, 3]) == 2 * (k + 1) * 2 + 2 + 2 * (k - 1)
+    from engine.runner import PREFILL_LENS
+
+    # Decode/verify and head first steps per query count, one draft step, the chains, and
+    # the prefill chunk lengths, for the buckets of 2 and 4.
+    assert fast.capture_graphs([2, 3]) == \
+        2 * (k + 1) * 2 + 2 + 2 * (k - 1) + 2 * len(PREFILL_LENS)
     assert (4, k + 1, False) in fast.runner.graphs.graphs
     assert [c.token_ids for c in slow.generate(prompts, sp)] == ref
     assert [c.token_ids for c in fast.generate(prompts, sp)] == ref
