@@ -23,11 +23,59 @@ positions. Sampled requests, prefill chunks and hand-offs keep the step-by-step 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
 from engine.graphs import GraphSet, PackedInputs
+from engine.sequence import Sequence
+
+
+@dataclass
+class FusedHandle:
+    """A launched fused step: its sequences, drafts verified (kcur) and drafted next (kn),
+    rows per sequence, its device outputs and the host copy being made of them."""
+
+    seqs: list[Sequence]
+    kcur: list[int]
+    kn: list[int]
+    q: int
+    out: tuple
+    flat: torch.Tensor
+    fetch: object  # () -> list[int], waits for the copy
+    continuable: bool = True  # blocks exist for the step after it
+
+
+def continuation(prev: FusedHandle, state: torch.Tensor, b: int, q: int, block_size: int):
+    """Device-side inputs of the step after `prev`: per sequence the target's token after
+    the last accepted draft, then the drafts prev made, at positions after the accepted ones
+    (`state`: prev's num_computed per sequence, then this step's draft counts)."""
+
+    def prepare(ids, pos, meta):
+        pq = prev.q
+        grid = prev.out[0][: b * pq].view(b, pq)
+        nacc = prev.out[1][:b]
+        lo = state[:b] + nacc + 1
+        kc = state[b:]
+        r = torch.arange(q, device=ids.device)
+        new_ids = torch.zeros(b, q, dtype=ids.dtype, device=ids.device)
+        new_ids[:, 0] = grid.gather(1, nacc[:, None])[:, 0]
+        if len(prev.out) > 2 and q > 1:
+            d = prev.out[2][:b]
+            w = min(d.shape[1], q - 1)
+            new_ids[:, 1 : 1 + w] = torch.where(r[None, 1 : 1 + w] <= kc[:, None], d[:, :w], 0)
+        p = lo[:, None] + torch.minimum(r[None, :], kc[:, None])
+        tables = meta.block_tables[:b]
+        blk = tables.gather(1, p // block_size)
+        slots = torch.where(r[None, :] <= kc[:, None], blk * block_size + p % block_size, -1)
+        ids[: b * q].copy_(new_ids.view(-1))
+        pos[: b * q].copy_(p.view(-1))
+        meta.slot_mapping[: b * q].copy_(slots.view(-1))
+        meta.seq_lens[:b].copy_(lo + q)
+
+    return prepare
 
 
 def levels(n: int) -> tuple[int, ...]:
