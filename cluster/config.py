@@ -134,6 +134,9 @@ class SpecSection(_Section):
     # true: prefill drafts the first K (seeded sampling identical to colocated); false: it
     # ships the head's hidden state and the decode side drafts with its own K
     prefill_drafts: bool = True
+    # true: greedy decode steps overlap (the next is launched before this one is read; same
+    # tokens, K chosen two steps ahead); false: every step is read before the next
+    overlap: bool = True
 
     def _validate(self) -> None:
         _choice("method", self.method, SPEC_METHODS)
@@ -273,7 +276,7 @@ def spec_config(spec: SpecSection):
     from engine.config import SpecConfig
 
     return SpecConfig(method=spec.method, num_tokens=spec.num_tokens, head=spec.head,
-                      dynamic=spec.dynamic)
+                      dynamic=spec.dynamic, overlap=spec.overlap)
 
 
 # ---- helpers ---------------------------------------------------------------------------------

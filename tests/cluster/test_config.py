@@ -189,6 +189,8 @@ def test_engine_kwargs_explicit_dtype_and_colocated_reads_decode():
     kw = engine_kwargs(cfg, "colocated")
     assert kw["dtype"] == torch.float16 and kw["max_num_seqs"] == 7
     assert kw["spec"] == SpecConfig(method="ngram", num_tokens=2, dynamic=False)
+    off = load_config(None, {"speculation.overlap": False})
+    assert engine_kwargs(off, "decode")["spec"].overlap is False
     with pytest.raises(ConfigError, match="role"):
         engine_kwargs(cfg, "router")
 
