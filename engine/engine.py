@@ -241,9 +241,8 @@ class Engine:
         through the regular forward, in the same engine step. Under a steady stream of
         arrivals this keeps decoding on the fused path instead of falling back every step."""
         pick = set(dec)
-        d = Batch([batch.seqs[i] for i in dec], [batch.num_tokens[i] for i in dec])
-        r = Batch([s for i, s in enumerate(batch.seqs) if i not in pick],
-                  [n for i, n in enumerate(batch.num_tokens) if i not in pick])
+        d = batch.select(dec)
+        r = batch.select([i for i in range(len(batch)) if i not in pick])
         h = self.spec.fused_launch(d, self.blocks, self.stats.steps + 1)
         fwd, results = self._run(r)  # queued behind the fused graph; its sync covers both
         outs = self._postprocess(r, fwd, results)
@@ -295,8 +294,8 @@ class Engine:
         keep = [i for i, s in enumerate(batch.seqs) if not s.finished]
         if not keep:
             return []
-        sub = Batch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep])
-        return self._postprocess(sub, None, {j: results[i] for j, i in enumerate(keep)},
+        return self._postprocess(batch.select(keep), None,
+                                 {j: results[i] for j, i in enumerate(keep)},
                                  {j: drafts[i] for j, i in enumerate(keep)})
 
     def _time_step(self, batch: Batch, results: dict, seconds: float) -> None:

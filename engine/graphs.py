@@ -123,6 +123,14 @@ class PackedInputs:
         return len(self.ids)
 
 
+def table_array(tables: Sequence[Sequence[int]]) -> np.ndarray:
+    """Block tables of different lengths as one zero-padded int64 [n, longest] array."""
+    tab = np.zeros((len(tables), max(map(len, tables))), dtype=np.int64)
+    for r, t in enumerate(tables):
+        tab[r, : len(t)] = t
+    return tab
+
+
 def pack(ids: list[int], pos: list[int], tables: list[list[int]], qlens: list[int],
          block_size: int) -> PackedInputs:
     """Token ids and positions per packed row, each sequence's block table and query count."""
@@ -130,10 +138,7 @@ def pack(ids: list[int], pos: list[int], tables: list[list[int]], qlens: list[in
     starts = np.zeros(len(qlens) + 1, dtype=np.int64)
     np.cumsum(qlens, out=starts[1:])
     seq_of_row = np.repeat(np.arange(len(qlens)), qlens)
-    width = max(map(len, tables))
-    tab = np.zeros((len(tables), width), dtype=np.int64)
-    for r, t in enumerate(tables):
-        tab[r, : len(t)] = t
+    tab = table_array(tables)
     slots = tab[seq_of_row, p // block_size] * block_size + p % block_size
     lens = p[starts[1:] - 1] + 1
     return PackedInputs(np.asarray(ids, dtype=np.int64), p, slots, starts, lens, tab,

@@ -29,6 +29,8 @@ REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0, 10.0)
 
+STEP_PATHS = ("overlapped", "fused", "regular")
+
 
 class Metrics:
     """All tandem metrics of one component, in its own registry, labelled with its role."""
@@ -39,7 +41,7 @@ class Metrics:
         self.role = role
         self.registry = registry if registry is not None else CollectorRegistry()
         self._spec_seen: tuple[list[int], list[int]] = ([], [])
-        self._steps_seen: dict[str, int] = {}
+        self._steps_seen: list[int] = []
         self._latency_metrics()
         self._token_metrics()
         self._transfer_metrics()
@@ -171,13 +173,10 @@ class Metrics:
     def observe_step_totals(self, steps: int, fused: int, overlapped: int) -> None:
         """Cumulative engine counts: steps, fused-step launches, and those of them launched
         overlapped; records what is new per path."""
-        totals = {"overlapped": overlapped, "fused": fused - overlapped,
-                  "regular": max(steps - fused, 0)}
-        for path, total in totals.items():
-            seen = self._steps_seen.get(path, 0)
-            self.engine_steps.labels(self.role, path).inc(total - seen if total >= seen
-                                                          else total)
-            self._steps_seen[path] = total
+        totals = [overlapped, fused - overlapped, max(steps - fused, 0)]
+        for path, new in zip(STEP_PATHS, _delta(totals, self._steps_seen)):
+            self.engine_steps.labels(self.role, path).inc(new)
+        self._steps_seen = totals
 
     def serve(self, host: str = "127.0.0.1", port: int = 0):
         """Serve this registry over HTTP in a daemon thread; returns (server, actual port).

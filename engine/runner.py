@@ -66,7 +66,8 @@ def pack_batch(batch: Batch, block_size: int) -> PackedInputs:
 class ModelRunner:
     """Owns the model and the KV tensor; one `forward` per engine step. On CUDA with a
     graph-safe backend, decode/verify batches (any per-sequence K up to the captured query
-    lengths) replay captured graphs; prefill chunks run eagerly."""
+    lengths) replay captured graphs, and so do prefill chunks of a few sequences (padded up to
+    a captured chunk length); longer chunks run eagerly."""
 
     def __init__(self, cfg: EngineConfig, model: LlamaModel, kv_cache: torch.Tensor):
         self.cfg, self.model, self.kv_cache = cfg, model, kv_cache
@@ -75,8 +76,7 @@ class ModelRunner:
         self.prefill_graphs: GraphSet | None = None
         self.graph_aux: tuple[int, ...] = ()
 
-    def enable_graphs(self, max_batch: int, query_lens, aux_layers: tuple[int, ...],
-                      prefill: bool = True) -> GraphSet:
+    def enable_graphs(self, max_batch: int, query_lens, aux_layers: tuple[int, ...]) -> GraphSet:
         model, kv = self.model, self.kv_cache
 
         def fn(ids, pos, meta):
@@ -92,7 +92,7 @@ class ModelRunner:
         self.prefill_graphs = GraphSet(fn, self.cfg.device, min(max_batch, PREFILL_BATCH),
                                        [q for q in PREFILL_LENS if q > max(query_lens)],
                                        self.cfg.max_blocks_per_seq, pool=self.graphs.pool,
-                                       pad_queries=True) if prefill else None
+                                       pad_queries=True)
         self.graph_aux = aux_layers
         return self.graphs
 

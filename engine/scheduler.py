@@ -22,6 +22,10 @@ class Batch:
         self.seqs.append(seq)
         self.num_tokens.append(n)
 
+    def select(self, indices) -> Batch:
+        """The entries at `indices`, in that order (no out-of-blocks list)."""
+        return Batch([self.seqs[i] for i in indices], [self.num_tokens[i] for i in indices])
+
     def __len__(self) -> int:
         return len(self.seqs)
 

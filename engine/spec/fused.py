@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.graphs import GraphSet, PackedInputs
+from engine.graphs import GraphSet, PackedInputs, table_array
 from engine.sequence import Sequence
 
 
@@ -100,10 +100,7 @@ def pack_uniform(seqs, q: int, block_size: int) -> PackedInputs:
     r = np.arange(q)
     real = r[None, :] <= k[:, None]
     pos = lo[:, None] + np.minimum(r[None, :], k[:, None])
-    width = max(len(s.block_table) for s in seqs)
-    tab = np.zeros((b, width), dtype=np.int64)
-    for j, s in enumerate(seqs):
-        tab[j, : len(s.block_table)] = s.block_table
+    tab = table_array([s.block_table for s in seqs])
     slots = tab[np.arange(b)[:, None], pos // block_size] * block_size + pos % block_size
     slots = np.where(real, slots, -1)
     starts = np.arange(b + 1, dtype=np.int64) * q

@@ -39,11 +39,11 @@ class StepCosts:
         plain time, so those seen before the first plain step count too."""
         b = _bucket(batch_size)
         if drafts_per_seq == 0:
-            self.plain[b] = _push(self._plain, b, seconds)
+            self.plain[b] = statistics.median(_window(self._plain, b, seconds))
         elif drafts_per_seq >= MIN_DRAFTS:
             # (With a few drafts spread over many sequences, timing noise divided by a small
             # count would pass for the price of a draft.)
-            _push(self._drafted, b, (drafts_per_seq, seconds))
+            _window(self._drafted, b, (drafts_per_seq, seconds))
         else:
             return
         if b in self.plain and self._drafted.get(b):
@@ -58,11 +58,11 @@ class StepCosts:
         return _bucket(batch_size) in self.plain
 
 
-def _push(windows: dict[int, deque], b: int, x):
-    """Add a sample to bucket b's window; returns the window's median."""
+def _window(windows: dict[int, deque], b: int, x) -> deque:
+    """Add a sample to bucket b's window (the last WINDOW samples); returns the window."""
     w = windows.setdefault(b, deque(maxlen=StepCosts.WINDOW))
     w.append(x)
-    return statistics.median(w) if not isinstance(x, tuple) else None
+    return w
 
 
 class KPolicy:

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.graphs import GraphSet, HostStager, PackedInputs, pack, to_device
+from engine.graphs import GraphSet, HostStager, PackedInputs, pack, table_array, to_device
 from engine.model import LlamaModel
 from engine.sampler import processed_probs, sample_from
 from engine.sequence import Sequence
@@ -124,13 +124,6 @@ class SpecRunner:
             blocks.grow(seq, need + k)
         return k
 
-    def fused_step(self, batch, blocks, step: int, capture=None):
-        """Run a pure greedy decode step as one graph (`engine/spec/fused.py`); returns
-        ({entry: (k, VerifyResult)}, {entry: next drafts}), or None when this batch must take
-        the step-by-step path (prefill chunks, sampled requests, no graph for its shape)."""
-        h = self.fused_launch(batch, blocks, step, capture)
-        return None if h is None else self.fused_finish(h)
-
     @staticmethod
     def fusable(seq: Sequence, n: int) -> bool:
         """A batch entry the fused step can run: a greedy decode of the pending token and its
@@ -181,10 +174,7 @@ class SpecRunner:
         # Host part: block tables and query starts; the rest is a placeholder the device
         # overwrites. Context upper bound: every draft of prev accepted.
         bound = np.fromiter((len(s) + kp + q for s, kp in zip(seqs, prev.kcur)), np.int64, b)
-        width = max(len(s.block_table) for s in seqs)
-        tab = np.zeros((b, width), dtype=np.int64)
-        for j, s in enumerate(seqs):
-            tab[j, : len(s.block_table)] = s.block_table
+        tab = table_array([s.block_table for s in seqs])
         inp = PackedInputs(np.zeros(b * q, np.int64), np.zeros(b * q, np.int64),
                            np.full(b * q, -1, np.int64), np.arange(b + 1, dtype=np.int64) * q,
                            bound, tab, q)
