@@ -251,6 +251,7 @@ def engine_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
         "enable_prefix_caching": sec.enable_prefix_caching,
         # Prefill needs the spec too: it fills the EAGLE-3 draft layer's KV that it ships.
         "spec": spec_config(cfg.speculation),
+        "overlap": cfg.speculation.overlap,  # plain greedy decodes overlap too (method none)
     }
     if role == "prefill":
         kw["handoff_drafts"] = cfg.speculation.prefill_drafts

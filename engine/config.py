@@ -174,6 +174,9 @@ class EngineConfig:
     spec: SpecConfig | None = None
     attention_backend: str = "auto"  # auto: triton on CUDA when importable, else torch
     cuda_graphs: bool = True  # replay captured decode/verify/draft steps (CUDA + triton only)
+    # Greedy decode steps overlap: the next is launched from this one's device outputs before
+    # the host reads it (same tokens). Speculative engines also need SpecConfig.overlap.
+    overlap: bool = True
     # Prefill role: draft the first K tokens before a hand-off (the decode side verifies them
     # at once; seeded sampling stays identical to one engine). False: ship only the head's
     # hidden state and let the decode side draft with the K its own load calls for.

@@ -23,6 +23,7 @@ from engine.output import (
     cut_at_stop,
     stop_prefix_len,
 )
+from engine.plain_steps import PlainSteps
 from engine.prompt import PromptEncoder
 from engine.runner import ModelRunner, allocate_kv_cache
 from engine.sampler import new_generator
@@ -66,6 +67,8 @@ class Engine:
                                       self.spec.aux_layers if self.spec else ())
             if self.spec is not None:
                 self.spec.enable_graphs(min(cfg.max_num_seqs, 256))
+        # Plain greedy decodes launched one step ahead (the fused path of a no-spec engine).
+        self.plain = PlainSteps(cfg, self.runner) if self.spec is None else None
         self.tokenizer = tokenizer
         self.eos_ids = set(m.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -195,10 +198,11 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule → run → postprocess; returns what each touched request produced.
 
-        Greedy EAGLE-3 decode steps overlap: the next step is launched from this one's device
-        outputs before the host reads them (`SpecRunner.fused_continue`), so emitting tokens,
-        detokenizing and stop checks run while the GPU computes. Whenever the batch would
-        change (a request finishes, arrives or is aborted) the pipeline drains first."""
+        Greedy decode steps overlap: the next step is launched from this one's device
+        outputs before the host reads them (`SpecRunner.fused_continue` for EAGLE-3,
+        `PlainSteps.fused_continue` without speculation), so emitting tokens, detokenizing
+        and stop checks run while the GPU computes. Whenever the batch would change (a
+        request finishes, arrives or is aborted) the pipeline drains first."""
         outs, self._carry = self._carry, []
         t0, captures = self.clock(), GraphSet.captures
         with self._on_device():  # kernels, graphs, streams go to this engine's GPU
@@ -222,14 +226,15 @@ class Engine:
                    if spec.fusable(s, n)]
             if dec and len(dec) < len(batch.seqs):
                 return self._step_split(batch, dec)
-        h = None if self.spec is None else \
-            self.spec.fused_launch(batch, self.blocks, self.stats.steps + 1, self.capture)
+        pipe = self.pipe
+        h = None if pipe is None else \
+            pipe.fused_launch(batch, self.blocks, self.stats.steps + 1, self.capture)
         if h is None:
             fwd, results = self._run(batch)
             return batch, results, self._postprocess(batch, fwd, results)
-        nxt = self.spec.fused_continue(h, self.blocks, self.stats.steps + 2) \
+        nxt = pipe.fused_continue(h, self.blocks, self.stats.steps + 2) \
             if self._can_overlap(batch) else None
-        results, drafts = self.spec.fused_finish(h)
+        results, drafts = pipe.fused_finish(h)
         if nxt is not None:
             self._inflight = (_entries(nxt), nxt)
         outs = self._postprocess(batch, None, results, drafts)
@@ -254,22 +259,29 @@ class Engine:
             outs += self._postprocess(d, fwd, res_d, count_step=False)
         return batch, {}, outs
 
+    @property
+    def pipe(self):
+        """What launches, continues and reads one-graph decode steps: the speculative
+        runner, or `PlainSteps` without speculation."""
+        return self.spec if self.spec is not None else self.plain
+
     def _step_overlapped(self):
         batch, h = self._inflight
-        nxt = self.spec.fused_continue(h, self.blocks, self.stats.steps + 2) \
+        nxt = self.pipe.fused_continue(h, self.blocks, self.stats.steps + 2) \
             if self._can_overlap(batch) else None
         if nxt is None:
             return batch, {}, self._drain()
-        results, drafts = self.spec.fused_finish(h)
+        results, drafts = self.pipe.fused_finish(h)
         self._inflight = (_entries(nxt), nxt)
         outs = self._postprocess(batch, None, results, drafts)
         return batch, results, outs + self._settle(batch)
 
     def _can_overlap(self, batch: Batch) -> bool:
-        """The next step may be launched before this one is read: speculation overlaps, no
-        request waits to be admitted, and the running set is exactly this batch."""
+        """The next step may be launched before this one is read: overlap is on, no request
+        waits to be admitted, and the running set is exactly this batch."""
         run = self.scheduler.running
-        return (self.spec.spec.overlap and self.capture is None and not self.scheduler.waiting
+        on = self.config.overlap and (self.spec is None or self.spec.spec.overlap)
+        return (on and self.capture is None and not self.scheduler.waiting
                 and len(run) == len(batch.seqs) and all(a is b for a, b in zip(run, batch.seqs)))
 
     def _settle(self, batch: Batch) -> list[RequestOutput]:
@@ -287,7 +299,7 @@ class Engine:
             return []
         batch, h = self._inflight
         self._inflight = None
-        results, drafts = self.spec.fused_finish(h)
+        results, drafts = self.pipe.fused_finish(h)
         for seq in self._deferred:
             self.blocks.release(seq)
         self._deferred = []

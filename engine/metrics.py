@@ -81,8 +81,9 @@ class Metrics:
                                           ("position",))
         self.engine_steps = self._metric(
             c, "tandem_engine_steps_total",
-            "Engine steps by path: overlapped (a fused step launched before the previous one "
-            "was read), fused (verify, draft head and chain as one graph), regular.", ("path",))
+            "Engine steps by path: overlapped (a one-graph decode step launched before the "
+            "previous one was read), fused (one graph, one read: verify, draft head and chain "
+            "with speculation, a plain greedy decode without), regular.", ("path",))
 
     def _transfer_metrics(self) -> None:
         self.kv_bytes = self._metric(Counter, "tandem_kv_transfer_bytes_total",
@@ -167,8 +168,9 @@ class Metrics:
                                spec.acceptance_length if spec and spec.verify_steps else None)
         if spec is not None:
             self.observe_spec_totals(spec.drafted_per_pos, spec.accepted_per_pos)
-        self.observe_step_totals(engine.stats.steps, getattr(engine.spec, "fused_runs", 0),
-                                 getattr(engine.spec, "overlapped_runs", 0))
+        pipe = getattr(engine, "pipe", None)
+        self.observe_step_totals(engine.stats.steps, getattr(pipe, "fused_runs", 0),
+                                 getattr(pipe, "overlapped_runs", 0))
 
     def observe_step_totals(self, steps: int, fused: int, overlapped: int) -> None:
         """Cumulative engine counts: steps, fused-step launches, and those of them launched

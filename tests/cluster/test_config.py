@@ -170,6 +170,7 @@ def test_engine_kwargs_cpu_auto_dtype_and_eagle3():
         "max_num_batched_tokens": 2048, "enable_prefix_caching": True,
         "kv_cache_bytes": 1 << 20, "max_model_len": 1024,
         "spec": SpecConfig(method="eagle3", num_tokens=5, head=None, dynamic=True),
+        "overlap": True,
     }
 
 
@@ -191,6 +192,7 @@ def test_engine_kwargs_explicit_dtype_and_colocated_reads_decode():
     assert kw["spec"] == SpecConfig(method="ngram", num_tokens=2, dynamic=False)
     off = load_config(None, {"speculation.overlap": False})
     assert engine_kwargs(off, "decode")["spec"].overlap is False
+    assert engine_kwargs(off, "decode")["overlap"] is False  # plain decodes too
     with pytest.raises(ConfigError, match="role"):
         engine_kwargs(cfg, "router")
 

@@ -53,6 +53,7 @@ def test_graphs_equal_eager_and_torch_backend(random_smol):
     assert eager == ref
     assert out == ref
     assert graphs.runner.graphs.graphs, "no graph was replayed"
+    assert graphs.plain.overlapped_runs > 0  # decode steps launched before the last was read
 
 
 def test_spec_with_graphs_is_lossless_fp32(random_smol):

@@ -1,0 +1,113 @@
+"""Overlapped plain greedy decoding: step N+1 is launched before the host reads step N.
+
+A plain greedy decode step's only data-dependent input is the token each sequence emitted in
+the step before: positions, KV slots and context lengths all advance by exactly one. So the
+next step can be staged on the host from what it already knows (position len(seq), context
+len(seq) + 1, the slot of that position in the block table) and launched right after this one,
+its token ids copied on the device from this step's argmax just before the graph replays.
+Emitting tokens, detokenizing and stop checks then run while the GPU computes.
+
+The engine drives this exactly like the fused speculative step (`SpecRunner.fused_launch` /
+`fused_continue` / `fused_finish`, same names): the pipeline drains whenever the batch would
+change, and a request that finished while a step was in flight keeps its blocks until that
+step is read. Sampled requests, prefill chunks and hand-offs take the regular path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.graphs import PackedInputs, table_array
+from engine.runner import ModelRunner, pack_batch
+from engine.sequence import Sequence
+from engine.spec.verify import VerifyResult
+
+
+@dataclass
+class DecodeHandle:
+    """A launched plain decode step: its sequences, every row's greedy token on the device
+    (graph outputs: valid until that graph replays again) and the host copy being made."""
+
+    seqs: list[Sequence]
+    argmax: torch.Tensor
+    fetch: object  # () -> list[int], waits for the copy
+
+    @property
+    def kcur(self) -> list[int]:
+        """Drafts verified per sequence (none: the engine's batch view of this step)."""
+        return [0] * len(self.seqs)
+
+
+class PlainSteps:
+    """Plain greedy decode steps through the runner's decode graphs, launched ahead."""
+
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner):
+        self.cfg, self.runner = cfg, runner
+        self.fused_runs = 0  # steps launched here (one replay, one read)
+        self.overlapped_runs = 0  # of those, launched before the previous step was read
+
+    @staticmethod
+    def fusable(seq: Sequence, n: int) -> bool:
+        """A greedy decode of the pending token alone (no prefill chunk, no draft, no
+        sampling, not a prefill-side request about to be handed off)."""
+        return (seq.params.greedy and not seq.hold and not seq.draft
+                and seq.num_computed == len(seq) - 1 and n == 1)
+
+    def fused_launch(self, batch, blocks, step: int, capture=None) -> DecodeHandle | None:
+        """Launch the batch's decode step from the host's view; None when it must take the
+        regular path (no graphs, a trainer's capture tap, an entry that is not a greedy
+        decode)."""
+        g = self.runner.graphs
+        if g is None or capture is not None or self.runner.graph_aux:
+            return None
+        if not all(self.fusable(s, n) for s, n in zip(batch.seqs, batch.num_tokens)):
+            return None
+        inp = pack_batch(batch, self.cfg.block_size)
+        if not g.supports(inp):
+            return None
+        return self._launch(batch.seqs, inp, None)
+
+    def fused_continue(self, prev: DecodeHandle, blocks, step: int) -> DecodeHandle | None:
+        """Launch the step after `prev` before reading it. The host has read every step but
+        prev, so prev computes each sequence's pending token (position len - 1) and this
+        step the token prev emits (position len). None (drain instead) when a sequence
+        certainly finishes at prev (its length limit), or has no room for one more token."""
+        seqs, cfg = prev.seqs, self.cfg
+        for s in seqs:
+            if (len(s.output_ids) + 1 >= s.params.max_tokens or len(s) + 1 >= cfg.max_model_len
+                    or not blocks.can_grow(s, len(s) + 1)):
+                return None
+        for s in seqs:
+            blocks.grow(s, len(s) + 1)
+        b, bs = len(seqs), cfg.block_size
+        pos = np.fromiter((len(s) for s in seqs), np.int64, b)
+        tab = table_array([s.block_table for s in seqs])
+        if tab.shape[1] > self.runner.graphs.max_blocks:
+            return None
+        slots = tab[np.arange(b), pos // bs] * bs + pos % bs
+        inp = PackedInputs(np.zeros(b, np.int64), pos, slots,
+                           np.arange(b + 1, dtype=np.int64), pos + 1, tab, 1)
+        self.overlapped_runs += 1
+        return self._launch(seqs, inp, prev)
+
+    def _launch(self, seqs, inp: PackedInputs, prev: DecodeHandle | None) -> DecodeHandle:
+        b = len(seqs)
+        prepare = None
+        if prev is not None:
+            def prepare(ids, pos, meta):  # this step's tokens: what prev chose, on the device
+                ids[:b].copy_(prev.argmax[:b])
+        out = self.runner.graphs.run(inp, prepare=prepare)
+        self.fused_runs += 1
+        top = out[1][:b]
+        return DecodeHandle(list(seqs), top, self.runner.stager.fetch(top))
+
+    @staticmethod
+    def fused_finish(h: DecodeHandle):
+        """Wait for a launched step; ({entry: (0, VerifyResult)}, {entry: no drafts})."""
+        toks = h.fetch()
+        return ({j: (0, VerifyResult([t], 0)) for j, t in enumerate(toks)},
+                {j: [] for j in range(len(toks))})

@@ -1,0 +1,141 @@
+"""Overlapped plain greedy decoding (engine/plain_steps.py): the next decode step is launched
+before the host reads this one, its token ids copied on the device from this step's argmax.
+Run on the CPU through the static-bucket (graph) path, eagerly: the output must equal the
+regular path's token for token through arrivals, finishes, aborts, sampled neighbours and
+preemption, and every KV block must come back."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.attention import triton_available
+from engine.sequence import SamplingParams
+from tests.helpers import tiny_engine
+
+pytestmark = [
+    pytest.mark.skipif(not triton_available(), reason="needs triton"),
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the static-bucket path run eagerly "
+                       "on the CPU; on a GPU the same path replays CUDA graphs (gpu tests)"),
+]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return tiny_engine(0, max_num_batched_tokens=64, attention_backend="torch")
+
+
+def graph_engine(ref, num_blocks=None, **kw):
+    cfg = replace(ref.config, attention_backend="triton",
+                  num_blocks=num_blocks or ref.config.num_blocks, **kw)
+    from engine import Engine
+
+    eng = Engine(cfg, weights_of=ref)
+    eng.runner.enable_graphs(8, (1,), ())
+    return eng
+
+
+def workload(n=6, seed=5):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(200) for _ in range(rng.randrange(3, 30))] for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(5, 25), ignore_eos=True)
+              for _ in prompts]
+    return prompts, params
+
+
+def test_overlapped_lockstep_with_the_regular_path(ref):
+    """After every engine step, the overlapped engine's sequences hold exactly the tokens
+    and KV progress of an engine that reads each step before the next."""
+    prompts, params = workload(3)
+    params = [replace(p, max_tokens=40) for p in params]
+    on, off = graph_engine(ref), graph_engine(ref, overlap=False)
+    ids = [[e.add_request(p, sp) for e in (on, off)] for p, sp in zip(prompts, params)]
+    for _ in range(20):
+        on.step()
+        off.step()
+        for a, b in ids:
+            x, y = on.seqs[a], off.seqs[b]
+            assert (x.token_ids, x.num_computed) == (y.token_ids, y.num_computed)
+    assert on.plain.overlapped_runs >= 10 and on._inflight is not None
+    assert off.plain.overlapped_runs == 0 and off.plain.fused_runs >= 10
+
+
+@pytest.mark.parametrize("num_blocks", [None, 24])
+def test_overlapped_decoding_is_exact_to_the_end(ref, num_blocks):
+    """Requests of different lengths (finishes inside the pipeline), arrivals mid-way, a
+    stop token, a sampled neighbour (regular path beside the greedy ones) and, with 24
+    blocks, a KV cache so small that requests are preempted: every greedy output equals the
+    torch backend's, and all blocks come back."""
+    prompts, params = workload()
+    params[1] = replace(params[1], max_tokens=30)
+    expect = [c.token_ids for c in ref.generate(prompts, params)]
+    stop_tok = expect[1][7]
+    params[1] = replace(params[1], stop_token_ids=[stop_tok])
+    expect[1] = expect[1][: expect[1].index(stop_tok) + 1]
+    eng = graph_engine(ref, num_blocks=num_blocks)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
+    seqs = {r: eng.seqs[r] for r in rids}
+    for _ in range(4):
+        eng.step()
+    sampled = eng.add_request([5, 6, 7], SamplingParams(temperature=0.8, max_tokens=6,
+                                                        seed=1, ignore_eos=True))
+    rids += [eng.add_request(p, sp) for p, sp in zip(prompts[3:], params[3:])]
+    seqs.update({r: eng.seqs[r] for r in rids[3:] + [sampled]})
+    overlapped = 0
+    while eng.has_unfinished():
+        eng.step()
+        overlapped += eng._inflight is not None
+    assert [seqs[r].output_ids for r in rids] == expect
+    assert len(seqs[sampled].output_ids) == 6
+    assert overlapped > 0 and eng.plain.overlapped_runs > 0
+    assert eng._inflight is None and not eng._deferred
+    assert (eng.scheduler.num_preemptions > 0) == (num_blocks is not None)
+    eng.blocks.check_all_free()
+
+
+def test_abort_while_a_step_is_in_flight(ref):
+    """An abort drains the step in flight: the others' tokens come with the next step(), the
+    aborted request's blocks are free at once, and decoding goes on exactly."""
+    prompts, params = workload(3)
+    params = [replace(p, max_tokens=30) for p in params]
+    expect = [c.token_ids for c in ref.generate(prompts, params)]
+    eng = graph_engine(ref)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    seqs = {r: eng.seqs[r] for r in rids}
+    while eng._inflight is None:
+        eng.step()
+    before = {r: len(seqs[r].token_ids) for r in rids[1:]}
+    assert eng.abort(rids[0])
+    assert eng._inflight is None and not eng._deferred and eng.has_unfinished()
+    carried = eng.step()
+    assert {o.request_id for o in carried} >= set(rids[1:])
+    assert all(len(seqs[r].token_ids) > before[r] for r in rids[1:])
+    while eng.has_unfinished():
+        eng.step()
+    assert [seqs[r].output_ids for r in rids[1:]] == expect[1:]
+    assert seqs[rids[0]].output_ids == expect[0][: len(seqs[rids[0]].output_ids)]
+    eng.blocks.check_all_free()
+
+
+def test_step_path_metric_counts_plain_overlapped_steps(ref):
+    from engine.metrics import Metrics
+
+    prompts, params = workload(2)
+    eng = graph_engine(ref)
+    m = Metrics("decode")
+    for p, sp in zip(prompts, params):
+        eng.add_request(p, sp)
+    while eng.has_unfinished():
+        eng.step()
+        m.engine_step(eng)
+    text = m.exposition().decode()
+    counts = {path: float(next(ln.split()[-1] for ln in text.splitlines()
+                               if ln.startswith("tandem_engine_steps_total")
+                               and f'path="{path}"' in ln))
+              for path in ("overlapped", "fused", "regular")}
+    assert counts["overlapped"] == eng.plain.overlapped_runs > 0
+    assert counts["fused"] == eng.plain.fused_runs - eng.plain.overlapped_runs > 0
+    assert counts["regular"] > 0  # the prefill steps
