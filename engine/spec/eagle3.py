@@ -176,6 +176,23 @@ class _MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+    def store_kv(self, embeds, hidden, positions, kv_cache, meta) -> None:
+        """Only what a step leaves behind when its output is not needed: the layer's K and
+        V at these positions, computed exactly as `forward` computes them."""
+        attn, hn, en = self.self_attn, self.hidden_norm, self.input_layernorm
+        if self.fused:
+            x = torch.cat([ops.add_rmsnorm(embeds, en.weight, en.eps),
+                           ops.add_rmsnorm(hidden, hn.weight, hn.eps)], dim=-1)
+        else:
+            x = torch.cat([en(embeds), hn(hidden)], dim=-1)
+        k = attn.k_proj(x).view(-1, attn.nkv, attn.hd)
+        v = attn.v_proj(x).view(-1, attn.nkv, attn.hd)
+        if self.fused:
+            ops.rope_(k, positions, attn.rotary.cos, attn.rotary.sin)
+        else:
+            (k,) = attn.rotary(positions, k)
+        attn.backend.store_kv(k, v, kv_cache, meta)
+
     def _forward_fused(self, embeds, hidden, positions, kv_cache, meta):
         """The same math with the fused norm and rotary kernels."""
         hn, en = self.hidden_norm, self.input_layernorm
@@ -226,6 +243,12 @@ class Eagle3Head(nn.Module):
         """One draft step over a packed batch; returns the head's hidden state (pre-norm),
         which is also what the next chained step takes as `hidden`."""
         return self.midlayer(embeds, hidden, positions, kv_cache, meta)
+
+    def store_kv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """The draft KV a step would store, without the rest of the step: for steps that
+        keep the head's KV current but draft nothing."""
+        self.midlayer.store_kv(embeds, hidden, positions, kv_cache, meta)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [T, draft_vocab] in fp32."""

@@ -157,9 +157,10 @@ class FusedSteps:
                 query_start=meta.query_start, seq_lens=meta.seq_lens,
                 block_tables=meta.block_tables, max_query_len=q,
                 max_seq_len=meta.max_seq_len)
-            h = head(model.embed_tokens(am), head.fuse(aux), pos, kv, hmeta)
-            if drafts == 0:
+            if drafts == 0:  # nothing to draft: only the draft KV the next steps attend to
+                head.store_kv(model.embed_tokens(am), head.fuse(aux), pos, kv, hmeta)
                 return am, nacc
+            h = head(model.embed_tokens(am), head.fuse(aux), pos, kv, hmeta)
             last = h.view(b, q, -1)[torch.arange(b, device=ids.device), nacc]
             t = head.greedy_tokens(last)
             out = [t]

@@ -280,3 +280,39 @@ def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, k=4):
     assert eng._inflight is None and not eng._deferred
     assert (eng.scheduler.num_preemptions > 0) == (num_blocks is not None)
     eng.blocks.check_all_free()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_head_store_kv_writes_what_a_full_step_writes(backend):
+    """A fused step that drafts nothing only keeps the draft KV current (`store_kv`): the
+    cache must hold exactly what the full head step stores, slot -1 rows skipped, with the
+    plain and the fused-kernel (triton) layer alike."""
+    from engine.attention import AttentionMetadata, get_backend, triton_available
+
+    if backend == "triton" and not triton_available():
+        pytest.skip("needs triton")
+    base = tiny_engine(0)
+    src = random_head(base)
+    hc = src.cfg
+    head = Eagle3Head(hc, get_backend(backend)(hc.num_heads, hc.num_kv_heads, hc.head_dim, 4))
+    head.load_state_dict(src.state_dict())
+    g = torch.Generator().manual_seed(1)
+    t = 7
+    emb = torch.randn(t, hc.hidden_size, generator=g)
+    hid = torch.randn(t, hc.hidden_size, generator=g)
+    pos = torch.arange(3, 3 + t)
+    # (-1: rows that store nothing; only the triton backend, which fused steps use, has them)
+    skip = -1 if backend == "triton" else 14
+    slots = torch.tensor([9, 10, 11, skip, 12, 13, skip + 1])
+    meta = AttentionMetadata(slot_mapping=slots, query_start=torch.tensor([0, t]),
+                             seq_lens=torch.tensor([3 + t]), block_tables=torch.tensor([[2, 3, 4]]),
+                             max_query_len=t, max_seq_len=3 + t, query_start_cpu=[0, t],
+                             seq_lens_cpu=[3 + t])
+    shape = (2, 8, 4, hc.num_kv_heads, hc.head_dim)
+    full, only = torch.zeros(shape), torch.zeros(shape)
+    with torch.inference_mode():
+        head(emb, hid, pos, full, meta)
+        head.store_kv(emb, hid, pos, only, meta)
+    assert full.abs().sum() > 0
+    assert torch.equal(full, only)
+    assert full[:, 2, 0].abs().sum() == 0  # slot 8: no row wrote it
