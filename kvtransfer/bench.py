@@ -4,6 +4,10 @@
 
 The default shape is SmolLM2-135M with its EAGLE-3 draft layer (31 KV layers, 3 KV heads,
 head_dim 64, block 16, fp32: 0.73 MiB per block), i.e. a 2k-token prompt by default.
+
+`--raw` adds the bare UCX baseline (`measure_raw`): one preallocated buffer sent as tagged
+messages and acknowledged, no header, gather or scatter: what UCX itself moves between the two
+processes, to compare the transport against.
 """
 
 from __future__ import annotations
@@ -13,12 +17,16 @@ import asyncio
 import json
 import multiprocessing as mp
 import statistics
+import time
 from multiprocessing.connection import Connection as Pipe
 from typing import Any
 
 import torch
 
 from kvtransfer.layout import BlockLayout
+
+# Tag kinds of the raw baseline; the transport uses kinds 0-5 and 16 up (`wire`).
+RAW_CTRL, RAW_ACK = 8, 9
 
 
 def receiver_main(pipe: Pipe, layout: dict[str, Any], num_blocks: int, mode: str,
@@ -30,9 +38,16 @@ def receiver_main(pipe: Pipe, layout: dict[str, Any], num_blocks: int, mode: str
     kv = torch.zeros(lay.kv_shape(num_blocks), dtype=lay.torch_dtype, device=device)
 
     async def serve() -> None:
+        from kvtransfer import wire
+
         async with UcxTransport(lay, kv, mode=mode, progress_mode=progress) as rx:
+            raw = asyncio.ensure_future(raw_server(rx._id, device))
             pipe.send(rx.address)
             await asyncio.get_running_loop().run_in_executor(None, pipe.recv)
+            me = await wire.endpoint_to_worker(wire.worker_address_hex())
+            await wire.send(me, wire.encode({"op": "stop"}), wire.tag(rx._id, 0, RAW_CTRL))
+            await asyncio.wait_for(raw, 10)
+            wire.drop(me)
 
     asyncio.run(serve())
     # As numpy bytes: a pickled torch tensor would travel as a shared-memory fd that dies
@@ -70,27 +85,119 @@ def stop_receiver(proc: Any, pipe: Pipe, layout: BlockLayout,
 
 async def measure(args: argparse.Namespace, layout: BlockLayout,
                   address: dict[str, Any]) -> list[dict[str, Any]]:
+    """`send_blocks` of blocks 0..args.blocks-1 to the same ids, once per entry of
+    args.chunks: one warm-up, then args.reps timed. With `args.trace` (optional) each row also
+    carries every timed transfer's timeline (`UcxConnection.last_trace`)."""
     from kvtransfer.ucx import UcxTransport
 
-    kv = torch.randn(layout.kv_shape(args.blocks)).to(layout.torch_dtype).to(args.device)
+    # Made on the device: a GiB of host randn costs seconds.
+    kv = torch.randn(layout.kv_shape(args.blocks), device=args.device).to(layout.torch_dtype)
     ids = list(range(args.blocks))
+    trace = getattr(args, "trace", False)
     rows = []
     for chunks in args.chunks:
         tx = UcxTransport(layout, num_chunks=chunks, checksum=args.checksum,
                           progress_mode=args.progress)
+        traces = []
         async with await tx.connect(address) as conn:
+            conn.trace = trace
             await conn.send_blocks("warmup", kv, ids, ids)
-            secs = [(await conn.send_blocks(f"r{i}", kv, ids, ids)).seconds
-                    for i in range(args.reps)]
+            secs = []
+            for i in range(args.reps):
+                secs.append((await conn.send_blocks(f"r{i}", kv, ids, ids)).seconds)
+                if trace:
+                    traces.append(conn.last_trace)
         await tx.close()
         nbytes = args.blocks * layout.block_bytes
         rows.append({"mode": address["mode"], "device": args.device,
                      "progress": args.progress, "chunks": chunks,
-                     "checksum": args.checksum,
+                     "checksum": args.checksum, "bytes": nbytes,
                      "mib": round(nbytes / 2**20, 1),
                      "median_gb_s": round(nbytes / statistics.median(secs) / 1e9, 2),
                      "best_gb_s": round(nbytes / min(secs) / 1e9, 2),
-                     "median_ms": round(statistics.median(secs) * 1e3, 2)})
+                     "median_ms": round(statistics.median(secs) * 1e3, 3),
+                     "ms": [round(x * 1e3, 3) for x in secs]})
+        if trace:
+            rows[-1]["traces"] = traces
+    return rows
+
+
+async def raw_server(rx_id: int, device: str) -> None:
+    """Receiver half of `measure_raw`, beside a receiver transport (its id names the tag):
+    per request, a buffer on `device` that receives `reps` messages of `pieces` parts each
+    and acknowledges each message once all its parts are in. Ends on {"op": "stop"}."""
+    import ucxx
+
+    from kvtransfer import wire
+
+    # One endpoint per sender for the server's life: UCX answers a rendezvous through the
+    # endpoint pair, so dropping it between requests stalls the next large message.
+    eps: dict[str, Any] = {}
+    while True:
+        msg = await wire.recv_ctrl(wire.tag(rx_id, 0, RAW_CTRL))
+        if msg.get("op") != "raw":
+            break
+        link = msg["link"]
+        if msg["reply_to"] not in eps:
+            eps[msg["reply_to"]] = await wire.endpoint_to_worker(msg["reply_to"])
+        ep = eps[msg["reply_to"]]
+        buf = torch.empty(msg["nbytes"], dtype=torch.uint8, device=device)
+        parts = [wire.as_buffer(p) for p in buf.chunk(msg["pieces"])]
+        for rep in range(msg["reps"]):
+            await asyncio.gather(*[ucxx.recv(p, wire.tag(link, rep, wire.CHUNK + i))
+                                   for i, p in enumerate(parts)])
+            await wire.send(ep, wire.encode({"ok": True, "t": time.perf_counter()}),
+                            wire.tag(link, rep, RAW_ACK))
+    for ep in eps.values():
+        wire.drop(ep)
+
+
+async def measure_raw(address: dict[str, Any], device: str, sizes: list[int],
+                      pieces: list[int], reps: int, timeout: float = 30.0
+                      ) -> list[dict[str, Any]]:
+    """Bare UCX from this process to a `receiver_main` (worker mode): per size and number of
+    pieces, one warm-up and `reps` timed messages. `sent_ms`: until every send completed;
+    `acked_ms`: until the receiver's ack arrived; `landed_ms`: until the receiver had it all
+    (its clock; the same host)."""
+    from kvtransfer import wire
+
+    wire.ensure_ucx("thread")  # a no-op when a transport already initialised ucxx
+    ep = await wire.endpoint_to_worker(address["worker"])
+    me = wire.worker_address_hex()
+    rows = []
+    for nbytes in sizes:
+        buf = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+        for k in pieces:
+            parts = [wire.as_buffer(p) for p in buf.chunk(k)]
+            link = wire.new_id()
+            await wire.send(ep, wire.encode({"op": "raw", "link": link, "nbytes": nbytes,
+                                             "pieces": k, "reps": reps + 1, "reply_to": me}),
+                            wire.tag(address["id"], 0, RAW_CTRL))
+            sent, acked, landed = [], [], []
+            for rep in range(reps + 1):
+                ack = asyncio.ensure_future(wire.recv_ctrl(wire.tag(link, rep, RAW_ACK)))
+                t0 = time.perf_counter()
+                await asyncio.wait_for(asyncio.gather(
+                    *[wire.send(ep, p, wire.tag(link, rep, wire.CHUNK + i))
+                      for i, p in enumerate(parts)]), timeout)
+                t1 = time.perf_counter()
+                reply = await asyncio.wait_for(ack, timeout)
+                t2 = time.perf_counter()
+                if rep:  # the first one is the warm-up
+                    sent.append(t1 - t0)
+                    acked.append(t2 - t0)
+                    landed.append(reply["t"] - t0)
+            med = statistics.median
+            rows.append({"bytes": nbytes, "pieces": k, "device": device,
+                         "sent_ms": round(med(sent) * 1e3, 3),
+                         "acked_ms": round(med(acked) * 1e3, 3),
+                         "landed_ms": round(med(landed) * 1e3, 3),
+                         "gb_s": round(nbytes / med(acked) / 1e9, 2),
+                         "gb_s_landed": round(nbytes / max(med(landed), 1e-9) / 1e9, 2)})
+        buf = None
+    wire.drop(ep)
     return rows
 
 
@@ -106,13 +213,23 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--checksum", action="store_true")
     p.add_argument("--device", default="cpu", help="where both KV caches live (cpu, cuda)")
-    p.add_argument("--progress", choices=["thread", "blocking", "polling"], default="thread")
+    p.add_argument("--progress", choices=["thread", "thread-polling", "blocking", "polling"],
+                   default="thread")
+    p.add_argument("--trace", action="store_true", help="per-transfer timelines in the rows")
+    p.add_argument("--raw", action="store_true", help="also the bare UCX baseline")
     args = p.parse_args(argv)
     layout = BlockLayout("bench", args.dtype, 16, args.layers, args.kv_heads, args.head_dim, 1)
     proc, pipe, address = spawn_receiver(layout, args.blocks, args.mode, progress=args.progress,
                                          device=args.device)
     try:
-        for row in asyncio.run(measure(args, layout, address)):
+        async def go() -> list[dict[str, Any]]:
+            rows = await measure(args, layout, address)
+            if args.raw:
+                rows += await measure_raw(address, args.device,
+                                          [args.blocks * layout.block_bytes], [1], args.reps)
+            return rows
+
+        for row in asyncio.run(go()):
             print(json.dumps(row))
     finally:
         stop_receiver(proc, pipe, layout)

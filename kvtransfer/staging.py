@@ -4,6 +4,11 @@ Measured on the 2-core CPU host, 93 MiB of blocks (SmolLM2 + draft layer, 128 bl
 `kv.index_select(2, ids)` on the 6-D tensor takes 200-800 ms; the same copy on the
 `[layers*2, blocks, block_elems]` view into a preallocated buffer takes ~13 ms. A fresh
 buffer of that size costs another ~70 ms of page faults on every transfer, hence the pool.
+
+On a GPU the copies run on a side stream per device (`copy_stream`): a transfer orders itself
+after the work already queued on the caller's stream (one `wait_stream`, no host wait), and then
+waits only for its own copies (`mark` / event sync), never for the engine's later kernels or
+for other streams of the device.
 """
 
 from __future__ import annotations
@@ -22,8 +27,45 @@ def rows(kv: torch.Tensor, layers: tuple[int, int]) -> torch.Tensor:
     return kv[lo:hi].view((hi - lo) * 2, kv.shape[BLOCKS_DIM], -1)
 
 
-def block_ids(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+def block_ids(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    if isinstance(ids, torch.Tensor):
+        return ids.to(device=device, dtype=torch.long)
     return torch.tensor(list(ids), dtype=torch.long, device=device)
+
+
+_streams: dict[int, torch.cuda.Stream] = {}
+_streams_lock = threading.Lock()
+
+
+def copy_stream(device: torch.device | str) -> torch.cuda.Stream | None:
+    """This process's staging stream on a CUDA device; None on the host (copies are
+    synchronous there). Use it with `after_current` and `mark`; `torch.cuda.stream(None)` is a
+    no-op, so `with torch.cuda.stream(copy_stream(dev))` works for both."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    with _streams_lock:
+        stream = _streams.get(index)
+        if stream is None:
+            stream = _streams[index] = torch.cuda.Stream(device=index)
+    return stream
+
+
+def after_current(stream: torch.cuda.Stream | None) -> None:
+    """Make `stream` wait (on the GPU) for what is queued so far on its device's current
+    stream: the KV as the engine has written it up to now."""
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+
+
+def mark(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event after the work queued so far on `stream`; None on the host."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 def gather(kv: torch.Tensor, layers: tuple[int, int], ids: torch.Tensor,
@@ -35,9 +77,10 @@ def gather(kv: torch.Tensor, layers: tuple[int, int], ids: torch.Tensor,
     return dst.view((layers[1] - layers[0], 2, len(ids)) + tuple(kv.shape[3:]))
 
 
-def scatter(kv: torch.Tensor, layers: tuple[int, int], ids: Sequence[int],
+def scatter(kv: torch.Tensor, layers: tuple[int, int], ids: Sequence[int] | torch.Tensor,
             data: torch.Tensor) -> None:
-    """Write gathered blocks `data` into layers [lo, hi) of `kv` at block ids `ids`."""
+    """Write gathered blocks `data` into layers [lo, hi) of `kv` at block ids `ids` (a list,
+    or a tensor from `block_ids`: build it once per request, not once per layer chunk)."""
     dst = rows(kv, layers)
     src = data.to(kv.device).reshape(dst.shape[0], len(ids), dst.shape[2])
     dst.index_copy_(1, block_ids(ids, kv.device), src)

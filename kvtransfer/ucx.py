@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import torch
@@ -192,10 +193,17 @@ class UcxTransport(Transport):
         self._links.pop(link, None)
 
     async def _receive(self, link: int, ep: Any, hdr: dict[str, Any]) -> None:
+        stamps: dict[str, Any] | None = (
+            {"header": time.perf_counter(), "landed": []} if hdr.get("trace") else None)
         seq, rid, dst, chunks = hdr["seq"], hdr["request_id"], hdr["dst"], hdr["chunks"]
         kv, error, extras = self.kv_cache, None, {}
         layer_bytes = len(dst) * self.layout.block_bytes // self.layout.num_layers
-        bufs = [self.pool.take((hi - lo) * layer_bytes, kv.device) for lo, hi in chunks]
+        # On a GPU: scatters on the staging stream, after what the engine queued so far (the
+        # blocks were free before the reservation); "landed" waits for them alone.
+        stream = staging.copy_stream(kv.device)
+        staging.after_current(stream)
+        with torch.cuda.stream(stream):
+            bufs = [self.pool.take((hi - lo) * layer_bytes, kv.device) for lo, hi in chunks]
         try:
             blob = torch.empty(hdr["extras_nbytes"], dtype=torch.uint8)
             # Post every receive at once; scatter each chunk as soon as it is in.
@@ -209,27 +217,40 @@ class UcxTransport(Transport):
                                             ) if hdr["checksum"] else None
             try:  # still drain the payload on bad ids, so nothing lingers in UCX's queues
                 check_block_ids(dst, dst, self.num_blocks, self.num_blocks)
+                with torch.cuda.stream(stream):
+                    ids = staging.block_ids(dst, kv.device)  # once, for every chunk
             except ValueError as e:
                 error = str(e)
             for layers, buf, r in zip(chunks, bufs, recvs):
                 await r
+                if stamps is not None:
+                    stamps["landed"].append(time.perf_counter())
                 if error is None:
-                    staging.scatter(kv, layers, dst, buf.view(kv.dtype))
+                    with torch.cuda.stream(stream):  # never held across an await
+                        staging.scatter(kv, layers, ids, buf.view(kv.dtype))
+            scattered = staging.mark(stream)
+            if stamps is not None:
+                stamps["scattered"] = time.perf_counter()
             await asyncio.gather(*recvs[len(bufs):])
             if trailer is not None:
                 sums = [wire.crc(b) for b in bufs] + [wire.crc(blob)]
                 if (await trailer)["crc"] != sums:
                     error = error or "checksum mismatch: payload corrupted in flight"
-            for buf in bufs:  # every receive has completed: UCX no longer writes into them
+            if scattered is not None:
+                scattered.synchronize()  # "landed" must mean readable by the engine
+            if stamps is not None:
+                stamps["synced"] = time.perf_counter()
+            for buf in bufs:  # every receive and scatter has completed: nothing uses them
                 self.pool.give(buf)
-            if kv.is_cuda:
-                torch.cuda.synchronize(kv.device)  # "landed" must mean readable by the engine
             extras = wire.unpack_extras(hdr["extras"], blob, kv.device)
         except Exception as e:
             error = error or f"{type(e).__name__}: {e}"
         self.inbox.put(rid, extras if error is None else TransferError(f"{rid}: {error}"))
+        reply: dict[str, Any] = {"ok": error is None, "error": error}
+        if stamps is not None:
+            stamps["ack"] = time.perf_counter()
+            reply["t"] = stamps
         try:
-            await wire.send(ep, wire.encode({"ok": error is None, "error": error}),
-                            wire.tag(link, seq, wire.ACK))
+            await wire.send(ep, wire.encode(reply), wire.tag(link, seq, wire.ACK))
         except Exception:  # the sender is gone; its lease will expire on its own
             log.warning("kvtransfer: could not ack %s", rid, exc_info=True)

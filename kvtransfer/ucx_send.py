@@ -18,14 +18,21 @@ log = logging.getLogger(__name__)
 
 
 class UcxConnection(Connection):
-    """A handshaken link to one `UcxTransport` receiver; safe for concurrent `send_blocks`."""
+    """A handshaken link to one `UcxTransport` receiver; safe for concurrent `send_blocks`.
+
+    With `trace` on, every `send_blocks` leaves its timeline in `last_trace` (see
+    `_trace_record`): the sender's own stamps plus the receiver's, which it returns in the ack.
+    Both sides stamp `time.perf_counter()`, one system-wide monotonic clock on Linux, so the
+    receiver's stamps are only meaningful when it runs on the same host.
+    """
 
     def __init__(self, ep: Any, link: int, layout: BlockLayout, peer_layout: BlockLayout,
                  peer_num_blocks: int, pool: staging.StagingPool, *, num_chunks: int = 1,
-                 checksum: bool = False, timeout: float = 30.0):
+                 checksum: bool = False, timeout: float = 30.0, trace: bool = False):
         super().__init__(layout, peer_layout, peer_num_blocks)
         self._ep, self._link, self._seq, self._pool = ep, link, 0, pool
         self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout
+        self.trace, self.last_trace = trace, None
         self._closed = False
 
     async def send_blocks(self, request_id: str, kv_cache: torch.Tensor,
@@ -36,20 +43,27 @@ class UcxConnection(Connection):
         self.check(kv_cache, src_block_ids, dst_block_ids, extras)
         self._seq += 1
         seq, n, t0 = self._seq, len(src_block_ids), time.perf_counter()
+        stamps: dict[str, Any] | None = {"t0": t0, "ready": []} if self.trace else None
         chunks = wire.layer_chunks(self.layout.num_layers, self.num_chunks) if n else []
         spec, blob = wire.pack_extras(extras or {})
         ack = asyncio.ensure_future(wire.recv_ctrl(self._tag(seq, wire.ACK)))
         hdr = {"op": "send", "seq": seq, "request_id": request_id, "dst": list(dst_block_ids),
                "chunks": chunks, "extras": spec, "extras_nbytes": blob.numel(),
-               "checksum": self.checksum}
+               "checksum": self.checksum, "trace": self.trace}
         bufs: list[torch.Tensor] = []
         try:
-            await wire.send(self._ep, wire.encode(hdr), self._tag(0, wire.HEADER))
-            sends, sums = await self._send_payload(seq, kv_cache, src_block_ids, chunks, blob,
-                                                   bufs)
+            # Not awaited on its own: the header travels while the blocks are gathered, and
+            # its completion is awaited with the chunks'.
+            sends = [self._send(wire.encode(hdr), 0, wire.HEADER)]
+            await asyncio.sleep(0)  # post it now, ahead of the payload
+            more, sums = await self._send_payload(seq, kv_cache, src_block_ids, chunks, blob,
+                                                  bufs, stamps)
+            sends += more
             if self.checksum:
                 sends.append(self._send(wire.encode({"crc": sums}), seq, wire.TRAILER))
             await asyncio.wait_for(asyncio.gather(*sends), self.timeout)
+            if stamps is not None:
+                stamps["sent"] = time.perf_counter()
             for buf in bufs:  # sent: UCX no longer reads them
                 self._pool.give(buf)
             reply = await asyncio.wait_for(ack, self.timeout)
@@ -59,24 +73,50 @@ class UcxConnection(Connection):
             raise TransferError(f"{request_id}: {type(e).__name__}: {e}") from e
         finally:
             ack.cancel()  # no-op once done; on failure, stop waiting for an ack
+        t1 = time.perf_counter()
+        if stamps is not None:
+            self.last_trace = _trace_record(stamps, t1, reply.get("t"), len(chunks))
         if not reply["ok"]:
             raise TransferError(f"{request_id}: the receiver failed it: {reply['error']}")
-        return TransferStats(request_id, n, n * self.layout.block_bytes, blob.numel(),
-                             time.perf_counter() - t0)
+        return TransferStats(request_id, n, n * self.layout.block_bytes, blob.numel(), t1 - t0)
 
     async def _send_payload(self, seq: int, kv: torch.Tensor, src: Sequence[int],
                             chunks: list[tuple[int, int]], blob: torch.Tensor,
-                            bufs: list[torch.Tensor]) -> tuple[list[asyncio.Future], list[int]]:
-        """Gather chunk i+1 while chunk i is on the wire; return the sends and crc32s.
-        The staging buffers go to `bufs`: the caller returns them to the pool once sent."""
-        idx = staging.block_ids(src, kv.device)
+                            bufs: list[torch.Tensor], stamps: dict[str, Any] | None = None
+                            ) -> tuple[list[asyncio.Future], list[int]]:
+        """Gather each layer chunk into a staging buffer and send it; return the sends and
+        crc32s. The buffers go to `bufs`: the caller returns them to the pool once sent.
+
+        On a GPU every gather is queued at once on the staging stream (after the work already
+        queued on the current stream), each followed by an event; chunk i is sent as soon as
+        its own event fires, while later gathers still run: UCX reads the buffer directly, so
+        it must be complete, but nothing else need be. On the host a gather is synchronous, so
+        chunk i+1 is gathered while chunk i is on the wire."""
+        stream = staging.copy_stream(kv.device)
+        staging.after_current(stream)
         layer_bytes = len(src) * self.layout.block_bytes // self.layout.num_layers
+        with torch.cuda.stream(stream):
+            idx = staging.block_ids(src, kv.device)
+        ready: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+
+        def stage(lo: int, hi: int) -> None:
+            with torch.cuda.stream(stream):  # never held across an await
+                bufs.append(self._pool.take((hi - lo) * layer_bytes, kv.device))
+                data = staging.gather(kv, (lo, hi), idx, bufs[-1])
+            ready.append((data, staging.mark(stream)))
+
+        if stream is not None:
+            for lo, hi in chunks:
+                stage(lo, hi)
         sends, sums = [], []
         for i, (lo, hi) in enumerate(chunks):
-            bufs.append(self._pool.take((hi - lo) * layer_bytes, kv.device))
-            data = staging.gather(kv, (lo, hi), idx, bufs[-1])
-            if data.is_cuda:
-                torch.cuda.current_stream(data.device).synchronize()  # UCX reads it directly
+            if stream is None:
+                stage(lo, hi)
+            data, done = ready[i]
+            if done is not None:
+                done.synchronize()
+            if stamps is not None:
+                stamps["ready"].append(time.perf_counter())
             if self.checksum:
                 sums.append(wire.crc(data))
             sends.append(self._send(wire.as_buffer(data), seq, wire.CHUNK + i))
@@ -104,3 +144,19 @@ class UcxConnection(Connection):
         except Exception:  # the receiver is already gone: nothing to say goodbye to
             log.debug("kvtransfer: bye not delivered", exc_info=True)
         wire.drop(self._ep)
+
+
+def _trace_record(stamps: dict[str, Any], t1: float, rx: dict[str, Any] | None,
+                  num_chunks: int) -> dict[str, Any]:
+    """One transfer's timeline in seconds since `send_blocks` began. Sender: `ready[i]` chunk
+    i gathered (its send posted right after), `sent` every send complete, `acked` the ack in.
+    Receiver (`rx`, None if it sent no stamps): `header` the header in, `landed[i]` chunk i
+    in, `scattered` the last scatter queued, `synced` the scatters complete, `ack` about to
+    send the ack."""
+    t0 = stamps["t0"]
+    rel = (lambda v: [x - t0 for x in v] if isinstance(v, list) else v - t0)
+    out: dict[str, Any] = {"chunks": num_chunks, "ready": rel(stamps["ready"]),
+                           "sent": rel(stamps.get("sent", t1)), "acked": t1 - t0}
+    out["rx"] = None if rx is None else {k: rel(v) for k, v in rx.items()}
+    return out
+

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from kvtransfer import LayoutMismatch, LocalTransport, LoopThread, TransferError
+from kvtransfer import LayoutMismatch, LocalTransport, LoopThread, TransferError, staging
 from kvtransfer.base import Inbox
 from kvtransfer.staging import StagingPool, block_ids, gather, scatter
 from tests.kvtransfer.conftest import random_kv, tiny_layout
@@ -110,6 +110,46 @@ def test_gather_scatter_match_plain_indexing(dtype):
     assert torch.equal(part, src[1:3, :, ids])
     scatter(dst, (1, 3), to, part)
     assert torch.equal(dst[1:3, :, to], src[1:3, :, ids])
+
+
+def test_scatter_takes_ids_built_once():
+    """The receiver builds the id tensor once per request and passes it to every chunk's
+    scatter: the same result as the list."""
+    layout = tiny_layout()
+    src = random_kv(layout, seed=1)
+    a, b = random_kv(layout, seed=2), random_kv(layout, seed=2)
+    to = [9, 0, 33]
+    part = src[0:2, :, [1, 2, 3]].contiguous()
+    scatter(a, (0, 2), to, part)
+    scatter(b, (0, 2), block_ids(to, b.device), part)
+    assert torch.equal(a, b) and torch.equal(a[0:2, :, to], part)
+    assert block_ids(torch.tensor([4, 5], dtype=torch.int32), "cpu").dtype == torch.long
+
+
+def test_host_copies_need_no_stream():
+    assert staging.copy_stream("cpu") is None
+    assert staging.mark(None) is None
+    staging.after_current(None)  # a no-op, not an error
+    with torch.cuda.stream(staging.copy_stream("cpu")):  # the senders' idiom, on the host
+        assert torch.equal(torch.ones(2) * 2, torch.full((2,), 2.0))
+
+
+@pytest.mark.gpu
+def test_copy_stream_orders_after_current_work_and_marks_its_own():
+    dev = torch.device("cuda", 0)
+    s = staging.copy_stream(dev)
+    assert s is staging.copy_stream("cuda:0") and s != torch.cuda.current_stream(dev)
+    layout = tiny_layout("bfloat16")
+    kv = torch.zeros(layout.kv_shape(64), dtype=torch.bfloat16, device=dev)
+    torch.cuda._sleep(10_000_000)  # queued ahead on the current stream: the "engine"
+    kv.fill_(3)
+    staging.after_current(s)
+    buf = StagingPool().take(4 * layout.block_bytes, dev)
+    with torch.cuda.stream(s):
+        part = gather(kv, (0, layout.num_layers), block_ids([1, 2, 3, 4], dev), buf)
+    done = staging.mark(s)
+    done.synchronize()
+    assert bool((part == 3).all())
 
 
 def test_staging_pool_reuses_host_buffers():

@@ -13,7 +13,7 @@ from tests.kvtransfer.conftest import random_kv, sample_extras, tiny_layout
 
 pytest.importorskip("ucxx", reason="ucxx-cu12 is not installed: UCX transport untested")
 
-from kvtransfer.bench import spawn_receiver, stop_receiver  # noqa: E402
+from kvtransfer.bench import measure_raw, spawn_receiver, stop_receiver  # noqa: E402
 from kvtransfer.ucx import UcxTransport  # noqa: E402
 
 
@@ -31,6 +31,34 @@ def test_layer_chunks_with_checksum(ucx_loop, mode):
 
     ucx_loop.run(go(), timeout=60)
     assert torch.equal(dst[:, :, [4, 5, 6]], src[:, :, [1, 2, 3]])
+
+
+def test_trace_has_both_sides_in_order(ucx_loop):
+    """With `trace` on, a transfer leaves its timeline: the sender's stamps and the
+    receiver's (returned in the ack), on one clock, in causal order."""
+    layout = tiny_layout()
+    src, dst = random_kv(layout), random_kv(layout, seed=1)
+
+    async def go():
+        async with UcxTransport(layout, dst) as rx:
+            tx = UcxTransport(layout, num_chunks=3)
+            conn = await tx.connect(rx.address)
+            await conn.send_blocks("quiet", src, [1, 2], [3, 4])
+            quiet = conn.last_trace
+            conn.trace = True
+            stats = await conn.send_blocks("traced", src, [5, 6], [7, 8], sample_extras())
+            await tx.close()
+            return quiet, conn.last_trace, stats
+
+    quiet, t, stats = ucx_loop.run(go(), timeout=60)
+    assert quiet is None
+    rx = t["rx"]
+    assert t["chunks"] == 3 and len(t["ready"]) == 3 and len(rx["landed"]) == 3
+    assert 0 <= t["ready"][0] <= t["ready"][-1] <= rx["landed"][-1]
+    assert 0 < rx["header"] <= rx["landed"][0] <= rx["landed"][-1] <= rx["scattered"]
+    assert rx["scattered"] <= rx["synced"] <= rx["ack"] <= t["acked"]
+    assert t["sent"] <= t["acked"] == pytest.approx(stats.seconds)
+    assert torch.equal(dst[:, :, [7, 8]], src[:, :, [5, 6]])
 
 
 def test_corrupted_payload_is_reported(ucx_loop):
@@ -174,3 +202,21 @@ def test_two_processes(ucx_loop, mode, device, capsys):
     with capsys.disabled():
         print(f"\n[kvtransfer] ucx {mode} {device}, 2 processes: {stats.bytes / 2**20:.1f} MiB in "
               f"{stats.seconds * 1e3:.1f} ms = {stats.bytes_per_s / 1e9:.2f} GB/s")
+
+
+def test_raw_baseline_between_processes(ucx_loop):
+    """`measure_raw`: bare tagged messages to a receiver process, whole and in pieces, small
+    and large enough for a rendezvous, several requests on one receiver."""
+    layout = tiny_layout()
+    proc, pipe, address = spawn_receiver(layout, 4)
+    try:
+        rows = ucx_loop.run(measure_raw(address, "cpu", [64 << 10, 4 << 20], [1, 3], 2),
+                            timeout=60)
+        again = ucx_loop.run(measure_raw(address, "cpu", [4 << 20], [1], 1), timeout=60)
+    finally:
+        stop_receiver(proc, pipe, layout)
+    assert [(r["bytes"], r["pieces"]) for r in rows] == [
+        (64 << 10, 1), (64 << 10, 3), (4 << 20, 1), (4 << 20, 3)]
+    assert all(0 < r["landed_ms"] and 0 < r["sent_ms"] <= r["acked_ms"] for r in rows + again)
+    assert proc.exitcode == 0
+
