@@ -80,6 +80,7 @@ class KPolicy:
         self.costs = StepCosts()
         self.plain_probe = False
         self.draft_probe = False
+        self.batch_idle = 0  # fused steps in a row at K=0 (choose_batch)
 
     def begin_propose(self, step: int, batch_size: int) -> None:
         """Called before a step's drafts are chosen: decides whether this is a plain probe
@@ -102,20 +103,51 @@ class KPolicy:
         seeded = not seq.params.greedy and seq.params.seed is not None
         if self.plain_probe and not seeded:
             return 0
-        a = min(seq.accept_rate if seq.accept_rate is not None else self.prior, 0.999)
-        per_token = None if seeded or self.draft_probe else self.costs.per_token(batch_size)
-        if per_token is None:
-            per_token = self.spec.verify_token_cost * max(1.0, batch_size / self.knee)
-            per_token += self.spec.draft_step_cost
-        best_k, best = 0, 1.0
-        for k in range(1, kmax + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + k * per_token)
-            if gain > best * 1.02:  # a margin: don't speculate for a rounding-error win
-                best_k, best = k, gain
+        best_k = self._best_k([self._rate(seq)], self._cost(batch_size, seeded))
         if best_k == 0:
             seq.idle_steps += 1
             if seq.idle_steps % PROBE_EVERY == 0:
                 return 1
+        return best_k
+
+    def choose_batch(self, seqs: list[Sequence], batch_size: int) -> int:
+        """One K for a whole fused step (greedy decodes only). Its rows form a [B, K+1]
+        grid and its draft chain runs K steps for everyone, so a sequence drafting fewer
+        than the batch's K saves nothing; per-sequence choices would instead make the whole
+        batch pay for whichever sequence drafts most (a K=0 sequence probing every
+        PROBE_EVERY steps, at 64 streams, makes nearly every step a drafting one). So K
+        maximizes the batch's expected tokens per unit of step cost, and a batch at K=0
+        probes together."""
+        kmax = self.spec.num_tokens
+        if not self.spec.dynamic or kmax == 0:
+            return kmax
+        if self.plain_probe:
+            return 0
+        best_k = self._best_k([self._rate(s) for s in seqs], self._cost(batch_size, False))
+        if best_k == 0:
+            self.batch_idle += 1
+            if self.batch_idle % PROBE_EVERY == 0:
+                return 1
+        return best_k
+
+    def _rate(self, seq: Sequence) -> float:
+        return min(seq.accept_rate if seq.accept_rate is not None else self.prior, 0.999)
+
+    def _cost(self, batch_size: int, seeded: bool) -> float:
+        """Step cost of one draft per sequence, relative to a plain step."""
+        per_token = None if seeded or self.draft_probe else self.costs.per_token(batch_size)
+        if per_token is None:
+            per_token = self.spec.verify_token_cost * max(1.0, batch_size / self.knee)
+            per_token += self.spec.draft_step_cost
+        return per_token
+
+    def _best_k(self, rates: list[float], per_token: float) -> int:
+        """argmax over K of sum over sequences of (1 - a^(K+1)) / (1 - a), over 1 + K c."""
+        best_k, best = 0, float(len(rates))
+        for k in range(1, self.spec.num_tokens + 1):
+            gain = sum((1 - a ** (k + 1)) / (1 - a) for a in rates) / (1 + k * per_token)
+            if gain > best * 1.02:  # a margin: don't speculate for a rounding-error win
+                best_k, best = k, gain
         return best_k
 
     @staticmethod

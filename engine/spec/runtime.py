@@ -104,10 +104,12 @@ class SpecRunner:
         """K for this sequence, capped by what it may still emit and by free KV blocks."""
         return self._k_for(span.seq, span.lo + span.m + 1, blocks, batch_size) or 0
 
-    def _k_for(self, seq: Sequence, need: int, blocks, batch_size: int) -> int | None:
-        """K for `seq` whose pending token will be its token number `need`: capped by what it
-        may still emit after that token and by free KV blocks. Grows the blocks for the
-        pending token and the drafts; None if not even the pending token fits."""
+    def _k_for(self, seq: Sequence, need: int, blocks, batch_size: int,
+               want: int | None = None) -> int | None:
+        """K for `seq` whose pending token will be its token number `need` (`want`, or the
+        policy's choice): capped by what it may still emit after that token and by free KV
+        blocks. Grows the blocks for the pending token and the drafts; None if not even the
+        pending token fits."""
         if not blocks.can_grow(seq, need):
             return None
         blocks.grow(seq, need)
@@ -115,7 +117,8 @@ class SpecRunner:
         # of k drafts emits k + 1: keep within max_tokens and the model's length.
         left = min(seq.params.max_tokens - len(seq.output_ids),
                    self.cfg.max_model_len - len(seq)) - (need - len(seq) + 1)
-        k = min(self.policy.choose(seq, batch_size), max(left, 0))
+        k = self.policy.choose(seq, batch_size) if want is None else want
+        k = min(k, max(left, 0))
         if seq.max_draft is not None:
             k = min(k, seq.max_draft)
         while k and not blocks.can_grow(seq, need + k):
@@ -146,7 +149,9 @@ class SpecRunner:
         # Next drafts are chosen before this step's acceptance is known (a one-step lag): the
         # pending token after this step is at most token len + k + 1.
         self.policy.begin_propose(step, len(seqs))
-        kn = [self._k_for(s, len(s) + k + 1, blocks, len(seqs)) for s, k in zip(seqs, kcur)]
+        want = self.policy.choose_batch(seqs, len(seqs))
+        kn = [self._k_for(s, len(s) + k + 1, blocks, len(seqs), want)
+              for s, k in zip(seqs, kcur)]
         q = next(x for x in f.query_levels if x > max(kcur))
         inp = pack_uniform(seqs, q, self.cfg.block_size)
         h = self._launch(seqs, kcur, [k or 0 for k in kn], q, inp, None)
@@ -163,9 +168,10 @@ class SpecRunner:
             return None
         kcur = list(prev.kn)
         self.policy.begin_propose(step, len(seqs))
+        want = self.policy.choose_batch(seqs, len(seqs))
         # This step's tokens were given blocks when prev chose its drafts; the pending token
         # after it and the drafts it makes get theirs now (none free: drain instead).
-        kn = [self._k_for(s, len(s) + kp + 1 + kc + 1, blocks, len(seqs))
+        kn = [self._k_for(s, len(s) + kp + 1 + kc + 1, blocks, len(seqs), want)
               for s, kp, kc in zip(seqs, prev.kcur, kcur)]
         if None in kn or max(len(s.block_table) for s in seqs) > f.max_blocks:
             return None

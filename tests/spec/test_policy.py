@@ -150,3 +150,27 @@ def test_engine_times_pure_decode_steps():
     costs = eng.spec.policy.costs
     assert costs.knows_plain(2) and costs.per_token(2) is not None
     assert costs.per_token(2) > 1.0  # a draft costs more than a whole plain step here
+
+
+def test_batch_k_is_one_k_for_the_whole_fused_step():
+    """A fused step's grid is uniform: one K for the batch, maximizing the batch's expected
+    tokens per cost; a batch where no K pays stays at 0 and probes together, every
+    PROBE_EVERY steps, instead of one sequence at a time."""
+    from engine.spec.policy import StepCosts
+
+    pol = KPolicy(SpecConfig(num_tokens=7))
+    pol.costs.plain[4], pol.costs.per_draft[4] = 1e-3, 0.25  # measured: a draft = 1/4 step
+    mixed = [seq_with_rate(a) for a in (0.9, 0.9, 0.1, 0.1)]
+    # Alone, the good drafters would take K=4 and the bad ones 0; the batch pays 4 rows for
+    # everyone then, so the best K for the sum is lower.
+    assert [pol.choose(s, 4) for s in mixed] == [4, 4, 0, 0]
+    assert pol.choose_batch(mixed, 4) == 3
+    pol.costs = StepCosts()
+    pol.costs.plain[64], pol.costs.per_draft[64] = 1e-3, 1.0  # a draft costs a whole step
+    low = [seq_with_rate(0.3) for _ in range(64)]
+    ks = [pol.choose_batch(low, 64) for _ in range(2 * PROBE_EVERY)]
+    assert ks.count(1) == 2 and ks.count(0) == 2 * PROBE_EVERY - 2
+    pol.begin_propose(0, 64)  # a plain probe step
+    assert pol.plain_probe and pol.choose_batch([seq_with_rate(0.99)] * 64, 64) == 0
+    fixed = KPolicy(SpecConfig(num_tokens=4, dynamic=False))
+    assert fixed.choose_batch(low, 64) == 4
