@@ -73,7 +73,10 @@ def gather(kv: torch.Tensor, layers: tuple[int, int], ids: torch.Tensor,
     """Copy blocks `ids` of layers [lo, hi) into `out`, as `[layers, 2, n, block...]`."""
     src = rows(kv, layers)
     dst = out.view(kv.dtype).view(src.shape[0], len(ids), src.shape[2])
-    torch.index_select(src, 1, ids, out=dst)
+    if use_kernel(kv):
+        copy_blocks(src, dst, ids, gather=True)
+    else:
+        torch.index_select(src, 1, ids, out=dst)
     return dst.view((layers[1] - layers[0], 2, len(ids)) + tuple(kv.shape[3:]))
 
 
@@ -83,7 +86,46 @@ def scatter(kv: torch.Tensor, layers: tuple[int, int], ids: Sequence[int] | torc
     or a tensor from `block_ids`: build it once per request, not once per layer chunk)."""
     dst = rows(kv, layers)
     src = data.to(kv.device).reshape(dst.shape[0], len(ids), dst.shape[2])
-    dst.index_copy_(1, block_ids(ids, kv.device), src)
+    ids = block_ids(ids, kv.device)
+    if use_kernel(kv):
+        copy_blocks(dst, src, ids, gather=False)
+    else:
+        dst.index_copy_(1, ids, src)
+
+
+# ---- the block copy kernel -------------------------------------------------------------------
+# torch's index_select / index_copy_ along the blocks dimension moved 1 GiB of an 8B-shaped KV
+# at about 0.9 TB/s on an H200 (2.4 ms to gather, 1.9 to scatter, longer than the NVLink
+# transfer itself); a plain tiled copy of whole blocks runs near the device's copy rate.
+
+COPY_TILE = 4096  # elements of a block row per program
+
+
+def use_kernel(kv: torch.Tensor) -> bool:
+    from engine.attention import triton_available
+
+    return kv.is_cuda and triton_available()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The same bytes as an integer tensor: a copy moves bits, whatever the dtype."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        t.element_size()])
+
+
+def copy_blocks(kv_rows: torch.Tensor, packed: torch.Tensor, ids: torch.Tensor,
+                gather: bool) -> None:
+    """packed[r, j] = kv_rows[r, ids[j]] (gather) or the reverse (scatter), for
+    `kv_rows` [R, blocks, E] and `packed` [R, n, E], both contiguous along E."""
+    from kvtransfer._copy_kernel import copy_blocks_kernel
+
+    r, n, e = packed.shape
+    if r == 0 or n == 0:
+        return
+    a, b = _bits(kv_rows), _bits(packed)
+    grid = (r * n, -(-e // COPY_TILE))
+    copy_blocks_kernel[grid](a, b, ids, n, e, a.stride(0), a.stride(1), b.stride(0),
+                             b.stride(1), GATHER=gather, TILE=COPY_TILE)
 
 
 class StagingPool:

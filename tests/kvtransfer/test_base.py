@@ -184,3 +184,34 @@ def test_local_transfer_moves_between_devices(src_dev, dst_dev):
     assert torch.equal(after[:, :, [0, 5, 63]], src[:, :, [1, 9, 4]])
     others = [b for b in range(64) if b not in (0, 5, 63)]
     assert torch.equal(after[:, :, others], before[:, :, others])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_block_copy_kernel_equals_index_select_and_index_copy(dtype):
+    """The Triton block copy that gathers and scatters on GPUs (run by the interpreter here):
+    bit for bit what index_select / index_copy_ produce, for any dtype (it moves bits), with
+    rows longer than one tile and blocks in any order."""
+    from engine.attention import triton_available
+    from kvtransfer import staging
+
+    if not triton_available():
+        pytest.skip("needs triton")
+    old = staging.COPY_TILE
+    staging.COPY_TILE = 64  # several tiles per block row, the last one partial
+    try:
+        g = torch.Generator().manual_seed(0)
+        kv = torch.randn(3, 2, 9, 4, 2, 13, generator=g).to(dtype)  # 104 elements per block row
+        ids = torch.tensor([7, 0, 4, 5])
+        src = staging.rows(kv, (1, 3))
+        ref = torch.index_select(src, 1, ids)
+        got = torch.zeros_like(ref)
+        staging.copy_blocks(src, got, ids, gather=True)
+        assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           ref.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        dst, want = kv.clone(), kv.clone()
+        data = torch.randn(ref.shape, generator=g).to(dtype)
+        staging.rows(want, (1, 3)).index_copy_(1, ids, data)
+        staging.copy_blocks(staging.rows(dst, (1, 3)), data, ids, gather=False)
+        assert torch.equal(dst, want) and not torch.equal(dst, kv)
+    finally:
+        staging.COPY_TILE = old
