@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 
 from engine import Engine, SamplingParams
 from engine.output import RequestOutput
+
+
+def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: a's tokens and text, then b's; the
+    running counts and the finish state are b's."""
+    return dataclasses.replace(b, token_ids=a.token_ids + b.token_ids, text=a.text + b.text)
 
 
 class EngineLoop:
@@ -45,12 +52,20 @@ class EngineLoop:
             self.inbox.put(("call", lambda eng: eng.admit(handoff), None, rid))
         else:
             self.inbox.put(("add", rid, ids, params, spec_cap, hold))
-        done = False
+        done, pending = False, None
         try:
             while True:
-                item = await q.get()
+                item, pending = (pending, None) if pending is not None else (await q.get(), None)
                 if isinstance(item, BaseException):
                     raise item
+                # A consumer that fell behind (a Ray stream, a slow client) gets what piled
+                # up as one output: the same tokens and text, fewer messages to ship.
+                while not (item.finished or item.handoff) and not q.empty():
+                    nxt = q.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        pending = nxt
+                        break
+                    item = merge_outputs(item, nxt)
                 yield item
                 if item.finished or item.handoff:
                     done = True
