@@ -1133,7 +1133,9 @@ def warm_engine(eng, w: Workload, batch_sizes) -> str:
     return note
 
 
-def run_colocated(eng, w: Workload, step_limit: int, deadline_s: float) -> dict:
+def start_background(eng, w: Workload) -> int:
+    """Start the background decode streams and step them until warm (32 steps at least);
+    the measured window starts now. Returns the steps taken."""
     for i, p in enumerate(w.short):
         eng.add_request(p, w.bg_params, request_id=f"bg{i}")
     steps = 0
@@ -1141,6 +1143,11 @@ def run_colocated(eng, w: Workload, step_limit: int, deadline_s: float) -> dict:
         w.record(eng.step(), time.perf_counter())
         steps += 1
     w.t0 = time.perf_counter()
+    return steps
+
+
+def run_colocated(eng, w: Workload, step_limit: int, deadline_s: float) -> dict:
+    steps = start_background(eng, w)
     while not w.finished() and steps < step_limit and time.perf_counter() - w.t0 < deadline_s:
         for rid, p in w.due(time.perf_counter()):
             eng.add_request(p, w.long_params, request_id=rid)
@@ -1441,13 +1448,7 @@ def run_disaggregated_process(args, pp: PrefillProcess, ucx: UcxLoop, rx, dec, w
         else:
             raise RuntimeError(f"unexpected message from the prefill process: {msg[:2]}")
 
-    for i, p in enumerate(w.short):
-        dec.add_request(p, w.bg_params, request_id=f"bg{i}")
-    steps = 0
-    while not w.warm() or steps < 32:
-        w.record(dec.step(), time.perf_counter())
-        steps += 1
-    w.t0 = time.perf_counter()
+    steps = start_background(dec, w)
     while not w.finished() and steps < step_limit and time.perf_counter() - w.t0 < deadline_s:
         for rid, _ in w.due(time.perf_counter()):
             reserved[rid] = dec.reserve(rid, plen)
