@@ -140,7 +140,7 @@ def main(argv=None) -> int:
            "device": torch.cuda.get_device_name() if cuda else "cpu", "runs": []}
     for name in args.variants.split(","):
         eng = base.with_config(spec=variants[name], num_blocks=8192)
-        eng.capture_graphs(range(1, max(conc) + 1))  # tails pass through every bucket
+        eng.capture_graphs(range(1, max(conc) + 1), long_context=False)  # every bucket a tail meets
         for c in conc:
             batch = [prompts[i % len(prompts)] for i in range(c)]
             eng.generate(batch, params)  # warm: JIT, allocations, the dynamic-K cost model

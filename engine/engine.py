@@ -10,6 +10,7 @@ import torch
 
 from engine import loader
 from engine.attention import get_backend
+from engine.attention.triton_backend import LONG_CONTEXT
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, ResourceExhaustedError
@@ -322,10 +323,16 @@ class Engine:
         drafts = sum(k for k, _ in results.values()) + sum(len(s.draft) for s in batch.seqs)
         self.spec.policy.costs.record(len(batch.seqs), drafts / (2 * len(batch.seqs)), seconds)
 
-    def capture_graphs(self, batch_sizes=None, progress: bool = False) -> int:
-        """Capture now every decode/verify/draft graph that batches of `batch_sizes` (default:
-        every bucket) will replay, instead of lazily in the middle of serving; returns how
-        many were captured. Long-context variants still capture on first use."""
+    def capture_graphs(self, batch_sizes=None, progress: bool = False,
+                       long_context: bool | None = None) -> int:
+        """Capture now every decode/verify/draft/prefill graph that batches of `batch_sizes`
+        (default: every bucket) will replay, instead of lazily in the middle of serving;
+        returns how many were captured. `long_context` (default: when max_model_len allows
+        contexts past LONG_CONTEXT) adds the split-KV variants a batch switches to once a
+        context passes that length, so the first long request does not stall every stream
+        of its batch for a capture."""
+        if long_context is None:
+            long_context = self.config.max_model_len > LONG_CONTEXT
         sets = [self.runner.graphs, self.runner.prefill_graphs]
         if self.spec is not None and self.spec.graphs is not None:
             k = self.spec.spec.num_tokens
@@ -334,11 +341,11 @@ class Engine:
             if self.spec.fused is not None:
                 sets += self.spec.fused.all_sets()
         sets = [g for g in sets if g is not None]
-        keys = [(g, b, q) for g in sets for b, q in g.pending(batch_sizes)]
+        keys = [(g, key) for g in sets for key in g.pending(batch_sizes, long_context)]
         bar = _progress(len(keys), progress, "cuda graphs", "graph")
         with self._on_device(), torch.inference_mode():
-            for g, b, q in keys:
-                g.capture(b, q)
+            for g, key in keys:
+                g.capture(*key)
                 bar.update(1)
         bar.close()
         return len(keys)

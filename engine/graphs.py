@@ -243,13 +243,16 @@ class GraphSet:
     def _query_level(self, q: int) -> int:
         return next(x for x in self.query_lens if x >= q) if self.pad_queries else q
 
-    def pending(self, batch_sizes: Sequence[int] | None = None) -> list[tuple[int, int]]:
-        """(bucket, query length) pairs not captured yet that batches of `batch_sizes` (None:
-        every bucket) would replay, largest first so smaller graphs reuse its memory."""
+    def pending(self, batch_sizes: Sequence[int] | None = None, long_context: bool = False
+                ) -> list[tuple[int, int, bool]]:
+        """(bucket, query length, long-context) keys not captured yet that batches of
+        `batch_sizes` (None: every bucket) would replay, largest first so smaller graphs reuse
+        its memory; the long-context (split-KV) variants too when `long_context`."""
         buckets = self.buckets if batch_sizes is None else \
             {bucket_for(b, self.buckets) for b in batch_sizes} - {None}
-        return [(b, q) for b in sorted(buckets, reverse=True) for q in reversed(self.query_lens)
-                if (b, q, False) not in self.graphs]
+        kinds = (False, True) if long_context else (False,)
+        return [(b, q, long) for long in kinds for b in sorted(buckets, reverse=True)
+                for q in reversed(self.query_lens) if (b, q, long) not in self.graphs]
 
     def capture(self, b: int, q: int, long: bool = False) -> None:
         """Capture (off CUDA: register for eager runs) the graph of one bucket."""

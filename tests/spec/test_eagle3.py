@@ -182,6 +182,12 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
     assert fast.capture_graphs([2, 3]) == \
         2 * (k + 1) * 2 + 2 + 2 * (k - 1) + 2 * len(PREFILL_LENS)
     assert (4, k + 1, False) in fast.runner.graphs.graphs
+    # Long-context (split-KV) variants on request (by default when max_model_len passes
+    # LONG_CONTEXT): the same keys again with the flag set, nothing twice.
+    n = fast.capture_graphs([2, 3], long_context=True)
+    assert n == 2 * (k + 1) * 2 + 2 + 2 * (k - 1) + 2 * len(PREFILL_LENS)
+    assert (4, k + 1, True) in fast.runner.graphs.graphs
+    assert fast.capture_graphs([2, 3], long_context=True) == 0
     assert [c.token_ids for c in slow.generate(prompts, sp)] == ref
     assert [c.token_ids for c in fast.generate(prompts, sp)] == ref
     assert fast.spec.stats.accepted_per_pos == slow.spec.stats.accepted_per_pos
