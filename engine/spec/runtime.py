@@ -80,6 +80,7 @@ class SpecRunner:
         self.fused: FusedSteps | None = None
         self.fused_runs = 0  # steps that ran as one fused graph
         self.overlapped_runs = 0  # of those, launched from the previous step's device outputs
+        self.known_continuations = 0  # of those, at K=0 with positions known on the host
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -177,22 +178,40 @@ class SpecRunner:
             return None
         q = next(x for x in f.query_levels if x > max(kcur))
         b = len(seqs)
+        tab = table_array([s.block_table for s in seqs])
+        self.overlapped_runs += 1
+        if q == 1 and not any(prev.kcur):
+            # Nothing verified by prev and nothing to verify now (a batch at K=0): prev
+            # emits exactly one token, so every position is known here, as in a plain
+            # decode; only the token ids come from prev's outputs.
+            bs = self.cfg.block_size
+            pos = np.fromiter((len(s) for s in seqs), np.int64, b)
+            slots = tab[np.arange(b), pos // bs] * bs + pos % bs
+            inp = PackedInputs(np.zeros(b, np.int64), pos, slots,
+                               np.arange(b + 1, dtype=np.int64), pos + 1, tab, 1)
+            self.known_continuations += 1
+            return self._launch(seqs, kcur, kn, q, inp, prev, known=True)
         # Host part: block tables and query starts; the rest is a placeholder the device
         # overwrites. Context upper bound: every draft of prev accepted.
         bound = np.fromiter((len(s) + kp + q for s, kp in zip(seqs, prev.kcur)), np.int64, b)
-        tab = table_array([s.block_table for s in seqs])
         inp = PackedInputs(np.zeros(b * q, np.int64), np.zeros(b * q, np.int64),
                            np.full(b * q, -1, np.int64), np.arange(b + 1, dtype=np.int64) * q,
                            bound, tab, q)
-        self.overlapped_runs += 1
         return self._launch(seqs, kcur, kn, q, inp, prev)
 
-    def _launch(self, seqs, kcur, kn, q, inp, prev: FusedHandle | None) -> FusedHandle:
+    def _launch(self, seqs, kcur, kn, q, inp, prev: FusedHandle | None,
+                known: bool = False) -> FusedHandle:
+        """Replay the fused step for inp; after `prev`, its device-side inputs come from
+        prev's outputs: all of them (`continuation`), or only the token ids when the host
+        knew the rest (`known`: prev and this step are one row per sequence)."""
         b = len(seqs)
         rows = np.zeros(b * q, dtype=np.int64)
         rows[::q] = kn
         prepare = None
-        if prev is not None:
+        if known:
+            def prepare(ids, pos, meta):
+                ids[:b].copy_(prev.out[0][:b])
+        elif prev is not None:
             state = self.stager.index([*(s.num_computed for s in seqs), *kcur])
             prepare = continuation(prev, state, b, q, self.cfg.block_size)
         out = self.fused.set_for(max(kn)).run(inp, (self.stager.index(rows)[:, None],),
