@@ -23,11 +23,11 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, kv_cache, meta: AttentionMetadata, fused: bool = False):
         qkv = self.qkv_proj(x)
-        if fused:  # rotate q and k in place inside qkv: one launch
+        if fused:  # rotate q and k in place inside qkv and store k, v: one launch
             heads = qkv.view(-1, self.nh + 2 * self.nkv, self.hd)
-            ops.rope_(heads[:, : self.nh + self.nkv], positions, self.rotary.cos, self.rotary.sin)
-            q, k, v = heads.split([self.nh, self.nkv, self.nkv], dim=1)
-            o = self.backend.forward(q, k, v, kv_cache, meta)
+            ops.rope_store_(heads, self.nh, self.nkv, positions, self.rotary.cos,
+                            self.rotary.sin, kv_cache, meta.slot_mapping)
+            o = self.backend.attend(heads[:, : self.nh], kv_cache, meta)
             return self.o_proj(o.reshape(-1, self.nh * self.hd))
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q = q.view(-1, self.nh, self.hd)

@@ -2,7 +2,8 @@
 
 Each kernel rounds to the storage dtype where the torch reference (engine/layers.py,
 engine/model.py) rounds, so fused and unfused models differ only by the order of the norm's
-sum; a decode step falls from about 40 launches per layer to about 10.
+sum; a decode step falls from about 40 launches per layer to about 9 (rotary and the KV
+store share one launch, `rope_store_`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,47 @@ if triton_available():
         tl.store(base + HALF + offs, (a2 + b2).to(dt), mask=mask)
 
     @triton.jit
+    def _rope_store_kernel(X, COS, SIN, POS, KC, VC, SLOTS, stride_xt, stride_xh, stride_c,
+                           stride_cs, NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        """One (token, head) of qkv [T, NQ + 2*NKV, 2*HALF]: q heads rotate in place, k
+        heads rotate in place and go to cache slot SLOTS[t], v heads only go to the cache
+        (slot -1: no store). The rotation rounds exactly as `_rope_kernel`."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < HALF
+        base = X + t * stride_xt + h * stride_xh
+        x1 = tl.load(base + offs, mask=mask, other=0.0)
+        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
+        slot = tl.load(SLOTS + t)
+        if h < NQ + NKV:
+            p = tl.load(POS + t)
+            dt = x1.dtype
+            c1 = tl.load(COS + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+            c2 = tl.load(COS + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
+            s1 = tl.load(SIN + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+            s2 = tl.load(SIN + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
+            a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
+            b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
+            a2 = (x2.to(tl.float32) * c2.to(tl.float32)).to(dt).to(tl.float32)
+            b2 = (x1.to(tl.float32) * s2.to(tl.float32)).to(dt).to(tl.float32)
+            y1 = (a1 + b1).to(dt)
+            y2 = (a2 + b2).to(dt)
+            tl.store(base + offs, y1, mask=mask)
+            tl.store(base + HALF + offs, y2, mask=mask)
+            if h >= NQ:
+                if slot >= 0:
+                    dst = KC + slot * stride_cs + (h - NQ) * 2 * HALF
+                    tl.store(dst + offs, y1.to(KC.dtype.element_ty), mask=mask)
+                    tl.store(dst + HALF + offs, y2.to(KC.dtype.element_ty), mask=mask)
+        else:
+            if slot >= 0:
+                dst = VC + slot * stride_cs + (h - NQ - NKV) * 2 * HALF
+                tl.store(dst + offs, x1.to(VC.dtype.element_ty), mask=mask)
+                tl.store(dst + HALF + offs, x2.to(VC.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _silu_mul_kernel(GU, Y, stride_g, N: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -91,6 +133,23 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
         _rope_kernel[(t, h)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0),
                              HALF=d // 2, BLOCK=next_pow2(d // 2, 1), num_warps=1)
     return x
+
+
+def rope_store_(heads: torch.Tensor, num_q: int, num_kv: int, positions: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                slots: torch.Tensor) -> torch.Tensor:
+    """heads = qkv as [T, num_q + 2*num_kv, head_dim]: rotate q and k in place and store
+    k and v into kv_cache ([2, blocks, block, num_kv, head_dim]) at `slots` (-1: skip), in
+    one launch: what `rope_` then the backend's `store_kv` do in two."""
+    t, nh, d = heads.shape
+    assert nh == num_q + 2 * num_kv and heads.stride(2) == 1
+    kc, vc = kv_cache[0], kv_cache[1]
+    if t:
+        _rope_store_kernel[(t, nh)](heads, cos, sin, positions, kc, vc, slots,
+                                    heads.stride(0), heads.stride(1), cos.stride(0),
+                                    kc.stride(1), NQ=num_q, NKV=num_kv, HALF=d // 2,
+                                    BLOCK=next_pow2(d // 2, 1), num_warps=1)
+    return heads
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

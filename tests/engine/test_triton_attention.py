@@ -191,3 +191,32 @@ def test_split_kv_matches_torch_reference(dtype, cases):
     out = tri_b.attend(q, cache, meta)
     err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert err < (1e-5 if dtype == torch.float32 else 2e-3), f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_store_equals_rope_then_store(dtype):
+    """The fused rotary + KV store launch: q and k rotated in place exactly as `rope_`, k and
+    v in the cache exactly as the backend's `store_kv` puts them, slot -1 rows skipped."""
+    from engine import ops
+    from engine.attention import TritonAttention
+    from engine.config import RopeConfig
+    from engine.layers import Rotary
+
+    g = torch.Generator().manual_seed(5)
+    nq, nkv, d, t = 4, 2, 16, 6
+    qkv = torch.randn(t, nq + 2 * nkv, d, generator=g).to(dtype).to(DEV)
+    pos = torch.tensor([0, 5, 9, 2, 31, 7], device=DEV)
+    slots = torch.tensor([3, 12, -1, 0, 9, -1], device=DEV)
+    rot = Rotary(RopeConfig(theta=10000.0), d, 64).to(DEV)
+    ref_heads = qkv.clone()
+    ops.rope_(ref_heads[:, : nq + nkv], pos, rot.cos, rot.sin)
+    ref_cache = torch.zeros(2, 4, 4, nkv, d, dtype=dtype, device=DEV)
+    meta = AttentionMetadata(slot_mapping=slots, query_start=None, seq_lens=None,
+                             block_tables=None, max_query_len=1, max_seq_len=1)
+    TritonAttention(nq, nkv, d, 4).store_kv(ref_heads[:, nq : nq + nkv],
+                                           ref_heads[:, nq + nkv :], ref_cache, meta)
+    heads, cache = qkv.clone(), torch.zeros_like(ref_cache)
+    ops.rope_store_(heads, nq, nkv, pos, rot.cos, rot.sin, cache, slots)
+    assert torch.equal(heads, ref_heads) and not torch.equal(heads, qkv)
+    assert torch.equal(cache, ref_cache) and cache.abs().sum() > 0
+    assert cache.view(2, 16, nkv, d)[:, [1, 2]].abs().sum() == 0  # slots no row names
