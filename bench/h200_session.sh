@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # What one H200 session runs once the model and wheels are staged under /tmp (see
 # bench/README.md): `bash bench/h200_session.sh cluster` (GPU tests + the two-GPU cluster),
-# `bash bench/h200_session.sh bench` (the figures). Results land in $OUT/<part>.tgz.
+# `bash bench/h200_session.sh bench` (the figures), `bash bench/h200_session.sh ucx` (the UCX
+# sweep, two GPUs; SWEEP_ONLY=a,b narrows it). Results land in $OUT/<part>.tgz.
 set -u
 part=${1:-bench}
 M=${MODEL:-/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -10,7 +11,11 @@ mkdir -p "$R"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
 export RAY_USAGE_STATS_ENABLED=0
 nvidia-smi -L > "$R/gpus.txt"
-if [ "$part" = cluster ]; then
+if [ "$part" = ucx ]; then  # two GPUs: figure 4's transfer under many UCX settings
+  timeout "${SWEEP_TIMEOUT:-200}" python3 -m bench.ucx_sweep --out "$R" --budget "${SWEEP_BUDGET:-185}" \
+    ${SWEEP_ONLY:+--only "$SWEEP_ONLY"} > "$R/sweep.log" 2>&1
+  tail -15 "$R/sweep.log"
+elif [ "$part" = cluster ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} \
     > "$R/gpu_tests.log" 2>&1
   tail -3 "$R/gpu_tests.log"
