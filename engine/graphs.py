@@ -131,6 +131,17 @@ def table_array(tables: Sequence[Sequence[int]]) -> np.ndarray:
     return tab
 
 
+def pack_next(seqs, tab: np.ndarray, block_size: int) -> PackedInputs:
+    """One row per sequence at position len(seq) (the token the step in flight emits), its
+    KV slot from the block table `tab`, context len(seq) + 1; token ids left 0 for the device
+    to fill in from the step in flight."""
+    b = len(seqs)
+    pos = np.fromiter((len(s) for s in seqs), np.int64, b)
+    slots = tab[np.arange(b), pos // block_size] * block_size + pos % block_size
+    return PackedInputs(np.zeros(b, np.int64), pos, slots, np.arange(b + 1, dtype=np.int64),
+                        pos + 1, tab, 1)
+
+
 def pack(ids: list[int], pos: list[int], tables: list[list[int]], qlens: list[int],
          block_size: int) -> PackedInputs:
     """Token ids and positions per packed row, each sequence's block table and query count."""

@@ -17,11 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.graphs import PackedInputs, table_array
+from engine.graphs import PackedInputs, pack_next, table_array
 from engine.runner import ModelRunner, pack_batch
 from engine.sequence import Sequence
 from engine.spec.verify import VerifyResult
@@ -83,16 +82,11 @@ class PlainSteps:
                 return None
         for s in seqs:
             blocks.grow(s, len(s) + 1)
-        b, bs = len(seqs), cfg.block_size
-        pos = np.fromiter((len(s) for s in seqs), np.int64, b)
         tab = table_array([s.block_table for s in seqs])
         if tab.shape[1] > self.runner.graphs.max_blocks:
             return None
-        slots = tab[np.arange(b), pos // bs] * bs + pos % bs
-        inp = PackedInputs(np.zeros(b, np.int64), pos, slots,
-                           np.arange(b + 1, dtype=np.int64), pos + 1, tab, 1)
         self.overlapped_runs += 1
-        return self._launch(seqs, inp, prev)
+        return self._launch(seqs, pack_next(seqs, tab, cfg.block_size), prev)
 
     def _launch(self, seqs, inp: PackedInputs, prev: DecodeHandle | None) -> DecodeHandle:
         b = len(seqs)

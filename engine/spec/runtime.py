@@ -10,7 +10,15 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.graphs import GraphSet, HostStager, PackedInputs, pack, table_array, to_device
+from engine.graphs import (
+    GraphSet,
+    HostStager,
+    PackedInputs,
+    pack,
+    pack_next,
+    table_array,
+    to_device,
+)
 from engine.model import LlamaModel
 from engine.sampler import processed_probs, sample_from
 from engine.sequence import Sequence
@@ -184,13 +192,9 @@ class SpecRunner:
             # Nothing verified by prev and nothing to verify now (a batch at K=0): prev
             # emits exactly one token, so every position is known here, as in a plain
             # decode; only the token ids come from prev's outputs.
-            bs = self.cfg.block_size
-            pos = np.fromiter((len(s) for s in seqs), np.int64, b)
-            slots = tab[np.arange(b), pos // bs] * bs + pos % bs
-            inp = PackedInputs(np.zeros(b, np.int64), pos, slots,
-                               np.arange(b + 1, dtype=np.int64), pos + 1, tab, 1)
             self.known_continuations += 1
-            return self._launch(seqs, kcur, kn, q, inp, prev, known=True)
+            return self._launch(seqs, kcur, kn, q, pack_next(seqs, tab, self.cfg.block_size),
+                                prev, known=True)
         # Host part: block tables and query starts; the rest is a placeholder the device
         # overwrites. Context upper bound: every draft of prev accepted.
         bound = np.fromiter((len(s) + kp + q for s, kp in zip(seqs, prev.kcur)), np.int64, b)
