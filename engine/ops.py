@@ -34,6 +34,20 @@ if triton_available():
         tl.store(Y + row * stride_y + offs, y, mask=mask)
 
     @triton.jit
+    def _rotate(x1, x2, COS, SIN, p, stride_c, offs, mask, HALF: tl.constexpr):
+        """The two halves of x*cos + rotate_half(x)*sin at position p, rounding like torch."""
+        dt = x1.dtype
+        c1 = tl.load(COS + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+        c2 = tl.load(COS + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
+        s1 = tl.load(SIN + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
+        s2 = tl.load(SIN + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
+        a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
+        b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
+        a2 = (x2.to(tl.float32) * c2.to(tl.float32)).to(dt).to(tl.float32)
+        b2 = (x1.to(tl.float32) * s2.to(tl.float32)).to(dt).to(tl.float32)
+        return (a1 + b1).to(dt), (a2 + b2).to(dt)
+
+    @triton.jit
     def _rope_kernel(X, COS, SIN, POS, stride_xt, stride_xh, stride_c,
                      HALF: tl.constexpr, BLOCK: tl.constexpr):
         """In place on x [T, heads, 2*HALF]: x*cos + rotate_half(x)*sin, rounding like torch."""
@@ -45,17 +59,9 @@ if triton_available():
         base = X + t * stride_xt + h * stride_xh
         x1 = tl.load(base + offs, mask=mask, other=0.0)
         x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
-        dt = x1.dtype
-        c1 = tl.load(COS + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
-        c2 = tl.load(COS + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
-        s1 = tl.load(SIN + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
-        s2 = tl.load(SIN + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
-        a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
-        b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
-        a2 = (x2.to(tl.float32) * c2.to(tl.float32)).to(dt).to(tl.float32)
-        b2 = (x1.to(tl.float32) * s2.to(tl.float32)).to(dt).to(tl.float32)
-        tl.store(base + offs, (a1 + b1).to(dt), mask=mask)
-        tl.store(base + HALF + offs, (a2 + b2).to(dt), mask=mask)
+        y1, y2 = _rotate(x1, x2, COS, SIN, p, stride_c, offs, mask, HALF)
+        tl.store(base + offs, y1, mask=mask)
+        tl.store(base + HALF + offs, y2, mask=mask)
 
     @triton.jit
     def _rope_store_kernel(X, COS, SIN, POS, KC, VC, SLOTS, stride_xt, stride_xh, stride_c,
@@ -74,17 +80,7 @@ if triton_available():
         slot = tl.load(SLOTS + t)
         if h < NQ + NKV:
             p = tl.load(POS + t)
-            dt = x1.dtype
-            c1 = tl.load(COS + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
-            c2 = tl.load(COS + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
-            s1 = tl.load(SIN + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
-            s2 = tl.load(SIN + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
-            a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
-            b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
-            a2 = (x2.to(tl.float32) * c2.to(tl.float32)).to(dt).to(tl.float32)
-            b2 = (x1.to(tl.float32) * s2.to(tl.float32)).to(dt).to(tl.float32)
-            y1 = (a1 + b1).to(dt)
-            y2 = (a2 + b2).to(dt)
+            y1, y2 = _rotate(x1, x2, COS, SIN, p, stride_c, offs, mask, HALF)
             tl.store(base + offs, y1, mask=mask)
             tl.store(base + HALF + offs, y2, mask=mask)
             if h >= NQ:
