@@ -39,8 +39,9 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
         address = address or os.environ.get("RAY_ADDRESS")
         if address:  # an existing cluster, e.g. inside `ray job submit`
             ray.init(address=address, log_to_driver=False)
-        else:
-            ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False,
+        else:  # a fresh local instance: never attach to a stray `ray start` left running
+            ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2),
+                     include_dashboard=False,
                      log_to_driver=os.environ.get("TANDEM_RAY_LOGS") == "1")
     P = ray.remote(PrefillNode).options(num_gpus=prefill_gpus, num_cpus=0,
                                         max_concurrency=1000)
