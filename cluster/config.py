@@ -251,7 +251,7 @@ def engine_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
         "enable_prefix_caching": sec.enable_prefix_caching,
         # Prefill needs the spec too: it fills the EAGLE-3 draft layer's KV that it ships.
         "spec": spec_config(cfg.speculation),
-        "overlap": cfg.speculation.overlap,  # plain greedy decodes overlap too (method none)
+        "overlap": cfg.speculation.overlap,  # greedy decode steps, with speculation or not
     }
     if role == "prefill":
         kw["handoff_drafts"] = cfg.speculation.prefill_drafts
@@ -277,7 +277,7 @@ def spec_config(spec: SpecSection):
     from engine.config import SpecConfig
 
     return SpecConfig(method=spec.method, num_tokens=spec.num_tokens, head=spec.head,
-                      dynamic=spec.dynamic, overlap=spec.overlap)
+                      dynamic=spec.dynamic)
 
 
 # ---- helpers ---------------------------------------------------------------------------------

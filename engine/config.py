@@ -138,9 +138,6 @@ class SpecConfig:
     # Greedy decode steps run verify + head + draft chain as one graph replay and one host
     # sync (engine/spec/fused.py); off: the step-by-step path (same tokens, slower).
     fused_step: bool = True
-    # Fused steps overlap: the next is launched from this one's device outputs before the
-    # host reads them (same tokens; K is then chosen two steps ahead).
-    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
@@ -175,7 +172,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA when importable, else torch
     cuda_graphs: bool = True  # replay captured decode/verify/draft steps (CUDA + triton only)
     # Greedy decode steps overlap: the next is launched from this one's device outputs before
-    # the host reads it (same tokens). Speculative engines also need SpecConfig.overlap.
+    # the host reads it (same tokens; with speculation K is then chosen two steps ahead).
     overlap: bool = True
     # Prefill role: draft the first K tokens before a hand-off (the decode side verifies them
     # at once; seeded sampling stays identical to one engine). False: ship only the head's

@@ -281,8 +281,7 @@ class Engine:
         """The next step may be launched before this one is read: overlap is on, no request
         waits to be admitted, and the running set is exactly this batch."""
         run = self.scheduler.running
-        on = self.config.overlap and (self.spec is None or self.spec.spec.overlap)
-        return (on and self.capture is None and not self.scheduler.waiting
+        return (self.config.overlap and self.capture is None and not self.scheduler.waiting
                 and len(run) == len(batch.seqs) and all(a is b for a, b in zip(run, batch.seqs)))
 
     def _settle(self, batch: Batch) -> list[RequestOutput]:

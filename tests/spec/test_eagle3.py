@@ -196,10 +196,10 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
 
 
 def fast_engine(base: Engine, head: Eagle3Head, max_batch: int = 8, num_blocks=None,
-                **spec) -> Engine:
+                overlap: bool = True, **spec) -> Engine:
     """Triton backend with the static-bucket (graph) path, run eagerly on the CPU."""
     cfg = replace(base.config, attention_backend="triton", spec=SpecConfig(**spec),
-                  num_blocks=num_blocks or base.config.num_blocks)
+                  num_blocks=num_blocks or base.config.num_blocks, overlap=overlap)
     eng = Engine(cfg, weights_of=base, draft_head=head)
     eng.runner.enable_graphs(max_batch, range(1, eng.config.spec.num_tokens + 2),
                              eng.spec.aux_layers)
