@@ -224,7 +224,7 @@ class Engine:
         spec = self.spec
         if spec is not None and spec.fused is not None and self.capture is None:
             dec = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
-                   if spec.fusable(s, n)]
+                   if s.greedy_decode(n)]
             if dec and len(dec) < len(batch.seqs):
                 return self._step_split(batch, dec)
         pipe = self.pipe

@@ -49,13 +49,6 @@ class PlainSteps:
         self.fused_runs = 0  # steps launched here (one replay, one read)
         self.overlapped_runs = 0  # of those, launched before the previous step was read
 
-    @staticmethod
-    def fusable(seq: Sequence, n: int) -> bool:
-        """A greedy decode of the pending token alone (no prefill chunk, no draft, no
-        sampling, not a prefill-side request about to be handed off)."""
-        return (seq.params.greedy and not seq.hold and not seq.draft
-                and seq.num_computed == len(seq) - 1 and n == 1)
-
     def fused_launch(self, batch, blocks, step: int, capture=None) -> DecodeHandle | None:
         """Launch the batch's decode step from the host's view; None when it must take the
         regular path (no graphs, a trainer's capture tap, an entry that is not a greedy
@@ -63,7 +56,7 @@ class PlainSteps:
         g = self.runner.graphs
         if g is None or capture is not None or self.runner.graph_aux:
             return None
-        if not all(self.fusable(s, n) for s, n in zip(batch.seqs, batch.num_tokens)):
+        if not all(s.greedy_decode(n) and n == 1 for s, n in zip(batch.seqs, batch.num_tokens)):
             return None
         inp = pack_batch(batch, self.cfg.block_size)
         if not g.supports(inp):
@@ -82,9 +75,8 @@ class PlainSteps:
                 return None
         for s in seqs:
             blocks.grow(s, len(s) + 1)
+        # (len + 1 < max_model_len: the table fits the graphs' max_blocks_per_seq columns.)
         tab = table_array([s.block_table for s in seqs])
-        if tab.shape[1] > self.runner.graphs.max_blocks:
-            return None
         self.overlapped_runs += 1
         return self._launch(seqs, pack_next(seqs, tab, cfg.block_size), prev)
 

@@ -97,6 +97,13 @@ class Sequence:
         """Tokens whose KV is not yet in the cache (1 while decoding)."""
         return len(self.token_ids) - self.num_computed
 
+    def greedy_decode(self, n: int) -> bool:
+        """A batch entry of `n` tokens is a greedy decode of the pending token and this
+        sequence's drafts: not a prefill chunk, not sampled, not a prefill-side request about
+        to be handed off. One-graph decode steps (fused and plain) run only these."""
+        return (self.params.greedy and not self.hold and self.num_computed == len(self) - 1
+                and n == 1 + len(self.draft))
+
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED

@@ -136,13 +136,6 @@ class SpecRunner:
             blocks.grow(seq, need + k)
         return k
 
-    @staticmethod
-    def fusable(seq: Sequence, n: int) -> bool:
-        """A batch entry the fused step can run: a greedy decode of the pending token and its
-        drafts (not a prefill chunk, not a sampled request, not a prefill-side hand-off)."""
-        return (seq.params.greedy and not seq.hold and seq.num_computed == len(seq) - 1
-                and n == 1 + len(seq.draft))
-
     def fused_launch(self, batch, blocks, step: int, capture=None) -> FusedHandle | None:
         """Launch a fused step from the host's view of the batch; read it with
         `fused_finish`. None when the batch must take the step-by-step path."""
@@ -150,7 +143,7 @@ class SpecRunner:
         if f is None or capture is not None:
             return None
         seqs = batch.seqs
-        if not all(self.fusable(s, n) for s, n in zip(seqs, batch.num_tokens)):
+        if not all(s.greedy_decode(n) for s, n in zip(seqs, batch.num_tokens)):
             return None
         if len(seqs) > f.max_batch or max(len(s.block_table) for s in seqs) > f.max_blocks:
             return None
