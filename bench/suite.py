@@ -169,6 +169,33 @@ def spec_counts(eng) -> tuple[int, int]:
     return st.emitted, st.verify_steps
 
 
+def step_paths(eng) -> dict:
+    """Counters of how an engine's steps ran (for `paths_delta`): engine steps, one-graph
+    steps, of those launched before the previous was read, of those at K=0 with host-packed
+    inputs, and the K each fused speculative step was given."""
+    pipe = eng.pipe
+    out = {"steps": eng.stats.steps, "fused": getattr(pipe, "fused_runs", 0),
+           "overlapped": getattr(pipe, "overlapped_runs", 0),
+           "known_k0": getattr(pipe, "known_continuations", 0)}
+    if eng.spec is not None:
+        out.update({f"k{k}": n for k, n in eng.spec.policy.batch_ks.items()})
+    return out
+
+
+def paths_delta(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in sorted(after.items()) if v - before.get(k, 0)}
+
+
+def step_costs(eng) -> dict | None:
+    """The dynamic-K cost model as measured: plain step ms and relative draft price per
+    batch bucket."""
+    if eng.spec is None or not eng.spec.spec.dynamic:
+        return None
+    c = eng.spec.policy.costs
+    return {"plain_ms": {str(b): rnd(t * 1e3, 3) for b, t in sorted(c.plain.items())},
+            "per_draft": {str(b): rnd(x, 3) for b, x in sorted(c.per_draft.items())}}
+
+
 def acceptance(before: tuple[int, int], after: tuple[int, int]):
     steps = after[1] - before[1]
     return round((after[0] - before[0]) / steps, 3) if steps else None
@@ -702,7 +729,7 @@ def fig_concurrency(args, res: dict) -> None:
             eng.generate(batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
             tps, acc = [], []
             for _ in range(args.fig3_reps):
-                before = spec_counts(eng)
+                before, paths = spec_counts(eng), step_paths(eng)
                 sync(args)
                 t0 = time.perf_counter()
                 outs = eng.generate(batch, params)
@@ -712,15 +739,18 @@ def fig_concurrency(args, res: dict) -> None:
                 acc.append(acceptance(before, spec_counts(eng)))
             rows.append({"concurrency": c, "tokens_per_s": rnd(statistics.median(tps), 1),
                          "reps_tokens_per_s": [rnd(x, 1) for x in tps],
-                         "acceptance_length": acc[-1]})
+                         "acceptance_length": acc[-1],
+                         "paths": paths_delta(paths, step_paths(eng))})
             # Untimed, the same admissions with short requests: the prefill batches a steady
             # run makes (without speculation all c streams finish together and c prompts are
             # admitted at once) compile here, not inside the window (no speculation at 8
             # streams once measured a third of its burst rate).
             steady_throughput(args, eng, prompts, c, 4)
-            before = spec_counts(eng)
+            before, paths = spec_counts(eng), step_paths(eng)
             rows[-1]["steady_tokens_per_s"] = rnd(steady_throughput(args, eng, prompts, c, n), 1)
             rows[-1]["steady_acceptance_length"] = acceptance(before, spec_counts(eng))
+            rows[-1]["steady_paths"] = paths_delta(paths, step_paths(eng))
+            rows[-1]["step_costs"] = step_costs(eng)
             log(f"fig 3: {name} c={c}: burst {rows[-1]['tokens_per_s']} tok/s, steady "
                 f"{rows[-1]['steady_tokens_per_s']} tok/s")
         res.setdefault("graphs", {})[name] = note

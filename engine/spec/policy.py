@@ -4,13 +4,17 @@ batch size, down to 0 (plain decode) when speculation stops paying."""
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import Counter, deque
+
+import numpy as np
 
 from engine.config import SpecConfig
 from engine.sequence import Sequence
 
 PROBE_EVERY = 8  # a sequence at K=0 drafts one token this often, to notice recovery
-PLAIN_PROBE_EVERY = 64  # every this many steps, two steps without drafts time a plain step
+BATCH_PROBE_EVERY = 32  # a whole fused batch at K=0 drafts one token this often
+PLAIN_PROBE_EVERY = 64  # every this many steps, PROBE_LEN steps without drafts time a plain step
+PROBE_LEN = 4  # steps a probe lasts: its first ones are transitions, the rest get timed
 MIN_DRAFTS = 1.0  # a step prices drafts only if it carried this many per sequence on average
 
 
@@ -23,7 +27,15 @@ class StepCosts:
     the extra cost of one draft token per sequence relative to it. Measured, because the real
     overhead of speculating (head steps, launches, syncs) depends on the machine and model far
     more than a configured guess can. Each is the median of the last WINDOW samples, so one
-    stalled step (a graph captured, a kernel compiled, the host descheduled) cannot skew K."""
+    stalled step (a graph captured, a kernel compiled, the host descheduled) cannot skew K.
+
+    Only steps in a steady regime are timed: a step whose previous timed step was of the other
+    kind (plain after drafting, or drafting after plain) is a transition. Its step time holds
+    work neither regime pays once settled (a relaunch from host-packed inputs instead of a
+    continuation that only copies token ids), and with overlapped steps it also holds the
+    launch of the next one. Timing transitions as plain steps once made a plain step at 64
+    streams read 3.97 ms (a decode without speculation took 1.42 ms), and every draft look
+    cheap."""
 
     WINDOW = 15
 
@@ -32,20 +44,24 @@ class StepCosts:
         self.per_draft: dict[int, float] = {}
         self._plain: dict[int, deque] = {}
         self._drafted: dict[int, deque] = {}  # (drafts per sequence, seconds) of draft steps
+        self._last: tuple[int, bool] | None = None  # (bucket, plain?) of the last step seen
 
     def record(self, batch_size: int, drafts_per_seq: float, seconds: float) -> None:
         """One pure decode step: `drafts_per_seq` drafts verified and proposed per sequence
         on average (0: a plain step). Draft steps are kept raw and priced against the current
         plain time, so those seen before the first plain step count too."""
         b = _bucket(batch_size)
+        # (With a few drafts spread over many sequences, timing noise divided by a small
+        # count would pass for the price of a draft: such steps are neither kind.)
+        kind = (b, drafts_per_seq == 0) if drafts_per_seq == 0 or drafts_per_seq >= MIN_DRAFTS \
+            else None
+        steady, self._last = kind is not None and kind == self._last, kind
+        if not steady:
+            return
         if drafts_per_seq == 0:
             self.plain[b] = statistics.median(_window(self._plain, b, seconds))
-        elif drafts_per_seq >= MIN_DRAFTS:
-            # (With a few drafts spread over many sequences, timing noise divided by a small
-            # count would pass for the price of a draft.)
-            _window(self._drafted, b, (drafts_per_seq, seconds))
         else:
-            return
+            _window(self._drafted, b, (drafts_per_seq, seconds))
         if b in self.plain and self._drafted.get(b):
             p = self.plain[b]
             self.per_draft[b] = statistics.median(max(t / p - 1.0, 0.0) / d
@@ -70,9 +86,9 @@ class KPolicy:
 
     With per-token acceptance a, K drafts emit (1 - a^(K+1)) / (1 - a) tokens per target
     forward; the step costs 1 + K * c relative to a plain decode step. c is measured
-    (`StepCosts`: every PLAIN_PROBE_EVERY steps two steps run without drafts to time a plain
-    step at the current batch size); until then it is SpecConfig's verify + draft cost, the
-    verify part growing with the batch (the forward leaves the memory-bound regime).
+    (`StepCosts`: every PLAIN_PROBE_EVERY steps PROBE_LEN steps run without drafts to time a
+    plain step at the current batch size); until then it is SpecConfig's verify + draft cost,
+    the verify part growing with the batch (the forward leaves the memory-bound regime).
     """
 
     def __init__(self, spec: SpecConfig, prior: float = 0.6, batch_knee: int = 16):
@@ -81,6 +97,7 @@ class KPolicy:
         self.plain_probe = False
         self.draft_probe = False
         self.batch_idle = 0  # fused steps in a row at K=0 (choose_batch)
+        self.batch_ks: Counter = Counter()  # K of each fused step chosen (choose_batch)
 
     def begin_propose(self, step: int, batch_size: int) -> None:
         """Called before a step's drafts are chosen: decides whether this is a plain probe
@@ -90,9 +107,9 @@ class KPolicy:
         self.plain_probe = self.draft_probe = False
         if not self.spec.dynamic or self.spec.num_tokens == 0:
             return
-        every = PLAIN_PROBE_EVERY if self.costs.knows_plain(batch_size) else 8
-        self.plain_probe = step % every in (0, 1)
-        self.draft_probe = step % every in (every // 2, every // 2 + 1)
+        every = PLAIN_PROBE_EVERY if self.costs.knows_plain(batch_size) else 4 * PROBE_LEN
+        self.plain_probe = step % every < PROBE_LEN
+        self.draft_probe = every // 2 <= step % every < every // 2 + PROBE_LEN
 
     def choose(self, seq: Sequence, batch_size: int) -> int:
         kmax = self.spec.num_tokens
@@ -117,7 +134,12 @@ class KPolicy:
         batch pay for whichever sequence drafts most (a K=0 sequence probing every
         PROBE_EVERY steps, at 64 streams, makes nearly every step a drafting one). So K
         maximizes the batch's expected tokens per unit of step cost, and a batch at K=0
-        probes together."""
+        probes together, every BATCH_PROBE_EVERY steps."""
+        k = self._choose_batch(seqs, batch_size)
+        self.batch_ks[k] += 1
+        return k
+
+    def _choose_batch(self, seqs: list[Sequence], batch_size: int) -> int:
         kmax = self.spec.num_tokens
         if not self.spec.dynamic or kmax == 0:
             return kmax
@@ -125,8 +147,10 @@ class KPolicy:
             return 0
         best_k = self._best_k([self._rate(s) for s in seqs], self._cost(batch_size, False))
         if best_k == 0:
+            # (Rarer than a lone sequence's probe: a batch probe breaks the host-packed K=0
+            # continuation for every stream, twice.)
             self.batch_idle += 1
-            if self.batch_idle % PROBE_EVERY == 0:
+            if self.batch_idle % BATCH_PROBE_EVERY == 0:
                 return 1
         return best_k
 
@@ -143,11 +167,13 @@ class KPolicy:
 
     def _best_k(self, rates: list[float], per_token: float) -> int:
         """argmax over K of sum over sequences of (1 - a^(K+1)) / (1 - a), over 1 + K c."""
+        a = np.asarray(rates, dtype=np.float64)[None, :]
+        k = np.arange(1, self.spec.num_tokens + 1, dtype=np.float64)[:, None]
+        gains = ((1 - a ** (k + 1)) / (1 - a)).sum(axis=1) / (1 + k[:, 0] * per_token)
         best_k, best = 0, float(len(rates))
-        for k in range(1, self.spec.num_tokens + 1):
-            gain = sum((1 - a ** (k + 1)) / (1 - a) for a in rates) / (1 + k * per_token)
+        for i, gain in enumerate(gains.tolist()):
             if gain > best * 1.02:  # a margin: don't speculate for a rounding-error win
-                best_k, best = k, gain
+                best_k, best = i + 1, gain
         return best_k
 
     @staticmethod

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.config import SpecConfig
 from engine.sequence import SamplingParams, Sequence
-from engine.spec.policy import PROBE_EVERY, KPolicy
+from engine.spec.policy import BATCH_PROBE_EVERY, PROBE_EVERY, PROBE_LEN, KPolicy
 
 
 def seq_with_rate(rate):
@@ -54,8 +54,10 @@ def test_measured_costs_replace_the_configured_guess():
 
     costs = StepCosts()
     assert costs.per_token(4) is None
+    costs.record(4, 4.0, 2e-3)
     costs.record(4, 4.0, 2e-3)  # no plain time yet: nothing to compare against
     assert costs.per_token(4) is None
+    costs.record(3, 0, 1e-3)
     costs.record(3, 0, 1e-3)  # bucket 4
     costs.record(4, 4.0, 2e-3)
     assert abs(costs.per_token(4) - 0.25) < 1e-9 and costs.per_token(16) is None
@@ -86,6 +88,32 @@ def test_one_stalled_step_does_not_skew_the_costs():
     assert abs(costs.per_token(16) - 0.25) < 1e-9
 
 
+def test_transitions_between_plain_and_drafting_are_not_timed():
+    """The first step of a regime holds the switch's extra work (a relaunch from host-packed
+    inputs; with overlap, the next launch too): a plain probe's first step must not pass
+    for the price of plain decoding, nor the first drafting step after it for a draft's."""
+    from engine.spec.policy import StepCosts
+
+    costs = StepCosts()
+    costs.record(64, 1.0, 2e-3)
+    for _ in range(3):
+        costs.record(64, 1.0, 2e-3)  # drafting, settled
+        costs.record(64, 0, 4e-3)  # a lone plain step: only transitions
+    assert not costs.knows_plain(64)
+    for t in (4e-3, 1e-3, 1e-3, 1e-3):  # a probe: its first step is the switch
+        costs.record(64, 0, t)
+    assert costs.plain[64] == 1e-3
+    costs.record(64, 1.0, 9e-3)  # back to drafting: the switch, not priced
+    assert costs.per_token(64) == 1.0  # the settled drafting steps before: 2 ms per 1 ms
+    costs.record(64, 1.0, 1.5e-3)
+    costs.record(64, 1.0, 1.5e-3)
+    costs.record(64, 1.0, 1.5e-3)
+    assert abs(costs.per_token(64) - 0.5) < 1e-9  # median of 2, 2, 1.5, 1.5, 1.5 ms steps
+    costs.record(64, 0.1, 5e-3)  # sparse drafts: neither kind, and it breaks the regime
+    costs.record(64, 0, 7e-3)
+    assert costs.plain[64] == 1e-3
+
+
 def test_sparse_drafts_are_not_priced_and_draft_probes_use_the_prior():
     """A step where a few sequences probe one draft each says little about a draft's price
     (timing noise over a tiny count); and where measured costs switched drafting off, a
@@ -94,8 +122,11 @@ def test_sparse_drafts_are_not_priced_and_draft_probes_use_the_prior():
 
     costs = StepCosts()
     costs.record(16, 0, 1e-3)
+    costs.record(16, 0, 1e-3)
     costs.record(16, 0.1, 1.2e-3)  # 2 probing sequences of 16: would read as 2.0 per draft
+    costs.record(16, 0.1, 1.2e-3)
     assert costs.per_token(16) is None
+    costs.record(16, 2.0, 10e-3)
     costs.record(16, 2.0, 10e-3)  # every draft costs 4.5 plain steps
     assert abs(costs.per_token(16) - 4.5) < 1e-9
     pol = KPolicy(SpecConfig(num_tokens=5))
@@ -114,10 +145,13 @@ def test_plain_probes_time_a_plain_step():
     for step in range(1, 20):
         pol.begin_propose(step, batch_size=2)
         picks.append(pol.choose(s, batch_size=2))
-    # Plain time unknown: two consecutive probe steps every 8 (0-1, 8-9, 16-17).
-    assert [i + 1 for i, k in enumerate(picks) if k == 0] == [1, 8, 9, 16, 17]
+    # Plain time unknown: PROBE_LEN consecutive probe steps every 4 * PROBE_LEN.
+    every = 4 * PROBE_LEN
+    assert [i + 1 for i, k in enumerate(picks) if k == 0] == \
+        [s for s in range(1, 20) if s % every < PROBE_LEN]
     pol.costs.record(2, 0, 1e-3)
-    pol.begin_propose(16, batch_size=2)
+    pol.costs.record(2, 0, 1e-3)
+    pol.begin_propose(every, batch_size=2)
     assert pol.choose(s, batch_size=2) > 0  # known now: probes only every PLAIN_PROBE_EVERY
     fixed = KPolicy(SpecConfig(num_tokens=5, dynamic=False))
     fixed.begin_propose(8, batch_size=2)
@@ -136,10 +170,13 @@ def test_engine_times_pure_decode_steps():
     base = tiny_engine(0)
     eng = Engine(replace(base.config, spec=SpecConfig(num_tokens=4, dynamic=True)),
                  weights_of=base, draft_head=random_head(base))
-    now = [0.0]
+    now, verified = [0.0], [0]
 
-    def clock():  # each call advances by 1 ms plus 3 ms per draft currently pending
-        now[0] += 1e-3 + 3e-3 * sum(len(s.draft) for s in eng.seqs.values())
+    def clock():  # each call advances by 1 ms plus 3 ms per draft proposed or verified since
+        done = sum(eng.spec.stats.drafted_per_pos)
+        now[0] += 1e-3 + 3e-3 * (sum(len(s.draft) for s in eng.seqs.values())
+                                 + done - verified[0])
+        verified[0] = done
         return now[0]
 
     eng.clock = clock
@@ -168,8 +205,9 @@ def test_batch_k_is_one_k_for_the_whole_fused_step():
     pol.costs = StepCosts()
     pol.costs.plain[64], pol.costs.per_draft[64] = 1e-3, 1.0  # a draft costs a whole step
     low = [seq_with_rate(0.3) for _ in range(64)]
-    ks = [pol.choose_batch(low, 64) for _ in range(2 * PROBE_EVERY)]
-    assert ks.count(1) == 2 and ks.count(0) == 2 * PROBE_EVERY - 2
+    ks = [pol.choose_batch(low, 64) for _ in range(2 * BATCH_PROBE_EVERY)]
+    assert ks.count(1) == 2 and ks.count(0) == 2 * BATCH_PROBE_EVERY - 2
+    assert pol.batch_ks[0] == ks.count(0) and pol.batch_ks[1] == 2
     pol.begin_propose(0, 64)  # a plain probe step
     assert pol.plain_probe and pol.choose_batch([seq_with_rate(0.99)] * 64, 64) == 0
     fixed = KPolicy(SpecConfig(num_tokens=4, dynamic=False))
