@@ -34,6 +34,76 @@ SECTIONS = {
 }
 
 
+def _timer_targets():
+    from engine.engine import Engine
+    from engine.graphs import GraphSet, HostStager
+    from engine.plain_steps import PlainSteps
+    from engine.spec.policy import KPolicy
+    from engine.spec.runtime import SpecRunner
+
+    return [(Engine, n) for n in ("step", "_postprocess", "_emit", "_time_step", "_settle",
+                                  "_drain", "_step_overlapped", "_step_fresh")] + \
+        [(SpecRunner, n) for n in ("fused_launch", "fused_continue", "_launch",
+                                   "fused_finish", "_k_for")] + \
+        [(KPolicy, n) for n in ("choose_batch", "begin_propose")] + \
+        [(PlainSteps, n) for n in ("fused_continue", "_launch", "fused_finish")] + \
+        [(GraphSet, n) for n in ("run", "_fill")] + [(HostStager, "index")] + \
+        [(torch.cuda.CUDAGraph, "replay")]
+
+
+def timed_sections(run) -> dict:
+    """Wall seconds inside each hot function during run() (inclusive, calls counted), with
+    plain perf_counter wrappers instead of cProfile's per-call overhead; `device_wait` is the
+    time spent waiting for a step's outputs to reach the host."""
+    from engine.graphs import HostStager
+
+    acc: dict[str, list] = {}
+    saved = []
+
+    def wrap(cls, name):
+        fn = getattr(cls, name)
+        key = f"{cls.__name__}.{name}"
+        slot = acc.setdefault(key, [0.0, 0])
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                slot[0] += time.perf_counter() - t
+                slot[1] += 1
+
+        raw = cls.__dict__[name]
+        saved.append((cls, name, raw))
+        setattr(cls, name, staticmethod(timed) if isinstance(raw, staticmethod) else timed)
+
+    for cls, name in _timer_targets():
+        wrap(cls, name)
+    fetch = HostStager.fetch
+    wait_slot = acc.setdefault("device_wait", [0.0, 0])
+
+    def timed_fetch(self, t):
+        w = fetch(self, t)
+
+        def wait():
+            t0 = time.perf_counter()
+            try:
+                return w()
+            finally:
+                wait_slot[0] += time.perf_counter() - t0
+                wait_slot[1] += 1
+        return wait
+
+    HostStager.fetch = timed_fetch
+    try:
+        run()
+    finally:
+        HostStager.fetch = fetch
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+    return {k: {"s": round(v[0], 5), "calls": v[1]} for k, v in acc.items() if v[1]}
+
+
 def sections(prof: cProfile.Profile) -> dict:
     st = pstats.Stats(prof)
     out = {}
@@ -134,12 +204,18 @@ def main(argv=None) -> int:
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     variants = {"no_spec": None,
                 "eagle3_k5": SpecConfig(method="eagle3", num_tokens=5, dynamic=False),
-                "eagle3_dynamic_k7": SpecConfig(method="eagle3", num_tokens=7, dynamic=True)}
+                "eagle3_dynamic_k7": SpecConfig(method="eagle3", num_tokens=7, dynamic=True),
+                # Speculation's machinery at K=0 throughout (head KV kept current, nothing
+                # drafted): what a dynamic batch that switched drafting off costs per step.
+                "eagle3_k0": SpecConfig(method="eagle3", num_tokens=7, dynamic=True)}
     res = {"command": "python -m bench.step_profile " + " ".join(argv or []),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "device": torch.cuda.get_device_name() if cuda else "cpu", "runs": []}
     for name in args.variants.split(","):
         eng = base.with_config(spec=variants[name], num_blocks=8192)
+        if name == "eagle3_k0":
+            eng.spec.policy.choose = lambda seq, batch_size: 0
+            eng.spec.policy.choose_batch = lambda seqs, batch_size: 0
         eng.capture_graphs(range(1, max(conc) + 1), long_context=False)  # every bucket a tail meets
         for c in conc:
             batch = [prompts[i % len(prompts)] for i in range(c)]
@@ -161,6 +237,13 @@ def main(argv=None) -> int:
                    "steps": steps, "ms_per_step": round(1000 * wall / steps, 3),
                    "tokens_per_step": round(toks / steps, 2), "seconds": round(wall, 3),
                    "profiled_sections_s": sections(prof)}
+            s0 = eng.stats.steps
+            timers = timed_sections(lambda: (eng.generate(batch, params), sync(cuda)))
+            n = eng.stats.steps - s0
+            row["timed_us_per_step"] = {k: round(1e6 * v["s"] / n, 1) for k, v in
+                                        sorted(timers.items(), key=lambda kv: -kv[1]["s"])}
+            row["timed_calls_per_step"] = {k: round(v["calls"] / n, 2)
+                                           for k, v in timers.items()}
             if eng.spec is not None:
                 row["acceptance_length"] = round(eng.spec.stats.acceptance_length, 3)
                 row["per_draft_cost"] = {str(k): round(v, 3)

@@ -172,11 +172,13 @@ def spec_counts(eng) -> tuple[int, int]:
 def step_paths(eng) -> dict:
     """Counters of how an engine's steps ran (for `paths_delta`): engine steps, one-graph
     steps, of those launched before the previous was read, of those at K=0 with host-packed
-    inputs, and the K each fused speculative step was given."""
+    inputs, of those leaving out requests that had finished, and the K each fused
+    speculative step was given."""
     pipe = eng.pipe
     out = {"steps": eng.stats.steps, "fused": getattr(pipe, "fused_runs", 0),
            "overlapped": getattr(pipe, "overlapped_runs", 0),
-           "known_k0": getattr(pipe, "known_continuations", 0)}
+           "known_k0": getattr(pipe, "known_continuations", 0),
+           "compacted": getattr(pipe, "compacted_runs", 0)}
     if eng.spec is not None:
         out.update({f"k{k}": n for k, n in eng.spec.policy.batch_ks.items()})
     return out

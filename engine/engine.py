@@ -202,8 +202,9 @@ class Engine:
         Greedy decode steps overlap: the next step is launched from this one's device
         outputs before the host reads them (`SpecRunner.fused_continue` for EAGLE-3,
         `PlainSteps.fused_continue` without speculation), so emitting tokens, detokenizing
-        and stop checks run while the GPU computes. Whenever the batch would change (a
-        request finishes, arrives or is aborted) the pipeline drains first."""
+        and stop checks run while the GPU computes. Requests that finish drop out of the
+        next launch; whenever the batch would change otherwise (a request arrives or is
+        aborted) the pipeline drains first."""
         outs, self._carry = self._carry, []
         t0, captures = self.clock(), GraphSet.captures
         with self._on_device():  # kernels, graphs, streams go to this engine's GPU
@@ -268,14 +269,23 @@ class Engine:
 
     def _step_overlapped(self):
         batch, h = self._inflight
-        nxt = self.pipe.fused_continue(h, self.blocks, self.stats.steps + 2) \
-            if self._can_overlap(batch) else None
+        # Requests that finished while h was in flight drop out here: the next step continues
+        # the others from h's outputs, and h's rows of theirs are read and discarded.
+        keep = [i for i, s in enumerate(batch.seqs) if not s.finished]
+        live = batch.select(keep)
+        nxt = self.pipe.fused_continue(h, self.blocks, self.stats.steps + 2,
+                                       keep if len(keep) < len(batch.seqs) else None) \
+            if keep and self._can_overlap(live) else None
         if nxt is None:
             return batch, {}, self._drain()
         results, drafts = self.pipe.fused_finish(h)
+        for seq in self._deferred:  # h was the last step to write into their blocks
+            self.blocks.release(seq)
+        self._deferred = []
         self._inflight = (_entries(nxt), nxt)
-        outs = self._postprocess(batch, None, results, drafts)
-        return batch, results, outs + self._settle(batch)
+        results = {j: results[i] for j, i in enumerate(keep)}
+        outs = self._postprocess(live, None, results, {j: drafts[i] for j, i in enumerate(keep)})
+        return live, results, outs + self._settle(live)
 
     def _can_overlap(self, batch: Batch) -> bool:
         """The next step may be launched before this one is read: overlap is on, no request
@@ -285,10 +295,12 @@ class Engine:
                 and len(run) == len(batch.seqs) and all(a is b for a, b in zip(run, batch.seqs)))
 
     def _settle(self, batch: Batch) -> list[RequestOutput]:
-        """After reading a step while the next is in flight: drain if the batch changed."""
+        """After reading a step while the next is in flight: drain if the batch changed other
+        than by requests finishing (those the next step leaves out, `_step_overlapped`)."""
         if self._inflight is None:
             return []
-        if any(s.finished for s in batch.seqs) or not self._can_overlap(batch):
+        live = batch.select([i for i, s in enumerate(batch.seqs) if not s.finished])
+        if not live.seqs or not self._can_overlap(live):
             return self._drain()
         return []
 
@@ -475,7 +487,7 @@ class Engine:
         keep = len(seq.text) - (0 if done else stop_prefix_len(seq))
         text, seq.num_emitted_chars = seq.text[seq.num_emitted_chars : keep], keep
         return RequestOutput(seq.request_id, emitted, text, prompt_tokens=seq.num_prompt_tokens,
-                             completion_tokens=len(seq.output_ids),
+                             completion_tokens=seq.num_output_tokens,
                              cached_tokens=seq.num_cached_tokens,
                              accepted_tokens=seq.num_accepted), reason
 
@@ -483,7 +495,7 @@ class Engine:
         p = seq.params
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             return "stop"
-        if len(seq.output_ids) >= p.max_tokens or len(seq) >= self.config.max_model_len:
+        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
             return "length"
         return None
 
@@ -491,7 +503,7 @@ class Engine:
         """Report a request the scheduler had to stop (the KV cache cannot hold it)."""
         self._finish(seq, seq.finish_reason or "length")
         return RequestOutput(seq.request_id, [], "", True, seq.finish_reason,
-                             seq.num_prompt_tokens, len(seq.output_ids), seq.num_cached_tokens)
+                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if not seq.finished:

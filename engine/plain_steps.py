@@ -48,6 +48,7 @@ class PlainSteps:
         self.cfg, self.runner = cfg, runner
         self.fused_runs = 0  # steps launched here (one replay, one read)
         self.overlapped_runs = 0  # of those, launched before the previous step was read
+        self.compacted_runs = 0  # of those, leaving out requests that finished meanwhile
 
     def fused_launch(self, batch, blocks, step: int, capture=None) -> DecodeHandle | None:
         """Launch the batch's decode step from the host's view; None when it must take the
@@ -63,14 +64,17 @@ class PlainSteps:
             return None
         return self._launch(batch.seqs, inp, None)
 
-    def fused_continue(self, prev: DecodeHandle, blocks, step: int) -> DecodeHandle | None:
+    def fused_continue(self, prev: DecodeHandle, blocks, step: int,
+                       keep: list[int] | None = None) -> DecodeHandle | None:
         """Launch the step after `prev` before reading it. The host has read every step but
         prev, so prev computes each sequence's pending token (position len - 1) and this
         step the token prev emits (position len). None (drain instead) when a sequence
-        certainly finishes at prev (its length limit), or has no room for one more token."""
-        seqs, cfg = prev.seqs, self.cfg
+        certainly finishes at prev (its length limit), or has no room for one more token.
+        `keep`: only these of prev's rows continue (the others' requests finished)."""
+        cfg = self.cfg
+        seqs = prev.seqs if keep is None else [prev.seqs[i] for i in keep]
         for s in seqs:
-            if (len(s.output_ids) + 1 >= s.params.max_tokens or len(s) + 1 >= cfg.max_model_len
+            if (s.num_output_tokens + 1 >= s.params.max_tokens or len(s) + 1 >= cfg.max_model_len
                     or not blocks.can_grow(s, len(s) + 1)):
                 return None
         for s in seqs:
@@ -78,14 +82,17 @@ class PlainSteps:
         # (len + 1 < max_model_len: the table fits the graphs' max_blocks_per_seq columns.)
         tab = table_array([s.block_table for s in seqs])
         self.overlapped_runs += 1
-        return self._launch(seqs, pack_next(seqs, tab, cfg.block_size), prev)
+        self.compacted_runs += keep is not None
+        sel = None if keep is None else self.runner.stager.index(keep)
+        return self._launch(seqs, pack_next(seqs, tab, cfg.block_size), prev, sel)
 
-    def _launch(self, seqs, inp: PackedInputs, prev: DecodeHandle | None) -> DecodeHandle:
+    def _launch(self, seqs, inp: PackedInputs, prev: DecodeHandle | None,
+                sel: torch.Tensor | None = None) -> DecodeHandle:
         b = len(seqs)
         prepare = None
         if prev is not None:
             def prepare(ids, pos, meta):  # this step's tokens: what prev chose, on the device
-                ids[:b].copy_(prev.argmax[:b])
+                ids[:b].copy_(prev.argmax if sel is None else prev.argmax[sel])
         out = self.runner.graphs.run(inp, prepare=prepare)
         self.fused_runs += 1
         top = out[1][:b]

@@ -93,6 +93,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_output_tokens(self) -> int:
+        """len(output_ids), without copying them (checked for every token emitted)."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def num_pending(self) -> int:
         """Tokens whose KV is not yet in the cache (1 while decoding)."""
         return len(self.token_ids) - self.num_computed

@@ -48,22 +48,27 @@ class FusedHandle:
     continuable: bool = True  # blocks exist for the step after it
 
 
-def continuation(prev: FusedHandle, state: torch.Tensor, b: int, q: int, block_size: int):
+def continuation(prev: FusedHandle, state: torch.Tensor, b: int, q: int, block_size: int,
+                 sel: torch.Tensor | None = None):
     """Device-side inputs of the step after `prev`: per sequence the target's token after
     the last accepted draft, then the drafts prev made, at positions after the accepted ones
-    (`state`: prev's num_computed per sequence, then this step's draft counts)."""
+    (`state`: num_computed per sequence before prev, then this step's draft counts). `sel`:
+    the rows of prev that continue, in order (default: all of them)."""
+
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        return x if sel is None else x[sel]
 
     def prepare(ids, pos, meta):
-        pq = prev.q
-        grid = prev.out[0][: b * pq].view(b, pq)
-        nacc = prev.out[1][:b]
+        pq, pb = prev.q, len(prev.seqs)
+        grid = rows(prev.out[0][: pb * pq].view(pb, pq))
+        nacc = rows(prev.out[1][:pb])
         lo = state[:b] + nacc + 1
         kc = state[b:]
         r = torch.arange(q, device=ids.device)
         new_ids = torch.zeros(b, q, dtype=ids.dtype, device=ids.device)
         new_ids[:, 0] = grid.gather(1, nacc[:, None])[:, 0]
         if len(prev.out) > 2 and q > 1:
-            d = prev.out[2][:b]
+            d = rows(prev.out[2][:pb])
             w = min(d.shape[1], q - 1)
             new_ids[:, 1 : 1 + w] = torch.where(r[None, 1 : 1 + w] <= kc[:, None], d[:, :w], 0)
         p = lo[:, None] + torch.minimum(r[None, :], kc[:, None])

@@ -89,6 +89,7 @@ class SpecRunner:
         self.fused_runs = 0  # steps that ran as one fused graph
         self.overlapped_runs = 0  # of those, launched from the previous step's device outputs
         self.known_continuations = 0  # of those, at K=0 with positions known on the host
+        self.compacted_runs = 0  # of those, leaving out requests that finished meanwhile
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -124,7 +125,7 @@ class SpecRunner:
         blocks.grow(seq, need)
         # Up to need - len(seq) tokens may be emitted before the pending one, and each verify
         # of k drafts emits k + 1: keep within max_tokens and the model's length.
-        left = min(seq.params.max_tokens - len(seq.output_ids),
+        left = min(seq.params.max_tokens - seq.num_output_tokens,
                    self.cfg.max_model_len - len(seq)) - (need - len(seq) + 1)
         k = self.policy.choose(seq, batch_size) if want is None else want
         k = min(k, max(left, 0))
@@ -160,57 +161,65 @@ class SpecRunner:
         h.continuable = None not in kn  # the next step's pending tokens have their blocks
         return h
 
-    def fused_continue(self, prev: FusedHandle, blocks, step: int) -> FusedHandle | None:
+    def fused_continue(self, prev: FusedHandle, blocks, step: int,
+                       keep: list[int] | None = None) -> FusedHandle | None:
         """Launch the step after `prev` before reading it: the pending tokens, drafts,
         positions and KV slots come from prev's outputs on the device, so the host's work
         on prev's results overlaps this step's. K for the step after is chosen now (a
-        two-step lag) and capped as if prev and this step accept everything."""
-        f, seqs = self.fused, prev.seqs
+        two-step lag) and capped as if prev and this step accept everything. `keep`: only
+        these of prev's rows continue (the others' requests finished meanwhile)."""
+        f = self.fused
+        rows = range(len(prev.seqs)) if keep is None else keep
+        seqs = [prev.seqs[i] for i in rows]
         if not prev.continuable or max(len(s.block_table) for s in seqs) > f.max_blocks:
             return None
-        kcur = list(prev.kn)
+        kcur, kprev = [prev.kn[i] for i in rows], [prev.kcur[i] for i in rows]
         self.policy.begin_propose(step, len(seqs))
         want = self.policy.choose_batch(seqs, len(seqs))
         # This step's tokens were given blocks when prev chose its drafts; the pending token
         # after it and the drafts it makes get theirs now (none free: drain instead).
         kn = [self._k_for(s, len(s) + kp + 1 + kc + 1, blocks, len(seqs), want)
-              for s, kp, kc in zip(seqs, prev.kcur, kcur)]
+              for s, kp, kc in zip(seqs, kprev, kcur)]
         if None in kn or max(len(s.block_table) for s in seqs) > f.max_blocks:
             return None
         q = next(x for x in f.query_levels if x > max(kcur))
         b = len(seqs)
         tab = table_array([s.block_table for s in seqs])
+        sel = None if keep is None else self.stager.index(keep)
         self.overlapped_runs += 1
-        if q == 1 and not any(prev.kcur):
+        self.compacted_runs += keep is not None
+        if q == 1 and prev.q == 1:
             # Nothing verified by prev and nothing to verify now (a batch at K=0): prev
             # emits exactly one token, so every position is known here, as in a plain
             # decode; only the token ids come from prev's outputs.
             self.known_continuations += 1
             return self._launch(seqs, kcur, kn, q, pack_next(seqs, tab, self.cfg.block_size),
-                                prev, known=True)
+                                prev, known=True, sel=sel)
         # Host part: block tables and query starts; the rest is a placeholder the device
         # overwrites. Context upper bound: every draft of prev accepted.
-        bound = np.fromiter((len(s) + kp + q for s, kp in zip(seqs, prev.kcur)), np.int64, b)
+        bound = np.fromiter((len(s) + kp + q for s, kp in zip(seqs, kprev)), np.int64, b)
         inp = PackedInputs(np.zeros(b * q, np.int64), np.zeros(b * q, np.int64),
                            np.full(b * q, -1, np.int64), np.arange(b + 1, dtype=np.int64) * q,
                            bound, tab, q)
-        return self._launch(seqs, kcur, kn, q, inp, prev)
+        return self._launch(seqs, kcur, kn, q, inp, prev, sel=sel)
 
     def _launch(self, seqs, kcur, kn, q, inp, prev: FusedHandle | None,
-                known: bool = False) -> FusedHandle:
+                known: bool = False, sel: torch.Tensor | None = None) -> FusedHandle:
         """Replay the fused step for inp; after `prev`, its device-side inputs come from
-        prev's outputs: all of them (`continuation`), or only the token ids when the host
-        knew the rest (`known`: prev and this step are one row per sequence)."""
+        prev's outputs (its rows `sel`, default all): all of them (`continuation`), or only
+        the token ids when the host knew the rest (`known`: prev and this step are one row
+        per sequence)."""
         b = len(seqs)
         rows = np.zeros(b * q, dtype=np.int64)
         rows[::q] = kn
         prepare = None
         if known:
             def prepare(ids, pos, meta):
-                ids[:b].copy_(prev.out[0][:b])
+                prev_ids = prev.out[0][: len(prev.seqs)]
+                ids[:b].copy_(prev_ids if sel is None else prev_ids[sel])
         elif prev is not None:
             state = self.stager.index([*(s.num_computed for s in seqs), *kcur])
-            prepare = continuation(prev, state, b, q, self.cfg.block_size)
+            prepare = continuation(prev, state, b, q, self.cfg.block_size, sel)
         out = self.fused.set_for(max(kn)).run(inp, (self.stager.index(rows)[:, None],),
                                               prepare)
         self.fused_runs += 1

@@ -96,6 +96,35 @@ def test_overlapped_decoding_is_exact_to_the_end(ref, num_blocks):
     eng.blocks.check_all_free()
 
 
+def test_a_request_that_finishes_in_flight_drops_out_without_a_drain(ref):
+    """A stop token the host could not foresee ends a request while the next step is in
+    flight: the step after continues the others from the device (no drain), the finished
+    request's row is read and discarded, its blocks are freed once no step in flight writes
+    into them, and every output stays exact."""
+    prompts, params = workload(3)
+    params = [replace(p, max_tokens=30) for p in params]
+    expect = [c.token_ids for c in ref.generate(prompts, params)]
+    stop_tok = expect[0][6]
+    params[0] = replace(params[0], stop_token_ids=[stop_tok])
+    expect[0] = expect[0][: expect[0].index(stop_tok) + 1]
+    eng = graph_engine(ref)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    seqs = {r: eng.seqs[r] for r in rids}
+    while not seqs[rids[0]].finished:
+        eng.step()
+    # Finished while the step after was in flight: that step still holds its row and blocks.
+    assert eng._inflight is not None and seqs[rids[0]] in eng._deferred
+    free = eng.blocks.num_free
+    eng.step()
+    assert eng._inflight is not None and seqs[rids[0]] not in eng._inflight[0].seqs
+    assert not eng._deferred and eng.blocks.num_free > free
+    assert eng.plain.compacted_runs == 1
+    while eng.has_unfinished():
+        eng.step()
+    assert [seqs[r].output_ids for r in rids] == expect
+    eng.blocks.check_all_free()
+
+
 def test_abort_while_a_step_is_in_flight(ref):
     """An abort drains the step in flight: the others' tokens come with the next step(), the
     aborted request's blocks are free at once, and decoding goes on exactly."""
