@@ -238,7 +238,7 @@ def main(argv=None) -> int:
                    "tokens_per_step": round(toks / steps, 2), "seconds": round(wall, 3),
                    "profiled_sections_s": sections(prof)}
             s0 = eng.stats.steps
-            timers = timed_sections(lambda: (eng.generate(batch, params), sync(cuda)))
+            timers = timed_sections(lambda e=eng, bt=batch: (e.generate(bt, params), sync(cuda)))
             n = eng.stats.steps - s0
             row["timed_us_per_step"] = {k: round(1e6 * v["s"] / n, 1) for k, v in
                                         sorted(timers.items(), key=lambda kv: -kv[1]["s"])}
