@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.attention.triton_backend import next_pow2, triton, triton_available
 from engine.graphs import GraphSet, PackedInputs, table_array
 from engine.sequence import Sequence
 
@@ -61,9 +60,6 @@ def continuation(prev: FusedHandle, state: torch.Tensor, b: int, q: int, block_s
 
     def prepare(ids, pos, meta):
         pq, pb = prev.q, len(prev.seqs)
-        if ids.is_cuda and triton_available():  # one launch instead of about twenty
-            continue_inputs(prev.out, pq, pb, sel, state, b, q, block_size, ids, pos, meta)
-            return
         grid = rows(prev.out[0][: pb * pq].view(pb, pq))
         nacc = rows(prev.out[1][:pb])
         lo = state[:b] + nacc + 1
@@ -85,50 +81,6 @@ def continuation(prev: FusedHandle, state: torch.Tensor, b: int, q: int, block_s
         meta.seq_lens[:b].copy_(lo + q)
 
     return prepare
-
-
-def continue_inputs(out: tuple, pq: int, pb: int, sel: torch.Tensor | None,
-                    state: torch.Tensor, b: int, q: int, block_size: int, ids, pos, meta):
-    """`continuation`'s prepare as one Triton launch: the step's token ids, positions, KV
-    slots and context lengths from the previous step's outputs `out` (pb sequences, pq rows
-    each), its rows `sel` (default: all), written into the graph's static inputs."""
-    drafts = out[2] if len(out) > 2 and q > 1 else out[1]
-    w = min(drafts.shape[1], q - 1) if len(out) > 2 and q > 1 else 0
-    tables = meta.block_tables
-    _continue_kernel[(b,)](out[0], out[1], drafts, sel if sel is not None else state, state,
-                           tables, ids, pos, meta.slot_mapping, meta.seq_lens, b, pq,
-                           drafts.stride(0), tables.stride(0), block_size, q, w,
-                           HAS_SEL=sel is not None, Q=next_pow2(q, 1), num_warps=1)
-
-
-if triton_available():
-    import triton.language as tl
-
-    @triton.jit
-    def _continue_kernel(GRID, NACC, DRAFTS, SEL, STATE, TABLES, IDS, POS, SLOTS, LENS, b, pq,
-                         d_stride, t_stride, bs, q, w, HAS_SEL: tl.constexpr, Q: tl.constexpr):
-        """Program j: sequence j of the step, row SEL[j] of the previous one."""
-        j = tl.program_id(0)
-        if HAS_SEL:
-            src = tl.load(SEL + j).to(tl.int64)
-        else:
-            src = j.to(tl.int64)
-        n = tl.load(NACC + src)
-        kc = tl.load(STATE + b + j)
-        lo = tl.load(STATE + j) + n + 1
-        r = tl.arange(0, Q)
-        real = r < q
-        first = tl.load(GRID + src * pq + n)
-        d = tl.load(DRAFTS + src * d_stride + (r - 1), mask=(r >= 1) & (r <= w) & (r <= kc),
-                    other=0)
-        tok = tl.where(r == 0, first, d)
-        p = lo + tl.minimum(r, kc)
-        blk = tl.load(TABLES + j * t_stride + p // bs, mask=real, other=0)
-        slot = tl.where(r <= kc, blk.to(tl.int64) * bs + p % bs, -1)
-        tl.store(IDS + j * q + r, tok, mask=real)
-        tl.store(POS + j * q + r, p, mask=real)
-        tl.store(SLOTS + j * q + r, slot, mask=real)
-        tl.store(LENS + j, lo + q)
 
 
 def levels(n: int) -> tuple[int, ...]:
