@@ -15,6 +15,7 @@ import io
 import json
 import os
 import pstats
+import sys
 import time
 
 import torch
@@ -208,7 +209,8 @@ def main(argv=None) -> int:
                 # Speculation's machinery at K=0 throughout (head KV kept current, nothing
                 # drafted): what a dynamic batch that switched drafting off costs per step.
                 "eagle3_k0": SpecConfig(method="eagle3", num_tokens=7, dynamic=True)}
-    res = {"command": "python -m bench.step_profile " + " ".join(argv or []),
+    given = sys.argv[1:] if argv is None else argv
+    res = {"command": "python -m bench.step_profile " + " ".join(given),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
            "device": torch.cuda.get_device_name() if cuda else "cpu", "runs": []}
     for name in args.variants.split(","):
