@@ -701,7 +701,10 @@ def fig_concurrency(args, res: dict) -> None:
                                    "slowest), median of reps. steady: c streams always in "
                                    "flight, each finished request replaced at once, tokens / "
                                    "wall time until the last of 3c requests is admitted "
-                                   "(bench.suite.steady_throughput)",
+                                   "(bench.suite.steady_throughput). steady mixed: the same "
+                                   "with output lengths uniform in [n/2, 3n/2] (one seeded "
+                                   "list for all variants), so no-spec streams do not all "
+                                   "finish in one step",
                      "prompts": "held-out split of cluster/prompt_sets.py, cycled"}
     log("fig 3: loading SmolLM2 + EAGLE-3 head")
     base = load_smol(args, spec=eagle(args, 5, False))
@@ -752,9 +755,12 @@ def fig_concurrency(args, res: dict) -> None:
             rows[-1]["steady_tokens_per_s"] = rnd(steady_throughput(args, eng, prompts, c, n), 1)
             rows[-1]["steady_acceptance_length"] = acceptance(before, spec_counts(eng))
             rows[-1]["steady_paths"] = paths_delta(paths, step_paths(eng))
+            rows[-1]["steady_mixed_tokens_per_s"] = rnd(
+                steady_throughput(args, eng, prompts, c, n, mixed=True), 1)
             rows[-1]["step_costs"] = step_costs(eng)
             log(f"fig 3: {name} c={c}: burst {rows[-1]['tokens_per_s']} tok/s, steady "
-                f"{rows[-1]['steady_tokens_per_s']} tok/s")
+                f"{rows[-1]['steady_tokens_per_s']} tok/s, steady mixed lengths "
+                f"{rows[-1]['steady_mixed_tokens_per_s']} tok/s")
         res.setdefault("graphs", {})[name] = note
         eng = None
         free_memory()
@@ -762,7 +768,8 @@ def fig_concurrency(args, res: dict) -> None:
     free_memory()
     ref = {r["concurrency"]: r["tokens_per_s"] for r in table["no_spec"]}
     ref_steady = {r["concurrency"]: r["steady_tokens_per_s"] for r in table["no_spec"]}
-    summary, steady = {}, {}
+    ref_mixed = {r["concurrency"]: r["steady_mixed_tokens_per_s"] for r in table["no_spec"]}
+    summary, steady, mixed = {}, {}, {}
     for name in variants:
         if name == "no_spec":
             continue
@@ -770,32 +777,53 @@ def fig_concurrency(args, res: dict) -> None:
             r["vs_no_spec"] = ratio(r["tokens_per_s"], ref[r["concurrency"]])
             r["steady_vs_no_spec"] = ratio(r["steady_tokens_per_s"],
                                            ref_steady[r["concurrency"]])
+            r["steady_mixed_vs_no_spec"] = ratio(r["steady_mixed_tokens_per_s"],
+                                                 ref_mixed[r["concurrency"]])
         summary[name] = {str(r["concurrency"]): r["vs_no_spec"] for r in table[name]}
         steady[name] = {str(r["concurrency"]): r["steady_vs_no_spec"] for r in table[name]}
+        mixed[name] = {str(r["concurrency"]): r["steady_mixed_vs_no_spec"] for r in table[name]}
     res["ratio_vs_no_spec"] = summary
     res["steady_ratio_vs_no_spec"] = steady
+    res["steady_mixed_ratio_vs_no_spec"] = mixed
     res["break_even_fixed_k5"] = break_even(table["eagle3_k5"])
     dyn_min = min(r["vs_no_spec"] for r in table[dyn])
     dyn_steady = min(r["steady_vs_no_spec"] for r in table[dyn])
+    dyn_mixed = min(r["steady_mixed_vs_no_spec"] for r in table[dyn])
     res["goals"] = {"dynamic_at_least_0.97x_no_spec_everywhere_burst": dyn_min >= 0.97,
                     "dynamic_min_ratio_burst": dyn_min,
                     "dynamic_at_least_0.97x_no_spec_everywhere_steady": dyn_steady >= 0.97,
-                    "dynamic_min_ratio_steady": dyn_steady}
+                    "dynamic_min_ratio_steady": dyn_steady,
+                    "dynamic_at_least_0.97x_no_spec_everywhere_steady_mixed": dyn_mixed >= 0.97,
+                    "dynamic_min_ratio_steady_mixed": dyn_mixed}
     log(f"fig 3: fixed K=5 break-even {res['break_even_fixed_k5']}; dynamic min {dyn_min}")
 
 
-def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3) -> float:
+def mixed_lengths(n: int, count: int) -> list[int]:
+    """Output lengths of a mixed-traffic steady run: uniform in [n/2, 3n/2], the same seeded
+    list for every variant."""
+    import random
+
+    rng = random.Random(1234)
+    return [rng.randint(max(1, n // 2), max(1, 3 * n // 2)) for _ in range(count)]
+
+
+def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3,
+                      mixed: bool = False) -> float:
     """Tokens/s with `c` streams always in flight, as a server under steady load runs: each
     finished request is replaced at once by the next prompt (its prefill counted), and the
     window ends when the last of generations * c requests is admitted (the drain at the end,
-    where fewer than c streams remain, is not part of it)."""
+    where fewer than c streams remain, is not part of it). Every request decodes n tokens,
+    or with `mixed` a length from `mixed_lengths` (mean n): without speculation, equal
+    lengths make all c streams finish in the same step and be replaced in one admission,
+    which traffic of varied lengths does not do."""
     from engine import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     total, started, tokens, live = generations * c, 0, 0, set()
+    lengths = mixed_lengths(n, total) if mixed else [n] * total
 
     def admit():
         nonlocal started
+        params = SamplingParams(temperature=0, max_tokens=lengths[started], ignore_eos=True)
         live.add(eng.add_request(prompts[started % len(prompts)], params))
         started += 1
 
@@ -849,6 +877,8 @@ def plot_concurrency(plt, res):
             b.plot(xs, [r["vs_no_spec"] for r in rows], "o-", c=color, label=f"{name} burst")
             b.plot(xs, [r.get("steady_vs_no_spec") for r in rows], "s--", c=color,
                    label=f"{name} steady")
+            b.plot(xs, [r.get("steady_mixed_vs_no_spec") for r in rows], "^:", c=color,
+                   label=f"{name} steady mixed")
     for ax in (a, b):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent streams")
