@@ -212,3 +212,18 @@ def test_batch_k_is_one_k_for_the_whole_fused_step():
     assert pol.plain_probe and pol.choose_batch([seq_with_rate(0.99)] * 64, 64) == 0
     fixed = KPolicy(SpecConfig(num_tokens=4, dynamic=False))
     assert fixed.choose_batch(low, 64) == 4
+
+
+def test_a_batch_leaves_k0_only_for_a_clear_win():
+    """A draft at half a plain step's price and acceptance 0.6 predict K=1 at 1.6 / 1.5 =
+    1.067x: enough for a lone sequence (2% margin), not for a fused batch, which must
+    predict BATCH_START_MARGIN to leave K=0. Clear wins still draft."""
+    from engine.spec.policy import BATCH_START_MARGIN
+
+    assert 1.6 / 1.5 < BATCH_START_MARGIN
+    pol = KPolicy(SpecConfig(num_tokens=7))
+    pol.costs.plain[64], pol.costs.per_draft[64] = 1e-3, 0.5
+    batch = [seq_with_rate(0.6) for _ in range(64)]
+    assert pol.choose(batch[0], 64) == 1
+    assert pol.choose_batch(batch, 64) == 0
+    assert pol.choose_batch([seq_with_rate(0.9) for _ in range(64)], 64) >= 2
