@@ -8,9 +8,11 @@ its token ids copied on the device from this step's argmax just before the graph
 Emitting tokens, detokenizing and stop checks then run while the GPU computes.
 
 The engine drives this exactly like the fused speculative step (`SpecRunner.fused_launch` /
-`fused_continue` / `fused_finish`, same names): the pipeline drains whenever the batch would
-change, and a request that finished while a step was in flight keeps its blocks until that
-step is read. Sampled requests, prefill chunks and hand-offs take the regular path.
+`fused_continue` / `fused_finish`, same names): a request that finished while a step was in
+flight drops out of the next launch (its row of that step is read and discarded) and keeps
+its blocks until that step is read; the pipeline drains whenever the batch would change
+otherwise (an arrival, an abort). Sampled requests, prefill chunks and hand-offs take the
+regular path.
 """
 
 from __future__ import annotations
