@@ -358,6 +358,8 @@ class Engine:
             for g, key in keys:
                 g.capture(*key)
                 bar.update(1)
+            if self.spec is not None and self.spec.fused is not None:
+                self.spec.fused.warm_continuation()
         bar.close()
         return len(keys)
 

@@ -23,12 +23,14 @@ positions. Sampled requests, prefill chunks and hand-offs keep the step-by-step 
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
+from engine.attention.triton_backend import next_pow2, triton, triton_available
 from engine.graphs import GraphSet, PackedInputs, table_array
 from engine.sequence import Sequence
 
@@ -60,6 +62,9 @@ def continuation(prev: FusedHandle, state: torch.Tensor, b: int, q: int, block_s
 
     def prepare(ids, pos, meta):
         pq, pb = prev.q, len(prev.seqs)
+        if ids.is_cuda and triton_available():  # one launch instead of about twenty
+            continue_inputs(prev.out, pq, pb, sel, state, b, q, block_size, ids, pos, meta)
+            return
         grid = rows(prev.out[0][: pb * pq].view(pb, pq))
         nacc = rows(prev.out[1][:pb])
         lo = state[:b] + nacc + 1
@@ -81,6 +86,89 @@ def continuation(prev: FusedHandle, state: torch.Tensor, b: int, q: int, block_s
         meta.seq_lens[:b].copy_(lo + q)
 
     return prepare
+
+
+def continue_inputs(out: tuple, pq: int, pb: int, sel: torch.Tensor | None,
+                    state: torch.Tensor, b: int, q: int, block_size: int, ids, pos, meta):
+    """`continuation`'s prepare as one Triton launch: the step's token ids, positions, KV
+    slots and context lengths from the previous step's outputs `out` (pb sequences, pq rows
+    each), its rows `sel` (default: all), written into the graph's static inputs."""
+    has_drafts = len(out) > 2 and q > 1
+    drafts = out[2] if has_drafts else out[1]  # (a stand-in of the same dtype: not read)
+    w = min(drafts.shape[1], q - 1) if has_drafts else 0
+    tables = meta.block_tables
+    _continue_kernel[(b,)](out[0], out[1], drafts, sel if sel is not None else state, state,
+                           tables, ids, pos, meta.slot_mapping, meta.seq_lens, b, pq,
+                           drafts.stride(0), tables.stride(0), block_size, q, w,
+                           HAS_SEL=sel is not None, Q=next_pow2(q, 1), num_warps=1)
+
+
+def warm_continuation(query_levels, block_size: int, device) -> None:
+    """Compile `continue_inputs` for every variant a run can meet (each query level, with
+    and without a row selection) now, not in the middle of serving."""
+    if not (torch.device(device).type == "cuda" and triton_available()):
+        return
+    i64 = {"dtype": torch.int64, "device": device}
+    for q in query_levels:
+        for sel in (None, torch.zeros(1, **i64)):
+            out = (torch.zeros(q, **i64), torch.zeros(1, **i64),
+                   torch.zeros(1, max(q - 1, 1), **i64))
+            meta = _Meta(torch.ones(1, 4, **i64), torch.zeros(q, **i64), torch.zeros(1, **i64))
+            continue_inputs(out, 1, 1, sel, torch.zeros(2, **i64), 1, q, block_size,
+                            torch.zeros(q, **i64), torch.zeros(q, **i64), meta)
+
+
+@dataclass
+class _Meta:
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def compiled_continuations() -> int:
+    """How many variants of the continuation kernel are compiled (all devices)."""
+    caches = getattr(_continue_kernel, "device_caches", {})
+    return sum(len(c[0]) for c in caches.values())
+
+
+if triton_available():
+    import triton.language as tl
+
+    # Every integer (batch, row counts, strides, draft width) and pointer (slices of a staging
+    # ring, at varying offsets) changes from step to step; specialized on their values or
+    # alignment, the kernel compiled anew mid-run (stalls of 0.5-1 s on the H200).
+    _INTS = ["b", "pq", "d_stride", "t_stride", "bs", "q", "w"]
+    _PTRS = ["GRID", "NACC", "DRAFTS", "SEL", "STATE", "TABLES", "IDS", "POS", "SLOTS", "LENS"]
+    _jit_params = inspect.signature(triton.jit).parameters
+    _NO_SPECIALIZE = {k: v for k, v in (("do_not_specialize", _INTS),
+                                        ("do_not_specialize_on_alignment", _INTS + _PTRS))
+                      if k in _jit_params}
+
+    @triton.jit(**_NO_SPECIALIZE)
+    def _continue_kernel(GRID, NACC, DRAFTS, SEL, STATE, TABLES, IDS, POS, SLOTS, LENS, b, pq,
+                         d_stride, t_stride, bs, q, w, HAS_SEL: tl.constexpr, Q: tl.constexpr):
+        """Program j: sequence j of the step, row SEL[j] of the previous one."""
+        j = tl.program_id(0)
+        if HAS_SEL:
+            src = tl.load(SEL + j).to(tl.int64)
+        else:
+            src = j.to(tl.int64)
+        n = tl.load(NACC + src)
+        kc = tl.load(STATE + b + j)
+        lo = tl.load(STATE + j) + n + 1
+        r = tl.arange(0, Q)
+        real = r < q
+        first = tl.load(GRID + src * pq + n)
+        d = tl.load(DRAFTS + src * d_stride + (r - 1), mask=(r >= 1) & (r <= w) & (r <= kc),
+                    other=0)
+        tok = tl.where(r == 0, first, d)
+        p = lo + tl.minimum(r, kc)
+        blk = tl.load(TABLES + j * t_stride + p // bs, mask=real, other=0)
+        slot = tl.where(r <= kc, blk.to(tl.int64) * bs + p % bs, -1)
+        tl.store(IDS + j * q + r, tok, mask=real)
+        tl.store(POS + j * q + r, p, mask=real)
+        tl.store(SLOTS + j * q + r, slot, mask=real)
+        tl.store(LENS + j, lo + q)
 
 
 def levels(n: int) -> tuple[int, ...]:
@@ -139,6 +227,10 @@ class FusedSteps:
 
     def all_sets(self) -> list[GraphSet]:
         return [self.set_for(d) for d in self.draft_levels]
+
+    def warm_continuation(self) -> None:
+        """Compile the continuation kernel's variants (`warm_continuation`) now."""
+        warm_continuation(self.query_levels, self.cfg.block_size, self.cfg.device)
 
     def _fn(self, drafts: int):
         model, head, kv_cache, aux_layers = self.model, self.head, self.kv_cache, self.aux_layers

@@ -79,6 +79,28 @@ def test_fused_step_is_lossless_with_dynamic_k_fp32(random_smol):
     spec.blocks.check_all_free()
 
 
+def test_continuations_compile_nothing_after_capture(random_smol):
+    """The one-launch continuation kernel is compiled for every variant at capture: steps of
+    changing batch size, K and rows (requests finishing apart drop out of the next launch)
+    compile nothing more, and output stays lossless."""
+    from engine import SamplingParams
+    from engine.config import SpecConfig
+    from engine.spec.fused import compiled_continuations
+
+    params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    ref = [c.token_ids for c in random_smol.generate(PROMPTS, params)]
+    spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
+                                   spec=SpecConfig(num_tokens=4, dynamic=False))
+    spec.capture_graphs(range(1, len(PROMPTS) + 1))
+    warmed = compiled_continuations()
+    assert warmed > 0
+    assert [c.token_ids for c in spec.generate(PROMPTS, params)] == ref
+    assert spec.spec.compacted_runs > 0 and spec.spec.overlapped_runs > 0
+    assert compiled_continuations() == warmed
+    spec.blocks.check_all_free()
+
+
 def test_graph_drafts_equal_eager_drafts(random_smol):
     """Step two engines in lockstep (graphs on / off) and compare every draft: a graph output
     overwritten by a later replay (or a bucket change mid-chain) would show up here, even

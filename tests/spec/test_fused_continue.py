@@ -1,0 +1,57 @@
+"""The fused step's continuation inputs (engine/spec/fused.py): the one-launch Triton kernel
+writes exactly what the torch ops of `continuation` write, for every draft count, with and
+without a row selection (requests that finished dropping out)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine.attention import triton_available
+from engine.spec.fused import continuation, continue_inputs
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
+
+
+def buffers(rows: int, seqs: int, max_blocks: int):
+    meta = SimpleNamespace(block_tables=torch.zeros(seqs, max_blocks, dtype=torch.int32),
+                           slot_mapping=torch.full((rows,), 7, dtype=torch.int64),
+                           seq_lens=torch.zeros(seqs, dtype=torch.int32))
+    return torch.full((rows,), 9, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64), meta
+
+
+@pytest.mark.parametrize("pq,q,with_drafts,keep", [
+    (1, 1, False, None),  # K=0 after K=0
+    (4, 1, True, None),  # back to K=0 after drafting
+    (1, 4, True, None),  # drafting after K=0
+    (4, 8, True, [0, 2, 3]),  # deeper, two of five rows dropped
+    (8, 4, True, [4, 1]),  # shallower, reordered subset
+])
+def test_kernel_writes_what_the_torch_continuation_writes(pq, q, with_drafts, keep):
+    g = torch.Generator().manual_seed(pq * 10 + q)
+    pb, bs, max_blocks, width = 5, 4, 12, 7
+    rows = list(range(pb)) if keep is None else keep
+    b = len(rows)
+    grid = torch.randint(0, 1000, (pb * pq + 3,), generator=g)
+    nacc = torch.randint(0, pq, (pb + 2,), generator=g)
+    out = (grid, nacc)
+    if with_drafts:
+        out += (torch.randint(0, 1000, (pb + 2, width), generator=g),)
+    prev = SimpleNamespace(q=pq, seqs=[None] * pb, out=out)
+    computed = torch.randint(0, 20, (b,), generator=g)
+    kc = torch.randint(0, q, (b,), generator=g)
+    state = torch.cat([computed, kc])
+    sel = None if keep is None else torch.tensor(keep)
+    tables = torch.randint(1, 100, (b, max_blocks), generator=g, dtype=torch.int32)
+    got, want = buffers(b * q + 2, b + 1, max_blocks), buffers(b * q + 2, b + 1, max_blocks)
+    for _, _, meta in (got, want):
+        meta.block_tables[:b] = tables
+    continuation(prev, state, b, q, bs, sel)(*want)  # CPU tensors: the torch ops
+    continue_inputs(out, pq, pb, sel, state, b, q, bs, *got)
+    for x, y in zip(got[:2], want[:2]):
+        assert torch.equal(x, y)
+    assert torch.equal(got[2].slot_mapping, want[2].slot_mapping)
+    assert torch.equal(got[2].seq_lens, want[2].seq_lens)
+    assert (want[2].slot_mapping[: b * q] >= 0).sum() == int((kc + 1).sum())
