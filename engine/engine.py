@@ -271,20 +271,16 @@ class Engine:
         batch, h = self._inflight
         # Requests that finished while h was in flight drop out here: the next step continues
         # the others from h's outputs, and h's rows of theirs are read and discarded.
-        keep = [i for i, s in enumerate(batch.seqs) if not s.finished]
+        keep = _unfinished(batch)
         live = batch.select(keep)
         nxt = self.pipe.fused_continue(h, self.blocks, self.stats.steps + 2,
                                        keep if len(keep) < len(batch.seqs) else None) \
             if keep and self._can_overlap(live) else None
         if nxt is None:
             return batch, {}, self._drain()
-        results, drafts = self.pipe.fused_finish(h)
-        for seq in self._deferred:  # h was the last step to write into their blocks
-            self.blocks.release(seq)
-        self._deferred = []
+        results, drafts = self._read(h, keep)
         self._inflight = (_entries(nxt), nxt)
-        results = {j: results[i] for j, i in enumerate(keep)}
-        outs = self._postprocess(live, None, results, {j: drafts[i] for j, i in enumerate(keep)})
+        outs = self._postprocess(live, None, results, drafts)
         return live, results, outs + self._settle(live)
 
     def _can_overlap(self, batch: Batch) -> bool:
@@ -299,7 +295,7 @@ class Engine:
         than by requests finishing (those the next step leaves out, `_step_overlapped`)."""
         if self._inflight is None:
             return []
-        live = batch.select([i for i, s in enumerate(batch.seqs) if not s.finished])
+        live = batch.select(_unfinished(batch))
         if not live.seqs or not self._can_overlap(live):
             return self._drain()
         return []
@@ -311,16 +307,22 @@ class Engine:
             return []
         batch, h = self._inflight
         self._inflight = None
+        keep = _unfinished(batch)
+        results, drafts = self._read(h, keep)
+        if not keep:
+            return []
+        return self._postprocess(batch.select(keep), None, results, drafts)
+
+    def _read(self, h, keep: list[int]) -> tuple[dict, dict]:
+        """Wait for the launched step h; free the blocks of requests that finished while it
+        was in flight (it was the last step to write into them); return its results and
+        drafts for the entries `keep`, renumbered in that order."""
         results, drafts = self.pipe.fused_finish(h)
         for seq in self._deferred:
             self.blocks.release(seq)
         self._deferred = []
-        keep = [i for i, s in enumerate(batch.seqs) if not s.finished]
-        if not keep:
-            return []
-        return self._postprocess(batch.select(keep), None,
-                                 {j: results[i] for j, i in enumerate(keep)},
-                                 {j: drafts[i] for j, i in enumerate(keep)})
+        return ({j: results[i] for j, i in enumerate(keep)},
+                {j: drafts[i] for j, i in enumerate(keep)})
 
     def _time_step(self, batch: Batch, results: dict, seconds: float) -> None:
         """Feed pure decode steps (every entry verifies its pending token and drafts) to the
@@ -627,6 +629,11 @@ class Engine:
                     yield out
                     if out.finished:
                         return
+
+
+def _unfinished(batch: Batch) -> list[int]:
+    """Indices of the batch's entries whose requests are still running."""
+    return [i for i, s in enumerate(batch.seqs) if not s.finished]
 
 
 def _entries(h) -> Batch:
