@@ -23,12 +23,8 @@ class Attention(nn.Module):
 
     def forward(self, x, positions, kv_cache, meta: AttentionMetadata, fused: bool = False):
         qkv = self.qkv_proj(x)
-        if fused:  # rotate q and k in place inside qkv and store k, v: one launch
-            heads = qkv.view(-1, self.nh + 2 * self.nkv, self.hd)
-            ops.rope_store_(heads, self.nh, self.nkv, positions, self.rotary.cos,
-                            self.rotary.sin, kv_cache, meta.slot_mapping)
-            o = self.backend.attend(heads[:, : self.nh], kv_cache, meta)
-            return self.o_proj(o.reshape(-1, self.nh * self.hd))
+        if fused:
+            return self.o_proj(self.attend_qkv(qkv, positions, kv_cache, meta))
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q = q.view(-1, self.nh, self.hd)
         k = k.view(-1, self.nkv, self.hd)
@@ -36,6 +32,15 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         o = self.backend.forward(q, k, v, kv_cache, meta)
         return self.o_proj(o.reshape(-1, self.nh * self.hd))
+
+    def attend_qkv(self, qkv, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention output [T, heads * head_dim] (before o_proj) from the projected qkv: q and
+        k rotate in place inside qkv and k, v go to the cache in one launch, then attend."""
+        heads = qkv.view(-1, self.nh + 2 * self.nkv, self.hd)
+        ops.rope_store_(heads, self.nh, self.nkv, positions, self.rotary.cos,
+                        self.rotary.sin, kv_cache, meta.slot_mapping)
+        o = self.backend.attend(heads[:, : self.nh], kv_cache, meta)
+        return o.reshape(-1, self.nh * self.hd)
 
 
 class MLP(nn.Module):
@@ -83,6 +88,10 @@ class LlamaModel(nn.Module):
         # Fused elementwise kernels ride with the Triton backend (the fast path); the torch
         # backend keeps the plain reference code.
         self.fused = backend.name == "triton" and ops.triton_available()
+        # On the fused path, batches of at most ops.LINEAR_MAX_ROWS tokens fold each norm and
+        # the SiLU-and-mul into the projection after it (`ops.prologue_linear`): 6 launches a
+        # layer instead of 9.
+        self.prologue_linears = self.fused
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()
@@ -100,6 +109,8 @@ class LlamaModel(nn.Module):
 
     def _forward_fused(self, h, positions, kv_cache, meta, aux_layers):
         """Same math, residual adds folded into the norms: norm(x + r) also returns x + r."""
+        if self.prologue_linears and h.shape[0] <= ops.LINEAR_MAX_ROWS:
+            return self._forward_prologue(h, positions, kv_cache, meta, aux_layers)
         taps, res = {}, None
         for i, layer in enumerate(self.layers):
             ln = layer.input_layernorm
@@ -114,6 +125,29 @@ class LlamaModel(nn.Module):
             ln = layer.post_attention_layernorm
             x, res = ops.add_rmsnorm(a, ln.weight, ln.eps, res)
             h = layer.mlp(x, fused=True)
+        out, _ = ops.add_rmsnorm(h, self.norm.weight, self.norm.eps, res)
+        return out, [taps[i] for i in aux_layers]
+
+    def _forward_prologue(self, h, positions, kv_cache, meta, aux_layers):
+        """The fused forward with each norm folded into the projection that reads it and
+        SiLU-and-mul into down_proj: qkv, rotary+store, attention, o, gate_up, down."""
+        taps, res = {}, None
+        for i, layer in enumerate(self.layers):
+            ln, attn, mlp = layer.input_layernorm, layer.self_attn, layer.mlp
+            qkv_w, qkv_b = attn.qkv_proj.weight, attn.qkv_proj.bias
+            if res is None:  # the embedding: normed, and the residual as it is
+                res = h
+                qkv = ops.prologue_linear(h, qkv_w, qkv_b, norm_weight=ln.weight, eps=ln.eps)
+            else:
+                qkv, res = ops.prologue_linear(h, qkv_w, qkv_b, norm_weight=ln.weight,
+                                               eps=ln.eps, residual=res)
+            if i in aux_layers:
+                taps[i] = res
+            a = attn.o_proj(attn.attend_qkv(qkv, positions, kv_cache[i], meta))
+            ln = layer.post_attention_layernorm
+            gu, res = ops.prologue_linear(a, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                                          norm_weight=ln.weight, eps=ln.eps, residual=res)
+            h = ops.prologue_linear(gu, mlp.down_proj.weight, mlp.down_proj.bias, silu=True)
         out, _ = ops.add_rmsnorm(h, self.norm.weight, self.norm.eps, res)
         return out, [taps[i] for i in aux_layers]
 

@@ -106,6 +106,73 @@ if triton_available():
         y = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
         tl.store(Y + row * N + col, y, mask=mask)
 
+    @triton.jit
+    def _prologue_linear_kernel(X, R, NW, W, B, Y, RES_OUT, M, eps, stride_x, stride_r,
+                                stride_w, stride_y, N: tl.constexpr, K: tl.constexpr,
+                                PRO: tl.constexpr, HAS_RES: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                PREC: tl.constexpr):
+        """Y[M, N] = a(X) @ W[N, K].T (+ B), the activation a() computed per K tile in the
+        prologue and rounded where the separate kernels round:
+        PRO 0: a(x) = x;
+        PRO 1: a(x) = rmsnorm(x + r) * NW (the sum x + r also goes to RES_OUT, by the first
+               column block), `_add_rmsnorm_kernel`'s rounding;
+        PRO 2: a([g | u]) = silu(g) * u for X = [M, 2K], `_silu_mul_kernel`'s rounding."""
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        m_ok = rm < M
+        n_ok = rn < N
+        dt = X.dtype.element_ty
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if PRO == 1:  # the row's mean square first: one pass over x (+ r)
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + tl.arange(0, BLOCK_K)
+                ok = m_ok[:, None] & (rk < K)[None, :]
+                x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
+                if HAS_RES:
+                    r = tl.load(R + rm[:, None] * stride_r + rk[None, :], mask=ok, other=0.0)
+                    x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+                    if pid_n == 0:
+                        tl.store(RES_OUT + rm[:, None] * K + rk[None, :], x, mask=ok)
+                xf = x.to(tl.float32)
+                ss += tl.sum(xf * xf, 1)
+            rstd = tl.math.rsqrt(ss / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            rk = k0 + tl.arange(0, BLOCK_K)
+            k_ok = rk < K
+            ok = m_ok[:, None] & k_ok[None, :]
+            if PRO == 2:
+                g = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
+                u = tl.load(X + rm[:, None] * stride_x + K + rk[None, :], mask=ok, other=0.0)
+                gf = g.to(tl.float32)
+                sg = (gf / (1.0 + tl.exp(-gf))).to(dt)
+                a = (sg.to(tl.float32) * u.to(tl.float32)).to(dt)
+            else:
+                a = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
+                if PRO == 1:
+                    if HAS_RES:
+                        r = tl.load(R + rm[:, None] * stride_r + rk[None, :], mask=ok,
+                                    other=0.0)
+                        a = (a.to(tl.float32) + r.to(tl.float32)).to(dt)
+                    h = (a.to(tl.float32) * rstd[:, None]).to(dt)
+                    nw = tl.load(NW + rk, mask=k_ok, other=0.0)
+                    a = (nw.to(tl.float32)[None, :] * h.to(tl.float32)).to(dt)
+            w = tl.load(W + rn[:, None] * stride_w + rk[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if BLOCK_M == 1:  # a GEMV: products summed along K
+                acc += tl.sum(a.to(tl.float32) * w.to(tl.float32), 1)[None, :]
+            else:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+        if HAS_BIAS:
+            acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                 residual: torch.Tensor | None = None):
@@ -158,3 +225,52 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, y, gate_up.stride(0), N=n,
                                                     BLOCK=block, num_warps=4)
     return y
+
+
+# Row counts the prologue linears serve: decode and small verify batches, where a layer is a
+# chain of latency-bound launches and folding the norm or SiLU into the projection saves one
+# launch each. Larger batches (prefill, wide verify) keep the separate kernels and cuBLAS.
+LINEAR_MAX_ROWS = 64
+# Tile overrides for sweeps (bench/linear_sweep.py): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps).
+LINEAR_TILES: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+
+
+def linear_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear: one row
+    block per 16 rows (a plain GEMV at one row), and column blocks narrow enough that the grid
+    covers the GPU's SMs about twice, so small weights are read by many SMs at once."""
+    if (m, n, k) in LINEAR_TILES:
+        return LINEAR_TILES[(m, n, k)]
+    bm = 1 if m == 1 else 16
+    m_blocks = -(-m // bm)
+    bn = 16
+    while bn < 64 and -(-n // (2 * bn)) * m_blocks >= 264:
+        bn *= 2
+    return bm, bn, min(128, next_pow2(k, 16)), 4
+
+
+def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                    residual: torch.Tensor | None = None, silu: bool = False):
+    """One launch for what takes two: `linear(rmsnorm(x + residual))` (norm_weight given;
+    returns (y, x + residual), or y without a residual), `linear(silu_mul(x))` (silu), or a
+    plain `linear(x)`. weight is nn.Linear's [N, K]; each activation rounds exactly where
+    `add_rmsnorm` / `silu_mul` round, so only the GEMM's summation order differs from the
+    separate kernels."""
+    m = x.shape[0]
+    n, k = weight.shape
+    pro = 1 if norm_weight is not None else 2 if silu else 0
+    assert x.shape[1] == (2 * k if silu else k) and x.stride(1) == 1 and weight.stride(1) == 1
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if m:
+        bm, bn, bk, warps = linear_tiles(m, n, k)
+        r = residual if residual is not None else x
+        _prologue_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+            x, r, norm_weight if norm_weight is not None else weight,
+            weight, bias if bias is not None else weight, y,
+            res_out if res_out is not None else y, m, eps, x.stride(0), r.stride(0),
+            weight.stride(0), y.stride(0), N=n, K=k, PRO=pro, HAS_RES=residual is not None,
+            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)
+    return y if residual is None else (y, res_out)

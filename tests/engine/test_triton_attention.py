@@ -151,6 +151,66 @@ def test_fused_ops_round_like_the_reference(dtype):
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+def test_prologue_linear_equals_its_two_kernels(dtype, rows):
+    """norm + projection, SiLU-and-mul + projection and a plain projection in one launch, each
+    against the separate kernel followed by the GEMM: the residual sum exactly, the outputs to
+    fp32 rounding (the GEMM's summation order) and exactly in fp16 at these sizes."""
+    import torch.nn.functional as F
+
+    from engine import ops
+
+    g = torch.Generator().manual_seed(rows)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
+    k, n = 48, 40
+    x, r, w, b, nw = rnd(rows, k), rnd(rows, k), rnd(n, k) / 7, rnd(n), rnd(k)
+    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)
+    gemm = lambda a, bias=None: F.linear(  # noqa: E731
+        a.float(), w.float(), None if bias is None else bias.float()).to(dtype)
+    y, s = ops.prologue_linear(x, w, b, norm_weight=nw, eps=1e-5, residual=r)
+    normed, summed = ops.add_rmsnorm(x, nw, 1e-5, r)
+    assert torch.equal(s, summed)
+    torch.testing.assert_close(y, gemm(normed, b), **tol)
+    y = ops.prologue_linear(x, w, norm_weight=nw, eps=1e-5)
+    torch.testing.assert_close(y, gemm(ops.add_rmsnorm(x, nw, 1e-5)), **tol)
+    gu = rnd(rows, 2 * k)
+    torch.testing.assert_close(ops.prologue_linear(gu, w, silu=True), gemm(ops.silu_mul(gu)),
+                               **tol)
+    torch.testing.assert_close(ops.prologue_linear(x, w, b), gemm(x, b), **tol)
+    with pytest.raises(AssertionError):  # silu reads [gate | up]: twice the weight's K
+        ops.prologue_linear(x, w, silu=True)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 70])
+def test_prologue_forward_equals_the_fused_forward(rows):
+    """The forward with norms folded into the projections (at most LINEAR_MAX_ROWS tokens)
+    against the fused forward without them, aux taps included; above the limit both take
+    the separate kernels."""
+    from engine import ops
+    from engine.graphs import pack
+    from tests.helpers import tiny_engine
+
+    eng = tiny_engine(num_blocks=64, device=DEV, attention_backend="triton")
+    assert eng.model.prologue_linears
+    ids = [(7 * i + 3) % 100 for i in range(rows)]
+    inp = pack(ids, list(range(rows)), [list(range(30))], [rows], 4)
+    calls = []
+    real = ops.prologue_linear
+    ops.prologue_linear = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    try:
+        a = eng.runner.forward_packed(inp, [rows - 1], aux_layers=(0, 1))
+    finally:
+        ops.prologue_linear = real
+    assert len(calls) == (3 * eng.config.model.num_layers if rows <= ops.LINEAR_MAX_ROWS else 0)
+    eng.model.prologue_linears = False
+    b = eng.runner.forward_packed(inp, [rows - 1], aux_layers=(0, 1))
+    torch.testing.assert_close(a.hidden, b.hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.logits, b.logits, atol=1e-4, rtol=1e-4)
+    for x, y in zip(a.aux, b.aux):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+
+
 def test_fused_model_matches_reference_logits():
     """The whole fused forward (triton backend) against the reference model, fp32: the aux
     taps too, which the EAGLE-3 head reads."""

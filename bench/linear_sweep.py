@@ -1,0 +1,205 @@
+"""Prologue linears on the GPU (`ops.prologue_linear`): one launch for norm + projection and
+for SiLU-and-mul + projection, against the two launches they replace, per projection shape
+and row count, then the whole decode forward of a SmolLM2-shaped model with and without them.
+
+    python -m bench.linear_sweep --out DIR [--rows 1,4,16,64] [--budget 240]
+
+Writes DIR/linear_sweep.json:
+- `ops`: per (model shape, projection, rows): microseconds per call of the separate kernels
+  (`add_rmsnorm` / `silu_mul`, then cuBLAS through F.linear), of the prologue kernel with
+  the default tiles, and of the best tiles found by a small sweep; each call in a CUDA graph
+  of `reps` calls, each on its own copy of the weight so weights come from HBM as in a model
+  (whose weights do not fit in L2);
+- `forward`: GPU milliseconds per decode-graph replay of a random SmolLM2-shaped bf16 model
+  at each row count, prologue linears off and on, and their ratio.
+Timing only: random weights."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # projection: (N, K, prologue) with K the weight's input width
+    "smol": {"qkv": (960, 576, "norm"), "o": (576, 576, "plain"),
+             "gate_up": (3072, 576, "norm"), "down": (576, 1536, "silu")},
+    "llama8b": {"qkv": (6144, 4096, "norm"), "o": (4096, 4096, "plain"),
+                "gate_up": (28672, 4096, "norm"), "down": (4096, 14336, "silu")},
+}
+TILES = [(bn, bk, 4) for bn in (16, 32, 64) for bk in (64, 128)] + \
+    [(32, 256, 4), (32, 128, 8), (16, 128, 2)]
+
+
+def _graph_us(fn, reps: int, iters: int = 20) -> float:
+    """Microseconds per call of fn(i) (i: the copy to use), captured `reps` calls to a graph."""
+    for i in range(min(reps, 2)):
+        fn(i)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        for i in range(reps):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        a.record()
+        for _ in range(iters):
+            g.replay()
+        b.record()
+        b.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / (iters * reps))
+    del g
+    return round(best, 2)
+
+
+def op_times(model: str, name: str, rows: int, budget_end: float) -> dict:
+    from engine import ops
+
+    n, k, pro = SHAPES[model][name]
+    dt, dev = torch.bfloat16, "cuda"
+    wbytes = n * k * 2
+    reps = max(4, min(40, int(3 * (64 << 20) // wbytes)))  # ~3x L2 of weights per graph
+    ws = [torch.randn(n, k, dtype=dt, device=dev) * 0.02 for _ in range(reps)]
+    xin = torch.randn(rows, 2 * k if pro == "silu" else k, dtype=dt, device=dev)
+    res = torch.randn(rows, k, dtype=dt, device=dev)
+    nw = torch.rand(k, dtype=dt, device=dev) + 0.5
+
+    def separate(i):
+        if pro == "norm":
+            x, _ = ops.add_rmsnorm(xin, nw, 1e-5, res)
+        elif pro == "silu":
+            x = ops.silu_mul(xin)
+        else:
+            x = xin
+        return F.linear(x, ws[i])
+
+    def fused(i):
+        if pro == "norm":
+            return ops.prologue_linear(xin, ws[i], norm_weight=nw, eps=1e-5, residual=res)
+        return ops.prologue_linear(xin, ws[i], silu=pro == "silu")
+
+    row = {"model": model, "proj": name, "rows": rows, "n": n, "k": k, "prologue": pro,
+           "weight_mb": round(wbytes / 2**20, 2), "reps": reps,
+           "separate_us": _graph_us(separate, reps)}
+    ops.LINEAR_TILES.clear()
+    row["default_tiles"] = list(ops.linear_tiles(rows, n, k))
+    row["prologue_us"] = _graph_us(fused, reps)
+    sweep = {}
+    bm = row["default_tiles"][0]
+    for bn, bk, w in TILES:
+        if time.time() > budget_end:
+            break
+        ops.LINEAR_TILES[(rows, n, k)] = (bm, bn, bk, w)
+        try:
+            sweep[f"{bn}x{bk}w{w}"] = _graph_us(fused, reps)
+        except Exception as e:  # a tile that does not compile (registers, shared memory)
+            sweep[f"{bn}x{bk}w{w}"] = repr(e)[:80]
+    ops.LINEAR_TILES.clear()
+    ok = {t: v for t, v in sweep.items() if isinstance(v, float)}
+    if ok:
+        bt = min(ok, key=ok.get)
+        row.update(best_tiles=bt, best_us=ok[bt])
+    row["sweep"] = sweep
+    row["prologue_vs_separate"] = round(row["prologue_us"] / row["separate_us"], 3)
+    gbs = wbytes / (row["prologue_us"] * 1e-6) / 1e9
+    row["prologue_weight_gbps"] = round(gbs, 1)
+    ws.clear()
+    torch.cuda.empty_cache()
+    return row
+
+
+def forward_times(rows_list, ctx: int = 256) -> list[dict]:
+    """GPU ms per decode-graph replay of a random SmolLM2-shaped bf16 model, prologue linears
+    off and on."""
+    from engine import Engine, EngineConfig
+    from engine.graphs import pack
+    from tests.engine.test_gpu_engine import smol_shape
+
+    torch.manual_seed(0)
+    eng = Engine(EngineConfig(model=smol_shape(), dtype=torch.bfloat16, device="cuda",
+                              num_blocks=4096, block_size=16, attention_backend="triton",
+                              cuda_graphs=True))
+    with torch.no_grad():
+        for p in eng.model.parameters():
+            p.normal_(0, 0.05)
+    graphs = eng.runner.graphs
+    out = []
+    for rows in rows_list:
+        per = ctx // 16 + 1
+        tables = [list(range(i * per, (i + 1) * per)) for i in range(rows)]
+        inp = pack([5] * rows, [ctx] * rows, tables, [1] * rows, 16)
+        row = {"rows": rows, "context": ctx}
+        for flag in (False, True):
+            eng.model.prologue_linears = flag
+            graphs.graphs.clear()
+            graphs.run(inp)  # captures the bucket, stages the inputs
+            key = next(k for k in graphs.graphs if k[1] == 1)
+            g = graphs.graphs[key][0]
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            best = float("inf")
+            for _ in range(3):
+                a.record()
+                for _ in range(50):
+                    g.replay()
+                b.record()
+                b.synchronize()
+                best = min(best, a.elapsed_time(b) / 50)
+            row["prologue_ms" if flag else "separate_ms"] = round(best, 4)
+        row["ratio"] = round(row["prologue_ms"] / row["separate_ms"], 3)
+        out.append(row)
+        print(json.dumps(row), flush=True)
+    eng.model.prologue_linears = True
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results")
+    ap.add_argument("--rows", default="1,4,16,64", help="row counts of the forward")
+    ap.add_argument("--sweep-rows", default="1,16,64", help="row counts of the op sweep")
+    ap.add_argument("--models", default="smol,llama8b")
+    ap.add_argument("--budget", type=float, default=150.0, help="seconds for the tile sweeps")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "linear_sweep.json")
+    t0 = time.time()
+    result = {"command": "python -m bench.linear_sweep " + " ".join(sys.argv[1:]),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "device": torch.cuda.get_device_name(0), "note": __doc__.split("\n\n")[-1]}
+
+    def save():
+        result["seconds"] = round(time.time() - t0, 1)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    try:
+        result["forward"] = forward_times([int(r) for r in args.rows.split(",")])
+    except Exception as e:  # keep the op sweep's results whatever happens here
+        result["forward_error"] = repr(e)
+        print("forward failed:", repr(e), flush=True)
+    save()
+    jobs = [(m, p, int(r)) for m in args.models.split(",") for p in SHAPES[m]
+            for r in args.sweep_rows.split(",")]
+    per_job = args.budget / max(1, len(jobs))
+    result["ops"] = []
+    for m, p, r in jobs:
+        row = op_times(m, p, r, time.time() + per_job)
+        result["ops"].append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "sweep"}), flush=True)
+        save()
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
