@@ -9,9 +9,10 @@ Writes DIR/linear_sweep.json:
   (`add_rmsnorm` / `silu_mul`, then cuBLAS through F.linear), of the prologue kernel with
   the default tiles, and of the best tiles found by a small sweep; each call in a CUDA graph
   of `reps` calls, each on its own copy of the weight so weights come from HBM as in a model
-  (whose weights do not fit in L2);
+  (whose weights do not fit in L2), without and with PDL;
 - `forward`: GPU milliseconds per decode-graph replay of a random SmolLM2-shaped bf16 model
-  at each row count, prologue linears off and on, and their ratio.
+  at each row count: separate kernels or prologue linears, each without and with
+  programmatic dependent launch (PDL), and the ratios to separate without PDL.
 Timing only: random weights."""
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ SHAPES = {  # projection: (N, K, prologue) with K the weight's input width
     "llama8b": {"qkv": (6144, 4096, "norm"), "o": (4096, 4096, "plain"),
                 "gate_up": (28672, 4096, "norm"), "down": (4096, 14336, "silu")},
 }
-TILES = [(bn, bk, 4) for bn in (16, 32, 64) for bk in (64, 128)] + \
-    [(32, 256, 4), (32, 128, 8), (16, 128, 2)]
+TILES = {  # (BLOCK_N, BLOCK_K, num_warps) tried, by BLOCK_M
+    1: [(bn, bk, 4) for bn in (8, 16, 32, 64) for bk in (256, 512)] +
+       [(32, 256, 8), (32, 512, 8), (16, 1024, 8)],
+    16: [(bn, bk, 4) for bn in (16, 32, 64) for bk in (64, 128)] +
+        [(32, 256, 4), (32, 128, 8), (16, 128, 2)],
+}
 
 
 def _graph_us(fn, reps: int, iters: int = 20) -> float:
@@ -89,14 +94,19 @@ def op_times(model: str, name: str, rows: int, budget_end: float) -> dict:
         return ops.prologue_linear(xin, ws[i], silu=pro == "silu")
 
     row = {"model": model, "proj": name, "rows": rows, "n": n, "k": k, "prologue": pro,
-           "weight_mb": round(wbytes / 2**20, 2), "reps": reps,
-           "separate_us": _graph_us(separate, reps)}
+           "weight_mb": round(wbytes / 2**20, 2), "reps": reps}
     ops.LINEAR_TILES.clear()
     row["default_tiles"] = list(ops.linear_tiles(rows, n, k))
+    ops.PDL = False
+    row["separate_us"] = _graph_us(separate, reps)
+    row["prologue_no_pdl_us"] = _graph_us(fused, reps)
+    ops.PDL = None
+    row["separate_pdl_norm_us"] = _graph_us(separate, reps)
+    row["pdl"] = ops.pdl_supported(xin.device)
     row["prologue_us"] = _graph_us(fused, reps)
     sweep = {}
     bm = row["default_tiles"][0]
-    for bn, bk, w in TILES:
+    for bn, bk, w in TILES[bm]:
         if time.time() > budget_end:
             break
         ops.LINEAR_TILES[(rows, n, k)] = (bm, bn, bk, w)
@@ -118,12 +128,20 @@ def op_times(model: str, name: str, rows: int, budget_end: float) -> dict:
     return row
 
 
+VARIANTS = [  # (name, prologue linears, ops.PDL)
+    ("separate", False, False), ("separate_pdl", False, None),
+    ("prologue", True, False), ("prologue_pdl", True, None)]
+
+
 def forward_times(rows_list, ctx: int = 256) -> list[dict]:
-    """GPU ms per decode-graph replay of a random SmolLM2-shaped bf16 model, prologue linears
-    off and on."""
-    from engine import Engine, EngineConfig
+    """GPU ms per decode-graph replay of a random SmolLM2-shaped bf16 model: separate kernels
+    or prologue linears (row limit raised to 64 here), each without and with programmatic
+    dependent launch."""
+    from engine import Engine, EngineConfig, ops
     from engine.graphs import pack
     from tests.engine.test_gpu_engine import smol_shape
+
+    limit = ops.LINEAR_MAX_ROWS
 
     torch.manual_seed(0)
     eng = Engine(EngineConfig(model=smol_shape(), dtype=torch.bfloat16, device="cuda",
@@ -139,8 +157,10 @@ def forward_times(rows_list, ctx: int = 256) -> list[dict]:
         tables = [list(range(i * per, (i + 1) * per)) for i in range(rows)]
         inp = pack([5] * rows, [ctx] * rows, tables, [1] * rows, 16)
         row = {"rows": rows, "context": ctx}
-        for flag in (False, True):
+        for name, flag, pdl in VARIANTS:
             eng.model.prologue_linears = flag
+            ops.PDL = pdl
+            ops.LINEAR_MAX_ROWS = 64
             graphs.graphs.clear()
             graphs.run(inp)  # captures the bucket, stages the inputs
             key = next(k for k in graphs.graphs if k[1] == 1)
@@ -155,11 +175,12 @@ def forward_times(rows_list, ctx: int = 256) -> list[dict]:
                 b.record()
                 b.synchronize()
                 best = min(best, a.elapsed_time(b) / 50)
-            row["prologue_ms" if flag else "separate_ms"] = round(best, 4)
-        row["ratio"] = round(row["prologue_ms"] / row["separate_ms"], 3)
+            row[name + "_ms"] = round(best, 4)
+        for name, _, _ in VARIANTS[1:]:
+            row[name + "_vs_separate"] = round(row[name + "_ms"] / row["separate_ms"], 3)
         out.append(row)
         print(json.dumps(row), flush=True)
-    eng.model.prologue_linears = True
+    eng.model.prologue_linears, ops.PDL, ops.LINEAR_MAX_ROWS = True, None, limit
     return out
 
 

@@ -90,7 +90,7 @@ class LlamaModel(nn.Module):
         self.fused = backend.name == "triton" and ops.triton_available()
         # On the fused path, batches of at most ops.LINEAR_MAX_ROWS tokens fold each norm and
         # the SiLU-and-mul into the projection after it (`ops.prologue_linear`): 6 launches a
-        # layer instead of 9.
+        # layer instead of 9, all Triton (programmatic dependent launch where supported).
         self.prologue_linears = self.fused
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -130,7 +130,8 @@ class LlamaModel(nn.Module):
 
     def _forward_prologue(self, h, positions, kv_cache, meta, aux_layers):
         """The fused forward with each norm folded into the projection that reads it and
-        SiLU-and-mul into down_proj: qkv, rotary+store, attention, o, gate_up, down."""
+        SiLU-and-mul into down_proj: qkv, rotary+store, attention, o, gate_up, down, each a
+        Triton launch."""
         taps, res = {}, None
         for i, layer in enumerate(self.layers):
             ln, attn, mlp = layer.input_layernorm, layer.self_attn, layer.mlp
@@ -143,7 +144,8 @@ class LlamaModel(nn.Module):
                                                eps=ln.eps, residual=res)
             if i in aux_layers:
                 taps[i] = res
-            a = attn.o_proj(attn.attend_qkv(qkv, positions, kv_cache[i], meta))
+            o = attn.attend_qkv(qkv, positions, kv_cache[i], meta)
+            a = ops.prologue_linear(o, attn.o_proj.weight, attn.o_proj.bias)
             ln = layer.post_attention_layernorm
             gu, res = ops.prologue_linear(a, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
                                           norm_weight=ln.weight, eps=ln.eps, residual=res)

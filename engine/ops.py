@@ -17,10 +17,14 @@ if triton_available():
 
     @triton.jit
     def _add_rmsnorm_kernel(X, R, W, Y, RES_OUT, stride_x, stride_r, stride_y, eps,
-                            N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr):
+                            N: tl.constexpr, BLOCK: tl.constexpr, HAS_RES: tl.constexpr,
+                            USE_PDL: tl.constexpr = False):
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
         if HAS_RES:
             r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
@@ -66,7 +70,7 @@ if triton_available():
     @triton.jit
     def _rope_store_kernel(X, COS, SIN, POS, KC, VC, SLOTS, stride_xt, stride_xh, stride_c,
                            stride_cs, NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
         """One (token, head) of qkv [T, NQ + 2*NKV, 2*HALF]: q heads rotate in place, k
         heads rotate in place and go to cache slot SLOTS[t], v heads only go to the cache
         (slot -1: no store). The rotation rounds exactly as `_rope_kernel`."""
@@ -74,6 +78,9 @@ if triton_available():
         h = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         base = X + t * stride_xt + h * stride_xh
         x1 = tl.load(base + offs, mask=mask, other=0.0)
         x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
@@ -112,25 +119,33 @@ if triton_available():
                                 PRO: tl.constexpr, HAS_RES: tl.constexpr,
                                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                PREC: tl.constexpr):
+                                PREC: tl.constexpr, USE_PDL: tl.constexpr):
         """Y[M, N] = a(X) @ W[N, K].T (+ B), the activation a() computed per K tile in the
         prologue and rounded where the separate kernels round:
         PRO 0: a(x) = x;
         PRO 1: a(x) = rmsnorm(x + r) * NW (the sum x + r also goes to RES_OUT, by the first
                column block), `_add_rmsnorm_kernel`'s rounding;
-        PRO 2: a([g | u]) = silu(g) * u for X = [M, 2K], `_silu_mul_kernel`'s rounding."""
+        PRO 2: a([g | u]) = silu(g) * u for X = [M, 2K], `_silu_mul_kernel`'s rounding.
+        Weight tiles load one iteration ahead; the first before the programmatic-launch wait
+        (USE_PDL), so it overlaps the kernel before, whose outputs only X and R are."""
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk0 = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
         dt = X.dtype.element_ty
+        w = tl.load(W + rn[:, None] * stride_w + rk0[None, :],
+                    mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if PRO == 1:  # the row's mean square first: one pass over x (+ r)
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
-                rk = k0 + tl.arange(0, BLOCK_K)
+                rk = k0 + rk0
                 ok = m_ok[:, None] & (rk < K)[None, :]
                 x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
                 if HAS_RES:
@@ -143,7 +158,7 @@ if triton_available():
             rstd = tl.math.rsqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
+            rk = k0 + rk0
             k_ok = rk < K
             ok = m_ok[:, None] & k_ok[None, :]
             if PRO == 2:
@@ -162,16 +177,50 @@ if triton_available():
                     h = (a.to(tl.float32) * rstd[:, None]).to(dt)
                     nw = tl.load(NW + rk, mask=k_ok, other=0.0)
                     a = (nw.to(tl.float32)[None, :] * h.to(tl.float32)).to(dt)
-            w = tl.load(W + rn[:, None] * stride_w + rk[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            cur = w
+            nk = rk + BLOCK_K  # the next tile's weights (masked off past K: no traffic)
+            w = tl.load(W + rn[:, None] * stride_w + nk[None, :],
+                        mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
             if BLOCK_M == 1:  # a GEMV: products summed along K
-                acc += tl.sum(a.to(tl.float32) * w.to(tl.float32), 1)[None, :]
+                acc += tl.sum(a.to(tl.float32) * cur.to(tl.float32), 1)[None, :]
             else:
-                acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+                acc = tl.dot(a, tl.trans(cur), acc, input_precision=PREC)
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
+
+# Programmatic dependent launch (Hopper and later): each of these kernels may be launched while
+# the one before it still runs; it waits for that kernel's results (`gdc_wait`) before reading
+# them, and the prologue linears load their first weight tile before waiting. None: on where
+# the GPU and Triton support it; False: off (a sweep's baseline).
+PDL: bool | None = None
+_PDL_SUPPORT: dict[int, bool] = {}
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Compute capability 9+ and a Triton with grid dependency control and `launch_pdl`."""
+    if device.type != "cuda" or not triton_available():
+        return False
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _PDL_SUPPORT:
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+            opts = "launch_pdl" in CUDAOptions.__dataclass_fields__
+        except Exception:  # another backend layout: no PDL
+            opts = False
+        _PDL_SUPPORT[i] = (opts and hasattr(tl.extra.cuda, "gdc_wait")
+                           and torch.cuda.get_device_capability(i)[0] >= 9)
+    return _PDL_SUPPORT[i]
+
+
+def pdl_args(t: torch.Tensor, always: bool = False) -> dict:
+    """Launch arguments of a kernel with a USE_PDL switch for tensor t's device (always: pass
+    USE_PDL=False too, for kernels without a default)."""
+    on = PDL is not False and pdl_supported(t.device)
+    if on:
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False} if always else {}
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -184,7 +233,7 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _add_rmsnorm_kernel[(t,)](x, residual if residual is not None else x, weight, y, res_out,
                                   x.stride(0), (residual if residual is not None else x).stride(0),
                                   y.stride(0), eps, N=n, BLOCK=next_pow2(n, 1),
-                                  HAS_RES=residual is not None, num_warps=4)
+                                  HAS_RES=residual is not None, num_warps=4, **pdl_args(x))
     return y if residual is None else (y, res_out)
 
 
@@ -211,7 +260,7 @@ def rope_store_(heads: torch.Tensor, num_q: int, num_kv: int, positions: torch.T
         _rope_store_kernel[(t, nh)](heads, cos, sin, positions, kc, vc, slots,
                                     heads.stride(0), heads.stride(1), cos.stride(0),
                                     kc.stride(1), NQ=num_q, NKV=num_kv, HALF=d // 2,
-                                    BLOCK=next_pow2(d // 2, 1), num_warps=1)
+                                    BLOCK=next_pow2(d // 2, 1), num_warps=1, **pdl_args(heads))
     return heads
 
 
@@ -227,26 +276,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-# Row counts the prologue linears serve: decode and small verify batches, where a layer is a
-# chain of latency-bound launches and folding the norm or SiLU into the projection saves one
-# launch each. Larger batches (prefill, wide verify) keep the separate kernels and cuBLAS.
-LINEAR_MAX_ROWS = 64
+# Row counts the prologue linears serve: single-stream decode, where a layer is a chain of
+# latency-bound launches. There the six launches of a layer are all ours, so each can start
+# (PDL) while the one before finishes. Wider batches keep the separate kernels and cuBLAS,
+# which measured faster there (bench/results/linear_sweep.json).
+LINEAR_MAX_ROWS = 1
 # Tile overrides for sweeps (bench/linear_sweep.py): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps).
 LINEAR_TILES: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 
 
 def linear_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear: one row
-    block per 16 rows (a plain GEMV at one row), and column blocks narrow enough that the grid
-    covers the GPU's SMs about twice, so small weights are read by many SMs at once."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear: a plain
+    GEMV at one row (32 x 256 weight tiles measured best on the H200 for both SmolLM2 and
+    Llama-8B projections), one row block per 16 rows above."""
     if (m, n, k) in LINEAR_TILES:
         return LINEAR_TILES[(m, n, k)]
-    bm = 1 if m == 1 else 16
-    m_blocks = -(-m // bm)
-    bn = 16
-    while bn < 64 and -(-n // (2 * bn)) * m_blocks >= 264:
-        bn *= 2
-    return bm, bn, min(128, next_pow2(k, 16)), 4
+    if m == 1:
+        return 1, 32, min(256, next_pow2(k, 16)), 4
+    return 16, 32, min(128, next_pow2(k, 16)), 4
 
 
 def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -272,5 +319,6 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             res_out if res_out is not None else y, m, eps, x.stride(0), r.stride(0),
             weight.stride(0), y.stride(0), N=n, K=k, PRO=pro, HAS_RES=residual is not None,
             HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps)
+            PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
+            **pdl_args(x, always=True))
     return y if residual is None else (y, res_out)

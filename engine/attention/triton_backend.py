@@ -102,11 +102,14 @@ if triton is not None:
         stride_cb, stride_cs, stride_ch, stride_bt,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr,
+        PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
     ):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
+        if USE_PDL:  # launched while the kernel before runs: wait for its results
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         q0 = tl.load(query_start + b)
         q_len = tl.load(query_start + b + 1) - q0
         ctx = tl.load(seq_lens + b)
@@ -203,6 +206,13 @@ if triton is not None:
                      mask=d_ok)
 
 
+def ops_pdl_args(t) -> dict:
+    """`engine.ops.pdl_args` (imported late: engine.ops imports this module)."""
+    from engine.ops import pdl_args
+
+    return pdl_args(t)
+
+
 def next_pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
@@ -271,7 +281,7 @@ class TritonAttention(AttentionBackend):
             kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
             G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
             PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=max(16, min(64, 4 * self.block_size)),
-            PRECISION=precision, num_warps=4 if block_m <= 32 else 8,
+            PRECISION=precision, num_warps=4 if block_m <= 32 else 8, **ops_pdl_args(q),
         )
         return out
 

@@ -56,6 +56,29 @@ def test_graphs_equal_eager_and_torch_backend(random_smol):
     assert graphs.plain.overlapped_runs > 0  # decode steps launched before the last was read
 
 
+def test_single_stream_prologue_linears_with_pdl_equal_torch_backend(random_smol):
+    """One stream decodes through the prologue linears (norms and SiLU folded into the
+    projections, every launch of a layer Triton, with programmatic dependent launch on a
+    Hopper GPU) inside CUDA graphs: the same greedy tokens as the torch backend, fp32."""
+    from engine import SamplingParams, ops
+
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    ref = random_smol.generate([PROMPTS[0]], sp)[0].token_ids
+    eng = random_smol.with_config(attention_backend="triton", cuda_graphs=True)
+    assert eng.model.prologue_linears and ops.LINEAR_MAX_ROWS >= 1
+    calls = []
+    real = ops.prologue_linear
+    ops.prologue_linear = lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw)
+    try:
+        out = eng.generate([PROMPTS[0]], sp)[0].token_ids
+    finally:
+        ops.prologue_linear = real
+    assert out == ref
+    assert calls and set(calls) == {1}  # captured into the batch-1 decode graph
+    if torch.cuda.get_device_capability()[0] >= 9:
+        assert ops.pdl_supported(torch.device("cuda"))
+
+
 def test_spec_with_graphs_is_lossless_fp32(random_smol):
     from engine.config import SpecConfig
 

@@ -184,7 +184,7 @@ def test_prologue_linear_equals_its_two_kernels(dtype, rows):
 
 @pytest.mark.parametrize("rows", [1, 6, 70])
 def test_prologue_forward_equals_the_fused_forward(rows):
-    """The forward with norms folded into the projections (at most LINEAR_MAX_ROWS tokens)
+    """The forward with norms folded into the projections (row limit raised to 64 here)
     against the fused forward without them, aux taps included; above the limit both take
     the separate kernels."""
     from engine import ops
@@ -192,17 +192,18 @@ def test_prologue_forward_equals_the_fused_forward(rows):
     from tests.helpers import tiny_engine
 
     eng = tiny_engine(num_blocks=64, device=DEV, attention_backend="triton")
-    assert eng.model.prologue_linears
+    assert eng.model.prologue_linears and ops.LINEAR_MAX_ROWS >= 1
     ids = [(7 * i + 3) % 100 for i in range(rows)]
     inp = pack(ids, list(range(rows)), [list(range(30))], [rows], 4)
     calls = []
-    real = ops.prologue_linear
+    real, limit = ops.prologue_linear, ops.LINEAR_MAX_ROWS
     ops.prologue_linear = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    ops.LINEAR_MAX_ROWS = 64
     try:
         a = eng.runner.forward_packed(inp, [rows - 1], aux_layers=(0, 1))
     finally:
-        ops.prologue_linear = real
-    assert len(calls) == (3 * eng.config.model.num_layers if rows <= ops.LINEAR_MAX_ROWS else 0)
+        ops.prologue_linear, ops.LINEAR_MAX_ROWS = real, limit
+    assert len(calls) == (4 * eng.config.model.num_layers if rows <= 64 else 0)
     eng.model.prologue_linears = False
     b = eng.runner.forward_packed(inp, [rows - 1], aux_layers=(0, 1))
     torch.testing.assert_close(a.hidden, b.hidden, atol=1e-5, rtol=1e-5)
