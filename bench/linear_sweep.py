@@ -33,8 +33,8 @@ SHAPES = {  # projection: (N, K, prologue) with K the weight's input width
                 "gate_up": (28672, 4096, "norm"), "down": (4096, 14336, "silu")},
 }
 TILES = {  # (BLOCK_N, BLOCK_K, num_warps) tried, by BLOCK_M
-    1: [(bn, bk, 4) for bn in (8, 16, 32, 64) for bk in (256, 512)] +
-       [(32, 256, 8), (32, 512, 8), (16, 1024, 8)],
+    1: [(bn, bk, 4) for bn in (8, 16, 32) for bk in (256, 512)] +
+       [(bn, 1024, w) for bn in (8, 16, 32) for w in (4, 8)] + [(16, 1024, 16), (16, 512, 8)],
     16: [(bn, bk, 4) for bn in (16, 32, 64) for bk in (64, 128)] +
         [(32, 256, 4), (32, 128, 8), (16, 128, 2)],
 }

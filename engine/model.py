@@ -91,7 +91,11 @@ class LlamaModel(nn.Module):
         # On the fused path, batches of at most ops.LINEAR_MAX_ROWS tokens fold each norm and
         # the SiLU-and-mul into the projection after it (`ops.prologue_linear`): 6 launches a
         # layer instead of 9, all Triton (programmatic dependent launch where supported).
-        self.prologue_linears = self.fused
+        first = self.layers[0]
+        projections = (first.self_attn.qkv_proj, first.self_attn.o_proj,
+                       first.mlp.gate_up_proj, first.mlp.down_proj)
+        self.prologue_linears = self.fused and ops.prologue_suits(
+            [p.weight.shape for p in projections])
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()

@@ -281,18 +281,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 # (PDL) while the one before finishes. Wider batches keep the separate kernels and cuBLAS,
 # which measured faster there (bench/results/linear_sweep.json).
 LINEAR_MAX_ROWS = 1
+# ... and weights of at most this many elements: small models' projections, whose reads are
+# latency-bound. Llama-8B's (25M+ elements) read faster through cuBLAS (linear_sweep.json).
+LINEAR_MAX_WEIGHT = 4 << 20
 # Tile overrides for sweeps (bench/linear_sweep.py): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps).
 LINEAR_TILES: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 
 
+def prologue_suits(weights) -> bool:
+    """Whether projections of these weight shapes ([N, K] each) take the prologue linears."""
+    return all(n * k <= LINEAR_MAX_WEIGHT for n, k in weights)
+
+
 def linear_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear: a plain
-    GEMV at one row (32 x 256 weight tiles measured best on the H200 for both SmolLM2 and
-    Llama-8B projections), one row block per 16 rows above."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear. One row:
+    a GEMV of narrow, long weight tiles (16 x 1024, 8 warps measured best or near it for all
+    four SmolLM2 projections on the H200: 2-3 us each under PDL); one row block per 16 rows
+    above."""
     if (m, n, k) in LINEAR_TILES:
         return LINEAR_TILES[(m, n, k)]
     if m == 1:
-        return 1, 32, min(256, next_pow2(k, 16)), 4
+        return 1, 16, min(1024, next_pow2(k, 16)), 8
     return 16, 32, min(128, next_pow2(k, 16)), 4
 
 
