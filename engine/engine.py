@@ -222,8 +222,7 @@ class Engine:
         return outs
 
     def _step_fresh(self, batch: Batch):
-        spec = self.spec
-        if spec is not None and spec.fused is not None and self.capture is None:
+        if self._splits():
             dec = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
                    if s.greedy_decode(n)]
             if dec and len(dec) < len(batch.seqs):
@@ -242,19 +241,29 @@ class Engine:
         outs = self._postprocess(batch, None, results, drafts)
         return batch, results, outs + self._settle(batch)
 
+    def _splits(self) -> bool:
+        """Whether a batch mixing greedy decodes with other entries runs the decodes apart
+        (`_step_split`): with speculation's fused step, or plain decode graphs."""
+        if self.capture is not None:
+            return False
+        if self.spec is not None:
+            return self.spec.fused is not None
+        return self.runner.graphs is not None and not self.runner.graph_aux
+
     def _step_split(self, batch: Batch, dec: list[int]):
         """Greedy decodes beside entries the fused step cannot run (prefill chunks of new
-        arrivals, sampled requests): the decodes still run as one fused graph, the rest
-        through the regular forward, in the same engine step. Under a steady stream of
-        arrivals this keeps decoding on the fused path instead of falling back every step."""
+        arrivals, sampled requests): the decodes still run as one fused graph (speculative,
+        or a plain decode graph), the rest through the regular forward, in the same engine
+        step. Under a steady stream of arrivals this keeps decoding on the graph path instead
+        of running every decode through the eager forward of a mixed batch."""
         pick = set(dec)
         d = batch.select(dec)
         r = batch.select([i for i in range(len(batch)) if i not in pick])
-        h = self.spec.fused_launch(d, self.blocks, self.stats.steps + 1)
+        h = self.pipe.fused_launch(d, self.blocks, self.stats.steps + 1)
         fwd, results = self._run(r)  # queued behind the fused graph; its sync covers both
         outs = self._postprocess(r, fwd, results)
         if h is not None:
-            res_d, drafts = self.spec.fused_finish(h)
+            res_d, drafts = self.pipe.fused_finish(h)
             outs += self._postprocess(d, None, res_d, drafts, count_step=False)
         else:  # no graph for the decodes' shape: the regular forward
             fwd, res_d = self._run(d)

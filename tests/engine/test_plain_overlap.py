@@ -66,9 +66,9 @@ def test_overlapped_lockstep_with_the_regular_path(ref):
 @pytest.mark.parametrize("num_blocks", [None, 24])
 def test_overlapped_decoding_is_exact_to_the_end(ref, num_blocks):
     """Requests of different lengths (finishes inside the pipeline), arrivals mid-way, a
-    stop token, a sampled neighbour (regular path beside the greedy ones) and, with 24
-    blocks, a KV cache so small that requests are preempted: every greedy output equals the
-    torch backend's, and all blocks come back."""
+    stop token, a sampled neighbour (regular forward beside the greedy ones' decode graph)
+    and, with 24 blocks, a KV cache so small that requests are preempted: every greedy
+    output equals the torch backend's, and all blocks come back."""
     prompts, params = workload()
     params[1] = replace(params[1], max_tokens=30)
     expect = [c.token_ids for c in ref.generate(prompts, params)]
@@ -76,6 +76,8 @@ def test_overlapped_decoding_is_exact_to_the_end(ref, num_blocks):
     params[1] = replace(params[1], stop_token_ids=[stop_tok])
     expect[1] = expect[1][: expect[1].index(stop_tok) + 1]
     eng = graph_engine(ref, num_blocks=num_blocks)
+    split, real_split = [], eng._step_split
+    eng._step_split = lambda batch, dec: (split.append(len(dec)), real_split(batch, dec))[1]
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
     seqs = {r: eng.seqs[r] for r in rids}
     for _ in range(4):
@@ -91,6 +93,9 @@ def test_overlapped_decoding_is_exact_to_the_end(ref, num_blocks):
     assert [seqs[r].output_ids for r in rids] == expect
     assert len(seqs[sampled].output_ids) == 6
     assert overlapped > 0 and eng.plain.overlapped_runs > 0
+    # Arrivals' prefill chunks and the sampled request ran beside decode graphs of the
+    # greedy ones, in the same steps (`Engine._step_split`).
+    assert split
     assert eng._inflight is None and not eng._deferred
     assert (eng.scheduler.num_preemptions > 0) == (num_blocks is not None)
     eng.blocks.check_all_free()
