@@ -32,7 +32,7 @@ SHAPES = {  # projection: (N, K, prologue) with K the weight's input width
     "llama8b": {"qkv": (6144, 4096, "norm"), "o": (4096, 4096, "plain"),
                 "gate_up": (28672, 4096, "norm"), "down": (4096, 14336, "silu")},
 }
-TILES = {  # (BLOCK_N, BLOCK_K, num_warps) tried, by BLOCK_M
+TILES = {  # (BLOCK_N, BLOCK_K, num_warps) tried: GEMV tiles (BLOCK_M <= 8), tl.dot tiles
     1: [(bn, bk, 4) for bn in (8, 16, 32) for bk in (256, 512)] +
        [(bn, 1024, w) for bn in (8, 16, 32) for w in (4, 8)] + [(16, 1024, 16), (16, 512, 8)],
     16: [(bn, bk, 4) for bn in (16, 32, 64) for bk in (64, 128)] +
@@ -106,7 +106,7 @@ def op_times(model: str, name: str, rows: int, budget_end: float) -> dict:
     row["prologue_us"] = _graph_us(fused, reps)
     sweep = {}
     bm = row["default_tiles"][0]
-    for bn, bk, w in TILES[bm]:
+    for bn, bk, w in TILES[1 if bm <= 8 else 16]:
         if time.time() > budget_end:
             break
         ops.LINEAR_TILES[(rows, n, k)] = (bm, bn, bk, w)
@@ -187,8 +187,8 @@ def forward_times(rows_list, ctx: int = 256) -> list[dict]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--rows", default="1,4,16,64", help="row counts of the forward")
-    ap.add_argument("--sweep-rows", default="1,16,64", help="row counts of the op sweep")
+    ap.add_argument("--rows", default="1,2,4,8,16,64", help="row counts of the forward")
+    ap.add_argument("--sweep-rows", default="1,4,8,16", help="row counts of the op sweep")
     ap.add_argument("--models", default="smol,llama8b")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds for the tile sweeps")
     args = ap.parse_args(argv)

@@ -183,6 +183,14 @@ if triton_available():
                         mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
             if BLOCK_M == 1:  # a GEMV: products summed along K
                 acc += tl.sum(a.to(tl.float32) * cur.to(tl.float32), 1)[None, :]
+            elif BLOCK_M <= 8:  # a few GEMVs sharing each weight tile, row by row
+                wf = cur.to(tl.float32)
+                af = a.to(tl.float32)
+                sel = tl.arange(0, BLOCK_M)[:, None]
+                for mi in tl.static_range(BLOCK_M):
+                    a_m = tl.sum(tl.where(sel == mi, af, 0.0), 0)
+                    part = tl.sum(a_m[None, :] * wf, 1)
+                    acc += tl.where(sel == mi, part[None, :], 0.0)
             else:
                 acc = tl.dot(a, tl.trans(cur), acc, input_precision=PREC)
         if HAS_BIAS:
@@ -276,11 +284,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-# Row counts the prologue linears serve: single-stream decode, where a layer is a chain of
-# latency-bound launches. There the six launches of a layer are all ours, so each can start
-# (PDL) while the one before finishes. Wider batches keep the separate kernels and cuBLAS,
-# which measured faster there (bench/results/linear_sweep.json).
-LINEAR_MAX_ROWS = 1
+# Row counts the prologue linears serve: single-stream decode and verify (at most 8 rows,
+# EAGLE-3's K + 1), where a layer is a chain of latency-bound launches. There the six launches
+# of a layer are all ours, so each can start (PDL) while the one before finishes. Wider
+# batches keep the separate kernels and cuBLAS (tl.dot tiles measured slower there,
+# bench/results/profile/linear_sweep.json).
+LINEAR_MAX_ROWS = 8
 # ... and weights of at most this many elements: small models' projections, whose reads are
 # latency-bound. Llama-8B's (25M+ elements) read faster through cuBLAS (linear_sweep.json).
 LINEAR_MAX_WEIGHT = 4 << 20
@@ -294,14 +303,14 @@ def prologue_suits(weights) -> bool:
 
 
 def linear_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear. One row:
-    a GEMV of narrow, long weight tiles (16 x 1024, 8 warps measured best or near it for all
-    four SmolLM2 projections on the H200: 2-3 us each under PDL); one row block per 16 rows
-    above."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear. Up to 8
+    rows: GEMVs over narrow, long weight tiles, each tile read once for all rows (16 x 1024,
+    8 warps measured best or near it at one row for all four SmolLM2 projections on the
+    H200: 2-3 us each under PDL); one tl.dot row block per 16 rows above."""
     if (m, n, k) in LINEAR_TILES:
         return LINEAR_TILES[(m, n, k)]
-    if m == 1:
-        return 1, 16, min(1024, next_pow2(k, 16)), 8
+    if m <= 8:
+        return next_pow2(m, 1), 16, min(1024, next_pow2(k, 16)), 8
     return 16, 32, min(128, next_pow2(k, 16)), 4
 
 

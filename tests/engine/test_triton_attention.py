@@ -152,20 +152,22 @@ def test_fused_ops_round_like_the_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows", [1, 3, 17])
-def test_prologue_linear_equals_its_two_kernels(dtype, rows):
+@pytest.mark.parametrize("rows,k", [(1, 48), (3, 48), (8, 48), (17, 48), (5, 1100)])
+def test_prologue_linear_equals_its_two_kernels(dtype, rows, k):
     """norm + projection, SiLU-and-mul + projection and a plain projection in one launch, each
     against the separate kernel followed by the GEMM: the residual sum exactly, the outputs to
-    fp32 rounding (the GEMM's summation order) and exactly in fp16 at these sizes."""
+    fp32 rounding (the GEMM's summation order), in fp16 up to one rounding step. K = 1100
+    takes two weight tiles, the second partly masked."""
     import torch.nn.functional as F
 
     from engine import ops
 
     g = torch.Generator().manual_seed(rows)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
-    k, n = 48, 40
+    n = 40
     x, r, w, b, nw = rnd(rows, k), rnd(rows, k), rnd(n, k) / 7, rnd(n), rnd(k)
-    tol = dict(atol=2e-6, rtol=2e-6) if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)
+    fp32 = 2e-6 * max(1, k // 48)  # a longer sum, more room for another summation order
+    tol = dict(atol=fp32, rtol=fp32) if dtype == torch.float32 else dict(atol=1e-3, rtol=1e-3)
     gemm = lambda a, bias=None: F.linear(  # noqa: E731
         a.float(), w.float(), None if bias is None else bias.float()).to(dtype)
     y, s = ops.prologue_linear(x, w, b, norm_weight=nw, eps=1e-5, residual=r)
