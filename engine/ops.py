@@ -183,14 +183,8 @@ if triton_available():
                         mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
             if BLOCK_M == 1:  # a GEMV: products summed along K
                 acc += tl.sum(a.to(tl.float32) * cur.to(tl.float32), 1)[None, :]
-            elif BLOCK_M <= 8:  # a few GEMVs sharing each weight tile, row by row
-                wf = cur.to(tl.float32)
-                af = a.to(tl.float32)
-                sel = tl.arange(0, BLOCK_M)[:, None]
-                for mi in tl.static_range(BLOCK_M):
-                    a_m = tl.sum(tl.where(sel == mi, af, 0.0), 0)
-                    part = tl.sum(a_m[None, :] * wf, 1)
-                    acc += tl.where(sel == mi, part[None, :], 0.0)
+            elif BLOCK_M <= 8:  # a few GEMVs sharing each weight tile: [M, 1, K] x [1, N, K]
+                acc += tl.sum(a.to(tl.float32)[:, None, :] * cur.to(tl.float32)[None, :, :], 2)
             else:
                 acc = tl.dot(a, tl.trans(cur), acc, input_precision=PREC)
         if HAS_BIAS:
@@ -284,12 +278,12 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-# Row counts the prologue linears serve: single-stream decode and verify (at most 8 rows,
-# EAGLE-3's K + 1), where a layer is a chain of latency-bound launches. There the six launches
-# of a layer are all ours, so each can start (PDL) while the one before finishes. Wider
-# batches keep the separate kernels and cuBLAS (tl.dot tiles measured slower there,
-# bench/results/profile/linear_sweep.json).
-LINEAR_MAX_ROWS = 8
+# Row counts the prologue linears serve: single-stream decode, where a layer is a chain of
+# latency-bound launches. There the six launches of a layer are all ours, so each can start
+# (PDL) while the one before finishes: a SmolLM2 forward measured 0.63 ms against 0.92 with
+# separate kernels and cuBLAS. Wider batches keep those: the multi-row tiles measured slower
+# (bench/results/profile/linear_sweep*.json).
+LINEAR_MAX_ROWS = 1
 # ... and weights of at most this many elements: small models' projections, whose reads are
 # latency-bound. Llama-8B's (25M+ elements) read faster through cuBLAS (linear_sweep.json).
 LINEAR_MAX_WEIGHT = 4 << 20
@@ -309,8 +303,11 @@ def linear_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     H200: 2-3 us each under PDL); one tl.dot row block per 16 rows above."""
     if (m, n, k) in LINEAR_TILES:
         return LINEAR_TILES[(m, n, k)]
-    if m <= 8:
-        return next_pow2(m, 1), 16, min(1024, next_pow2(k, 16)), 8
+    if m == 1:
+        return 1, 16, min(1024, next_pow2(k, 16)), 8
+    if m <= 8:  # the [M, N, K] product stays at 16K elements a tile
+        bm = next_pow2(m, 1)
+        return bm, 64 // bm, min(256, next_pow2(k, 16)), 8
     return 16, 32, min(128, next_pow2(k, 16)), 4
 
 
