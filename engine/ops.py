@@ -183,8 +183,6 @@ if triton_available():
                         mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
             if BLOCK_M == 1:  # a GEMV: products summed along K
                 acc += tl.sum(a.to(tl.float32) * cur.to(tl.float32), 1)[None, :]
-            elif BLOCK_M <= 8:  # a few GEMVs sharing each weight tile: [M, 1, K] x [1, N, K]
-                acc += tl.sum(a.to(tl.float32)[:, None, :] * cur.to(tl.float32)[None, :, :], 2)
             else:
                 acc = tl.dot(a, tl.trans(cur), acc, input_precision=PREC)
         if HAS_BIAS:
@@ -298,16 +296,15 @@ def prologue_suits(weights) -> bool:
 
 def linear_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear. Up to 8
-    rows: GEMVs over narrow, long weight tiles, each tile read once for all rows (16 x 1024,
-    8 warps measured best or near it at one row for all four SmolLM2 projections on the
-    H200: 2-3 us each under PDL); one tl.dot row block per 16 rows above."""
+    rows: one GEMV program per row and column block over narrow, long weight tiles (16 x
+    1024, 8 warps measured best or near it at one row for all four SmolLM2 projections on the
+    H200: 2-3 us each under PDL); the rows' programs read the same tiles, all but the first
+    from L2. (Sharing each tile across rows inside one program measured 2-3x slower.) Above:
+    one tl.dot row block per 16 rows."""
     if (m, n, k) in LINEAR_TILES:
         return LINEAR_TILES[(m, n, k)]
-    if m == 1:
+    if m <= 8:
         return 1, 16, min(1024, next_pow2(k, 16)), 8
-    if m <= 8:  # the [M, N, K] product stays at 16K elements a tile
-        bm = next_pow2(m, 1)
-        return bm, 64 // bm, min(256, next_pow2(k, 16)), 8
     return 16, 32, min(128, next_pow2(k, 16)), 4
 
 
@@ -327,6 +324,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     res_out = torch.empty_like(x) if residual is not None else None
     if m:
         bm, bn, bk, warps = linear_tiles(m, n, k)
+        assert bm == 1 or bm >= 16, "row blocks are GEMVs (1) or tl.dot tiles (16+)"
         r = residual if residual is not None else x
         _prologue_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
             x, r, norm_weight if norm_weight is not None else weight,
