@@ -343,7 +343,9 @@ class Engine:
         # A step verifies last step's drafts and proposes the next: their mean is K in a steady
         # state, which is what the policy's 1 + K*c model prices.
         drafts = sum(k for k, _ in results.values()) + sum(len(s.draft) for s in batch.seqs)
-        self.spec.policy.costs.record(len(batch.seqs), drafts / (2 * len(batch.seqs)), seconds)
+        tokens = sum(len(r.tokens) for _, r in results.values())
+        self.spec.policy.costs.record(len(batch.seqs), drafts / (2 * len(batch.seqs)), seconds,
+                                      tokens)
 
     def capture_graphs(self, batch_sizes=None, progress: bool = False,
                        long_context: bool | None = None) -> int:

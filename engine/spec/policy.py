@@ -22,6 +22,11 @@ MARGIN = 1.02  # a deeper K must beat the best shallower one by this factor
 # (relaunches from host-packed inputs, the continuation's device-side rebuild of inputs).
 BATCH_START_MARGIN = 1.10
 MIN_DRAFTS = 1.0  # a step prices drafts only if it carried this many per sequence on average
+# Measured drafting tokens/s must reach this multiple of measured plain tokens/s at the batch's
+# bucket, or the batch decodes plainly whatever the 1 + K*c model predicts (draft probes still
+# draft, so the comparison stays current). The model misses what drafting costs beyond a
+# steady step's time; on the H200 it kept a single stream drafting at 0.83x no-spec.
+GAIN_FLOOR = 1.0
 
 
 def _bucket(batch_size: int) -> int:
@@ -50,12 +55,15 @@ class StepCosts:
         self.per_draft: dict[int, float] = {}
         self._plain: dict[int, deque] = {}
         self._drafted: dict[int, deque] = {}  # (drafts per sequence, seconds) of draft steps
+        self._rates: dict[tuple[int, bool], deque] = {}  # (bucket, plain?) -> tokens/s
         self._last: tuple[int, bool] | None = None  # (bucket, plain?) of the last step seen
 
-    def record(self, batch_size: int, drafts_per_seq: float, seconds: float) -> None:
+    def record(self, batch_size: int, drafts_per_seq: float, seconds: float,
+               tokens: int | None = None) -> None:
         """One pure decode step: `drafts_per_seq` drafts verified and proposed per sequence
-        on average (0: a plain step). Draft steps are kept raw and priced against the current
-        plain time, so those seen before the first plain step count too."""
+        on average (0: a plain step), `tokens` emitted. Draft steps are kept raw and priced
+        against the current plain time, so those seen before the first plain step count
+        too."""
         b = _bucket(batch_size)
         # (With a few drafts spread over many sequences, timing noise divided by a small
         # count would pass for the price of a draft: such steps are neither kind.)
@@ -64,6 +72,8 @@ class StepCosts:
         steady, self._last = kind is not None and kind == self._last, kind
         if not steady:
             return
+        if tokens is not None and seconds > 0:
+            _window(self._rates, kind, tokens / seconds)
         if drafts_per_seq == 0:
             self.plain[b] = statistics.median(_window(self._plain, b, seconds))
         else:
@@ -76,12 +86,21 @@ class StepCosts:
     def per_token(self, batch_size: int) -> float | None:
         return self.per_draft.get(_bucket(batch_size))
 
+    def measured_gain(self, batch_size: int) -> float | None:
+        """Median tokens/s of steady drafting steps over that of steady plain steps at this
+        batch size's bucket; None until both were timed."""
+        b = _bucket(batch_size)
+        drafting, plain = self._rates.get((b, False)), self._rates.get((b, True))
+        if not drafting or not plain:
+            return None
+        return statistics.median(drafting) / statistics.median(plain)
+
     def knows_plain(self, batch_size: int) -> bool:
         return _bucket(batch_size) in self.plain
 
 
-def _window(windows: dict[int, deque], b: int, x) -> deque:
-    """Add a sample to bucket b's window (the last WINDOW samples); returns the window."""
+def _window(windows: dict, b, x) -> deque:
+    """Add a sample to key b's window (the last WINDOW samples); returns the window."""
     w = windows.setdefault(b, deque(maxlen=StepCosts.WINDOW))
     w.append(x)
     return w
@@ -95,6 +114,9 @@ class KPolicy:
     (`StepCosts`: every PLAIN_PROBE_EVERY steps PROBE_LEN steps run without drafts to time a
     plain step at the current batch size); until then it is SpecConfig's verify + draft cost,
     the verify part growing with the batch (the forward leaves the memory-bound regime).
+    Above the model sits a measured check: where steady drafting steps emitted fewer tokens
+    per second than steady plain steps at the same batch-size bucket (`GAIN_FLOOR`), the
+    batch decodes plainly.
     """
 
     def __init__(self, spec: SpecConfig, prior: float = 0.6, batch_knee: int = 16):
@@ -127,6 +149,8 @@ class KPolicy:
         if self.plain_probe and not seeded:
             return 0
         best_k = self._best_k([self._rate(seq)], self._cost(batch_size, seeded))
+        if best_k and not seeded and self._losing(batch_size):
+            best_k = 0
         if best_k == 0:
             seq.idle_steps += 1
             if seq.idle_steps % PROBE_EVERY == 0:
@@ -153,6 +177,8 @@ class KPolicy:
             return 0
         best_k = self._best_k([self._rate(s) for s in seqs], self._cost(batch_size, False),
                               BATCH_START_MARGIN)
+        if best_k and self._losing(batch_size):
+            best_k = 0
         if best_k == 0:
             # (Rarer than a lone sequence's probe: a batch probe breaks the host-packed K=0
             # continuation for every stream, twice.)
@@ -160,6 +186,14 @@ class KPolicy:
             if self.batch_idle % BATCH_PROBE_EVERY == 0:
                 return 1
         return best_k
+
+    def _losing(self, batch_size: int) -> bool:
+        """Drafting measured slower than plain decoding at this batch size (outside draft
+        probes, which keep drafting so that the measurement stays current)."""
+        if self.draft_probe:
+            return False
+        gain = self.costs.measured_gain(batch_size)
+        return gain is not None and gain < GAIN_FLOOR
 
     def _rate(self, seq: Sequence) -> float:
         return min(seq.accept_rate if seq.accept_rate is not None else self.prior, 0.999)

@@ -227,3 +227,50 @@ def test_a_batch_leaves_k0_only_for_a_clear_win():
     assert pol.choose(batch[0], 64) == 1
     assert pol.choose_batch(batch, 64) == 0
     assert pol.choose_batch([seq_with_rate(0.9) for _ in range(64)], 64) >= 2
+
+
+def test_measured_throughput_overrules_a_model_that_predicts_a_win():
+    """Drafting priced cheap per draft (0.25 of a step) but emitting fewer tokens per second
+    than plain decoding: the batch decodes plainly, except in draft probes; once drafting
+    steps measure faster than plain ones, the model's K comes back."""
+    from engine.spec.policy import PLAIN_PROBE_EVERY, StepCosts
+
+    costs = StepCosts()
+    for _ in range(3):
+        costs.record(4, 0, 1e-3, tokens=4)  # plain: 4000 tokens/s
+    for _ in range(3):
+        costs.record(4, 4.0, 2e-3, tokens=6)  # drafting: 3000 tokens/s, 0.25 per draft
+    assert abs(costs.per_token(4) - 0.25) < 1e-9
+    assert abs(costs.measured_gain(4) - 0.75) < 1e-9 and costs.measured_gain(8) is None
+    pol = KPolicy(SpecConfig(num_tokens=7))
+    pol.costs = costs
+    seqs = [seq_with_rate(0.9) for _ in range(4)]
+    assert pol.choose(seqs[0], batch_size=4) == 0
+    ks = [pol.choose_batch(seqs, 4) for _ in range(2 * BATCH_PROBE_EVERY)]
+    assert ks.count(0) == 2 * BATCH_PROBE_EVERY - 2  # batch probes only
+    pol.begin_propose(PLAIN_PROBE_EVERY // 2, batch_size=4)
+    assert pol.draft_probe and pol.choose_batch(seqs, 4) > 0
+    pol.begin_propose(PROBE_LEN + 1, batch_size=4)  # neither a plain nor a draft probe
+    assert not pol.plain_probe and not pol.draft_probe
+    for _ in range(StepCosts.WINDOW):
+        costs.record(4, 4.0, 2e-3, tokens=12)  # drafting now 6000 tokens/s
+    assert costs.measured_gain(4) > 1
+    assert pol.choose_batch(seqs, 4) > 0 and pol.choose(seqs[0], batch_size=4) > 0
+
+
+def test_a_seeded_sampled_request_ignores_measured_throughput():
+    """A seeded request's K must not depend on timings (its draws depend on its K)."""
+    from engine.spec.policy import StepCosts
+
+    costs = StepCosts()
+    for _ in range(3):
+        costs.record(1, 0, 1e-3, tokens=1)
+    for _ in range(3):
+        costs.record(1, 2.0, 4e-3, tokens=2)
+    assert costs.measured_gain(1) < 1
+    pol = KPolicy(SpecConfig(num_tokens=5))
+    pol.costs = costs
+    seeded = Sequence([1, 2, 3], SamplingParams(temperature=0.7, seed=3))
+    seeded.accept_rate = 0.9
+    assert pol.choose(seeded, batch_size=1) > 0
+    assert pol.choose(seq_with_rate(0.9), batch_size=1) == 0
