@@ -12,7 +12,9 @@ Writes DIR/linear_sweep.json:
   (whose weights do not fit in L2), without and with PDL;
 - `forward`: GPU milliseconds per decode-graph replay of a random SmolLM2-shaped bf16 model
   at each row count: separate kernels or prologue linears, each without and with
-  programmatic dependent launch (PDL), and the ratios to separate without PDL.
+  programmatic dependent launch (PDL), and the ratios to separate without PDL;
+- `calibration`: that engine's own timing at graph set-up (`calibrate_prologue_rows`), which
+  decides the row counts its forward gives the prologue linears.
 Timing only: random weights."""
 
 from __future__ import annotations
@@ -133,15 +135,14 @@ VARIANTS = [  # (name, prologue linears, ops.PDL)
     ("prologue", True, False), ("prologue_pdl", True, None)]
 
 
-def forward_times(rows_list, ctx: int = 256) -> list[dict]:
+def forward_times(rows_list, ctx: int = 256) -> tuple[list[dict], dict | None]:
     """GPU ms per decode-graph replay of a random SmolLM2-shaped bf16 model: separate kernels
-    or prologue linears (row limit raised to 64 here), each without and with programmatic
-    dependent launch."""
+    or prologue linears (every row count allowed here), each without and with programmatic
+    dependent launch; and the engine's own calibration at graph set-up ({rows: (prologue
+    us, separate us)} for one layer's projections), which picks the rows it uses."""
     from engine import Engine, EngineConfig, ops
     from engine.graphs import pack
     from tests.engine.test_gpu_engine import smol_shape
-
-    limit = ops.LINEAR_MAX_ROWS
 
     torch.manual_seed(0)
     eng = Engine(EngineConfig(model=smol_shape(), dtype=torch.bfloat16, device="cuda",
@@ -150,6 +151,7 @@ def forward_times(rows_list, ctx: int = 256) -> list[dict]:
     with torch.no_grad():
         for p in eng.model.parameters():
             p.normal_(0, 0.05)
+    rows_default = eng.model.prologue_rows
     graphs = eng.runner.graphs
     out = []
     for rows in rows_list:
@@ -159,8 +161,8 @@ def forward_times(rows_list, ctx: int = 256) -> list[dict]:
         row = {"rows": rows, "context": ctx}
         for name, flag, pdl in VARIANTS:
             eng.model.prologue_linears = flag
+            eng.model.prologue_rows = frozenset(range(1, 65))
             ops.PDL = pdl
-            ops.LINEAR_MAX_ROWS = 64
             graphs.graphs.clear()
             graphs.run(inp)  # captures the bucket, stages the inputs
             key = next(k for k in graphs.graphs if k[1] == 1)
@@ -180,8 +182,8 @@ def forward_times(rows_list, ctx: int = 256) -> list[dict]:
             row[name + "_vs_separate"] = round(row[name + "_ms"] / row["separate_ms"], 3)
         out.append(row)
         print(json.dumps(row), flush=True)
-    eng.model.prologue_linears, ops.PDL, ops.LINEAR_MAX_ROWS = True, None, limit
-    return out
+    eng.model.prologue_linears, eng.model.prologue_rows, ops.PDL = True, rows_default, None
+    return out, eng.model.prologue_calibration
 
 
 def main(argv=None):
@@ -205,7 +207,8 @@ def main(argv=None):
             json.dump(result, f, indent=1)
 
     try:
-        result["forward"] = forward_times([int(r) for r in args.rows.split(",")])
+        result["forward"], result["calibration"] = forward_times(
+            [int(r) for r in args.rows.split(",")])
     except Exception as e:  # keep the op sweep's results whatever happens here
         result["forward_error"] = repr(e)
         print("forward failed:", repr(e), flush=True)

@@ -342,6 +342,9 @@ def fig_single_stream(args, res: dict) -> None:
     res["config"]["model"] = base.config.model.name
     res["config"]["attention_backend"] = base.config.backend_name
     res["config"]["cuda_graphs"] = base.config.use_cuda_graphs
+    res["config"]["prologue_rows"] = sorted(base.model.prologue_rows) \
+        if base.model.prologue_linears else []
+    res["config"]["prologue_calibration_us"] = base.model.prologue_calibration
     prompts = [base.encode_prompt(m) for m in msgs]
     res["config"]["prompt_tokens"] = [len(p) for p in prompts]
     variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False),

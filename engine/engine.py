@@ -52,6 +52,7 @@ class Engine:
             if m.tie_word_embeddings:
                 self.model.lm_head.weight = self.model.embed_tokens.weight
             tokenizer = tokenizer or weights_of.tokenizer
+            self.model.share_calibration(weights_of.model)
         elif state_dict is not None:
             loader.load_weights(self.model, state_dict)
         self.model.eval()

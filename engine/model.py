@@ -96,6 +96,9 @@ class LlamaModel(nn.Module):
                        first.mlp.gate_up_proj, first.mlp.down_proj)
         self.prologue_linears = self.fused and ops.prologue_suits(
             [p.weight.shape for p in projections])
+        # Row counts that take them: one row until `calibrate_prologue_rows` times more.
+        self.prologue_rows = frozenset(range(1, ops.LINEAR_MAX_ROWS + 1))
+        self.prologue_calibration: dict | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()
@@ -113,7 +116,7 @@ class LlamaModel(nn.Module):
 
     def _forward_fused(self, h, positions, kv_cache, meta, aux_layers):
         """Same math, residual adds folded into the norms: norm(x + r) also returns x + r."""
-        if self.prologue_linears and h.shape[0] <= ops.LINEAR_MAX_ROWS:
+        if self.prologue_linears and h.shape[0] in self.prologue_rows:
             return self._forward_prologue(h, positions, kv_cache, meta, aux_layers)
         taps, res = {}, None
         for i, layer in enumerate(self.layers):
@@ -157,5 +160,85 @@ class LlamaModel(nn.Module):
         out, _ = ops.add_rmsnorm(h, self.norm.weight, self.norm.eps, res)
         return out, [taps[i] for i in aux_layers]
 
+    @torch.inference_mode()
+    def calibrate_prologue_rows(self, max_rows: int = ops.CALIBRATE_MAX_ROWS, reps: int = 8
+                                ) -> dict | None:
+        """Time one layer's four projections on this GPU, through the prologue linears and
+        through the separate kernels + cuBLAS, at 1..max_rows rows (each in a CUDA graph of
+        `reps` layers, PDL as configured), and keep the prologue linears for the row counts
+        where they are faster. Returns {rows: (prologue us, separate us)} (also kept in
+        `prologue_calibration`); None where there is nothing to decide (CPU, or projections
+        too large for the prologue linears)."""
+        if not self.prologue_linears or not self.embed_tokens.weight.is_cuda:
+            return None
+        with torch.cuda.device(self.embed_tokens.weight.device):
+            timings = {m: self._time_projections(m, reps) for m in range(1, max_rows + 1)}
+        self.prologue_rows = frozenset(m for m, (pro, sep) in timings.items() if pro < sep)
+        self.prologue_calibration = timings
+        return timings
+
+    def share_calibration(self, other: LlamaModel) -> None:
+        """Take `other`'s calibrated row counts (same weights, same device and dtype), so
+        engines sharing weights decode through the same kernels and calibrate once."""
+        w, v = self.embed_tokens.weight, other.embed_tokens.weight
+        if (other.prologue_calibration is not None and self.prologue_linears
+                and w.device == v.device and w.dtype == v.dtype):
+            self.prologue_rows = other.prologue_rows
+            self.prologue_calibration = other.prologue_calibration
+
+    def _time_projections(self, m: int, reps: int) -> tuple[float, float]:
+        """(prologue, separate) microseconds of layer 0's projections over m rows."""
+        layer = self.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        w = self.embed_tokens.weight
+        g = torch.Generator(device=w.device).manual_seed(m)
+
+        def rnd(n):
+            return torch.randn(m, n, device=w.device, dtype=w.dtype, generator=g)
+
+        x, o_in = rnd(ln1.weight.shape[0]), rnd(attn.o_proj.weight.shape[1])
+        gu_in = rnd(2 * mlp.down_proj.weight.shape[1])
+
+        def prologue():
+            ops.prologue_linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias,
+                                norm_weight=ln1.weight, eps=ln1.eps, residual=x)
+            ops.prologue_linear(o_in, attn.o_proj.weight, attn.o_proj.bias)
+            ops.prologue_linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                                norm_weight=ln2.weight, eps=ln2.eps, residual=x)
+            ops.prologue_linear(gu_in, mlp.down_proj.weight, mlp.down_proj.bias, silu=True)
+
+        def separate():
+            attn.qkv_proj(ops.add_rmsnorm(x, ln1.weight, ln1.eps, x)[0])
+            attn.o_proj(o_in)
+            mlp.gate_up_proj(ops.add_rmsnorm(x, ln2.weight, ln2.eps, x)[0])
+            mlp.down_proj(ops.silu_mul(gu_in))
+
+        return round(_graph_us(prologue, reps), 2), round(_graph_us(separate, reps), 2)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+def _graph_us(fn, reps: int, iters: int = 10) -> float:
+    """Microseconds per call of fn, captured `reps` times into one CUDA graph, best of 3."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        for _ in range(reps):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (iters * reps))
+    return best

@@ -276,12 +276,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-# Row counts the prologue linears serve: single-stream decode, where a layer is a chain of
-# latency-bound launches. There the six launches of a layer are all ours, so each can start
-# (PDL) while the one before finishes: a SmolLM2 forward measured 0.63 ms against 0.92 with
-# separate kernels and cuBLAS. Wider batches keep those: the multi-row tiles measured slower
-# (bench/results/profile/linear_sweep*.json).
+# Row counts the prologue linears serve before calibration: single-stream decode, where a
+# layer is a chain of latency-bound launches. There the six launches of a layer are all ours,
+# so each can start (PDL) while the one before finishes: a SmolLM2 forward measured 0.63 ms
+# against 0.92 with separate kernels and cuBLAS. On a GPU, `LlamaModel.calibrate_prologue_rows`
+# then times 1..CALIBRATE_MAX_ROWS rows at graph set-up and keeps the faster path per count
+# (two multi-row designs measured slower than cuBLAS, bench/results/profile/linear_sweep*.json).
 LINEAR_MAX_ROWS = 1
+# Row counts up to which `LlamaModel.calibrate_prologue_rows` times the prologue linears
+# against the separate kernels on the GPU at hand (at graph set-up) and keeps the faster.
+CALIBRATE_MAX_ROWS = 8
 # ... and weights of at most this many elements: small models' projections, whose reads are
 # latency-bound. Llama-8B's (25M+ elements) read faster through cuBLAS (linear_sweep.json).
 LINEAR_MAX_WEIGHT = 4 << 20

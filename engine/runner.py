@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from engine.config import EngineConfig
@@ -78,6 +80,13 @@ class ModelRunner:
 
     def enable_graphs(self, max_batch: int, query_lens, aux_layers: tuple[int, ...]) -> GraphSet:
         model, kv = self.model, self.kv_cache
+        if model.prologue_linears and model.prologue_calibration is None:
+            # Before any capture: which row counts take the prologue linears on this GPU.
+            try:
+                model.calibrate_prologue_rows()
+            except Exception as e:  # keep the uncalibrated default (one row)
+                warnings.warn(f"prologue-linear calibration failed, keeping "
+                              f"{sorted(model.prologue_rows)} rows: {e!r}", stacklevel=2)
 
         def fn(ids, pos, meta):
             hidden, aux = model(ids, pos, kv, meta, aux_layers)

@@ -186,25 +186,26 @@ def test_prologue_linear_equals_its_two_kernels(dtype, rows, k):
 
 @pytest.mark.parametrize("rows", [1, 6, 70])
 def test_prologue_forward_equals_the_fused_forward(rows):
-    """The forward with norms folded into the projections (row limit raised to 64 here)
-    against the fused forward without them, aux taps included; above the limit both take
+    """The forward with norms folded into the projections (every row count up to 64 allowed
+    here) against the fused forward without them, aux taps included; above that both take
     the separate kernels."""
     from engine import ops
     from engine.graphs import pack
     from tests.helpers import tiny_engine
 
     eng = tiny_engine(num_blocks=64, device=DEV, attention_backend="triton")
-    assert eng.model.prologue_linears and ops.LINEAR_MAX_ROWS >= 1
+    assert eng.model.prologue_linears and eng.model.prologue_rows == frozenset(
+        range(1, ops.LINEAR_MAX_ROWS + 1))
+    eng.model.prologue_rows = frozenset(range(1, 65))
     ids = [(7 * i + 3) % 100 for i in range(rows)]
     inp = pack(ids, list(range(rows)), [list(range(30))], [rows], 4)
     calls = []
-    real, limit = ops.prologue_linear, ops.LINEAR_MAX_ROWS
+    real = ops.prologue_linear
     ops.prologue_linear = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    ops.LINEAR_MAX_ROWS = 64
     try:
         a = eng.runner.forward_packed(inp, [rows - 1], aux_layers=(0, 1))
     finally:
-        ops.prologue_linear, ops.LINEAR_MAX_ROWS = real, limit
+        ops.prologue_linear = real
     assert len(calls) == (4 * eng.config.model.num_layers if rows <= 64 else 0)
     eng.model.prologue_linears = False
     b = eng.runner.forward_packed(inp, [rows - 1], aux_layers=(0, 1))
@@ -283,3 +284,21 @@ def test_rope_store_equals_rope_then_store(dtype):
     assert torch.equal(heads, ref_heads) and not torch.equal(heads, qkv)
     assert torch.equal(cache, ref_cache) and cache.abs().sum() > 0
     assert cache.view(2, 16, nkv, d)[:, [1, 2]].abs().sum() == 0  # slots no row names
+
+
+def test_engines_sharing_weights_share_the_prologue_calibration():
+    """Calibration runs once per set of weights on a GPU (none on the CPU); an engine built
+    on another's weights decodes with the same row counts through the prologue linears."""
+    from tests.helpers import tiny_engine
+
+    eng = tiny_engine(num_blocks=64, device=DEV, attention_backend="triton")
+    if DEV == "cpu":
+        assert eng.model.calibrate_prologue_rows() is None
+    eng.model.prologue_calibration = {1: (2.0, 4.0), 2: (5.0, 4.0), 3: (3.0, 4.0)}
+    eng.model.prologue_rows = frozenset({1, 3})
+    other = eng.with_config(num_blocks=32)
+    assert other.model is not eng.model
+    assert other.model.prologue_rows == {1, 3}
+    assert other.model.prologue_calibration == eng.model.prologue_calibration
+    torch_ref = eng.with_config(attention_backend="torch")  # no prologue linears there
+    assert not torch_ref.model.prologue_linears and torch_ref.model.prologue_calibration is None
