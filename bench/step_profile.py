@@ -140,7 +140,7 @@ def llama8b_breakdown(out: str, reps: int = 5) -> dict:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.suite import llama8b_shape, random_engine
+    from bench.common import llama8b_shape, random_engine
     from engine.graphs import pack
 
     args = SimpleNamespace(device="cuda", dtype="bfloat16")
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     p.add_argument("--llama8b", action="store_true",
                    help="also break down an eager 8B-shape decode forward by op and shape")
     args = p.parse_args(argv)
-    from bench.suite import held_out_messages
+    from bench.common import held_out_messages
     from engine import Engine, SamplingParams
     from engine.config import SpecConfig
 

@@ -1,0 +1,262 @@
+"""Helpers every benchmark figure shares (`bench/suite.py` and `bench/fig5.py`): logging,
+the environment record, ratios and rounding, graph pre-capture, random-weight engines."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # `python bench/suite.py` and the `tandem` entry point
+    sys.path.insert(0, ROOT)
+
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+# ---- shared helpers -------------------------------------------------------------------------
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def is_cuda(args) -> bool:
+    return str(args.device).startswith("cuda")
+
+
+def sync(args) -> None:
+    if is_cuda(args):
+        _torch().cuda.synchronize()
+
+
+def free_memory() -> None:
+    gc.collect()
+    torch = _torch()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def environment(args) -> dict:
+    torch = _torch()
+    env = {"python": platform.python_version(), "platform": platform.platform(),
+           "torch": torch.__version__, "device": args.device, "dtype": args.dtype,
+           "gpu": None, "gpu_count": 0}
+    for name in ("triton", "transformers"):
+        try:
+            env[name] = __import__(name).__version__
+        except Exception as e:  # noqa: BLE001 - a missing library is a fact to record
+            env[name] = f"not importable: {e}"
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["gpu_count"] = torch.cuda.device_count()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+def command_line() -> str:
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(".py"):  # python bench/suite.py or python -m bench.suite
+        argv = [os.path.basename(sys.executable), os.path.relpath(argv[0])] + argv[1:]
+    return shlex.join(argv)
+
+
+def header(args, name: str, num: int) -> dict:
+    return {"figure": num, "name": name, "command": command_line(),
+            "argv": list(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "environment": environment(args)}
+
+
+def rnd(x, n: int = 3):
+    return None if x is None else round(float(x), n)
+
+
+def ratio(a, b):
+    return None if a is None or not b else round(a / b, 3)
+
+
+def held_out_messages(n: int, offset: int = 0) -> list[list[dict]]:
+    from cluster import prompt_sets
+
+    _, held_out = prompt_sets.build()
+    if not held_out:
+        raise RuntimeError("cluster.prompt_sets.build() gave no held-out prompts")
+    return [[{"role": "user", "content": held_out[(offset + i) % len(held_out)]}]
+            for i in range(n)]
+
+
+def torch_dtype(args):
+    return getattr(_torch(), args.dtype)
+
+
+_SMOL: dict = {}
+
+
+def load_smol(args, spec=None, num_blocks: int = 1024):
+    """The SmolLM2 engine whose weights (and EAGLE-3 head) every variant shares; loaded once
+    per run (figures 1 and 3 both use it)."""
+    from engine import Engine
+
+    key = (args.model, args.device, args.dtype, spec, num_blocks)
+    if key not in _SMOL:
+        _SMOL[key] = Engine.from_pretrained(args.model, device=args.device,
+                                            dtype=torch_dtype(args), num_blocks=num_blocks,
+                                            enable_prefix_caching=False, spec=spec)
+    return _SMOL[key]
+
+
+def eagle(args, k: int, dynamic: bool):
+    from engine.config import SpecConfig
+
+    return SpecConfig(method="eagle3", num_tokens=k, dynamic=dynamic, head=args.head)
+
+
+def ngram(k: int):
+    from engine.config import SpecConfig
+
+    return SpecConfig(method="ngram", num_tokens=k, dynamic=False)
+
+
+def precapture(eng, batch_sizes, long_context: bool | None = False) -> str:
+    """Capture the CUDA graphs the timed runs will replay, so no capture lands inside a timed
+    region (`Engine.capture_graphs`); the returned note says what happened. Figures 1 and 3
+    stay under LONG_CONTEXT tokens of context, so by default the long-context variants are
+    left out (None: the engine's default, as nodes capture)."""
+    if eng.runner.graphs is None:
+        return "no CUDA graphs (eager)"
+    try:
+        n = eng.capture_graphs(batch_sizes, long_context=long_context)
+        return f"captured {n} graphs before timing"
+    except Exception as e:  # noqa: BLE001
+        return f"precapture failed ({type(e).__name__}: {e}); relying on the warm-up run"
+
+
+def spec_counts(eng) -> tuple[int, int]:
+    if eng.spec is None:
+        return 0, 0
+    st = eng.spec.stats
+    return st.emitted, st.verify_steps
+
+
+def step_paths(eng) -> dict:
+    """Counters of how an engine's steps ran (for `paths_delta`): engine steps, one-graph
+    steps, of those launched before the previous was read, of those at K=0 with host-packed
+    inputs, of those leaving out requests that had finished, and the K each fused
+    speculative step was given."""
+    pipe = eng.pipe
+    out = {"steps": eng.stats.steps, "fused": getattr(pipe, "fused_runs", 0),
+           "overlapped": getattr(pipe, "overlapped_runs", 0),
+           "known_k0": getattr(pipe, "known_continuations", 0),
+           "compacted": getattr(pipe, "compacted_runs", 0)}
+    if eng.spec is not None:
+        out.update({f"k{k}": n for k, n in eng.spec.policy.batch_ks.items()})
+    return out
+
+
+def paths_delta(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in sorted(after.items()) if v - before.get(k, 0)}
+
+
+def step_costs(eng) -> dict | None:
+    """The dynamic-K cost model as measured: plain step ms and relative draft price per
+    batch bucket."""
+    if eng.spec is None or not eng.spec.spec.dynamic:
+        return None
+    c = eng.spec.policy.costs
+    return {"plain_ms": {str(b): rnd(t * 1e3, 3) for b, t in sorted(c.plain.items())},
+            "per_draft": {str(b): rnd(x, 3) for b, x in sorted(c.per_draft.items())}}
+
+
+def acceptance(before: tuple[int, int], after: tuple[int, int]):
+    steps = after[1] - before[1]
+    return round((after[0] - before[0]) / steps, 3) if steps else None
+
+
+def first_diff(a: list[int], b: list[int]):
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def timed_ms(fn, reps: int, warmup: int = 3) -> list[float]:
+    """Milliseconds per call of fn, one CUDA-event pair per call; the host never waits between
+    calls, so this is device time (host overhead shows only where it starves the GPU)."""
+    torch = _torch()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in ev]
+
+
+def save(out_dir: str, res: dict, plot=None) -> str:
+    """Write figN_<name>.json (and the PNG when matplotlib imports and `plot` is given)."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"fig{res['figure']}_{res['name']}")
+    if plot is not None and "error" not in res and "skipped" not in res:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except Exception as e:  # noqa: BLE001
+            res["png"] = f"skipped: matplotlib not importable ({e})"
+        else:
+            try:
+                fig = plot(plt, res)
+                fig.tight_layout()
+                fig.savefig(stem + ".png", dpi=120)
+                plt.close(fig)
+                res["png"] = os.path.basename(stem + ".png")
+            except Exception:  # noqa: BLE001
+                res["png"] = "failed: " + traceback.format_exc(limit=3)
+    with open(stem + ".json", "w") as f:
+        json.dump(res, f, indent=2, default=str)
+        f.write("\n")
+    return stem + ".json"
+
+
+def llama8b_shape(max_position: int = 8192):
+    from engine.config import ModelConfig, RopeConfig
+
+    return ModelConfig(
+        name="Llama-3.1-8B-shape (random weights)", model_type="llama", vocab_size=128256,
+        hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+        head_dim=128, rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
+                        high_freq_factor=4.0, original_max_position=8192),
+        max_position=max_position, tie_word_embeddings=False, eos_token_ids=())
+
+
+def random_engine(args, model_cfg, num_blocks: int, device: str | None = None, **kw):
+    """An engine with random weights (timing only): matrices ~ N(0, 0.02), norms 1."""
+    from engine import Engine, EngineConfig
+
+    torch = _torch()
+    torch.manual_seed(0)
+    eng = Engine(EngineConfig(model=model_cfg, dtype=torch_dtype(args),
+                              device=device or args.device, num_blocks=num_blocks,
+                              enable_prefix_caching=False, **kw))
+    with torch.no_grad():
+        for p in eng.model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.02)
+            else:
+                p.fill_(1.0)
+    return eng
