@@ -42,31 +42,11 @@ TILES = {  # (BLOCK_N, BLOCK_K, num_warps) tried: GEMV tiles (BLOCK_M <= 8), tl.
 }
 
 
-def _graph_us(fn, reps: int, iters: int = 20) -> float:
-    """Microseconds per call of fn(i) (i: the copy to use), captured `reps` calls to a graph."""
-    for i in range(min(reps, 2)):
-        fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
-        for i in range(reps):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        b.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / (iters * reps))
-    del g
-    return round(best, 2)
+def _graph_us(fn, reps: int) -> float:
+    """Microseconds per call of fn(i) (i: the weight copy to use), `reps` calls a graph."""
+    from engine.graphs import graph_time_us
+
+    return round(graph_time_us(fn, reps, iters=20), 2)
 
 
 def op_times(model: str, name: str, rows: int, budget_end: float) -> dict:

@@ -323,3 +323,30 @@ class GraphSet:
         else:
             g.replay()
         return tuple(x[:rows] for x in out)
+
+
+def graph_time_us(fn: Callable[[int], object], reps: int, iters: int = 10) -> float:
+    """GPU microseconds per call of fn(i), i = 0..reps-1, the calls captured into one CUDA
+    graph on a side stream (compiled first, outside the capture) and replayed `iters` times;
+    the best of three. Used to choose kernels on the GPU at hand and by the benchmarks."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for i in range(min(reps, 2)):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        for i in range(reps):
+            fn(i)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / (iters * reps))
+    return best

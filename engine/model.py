@@ -9,6 +9,7 @@ from torch import nn
 from engine import ops
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
+from engine.graphs import graph_time_us
 from engine.layers import RMSNorm, Rotary
 
 
@@ -214,31 +215,9 @@ class LlamaModel(nn.Module):
             mlp.gate_up_proj(ops.add_rmsnorm(x, ln2.weight, ln2.eps, x)[0])
             mlp.down_proj(ops.silu_mul(gu_in))
 
-        return round(_graph_us(prologue, reps), 2), round(_graph_us(separate, reps), 2)
+        return (round(graph_time_us(lambda _: prologue(), reps), 2),
+                round(graph_time_us(lambda _: separate(), reps), 2))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-
-def _graph_us(fn, reps: int, iters: int = 10) -> float:
-    """Microseconds per call of fn, captured `reps` times into one CUDA graph, best of 3."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
-        for _ in range(reps):
-            fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (iters * reps))
-    return best
