@@ -71,14 +71,18 @@ class PlainSteps:
         """Launch the step after `prev` before reading it. The host has read every step but
         prev, so prev computes each sequence's pending token (position len - 1) and this
         step the token prev emits (position len). None (drain instead) when a sequence
-        certainly finishes at prev (its length limit), or has no room for one more token.
+        certainly finishes at prev (its length limit), or the free blocks cannot hold one more
+        token for every sequence.
         `keep`: only these of prev's rows continue (the others' requests finished)."""
         cfg = self.cfg
         seqs = prev.seqs if keep is None else [prev.seqs[i] for i in keep]
         for s in seqs:
-            if (s.num_output_tokens + 1 >= s.params.max_tokens or len(s) + 1 >= cfg.max_model_len
-                    or not blocks.can_grow(s, len(s) + 1)):
+            if s.num_output_tokens + 1 >= s.params.max_tokens or len(s) + 1 >= cfg.max_model_len:
                 return None
+        # Room for every sequence's next token at once: sequences of equal length cross a
+        # block boundary in the same step, and each alone fitting does not make all fit.
+        if sum(blocks.blocks_needed(s, len(s) + 1) for s in seqs) > blocks.num_free:
+            return None
         for s in seqs:
             blocks.grow(s, len(s) + 1)
         # (len + 1 < max_model_len: the table fits the graphs' max_blocks_per_seq columns.)

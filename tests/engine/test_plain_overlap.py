@@ -173,3 +173,18 @@ def test_step_path_metric_counts_plain_overlapped_steps(ref):
     assert counts["overlapped"] == eng.plain.overlapped_runs > 0
     assert counts["fused"] == eng.plain.fused_runs - eng.plain.overlapped_runs > 0
     assert counts["regular"] > 0  # the prefill steps
+
+
+@pytest.mark.parametrize("num_blocks", [5, 6, 9, 10])
+def test_streams_crossing_a_block_boundary_together_never_overrun_the_cache(ref, num_blocks):
+    """Four requests of equal length need a new block in the same step; with fewer free
+    blocks than that, the overlapped continuation must drain (and the scheduler preempt)
+    instead of taking blocks that are not there: same tokens, every block back."""
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5 + i, 6 + i, 7 + i] for i in range(4)]
+    expect = [c.token_ids for c in ref.generate(prompts, [sp] * 4)]
+    eng = graph_engine(ref, num_blocks=num_blocks)
+    assert [c.token_ids for c in eng.generate(prompts, [sp] * 4)] == expect
+    assert eng.scheduler.num_preemptions > 0 and eng.plain.overlapped_runs > 0
+    assert eng._inflight is None and not eng._deferred
+    eng.blocks.check_all_free()
