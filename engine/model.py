@@ -89,8 +89,8 @@ class LlamaModel(nn.Module):
         # Fused elementwise kernels ride with the Triton backend (the fast path); the torch
         # backend keeps the plain reference code.
         self.fused = backend.name == "triton" and ops.triton_available()
-        # On the fused path, batches of at most ops.LINEAR_MAX_ROWS tokens fold each norm and
-        # the SiLU-and-mul into the projection after it (`ops.prologue_linear`): 6 launches a
+        # On the fused path, forwards of few rows (`prologue_rows`) fold each norm and the
+        # SiLU-and-mul into the projection after it (`ops.prologue_linear`): 6 launches a
         # layer instead of 9, all Triton (programmatic dependent launch where supported).
         first = self.layers[0]
         projections = (first.self_attn.qkv_proj, first.self_attn.o_proj,
@@ -162,14 +162,14 @@ class LlamaModel(nn.Module):
         return out, [taps[i] for i in aux_layers]
 
     @torch.inference_mode()
-    def calibrate_prologue_rows(self, max_rows: int = ops.CALIBRATE_MAX_ROWS, reps: int = 8
+    def calibrate_prologue_rows(self, max_rows: int = ops.CALIBRATE_MAX_ROWS, reps: int = 16
                                 ) -> dict | None:
-        """Time one layer's four projections on this GPU, through the prologue linears and
+        """Time a layer's four projections on this GPU, through the prologue linears and
         through the separate kernels + cuBLAS, at 1..max_rows rows (each in a CUDA graph of
-        `reps` layers, PDL as configured), and keep the prologue linears for the row counts
-        where they are faster. Returns {rows: (prologue us, separate us)} (also kept in
-        `prologue_calibration`); None where there is nothing to decide (CPU, or projections
-        too large for the prologue linears)."""
+        `reps` layers' projections, PDL as configured), and keep the prologue linears for
+        the row counts where they are faster. Returns {rows: (prologue us, separate us)}
+        (also kept in `prologue_calibration`); None where there is nothing to decide (CPU,
+        or projections too large for the prologue linears)."""
         if not self.prologue_linears or not self.embed_tokens.weight.is_cuda:
             return None
         with torch.cuda.device(self.embed_tokens.weight.device):
@@ -188,20 +188,23 @@ class LlamaModel(nn.Module):
             self.prologue_calibration = other.prologue_calibration
 
     def _time_projections(self, m: int, reps: int) -> tuple[float, float]:
-        """(prologue, separate) microseconds of layer 0's projections over m rows."""
-        layer = self.layers[0]
-        attn, mlp = layer.self_attn, layer.mlp
-        ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        """(prologue, separate) microseconds of one layer's projections over m rows; call i
+        of a graph runs layer i's, so weights come from HBM as in a forward, not from L2."""
         w = self.embed_tokens.weight
         g = torch.Generator(device=w.device).manual_seed(m)
+        first = self.layers[0]
 
         def rnd(n):
             return torch.randn(m, n, device=w.device, dtype=w.dtype, generator=g)
 
-        x, o_in = rnd(ln1.weight.shape[0]), rnd(attn.o_proj.weight.shape[1])
-        gu_in = rnd(2 * mlp.down_proj.weight.shape[1])
+        x, o_in = rnd(first.input_layernorm.weight.shape[0]), rnd(
+            first.self_attn.o_proj.weight.shape[1])
+        gu_in = rnd(2 * first.mlp.down_proj.weight.shape[1])
 
-        def prologue():
+        def prologue(i):
+            layer = self.layers[i % len(self.layers)]
+            attn, mlp = layer.self_attn, layer.mlp
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             ops.prologue_linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias,
                                 norm_weight=ln1.weight, eps=ln1.eps, residual=x)
             ops.prologue_linear(o_in, attn.o_proj.weight, attn.o_proj.bias)
@@ -209,14 +212,16 @@ class LlamaModel(nn.Module):
                                 norm_weight=ln2.weight, eps=ln2.eps, residual=x)
             ops.prologue_linear(gu_in, mlp.down_proj.weight, mlp.down_proj.bias, silu=True)
 
-        def separate():
+        def separate(i):
+            layer = self.layers[i % len(self.layers)]
+            attn, mlp = layer.self_attn, layer.mlp
+            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
             attn.qkv_proj(ops.add_rmsnorm(x, ln1.weight, ln1.eps, x)[0])
             attn.o_proj(o_in)
             mlp.gate_up_proj(ops.add_rmsnorm(x, ln2.weight, ln2.eps, x)[0])
             mlp.down_proj(ops.silu_mul(gu_in))
 
-        return (round(graph_time_us(lambda _: prologue(), reps), 2),
-                round(graph_time_us(lambda _: separate(), reps), 2))
+        return round(graph_time_us(prologue, reps), 2), round(graph_time_us(separate, reps), 2)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
