@@ -1,0 +1,102 @@
+"""Host cost of an engine step, the model replaced by a trivial function: what scheduling,
+staging, continuation, postprocessing and emitting cost per step at a concurrency, on any
+machine (no GPU needed). The decode graphs' function returns a fixed hidden state and a
+token per row; prefill still runs the small random model.
+
+    python -m bench.host_step --out DIR [--concurrency 16,64] [--steps 300] [--profile]
+
+Writes DIR/host_step.json: microseconds per step per concurrency (and with --profile the
+top functions by own time, under cProfile, which inflates the absolute numbers)."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import platform
+import pstats
+import sys
+import time
+from dataclasses import replace
+
+NOTE = ("model replaced by a trivial function: host work only; the tiny test model has no "
+        "tokenizer, so detokenizing (about 1.6 us a token with SmolLM2's) is not in these "
+        "numbers")
+
+
+def make_engine(concurrency: int, max_tokens: int):
+    import torch
+
+    from engine import Engine
+    from tests.helpers import tiny_engine
+
+    blocks = concurrency * (max_tokens // 4 + 4) + 64
+    ref = tiny_engine(0, max_num_batched_tokens=4096, num_blocks=blocks,
+                      attention_backend="torch")
+    eng = Engine(replace(ref.config, attention_backend="triton"), weights_of=ref)
+    eng.runner.enable_graphs(max(concurrency, 1), (1,), ())
+    vocab = ref.config.model.vocab_size
+
+    def fake(ids, pos, meta, *extras):
+        return torch.zeros(ids.shape[0], 8), (ids * 7 + 3) % vocab
+
+    eng.runner.graphs.fn = fake
+    return eng
+
+
+def measure(concurrency: int, steps: int, profile: bool) -> dict:
+    from engine.sequence import SamplingParams
+
+    tokens = 2 * steps + 40  # the timed steps and the profiled ones all decode
+    eng = make_engine(concurrency, tokens)
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    for i in range(concurrency):
+        eng.add_request([1 + i % 50, 2, 3, 4], sp)
+    for _ in range(5):  # prefill and the first decode steps
+        eng.step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    row = {"concurrency": concurrency, "steps": steps,
+           "us_per_step": round((time.perf_counter() - t0) / steps * 1e6, 1),
+           "overlapped_runs": eng.plain.overlapped_runs}
+    row["us_per_token"] = round(row["us_per_step"] / concurrency, 2)
+    if profile:
+        pr = cProfile.Profile()
+        pr.enable()
+        for _ in range(min(steps, 100)):
+            eng.step()
+        pr.disable()
+        out = io.StringIO()
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(15)
+        row["profile_top"] = out.getvalue().splitlines()[-22:]
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="bench/results/profile")
+    ap.add_argument("--concurrency", default="16,64")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the regular forward's kernels, off CUDA
+    rows = [measure(int(c), args.steps, args.profile) for c in args.concurrency.split(",")]
+    for r in rows:
+        print(f"{r['concurrency']} streams: {r['us_per_step']} us/step "
+              f"({r['us_per_token']} us/token)", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    res = {"command": "python -m bench.host_step " + " ".join(sys.argv[1:]),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": platform.processor() or
+           platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+           "note": NOTE, "runs": rows}
+    path = os.path.join(args.out, "host_step.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
