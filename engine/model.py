@@ -22,10 +22,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
         self.backend, self.rotary = backend, rotary
 
-    def forward(self, x, positions, kv_cache, meta: AttentionMetadata, fused: bool = False):
+    def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
         qkv = self.qkv_proj(x)
-        if fused:
-            return self.o_proj(self.attend_qkv(qkv, positions, kv_cache, meta))
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q = q.view(-1, self.nh, self.hd)
         k = k.view(-1, self.nkv, self.hd)
@@ -51,9 +49,7 @@ class MLP(nn.Module):
                                       bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x, fused: bool = False):
-        if fused:
-            return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -90,8 +86,8 @@ class LlamaModel(nn.Module):
         # backend keeps the plain reference code.
         self.fused = backend.name == "triton" and ops.triton_available()
         # On the fused path, forwards of few rows (`prologue_rows`) fold each norm and the
-        # SiLU-and-mul into the projection after it (`ops.prologue_linear`): 6 launches a
-        # layer instead of 9, all Triton (programmatic dependent launch where supported).
+        # SiLU-and-mul into the projection after it (`_forward_fused`): 6 launches a layer
+        # instead of 9, all Triton (programmatic dependent launch where supported).
         first = self.layers[0]
         projections = (first.self_attn.qkv_proj, first.self_attn.o_proj,
                        first.mlp.gate_up_proj, first.mlp.down_proj)
@@ -116,48 +112,21 @@ class LlamaModel(nn.Module):
         return self.norm(h), [taps[i] for i in aux_layers]
 
     def _forward_fused(self, h, positions, kv_cache, meta, aux_layers):
-        """Same math, residual adds folded into the norms: norm(x + r) also returns x + r."""
-        if self.prologue_linears and h.shape[0] in self.prologue_rows:
-            return self._forward_prologue(h, positions, kv_cache, meta, aux_layers)
+        """Same math, residual adds folded into the norms: norm(x + r) also returns x + r.
+        Forwards of `prologue_rows` rows also fold each norm into the projection that reads
+        it and SiLU-and-mul into down_proj (`ops.prologue_linear`): qkv, rotary+store,
+        attention, o, gate_up, down, each one Triton launch."""
+        fold = self.prologue_linears and h.shape[0] in self.prologue_rows
         taps, res = {}, None
         for i, layer in enumerate(self.layers):
-            ln = layer.input_layernorm
-            if res is None:
-                res = h
-                x = ops.add_rmsnorm(h, ln.weight, ln.eps)
-            else:
-                x, res = ops.add_rmsnorm(h, ln.weight, ln.eps, res)
-            if i in aux_layers:
-                taps[i] = res
-            a = layer.self_attn(x, positions, kv_cache[i], meta, fused=True)
-            ln = layer.post_attention_layernorm
-            x, res = ops.add_rmsnorm(a, ln.weight, ln.eps, res)
-            h = layer.mlp(x, fused=True)
-        out, _ = ops.add_rmsnorm(h, self.norm.weight, self.norm.eps, res)
-        return out, [taps[i] for i in aux_layers]
-
-    def _forward_prologue(self, h, positions, kv_cache, meta, aux_layers):
-        """The fused forward with each norm folded into the projection that reads it and
-        SiLU-and-mul into down_proj: qkv, rotary+store, attention, o, gate_up, down, each a
-        Triton launch."""
-        taps, res = {}, None
-        for i, layer in enumerate(self.layers):
-            ln, attn, mlp = layer.input_layernorm, layer.self_attn, layer.mlp
-            qkv_w, qkv_b = attn.qkv_proj.weight, attn.qkv_proj.bias
-            if res is None:  # the embedding: normed, and the residual as it is
-                res = h
-                qkv = ops.prologue_linear(h, qkv_w, qkv_b, norm_weight=ln.weight, eps=ln.eps)
-            else:
-                qkv, res = ops.prologue_linear(h, qkv_w, qkv_b, norm_weight=ln.weight,
-                                               eps=ln.eps, residual=res)
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, res = _norm_proj(attn.qkv_proj, h, layer.input_layernorm, res, fold)
             if i in aux_layers:
                 taps[i] = res
             o = attn.attend_qkv(qkv, positions, kv_cache[i], meta)
-            a = ops.prologue_linear(o, attn.o_proj.weight, attn.o_proj.bias)
-            ln = layer.post_attention_layernorm
-            gu, res = ops.prologue_linear(a, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                          norm_weight=ln.weight, eps=ln.eps, residual=res)
-            h = ops.prologue_linear(gu, mlp.down_proj.weight, mlp.down_proj.bias, silu=True)
+            a = _proj(attn.o_proj, o, fold)
+            gu, res = _norm_proj(mlp.gate_up_proj, a, layer.post_attention_layernorm, res, fold)
+            h = _silu_proj(mlp.down_proj, gu, fold)
         out, _ = ops.add_rmsnorm(h, self.norm.weight, self.norm.eps, res)
         return out, [taps[i] for i in aux_layers]
 
@@ -201,28 +170,44 @@ class LlamaModel(nn.Module):
             first.self_attn.o_proj.weight.shape[1])
         gu_in = rnd(2 * first.mlp.down_proj.weight.shape[1])
 
-        def prologue(i):
+        def projections(i, fold):
             layer = self.layers[i % len(self.layers)]
             attn, mlp = layer.self_attn, layer.mlp
-            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-            ops.prologue_linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias,
-                                norm_weight=ln1.weight, eps=ln1.eps, residual=x)
-            ops.prologue_linear(o_in, attn.o_proj.weight, attn.o_proj.bias)
-            ops.prologue_linear(x, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                                norm_weight=ln2.weight, eps=ln2.eps, residual=x)
-            ops.prologue_linear(gu_in, mlp.down_proj.weight, mlp.down_proj.bias, silu=True)
+            _norm_proj(attn.qkv_proj, x, layer.input_layernorm, x, fold)
+            _proj(attn.o_proj, o_in, fold)
+            _norm_proj(mlp.gate_up_proj, x, layer.post_attention_layernorm, x, fold)
+            _silu_proj(mlp.down_proj, gu_in, fold)
 
-        def separate(i):
-            layer = self.layers[i % len(self.layers)]
-            attn, mlp = layer.self_attn, layer.mlp
-            ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
-            attn.qkv_proj(ops.add_rmsnorm(x, ln1.weight, ln1.eps, x)[0])
-            attn.o_proj(o_in)
-            mlp.gate_up_proj(ops.add_rmsnorm(x, ln2.weight, ln2.eps, x)[0])
-            mlp.down_proj(ops.silu_mul(gu_in))
-
-        return round(graph_time_us(prologue, reps), 2), round(graph_time_us(separate, reps), 2)
+        return (round(graph_time_us(lambda i: projections(i, True), reps), 2),
+                round(graph_time_us(lambda i: projections(i, False), reps), 2))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+
+# One projection of the fused forward, with its activation folded into the GEMV (`fold`,
+# `ops.prologue_linear`) or as the separate kernel followed by the nn.Linear.
+
+def _norm_proj(proj: nn.Linear, x, ln: RMSNorm, res, fold: bool):
+    """(proj(norm(x + res)), x + res); res None (the embedding): (proj(norm(x)), x)."""
+    if fold:
+        if res is None:
+            return ops.prologue_linear(x, proj.weight, proj.bias, norm_weight=ln.weight,
+                                       eps=ln.eps), x
+        return ops.prologue_linear(x, proj.weight, proj.bias, norm_weight=ln.weight,
+                                   eps=ln.eps, residual=res)
+    if res is None:
+        return proj(ops.add_rmsnorm(x, ln.weight, ln.eps)), x
+    y, res = ops.add_rmsnorm(x, ln.weight, ln.eps, res)
+    return proj(y), res
+
+
+def _proj(proj: nn.Linear, x, fold: bool):
+    return ops.prologue_linear(x, proj.weight, proj.bias) if fold else proj(x)
+
+
+def _silu_proj(proj: nn.Linear, gate_up, fold: bool):
+    """proj(silu(gate) * up) for gate_up = [gate | up]."""
+    if fold:
+        return ops.prologue_linear(gate_up, proj.weight, proj.bias, silu=True)
+    return proj(ops.silu_mul(gate_up))
