@@ -51,6 +51,7 @@ def _graph_us(fn, reps: int) -> float:
 
 def op_times(model: str, name: str, rows: int, budget_end: float) -> dict:
     from engine import ops
+    from engine.attention import triton_backend
 
     n, k, pro = SHAPES[model][name]
     dt, dev = torch.bfloat16, "cuda"
@@ -79,12 +80,12 @@ def op_times(model: str, name: str, rows: int, budget_end: float) -> dict:
            "weight_mb": round(wbytes / 2**20, 2), "reps": reps}
     ops.LINEAR_TILES.clear()
     row["default_tiles"] = list(ops.linear_tiles(rows, n, k))
-    ops.PDL = False
+    triton_backend.PDL = False
     row["separate_us"] = _graph_us(separate, reps)
     row["prologue_no_pdl_us"] = _graph_us(fused, reps)
-    ops.PDL = None
+    triton_backend.PDL = None
     row["separate_pdl_norm_us"] = _graph_us(separate, reps)
-    row["pdl"] = ops.pdl_supported(xin.device)
+    row["pdl"] = triton_backend.pdl_supported(xin.device)
     row["prologue_us"] = _graph_us(fused, reps)
     sweep = {}
     bm = row["default_tiles"][0]
@@ -110,7 +111,7 @@ def op_times(model: str, name: str, rows: int, budget_end: float) -> dict:
     return row
 
 
-VARIANTS = [  # (name, prologue linears, ops.PDL)
+VARIANTS = [  # (name, prologue linears, triton_backend.PDL)
     ("separate", False, False), ("separate_pdl", False, None),
     ("prologue", True, False), ("prologue_pdl", True, None)]
 
@@ -120,7 +121,8 @@ def forward_times(rows_list, ctx: int = 256) -> tuple[list[dict], dict | None]:
     or prologue linears (every row count allowed here), each without and with programmatic
     dependent launch; and the engine's own calibration at graph set-up ({rows: (prologue
     us, separate us)} for one layer's projections), which picks the rows it uses."""
-    from engine import Engine, EngineConfig, ops
+    from engine import Engine, EngineConfig
+    from engine.attention import triton_backend
     from engine.graphs import pack
     from tests.engine.test_gpu_engine import smol_shape
 
@@ -142,7 +144,7 @@ def forward_times(rows_list, ctx: int = 256) -> tuple[list[dict], dict | None]:
         for name, flag, pdl in VARIANTS:
             eng.model.prologue_linears = flag
             eng.model.prologue_rows = frozenset(range(1, 65))
-            ops.PDL = pdl
+            triton_backend.PDL = pdl
             graphs.graphs.clear()
             graphs.run(inp)  # captures the bucket, stages the inputs
             key = next(k for k in graphs.graphs if k[1] == 1)
@@ -162,7 +164,8 @@ def forward_times(rows_list, ctx: int = 256) -> tuple[list[dict], dict | None]:
             row[name + "_vs_separate"] = round(row[name + "_ms"] / row["separate_ms"], 3)
         out.append(row)
         print(json.dumps(row), flush=True)
-    eng.model.prologue_linears, eng.model.prologue_rows, ops.PDL = True, rows_default, None
+    eng.model.prologue_linears, eng.model.prologue_rows = True, rows_default
+    triton_backend.PDL = None
     return out, eng.model.prologue_calibration
 
 

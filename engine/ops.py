@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.triton_backend import next_pow2, triton, triton_available
+from engine.attention.triton_backend import next_pow2, pdl_args, triton, triton_available
 
 if triton_available():
     import triton.language as tl
@@ -189,38 +189,6 @@ if triton_available():
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
                  mask=m_ok[:, None] & n_ok[None, :])
-
-# Programmatic dependent launch (Hopper and later): each of these kernels may be launched while
-# the one before it still runs; it waits for that kernel's results (`gdc_wait`) before reading
-# them, and the prologue linears load their first weight tile before waiting. None: on where
-# the GPU and Triton support it; False: off (a sweep's baseline).
-PDL: bool | None = None
-_PDL_SUPPORT: dict[int, bool] = {}
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Compute capability 9+ and a Triton with grid dependency control and `launch_pdl`."""
-    if device.type != "cuda" or not triton_available():
-        return False
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _PDL_SUPPORT:
-        try:
-            from triton.backends.nvidia.compiler import CUDAOptions
-            opts = "launch_pdl" in CUDAOptions.__dataclass_fields__
-        except Exception:  # another backend layout: no PDL
-            opts = False
-        _PDL_SUPPORT[i] = (opts and hasattr(tl.extra.cuda, "gdc_wait")
-                           and torch.cuda.get_device_capability(i)[0] >= 9)
-    return _PDL_SUPPORT[i]
-
-
-def pdl_args(t: torch.Tensor, always: bool = False) -> dict:
-    """Launch arguments of a kernel with a USE_PDL switch for tensor t's device (always: pass
-    USE_PDL=False too, for kernels without a default)."""
-    on = PDL is not False and pdl_supported(t.device)
-    if on:
-        return {"USE_PDL": True, "launch_pdl": True}
-    return {"USE_PDL": False} if always else {}
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -38,6 +38,40 @@ def triton_available() -> bool:
     return triton is not None
 
 
+# Programmatic dependent launch (Hopper and later): each of our kernels with a USE_PDL switch
+# (here and in engine/ops.py) may be launched while the one before it still runs; it waits for
+# that kernel's results (`gdc_wait`) before reading them, and the prologue linears load their
+# first weight tile before waiting. None: on where the GPU and Triton support it; False: off
+# (a sweep's baseline).
+PDL: bool | None = None
+_PDL_SUPPORT: dict[int, bool] = {}
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Compute capability 9+ and a Triton with grid dependency control and `launch_pdl`."""
+    if device.type != "cuda" or not triton_available():
+        return False
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _PDL_SUPPORT:
+        try:
+            from triton.backends.nvidia.compiler import CUDAOptions
+            opts = "launch_pdl" in CUDAOptions.__dataclass_fields__
+        except Exception:  # another backend layout: no PDL
+            opts = False
+        _PDL_SUPPORT[i] = (opts and hasattr(tl.extra.cuda, "gdc_wait")
+                           and torch.cuda.get_device_capability(i)[0] >= 9)
+    return _PDL_SUPPORT[i]
+
+
+def pdl_args(t: torch.Tensor, always: bool = False) -> dict:
+    """Launch arguments of a kernel with a USE_PDL switch for tensor t's device (always: pass
+    USE_PDL=False too, for kernels without a default)."""
+    on = PDL is not False and pdl_supported(t.device)
+    if on:
+        return {"USE_PDL": True, "launch_pdl": True}
+    return {"USE_PDL": False} if always else {}
+
+
 if triton is not None:
 
     @triton.jit
@@ -206,13 +240,6 @@ if triton is not None:
                      mask=d_ok)
 
 
-def ops_pdl_args(t) -> dict:
-    """`engine.ops.pdl_args` (imported late: engine.ops imports this module)."""
-    from engine.ops import pdl_args
-
-    return pdl_args(t)
-
-
 def next_pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
@@ -281,7 +308,7 @@ class TritonAttention(AttentionBackend):
             kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
             G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
             PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=max(16, min(64, 4 * self.block_size)),
-            PRECISION=precision, num_warps=4 if block_m <= 32 else 8, **ops_pdl_args(q),
+            PRECISION=precision, num_warps=4 if block_m <= 32 else 8, **pdl_args(q),
         )
         return out
 

@@ -61,6 +61,7 @@ def test_single_stream_prologue_linears_with_pdl_equal_torch_backend(random_smol
     projections, every launch of a layer Triton, with programmatic dependent launch on a
     Hopper GPU) inside CUDA graphs: the same greedy tokens as the torch backend, fp32."""
     from engine import SamplingParams, ops
+    from engine.attention.triton_backend import pdl_supported
 
     sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     ref = random_smol.generate([PROMPTS[0]], sp)[0].token_ids
@@ -81,7 +82,7 @@ def test_single_stream_prologue_linears_with_pdl_equal_torch_backend(random_smol
     assert out == ref
     assert calls and set(calls) == {1}  # captured into the batch-1 decode graph
     if torch.cuda.get_device_capability()[0] >= 9:
-        assert ops.pdl_supported(torch.device("cuda"))
+        assert pdl_supported(torch.device("cuda"))
 
 
 def test_spec_with_graphs_is_lossless_fp32(random_smol):
