@@ -272,11 +272,13 @@ def linear_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     1024, 8 warps measured best or near it at one row for all four SmolLM2 projections on the
     H200: 2-3 us each under PDL); the rows' programs read the same tiles, all but the first
     from L2. (Sharing each tile across rows inside one program measured 2-3x slower.) Above:
-    one tl.dot row block per 16 rows."""
+    one tl.dot row block per 16 rows. 8 warps at one row, 4 at 2-8 rows: 4 warps took 0.55-0.75x
+    the time of 8 at 4 and 8 rows for every SmolLM2 projection
+    (`bench/results/profile/linear_sweep_rows_tiles.json`)."""
     if (m, n, k) in LINEAR_TILES:
         return LINEAR_TILES[(m, n, k)]
     if m <= 8:
-        return 1, 16, min(1024, next_pow2(k, 16)), 8
+        return 1, 16, min(1024, next_pow2(k, 16)), 8 if m == 1 else 4
     return 16, 32, min(128, next_pow2(k, 16)), 4
 
 
