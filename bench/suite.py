@@ -766,43 +766,115 @@ def fig_kv_transfer(args, res: dict) -> None:
                                    for r in ucx_rows}
     res["local_transport_vs_peer_copy"] = {
         str(r["bytes"]): ratio(r["gb_s"], by.get(r["bytes"])) for r in local}
+    if ucx_rows:
+        landed = {r["bytes"]: r["bytes"] / r["landed_ms"] / 1e6 for r in ucx_rows
+                  if r.get("landed_ms")}
+        res["ucx_landed_vs_peer_copy"] = {str(b): ratio(rnd(g, 2), by.get(b))
+                                          for b, g in landed.items()}
+    free_memory()
+    # Transfer time as a share of prefill: the prompt whose KV is that many bytes, prefilled
+    # by the random 8B-shaped engine on GPU 0 (the same layout: 128 KiB of KV per token).
+    tokens = {b: b // layout.block_bytes * layout.block_size for b in sizes}
+    res["prefill"] = pre = prefill_times(args, sorted(set(tokens.values())), args.fig4_reps)
+    pre_ms = {r["tokens"]: r["median_ms"] for r in pre}
+    res["transfer_share_of_prefill"] = {
+        str(r["bytes"]): rnd(r["median_ms"] / pre_ms[tokens[r["bytes"]]], 4)
+        for r in ucx_rows or local if tokens.get(r["bytes"]) in pre_ms}
+
+
+def prefill_times(args, counts: list[int], reps: int) -> list[dict]:
+    """Wall time to the first token (prefill, chunked as the engine schedules it, then one
+    sampled token) of a random prompt of each length on the random 8B-shaped engine."""
+    from engine import SamplingParams
+
+    torch = _torch()
+    eng = random_engine(args, llama8b_shape(max(counts) + 64), max(counts) // 16 + 8,
+                        device="cuda:0")
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for n in counts:
+        prompt = torch.randint(0, 128000, (n,), generator=gen).tolist()
+        eng.generate(prompt, sp)  # compiles what this length needs
+        secs = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.generate(prompt, sp)
+            torch.cuda.synchronize()
+            secs.append(time.perf_counter() - t0)
+        rows.append({"tokens": n, "median_ms": rnd(statistics.median(secs) * 1e3, 3),
+                     "max_num_batched_tokens": eng.config.max_num_batched_tokens})
+        log(f"fig 4: prefill of {n} tokens: {rows[-1]['median_ms']} ms")
+    del eng
+    free_memory()
+    return rows
 
 
 def ucx_transfer(args, sizes) -> dict:
     """UCX from GPU 0 (this process) to a receiver process holding its cache on GPU 1, with
-    kvtransfer/bench.py's machinery."""
+    kvtransfer/bench.py's machinery. Per size: blocks 0..n-1 to the same ids (one run, as a
+    fresh prefill into a fresh reservation often is) by the direct path and by the staged path
+    (whole, and in 8 layer chunks); the row's headline is the path the transport picks by
+    itself (`wire.plan_direct`). At the largest size also scattered ids (random order on both
+    sides, as after much churn), which the transport stages."""
     try:
         import ucxx  # noqa: F401
     except Exception as e:  # noqa: BLE001
         return {"skipped": f"ucxx not importable ({type(e).__name__}: {e})"}
     try:
         import asyncio
+        import random
         from types import SimpleNamespace
 
         from kvtransfer import bench as kvb
+        from kvtransfer import wire
         from kvtransfer.layout import BlockLayout
 
-        rows = []
+        rows, scattered = [], None
         loop = asyncio.new_event_loop()  # ucxx binds to the first loop that uses it: keep one
+        layout = BlockLayout("bench", "bfloat16", 16, 32, 8, 128, 0)
+        layer_block = layout.block_bytes // (2 * layout.num_layers)
         for nbytes in sizes:
-            layout = BlockLayout("bench", "bfloat16", 16, 32, 8, 128, 0)
             blocks = max(1, nbytes // layout.block_bytes)
             proc, pipe, address = kvb.spawn_receiver(layout, blocks, "worker",
                                                      device="cuda:1")
             try:
-                # Whole payload at once, and in 8 layer chunks (gather, wire and scatter
-                # of successive chunks overlap).
-                ns = SimpleNamespace(blocks=blocks, chunks=[1, 8], checksum=False,
-                                     progress="thread", reps=args.fig4_reps, device="cuda:0")
+                ns = SimpleNamespace(blocks=blocks, chunks=[1, 8], direct=[True, False],
+                                     checksum=False, progress="thread", reps=args.fig4_reps,
+                                     device="cuda:0", trace=True)
                 got = loop.run_until_complete(kvb.measure(ns, layout, address))
+                ids = list(range(blocks))
+                auto = wire.plan_direct(ids, ids, layout.num_layers, layer_block, None)
+                pick = next(r for r in got if r["went_direct"] == (auto is not None))
                 best = max(got, key=lambda r: r["median_gb_s"])
-                rows.append({"bytes": blocks * layout.block_bytes, "gb_s": best["median_gb_s"],
-                             "median_ms": best["median_ms"], "chunks": best["chunks"],
-                             "raw": got})
+                rows.append({"bytes": blocks * layout.block_bytes, "gb_s": pick["median_gb_s"],
+                             "median_ms": pick["median_ms"], "landed_ms": pick.get("landed_ms"),
+                             "path": "direct" if pick["went_direct"] else
+                             f"staged, {pick['chunks']} chunk(s)",
+                             "best_gb_s": best["median_gb_s"],
+                             "raw": [{k: v for k, v in r.items() if k != "traces"}
+                                     for r in got],
+                             "traces": {("direct" if r["went_direct"] else
+                                         f"staged{r['chunks']}"): r["traces"][:3] for r in got}})
+                if nbytes == max(sizes):
+                    rng = random.Random(0)
+                    ns.ids = (rng.sample(ids, blocks), rng.sample(ids, blocks))
+                    ns.direct = [None]
+                    got = loop.run_until_complete(kvb.measure(ns, layout, address))
+                    pick = max(got, key=lambda r: r["median_gb_s"])
+                    scattered = {"bytes": pick["bytes"], "gb_s": pick["median_gb_s"],
+                                 "median_ms": pick["median_ms"], "chunks": pick["chunks"],
+                                 "went_direct": pick["went_direct"],
+                                 "raw": [{k: v for k, v in r.items() if k != "traces"}
+                                         for r in got]}
             finally:
                 kvb.stop_receiver(proc, pipe, layout)
-            log(f"fig 4: UCX {nbytes >> 20} MiB: {rows[-1]['gb_s']} GB/s")
-        return {"rows": rows, "sender": "cuda:0", "receiver": "cuda:1 (separate process)"}
+            log(f"fig 4: UCX {nbytes >> 20} MiB: {rows[-1]['gb_s']} GB/s ({rows[-1]['path']}); "
+                f"best {rows[-1]['best_gb_s']}")
+        return {"rows": rows, "scattered_ids": scattered, "sender": "cuda:0",
+                "receiver": "cuda:1 (separate process)",
+                "direct_min_bytes": wire.DIRECT_MIN_BYTES}
     except Exception:  # noqa: BLE001
         return {"error": traceback.format_exc()}
 

@@ -356,9 +356,10 @@ def child_ucx(spec: dict[str, Any], partial: Any = None) -> dict[str, Any]:
     loop = asyncio.new_event_loop()  # ucxx binds to the first loop that uses it: keep one
     try:
         for s in sizes:
+            # The staged path (gather, chunks, scatter), whose settings this sweep explores.
             ns = SimpleNamespace(blocks=blocks[s], chunks=spec["chunks"], checksum=False,
                                  progress=progress, reps=spec["reps"], device=tx_dev,
-                                 trace=True)
+                                 trace=True, direct=[False])
             for row in loop.run_until_complete(kvb.measure(ns, layout, address)):
                 traces = row.pop("traces", [])
                 row["phases_ms"] = phase_summary(traces)

@@ -1,6 +1,6 @@
 """Throughput of UCX block transfers between two processes on this host.
 
-    python -m kvtransfer.bench --mode worker --chunks 1 31 --blocks 128
+    python -m kvtransfer.bench --mode worker --chunks 1 31 --blocks 128 --direct on off
 
 The default shape is SmolLM2-135M with its EAGLE-3 draft layer (31 KV layers, 3 KV heads,
 head_dim 64, block 16, fp32: 0.73 MiB per block), i.e. a 2k-token prompt by default.
@@ -85,32 +85,39 @@ def stop_receiver(proc: Any, pipe: Pipe, layout: BlockLayout,
 
 async def measure(args: argparse.Namespace, layout: BlockLayout,
                   address: dict[str, Any]) -> list[dict[str, Any]]:
-    """`send_blocks` of blocks 0..args.blocks-1 to the same ids, once per entry of
-    args.chunks: one warm-up, then args.reps timed. With `args.trace` (optional) each row also
-    carries every timed transfer's timeline (`UcxConnection.last_trace`)."""
+    """`send_blocks` of blocks 0..args.blocks-1 to the same ids (or `args.ids`, optional:
+    (src, dst) lists), once per entry of args.chunks and of `args.direct` (optional, default
+    [None]: the transport's own choice; False staged, True direct): one warm-up, then args.reps
+    timed. With `args.trace` (optional) each row also carries every timed transfer's timeline
+    (`UcxConnection.last_trace`) and the median time until the receiver had it all
+    (`landed_ms`, its clock: the same host)."""
     from kvtransfer.ucx import UcxTransport
 
     # Made on the device: a GiB of host randn costs seconds.
     kv = torch.randn(layout.kv_shape(args.blocks), device=args.device).to(layout.torch_dtype)
-    ids = list(range(args.blocks))
+    src, dst = getattr(args, "ids", None) or (list(range(args.blocks)),) * 2
     trace = getattr(args, "trace", False)
     rows = []
-    for chunks in args.chunks:
+    directs = getattr(args, "direct", [None])
+    # A forced direct transfer has no chunks: once is enough.
+    for chunks, direct in [(c, d) for d in directs for c in args.chunks[:1 if d else None]]:
         tx = UcxTransport(layout, num_chunks=chunks, checksum=args.checksum,
-                          progress_mode=args.progress)
+                          progress_mode=args.progress, direct=direct)
         traces = []
         async with await tx.connect(address) as conn:
             conn.trace = trace
-            await conn.send_blocks("warmup", kv, ids, ids)
+            await conn.send_blocks("warmup", kv, src, dst)
             secs = []
             for i in range(args.reps):
-                secs.append((await conn.send_blocks(f"r{i}", kv, ids, ids)).seconds)
+                secs.append((await conn.send_blocks(f"r{i}", kv, src, dst)).seconds)
                 if trace:
                     traces.append(conn.last_trace)
+            went_direct = conn.last_direct
         await tx.close()
-        nbytes = args.blocks * layout.block_bytes
+        nbytes = len(src) * layout.block_bytes
         rows.append({"mode": address["mode"], "device": args.device,
-                     "progress": args.progress, "chunks": chunks,
+                     "progress": args.progress, "chunks": 0 if went_direct else chunks,
+                     "direct": direct, "went_direct": went_direct,
                      "checksum": args.checksum, "bytes": nbytes,
                      "mib": round(nbytes / 2**20, 1),
                      "median_gb_s": round(nbytes / statistics.median(secs) / 1e9, 2),
@@ -119,6 +126,9 @@ async def measure(args: argparse.Namespace, layout: BlockLayout,
                      "ms": [round(x * 1e3, 3) for x in secs]})
         if trace:
             rows[-1]["traces"] = traces
+            landed = [t["rx"]["synced"] for t in traces if t.get("rx")]
+            if landed:
+                rows[-1]["landed_ms"] = round(statistics.median(landed) * 1e3, 3)
     return rows
 
 
@@ -215,9 +225,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="where both KV caches live (cpu, cuda)")
     p.add_argument("--progress", choices=["thread", "thread-polling", "blocking", "polling"],
                    default="thread")
+    p.add_argument("--direct", choices=["auto", "on", "off"], nargs="+", default=["auto"],
+                   help="payload path: the transport's choice, direct (no staging) or staged")
     p.add_argument("--trace", action="store_true", help="per-transfer timelines in the rows")
     p.add_argument("--raw", action="store_true", help="also the bare UCX baseline")
     args = p.parse_args(argv)
+    args.direct = [{"auto": None, "on": True, "off": False}[d] for d in args.direct]
     layout = BlockLayout("bench", args.dtype, 16, args.layers, args.kv_heads, args.head_dim, 1)
     proc, pipe, address = spawn_receiver(layout, args.blocks, args.mode, progress=args.progress,
                                          device=args.device)

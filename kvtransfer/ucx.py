@@ -8,9 +8,15 @@ Two ways to reach a receiver, both over the same tagged protocol (see `wire`):
 - `mode="listener"`: the address is host:port of a UCX listener (TCP connection setup). UCX
   requires error handling on for these endpoints here (off is refused as "asymmetric").
 
-A request is: header (request id, dst ids, layer chunks, extras spec) -> one message per layer
-chunk of gathered blocks -> extras blob -> optional crc32 trailer; the receiver scatters each
-chunk into its kv_cache as it lands, then acks. The sender returns on the ack.
+A request is: header (request id, dst ids, layer chunks or direct runs, extras spec) -> the
+payload -> extras blob -> optional crc32 trailer; then the receiver acks, and the sender returns
+on the ack. The payload takes one of two paths (`wire.plan_direct` picks, per request):
+- staged: one message per layer chunk of blocks gathered into a staging buffer; the receiver
+  scatters each chunk into its kv_cache as it lands;
+- direct: where the src and dst ids run in step (`wire.block_runs`) and the messages are large,
+  one message per (layer, K/V, run) straight from the sender's cache into the receiver's, with
+  no copy on either side. The sender posts them with the header, so the data does not wait
+  for the header's trip: UCX holds an early rendezvous until the receive is posted.
 """
 
 from __future__ import annotations
@@ -46,12 +52,14 @@ class UcxTransport(Transport):
                  on_receive: OnReceive | None = None, *, mode: str = "worker",
                  host: str = "127.0.0.1", port: int = 0, num_chunks: int = 1,
                  checksum: bool = False,
-                 timeout: float = 30.0, progress_mode: str = "thread"):
+                 timeout: float = 30.0, progress_mode: str = "thread",
+                 direct: bool | None = None):
         super().__init__(layout, kv_cache, on_receive)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode, self.host, self.port = mode, host, port
         self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout
+        self.direct = direct  # None: per request by message size; False: always staged
         self._progress_mode = progress_mode
         self._id = wire.new_id()
         self._listener: Any = None
@@ -116,7 +124,7 @@ class UcxTransport(Transport):
             raise LayoutMismatch(msg.get("error", "the receiver refused the handshake"))
         conn = UcxConnection(ep, link, self.layout, peer_layout, msg["num_blocks"], self.pool,
                              num_chunks=self.num_chunks, checksum=self.checksum,
-                             timeout=self.timeout)
+                             timeout=self.timeout, direct=self.direct)
         self._conns.append(conn)
         return conn
 
@@ -195,53 +203,25 @@ class UcxTransport(Transport):
     async def _receive(self, link: int, ep: Any, hdr: dict[str, Any]) -> None:
         stamps: dict[str, Any] | None = (
             {"header": time.perf_counter(), "landed": []} if hdr.get("trace") else None)
-        seq, rid, dst, chunks = hdr["seq"], hdr["request_id"], hdr["dst"], hdr["chunks"]
+        seq, rid = hdr["seq"], hdr["request_id"]
         kv, error, extras = self.kv_cache, None, {}
-        layer_bytes = len(dst) * self.layout.block_bytes // self.layout.num_layers
-        # On a GPU: scatters on the staging stream, after what the engine queued so far (the
-        # blocks were free before the reservation); "landed" waits for them alone.
-        stream = staging.copy_stream(kv.device)
-        staging.after_current(stream)
-        with torch.cuda.stream(stream):
-            bufs = [self.pool.take((hi - lo) * layer_bytes, kv.device) for lo, hi in chunks]
         try:
             blob = torch.empty(hdr["extras_nbytes"], dtype=torch.uint8)
-            # Post every receive at once; scatter each chunk as soon as it is in.
-            recvs = [asyncio.ensure_future(ucxx.recv(wire.as_buffer(b),
-                                                     wire.tag(link, seq, wire.CHUNK + i)))
-                     for i, b in enumerate(bufs)]
-            if blob.numel():
-                recvs.append(asyncio.ensure_future(
-                    ucxx.recv(blob.numpy(), wire.tag(link, seq, wire.EXTRAS))))
+            extra_recv = asyncio.ensure_future(ucxx.recv(
+                blob.numpy(), wire.tag(link, seq, wire.EXTRAS))) if blob.numel() else None
             trailer = asyncio.ensure_future(wire.recv_ctrl(wire.tag(link, seq, wire.TRAILER))
                                             ) if hdr["checksum"] else None
             try:  # still drain the payload on bad ids, so nothing lingers in UCX's queues
-                check_block_ids(dst, dst, self.num_blocks, self.num_blocks)
-                with torch.cuda.stream(stream):
-                    ids = staging.block_ids(dst, kv.device)  # once, for every chunk
+                check_block_ids(hdr["dst"], hdr["dst"], self.num_blocks, self.num_blocks)
             except ValueError as e:
                 error = str(e)
-            for layers, buf, r in zip(chunks, bufs, recvs):
-                await r
-                if stamps is not None:
-                    stamps["landed"].append(time.perf_counter())
-                if error is None:
-                    with torch.cuda.stream(stream):  # never held across an await
-                        staging.scatter(kv, layers, ids, buf.view(kv.dtype))
-            scattered = staging.mark(stream)
-            if stamps is not None:
-                stamps["scattered"] = time.perf_counter()
-            await asyncio.gather(*recvs[len(bufs):])
+            land = self._land_direct if hdr.get("direct") else self._land_chunks
+            error, sums = await land(link, hdr, error, stamps)
+            if extra_recv is not None:
+                await extra_recv
             if trailer is not None:
-                sums = [wire.crc(b) for b in bufs] + [wire.crc(blob)]
-                if (await trailer)["crc"] != sums:
+                if (await trailer)["crc"] != sums + [wire.crc(blob)]:
                     error = error or "checksum mismatch: payload corrupted in flight"
-            if scattered is not None:
-                scattered.synchronize()  # "landed" must mean readable by the engine
-            if stamps is not None:
-                stamps["synced"] = time.perf_counter()
-            for buf in bufs:  # every receive and scatter has completed: nothing uses them
-                self.pool.give(buf)
             extras = wire.unpack_extras(hdr["extras"], blob, kv.device)
         except Exception as e:
             error = error or f"{type(e).__name__}: {e}"
@@ -254,3 +234,74 @@ class UcxTransport(Transport):
             await wire.send(ep, wire.encode(reply), wire.tag(link, seq, wire.ACK))
         except Exception:  # the sender is gone; its lease will expire on its own
             log.warning("kvtransfer: could not ack %s", rid, exc_info=True)
+
+    async def _land_chunks(self, link: int, hdr: dict[str, Any], error: str | None,
+                           stamps: dict[str, Any] | None) -> tuple[str | None, list[int]]:
+        """Staged path: each layer chunk lands in a staging buffer and is scattered into the
+        cache as soon as it is in. Returns the error (if any) and the chunks' crc32s."""
+        kv, seq, dst, chunks = self.kv_cache, hdr["seq"], hdr["dst"], hdr["chunks"]
+        layer_bytes = len(dst) * self.layout.block_bytes // self.layout.num_layers
+        # On a GPU: scatters on the staging stream, after what the engine queued so far (the
+        # blocks were free before the reservation); "landed" waits for them alone.
+        stream = staging.copy_stream(kv.device)
+        staging.after_current(stream)
+        with torch.cuda.stream(stream):
+            bufs = [self.pool.take((hi - lo) * layer_bytes, kv.device) for lo, hi in chunks]
+        # Post every receive at once; scatter each chunk as soon as it is in.
+        recvs = [asyncio.ensure_future(ucxx.recv(wire.as_buffer(b),
+                                                 wire.tag(link, seq, wire.CHUNK + i)))
+                 for i, b in enumerate(bufs)]
+        ids = None
+        if error is None:
+            with torch.cuda.stream(stream):
+                ids = staging.block_ids(dst, kv.device)  # once, for every chunk
+        for layers, buf, r in zip(chunks, bufs, recvs):
+            await r
+            if stamps is not None:
+                stamps["landed"].append(time.perf_counter())
+            if error is None:
+                with torch.cuda.stream(stream):  # never held across an await
+                    staging.scatter(kv, layers, ids, buf.view(kv.dtype))
+        scattered = staging.mark(stream)
+        if stamps is not None:
+            stamps["scattered"] = time.perf_counter()
+        sums = [wire.crc(b) for b in bufs] if hdr["checksum"] else []
+        if scattered is not None:
+            scattered.synchronize()  # "landed" must mean readable by the engine
+        if stamps is not None:
+            stamps["synced"] = time.perf_counter()
+        for buf in bufs:  # every receive and scatter has completed: nothing uses them
+            self.pool.give(buf)
+        return error, sums
+
+    async def _land_direct(self, link: int, hdr: dict[str, Any], error: str | None,
+                           stamps: dict[str, Any] | None) -> tuple[str | None, list[int]]:
+        """Direct path: every (layer, K/V, run) message lands in place in the cache. The
+        blocks were free before the reservation, but kernels the engine queued earlier may
+        still touch them: receive only once the device has run what was queued so far."""
+        kv, seq = self.kv_cache, hdr["seq"]
+        runs = [(int(d), int(k)) for d, k in hdr["direct"]]
+        if error is None and [d + i for d, k in runs for i in range(k)] != hdr["dst"]:
+            error = "the direct runs do not spell the dst block ids"
+        if error is not None:  # drain into one scratch buffer, one message at a time
+            step = kv[0, 0, 0].numel() * kv.element_size()
+            scratch = self.pool.take(max(k for _, k in runs) * step, kv.device)
+            for i in range(2 * kv.shape[0] * len(runs)):  # wire order: layer, K/V, run
+                k = runs[i % len(runs)][1]
+                await ucxx.recv(wire.as_buffer(scratch[:k * step]),
+                                wire.tag(link, seq, wire.CHUNK + i))
+            self.pool.give(scratch)
+            return error, []
+        if kv.is_cuda:
+            free = torch.cuda.Event()
+            free.record(torch.cuda.current_stream(kv.device))
+            while not free.query():
+                await asyncio.sleep(0)
+        views = wire.direct_views(kv, runs)
+        recvs = [ucxx.recv(wire.as_buffer(v), wire.tag(link, seq, wire.CHUNK + i))
+                 for i, v in enumerate(views)]
+        await asyncio.gather(*recvs)
+        if stamps is not None:
+            stamps["landed"].append(time.perf_counter())
+            stamps["scattered"] = stamps["synced"] = stamps["landed"][-1]
+        return error, [wire.crc(v) for v in views] if hdr["checksum"] else []

@@ -28,10 +28,13 @@ class UcxConnection(Connection):
 
     def __init__(self, ep: Any, link: int, layout: BlockLayout, peer_layout: BlockLayout,
                  peer_num_blocks: int, pool: staging.StagingPool, *, num_chunks: int = 1,
-                 checksum: bool = False, timeout: float = 30.0, trace: bool = False):
+                 checksum: bool = False, timeout: float = 30.0, trace: bool = False,
+                 direct: bool | None = None):
         super().__init__(layout, peer_layout, peer_num_blocks)
         self._ep, self._link, self._seq, self._pool = ep, link, 0, pool
         self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout
+        self.direct = direct
+        self.last_direct = False  # whether the last `send_blocks` went direct
         self.trace, self.last_trace = trace, None
         self._closed = False
 
@@ -44,11 +47,17 @@ class UcxConnection(Connection):
         self._seq += 1
         seq, n, t0 = self._seq, len(src_block_ids), time.perf_counter()
         stamps: dict[str, Any] | None = {"t0": t0, "ready": []} if self.trace else None
-        chunks = wire.layer_chunks(self.layout.num_layers, self.num_chunks) if n else []
+        num_layers = self.layout.num_layers
+        src, dst = [int(i) for i in src_block_ids], [int(i) for i in dst_block_ids]
+        runs = wire.plan_direct(src, dst, num_layers, self.layout.block_bytes // (2 * num_layers),
+                                self.direct)
+        self.last_direct = runs is not None
+        chunks = wire.layer_chunks(num_layers, self.num_chunks) if n and not runs else []
         spec, blob = wire.pack_extras(extras or {})
         ack = asyncio.ensure_future(wire.recv_ctrl(self._tag(seq, wire.ACK)))
-        hdr = {"op": "send", "seq": seq, "request_id": request_id, "dst": list(dst_block_ids),
-               "chunks": chunks, "extras": spec, "extras_nbytes": blob.numel(),
+        hdr = {"op": "send", "seq": seq, "request_id": request_id, "dst": dst,
+               "chunks": chunks, "direct": [[d, k] for _, d, k in runs] if runs else None,
+               "extras": spec, "extras_nbytes": blob.numel(),
                "checksum": self.checksum, "trace": self.trace}
         bufs: list[torch.Tensor] = []
         try:
@@ -56,8 +65,11 @@ class UcxConnection(Connection):
             # its completion is awaited with the chunks'.
             sends = [self._send(wire.encode(hdr), 0, wire.HEADER)]
             await asyncio.sleep(0)  # post it now, ahead of the payload
-            more, sums = await self._send_payload(seq, kv_cache, src_block_ids, chunks, blob,
-                                                  bufs, stamps)
+            if runs:
+                more, sums = await self._send_direct(seq, kv_cache, runs, blob, stamps)
+            else:
+                more, sums = await self._send_payload(seq, kv_cache, src, chunks, blob, bufs,
+                                                      stamps)
             sends += more
             if self.checksum:
                 sends.append(self._send(wire.encode({"crc": sums}), seq, wire.TRAILER))
@@ -121,6 +133,30 @@ class UcxConnection(Connection):
                 sums.append(wire.crc(data))
             sends.append(self._send(wire.as_buffer(data), seq, wire.CHUNK + i))
             await asyncio.sleep(0)  # let UCX progress the sends already posted
+        if blob.numel():
+            sends.append(self._send(blob.numpy(), seq, wire.EXTRAS))
+        sums.append(wire.crc(blob))
+        return sends, sums
+
+    async def _send_direct(self, seq: int, kv: torch.Tensor, runs: list[tuple[int, int, int]],
+                           blob: torch.Tensor, stamps: dict[str, Any] | None = None
+                           ) -> tuple[list[asyncio.Future], list[int]]:
+        """Send every (layer, K/V, run) range straight from the cache: no staging copy. UCX
+        reads the cache itself, so first wait for what the caller's stream has queued (the
+        prefill that wrote these blocks); the caller holds the blocks until the ack."""
+        if kv.is_cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(kv.device))
+            done.synchronize()
+        if stamps is not None:
+            stamps["ready"].append(time.perf_counter())
+        views = wire.direct_views(kv, [(s, k) for s, _, k in runs])
+        sends, sums = [], []
+        for i, view in enumerate(views):
+            if self.checksum:
+                sums.append(wire.crc(view))
+            sends.append(self._send(wire.as_buffer(view), seq, wire.CHUNK + i))
+        await asyncio.sleep(0)
         if blob.numel():
             sends.append(self._send(blob.numpy(), seq, wire.EXTRAS))
         sums.append(wire.crc(blob))

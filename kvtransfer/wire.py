@@ -130,6 +130,48 @@ def layer_chunks(num_layers: int, num_chunks: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + step, num_layers)) for lo in range(0, num_layers, step)]
 
 
+# A direct transfer sends each (layer, K/V, run of consecutive blocks) straight from the
+# sender's cache into the receiver's, with no gather or scatter; worth it once the messages are
+# large enough that posting them costs less than copying the bytes twice.
+DIRECT_MIN_BYTES = 2 << 20
+
+
+def block_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src_start, dst_start, length) of the maximal runs where both id lists count up by one
+    together: each run is one contiguous range of every layer's K and V in both caches."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def plan_direct(src: list[int], dst: list[int], num_layers: int, layer_block_bytes: int,
+                direct: bool | None, min_bytes: int = DIRECT_MIN_BYTES
+                ) -> list[tuple[int, int, int]] | None:
+    """The runs of a direct transfer, or None to gather into staging buffers instead.
+    `direct`: None decides by the mean message size (`min_bytes`), True whenever the messages
+    fit the tag space, False never. `layer_block_bytes`: one block of one layer's K (or V)."""
+    if not src or direct is False:
+        return None
+    runs = block_runs(src, dst)
+    messages = 2 * num_layers * len(runs)
+    if messages > MAX_CHUNKS:
+        return None
+    if direct is None and len(src) * 2 * num_layers * layer_block_bytes < messages * min_bytes:
+        return None
+    return runs
+
+
+def direct_views(kv: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """The contiguous pieces of a direct transfer in wire order (layer, K/V, run), each
+    `kv[layer, kv, start:start + length]`; `runs` are (start, length) on this side."""
+    return [kv[layer, j, start:start + n] for layer in range(kv.shape[0]) for j in (0, 1)
+            for start, n in runs]
+
+
 def pack_extras(extras: dict[str, torch.Tensor]) -> tuple[list[Any], torch.Tensor]:
     """(spec, blob): one host byte buffer for all extras, and how to cut it up again."""
     spec, parts = [], []

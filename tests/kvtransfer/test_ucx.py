@@ -13,6 +13,7 @@ from tests.kvtransfer.conftest import random_kv, sample_extras, tiny_layout
 
 pytest.importorskip("ucxx", reason="ucxx-cu12 is not installed: UCX transport untested")
 
+from kvtransfer import wire  # noqa: E402
 from kvtransfer.bench import measure_raw, spawn_receiver, stop_receiver  # noqa: E402
 from kvtransfer.ucx import UcxTransport  # noqa: E402
 
@@ -109,6 +110,89 @@ def test_receiver_refuses_by_itself(ucx_loop):
     assert torch.equal(dst[:, :, 7], src[:, :, 1])
 
 
+@pytest.mark.parametrize("mode", ["worker", "listener"])
+def test_direct_runs_land_in_place(ucx_loop, mode):
+    """Direct path: three runs of consecutive ids (with a lone block) go straight from cache to
+    cache, with checksums; nothing outside the dst ids changes, and the next request with
+    scattered ids falls back to the staged path on the same link."""
+    layout = tiny_layout("bfloat16")
+    src, dst = random_kv(layout, seed=3), random_kv(layout, seed=4)
+    before = dst.clone()
+    s_ids, d_ids = [1, 2, 3, 10, 11, 20], [4, 5, 6, 30, 31, 7]
+
+    async def go():
+        async with UcxTransport(layout, dst, mode=mode) as rx:
+            tx = UcxTransport(layout, checksum=True, direct=True)
+            conn = await tx.connect(rx.address)
+            conn.trace = True
+            await conn.send_blocks("d", src, s_ids, d_ids, sample_extras())
+            went_direct, trace = conn.last_direct, conn.last_trace
+            got = await rx.recv_blocks("d", timeout=10)
+            # 50 runs of one block: 300 messages, more than the tag space holds.
+            ids = list(range(50))
+            await conn.send_blocks("s", src, ids, list(reversed(ids)))
+            staged = not conn.last_direct
+            await tx.close()
+            return went_direct, trace, got, staged
+
+    went_direct, trace, got, staged = ucx_loop.run(go(), timeout=60)
+    assert went_direct and staged
+    assert trace["chunks"] == 0 and len(trace["rx"]["landed"]) == 1
+    assert trace["ready"][0] <= trace["rx"]["landed"][0] <= trace["rx"]["ack"] <= trace["acked"]
+    assert torch.equal(got["draft_tokens"], sample_extras()["draft_tokens"])
+    ids = list(range(50))
+    assert torch.equal(dst[:, :, list(reversed(ids))], src[:, :, ids])
+    untouched = [b for b in range(64) if b not in ids]
+    assert torch.equal(dst[:, :, untouched], before[:, :, untouched])
+
+
+def test_direct_refusal_drains_and_link_survives(ucx_loop):
+    """A direct request whose runs do not match its dst ids is refused by the receiver, which
+    still drains every message; the cache is untouched and the link keeps working."""
+    layout = tiny_layout()
+    src, dst = random_kv(layout), random_kv(layout, num_blocks=16, seed=1)
+    before = dst.clone()
+
+    async def go():
+        async with UcxTransport(layout, dst) as rx:
+            tx = UcxTransport(layout, direct=True, timeout=10)
+            conn = await tx.connect(rx.address)
+            send = conn._send
+
+            def lying_header(buf, seq, kind):  # runs that point elsewhere than dst
+                hdr = wire.decode(buf) if kind == wire.HEADER else {}
+                if hdr.get("op") == "send":
+                    hdr["direct"] = [[9, 2]]
+                    buf = wire.encode(hdr)
+                return send(buf, seq, kind)
+
+            conn._send = lying_header
+            with pytest.raises(TransferError, match="direct runs"):
+                await conn.send_blocks("bad", src, [1, 2], [3, 4])
+            assert torch.equal(dst, before)
+            conn._send = send
+            await conn.send_blocks("good", src, [1, 2], [3, 4])
+            await tx.close()
+
+    ucx_loop.run(go(), timeout=60)
+    assert torch.equal(dst[:, :, [3, 4]], src[:, :, [1, 2]])
+
+
+def test_direct_plan():
+    assert wire.block_runs([1, 2, 3, 7, 8, 9], [5, 6, 9, 1, 2, 3]) == [
+        (1, 5, 2), (3, 9, 1), (7, 1, 3)]
+    assert wire.block_runs([], []) == []
+    # 4 layers x K/V x 1 run = 8 messages of 3 blocks x 1 MiB each.
+    assert wire.plan_direct([0, 1, 2], [5, 6, 7], 4, 1 << 20, None) == [(0, 5, 3)]
+    # Messages of 1 MiB: under the default 2 MiB, staged unless forced.
+    assert wire.plan_direct([0, 2], [5, 7], 4, 1 << 20, None) is None
+    assert wire.plan_direct([0, 2], [5, 7], 4, 1 << 20, True) == [(0, 5, 1), (2, 7, 1)]
+    assert wire.plan_direct([0, 1, 2], [5, 6, 7], 4, 1 << 20, False) is None
+    many = list(range(0, 400, 2))  # 200 runs x 2 x 4 messages: more than the tags
+    assert wire.plan_direct(many, many, 4, 1 << 30, True) is None
+    assert wire.plan_direct([], [], 4, 1 << 20, True) is None
+
+
 def test_refusal_comes_from_the_receiver(ucx_loop):
     async def go():
         async with UcxTransport(tiny_layout(), random_kv(tiny_layout())) as rx:
@@ -170,27 +254,32 @@ def test_connecting_to_a_closed_receiver_fails_fast(ucx_loop):
     ucx_loop.run(go(), timeout=60)
 
 
-@pytest.mark.parametrize("mode,device", [("worker", "cpu"), ("listener", "cpu"),
-                                         pytest.param("worker", "cuda", marks=pytest.mark.gpu)])
-def test_two_processes(ucx_loop, mode, device, capsys):
+@pytest.mark.parametrize("mode,device,direct", [
+    ("worker", "cpu", None), ("listener", "cpu", None), ("worker", "cpu", False),
+    pytest.param("worker", "cuda", None, marks=pytest.mark.gpu),
+    pytest.param("worker", "cuda", False, marks=pytest.mark.gpu)])
+def test_two_processes(ucx_loop, mode, device, direct, capsys):
     """A receiver in a spawned process: shared memory (worker) or TCP (listener) for real;
-    on a GPU, CUDA tensors straight from one process's memory to the other's."""
+    on a GPU, CUDA tensors straight from one process's memory to the other's. The big
+    request's messages are 2 MiB per layer and K/V: direct by default, staged when told."""
     layout = tiny_layout(head_dim=64)  # 48 KiB per block
     src = random_kv(layout, num_blocks=512, seed=7).to(device)
     proc, pipe, address = spawn_receiver(layout, 512, mode, return_kv=True, device=device)
     big = list(range(256))
 
     async def go():
-        tx = UcxTransport(layout)
+        tx = UcxTransport(layout, direct=direct)
         conn = await tx.connect(address)
         await conn.send_blocks("warm", src, big, big)
         stats = await conn.send_blocks("big", src, big, [b + 256 for b in big])
+        went_direct = conn.last_direct
         await conn.send_blocks("a", src, [9, 8, 7], [0, 1, 2], sample_extras())
+        assert not conn.last_direct  # 8 KiB messages: staged
         await tx.close()
-        return stats
+        return stats, went_direct
 
     try:
-        stats = ucx_loop.run(go(), timeout=60)
+        stats, went_direct = ucx_loop.run(go(), timeout=60)
     finally:
         dst = stop_receiver(proc, pipe, layout)
     assert dst is not None and proc.exitcode == 0
@@ -199,9 +288,11 @@ def test_two_processes(ucx_loop, mode, device, capsys):
     assert torch.equal(dst[:, :, 3:256], src[:, :, 3:256])
     assert torch.equal(dst[:, :, 256:], src[:, :, :256])
     assert stats.bytes == 256 * layout.block_bytes
+    assert went_direct == (direct is None)
     with capsys.disabled():
-        print(f"\n[kvtransfer] ucx {mode} {device}, 2 processes: {stats.bytes / 2**20:.1f} MiB in "
-              f"{stats.seconds * 1e3:.1f} ms = {stats.bytes_per_s / 1e9:.2f} GB/s")
+        print(f"\n[kvtransfer] ucx {mode} {device} direct={direct}, 2 processes: "
+              f"{stats.bytes / 2**20:.1f} MiB in {stats.seconds * 1e3:.1f} ms = "
+              f"{stats.bytes_per_s / 1e9:.2f} GB/s")
 
 
 def test_raw_baseline_between_processes(ucx_loop):
