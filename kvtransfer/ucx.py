@@ -295,8 +295,8 @@ class UcxTransport(Transport):
         if kv.is_cuda:
             free = torch.cuda.Event()
             free.record(torch.cuda.current_stream(kv.device))
-            while not free.query():
-                await asyncio.sleep(0)
+            if not free.query():  # wait off the loop: the engine may share this process
+                await asyncio.get_running_loop().run_in_executor(None, free.synchronize)
         views = wire.direct_views(kv, runs)
         recvs = [ucxx.recv(wire.as_buffer(v), wire.tag(link, seq, wire.CHUNK + i))
                  for i, v in enumerate(views)]
