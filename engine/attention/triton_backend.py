@@ -17,6 +17,8 @@ is wrong for bf16, so CPU tests use fp32/fp16).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.attention.base import AttentionBackend, AttentionMetadata
@@ -42,8 +44,9 @@ def triton_available() -> bool:
 # (here and in engine/ops.py) may be launched while the one before it still runs; it waits for
 # that kernel's results (`gdc_wait`) before reading them, and the prologue linears load their
 # first weight tile before waiting. None: on where the GPU and Triton support it; False: off
-# (a sweep's baseline).
-PDL: bool | None = None
+# (a sweep's baseline; TANDEM_PDL=0 in the environment).
+PDL: bool | None = False if os.environ.get("TANDEM_PDL", "").lower() in ("0", "off", "false") \
+    else None
 _PDL_SUPPORT: dict[int, bool] = {}
 
 
