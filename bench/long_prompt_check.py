@@ -44,6 +44,8 @@ def child(args: argparse.Namespace) -> dict:
     cfg = tiny_config(max_position=max_pos, vocab_size=256) if args.tiny else \
         llama8b_shape(max_pos)
     eng = random_engine(ns, cfg, args.blocks)
+    if args.precapture and dev == "cuda":  # as figure 5 and the nodes do: every bucket,
+        eng.capture_graphs(list(range(1, args.streams + args.long + 1)))  # split-KV too
     vocab = cfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     bg = SamplingParams(max_tokens=args.steps, temperature=0.0, ignore_eos=True)
@@ -51,7 +53,8 @@ def child(args: argparse.Namespace) -> dict:
     for i in range(args.streams):
         eng.add_request(torch.randint(0, vocab, (128,), generator=gen).tolist(), bg,
                         request_id=f"bg{i}")
-    arrivals = {20 + 15 * i: f"long{i}" for i in range(args.long)}
+    first = args.first_arrival
+    arrivals = {first + 15 * i: f"long{i}" for i in range(args.long)}
     done, steps, t0 = set(), 0, time.perf_counter()
     while eng.has_unfinished() and steps < 4 * args.steps:
         if steps in arrivals:
@@ -77,6 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--long-tokens", type=int, default=8192)
     p.add_argument("--steps", type=int, default=120, help="tokens per decode stream")
     p.add_argument("--blocks", type=int, default=5762)
+    p.add_argument("--first-arrival", type=int, default=20, help="step of the first long one")
+    p.add_argument("--precapture", action="store_true",
+                   help="capture every graph first (long-context variants too), as nodes do")
     p.add_argument("--no-split", action="store_true")
     p.add_argument("--only", default="", help="comma-separated variants")
     p.add_argument("--child", action="store_true")

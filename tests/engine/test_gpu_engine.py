@@ -56,6 +56,29 @@ def test_graphs_equal_eager_and_torch_backend(random_smol):
     assert graphs.plain.overlapped_runs > 0  # decode steps launched before the last was read
 
 
+def test_precaptured_long_context_graphs_equal_torch_backend(random_smol):
+    """Contexts past LONG_CONTEXT decode through the captured split-KV graphs. Captured all at
+    once, up front, as nodes do: a graph must not keep reading per-forward state that its
+    warm-up made outside it (freed with that forward's metadata and soon reused: an illegal
+    address, or other tensors' bytes), so every output must equal the torch backend's."""
+    from engine import SamplingParams
+    from engine.attention.triton_backend import LONG_CONTEXT
+
+    prompts = [[(37 * i + 11 * j) % 40000 + 100 for j in range(LONG_CONTEXT - 8 + 40 * i)]
+               for i in range(5)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = [c.token_ids for c in random_smol.generate(prompts, sp)]
+    graphs = random_smol.with_config(attention_backend="triton", cuda_graphs=True)
+    assert graphs.capture_graphs(list(range(1, 9)), long_context=True) > 0
+    # Small tensors of huge row-to-sequence indices, where freed ones would be handed out.
+    junk = [torch.full((8 * (1 + i % 8),), 10**9, dtype=torch.int64, device="cuda")
+            for i in range(4096)]
+    out = [c.token_ids for c in graphs.generate(prompts, sp)]
+    del junk
+    assert any(long for (_, _, long) in graphs.runner.graphs.graphs)
+    assert out == ref
+
+
 def test_single_stream_prologue_linears_with_pdl_equal_torch_backend(random_smol):
     """One stream decodes through the prologue linears (norms and SiLU folded into the
     projections, every launch of a layer Triton, with programmatic dependent launch on a
