@@ -266,19 +266,29 @@ def prologue_suits(weights) -> bool:
     return all(n * k <= LINEAR_MAX_WEIGHT for n, k in weights)
 
 
+GEMV_WARPS = 4  # warps of a one-row GEMV program (every row count up to 8)
+
+
 def linear_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear. Up to 8
     rows: one GEMV program per row and column block over narrow, long weight tiles (16 x
     1024, 8 warps measured best or near it at one row for all four SmolLM2 projections on the
     H200: 2-3 us each under PDL); the rows' programs read the same tiles, all but the first
     from L2. (Sharing each tile across rows inside one program measured 2-3x slower.) Above:
-    one tl.dot row block per 16 rows. 8 warps at one row, 4 at 2-8 rows: 4 warps took 0.55-0.75x
-    the time of 8 at 4 and 8 rows for every SmolLM2 projection
-    (`bench/results/profile/linear_sweep_rows_tiles.json`)."""
+    one tl.dot row block per 16 rows.
+
+    Up to 8 rows the tiles must not depend on the row count: each row is then computed by
+    the same program, bit for bit, alone or beside others, so a verify step's rows round
+    exactly as the one-row decode step does and greedy speculation stays token-identical to
+    no speculation. (4 warps at 2-8 rows beside 8 at one row broke that: 0-1 of 4 streams
+    identical in figure 1.) `GEMV_WARPS` is the one setting for all of them: 4, which on the
+    H200 ran the SmolLM2 decode forward in 0.604 / 0.651 / 0.763 / 0.939 ms at 1 / 2 / 4 / 8
+    rows against 0.622 / 0.713 / 0.892 / 1.248 with 8
+    (`bench/results/profile/linear_sweep_gemv_w4.json`, `linear_sweep_gemv_w8.json`)."""
     if (m, n, k) in LINEAR_TILES:
         return LINEAR_TILES[(m, n, k)]
     if m <= 8:
-        return 1, 16, min(1024, next_pow2(k, 16)), 8 if m == 1 else 4
+        return 1, 16, min(1024, next_pow2(k, 16)), GEMV_WARPS
     return 16, 32, min(128, next_pow2(k, 16)), 4
 
 

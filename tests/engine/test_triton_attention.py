@@ -184,6 +184,31 @@ def test_prologue_linear_equals_its_two_kernels(dtype, rows, k):
         ops.prologue_linear(x, w, silu=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prologue_linear_rows_are_batch_invariant(dtype):
+    """Up to 8 rows, a row's output must not depend on how many rows share the launch: bit
+    for bit, alone or in a batch of 2-8 (what keeps a verify step's logits equal to the
+    one-row decode step's, and greedy speculation token-identical in bf16)."""
+    from engine import ops
+
+    g = torch.Generator().manual_seed(3)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
+    # The interpreter (CI) computes every row alike by construction: one small case there.
+    n, k, ms = (96, 1100, range(2, 9)) if DEV == "cuda" else (16, 48, (3,))
+    x, r, w, nw, gu = rnd(8, k), rnd(8, k), rnd(n, k) / 7, rnd(k), rnd(8, 2 * k)
+    for m in ms:
+        y, s = ops.prologue_linear(x[:m], w, norm_weight=nw, eps=1e-5, residual=r[:m])
+        z = ops.prologue_linear(gu[:m], w, silu=True)
+        p = ops.prologue_linear(x[:m], w)
+        for i in range(m):
+            y1, s1 = ops.prologue_linear(x[i:i + 1], w, norm_weight=nw, eps=1e-5,
+                                         residual=r[i:i + 1])
+            assert torch.equal(y[i], y1[0]) and torch.equal(s[i], s1[0]), (m, i)
+            assert torch.equal(z[i], ops.prologue_linear(gu[i:i + 1], w, silu=True)[0])
+            assert torch.equal(p[i], ops.prologue_linear(x[i:i + 1], w)[0])
+    assert len({ops.linear_tiles(m, n, k) for m in range(1, 9)}) == 1
+
+
 @pytest.mark.parametrize("rows", [1, 6, 70])
 def test_prologue_forward_equals_the_fused_forward(rows):
     """The forward with norms folded into the projections (every row count up to 64 allowed
