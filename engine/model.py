@@ -182,6 +182,14 @@ class LlamaModel(nn.Module):
                 round(graph_time_us(lambda i: projections(i, False), reps), 2))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of each row. Where the projections take the GEMV (`prologue_rows`), the LM
+        head does too: its rows are then computed alike whatever the row count, so a verify
+        step's logits equal the one-row decode step's bit for bit (a GEMM picks its kernel,
+        and so its summation order, by the row count: in bf16 near-tied logits would round
+        differently and greedy speculation would part from no speculation)."""
+        if self.prologue_linears and hidden.shape[0] in self.prologue_rows:
+            return ops.prologue_linear(hidden.contiguous(), self.lm_head.weight,
+                                       self.lm_head.bias).float()
         return self.lm_head(hidden).float()
 
 

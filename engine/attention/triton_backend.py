@@ -276,8 +276,12 @@ class TritonAttention(AttentionBackend):
                                kc.stride(1), ROW=row, BLOCK=next_pow2(row))
 
     def tile_m(self, max_query_len: int) -> int:
-        """Rows per program: enough for one decode/verify step's grouped heads, 64 at most."""
-        return min(64, next_pow2(max_query_len * self.group))
+        """Rows per program: enough for one decode/verify step's grouped heads, 64 at most,
+        and never under 32, so a decode step (a few rows) and a verify step (up to 32 rows)
+        share one tile shape and warp count: a row's softmax then reduces in the same order
+        in both, and its output is the same bit for bit (greedy speculation stays
+        token-identical to no speculation)."""
+        return min(64, max(32, next_pow2(max_query_len * self.group)))
 
     def use_split(self, meta: AttentionMetadata, device: torch.device) -> int:
         """Number of splits for this launch (0: the one-pass kernel). Split only for long
