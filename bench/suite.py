@@ -845,7 +845,8 @@ def ucx_transfer(args, sizes) -> dict:
                                      device="cuda:0", trace=True)
                 got = loop.run_until_complete(kvb.measure(ns, layout, address))
                 ids = list(range(blocks))
-                auto = wire.plan_direct(ids, ids, layout.num_layers, layer_block, None)
+                auto = wire.plan_direct(ids, ids, layout.num_layers, layer_block, None,
+                                        wire.direct_min_bytes("cuda"))
                 pick = next(r for r in got if r["went_direct"] == (auto is not None))
                 best = max(got, key=lambda r: r["median_gb_s"])
                 rows.append({"bytes": blocks * layout.block_bytes, "gb_s": pick["median_gb_s"],
@@ -874,7 +875,7 @@ def ucx_transfer(args, sizes) -> dict:
                 f"best {rows[-1]['best_gb_s']}")
         return {"rows": rows, "scattered_ids": scattered, "sender": "cuda:0",
                 "receiver": "cuda:1 (separate process)",
-                "direct_min_bytes": wire.DIRECT_MIN_BYTES}
+                "direct_min_bytes": wire.direct_min_bytes("cuda")}
     except Exception:  # noqa: BLE001
         return {"error": traceback.format_exc()}
 

@@ -50,7 +50,7 @@ class UcxConnection(Connection):
         num_layers = self.layout.num_layers
         src, dst = [int(i) for i in src_block_ids], [int(i) for i in dst_block_ids]
         runs = wire.plan_direct(src, dst, num_layers, self.layout.block_bytes // (2 * num_layers),
-                                self.direct)
+                                self.direct, wire.direct_min_bytes(kv_cache.device))
         self.last_direct = runs is not None
         chunks = wire.layer_chunks(num_layers, self.num_chunks) if n and not runs else []
         spec, blob = wire.pack_extras(extras or {})

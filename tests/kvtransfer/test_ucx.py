@@ -182,11 +182,14 @@ def test_direct_plan():
     assert wire.block_runs([1, 2, 3, 7, 8, 9], [5, 6, 9, 1, 2, 3]) == [
         (1, 5, 2), (3, 9, 1), (7, 1, 3)]
     assert wire.block_runs([], []) == []
+    mib = 1 << 20
+    assert wire.direct_min_bytes("cpu") == mib and wire.direct_min_bytes("cuda") == 16 * mib
     # 4 layers x K/V x 1 run = 8 messages of 3 blocks x 1 MiB each.
-    assert wire.plan_direct([0, 1, 2], [5, 6, 7], 4, 1 << 20, None) == [(0, 5, 3)]
-    # Messages of 1 MiB: under the default 2 MiB, staged unless forced.
-    assert wire.plan_direct([0, 2], [5, 7], 4, 1 << 20, None) is None
-    assert wire.plan_direct([0, 2], [5, 7], 4, 1 << 20, True) == [(0, 5, 1), (2, 7, 1)]
+    assert wire.plan_direct([0, 1, 2], [5, 6, 7], 4, mib, None) == [(0, 5, 3)]
+    assert wire.plan_direct([0, 1, 2], [5, 6, 7], 4, mib, None, 16 * mib) is None
+    # Messages of 512 KiB: under the 1 MiB default, staged unless forced.
+    assert wire.plan_direct([0, 2], [5, 7], 4, mib // 2, None) is None
+    assert wire.plan_direct([0, 2], [5, 7], 4, mib // 2, True) == [(0, 5, 1), (2, 7, 1)]
     assert wire.plan_direct([0, 1, 2], [5, 6, 7], 4, 1 << 20, False) is None
     many = list(range(0, 400, 2))  # 200 runs x 2 x 4 messages: more than the tags
     assert wire.plan_direct(many, many, 4, 1 << 30, True) is None
@@ -256,12 +259,13 @@ def test_connecting_to_a_closed_receiver_fails_fast(ucx_loop):
 
 @pytest.mark.parametrize("mode,device,direct", [
     ("worker", "cpu", None), ("listener", "cpu", None), ("worker", "cpu", False),
-    pytest.param("worker", "cuda", None, marks=pytest.mark.gpu),
+    pytest.param("worker", "cuda", True, marks=pytest.mark.gpu),
     pytest.param("worker", "cuda", False, marks=pytest.mark.gpu)])
 def test_two_processes(ucx_loop, mode, device, direct, capsys):
     """A receiver in a spawned process: shared memory (worker) or TCP (listener) for real;
     on a GPU, CUDA tensors straight from one process's memory to the other's. The big
-    request's messages are 2 MiB per layer and K/V: direct by default, staged when told."""
+    request's messages are 2 MiB per layer and K/V: direct by default on the host (staged on
+    a GPU, where direct starts at 16 MiB: forced there), staged when told."""
     layout = tiny_layout(head_dim=64)  # 48 KiB per block
     src = random_kv(layout, num_blocks=512, seed=7).to(device)
     proc, pipe, address = spawn_receiver(layout, 512, mode, return_kv=True, device=device)
@@ -274,7 +278,7 @@ def test_two_processes(ucx_loop, mode, device, direct, capsys):
         stats = await conn.send_blocks("big", src, big, [b + 256 for b in big])
         went_direct = conn.last_direct
         await conn.send_blocks("a", src, [9, 8, 7], [0, 1, 2], sample_extras())
-        assert not conn.last_direct  # 8 KiB messages: staged
+        assert conn.last_direct == (direct is True)  # 8 KiB messages: staged unless forced
         await tx.close()
         return stats, went_direct
 
@@ -288,7 +292,7 @@ def test_two_processes(ucx_loop, mode, device, direct, capsys):
     assert torch.equal(dst[:, :, 3:256], src[:, :, 3:256])
     assert torch.equal(dst[:, :, 256:], src[:, :, :256])
     assert stats.bytes == 256 * layout.block_bytes
-    assert went_direct == (direct is None)
+    assert went_direct == (direct is not False)
     with capsys.disabled():
         print(f"\n[kvtransfer] ucx {mode} {device} direct={direct}, 2 processes: "
               f"{stats.bytes / 2**20:.1f} MiB in {stats.seconds * 1e3:.1f} ms = "
