@@ -181,7 +181,8 @@ def sync(cuda: bool) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None,
+                   help="SmolLM2 GGUF; without it random SmolLM2-shaped weights")
     p.add_argument("--out", default=".")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--concurrency", default="1,16,64")
@@ -197,11 +198,21 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     cuda = args.device.startswith("cuda")
     dt = torch.bfloat16 if cuda else torch.float32
-    base = Engine.from_pretrained(args.model, device=args.device, dtype=dt, num_blocks=8192,
-                                  enable_prefix_caching=False,
-                                  spec=SpecConfig(method="eagle3", num_tokens=5, dynamic=False))
     conc = [int(c) for c in args.concurrency.split(",")]
-    prompts = [base.encode_prompt(m) for m in held_out_messages(max(conc))]
+    if args.model:
+        base = Engine.from_pretrained(
+            args.model, device=args.device, dtype=dt, num_blocks=8192,
+            enable_prefix_caching=False,
+            spec=SpecConfig(method="eagle3", num_tokens=5, dynamic=False))
+        prompts = [base.encode_prompt(m) for m in held_out_messages(max(conc))]
+    else:  # no checkpoint: random SmolLM2-shaped weights with the shipped head (timing only)
+        from bench.common import random_engine, smol_shape
+
+        ns = argparse.Namespace(dtype="bfloat16" if cuda else "float32", device=args.device)
+        base = random_engine(ns, smol_shape(), 8192,
+                             spec=SpecConfig(method="eagle3", num_tokens=5, dynamic=False))
+        prompts = [[(31 * i + 7 * j) % 40000 + 100 for j in range(96 + 13 * i)]
+                   for i in range(max(conc))]
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     variants = {"no_spec": None,
                 "eagle3_k5": SpecConfig(method="eagle3", num_tokens=5, dynamic=False),
