@@ -273,8 +273,8 @@ def linear_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear. Up to 8
     rows: one GEMV program per row and column block over narrow, long weight tiles (16 x
     1024: 1.1-3.5 us for each SmolLM2 projection on the H200 under PDL); the rows' programs
-    read the same tiles, all but the first from L2. (Sharing each tile across rows inside one program measured 2-3x slower.) Above:
-    one tl.dot row block per 16 rows.
+    read the same tiles, all but the first from L2. (Sharing each tile across rows inside
+    one program measured 2-3x slower.) Above: one tl.dot row block per 16 rows.
 
     Up to 8 rows the tiles must not depend on the row count: each row is then computed by
     the same program, bit for bit, alone or beside others, so a verify step's rows round

@@ -241,19 +241,27 @@ class FusedSteps:
             q = ids.shape[0] // b
             hidden, aux = model(ids, pos, kv_cache, meta, aux_layers)
             am = model.logits(hidden).argmax(dim=-1)
-            grid, ids2 = am.view(b, q), ids.view(b, q)
-            real = meta.slot_mapping.view(b, q) >= 0
-            match = (ids2[:, 1:] == grid[:, :-1]) & real[:, 1:]
-            nacc = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
-            # The head's first step: row i reads the target's next token (the argmax) and the
-            # fused features of row i; draft KV is stored for rows up to the last accepted.
-            rows = torch.arange(q, device=ids.device)
-            keep = real & (rows[None, :] <= nacc[:, None])
-            hmeta = AttentionMetadata(
-                slot_mapping=torch.where(keep.view(-1), meta.slot_mapping, -1),
-                query_start=meta.query_start, seq_lens=meta.seq_lens,
-                block_tables=meta.block_tables, max_query_len=q,
-                max_seq_len=meta.max_seq_len)
+            if q == 1:
+                # Nothing to verify (every K=0 step of a dynamic batch): no draft accepted,
+                # and the head stores KV exactly where the target did. Eight small kernels
+                # fewer than the general case below, which computes the same.
+                nacc = torch.zeros(b, dtype=torch.int64, device=ids.device)
+                hmeta = meta
+            else:
+                grid, ids2 = am.view(b, q), ids.view(b, q)
+                real = meta.slot_mapping.view(b, q) >= 0
+                match = (ids2[:, 1:] == grid[:, :-1]) & real[:, 1:]
+                nacc = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+                # The head's first step: row i reads the target's next token (the argmax)
+                # and the fused features of row i; draft KV is stored for rows up to the last
+                # accepted.
+                rows = torch.arange(q, device=ids.device)
+                keep = real & (rows[None, :] <= nacc[:, None])
+                hmeta = AttentionMetadata(
+                    slot_mapping=torch.where(keep.view(-1), meta.slot_mapping, -1),
+                    query_start=meta.query_start, seq_lens=meta.seq_lens,
+                    block_tables=meta.block_tables, max_query_len=q,
+                    max_seq_len=meta.max_seq_len)
             if drafts == 0:  # nothing to draft: only the draft KV the next steps attend to
                 head.store_kv(model.embed_tokens(am), head.fuse(aux), pos, kv, hmeta)
                 return am, nacc
