@@ -186,8 +186,10 @@ class LlamaModel(nn.Module):
         head does too: its rows are then computed alike whatever the row count, so a verify
         step's logits equal the one-row decode step's bit for bit (a GEMM picks its kernel,
         and so its summation order, by the row count: in bf16 near-tied logits would round
-        differently and greedy speculation would part from no speculation)."""
-        if self.prologue_linears and hidden.shape[0] in self.prologue_rows:
+        differently and greedy speculation would part from no speculation). On a GPU only:
+        off CUDA the Triton kernels run in the interpreter, far slower than the GEMM, and
+        the fp32 greedy checks there held without it."""
+        if self.prologue_linears and hidden.is_cuda and hidden.shape[0] in self.prologue_rows:
             return ops.prologue_linear(hidden.contiguous(), self.lm_head.weight,
                                        self.lm_head.bias).float()
         return self.lm_head(hidden).float()

@@ -265,11 +265,11 @@ def test_prologue_forward_equals_the_fused_forward(rows):
     try:
         a = eng.runner.forward_packed(inp, [rows - 1], aux_layers=(0, 1))
         n_forward = len(calls)
-        logits = a.logits  # one picked row: the LM head takes the GEMV (rows alike at any count)
+        logits = a.logits  # one picked row: on a GPU the LM head takes the GEMV too
     finally:
         ops.prologue_linear = real
     assert n_forward == (4 * eng.config.model.num_layers if rows <= 64 else 0)
-    assert len(calls) == n_forward + 1
+    assert len(calls) == n_forward + (DEV == "cuda")
     eng.model.prologue_linears = False
     b = eng.runner.forward_packed(inp, [rows - 1], aux_layers=(0, 1))
     torch.testing.assert_close(a.hidden, b.hidden, atol=1e-5, rtol=1e-5)
