@@ -175,7 +175,7 @@ def test_step_path_metric_counts_plain_overlapped_steps(ref):
     assert counts["regular"] > 0  # the prefill steps
 
 
-@pytest.mark.parametrize("num_blocks", [5, 6, 9, 10])
+@pytest.mark.parametrize("num_blocks", [5, 9])  # scarce, and enough for most streams
 def test_streams_crossing_a_block_boundary_together_never_overrun_the_cache(ref, num_blocks):
     """Four requests of equal length need a new block in the same step; with fewer free
     blocks than that, the overlapped continuation must drain (and the scheduler preempt)
