@@ -52,6 +52,18 @@ class BlockManager:
         for _ in range(self.blocks_needed(seq, num_tokens)):
             seq.block_table.append(self._take_fresh())
 
+    def grow_all(self, seqs: list[Sequence], num_tokens: list[int]) -> bool:
+        """Grow every seqs[i] to hold num_tokens[i] tokens if all fit together, else none:
+        sequences of equal length cross a block boundary in the same step, and each alone
+        fitting does not make all fit."""
+        need = [self.blocks_needed(s, n) for s, n in zip(seqs, num_tokens)]
+        if sum(need) > self.num_free:
+            return False
+        for s, n, k in zip(seqs, num_tokens, need):
+            if k:
+                self.grow(s, n)
+        return True
+
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks for the longest cached prefix; returns the tokens it covers.
 

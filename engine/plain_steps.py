@@ -79,12 +79,9 @@ class PlainSteps:
         for s in seqs:
             if s.num_output_tokens + 1 >= s.params.max_tokens or len(s) + 1 >= cfg.max_model_len:
                 return None
-        # Room for every sequence's next token at once: sequences of equal length cross a
-        # block boundary in the same step, and each alone fitting does not make all fit.
-        if sum(blocks.blocks_needed(s, len(s) + 1) for s in seqs) > blocks.num_free:
+        # Room for every sequence's next token at once (`grow_all`), or drain.
+        if not blocks.grow_all(seqs, [len(s) + 1 for s in seqs]):
             return None
-        for s in seqs:
-            blocks.grow(s, len(s) + 1)
         # (len + 1 < max_model_len: the table fits the graphs' max_blocks_per_seq columns.)
         tab = table_array([s.block_table for s in seqs])
         self.overlapped_runs += 1

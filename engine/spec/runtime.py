@@ -144,13 +144,8 @@ class SpecRunner:
         (want 0, what a dynamic policy says every step at high load) needs blocks only for
         its pending tokens: when they all fit, one check of the total and the grows, not the
         per-sequence policy, caps and checks (a quarter of the host's step at 64 streams)."""
-        if want == 0:
-            extra = [blocks.blocks_needed(s, n) for s, n in zip(seqs, needs)]
-            if sum(extra) <= blocks.num_free:
-                for s, n, e in zip(seqs, needs, extra):
-                    if e:
-                        blocks.grow(s, n)
-                return [0] * len(seqs)
+        if want == 0 and blocks.grow_all(seqs, needs):
+            return [0] * len(seqs)
         return [self._k_for(s, n, blocks, len(seqs), want) for s, n in zip(seqs, needs)]
 
     def fused_launch(self, batch, blocks, step: int, capture=None) -> FusedHandle | None:
