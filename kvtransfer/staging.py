@@ -68,6 +68,14 @@ def mark(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
     return event
 
 
+def queued(device: torch.device | str) -> torch.cuda.Event | None:
+    """An event after the work queued so far on the device's current stream (what the
+    engine has launched), for a transfer that reads or writes the cache itself rather than
+    through the staging stream; None on the host."""
+    device = torch.device(device)
+    return mark(torch.cuda.current_stream(device)) if device.type == "cuda" else None
+
+
 def gather(kv: torch.Tensor, layers: tuple[int, int], ids: torch.Tensor,
            out: torch.Tensor) -> torch.Tensor:
     """Copy blocks `ids` of layers [lo, hi) into `out`, as `[layers, 2, n, block...]`."""

@@ -292,11 +292,9 @@ class UcxTransport(Transport):
                                 wire.tag(link, seq, wire.CHUNK + i))
             self.pool.give(scratch)
             return error, []
-        if kv.is_cuda:
-            free = torch.cuda.Event()
-            free.record(torch.cuda.current_stream(kv.device))
-            if not free.query():  # wait off the loop: the engine may share this process
-                await asyncio.get_running_loop().run_in_executor(None, free.synchronize)
+        free = staging.queued(kv.device)
+        if free is not None and not free.query():  # off the loop: the engine may share it
+            await asyncio.get_running_loop().run_in_executor(None, free.synchronize)
         views = wire.direct_views(kv, runs)
         recvs = [ucxx.recv(wire.as_buffer(v), wire.tag(link, seq, wire.CHUNK + i))
                  for i, v in enumerate(views)]

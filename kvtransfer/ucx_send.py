@@ -66,11 +66,13 @@ class UcxConnection(Connection):
             sends = [self._send(wire.encode(hdr), 0, wire.HEADER)]
             await asyncio.sleep(0)  # post it now, ahead of the payload
             if runs:
-                more, sums = await self._send_direct(seq, kv_cache, runs, blob, stamps)
+                more, sums = await self._send_direct(seq, kv_cache, runs, stamps)
             else:
-                more, sums = await self._send_payload(seq, kv_cache, src, chunks, blob, bufs,
-                                                      stamps)
+                more, sums = await self._send_payload(seq, kv_cache, src, chunks, bufs, stamps)
             sends += more
+            if blob.numel():
+                sends.append(self._send(blob.numpy(), seq, wire.EXTRAS))
+            sums.append(wire.crc(blob))
             if self.checksum:
                 sends.append(self._send(wire.encode({"crc": sums}), seq, wire.TRAILER))
             await asyncio.wait_for(asyncio.gather(*sends), self.timeout)
@@ -93,8 +95,8 @@ class UcxConnection(Connection):
         return TransferStats(request_id, n, n * self.layout.block_bytes, blob.numel(), t1 - t0)
 
     async def _send_payload(self, seq: int, kv: torch.Tensor, src: Sequence[int],
-                            chunks: list[tuple[int, int]], blob: torch.Tensor,
-                            bufs: list[torch.Tensor], stamps: dict[str, Any] | None = None
+                            chunks: list[tuple[int, int]], bufs: list[torch.Tensor],
+                            stamps: dict[str, Any] | None = None
                             ) -> tuple[list[asyncio.Future], list[int]]:
         """Gather each layer chunk into a staging buffer and send it; return the sends and
         crc32s. The buffers go to `bufs`: the caller returns them to the pool once sent.
@@ -133,20 +135,16 @@ class UcxConnection(Connection):
                 sums.append(wire.crc(data))
             sends.append(self._send(wire.as_buffer(data), seq, wire.CHUNK + i))
             await asyncio.sleep(0)  # let UCX progress the sends already posted
-        if blob.numel():
-            sends.append(self._send(blob.numpy(), seq, wire.EXTRAS))
-        sums.append(wire.crc(blob))
         return sends, sums
 
     async def _send_direct(self, seq: int, kv: torch.Tensor, runs: list[tuple[int, int, int]],
-                           blob: torch.Tensor, stamps: dict[str, Any] | None = None
+                           stamps: dict[str, Any] | None = None
                            ) -> tuple[list[asyncio.Future], list[int]]:
         """Send every (layer, K/V, run) range straight from the cache: no staging copy. UCX
         reads the cache itself, so first wait for what the caller's stream has queued (the
         prefill that wrote these blocks); the caller holds the blocks until the ack."""
-        if kv.is_cuda:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(kv.device))
+        done = staging.queued(kv.device)
+        if done is not None:
             done.synchronize()
         if stamps is not None:
             stamps["ready"].append(time.perf_counter())
@@ -157,9 +155,6 @@ class UcxConnection(Connection):
                 sums.append(wire.crc(view))
             sends.append(self._send(wire.as_buffer(view), seq, wire.CHUNK + i))
         await asyncio.sleep(0)
-        if blob.numel():
-            sends.append(self._send(blob.numpy(), seq, wire.EXTRAS))
-        sums.append(wire.crc(blob))
         return sends, sums
 
     def _tag(self, seq: int, kind: int) -> int:
