@@ -244,18 +244,6 @@ def llama8b_shape(max_position: int = 8192):
         max_position=max_position, tie_word_embeddings=False, eos_token_ids=())
 
 
-def smol_shape():
-    """SmolLM2-135M-Instruct's shape, for random-weight timing runs that need no checkpoint
-    (the shipped EAGLE-3 head fits it)."""
-    from engine.config import ModelConfig, RopeConfig
-
-    return ModelConfig(
-        name="SmolLM2-135M-Instruct", model_type="llama", vocab_size=49152, hidden_size=576,
-        intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-        rms_norm_eps=1e-5, rope=RopeConfig(theta=100000.0), max_position=8192,
-        eos_token_ids=(), tie_word_embeddings=True)
-
-
 def random_engine(args, model_cfg, num_blocks: int, device: str | None = None, **kw):
     """An engine with random weights (timing only): matrices ~ N(0, 0.02), norms 1."""
     from engine import Engine, EngineConfig

@@ -206,7 +206,8 @@ def main(argv=None) -> int:
             spec=SpecConfig(method="eagle3", num_tokens=5, dynamic=False))
         prompts = [base.encode_prompt(m) for m in held_out_messages(max(conc))]
     else:  # no checkpoint: random SmolLM2-shaped weights with the shipped head (timing only)
-        from bench.common import random_engine, smol_shape
+        from bench.common import random_engine
+        from tests.engine.test_gpu_engine import smol_shape  # as gpu_smoke, linear_sweep
 
         ns = argparse.Namespace(dtype="bfloat16" if cuda else "float32", device=args.device)
         base = random_engine(ns, smol_shape(), 8192,
