@@ -348,6 +348,16 @@ class Engine:
         self.spec.policy.costs.record(len(batch.seqs), drafts / (2 * len(batch.seqs)), seconds,
                                       tokens)
 
+    def _split_max_seqs(self) -> int:
+        """The most sequences any attention of the model (or draft head) splits keys for:
+        larger buckets need no split-KV graph variant."""
+        mods = list(self.model.modules())
+        if self.spec is not None and getattr(self.spec, "head", None) is not None:
+            mods += list(self.spec.head.modules())
+        dev = torch.device(self.config.device)
+        backends = {id(b): b for b in (getattr(m, "backend", None) for m in mods) if b}
+        return max((b.max_split_seqs(dev) for b in backends.values()), default=0)
+
     def capture_graphs(self, batch_sizes=None, progress: bool = False,
                        long_context: bool | None = None) -> int:
         """Capture now every decode/verify/draft/prefill graph that batches of `batch_sizes`
@@ -366,6 +376,9 @@ class Engine:
             if self.spec.fused is not None:
                 sets += self.spec.fused.all_sets()
         sets = [g for g in sets if g is not None]
+        split_max = self._split_max_seqs()
+        for g in sets:
+            g.long_max_batch = split_max
         keys = [(g, key) for g in sets for key in g.pending(batch_sizes, long_context)]
         bar = _progress(len(keys), progress, "cuda graphs", "graph")
         with self._on_device(), torch.inference_mode():

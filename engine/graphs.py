@@ -201,6 +201,9 @@ class GraphSet:
         self.extras = [torch.zeros(tm, w, dtype=dt, device=self.device) for w, dt in extras]
         self.stager = HostStager(device, self.size)
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple]] = {}
+        # Buckets above this many sequences replay their short-context graph for long
+        # contexts too: no attention backend splits there (None: every bucket has both).
+        self.long_max_batch: int | None = None
         # Off CUDA the same static-buffer path runs eagerly (tests the padding on the CPU).
         self.capturable = self.device.type == "cuda"
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.capturable else None
@@ -263,7 +266,11 @@ class GraphSet:
             {bucket_for(b, self.buckets) for b in batch_sizes} - {None}
         kinds = (False, True) if long_context else (False,)
         return [(b, q, long) for long in kinds for b in sorted(buckets, reverse=True)
-                for q in reversed(self.query_lens) if (b, q, long) not in self.graphs]
+                for q in reversed(self.query_lens)
+                if (b, q, long) not in self.graphs and (not long or self._splits(b))]
+
+    def _splits(self, b: int) -> bool:
+        return self.long_max_batch is None or b <= self.long_max_batch
 
     def capture(self, b: int, q: int, long: bool = False) -> None:
         """Capture (off CUDA: register for eager runs) the graph of one bucket."""
@@ -312,7 +319,8 @@ class GraphSet:
         (views of the bucket's static buffers) before the replay."""
         q = self._query_level(inp.max_query_len)
         b = bucket_for(inp.num_seqs, self.buckets)
-        long = int(inp.lens.max()) > LONG_CONTEXT  # the split-KV attention variant
+        # The split-KV attention variant.
+        long = int(inp.lens.max()) > LONG_CONTEXT and self._splits(b)
         if (b, q, long) not in self.graphs:
             self.capture(b, q, long)
         self._fill(inp, b, q)

@@ -53,6 +53,10 @@ class AttentionBackend(ABC):
                meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, heads, head_dim] → [T, heads, head_dim], reading K/V from the cache."""
 
+    def max_split_seqs(self, device: torch.device) -> int:
+        """The most sequences a batch may hold and still take a split-KV path (0: none)."""
+        return 0
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         self.store_kv(k, v, kv_cache, meta)

@@ -31,9 +31,15 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
 
 
-# Contexts longer than this take the split-KV path when few sequences run (graph buckets are
-# captured once per side of it).
-LONG_CONTEXT = 1024
+# Keys per split of the split-KV path, and the context past which a batch takes it when its
+# (KV head, sequence) programs alone would leave multiprocessors idle (graph buckets are
+# captured once per side of it). The one-pass kernel and a single split reduce a context of
+# at most SPLIT_KEYS keys in the same order, so a row rounds the same on both sides of it.
+# On the H200 a one-pass decode over 512 keys took 15.7 us (Llama-8B heads) and 11.4 us
+# (SmolLM2), 128-key splits 8.0 and 6.5; at 128 keys one pass was faster (5.4 / 4.1 against
+# 7.6 / 6.0; `bench/results/profile/attn_sweep.json`).
+SPLIT_KEYS = 128
+LONG_CONTEXT = SPLIT_KEYS
 
 
 def triton_available() -> bool:
@@ -180,19 +186,23 @@ if triton is not None:
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT_KEYS: tl.constexpr, PRECISION: tl.constexpr,
     ):
-        """Split-KV (flash-decoding) for short query counts: program (split, kv head, seq)
-        covers keys [split * SPLIT_KEYS, (split + 1) * SPLIT_KEYS) of one sequence's context
-        for all its query rows and writes unnormalized partials (acc, max, sum)."""
-        split = tl.program_id(0)
+        """Split-KV (flash-decoding) for short query counts: split s of a sequence covers
+        keys [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS) of its context, for all its query rows,
+        and writes unnormalized partials (acc, max, sum). Program (p, kv head, seq) takes
+        splits p, p + P, p + 2P, ... (P programs per head and sequence): the partition is
+        fixed by SPLIT_KEYS alone, whatever P a launch uses, so a row's partials do not
+        depend on the batch around it."""
+        pid = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
+        programs = tl.num_programs(0)
         q0 = tl.load(query_start + b)
         q_len = tl.load(query_start + b + 1) - q0
         ctx = tl.load(seq_lens + b)
-        lo = split * SPLIT_KEYS
-        if lo < ctx:
-            q, t, head, row_ok, d, d_ok, q_pos = _load_queries(
-                Q, 0, q0, q_len, ctx, kvh, stride_qt, stride_qh, G, HEAD_DIM, BLOCK_D, BLOCK_M)
+        q, t, head, row_ok, d, d_ok, q_pos = _load_queries(
+            Q, 0, q0, q_len, ctx, kvh, stride_qt, stride_qh, G, HEAD_DIM, BLOCK_D, BLOCK_M)
+        for split in range(pid, tl.cdiv(ctx, SPLIT_KEYS), programs):
+            lo = split * SPLIT_KEYS
             hi = tl.minimum(lo + SPLIT_KEYS, ctx)
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -253,7 +263,7 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 split_keys: int = 256):
+                 split_keys: int = SPLIT_KEYS):
         if triton is None:
             raise RuntimeError("the triton attention backend needs the `triton` package")
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
@@ -275,6 +285,10 @@ class TritonAttention(AttentionBackend):
         _store_kv_kernel[(t,)](k, v, kc, vc, meta.slot_mapping, k.stride(0), v.stride(0),
                                kc.stride(1), ROW=row, BLOCK=next_pow2(row))
 
+    def block_n(self) -> int:
+        """Keys per inner step (both kernels): 4 pages, 16 to 64, within a split."""
+        return max(16, min(64, 4 * self.block_size, self.split_keys))
+
     def tile_m(self, max_query_len: int) -> int:
         """Rows per program: enough for one decode/verify step's grouped heads, 64 at most,
         and never under 32, so a decode step (a few rows) and a verify step (up to 32 rows)
@@ -283,19 +297,28 @@ class TritonAttention(AttentionBackend):
         token-identical to no speculation)."""
         return min(64, max(32, next_pow2(max_query_len * self.group)))
 
+    def max_split_seqs(self, device: torch.device) -> int:
+        """The most sequences a batch may hold and still take the split-KV path."""
+        return (_sm_count(device) - 1) // self.num_kv_heads
+
     def use_split(self, meta: AttentionMetadata, device: torch.device) -> int:
-        """Number of splits for this launch (0: the one-pass kernel). Split only for long
-        contexts, when one tile holds all of a sequence's queries and (KV head, sequence)
-        programs alone would leave most of the GPU idle; the split count covers the block
-        table's capacity, so it is static for a captured batch bucket."""
+        """Number of splits for this launch (0: the one-pass kernel). Split only for contexts
+        past `split_keys`, when one tile holds all of a sequence's queries and (KV head,
+        sequence) programs alone would leave most of the GPU idle; the split count covers the
+        block table's capacity, so it is static for a captured batch bucket."""
         if (meta.block_tables is None or meta.max_query_len * self.group > 64
-                or meta.max_seq_len <= LONG_CONTEXT):
+                or meta.max_seq_len <= self.split_keys):
             return 0
-        if self.num_kv_heads * meta.num_seqs >= _sm_count(device):
+        if meta.num_seqs > self.max_split_seqs(device):
             return 0
         capacity = meta.block_tables.shape[1] * self.block_size
         splits = -(-capacity // self.split_keys)
         return splits if splits > 1 else 0
+
+    def split_programs(self, splits: int, num_seqs: int, device: torch.device) -> int:
+        """Programs per (KV head, sequence) of a split launch: about one per multiprocessor
+        in all, each taking every P-th split."""
+        return max(1, min(splits, -(-_sm_count(device) // (self.num_kv_heads * num_seqs))))
 
     def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -314,7 +337,7 @@ class TritonAttention(AttentionBackend):
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
             G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
-            PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=max(16, min(64, 4 * self.block_size)),
+            PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=self.block_n(),
             PRECISION=precision, num_warps=4 if block_m <= 32 else 8, **pdl_args(q),
         )
         return out
@@ -331,15 +354,18 @@ class TritonAttention(AttentionBackend):
         token_seq = meta.token_seq
         block_m = self.tile_m(meta.max_query_len)
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
-        _paged_attention_split_kernel[(splits, self.num_kv_heads, meta.num_seqs)](
+        programs = self.split_programs(splits, meta.num_seqs, q.device)
+        # Tiles, key blocks and warps as the one-pass kernel's: a context within one split
+        # reduces in the same order on both paths.
+        _paged_attention_split_kernel[(programs, self.num_kv_heads, meta.num_seqs)](
             q, kc, vc, acc, ml, meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
             meta.block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
             ml.stride(0), ml.stride(1),
             G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
-            PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=max(16, min(64, self.split_keys)),
+            PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=self.block_n(),
             SPLIT_KEYS=self.split_keys,
-            PRECISION=precision, num_warps=4,
+            PRECISION=precision, num_warps=4 if block_m <= 32 else 8,
         )
         _split_reduce_kernel[(t, h)](
             acc, ml, out, meta.query_start, meta.seq_lens, token_seq,

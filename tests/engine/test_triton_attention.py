@@ -298,6 +298,49 @@ def test_fused_model_matches_reference_logits():
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
+def test_split_path_rounds_as_the_one_pass_path(dtype):
+    """Across the split threshold: a verify step past `split_keys` (split-KV) gives the rows
+    whose own context is within one split exactly what one-token decodes (one pass) give, and
+    a split launch's result does not depend on how many programs share the splits."""
+    from engine.attention import TritonAttention
+
+    heads, kv_heads, head_dim, bs, nb, k1 = 9, 3, 64, 16, 40, 6
+    gen = torch.Generator().manual_seed(7)
+    cache = torch.randn(2, nb, bs, kv_heads, head_dim, generator=gen).to(dtype).to(DEV)
+    q = torch.randn(k1, heads, head_dim, generator=gen).to(dtype).to(DEV)
+    be = TritonAttention(heads, kv_heads, head_dim, bs)
+    ctx = be.split_keys + 2  # the last two rows see past one split, the first four do not
+    table = torch.randperm(nb, generator=gen)[: -(-ctx // bs)].tolist()
+    dev = torch.device(DEV)
+
+    def meta(lens, qlens, width=None):
+        width = width or len(table)
+        starts = [0]
+        for n in qlens:
+            starts.append(starts[-1] + n)
+        t = lambda x, dt=torch.int32: torch.tensor(x, dtype=dt, device=DEV)  # noqa: E731
+        tab = (table + [0] * width)[:width]
+        return AttentionMetadata(
+            slot_mapping=t([-1] * starts[-1], torch.int64), query_start=t(starts),
+            seq_lens=t(lens), block_tables=t([tab] * len(lens)), max_query_len=max(qlens),
+            max_seq_len=max(lens), query_start_cpu=starts, seq_lens_cpu=lens)
+
+    assert be.use_split(meta([ctx], [k1]), dev) > 1
+    verify = be.attend(q, cache, meta([ctx], [k1]))
+    for i in range(k1):
+        m = meta([ctx - k1 + i + 1], [1])
+        assert (be.use_split(m, dev) > 0) == (i >= k1 - 2)
+        assert torch.equal(verify[i], be.attend(q[i:i + 1], cache, m)[0]), i
+    wide = meta([ctx], [k1], width=4 * len(table))  # 8+ splits of capacity
+    outs = []
+    for programs in (1, 3, 8):
+        be.split_programs = lambda splits, n, device, p=programs: p
+        outs.append(be.attend(q, cache, wide))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0], verify)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("cases", [[(45, 1)], [(50, 6), (7, 1)], [(130, 3)]])
 def test_split_kv_matches_torch_reference(dtype, cases):

@@ -179,14 +179,18 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
 
     # Decode/verify and head first steps per query count, one draft step, the chains, and
     # the prefill chunk lengths, for the buckets of 2 and 4.
-    assert fast.capture_graphs([2, 3]) == \
-        2 * (k + 1) * 2 + 2 + 2 * (k - 1) + 2 * len(PREFILL_LENS)
+    per_bucket = (k + 1) * 2 + 1 + (k - 1) + len(PREFILL_LENS)
+    assert fast.capture_graphs([2, 3], long_context=False) == 2 * per_bucket
     assert (4, k + 1, False) in fast.runner.graphs.graphs
     # Long-context (split-KV) variants on request (by default when max_model_len passes
-    # LONG_CONTEXT): the same keys again with the flag set, nothing twice.
+    # LONG_CONTEXT): the same keys again with the flag set, for the buckets few enough to
+    # split (the CPU counts as 8 multiprocessors), nothing twice.
+    split_max = fast._split_max_seqs()
+    assert split_max == 7 // fast.config.model.num_kv_heads
     n = fast.capture_graphs([2, 3], long_context=True)
-    assert n == 2 * (k + 1) * 2 + 2 + 2 * (k - 1) + 2 * len(PREFILL_LENS)
-    assert (4, k + 1, True) in fast.runner.graphs.graphs
+    assert n == per_bucket * sum(b <= split_max for b in (2, 4))
+    assert ((4, k + 1, True) in fast.runner.graphs.graphs) == (4 <= split_max)
+    assert ((2, k + 1, True) in fast.runner.graphs.graphs) == (2 <= split_max)
     assert fast.capture_graphs([2, 3], long_context=True) == 0
     assert [c.token_ids for c in slow.generate(prompts, sp)] == ref
     assert [c.token_ids for c in fast.generate(prompts, sp)] == ref
