@@ -56,7 +56,7 @@ def time_graph(fn, calls: int, reps: int = 5) -> float:
 
 
 def main(argv=None) -> int:
-    from engine.attention.triton_backend import TritonAttention
+    from engine.attention.triton_backend import SPLIT_KEYS, TritonAttention
 
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
                     be = TritonAttention(h, kvh, d, block)
                     ref = None
                     for sk in [0] + [int(s) for s in args.splits.split(",")]:
-                        be.split_keys = max(sk, 1)
+                        be.split_keys = sk or SPLIT_KEYS  # one pass: the engine's key blocks
                         out = torch.empty_like(x)
                         if sk == 0:
                             meta.max_seq_len = 0  # the one-pass kernel

@@ -230,7 +230,7 @@ def main(argv=None) -> int:
         if name == "eagle3_k0":
             eng.spec.policy.choose = lambda seq, batch_size: 0
             eng.spec.policy.choose_batch = lambda seqs, batch_size: 0
-        eng.capture_graphs(range(1, max(conc) + 1), long_context=False)  # every bucket a tail meets
+        eng.capture_graphs(range(1, max(conc) + 1))  # every bucket a tail meets
         for c in conc:
             batch = [prompts[i % len(prompts)] for i in range(c)]
             eng.generate(batch, params)  # warm: JIT, allocations, the dynamic-K cost model
