@@ -371,7 +371,7 @@ class Engine:
         sets = [self.runner.graphs, self.runner.prefill_graphs]
         if self.spec is not None and self.spec.graphs is not None:
             k = self.spec.spec.num_tokens
-            sets += [self.spec.first_graphs, self.spec.graphs]
+            sets += [self.spec.first_graphs, self.spec.prefill_graphs, self.spec.graphs]
             sets += [self.spec._chain_graph(s) for s in range(1, k)]
             if self.spec.fused is not None:
                 sets += self.spec.fused.all_sets()

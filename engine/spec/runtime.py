@@ -20,6 +20,7 @@ from engine.graphs import (
     to_device,
 )
 from engine.model import LlamaModel
+from engine.runner import PREFILL_BATCH, PREFILL_LENS
 from engine.sampler import processed_probs, sample_from
 from engine.sequence import Sequence
 from engine.spec.eagle3 import Eagle3Head
@@ -84,6 +85,7 @@ class SpecRunner:
         self.stager = HostStager(cfg.device, 1 << 12)
         self.graphs: GraphSet | None = None
         self.first_graphs: GraphSet | None = None
+        self.prefill_graphs: GraphSet | None = None  # the first step over prompt chunks
         self.chain_graphs: dict[int, GraphSet] = {}
         self.fused: FusedSteps | None = None
         self.fused_runs = 0  # steps that ran as one fused graph
@@ -280,6 +282,14 @@ class SpecRunner:
         self.first_graphs = GraphSet(first, self.cfg.device, max_batch,
                                      range(1, self.spec.num_tokens + 2), max_blocks,
                                      extras=((width, dt),), pool=self.graphs.pool)
+        # The head over prompt chunks, padded up to the target's captured chunk lengths:
+        # under steady load a new arrival's chunk comes nearly every step, and its head step
+        # run eagerly launched every kernel of the layer from Python (at 64 streams on the
+        # H200 the head's eager steps were a seventh of the step time at K=0).
+        self.prefill_graphs = GraphSet(first, self.cfg.device, min(max_batch, PREFILL_BATCH),
+                                       [q for q in PREFILL_LENS if q > self.spec.num_tokens + 1],
+                                       max_blocks, extras=((width, dt),), pool=self.graphs.pool,
+                                       pad_queries=True)
         if self.spec.fused_step and self.spec.num_tokens:
             self.fused = FusedSteps(model, head, self.kv_cache, self.aux_layers, self.cfg,
                                     max_batch, self.graphs.pool)
@@ -422,8 +432,10 @@ class SpecRunner:
         """One head forward: `lens[i]` tokens of span i at positions `pos`, into the draft
         layer's KV slot."""
         inp = pack(toks, pos, [s.seq.block_table for s in spans], lens, self.cfg.block_size)
-        if self.first_graphs is not None and self.first_graphs.supports(inp):
-            return self.first_graphs.run(inp, (hidden,))[0]
+        g = next((g for g in (self.first_graphs, self.prefill_graphs)
+                  if g is not None and g.supports(inp)), None)
+        if g is not None:
+            return g.run(inp, (hidden,))[0]
         ids, p, meta = to_device(inp, self.stager)
         embeds = self.model.embed_tokens(ids)
         return self.head(embeds, hidden.to(embeds.dtype), p, self.kv, meta)

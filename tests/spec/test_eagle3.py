@@ -179,7 +179,8 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
 
     # Decode/verify and head first steps per query count, one draft step, the chains, and
     # the prefill chunk lengths, for the buckets of 2 and 4.
-    per_bucket = (k + 1) * 2 + 1 + (k - 1) + len(PREFILL_LENS)
+    # (Prompt chunks: the target's and the head's prefill graphs.)
+    per_bucket = (k + 1) * 2 + 1 + (k - 1) + 2 * len(PREFILL_LENS)
     assert fast.capture_graphs([2, 3], long_context=False) == 2 * per_bucket
     assert (4, k + 1, False) in fast.runner.graphs.graphs
     # Long-context (split-KV) variants on request (by default when max_model_len passes
@@ -193,9 +194,13 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
     assert ((2, k + 1, True) in fast.runner.graphs.graphs) == (2 <= split_max)
     assert fast.capture_graphs([2, 3], long_context=True) == 0
     assert [c.token_ids for c in slow.generate(prompts, sp)] == ref
+    head_chunks, run = [], fast.spec.prefill_graphs.run  # the head over the prompt chunks
+    fast.spec.prefill_graphs.run = lambda *a, **kw: head_chunks.append(1) or run(*a, **kw)
     assert [c.token_ids for c in fast.generate(prompts, sp)] == ref
+    assert head_chunks
     assert fast.spec.stats.accepted_per_pos == slow.spec.stats.accepted_per_pos
     assert fast.spec.chain_graphs and fast.spec.first_graphs.graphs and fast.runner.graphs.graphs
+    assert fast.spec.prefill_graphs.graphs
     fast.blocks.check_all_free()
 
 
