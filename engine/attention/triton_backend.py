@@ -40,6 +40,10 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 # 7.6 / 6.0; `bench/results/profile/attn_sweep.json`).
 SPLIT_KEYS = 128
 LONG_CONTEXT = SPLIT_KEYS
+# Off CUDA (Triton's interpreter: CPU tests) every program costs about the same whatever its
+# work, so splits there only multiply programs: 1024-key splits keep engine-level CPU tests
+# on the one-pass kernel below 1024 keys (kernel tests pick their own split size).
+INTERPRETER_SPLIT_KEYS = 1024
 
 
 def triton_available() -> bool:
@@ -270,7 +274,7 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 split_keys: int = SPLIT_KEYS):
+                 split_keys: int | None = None):
         if triton is None:
             raise RuntimeError("the triton attention backend needs the `triton` package")
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
@@ -278,7 +282,8 @@ class TritonAttention(AttentionBackend):
             raise ValueError(f"{num_heads} heads do not group over {num_kv_heads} KV heads")
         self.group = num_heads // num_kv_heads
         # Keys per split of the split-KV path: fixed, so a sequence's partition never depends
-        # on how many queries it brings (decode and verify reduce in the same order).
+        # on how many queries it brings (decode and verify reduce in the same order). None:
+        # SPLIT_KEYS on CUDA, INTERPRETER_SPLIT_KEYS elsewhere (`keys_per_split`).
         self.split_keys = split_keys
 
     def store_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
@@ -292,9 +297,14 @@ class TritonAttention(AttentionBackend):
         _store_kv_kernel[(t,)](k, v, kc, vc, meta.slot_mapping, k.stride(0), v.stride(0),
                                kc.stride(1), ROW=row, BLOCK=next_pow2(row))
 
-    def block_n(self) -> int:
+    def keys_per_split(self, device: torch.device) -> int:
+        if self.split_keys is not None:
+            return self.split_keys
+        return SPLIT_KEYS if device.type == "cuda" else INTERPRETER_SPLIT_KEYS
+
+    def block_n(self, device: torch.device) -> int:
         """Keys per inner step (both kernels): 4 pages, 16 to 64, within a split."""
-        return max(16, min(64, 4 * self.block_size, self.split_keys))
+        return max(16, min(64, 4 * self.block_size, self.keys_per_split(device)))
 
     def tile_m(self, max_query_len: int) -> int:
         """Rows per program: enough for one decode/verify step's grouped heads, 64 at most,
@@ -314,12 +324,12 @@ class TritonAttention(AttentionBackend):
         sequence) programs alone would leave most of the GPU idle; the split count covers the
         block table's capacity, so it is static for a captured batch bucket."""
         if (meta.block_tables is None or meta.max_query_len * self.group > 64
-                or meta.max_seq_len <= self.split_keys):
+                or meta.max_seq_len <= self.keys_per_split(device)):
             return 0
         if meta.num_seqs > self.max_split_seqs(device):
             return 0
         capacity = meta.block_tables.shape[1] * self.block_size
-        splits = -(-capacity // self.split_keys)
+        splits = -(-capacity // self.keys_per_split(device))
         return splits if splits > 1 else 0
 
     def split_programs(self, splits: int, num_seqs: int, device: torch.device) -> int:
@@ -346,7 +356,7 @@ class TritonAttention(AttentionBackend):
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
             G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
-            PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=self.block_n(),
+            PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=self.block_n(q.device),
             PRECISION=precision, num_warps=4 if block_m <= 32 else 8, **pdl_args(q),
         )
         return out
@@ -372,15 +382,15 @@ class TritonAttention(AttentionBackend):
             meta.block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
             ml.stride(0), ml.stride(1),
             G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
-            PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=self.block_n(),
-            SPLIT_KEYS=self.split_keys,
+            PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=self.block_n(q.device),
+            SPLIT_KEYS=self.keys_per_split(q.device),
             PRECISION=precision, num_warps=4 if block_m <= 32 else 8, **pdl_args(q),
         )
         _split_reduce_kernel[(t, h)](
             acc, ml, out, meta.query_start, meta.seq_lens, token_seq,
             acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
-            out.stride(0), out.stride(1), SPLIT_KEYS=self.split_keys, HEAD_DIM=self.head_dim,
-            BLOCK_D=next_pow2(self.head_dim), num_warps=1, **pdl_args(q),
+            out.stride(0), out.stride(1), SPLIT_KEYS=self.keys_per_split(q.device),
+            HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim), num_warps=1, **pdl_args(q),
         )
         return out
 

@@ -304,13 +304,14 @@ def test_split_path_rounds_as_the_one_pass_path(dtype):
     whose own context is within one split exactly what one-token decodes (one pass) give, and
     a split launch's result does not depend on how many programs share the splits."""
     from engine.attention import TritonAttention
+    from engine.attention.triton_backend import SPLIT_KEYS
 
     heads, kv_heads, head_dim, bs, nb, k1 = 9, 3, 64, 16, 40, 6
     gen = torch.Generator().manual_seed(7)
     cache = torch.randn(2, nb, bs, kv_heads, head_dim, generator=gen).to(dtype).to(DEV)
     q = torch.randn(k1, heads, head_dim, generator=gen).to(dtype).to(DEV)
-    be = TritonAttention(heads, kv_heads, head_dim, bs)
-    ctx = be.split_keys + 2  # the last two rows see past one split, the first four do not
+    be = TritonAttention(heads, kv_heads, head_dim, bs, split_keys=SPLIT_KEYS)  # CUDA's
+    ctx = SPLIT_KEYS + 2  # the last two rows see past one split, the first four do not
     table = torch.randperm(nb, generator=gen)[: -(-ctx // bs)].tolist()
     dev = torch.device(DEV)
 
