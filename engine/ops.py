@@ -39,67 +39,73 @@ if triton_available():
 
     @triton.jit
     def _rotate(x1, x2, COS, SIN, p, stride_c, offs, mask, HALF: tl.constexpr):
-        """The two halves of x*cos + rotate_half(x)*sin at position p, rounding like torch."""
+        """The two halves of x*cos + rotate_half(x)*sin at position p, rounding like torch;
+        x1, x2: [heads, HALF] tiles of one token, offs/mask over HALF."""
         dt = x1.dtype
         c1 = tl.load(COS + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
         c2 = tl.load(COS + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
         s1 = tl.load(SIN + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
         s2 = tl.load(SIN + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
-        a1 = (x1.to(tl.float32) * c1).to(dt).to(tl.float32)
-        b1 = (-x2.to(tl.float32) * s1).to(dt).to(tl.float32)
-        a2 = (x2.to(tl.float32) * c2.to(tl.float32)).to(dt).to(tl.float32)
-        b2 = (x1.to(tl.float32) * s2.to(tl.float32)).to(dt).to(tl.float32)
+        a1 = (x1.to(tl.float32) * c1[None, :]).to(dt).to(tl.float32)
+        b1 = (-x2.to(tl.float32) * s1[None, :]).to(dt).to(tl.float32)
+        a2 = (x2.to(tl.float32) * c2.to(tl.float32)[None, :]).to(dt).to(tl.float32)
+        b2 = (x1.to(tl.float32) * s2.to(tl.float32)[None, :]).to(dt).to(tl.float32)
         return (a1 + b1).to(dt), (a2 + b2).to(dt)
 
     @triton.jit
-    def _rope_kernel(X, COS, SIN, POS, stride_xt, stride_xh, stride_c,
-                     HALF: tl.constexpr, BLOCK: tl.constexpr):
-        """In place on x [T, heads, 2*HALF]: x*cos + rotate_half(x)*sin, rounding like torch."""
+    def _rope_kernel(X, COS, SIN, POS, stride_xt, stride_xh, stride_c, NH: tl.constexpr,
+                     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
+        """In place on x [T, NH, 2*HALF], one token per program: x*cos + rotate_half(x)*sin,
+        rounding like torch."""
         t = tl.program_id(0)
-        h = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
+        h = tl.arange(0, BLOCK_H)
+        m2 = (h < NH)[:, None] & mask[None, :]
         p = tl.load(POS + t)
-        base = X + t * stride_xt + h * stride_xh
-        x1 = tl.load(base + offs, mask=mask, other=0.0)
-        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
+        base = X + t * stride_xt + h[:, None] * stride_xh + offs[None, :]
+        x1 = tl.load(base, mask=m2, other=0.0)
+        x2 = tl.load(base + HALF, mask=m2, other=0.0)
         y1, y2 = _rotate(x1, x2, COS, SIN, p, stride_c, offs, mask, HALF)
-        tl.store(base + offs, y1, mask=mask)
-        tl.store(base + HALF + offs, y2, mask=mask)
+        tl.store(base, y1, mask=m2)
+        tl.store(base + HALF, y2, mask=m2)
 
     @triton.jit
     def _rope_store_kernel(X, COS, SIN, POS, KC, VC, SLOTS, stride_xt, stride_xh, stride_c,
                            stride_cs, NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
-                           BLOCK: tl.constexpr, USE_PDL: tl.constexpr = False):
-        """One (token, head) of qkv [T, NQ + 2*NKV, 2*HALF]: q heads rotate in place, k
-        heads rotate in place and go to cache slot SLOTS[t], v heads only go to the cache
+                           BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
+        """All heads of one token of qkv [T, NQ + 2*NKV, 2*HALF]: q heads rotate in place,
+        k heads rotate in place and go to cache slot SLOTS[t], v heads only go to the cache
         (slot -1: no store). The rotation rounds exactly as `_rope_kernel`."""
         t = tl.program_id(0)
-        h = tl.program_id(1)
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
+        h = tl.arange(0, BLOCK_H)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        base = X + t * stride_xt + h * stride_xh
-        x1 = tl.load(base + offs, mask=mask, other=0.0)
-        x2 = tl.load(base + HALF + offs, mask=mask, other=0.0)
+        m2 = (h < NQ + 2 * NKV)[:, None] & mask[None, :]
+        base = X + t * stride_xt + h[:, None] * stride_xh + offs[None, :]
+        x1 = tl.load(base, mask=m2, other=0.0)
+        x2 = tl.load(base + HALF, mask=m2, other=0.0)
         slot = tl.load(SLOTS + t)
-        if h < NQ + NKV:
-            p = tl.load(POS + t)
-            y1, y2 = _rotate(x1, x2, COS, SIN, p, stride_c, offs, mask, HALF)
-            tl.store(base + offs, y1, mask=mask)
-            tl.store(base + HALF + offs, y2, mask=mask)
-            if h >= NQ:
-                if slot >= 0:
-                    dst = KC + slot * stride_cs + (h - NQ) * 2 * HALF
-                    tl.store(dst + offs, y1.to(KC.dtype.element_ty), mask=mask)
-                    tl.store(dst + HALF + offs, y2.to(KC.dtype.element_ty), mask=mask)
-        else:
-            if slot >= 0:
-                dst = VC + slot * stride_cs + (h - NQ - NKV) * 2 * HALF
-                tl.store(dst + offs, x1.to(VC.dtype.element_ty), mask=mask)
-                tl.store(dst + HALF + offs, x2.to(VC.dtype.element_ty), mask=mask)
+        p = tl.load(POS + t)
+        y1, y2 = _rotate(x1, x2, COS, SIN, p, stride_c, offs, mask, HALF)
+        rot = (h < NQ + NKV)[:, None] & m2  # q and k heads
+        tl.store(base, y1, mask=rot)
+        tl.store(base + HALF, y2, mask=rot)
+        if slot >= 0:
+            kh = h - NQ  # k heads: the rotated halves to the key cache
+            k_ok = rot & (h >= NQ)[:, None]
+            dst = KC + slot * stride_cs + kh[:, None] * 2 * HALF + offs[None, :]
+            tl.store(dst, y1.to(KC.dtype.element_ty), mask=k_ok)
+            tl.store(dst + HALF, y2.to(KC.dtype.element_ty), mask=k_ok)
+            vh = h - NQ - NKV  # v heads: as they are, to the value cache
+            v_ok = m2 & (h >= NQ + NKV)[:, None]
+            dst = VC + slot * stride_cs + vh[:, None] * 2 * HALF + offs[None, :]
+            tl.store(dst, x1.to(VC.dtype.element_ty), mask=v_ok)
+            tl.store(dst + HALF, x2.to(VC.dtype.element_ty), mask=v_ok)
 
     @triton.jit
     def _silu_mul_kernel(GU, Y, stride_g, N: tl.constexpr, BLOCK: tl.constexpr):
@@ -210,9 +216,15 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     """Rotate x ([T, heads, head_dim], last dim contiguous) in place."""
     t, h, d = x.shape
     if t:
-        _rope_kernel[(t, h)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0),
-                             HALF=d // 2, BLOCK=next_pow2(d // 2, 1), num_warps=1)
+        _rope_kernel[(t,)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0),
+                           NH=h, HALF=d // 2, BLOCK_H=next_pow2(h, 1),
+                           BLOCK=next_pow2(d // 2, 1), num_warps=_rope_warps(h, d))
     return x
+
+
+def _rope_warps(heads: int, head_dim: int) -> int:
+    """Warps of a one-token rotary program: about 256 elements a warp, 1 to 8."""
+    return max(1, min(8, next_pow2(heads * head_dim // 256, 1)))
 
 
 def rope_store_(heads: torch.Tensor, num_q: int, num_kv: int, positions: torch.Tensor,
@@ -225,10 +237,11 @@ def rope_store_(heads: torch.Tensor, num_q: int, num_kv: int, positions: torch.T
     assert nh == num_q + 2 * num_kv and heads.stride(2) == 1
     kc, vc = kv_cache[0], kv_cache[1]
     if t:
-        _rope_store_kernel[(t, nh)](heads, cos, sin, positions, kc, vc, slots,
-                                    heads.stride(0), heads.stride(1), cos.stride(0),
-                                    kc.stride(1), NQ=num_q, NKV=num_kv, HALF=d // 2,
-                                    BLOCK=next_pow2(d // 2, 1), num_warps=1, **pdl_args(heads))
+        _rope_store_kernel[(t,)](heads, cos, sin, positions, kc, vc, slots,
+                                 heads.stride(0), heads.stride(1), cos.stride(0),
+                                 kc.stride(1), NQ=num_q, NKV=num_kv, HALF=d // 2,
+                                 BLOCK_H=next_pow2(nh, 1), BLOCK=next_pow2(d // 2, 1),
+                                 num_warps=_rope_warps(nh, d), **pdl_args(heads))
     return heads
 
 
