@@ -178,27 +178,9 @@ def steady_tokens(eng, prompts, c: int, n: int, generations: int = 3) -> int:
     """Figure 3's steady mixed workload (`bench.suite.steady_throughput`): c streams in
     flight, each finished request replaced at once until generations * c were admitted, output
     lengths from `mixed_lengths`; returns the tokens generated (the unfinished are aborted)."""
-    from bench.suite import mixed_lengths
-    from engine import SamplingParams
+    from bench.suite import mixed_lengths, steady_run
 
-    total, started, tokens, live = generations * c, 0, 0, set()
-    lengths = mixed_lengths(n, total)
-
-    def admit():
-        nonlocal started
-        params = SamplingParams(temperature=0, max_tokens=lengths[started], ignore_eos=True)
-        live.add(eng.add_request(prompts[started % len(prompts)], params))
-        started += 1
-
-    for _ in range(c):
-        admit()
-    while started < total:
-        for out in eng.step():
-            tokens += len(out.token_ids)
-            if out.finished:
-                live.discard(out.request_id)
-                if started < total:
-                    admit()
+    tokens, live = steady_run(eng, prompts, c, mixed_lengths(n, generations * c))
     for rid in live:
         eng.abort(rid)
     while eng.has_unfinished():  # aborted requests leave with the next step

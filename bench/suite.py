@@ -594,10 +594,25 @@ def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3,
     or with `mixed` a length from `mixed_lengths` (mean n): without speculation, equal
     lengths make all c streams finish in the same step and be replaced in one admission,
     which traffic of varied lengths does not do."""
+    total = generations * c
+    lengths = mixed_lengths(n, total) if mixed else [n] * total
+    sync(args)
+    t0 = time.perf_counter()
+    tokens, live = steady_run(eng, prompts, c, lengths)
+    sync(args)
+    dt = time.perf_counter() - t0
+    for rid in live:
+        eng.abort(rid)
+    return tokens / dt
+
+
+def steady_run(eng, prompts, c: int, lengths: list[int]) -> tuple[int, set]:
+    """Keep c requests in flight, the i-th with max_tokens lengths[i], replacing each one
+    that finishes until all were admitted; returns the tokens generated and the ids of the
+    requests still running."""
     from engine import SamplingParams
 
-    total, started, tokens, live = generations * c, 0, 0, set()
-    lengths = mixed_lengths(n, total) if mixed else [n] * total
+    started, tokens, live = 0, 0, set()
 
     def admit():
         nonlocal started
@@ -605,22 +620,16 @@ def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3,
         live.add(eng.add_request(prompts[started % len(prompts)], params))
         started += 1
 
-    sync(args)
-    t0 = time.perf_counter()
     for _ in range(c):
         admit()
-    while started < total:
+    while started < len(lengths):
         for out in eng.step():
             tokens += len(out.token_ids)
             if out.finished:
                 live.discard(out.request_id)
-                if started < total:
+                if started < len(lengths):
                     admit()
-    sync(args)
-    dt = time.perf_counter() - t0
-    for rid in live:
-        eng.abort(rid)
-    return tokens / dt
+    return tokens, live
 
 
 def break_even(rows: list[dict]) -> dict:
