@@ -483,8 +483,11 @@ class Engine:
                 if not seq.finished:
                     seq.draft = drafts[i]
         elif self.spec is not None:
-            self.spec.policy.begin_propose(self.stats.steps, len(batch))
-            self.spec.propose(spans, fwd.aux, self.blocks, len(batch), self._generators)
+            # K is priced at the size of the batch these sequences decode in next: a prefill
+            # chunk postprocessed apart from the running decodes (`_step_split`) joins them.
+            size = max(len(batch), len(self.scheduler.running))
+            self.spec.policy.begin_propose(self.stats.steps, size)
+            self.spec.propose(spans, fwd.aux, self.blocks, size, self._generators)
         return outs
 
     def _record_verify(self, seq: Sequence, k: int, res) -> None:

@@ -125,6 +125,7 @@ class KPolicy:
         self.plain_probe = False
         self.draft_probe = False
         self.batch_idle = 0  # fused steps in a row at K=0 (choose_batch)
+        self.batch_k: int | None = None  # the last fused step's K (choose_batch)
         self.batch_ks: Counter = Counter()  # K of each fused step chosen (choose_batch)
 
     def begin_propose(self, step: int, batch_size: int) -> None:
@@ -151,6 +152,8 @@ class KPolicy:
         best_k = self._best_k([self._rate(seq)], self._cost(batch_size, seeded))
         if best_k and not seeded and self._losing(batch_size):
             best_k = 0
+        if best_k and not seeded and self._batch_plain(batch_size):
+            return 0
         if best_k == 0:
             seq.idle_steps += 1
             if seq.idle_steps % PROBE_EVERY == 0:
@@ -167,7 +170,15 @@ class KPolicy:
         probes together, every BATCH_PROBE_EVERY steps."""
         k = self._choose_batch(seqs, batch_size)
         self.batch_ks[k] += 1
+        self.batch_k = k
         return k
+
+    def _batch_plain(self, batch_size: int) -> bool:
+        """A sequence joining a batch whose fused steps decode plainly (a new arrival's
+        prefill proposing): its drafts would make the next fused step verify K+1 rows for
+        every sequence (one grid), so it drafts only when the batch does. Draft probes
+        excepted."""
+        return batch_size > 1 and self.batch_k == 0 and not self.draft_probe
 
     def _choose_batch(self, seqs: list[Sequence], batch_size: int) -> int:
         kmax = self.spec.num_tokens

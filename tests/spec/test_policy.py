@@ -229,6 +229,22 @@ def test_a_batch_leaves_k0_only_for_a_clear_win():
     assert pol.choose_batch([seq_with_rate(0.9) for _ in range(64)], 64) >= 2
 
 
+def test_a_new_arrival_drafts_only_when_its_batch_does():
+    """A request admitted beside a batch whose fused steps run at K=0 proposes no drafts at
+    its prefill (they would make the whole batch's next step verify K+1 rows); beside a
+    drafting batch, or alone, it drafts by its own estimate."""
+    pol = KPolicy(SpecConfig(num_tokens=7))
+    pol.costs.plain[64], pol.costs.per_draft[64] = 1e-3, 0.5
+    batch = [seq_with_rate(0.6) for _ in range(64)]
+    arrival = seq_with_rate(0.6)
+    assert pol.choose(arrival, 64) == 1  # no fused step yet
+    assert pol.choose_batch(batch, 64) == 0
+    assert pol.choose(arrival, 64) == 0
+    assert pol.choose(arrival, 1) >= 1  # alone: its own K (the configured costs at 1)
+    assert pol.choose_batch([seq_with_rate(0.9) for _ in range(64)], 64) >= 2
+    assert pol.choose(arrival, 64) == 1
+
+
 def test_measured_throughput_overrules_a_model_that_predicts_a_win():
     """Drafting priced cheap per draft (0.25 of a step) but emitting fewer tokens per second
     than plain decoding: the batch decodes plainly, except in draft probes; once drafting
