@@ -2,7 +2,9 @@
 # What one H200 session runs once the model and wheels are staged under /tmp (see
 # bench/README.md): `bash bench/h200_session.sh cluster` (GPU tests + the two-GPU cluster),
 # `bash bench/h200_session.sh bench` (the figures), `bash bench/h200_session.sh ucx` (the UCX
-# sweep, two GPUs; SWEEP_ONLY=a,b narrows it). Results land in $OUT/<part>.tgz.
+# sweep, two GPUs; SWEEP_ONLY=a,b narrows it), `bash bench/h200_session.sh steady` (the step
+# profile under figure 3's steady load, PROFILE_CONC / PROFILE_VARIANTS narrow it). Results
+# land in $OUT/<part>.tgz.
 set -u
 part=${1:-bench}
 M=${MODEL:-/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -15,6 +17,12 @@ if [ "$part" = ucx ]; then  # two GPUs: figure 4's transfer under many UCX setti
   timeout "${SWEEP_TIMEOUT:-200}" python3 -m bench.ucx_sweep --out "$R" --budget "${SWEEP_BUDGET:-185}" \
     ${SWEEP_ONLY:+--only "$SWEEP_ONLY"} > "$R/sweep.log" 2>&1
   tail -15 "$R/sweep.log"
+elif [ "$part" = steady ]; then  # where a step's time goes with streams replaced as they finish
+  timeout "${PROFILE_TIMEOUT:-300}" python3 -m bench.step_profile --model "$M" --steady --out "$R" \
+    --concurrency "${PROFILE_CONC:-64,8}" \
+    --variants "${PROFILE_VARIANTS:-no_spec,eagle3_k0,eagle3_dynamic_k7}" > "$R/profile.log" 2>&1
+  grep -o '"variant": "[a-z0-9_]*", "concurrency": [0-9]*, "steady": true, "tokens_per_s": [0-9.]*' \
+    "$R/profile.log"
 elif [ "$part" = cluster ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} \
     > "$R/gpu_tests.log" 2>&1
