@@ -35,9 +35,9 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 # (KV head, sequence) programs alone would leave multiprocessors idle (graph buckets are
 # captured once per side of it). The one-pass kernel and a single split reduce a context of
 # at most SPLIT_KEYS keys in the same order, so a row rounds the same on both sides of it.
-# On the H200 a one-pass decode over 512 keys took 15.7 us (Llama-8B heads) and 11.4 us
-# (SmolLM2), 128-key splits 8.0 and 6.5; at 128 keys one pass was faster (5.4 / 4.1 against
-# 7.6 / 6.0; `bench/results/profile/attn_sweep.json`).
+# On the H200 a one-pass decode over 512 keys took 15.5 us (Llama-8B heads) and 11.7 us
+# (SmolLM2), 128-key splits 7.1 and 5.7; at 128 keys one pass was faster (5.4 / 4.1 against
+# 6.7 / 5.2; `bench/results/profile/attn_sweep.json`).
 SPLIT_KEYS = 128
 LONG_CONTEXT = SPLIT_KEYS
 # Off CUDA (Triton's interpreter: CPU tests) every program costs about the same whatever its
