@@ -132,7 +132,7 @@ def precapture(eng, batch_sizes, long_context: bool | None = None) -> str:
     """Capture the CUDA graphs the timed runs will replay, so no capture lands inside a timed
     region (`Engine.capture_graphs`); the returned note says what happened. By default with
     the split-KV variants (the engine's default, as nodes capture): figures 1 and 3 pass
-    LONG_CONTEXT (128) tokens of context."""
+    128 tokens of context (`long_context` on CUDA)."""
     if eng.runner.graphs is None:
         return "no CUDA graphs (eager)"
     try:

@@ -10,7 +10,7 @@ import torch
 
 from engine import loader
 from engine.attention import get_backend
-from engine.attention.triton_backend import LONG_CONTEXT
+from engine.attention.triton_backend import long_context as _long_context
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError, ResourceExhaustedError
@@ -352,7 +352,7 @@ class Engine:
         """The most sequences any attention of the model (or draft head) splits keys for:
         larger buckets need no split-KV graph variant."""
         mods = list(self.model.modules())
-        if self.spec is not None and getattr(self.spec, "head", None) is not None:
+        if self.spec is not None and self.spec.head is not None:
             mods += list(self.spec.head.modules())
         dev = torch.device(self.config.device)
         backends = {id(b): b for b in (getattr(m, "backend", None) for m in mods) if b}
@@ -363,11 +363,12 @@ class Engine:
         """Capture now every decode/verify/draft/prefill graph that batches of `batch_sizes`
         (default: every bucket) will replay, instead of lazily in the middle of serving;
         returns how many were captured. `long_context` (default: when max_model_len allows
-        contexts past LONG_CONTEXT) adds the split-KV variants a batch switches to once a
+        contexts past `long_context`) adds the split-KV variants a batch switches to once a
         context passes that length, so the first long request does not stall every stream
         of its batch for a capture."""
         if long_context is None:
-            long_context = self.config.max_model_len > LONG_CONTEXT
+            long_context = self.config.max_model_len > _long_context(torch.device(
+                self.config.device))
         sets = [self.runner.graphs, self.runner.prefill_graphs]
         if self.spec is not None and self.spec.graphs is not None:
             k = self.spec.spec.num_tokens

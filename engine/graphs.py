@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.attention.triton_backend import LONG_CONTEXT
+from engine.attention.triton_backend import long_context
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -217,7 +217,7 @@ class GraphSet:
             query_start=buf[o["starts"]: o["starts"] + b + 1],
             seq_lens=buf[o["lens"]: o["lens"] + b],
             block_tables=buf[o["tables"]: o["tables"] + b * self.max_blocks].view(b, -1),
-            max_query_len=q, max_seq_len=LONG_CONTEXT + 1 if long else 0)
+            max_query_len=q, max_seq_len=long_context(self.device) + 1 if long else 0)
         extras = [e[:n] for e in self.extras]
         return buf[o["ids"]: o["ids"] + n], buf[o["pos"]: o["pos"] + n], meta, extras
 
@@ -320,7 +320,7 @@ class GraphSet:
         q = self._query_level(inp.max_query_len)
         b = bucket_for(inp.num_seqs, self.buckets)
         # The split-KV attention variant.
-        long = int(inp.lens.max()) > LONG_CONTEXT and self._splits(b)
+        long = int(inp.lens.max()) > long_context(self.device) and self._splits(b)
         if (b, q, long) not in self.graphs:
             self.capture(b, q, long)
         self._fill(inp, b, q)

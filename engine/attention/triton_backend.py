@@ -39,11 +39,16 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 # (SmolLM2), 128-key splits 7.1 and 5.7; at 128 keys one pass was faster (5.4 / 4.1 against
 # 6.7 / 5.2; `bench/results/profile/attn_sweep.json`).
 SPLIT_KEYS = 128
-LONG_CONTEXT = SPLIT_KEYS
 # Off CUDA (Triton's interpreter: CPU tests) every program costs about the same whatever its
 # work, so splits there only multiply programs: 1024-key splits keep engine-level CPU tests
 # on the one-pass kernel below 1024 keys (kernel tests pick their own split size).
 INTERPRETER_SPLIT_KEYS = 1024
+
+
+def long_context(device: torch.device) -> int:
+    """Keys per split by default on `device`, and the context past which a batch of few
+    sequences takes the split-KV path: CUDA graph buckets are captured once per side of it."""
+    return SPLIT_KEYS if device.type == "cuda" else INTERPRETER_SPLIT_KEYS
 
 
 def triton_available() -> bool:
@@ -283,7 +288,7 @@ class TritonAttention(AttentionBackend):
         self.group = num_heads // num_kv_heads
         # Keys per split of the split-KV path: fixed, so a sequence's partition never depends
         # on how many queries it brings (decode and verify reduce in the same order). None:
-        # SPLIT_KEYS on CUDA, INTERPRETER_SPLIT_KEYS elsewhere (`keys_per_split`).
+        # the device's `long_context`.
         self.split_keys = split_keys
 
     def store_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
@@ -298,9 +303,7 @@ class TritonAttention(AttentionBackend):
                                kc.stride(1), ROW=row, BLOCK=next_pow2(row))
 
     def keys_per_split(self, device: torch.device) -> int:
-        if self.split_keys is not None:
-            return self.split_keys
-        return SPLIT_KEYS if device.type == "cuda" else INTERPRETER_SPLIT_KEYS
+        return self.split_keys if self.split_keys is not None else long_context(device)
 
     def block_n(self, device: torch.device) -> int:
         """Keys per inner step (both kernels): 4 pages, 16 to 64, within a split."""

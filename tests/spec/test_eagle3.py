@@ -184,7 +184,7 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
     assert fast.capture_graphs([2, 3], long_context=False) == 2 * per_bucket
     assert (4, k + 1, False) in fast.runner.graphs.graphs
     # Long-context (split-KV) variants on request (by default when max_model_len passes
-    # LONG_CONTEXT): the same keys again with the flag set, for the buckets few enough to
+    # `long_context`): the same keys again with the flag set, for the buckets few enough to
     # split (the CPU counts as 8 multiprocessors), nothing twice.
     split_max = fast._split_max_seqs()
     assert split_max == 7 // fast.config.model.num_kv_heads
