@@ -171,7 +171,7 @@ def kv_checksum(kv, ids) -> int:
 
 def warm_engine(eng, w: Workload, batch_sizes) -> str:
     """Capture the decode graphs and JIT the prefill kernels once, outside the measurement."""
-    note = precapture(eng, batch_sizes, long_context=None)  # 8k contexts
+    note = precapture(eng, batch_sizes)  # with the split-KV variants: 8k contexts
     eng.generate([w.long[0]], w.long_params)
     return note
 

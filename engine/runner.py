@@ -45,6 +45,15 @@ PREFILL_LENS = (32, 64, 128, 256, 512)  # prefill chunk lengths captured (padded
 PREFILL_BATCH = 4  # sequences per captured prefill chunk
 
 
+def prefill_graph_set(fn, device: str, max_batch: int, longer_than: int, max_blocks: int,
+                      **kw) -> GraphSet:
+    """Graphs of `fn` over prompt chunks of up to PREFILL_BATCH sequences, each padded up to
+    the next of PREFILL_LENS past `longer_than` (the lengths a decode/verify set captures)."""
+    return GraphSet(fn, device, min(max_batch, PREFILL_BATCH),
+                    [q for q in PREFILL_LENS if q > longer_than], max_blocks,
+                    pad_queries=True, **kw)
+
+
 def allocate_kv_cache(cfg: EngineConfig, num_blocks: int) -> torch.Tensor:
     """One tensor for all layers (target + draft): [layers, 2, blocks, block, kv_heads, d]."""
     m = cfg.model
@@ -98,10 +107,9 @@ class ModelRunner:
         # Prefill chunks of a few sequences, padded up to a captured length: a chunk that
         # arrives beside running decodes (one per step under steady load with speculation)
         # would otherwise launch every kernel of the model from Python.
-        self.prefill_graphs = GraphSet(fn, self.cfg.device, min(max_batch, PREFILL_BATCH),
-                                       [q for q in PREFILL_LENS if q > max(query_lens)],
-                                       self.cfg.max_blocks_per_seq, pool=self.graphs.pool,
-                                       pad_queries=True)
+        self.prefill_graphs = prefill_graph_set(fn, self.cfg.device, max_batch, max(query_lens),
+                                                self.cfg.max_blocks_per_seq,
+                                                pool=self.graphs.pool)
         self.graph_aux = aux_layers
         return self.graphs
 

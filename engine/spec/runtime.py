@@ -20,7 +20,7 @@ from engine.graphs import (
     to_device,
 )
 from engine.model import LlamaModel
-from engine.runner import PREFILL_BATCH, PREFILL_LENS
+from engine.runner import prefill_graph_set
 from engine.sampler import processed_probs, sample_from
 from engine.sequence import Sequence
 from engine.spec.eagle3 import Eagle3Head
@@ -286,10 +286,9 @@ class SpecRunner:
         # under steady load a new arrival's chunk comes nearly every step, and its head step
         # run eagerly launched every kernel of the layer from Python (at 64 streams on the
         # H200 the head's eager steps were a seventh of the step time at K=0).
-        self.prefill_graphs = GraphSet(first, self.cfg.device, min(max_batch, PREFILL_BATCH),
-                                       [q for q in PREFILL_LENS if q > self.spec.num_tokens + 1],
-                                       max_blocks, extras=((width, dt),), pool=self.graphs.pool,
-                                       pad_queries=True)
+        self.prefill_graphs = prefill_graph_set(first, self.cfg.device, max_batch,
+                                                self.spec.num_tokens + 1, max_blocks,
+                                                extras=((width, dt),), pool=self.graphs.pool)
         if self.spec.fused_step and self.spec.num_tokens:
             self.fused = FusedSteps(model, head, self.kv_cache, self.aux_layers, self.cfg,
                                     max_batch, self.graphs.pool)
