@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.triton_backend import next_pow2, pdl_args, triton, triton_available
+from engine.attention.triton_backend import next_pow2, pdl_args, sm_count, triton, triton_available
 
 if triton_available():
     import triton.language as tl
@@ -55,12 +55,12 @@ if triton_available():
     @triton.jit
     def _rope_kernel(X, COS, SIN, POS, stride_xt, stride_xh, stride_c, NH: tl.constexpr,
                      HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK: tl.constexpr):
-        """In place on x [T, NH, 2*HALF], one token per program: x*cos + rotate_half(x)*sin,
-        rounding like torch."""
+        """In place on x [T, NH, 2*HALF], BLOCK_H heads of one token per program:
+        x*cos + rotate_half(x)*sin, rounding like torch."""
         t = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
-        h = tl.arange(0, BLOCK_H)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         m2 = (h < NH)[:, None] & mask[None, :]
         p = tl.load(POS + t)
         base = X + t * stride_xt + h[:, None] * stride_xh + offs[None, :]
@@ -75,13 +75,13 @@ if triton_available():
                            stride_cs, NQ: tl.constexpr, NKV: tl.constexpr, HALF: tl.constexpr,
                            BLOCK_H: tl.constexpr, BLOCK: tl.constexpr,
                            USE_PDL: tl.constexpr = False):
-        """All heads of one token of qkv [T, NQ + 2*NKV, 2*HALF]: q heads rotate in place,
-        k heads rotate in place and go to cache slot SLOTS[t], v heads only go to the cache
-        (slot -1: no store). The rotation rounds exactly as `_rope_kernel`."""
+        """BLOCK_H heads of one token of qkv [T, NQ + 2*NKV, 2*HALF] per program: q heads
+        rotate in place, k heads rotate in place and go to cache slot SLOTS[t], v heads only
+        go to the cache (slot -1: no store). The rotation rounds exactly as `_rope_kernel`."""
         t = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
-        h = tl.arange(0, BLOCK_H)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -216,14 +216,28 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     """Rotate x ([T, heads, head_dim], last dim contiguous) in place."""
     t, h, d = x.shape
     if t:
-        _rope_kernel[(t,)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0),
-                           NH=h, HALF=d // 2, BLOCK_H=next_pow2(h, 1),
-                           BLOCK=next_pow2(d // 2, 1), num_warps=_rope_warps(h, d))
+        bh = _rope_heads(t, h, x.device)
+        _rope_kernel[(t, triton.cdiv(h, bh))](
+            x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0), NH=h, HALF=d // 2,
+            BLOCK_H=bh, BLOCK=next_pow2(d // 2, 1), num_warps=_rope_warps(bh, d))
     return x
 
 
+def _rope_heads(tokens: int, heads: int, device: torch.device) -> int:
+    """Heads per rotary program (a power of two). On a GPU the grid keeps about four programs
+    per multiprocessor: a single-token decode gets one head per program (48 programs for a
+    Llama-8B qkv, where one program for the token's 48 heads ran about a microsecond a layer
+    longer); a prefill chunk gets whole tokens. Under Triton's interpreter each program costs
+    host time, so a program takes all heads of its token."""
+    whole = next_pow2(heads, 1)
+    if device.type != "cuda":
+        return whole
+    per = tokens * heads // (4 * sm_count(device))
+    return min(whole, 1 << max(0, per.bit_length() - 1))
+
+
 def _rope_warps(heads: int, head_dim: int) -> int:
-    """Warps of a one-token rotary program: about 256 elements a warp, 1 to 8."""
+    """Warps of a rotary program: about 256 elements a warp, 1 to 8."""
     return max(1, min(8, next_pow2(heads * head_dim // 256, 1)))
 
 
@@ -237,11 +251,11 @@ def rope_store_(heads: torch.Tensor, num_q: int, num_kv: int, positions: torch.T
     assert nh == num_q + 2 * num_kv and heads.stride(2) == 1
     kc, vc = kv_cache[0], kv_cache[1]
     if t:
-        _rope_store_kernel[(t,)](heads, cos, sin, positions, kc, vc, slots,
-                                 heads.stride(0), heads.stride(1), cos.stride(0),
-                                 kc.stride(1), NQ=num_q, NKV=num_kv, HALF=d // 2,
-                                 BLOCK_H=next_pow2(nh, 1), BLOCK=next_pow2(d // 2, 1),
-                                 num_warps=_rope_warps(nh, d), **pdl_args(heads))
+        bh = _rope_heads(t, nh, heads.device)
+        _rope_store_kernel[(t, triton.cdiv(nh, bh))](
+            heads, cos, sin, positions, kc, vc, slots, heads.stride(0), heads.stride(1),
+            cos.stride(0), kc.stride(1), NQ=num_q, NKV=num_kv, HALF=d // 2, BLOCK_H=bh,
+            BLOCK=next_pow2(d // 2, 1), num_warps=_rope_warps(bh, d), **pdl_args(heads))
     return heads
 
 

@@ -319,7 +319,7 @@ class TritonAttention(AttentionBackend):
 
     def max_split_seqs(self, device: torch.device) -> int:
         """The most sequences a batch may hold and still take the split-KV path."""
-        return (_sm_count(device) - 1) // self.num_kv_heads
+        return (sm_count(device) - 1) // self.num_kv_heads
 
     def use_split(self, meta: AttentionMetadata, device: torch.device) -> int:
         """Number of splits for this launch (0: the one-pass kernel). Split only for contexts
@@ -339,7 +339,7 @@ class TritonAttention(AttentionBackend):
         """Programs per (KV head, sequence) of a split launch: about four per multiprocessor
         in all (fewer left too few loads in flight: 8 sequences of 2048 keys took 17.0 us
         with one per multiprocessor, 10.5 with one per split), each taking every P-th split."""
-        per = -(-4 * _sm_count(device) // (self.num_kv_heads * num_seqs))
+        per = -(-4 * sm_count(device) // (self.num_kv_heads * num_seqs))
         return max(1, min(splits, per))
 
     def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
@@ -401,7 +401,7 @@ class TritonAttention(AttentionBackend):
 _SMS: dict[str, int] = {}
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
     """Multiprocessors of the device (the CPU interpreter: 8, so tests take the split path)."""
     key = str(device)
     if key not in _SMS:

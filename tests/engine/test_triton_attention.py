@@ -364,17 +364,20 @@ def test_split_kv_matches_torch_reference(dtype, cases):
     assert err < (1e-5 if dtype == torch.float32 else 2e-3), f"relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("heads_per_program", [None, 1, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_rope_store_equals_rope_then_store(dtype):
+def test_rope_store_equals_rope_then_store(dtype, heads_per_program, monkeypatch):
     """The fused rotary + KV store launch: q and k rotated in place exactly as `rope_`, k and
-    v in the cache exactly as the backend's `store_kv` puts them, slot -1 rows skipped."""
+    v in the cache exactly as the backend's `store_kv` puts them, slot -1 rows skipped; the
+    same bits whatever number of heads one program takes (8 leaves the last program with
+    4 of the 12 heads)."""
     from engine import ops
     from engine.attention import TritonAttention
     from engine.config import RopeConfig
     from engine.layers import Rotary
 
     g = torch.Generator().manual_seed(5)
-    nq, nkv, d, t = 4, 2, 16, 6
+    nq, nkv, d, t = 6, 3, 16, 6
     qkv = torch.randn(t, nq + 2 * nkv, d, generator=g).to(dtype).to(DEV)
     pos = torch.tensor([0, 5, 9, 2, 31, 7], device=DEV)
     slots = torch.tensor([3, 12, -1, 0, 9, -1], device=DEV)
@@ -386,6 +389,10 @@ def test_rope_store_equals_rope_then_store(dtype):
                              block_tables=None, max_query_len=1, max_seq_len=1)
     TritonAttention(nq, nkv, d, 4).store_kv(ref_heads[:, nq : nq + nkv],
                                            ref_heads[:, nq + nkv :], ref_cache, meta)
+    if heads_per_program is not None:
+        monkeypatch.setattr(ops, "_rope_heads", lambda *_: heads_per_program)
+    rotated = ops.rope_(qkv.clone()[:, : nq + nkv], pos, rot.cos, rot.sin)
+    assert torch.equal(rotated, ref_heads[:, : nq + nkv])
     heads, cache = qkv.clone(), torch.zeros_like(ref_cache)
     ops.rope_store_(heads, nq, nkv, pos, rot.cos, rot.sin, cache, slots)
     assert torch.equal(heads, ref_heads) and not torch.equal(heads, qkv)
