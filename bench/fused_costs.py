@@ -1,0 +1,179 @@
+"""Device time of each graph a decode step replays, by batch bucket, verify rows and drafts.
+
+    python -m bench.fused_costs --model /tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf --out DIR
+
+For the no-spec engine's decode graph and for the speculative engine's fused step (verify q
+rows per sequence, then draft d tokens: the head's first step and d - 1 chained steps), every
+graph is replayed back to back between CUDA events, so the time is the device's alone (a
+replay's host launch is shorter than its device time). Contexts hold `--context` tokens; the
+verified rows store no KV. A kernel table for the single-stream graphs shows where a draft's
+time goes. Writes fused_costs.json (+ kernels_*.txt) under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def fill(gs, b: int, q: int, context: int, block_size: int, drafts: int) -> None:
+    """Valid inputs in a captured bucket's static buffers: b sequences of `context` tokens
+    whose last q rows are queried (KV stores skipped), blocks 1, 2, ... per sequence."""
+    ids, pos, meta, extras = gs._views(b, q, False)
+    dev = ids.device
+    nblk = -(-(context + 16) // block_size)
+    ids.copy_(torch.randint(100, 20000, (b * q,), device=dev))
+    pos.copy_((torch.arange(q, device=dev) + context - q).repeat(b))
+    meta.slot_mapping.fill_(-1)
+    meta.query_start.copy_(torch.arange(b + 1, device=dev) * q)
+    meta.seq_lens.fill_(context)
+    tab = torch.arange(b * nblk, device=dev).view(b, nblk) + 1
+    meta.block_tables.zero_()
+    meta.block_tables[:, :nblk].copy_(tab)
+    for e in extras:  # the fused step's per-row draft counts
+        e.zero_()
+        e.view(b, q, -1)[:, 0] = drafts
+
+
+def device_us(g: torch.cuda.CUDAGraph, reps: int = 50) -> tuple[float, float]:
+    """(device us per replay, best of 3; host us to launch one replay on an idle device)."""
+    g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    g.replay()
+    host = (time.perf_counter() - t0) * 1e6
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(reps):
+            g.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / reps)
+    return round(best, 1), round(host, 1)
+
+
+def kernels(g: torch.cuda.CUDAGraph, path: str, reps: int = 10) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            g.replay()
+        torch.cuda.synchronize()
+    with open(path, "w") as f:
+        f.write(f"{reps} replays\n")
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40,
+                                          max_name_column_width=70))
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 128
+              ) -> list[dict]:
+    """Figure 3's steady mixed workload at each concurrency, the no-spec engine, the
+    speculative engine held at K=0 and the one with dynamic K taking turns `reps` times, so a
+    drift of the host's speed between runs lands on all three alike."""
+    from bench.common import held_out_messages
+    from bench.step_profile import steady_tokens
+
+    if not concurrency:
+        return []
+    forced = spec_eng.with_config(num_blocks=8192)
+    forced.spec.policy.choose = lambda seq, batch_size: 0
+    forced.spec.policy.choose_batch = lambda seqs, batch_size: 0
+    engines = {"no_spec": plain, "eagle3_k0": forced, "eagle3_dynamic": spec_eng}
+    prompts = [spec_eng.encode_prompt(m) for m in held_out_messages(max(concurrency))]
+    out = []
+    for c in concurrency:
+        for e in engines.values():
+            e.capture_graphs(range(1, c + 1))
+            steady_tokens(e, prompts, c, tokens)  # warm: JIT, the dynamic-K cost model
+        runs = {k: [] for k in engines}
+        for _ in range(reps):
+            for k, e in engines.items():
+                sync()
+                t0 = time.perf_counter()
+                toks = steady_tokens(e, prompts, c, tokens)
+                sync()
+                runs[k].append(round(toks / (time.perf_counter() - t0), 1))
+        row = {"concurrency": c, "tokens_per_s": runs,
+               "best_vs_no_spec": {k: round(max(v) / max(runs["no_spec"]), 3) for k, v in
+                                   runs.items()}}
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    from engine import Engine
+    from engine.config import SpecConfig
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", default=".")
+    p.add_argument("--batches", default="1,2,4,8,32,64")
+    p.add_argument("--context", type=int, default=300)
+    p.add_argument("--k", type=int, default=7)
+    p.add_argument("--ab", default="2,8",
+                   help="concurrencies of the interleaved steady A/B (no-spec, K=0, dynamic); "
+                        "empty: skip")
+    p.add_argument("--ab-reps", type=int, default=3)
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    spec = SpecConfig(method="eagle3", num_tokens=args.k, dynamic=True)
+    eng = Engine.from_pretrained(args.model, device="cuda", dtype=torch.bfloat16,
+                                 num_blocks=8192, enable_prefix_caching=False, spec=spec)
+    plain = eng.with_config(spec=None, num_blocks=8192)
+    bs = eng.config.block_size
+    fused = eng.spec.fused
+    rows = []
+    with torch.inference_mode():
+        for b in [int(x) for x in args.batches.split(",")]:
+            gs = plain.runner.graphs
+            gs.capture(b, 1)
+            fill(gs, b, 1, args.context, bs, 0)
+            dev, host = device_us(gs.graphs[(b, 1, False)][0])
+            row = {"batch": b, "plain_decode_us": dev, "plain_launch_host_us": host,
+                   "fused": []}
+            if b == 1:
+                kernels(gs.graphs[(b, 1, False)][0], os.path.join(args.out, "kernels_plain_b1.txt"))
+            for q in fused.query_levels:
+                for d in fused.draft_levels:
+                    fs = fused.set_for(d)
+                    fs.capture(b, q)
+                    fill(fs, b, q, args.context, bs, d)
+                    g = fs.graphs[(b, q, False)][0]
+                    dev, host = device_us(g)
+                    row["fused"].append({"q": q, "drafts": d, "device_us": dev,
+                                         "launch_host_us": host})
+                    print(f"b={b} q={q} d={d}: {dev} us (launch {host} us)", flush=True)
+                    if b == 1 and (q, d) in ((1, 0), (1, 1), (fused.query_levels[-1],
+                                                             fused.draft_levels[-1])):
+                        kernels(g, os.path.join(args.out, f"kernels_fused_b1_q{q}_d{d}.txt"))
+            print(f"b={b} plain decode {row['plain_decode_us']} us", flush=True)
+            rows.append(row)
+    ab = steady_ab(eng, plain, [int(c) for c in args.ab.split(",") if c], args.ab_reps)
+    res = {"command": "python -m bench.fused_costs " + " ".join(sys.argv[1:] if argv is None
+                                                               else argv),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(),
+           "context": args.context, "k": args.k, "rows": rows, "steady_ab": ab}
+    with open(os.path.join(args.out, "fused_costs.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
