@@ -139,9 +139,12 @@ def main(argv=None) -> int:
     plain = eng.with_config(spec=None, num_blocks=8192)
     bs = eng.config.block_size
     fused = eng.spec.fused
+    # First, while no graph buffer was made under inference mode (the engines' own steps run
+    # outside it).
+    ab = steady_ab(eng, plain, [int(c) for c in args.ab.split(",") if c], args.ab_reps)
     rows = []
     with torch.inference_mode():
-        for b in [int(x) for x in args.batches.split(",")]:
+        for b in [int(x) for x in args.batches.split(",") if x]:
             gs = plain.runner.graphs
             gs.capture(b, 1)
             fill(gs, b, 1, args.context, bs, 0)
@@ -165,7 +168,6 @@ def main(argv=None) -> int:
                         kernels(g, os.path.join(args.out, f"kernels_fused_b1_q{q}_d{d}.txt"))
             print(f"b={b} plain decode {row['plain_decode_us']} us", flush=True)
             rows.append(row)
-    ab = steady_ab(eng, plain, [int(c) for c in args.ab.split(",") if c], args.ab_reps)
     res = {"command": "python -m bench.fused_costs " + " ".join(sys.argv[1:] if argv is None
                                                                else argv),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(),

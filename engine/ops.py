@@ -108,6 +108,56 @@ if triton_available():
             tl.store(dst + HALF, x2.to(VC.dtype.element_ty), mask=v_ok)
 
     @triton.jit
+    def _rms_row(X, W, Y, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+        """One row of `_add_rmsnorm_kernel` without a residual, rounding as it does."""
+        offs = tl.arange(0, BLOCK)
+        mask = offs < N
+        x = tl.load(X + offs, mask=mask, other=0.0)
+        h = x.to(tl.float32)
+        var = tl.sum(h * h, 0) / N
+        h = (h * tl.math.rsqrt(var + eps)).to(X.dtype.element_ty)
+        w = tl.load(W + offs, mask=mask, other=0.0)
+        tl.store(Y + offs, (w.to(tl.float32) * h.to(tl.float32)).to(Y.dtype.element_ty),
+                 mask=mask)
+
+    @triton.jit
+    def _dual_rmsnorm_kernel(A, B, WA, WB, Y, stride_a, stride_b, stride_y, eps,
+                             N: tl.constexpr, BLOCK: tl.constexpr,
+                             USE_PDL: tl.constexpr = False):
+        """Row t of [norm(a) | norm(b)]: program (t, 0) the first half, (t, 1) the second."""
+        row = tl.program_id(0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        if tl.program_id(1) == 0:
+            _rms_row(A + row * stride_a, WA, Y + row * stride_y, eps, N, BLOCK)
+        else:
+            _rms_row(B + row * stride_b, WB, Y + row * stride_y + N, eps, N, BLOCK)
+
+    @triton.jit
+    def _argmax_kernel(X, OFF, OUT, stride_x, V: tl.constexpr, BLOCK: tl.constexpr,
+                       HAS_OFF: tl.constexpr, USE_PDL: tl.constexpr = False):
+        """OUT[t] = the first index of row t's largest value (+ OFF[index])."""
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        best = tl.full([], float("-inf"), tl.float32)
+        idx = tl.full([], 0, tl.int64)
+        for v0 in range(0, V, BLOCK):
+            x = tl.load(X + row * stride_x + v0 + offs, mask=v0 + offs < V,
+                        other=float("-inf")).to(tl.float32)
+            m = tl.max(x, 0)
+            i = tl.argmax(x, 0, tie_break_left=True).to(tl.int64) + v0
+            take = m > best  # strictly: an equal value later in the row loses
+            idx = tl.where(take, i, idx)
+            best = tl.where(take, m, best)
+        if HAS_OFF:
+            idx += tl.load(OFF + idx)
+        tl.store(OUT + row, idx)
+
+    @triton.jit
     def _silu_mul_kernel(GU, Y, stride_g, N: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -209,6 +259,34 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                   y.stride(0), eps, N=n, BLOCK=next_pow2(n, 1),
                                   HAS_RES=residual is not None, num_warps=4, **pdl_args(x))
     return y if residual is None else (y, res_out)
+
+
+def dual_rmsnorm(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """[norm(a) * wa | norm(b) * wb] ([T, 2n] from two [T, n]) in one launch, each half
+    rounded as `add_rmsnorm` rounds it."""
+    t, n = a.shape
+    assert b.shape == a.shape and a.stride(1) == 1 and b.stride(1) == 1
+    y = torch.empty(t, 2 * n, dtype=a.dtype, device=a.device)
+    if t:
+        _dual_rmsnorm_kernel[(t, 2)](a, b, wa, wb, y, a.stride(0), b.stride(0), y.stride(0),
+                                     eps, N=n, BLOCK=next_pow2(n, 1), num_warps=4,
+                                     **pdl_args(a))
+    return y
+
+
+def argmax_rows(x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's argmax (the first of equal maxima, as torch.argmax), plus offsets[argmax]
+    when given (a draft-to-target id map), in one launch: [T] int64."""
+    t, v = x.shape
+    assert x.stride(1) == 1
+    out = torch.empty(t, dtype=torch.int64, device=x.device)
+    if t:
+        block = min(next_pow2(v, 1), 4096)
+        _argmax_kernel[(t,)](x, offsets if offsets is not None else out, out, x.stride(0),
+                             V=v, BLOCK=block, HAS_OFF=offsets is not None,
+                             num_warps=8 if block >= 2048 else 4, **pdl_args(x))
+    return out
 
 
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

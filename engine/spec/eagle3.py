@@ -132,15 +132,11 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, c.hidden_size, bias=False)
         self.backend, self.rotary = backend, rotary
 
-    def forward(self, x, positions, kv_cache, meta, fused: bool = False):
+    def forward(self, x, positions, kv_cache, meta):
         q = self.q_proj(x).view(-1, self.nh, self.hd)
         k = self.k_proj(x).view(-1, self.nkv, self.hd)
         v = self.v_proj(x).view(-1, self.nkv, self.hd)
-        if fused:
-            ops.rope_(q, positions, self.rotary.cos, self.rotary.sin)
-            ops.rope_(k, positions, self.rotary.cos, self.rotary.sin)
-        else:
-            q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta).flatten(1))
 
 
@@ -165,6 +161,16 @@ class _MidLayer(nn.Module):
         self.mlp = _MLP(c)
         self.norm_before_residual = c.norm_before_residual
         self.fused = backend.name == "triton" and ops.triton_available()
+        # On the fused path, steps of these row counts take the prologue GEMVs
+        # (`ops.prologue_linear`), as the target's projections do: the target's calibrated set
+        # once `SpecRunner.enable_graphs` hands it over, one row before.
+        h, hd = c.hidden_size, c.head_dim
+        shapes = [((c.num_heads + 2 * c.num_kv_heads) * hd, 2 * h), (h, c.num_heads * hd),
+                  (2 * c.intermediate_size, h), (h, c.intermediate_size),
+                  (c.draft_vocab_size, h)]
+        self.prologue_rows = frozenset(range(1, ops.LINEAR_MAX_ROWS + 1)) \
+            if self.fused and ops.prologue_suits(shapes) else frozenset()
+        self._merged: tuple | None = None  # (source key, qkv weight, gate_up weight)
 
     def forward(self, embeds, hidden, positions, kv_cache, meta):
         if self.fused:
@@ -181,28 +187,59 @@ class _MidLayer(nn.Module):
         V at these positions, computed exactly as `forward` computes them."""
         attn, hn, en = self.self_attn, self.hidden_norm, self.input_layernorm
         if self.fused:
-            x = torch.cat([ops.add_rmsnorm(embeds, en.weight, en.eps),
-                           ops.add_rmsnorm(hidden, hn.weight, hn.eps)], dim=-1)
-        else:
-            x = torch.cat([en(embeds), hn(hidden)], dim=-1)
+            # The same qkv projection as the forward (its k and v columns then round alike),
+            # rotary and the store in one launch; q is rotated too, and dropped.
+            x = ops.dual_rmsnorm(embeds, en.weight, hidden, hn.weight, en.eps)
+            heads = self._qkv(x).view(-1, attn.nh + 2 * attn.nkv, attn.hd)
+            ops.rope_store_(heads, attn.nh, attn.nkv, positions, attn.rotary.cos,
+                            attn.rotary.sin, kv_cache, meta.slot_mapping)
+            return
+        x = torch.cat([en(embeds), hn(hidden)], dim=-1)
         k = attn.k_proj(x).view(-1, attn.nkv, attn.hd)
         v = attn.v_proj(x).view(-1, attn.nkv, attn.hd)
-        if self.fused:
-            ops.rope_(k, positions, attn.rotary.cos, attn.rotary.sin)
-        else:
-            (k,) = attn.rotary(positions, k)
+        (k,) = attn.rotary(positions, k)
         attn.backend.store_kv(k, v, kv_cache, meta)
 
+    def merged_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q|k|v, gate|up) weights stacked for one projection each on the fused path; made
+        again whenever a source weight is replaced or changed in place."""
+        a, m = self.self_attn, self.mlp
+        srcs = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, m.gate_proj.weight,
+                m.up_proj.weight)
+        key = tuple((w.data_ptr(), _version(w)) for w in srcs)
+        if self._merged is None or self._merged[0] != key:
+            with torch.no_grad():
+                self._merged = (key, torch.cat(srcs[:3]), torch.cat(srcs[3:]))
+        return self._merged[1], self._merged[2]
+
+    def _fold(self, x: torch.Tensor) -> bool:
+        return x.shape[0] in self.prologue_rows
+
+    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.merged_weights()[0]
+        return ops.prologue_linear(x, w) if self._fold(x) else F.linear(x, w)
+
     def _forward_fused(self, embeds, hidden, positions, kv_cache, meta):
-        """The same math with the fused norm and rotary kernels."""
-        hn, en = self.hidden_norm, self.input_layernorm
-        normed = ops.add_rmsnorm(hidden, hn.weight, hn.eps)
-        residual = normed if self.norm_before_residual else hidden
-        x = torch.cat([ops.add_rmsnorm(embeds, en.weight, en.eps), normed], dim=-1)
-        a = self.self_attn(x, positions, kv_cache, meta, fused=True)
-        pn = self.post_attention_layernorm
-        x, h = ops.add_rmsnorm(a, pn.weight, pn.eps, residual)
-        return h + self.mlp(x)
+        """The same math in the target layer's launches (`LlamaModel._forward_fused`): both
+        input norms in one, one qkv projection, rotary + KV store in one, attention, o, then
+        gate|up with the post-attention norm folded in and down with SiLU-and-mul folded in
+        (GEMVs at `prologue_rows` rows, cuBLAS with separate norm and SiLU kernels above)."""
+        attn, hn, en = self.self_attn, self.hidden_norm, self.input_layernorm
+        x = ops.dual_rmsnorm(embeds, en.weight, hidden, hn.weight, en.eps)
+        residual = x[:, hidden.shape[1]:] if self.norm_before_residual else hidden
+        heads = self._qkv(x).view(-1, attn.nh + 2 * attn.nkv, attn.hd)
+        ops.rope_store_(heads, attn.nh, attn.nkv, positions, attn.rotary.cos, attn.rotary.sin,
+                        kv_cache, meta.slot_mapping)
+        o = attn.backend.attend(heads[:, : attn.nh], kv_cache, meta).reshape(-1, attn.nh * attn.hd)
+        fold = self._fold(x)
+        a = ops.prologue_linear(o, attn.o_proj.weight) if fold else attn.o_proj(o)
+        pn, gate_up = self.post_attention_layernorm, self.merged_weights()[1]
+        if fold:
+            gu, h = ops.prologue_linear(a, gate_up, norm_weight=pn.weight, eps=pn.eps,
+                                        residual=residual)
+            return h + ops.prologue_linear(gu, self.mlp.down_proj.weight, silu=True)
+        y, h = ops.add_rmsnorm(a, pn.weight, pn.eps, residual)
+        return h + self.mlp.down_proj(ops.silu_mul(F.linear(y, gate_up)))
 
 
 class Eagle3Head(nn.Module):
@@ -255,7 +292,14 @@ class Eagle3Head(nn.Module):
         return self.lm_head(self.norm(out)).float()
 
     def greedy_tokens(self, out: torch.Tensor) -> torch.Tensor:
-        """The head's argmax as target token ids, on the device."""
+        """The head's argmax as target token ids, on the device. On the fused path at the
+        layer's GEMV row counts: the norm folded into the LM head's GEMV, then one launch for
+        the argmax and the id map (bf16 logits: their fp32 casts order alike)."""
+        mid = self.midlayer
+        if mid.fused and out.shape[0] in mid.prologue_rows:
+            logits = ops.prologue_linear(out.contiguous(), self.lm_head.weight,
+                                         norm_weight=self.norm.weight, eps=self.norm.eps)
+            return ops.argmax_rows(logits, self.d2t)
         d = self.logits(out).argmax(dim=-1)
         return d + self.d2t[d]
 
@@ -265,6 +309,14 @@ class Eagle3Head(nn.Module):
         full = dl.new_full((dl.shape[0], self.cfg.vocab_size), float("-inf"))
         full[:, self.draft_to_target] = dl
         return full
+
+
+def _version(t: torch.Tensor) -> int:
+    """t's in-place version counter (inference tensors keep none: -1)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return -1
 
 
 def save_head(head: Eagle3Head, folder: str, dtype: torch.dtype = torch.bfloat16,

@@ -286,18 +286,53 @@ def chain_steps(head, model, kv, block_size: int, tables, t, h, k, start, has_qu
     (1-based) embeds token t at position start + s - 1 with the previous step's state, and
     yields the next token. A sequence whose own k ends at step s stops writing KV (slot -1);
     padded sequences of a bucket (no queries) never write."""
-    width = tables.shape[1]
     outs = []
     for s in range(1, steps + 1):
-        valid = (k > s) & has_queries
-        p = torch.where(valid, start + (s - 1), 0)
-        blk = tables.gather(1, (p // block_size).clamp(max=width - 1)[:, None])[:, 0]
-        m = AttentionMetadata(
-            slot_mapping=torch.where(valid, blk * block_size + p % block_size, -1),
-            query_start=query_start,
-            seq_lens=torch.where(valid, p + 1, has_queries.to(p.dtype)),
-            block_tables=tables, max_query_len=1, max_seq_len=max_seq_len)
+        p, slots, lens = chain_positions(k, start, has_queries, tables, block_size, s,
+                                         head.midlayer.fused)
+        m = AttentionMetadata(slot_mapping=slots, query_start=query_start, seq_lens=lens,
+                              block_tables=tables, max_query_len=1, max_seq_len=max_seq_len)
         h = head(model.embed_tokens(t), h, p, kv, m)
         t = head.greedy_tokens(h)
         outs.append(t)
     return outs
+
+
+def chain_positions(k, start, has_queries, tables, block_size: int, s: int, kernel: bool):
+    """Chained draft step s's (positions, KV slots, context lengths), one row per sequence:
+    position start + s - 1 where the sequence's own k goes past s (else 0, slot -1 and the
+    context of a padded row). `kernel`: in one Triton launch instead of about ten."""
+    if kernel and triton_available():
+        b = k.shape[0]
+        p = torch.empty(b, dtype=torch.int64, device=k.device)
+        slots, lens = torch.empty_like(p), torch.empty_like(p)
+        _chain_kernel[(1,)](k, start, has_queries, tables, p, slots, lens, b, k.stride(0),
+                            start.stride(0), tables.stride(0), tables.shape[1], block_size, s,
+                            BLOCK=next_pow2(b, 1), num_warps=1)
+        return p, slots, lens
+    valid = (k > s) & has_queries
+    p = torch.where(valid, start + (s - 1), 0)
+    col = (p // block_size).clamp(max=tables.shape[1] - 1)
+    blk = tables.gather(1, col[:, None])[:, 0]
+    return (p, torch.where(valid, blk * block_size + p % block_size, -1),
+            torch.where(valid, p + 1, has_queries.to(p.dtype)))
+
+
+if triton_available():
+
+    @triton.jit
+    def _chain_kernel(K, START, HASQ, TABLES, P, SLOTS, LENS, b, k_stride, s_stride, t_stride,
+                      width, bs, s, BLOCK: tl.constexpr):
+        """`chain_positions` for all b rows in one program."""
+        r = tl.arange(0, BLOCK)
+        ok = r < b
+        k = tl.load(K + r * k_stride, mask=ok, other=0)
+        hq = tl.load(HASQ + r, mask=ok, other=0) != 0
+        valid = (k > s) & hq
+        st = tl.load(START + r * s_stride, mask=ok, other=0)
+        p = tl.where(valid, st + (s - 1), 0).to(tl.int64)
+        col = tl.minimum(p // bs, width - 1)
+        blk = tl.load(TABLES + r * t_stride + col, mask=ok, other=0).to(tl.int64)
+        tl.store(P + r, p, mask=ok)
+        tl.store(SLOTS + r, tl.where(valid, blk * bs + p % bs, -1), mask=ok)
+        tl.store(LENS + r, tl.where(valid, p + 1, hq.to(tl.int64)), mask=ok)

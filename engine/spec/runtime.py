@@ -267,6 +267,12 @@ class SpecRunner:
         if self.head is None:
             return
         head, model, kv = self.head, self.model, self.kv
+        if head.midlayer.prologue_rows and model.prologue_linears:
+            # The head's layer takes the GEMVs at the row counts the target's calibration
+            # chose (shapes alike: a layer of the target's width), and its stacked weights
+            # exist before any capture.
+            head.midlayer.prologue_rows = model.prologue_rows
+        head.midlayer.merged_weights()
 
         def fn(ids, pos, meta, toks, hidden):
             out = head(model.embed_tokens(toks[:, 0]), hidden, pos, kv, meta)

@@ -416,3 +416,39 @@ def test_engines_sharing_weights_share_the_prologue_calibration():
     assert other.model.prologue_calibration == eng.model.prologue_calibration
     torch_ref = eng.with_config(attention_backend="torch")  # no prologue linears there
     assert not torch_ref.model.prologue_linears and torch_ref.model.prologue_calibration is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dual_rmsnorm_is_two_norms_side_by_side(dtype):
+    """The EAGLE-3 layer's input: [norm(a) | norm(b)] in one launch, each half bit-equal to
+    `add_rmsnorm` of its input, from strided inputs too."""
+    from engine import ops
+
+    g = torch.Generator().manual_seed(3)
+    t, n = 5, 48
+    a = torch.randn(t, n, generator=g).to(dtype).to(DEV)
+    b = torch.randn(t, 2 * n, generator=g).to(dtype).to(DEV)[:, :n]  # row stride 2n
+    wa, wb = (torch.randn(n, generator=g).to(dtype).to(DEV) for _ in range(2))
+    y = ops.dual_rmsnorm(a, wa, b, wb, 1e-5)
+    ref = torch.cat([ops.add_rmsnorm(a, wa, 1e-5), ops.add_rmsnorm(b.contiguous(), wb, 1e-5)],
+                    dim=-1)
+    assert y.shape == (t, 2 * n) and torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("vocab", [37, 4096, 5000])
+def test_argmax_rows_takes_the_first_maximum_and_maps_ids(vocab):
+    """Row argmax in one launch: torch.argmax's index (the first of tied maxima, also when
+    the tie spans two blocks of the row), plus the id map's offset when given."""
+    from engine import ops
+
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=g).to(torch.bfloat16)
+    x[1, 3] = x[1, vocab - 1] = 9.0  # a tie: the first wins
+    x[2, vocab // 2] = x[2, vocab // 3] = 9.0
+    x[3] = -2.0  # every value equal
+    x = x.to(DEV)
+    off = torch.randint(0, 1000, (vocab,), generator=g).to(DEV)
+    want = x.float().argmax(dim=-1)
+    assert want[1] == 3 and want[2] == vocab // 3 and want[3] == 0
+    assert torch.equal(ops.argmax_rows(x), want)
+    assert torch.equal(ops.argmax_rows(x, off), want + off[want])

@@ -55,3 +55,24 @@ def test_kernel_writes_what_the_torch_continuation_writes(pq, q, with_drafts, ke
     assert torch.equal(got[2].slot_mapping, want[2].slot_mapping)
     assert torch.equal(got[2].seq_lens, want[2].seq_lens)
     assert (want[2].slot_mapping[: b * q] >= 0).sum() == int((kc + 1).sum())
+
+
+def test_chain_positions_kernel_equals_the_torch_ops():
+    """A chained draft step's positions, KV slots and context lengths: the one-launch kernel
+    gives what the torch ops give, for rows whose k ends before, at and after step s, padded
+    rows (no queries), a position past the table's last column, and a strided k."""
+    from engine.spec.fused import chain_positions
+
+    kq = torch.tensor([[3, 9], [1, 9], [5, 9], [0, 9], [4, 9]])  # k per row: column 0
+    k = kq[:, 0]
+    start = torch.tensor([10, 4, 30, 0, 7])
+    has_q = torch.tensor([True, True, True, False, True])
+    tables = torch.tensor([[5, 6, 7], [8, 9, 1], [2, 3, 4], [0, 0, 0], [11, 12, 13]])
+    for s in (1, 2, 3, 4):
+        want = chain_positions(k, start, has_q, tables, 4, s, kernel=False)
+        got = chain_positions(k, start, has_q, tables, 4, s, kernel=True)
+        for w, g in zip(want, got):
+            assert torch.equal(w, g), (s, want, got)
+    p, slots, lens = chain_positions(k, start, has_q, tables, 4, 2, kernel=True)
+    assert p.tolist() == [11, 0, 31, 0, 8] and lens.tolist() == [12, 1, 32, 0, 9]
+    assert slots.tolist() == [7 * 4 + 3, -1, 4 * 4 + 3, -1, 13 * 4 + 0]
