@@ -92,7 +92,6 @@ class SpecRunner:
         self.overlapped_runs = 0  # of those, launched from the previous step's device outputs
         self.known_continuations = 0  # of those, at K=0 with positions known on the host
         self.compacted_runs = 0  # of those, leaving out requests that finished meanwhile
-        self._zero_rows: torch.Tensor | None = None
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -232,27 +231,29 @@ class SpecRunner:
         elif prev is not None:
             state = self.stager.index([*(s.num_computed for s in seqs), *kcur])
             prepare = continuation(prev, state, b, q, self.cfg.block_size, sel)
-        # (The draft count per row: all zero at K=0, a device buffer that needs no copy.)
-        kvec = self.stager.index(rows) if any(kn) else self._zeros(b * q)
-        out = self.fused.set_for(max(kn)).run(inp, (kvec[:, None],), prepare)
+        # The draft count per row; a step drafting nothing never reads it (no copy).
+        extras = (self.stager.index(rows)[:, None],) if any(kn) else ()
+        out = self.fused.set_for(max(kn)).run(inp, extras, prepare)
         self.fused_runs += 1
         # Outputs live in the graph pool, which the next replay overwrites: the host reads a
-        # copy, and a continuation reads this step's outputs before its own replay.
-        flat = torch.cat([out[0], out[1][:b]] + ([out[2][:b].reshape(-1)] if len(out) > 2
-                                                  else []))
+        # copy, and a continuation reads this step's outputs before its own replay. A step
+        # that verified and drafted nothing (K=0) accepted nothing: only its tokens are read.
+        if q == 1 and len(out) == 2:
+            flat = out[0]
+        else:
+            flat = torch.cat([out[0], out[1][:b]] + ([out[2][:b].reshape(-1)] if len(out) > 2
+                                                      else []))
         return FusedHandle(seqs, kcur, kn, q, out, flat, self.stager.fetch(flat))
-
-    def _zeros(self, n: int) -> torch.Tensor:
-        if self._zero_rows is None or self._zero_rows.numel() < n:
-            self._zero_rows = torch.zeros(max(n, 256), dtype=torch.int64, device=self.cfg.device)
-        return self._zero_rows[:n]
 
     def fused_finish(self, h: FusedHandle):
         """Wait for a launched fused step; ({entry: (k, VerifyResult)}, {entry: drafts})."""
         flat = h.fetch()
         b, q, kcur, kn = len(h.seqs), h.q, h.kcur, h.kn
-        grid, nacc = flat[: b * q], flat[b * q : b * q + b]
-        width = (len(flat) - b * q - b) // b
+        grid = flat[: b * q]
+        if len(flat) == b * q:  # a K=0 step: its tokens only (`_launch`)
+            nacc, width = [0] * b, 0
+        else:
+            nacc, width = flat[b * q : b * q + b], (len(flat) - b * q - b) // b
         results, drafts = {}, {}
         for j in range(b):
             n = nacc[j]
