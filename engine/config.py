@@ -174,6 +174,12 @@ class EngineConfig:
     # Greedy decode steps overlap: the next is launched from this one's device outputs before
     # the host reads it (same tokens; with speculation K is then chosen two steps ahead).
     overlap: bool = True
+    # Under overlap, a request arriving while a batch of R sequences decodes joins at once
+    # when max(1, R // admission_share) requests wait, else after at most
+    # admission_delay_steps engine steps: each admission drains the pipeline for one
+    # un-overlapped step, so at high load a few arrivals share one (0: always at once).
+    admission_delay_steps: int = 2
+    admission_share: int = 16
     # Prefill role: draft the first K tokens before a hand-off (the decode side verifies them
     # at once; seeded sampling stays identical to one engine). False: ship only the head's
     # hidden state and let the decode side draft with the K its own load calls for.
@@ -192,6 +198,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
+        if self.admission_delay_steps < 0 or self.admission_share < 1:
+            raise ValueError("admission_delay_steps must be >= 0 and admission_share >= 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.num_draft_layers < 0:

@@ -297,8 +297,23 @@ class Engine:
         """The next step may be launched before this one is read: overlap is on, no request
         waits to be admitted, and the running set is exactly this batch."""
         run = self.scheduler.running
-        return (self.config.overlap and self.capture is None and not self.scheduler.waiting
+        return (self.config.overlap and self.capture is None and not self._admission_due()
                 and len(run) == len(batch.seqs) and all(a is b for a, b in zip(run, batch.seqs)))
+
+    def _admission_due(self) -> bool:
+        """Whether waiting requests stop the overlap now, to be admitted by the fresh step
+        after the drain: when there is room for them (a full batch admits nobody, so they
+        wait without costing the pipeline) and enough of them wait, or the oldest has waited
+        `admission_delay_steps` steps (`EngineConfig.admission_share`: at 32+ running
+        sequences a few arrivals share one drain; below, each is admitted at once)."""
+        sch, cfg = self.scheduler, self.config
+        if not sch.waiting or len(sch.running) >= cfg.max_num_seqs:
+            return False
+        if cfg.admission_delay_steps <= 0 or \
+                len(sch.waiting) >= max(1, len(sch.running) // cfg.admission_share):
+            return True
+        oldest = min(s.arrival_step for s in sch.waiting)
+        return self.stats.steps - oldest >= cfg.admission_delay_steps
 
     def _settle(self, batch: Batch) -> list[RequestOutput]:
         """After reading a step while the next is in flight: drain if the batch changed other

@@ -188,3 +188,60 @@ def test_streams_crossing_a_block_boundary_together_never_overrun_the_cache(ref,
     assert eng.scheduler.num_preemptions > 0 and eng.plain.overlapped_runs > 0
     assert eng._inflight is None and not eng._deferred
     eng.blocks.check_all_free()
+
+
+def test_a_full_batch_keeps_overlapping_while_arrivals_wait(ref, delay=2):
+    """Under overlap an arrival waits (the pipeline keeps running) until enough others wait
+    or it has waited `admission_delay_steps` steps; with a full batch it waits without
+    draining until a request finishes. Output stays exact and every block comes back."""
+    prompts, params = workload(5)
+    params = [replace(p, max_tokens=m) for p, m in zip(params, (16, 16, 16, 6, 8))]
+    expect = [c.token_ids for c in ref.generate(prompts, params)]
+    eng = graph_engine(ref, admission_delay_steps=delay, admission_share=1, max_num_seqs=4)
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
+    seqs = [eng.seqs[r] for r in rids]
+    while eng._inflight is None:
+        eng.step()
+    new = eng.add_request(prompts[4], params[4])
+    t0, seq, runs = eng.stats.steps, eng.seqs[new], eng.plain.overlapped_runs
+    waited = 0
+    while seq.num_computed == 0:
+        eng.step()
+        waited += 1
+    # A full batch (4 of max_num_seqs 4): the arrival waits for a finish (the 6-token
+    # request), overlapped all the while; then it joins within `delay` steps.
+    assert seqs[3].finished and waited >= 2 and eng.stats.steps - t0 == waited
+    assert eng.plain.overlapped_runs - runs >= waited - 3  # no drain while the batch was full
+    seqs.append(seq)
+    while eng.has_unfinished():
+        eng.step()
+    assert [s.output_ids for s in seqs] == expect
+    eng.blocks.check_all_free()
+
+
+def test_an_arrival_waits_for_the_admission_delay_beside_a_running_batch(ref):
+    """Room in the batch, one arrival, 3 running (admission_share 1: 3 must wait to be due
+    at once): it waits admission_delay_steps steps, overlapped until then."""
+    prompts, params = workload(4)
+    params = [replace(p, max_tokens=14) for p in params]
+    steps = {}
+    for delay in (0, 4):
+        eng = graph_engine(ref, admission_delay_steps=delay, admission_share=1)
+        for p, sp in zip(prompts[:3], params[:3]):
+            eng.add_request(p, sp)
+        while eng._inflight is None:
+            eng.step()
+        runs = eng.plain.overlapped_runs
+        new = eng.seqs[eng.add_request(prompts[3], params[3])]
+        n = 0
+        while new.num_computed == 0:
+            eng.step()
+            n += 1
+        steps[delay] = (n, eng.plain.overlapped_runs - runs)
+        while eng.has_unfinished():
+            eng.step()
+        eng.blocks.check_all_free()
+    assert steps[0] == (2, 0)  # due at once: the next step drains, the one after admits
+    # Due once 4 steps have passed since it arrived: 3 more steps overlapped, the 4th
+    # drains, the 5th admits.
+    assert steps[4][0] == 5 and steps[4][1] >= 3
