@@ -90,9 +90,15 @@ class RoleSection(_Section):
     kv_cache_bytes: int | str | None = None  # int or "512MiB"; None: the engine default (CPU)
     gpu_memory_utilization: float | None = None  # share of free GPU memory; None: engine default
     enable_prefix_caching: bool = True
+    # Under overlapped decoding at 32+ running sequences, an arrival may wait this many engine
+    # steps for others to share its admission (each admission costs one un-overlapped step;
+    # `EngineConfig.admission_delay_steps`). 0: admit every arrival at once.
+    admission_delay_steps: int = 2
 
     def _validate(self) -> None:
         _require(self.replicas >= 1, f"replicas must be >= 1, got {self.replicas}")
+        _require(self.admission_delay_steps >= 0,
+                 f"admission_delay_steps must be >= 0, got {self.admission_delay_steps}")
         _choice("device", self.device, DEVICES)
         self._validate_gpus()
         _require(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -249,6 +255,7 @@ def engine_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
         "max_num_seqs": sec.max_num_seqs,
         "max_num_batched_tokens": sec.max_num_batched_tokens,
         "enable_prefix_caching": sec.enable_prefix_caching,
+        "admission_delay_steps": sec.admission_delay_steps,
         # Prefill needs the spec too: it fills the EAGLE-3 draft layer's KV that it ships.
         "spec": spec_config(cfg.speculation),
         "overlap": cfg.speculation.overlap,  # greedy decode steps, with speculation or not

@@ -94,6 +94,7 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
     ({"decode": {"device": "cuda"}}, "decode.device"),
     ({"decode": {"device": "tpu"}}, "decode.device"),
     ({"decode": {"gpu_memory_utilization": 1.5}}, "decode.gpu_memory_utilization"),
+    ({"decode": {"admission_delay_steps": -1}}, "decode.admission_delay_steps"),
     ({"decode": {"kv_cache_bytes": "lots"}}, "decode.kv_cache_bytes"),
     ({"model": {"dtype": "fp8"}}, "model.dtype"),
     ({"model": {"block_size": 12}}, "model.block_size"),
@@ -168,7 +169,7 @@ def test_engine_kwargs_cpu_auto_dtype_and_eagle3():
     assert kw == {
         "device": "cpu", "dtype": torch.float32, "block_size": 16, "max_num_seqs": 64,
         "max_num_batched_tokens": 2048, "enable_prefix_caching": True,
-        "kv_cache_bytes": 1 << 20, "max_model_len": 1024,
+        "admission_delay_steps": 2, "kv_cache_bytes": 1 << 20, "max_model_len": 1024,
         "spec": SpecConfig(method="eagle3", num_tokens=5, head=None, dynamic=True),
         "overlap": True,
     }

@@ -101,6 +101,10 @@ def test_engine_config_validation():
         EngineConfig(model=m, block_size=12)
     with pytest.raises(ValueError):
         EngineConfig(model=m, max_model_len=10_000)
+    with pytest.raises(ValueError, match="admission"):
+        EngineConfig(model=m, admission_delay_steps=-1)
+    with pytest.raises(ValueError, match="admission"):
+        EngineConfig(model=m, admission_share=0)
     assert EngineConfig(model=m).max_model_len == 256
 
 
