@@ -44,22 +44,15 @@ def fill(gs, b: int, q: int, context: int, block_size: int, drafts: int) -> None
 
 def device_us(g: torch.cuda.CUDAGraph, reps: int = 50) -> tuple[float, float]:
     """(device us per replay, best of 3; host us to launch one replay on an idle device)."""
+    from engine.graphs import replay_us
+
     g.replay()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     g.replay()
     host = (time.perf_counter() - t0) * 1e6
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return round(best, 1), round(host, 1)
+    return round(replay_us(g, reps), 1), round(host, 1)
 
 
 def kernels(g: torch.cuda.CUDAGraph, path: str, reps: int = 10) -> None:
