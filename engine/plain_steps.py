@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.graphs import PackedInputs, pack_next, table_array
+from engine.graphs import PackedInputs, TableRows, pack_next
 from engine.runner import ModelRunner, pack_batch
 from engine.sequence import Sequence
 from engine.spec.verify import VerifyResult
@@ -51,6 +51,7 @@ class PlainSteps:
         self.fused_runs = 0  # steps launched here (one replay, one read)
         self.overlapped_runs = 0  # of those, launched before the previous step was read
         self.compacted_runs = 0  # of those, leaving out requests that finished meanwhile
+        self._tables = TableRows()  # the continuations' block tables, row by row
 
     def fused_launch(self, batch, blocks, step: int, capture=None) -> DecodeHandle | None:
         """Launch the batch's decode step from the host's view; None when it must take the
@@ -83,7 +84,7 @@ class PlainSteps:
         if not blocks.grow_all(seqs, [len(s) + 1 for s in seqs]):
             return None
         # (len + 1 < max_model_len: the table fits the graphs' max_blocks_per_seq columns.)
-        tab = table_array([s.block_table for s in seqs])
+        tab = self._tables([s.block_table for s in seqs])
         self.overlapped_runs += 1
         self.compacted_runs += keep is not None
         sel = None if keep is None else self.runner.stager.index(keep)

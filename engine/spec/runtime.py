@@ -14,9 +14,9 @@ from engine.graphs import (
     GraphSet,
     HostStager,
     PackedInputs,
+    TableRows,
     pack,
     pack_next,
-    table_array,
     to_device,
 )
 from engine.model import LlamaModel
@@ -92,6 +92,7 @@ class SpecRunner:
         self.overlapped_runs = 0  # of those, launched from the previous step's device outputs
         self.known_continuations = 0  # of those, at K=0 with positions known on the host
         self.compacted_runs = 0  # of those, leaving out requests that finished meanwhile
+        self._tables = TableRows()  # the continuations' block tables, row by row
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -195,7 +196,7 @@ class SpecRunner:
             return None
         q = next(x for x in f.query_levels if x > max(kcur))
         b = len(seqs)
-        tab = table_array([s.block_table for s in seqs])
+        tab = self._tables([s.block_table for s in seqs])
         sel = None if keep is None else self.stager.index(keep)
         self.overlapped_runs += 1
         self.compacted_runs += keep is not None

@@ -81,3 +81,32 @@ def test_check_all_free_reports_held_blocks():
     bm.grow(s, 5)
     with pytest.raises(AssertionError, match="still held"):
         bm.check_all_free()
+
+
+def test_table_rows_track_growing_tables_like_a_fresh_array():
+    """The continuations' block-table array, kept between steps (`graphs.TableRows`), equals
+    a fresh `table_array` after every change a running batch sees: tables growing (a few rows
+    a step), a row's sequence replaced (a new list: released, handed over), rows dropping out
+    and the batch growing past the array's size; padding past each row is zero."""
+    import random
+
+    import numpy as np
+
+    from engine.graphs import TableRows, table_array
+
+    rng = random.Random(3)
+    rows, most = TableRows(), 0
+    tables = [[rng.randrange(1000) for _ in range(rng.randrange(1, 4))] for _ in range(5)]
+    for step in range(60):
+        for t in rng.sample(tables, k=2):
+            t.append(rng.randrange(1000))  # grows in place, as BlockManager.grow does
+        if step % 7 == 3:
+            tables[rng.randrange(len(tables))] = [rng.randrange(1000)]  # a new list
+        if step % 11 == 5:
+            tables.pop(rng.randrange(len(tables)))  # finished: the rows after move up
+        if step % 13 == 0:
+            tables.append([rng.randrange(1000) for _ in range(rng.randrange(1, 9))])
+        got = rows(tables)
+        assert np.array_equal(got, table_array(tables)), step
+        most = max(most, len(tables))
+    assert most > 5  # the batch outgrew the first array
