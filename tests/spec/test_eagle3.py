@@ -237,7 +237,7 @@ def test_fused_step_equals_the_step_by_step_path(k=3):
     assert step.spec.fused is None and fused.spec.fused is not None
     engines = (step, fused, overlap)
     ids = [[e.add_request(p, sp) for e in engines] for p in prompts]
-    for _ in range(14):
+    for _ in range(10):
         for e in engines:
             e.step()
         for rids in ids:
@@ -246,7 +246,7 @@ def test_fused_step_equals_the_step_by_step_path(k=3):
                 y = e.seqs[r]
                 assert (x.token_ids, x.num_computed, x.draft) == (y.token_ids,
                                                                    y.num_computed, y.draft)
-    assert fused.spec.fused_runs >= 10 and overlap._inflight is not None
+    assert fused.spec.fused_runs >= 8 and overlap._inflight is not None
     assert overlap.spec.fused_runs > fused.spec.fused_runs  # one step ahead
     for e in engines[1:]:
         assert e.spec.stats.accepted_per_pos == step.spec.stats.accepted_per_pos
