@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,13 +122,13 @@ class LlamaModel(nn.Module):
         taps, res = {}, None
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, res = _norm_proj(attn.qkv_proj, h, layer.input_layernorm, res, fold)
+            qkv, res = norm_proj(attn.qkv_proj, h, layer.input_layernorm, res, fold)
             if i in aux_layers:
                 taps[i] = res
             o = attn.attend_qkv(qkv, positions, kv_cache[i], meta)
-            a = _proj(attn.o_proj, o, fold)
-            gu, res = _norm_proj(mlp.gate_up_proj, a, layer.post_attention_layernorm, res, fold)
-            h = _silu_proj(mlp.down_proj, gu, fold)
+            a = project(attn.o_proj, o, fold)
+            gu, res = norm_proj(mlp.gate_up_proj, a, layer.post_attention_layernorm, res, fold)
+            h = silu_proj(mlp.down_proj, gu, fold)
         out, _ = ops.add_rmsnorm(h, self.norm.weight, self.norm.eps, res)
         return out, [taps[i] for i in aux_layers]
 
@@ -173,10 +175,10 @@ class LlamaModel(nn.Module):
         def projections(i, fold):
             layer = self.layers[i % len(self.layers)]
             attn, mlp = layer.self_attn, layer.mlp
-            _norm_proj(attn.qkv_proj, x, layer.input_layernorm, x, fold)
-            _proj(attn.o_proj, o_in, fold)
-            _norm_proj(mlp.gate_up_proj, x, layer.post_attention_layernorm, x, fold)
-            _silu_proj(mlp.down_proj, gu_in, fold)
+            norm_proj(attn.qkv_proj, x, layer.input_layernorm, x, fold)
+            project(attn.o_proj, o_in, fold)
+            norm_proj(mlp.gate_up_proj, x, layer.post_attention_layernorm, x, fold)
+            silu_proj(mlp.down_proj, gu_in, fold)
 
         return (round(graph_time_us(lambda i: projections(i, True), reps), 2),
                 round(graph_time_us(lambda i: projections(i, False), reps), 2))
@@ -196,28 +198,36 @@ class LlamaModel(nn.Module):
 
 
 # One projection of the fused forward, with its activation folded into the GEMV (`fold`,
-# `ops.prologue_linear`) or as the separate kernel followed by the nn.Linear.
+# `ops.prologue_linear`) or as the separate kernel followed by the linear. `p` is an nn.Linear
+# or a `Projection` (the EAGLE-3 head's stacked weights).
 
-def _norm_proj(proj: nn.Linear, x, ln: RMSNorm, res, fold: bool):
-    """(proj(norm(x + res)), x + res); res None (the embedding): (proj(norm(x)), x)."""
+class Projection(NamedTuple):
+    """A projection's weights outside an nn.Linear."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+def norm_proj(p, x, ln: RMSNorm, res, fold: bool):
+    """(p(norm(x + res)), x + res); res None (the embedding): (p(norm(x)), x)."""
     if fold:
         if res is None:
-            return ops.prologue_linear(x, proj.weight, proj.bias, norm_weight=ln.weight,
+            return ops.prologue_linear(x, p.weight, p.bias, norm_weight=ln.weight,
                                        eps=ln.eps), x
-        return ops.prologue_linear(x, proj.weight, proj.bias, norm_weight=ln.weight,
+        return ops.prologue_linear(x, p.weight, p.bias, norm_weight=ln.weight,
                                    eps=ln.eps, residual=res)
     if res is None:
-        return proj(ops.add_rmsnorm(x, ln.weight, ln.eps)), x
+        return F.linear(ops.add_rmsnorm(x, ln.weight, ln.eps), p.weight, p.bias), x
     y, res = ops.add_rmsnorm(x, ln.weight, ln.eps, res)
-    return proj(y), res
+    return F.linear(y, p.weight, p.bias), res
 
 
-def _proj(proj: nn.Linear, x, fold: bool):
-    return ops.prologue_linear(x, proj.weight, proj.bias) if fold else proj(x)
+def project(p, x, fold: bool):
+    return ops.prologue_linear(x, p.weight, p.bias) if fold else F.linear(x, p.weight, p.bias)
 
 
-def _silu_proj(proj: nn.Linear, gate_up, fold: bool):
-    """proj(silu(gate) * up) for gate_up = [gate | up]."""
+def silu_proj(p, gate_up, fold: bool):
+    """p(silu(gate) * up) for gate_up = [gate | up]."""
     if fold:
-        return ops.prologue_linear(gate_up, proj.weight, proj.bias, silu=True)
-    return proj(ops.silu_mul(gate_up))
+        return ops.prologue_linear(gate_up, p.weight, p.bias, silu=True)
+    return F.linear(ops.silu_mul(gate_up), p.weight, p.bias)

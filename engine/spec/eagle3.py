@@ -21,6 +21,7 @@ from engine import ops
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeConfig
 from engine.layers import RMSNorm, Rotary
+from engine.model import Projection, norm_proj, project, silu_proj
 
 
 @dataclass(frozen=True)
@@ -185,22 +186,20 @@ class _MidLayer(nn.Module):
     def store_kv(self, embeds, hidden, positions, kv_cache, meta) -> None:
         """Only what a step leaves behind when its output is not needed: the layer's K and
         V at these positions, computed exactly as `forward` computes them."""
-        attn, hn, en = self.self_attn, self.hidden_norm, self.input_layernorm
         if self.fused:
-            # The same qkv projection as the forward (its k and v columns then round alike),
-            # rotary and the store in one launch; q is rotated too, and dropped.
-            x = ops.dual_rmsnorm(embeds, en.weight, hidden, hn.weight, en.eps)
-            heads = self._qkv(x).view(-1, attn.nh + 2 * attn.nkv, attn.hd)
-            ops.rope_store_(heads, attn.nh, attn.nkv, positions, attn.rotary.cos,
-                            attn.rotary.sin, kv_cache, meta.slot_mapping)
+            # The forward's own first launches (its k and v then round alike); q is rotated
+            # too, and dropped.
+            self._qkv_stored(self.merged_weights()[0], embeds, hidden, positions, kv_cache,
+                             meta)
             return
+        attn, hn, en = self.self_attn, self.hidden_norm, self.input_layernorm
         x = torch.cat([en(embeds), hn(hidden)], dim=-1)
         k = attn.k_proj(x).view(-1, attn.nkv, attn.hd)
         v = attn.v_proj(x).view(-1, attn.nkv, attn.hd)
         (k,) = attn.rotary(positions, k)
         attn.backend.store_kv(k, v, kv_cache, meta)
 
-    def merged_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def merged_weights(self) -> tuple[Projection, Projection]:
         """(q|k|v, gate|up) weights stacked for one projection each on the fused path; made
         again whenever a source weight is replaced or changed in place."""
         a, m = self.self_attn, self.mlp
@@ -209,37 +208,37 @@ class _MidLayer(nn.Module):
         key = tuple((w.data_ptr(), _version(w)) for w in srcs)
         if self._merged is None or self._merged[0] != key:
             with torch.no_grad():
-                self._merged = (key, torch.cat(srcs[:3]), torch.cat(srcs[3:]))
+                self._merged = (key, Projection(torch.cat(srcs[:3])),
+                                Projection(torch.cat(srcs[3:])))
         return self._merged[1], self._merged[2]
 
     def _fold(self, x: torch.Tensor) -> bool:
         return x.shape[0] in self.prologue_rows
 
-    def _qkv(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.merged_weights()[0]
-        return ops.prologue_linear(x, w) if self._fold(x) else F.linear(x, w)
+    def _qkv_stored(self, qkv: Projection, embeds, hidden, positions, kv_cache, meta):
+        """The fused layer's first launches: x = [norm(embeds) | norm(hidden)], then q|k|v
+        as [T, heads, head_dim] with q and k rotated in place and k, v in the cache."""
+        attn, hn, en = self.self_attn, self.hidden_norm, self.input_layernorm
+        x = ops.dual_rmsnorm(embeds, en.weight, hidden, hn.weight, en.eps)
+        heads = project(qkv, x, self._fold(x)).view(-1, attn.nh + 2 * attn.nkv, attn.hd)
+        ops.rope_store_(heads, attn.nh, attn.nkv, positions, attn.rotary.cos, attn.rotary.sin,
+                        kv_cache, meta.slot_mapping)
+        return x, heads
 
     def _forward_fused(self, embeds, hidden, positions, kv_cache, meta):
         """The same math in the target layer's launches (`LlamaModel._forward_fused`): both
         input norms in one, one qkv projection, rotary + KV store in one, attention, o, then
         gate|up with the post-attention norm folded in and down with SiLU-and-mul folded in
         (GEMVs at `prologue_rows` rows, cuBLAS with separate norm and SiLU kernels above)."""
-        attn, hn, en = self.self_attn, self.hidden_norm, self.input_layernorm
-        x = ops.dual_rmsnorm(embeds, en.weight, hidden, hn.weight, en.eps)
+        attn = self.self_attn
+        qkv, gate_up = self.merged_weights()
+        x, heads = self._qkv_stored(qkv, embeds, hidden, positions, kv_cache, meta)
         residual = x[:, hidden.shape[1]:] if self.norm_before_residual else hidden
-        heads = self._qkv(x).view(-1, attn.nh + 2 * attn.nkv, attn.hd)
-        ops.rope_store_(heads, attn.nh, attn.nkv, positions, attn.rotary.cos, attn.rotary.sin,
-                        kv_cache, meta.slot_mapping)
         o = attn.backend.attend(heads[:, : attn.nh], kv_cache, meta).reshape(-1, attn.nh * attn.hd)
         fold = self._fold(x)
-        a = ops.prologue_linear(o, attn.o_proj.weight) if fold else attn.o_proj(o)
-        pn, gate_up = self.post_attention_layernorm, self.merged_weights()[1]
-        if fold:
-            gu, h = ops.prologue_linear(a, gate_up, norm_weight=pn.weight, eps=pn.eps,
-                                        residual=residual)
-            return h + ops.prologue_linear(gu, self.mlp.down_proj.weight, silu=True)
-        y, h = ops.add_rmsnorm(a, pn.weight, pn.eps, residual)
-        return h + self.mlp.down_proj(ops.silu_mul(F.linear(y, gate_up)))
+        gu, h = norm_proj(gate_up, project(attn.o_proj, o, fold), self.post_attention_layernorm,
+                          residual, fold)
+        return h + silu_proj(self.mlp.down_proj, gu, fold)
 
 
 class Eagle3Head(nn.Module):
@@ -295,8 +294,7 @@ class Eagle3Head(nn.Module):
         """The head's argmax as target token ids, on the device. On the fused path at the
         layer's GEMV row counts: the norm folded into the LM head's GEMV, then one launch for
         the argmax and the id map (bf16 logits: their fp32 casts order alike)."""
-        mid = self.midlayer
-        if mid.fused and out.shape[0] in mid.prologue_rows:
+        if out.shape[0] in self.midlayer.prologue_rows:  # (empty off the fused path)
             logits = ops.prologue_linear(out.contiguous(), self.lm_head.weight,
                                          norm_weight=self.norm.weight, eps=self.norm.eps)
             return ops.argmax_rows(logits, self.d2t)

@@ -301,8 +301,9 @@ def chain_steps(head, model, kv, block_size: int, tables, t, h, k, start, has_qu
 def chain_positions(k, start, has_queries, tables, block_size: int, s: int, kernel: bool):
     """Chained draft step s's (positions, KV slots, context lengths), one row per sequence:
     position start + s - 1 where the sequence's own k goes past s (else 0, slot -1 and the
-    context of a padded row). `kernel`: in one Triton launch instead of about ten."""
-    if kernel and triton_available():
+    context of a padded row). `kernel` (the head's fused path, so Triton is there): in one
+    Triton launch instead of about ten."""
+    if kernel:
         b = k.shape[0]
         p = torch.empty(b, dtype=torch.int64, device=k.device)
         slots, lens = torch.empty_like(p), torch.empty_like(p)
