@@ -30,12 +30,18 @@ if triton_available():
             r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
             tl.store(RES_OUT + row * N + offs, x, mask=mask)
+        tl.store(Y + row * stride_y + offs, _rms(x, W, offs, mask, eps, N).to(Y.dtype.element_ty),
+                 mask=mask)
+
+    @triton.jit
+    def _rms(x, W, offs, mask, eps, N: tl.constexpr):
+        """w * norm(x) for one row x (masked lanes 0), in fp32, rounded to x's dtype where
+        the torch reference rounds."""
         h = x.to(tl.float32)
         var = tl.sum(h * h, 0) / N
-        h = (h * tl.math.rsqrt(var + eps)).to(X.dtype.element_ty)
+        h = (h * tl.math.rsqrt(var + eps)).to(x.dtype)
         w = tl.load(W + offs, mask=mask, other=0.0)
-        y = (w.to(tl.float32) * h.to(tl.float32)).to(Y.dtype.element_ty)
-        tl.store(Y + row * stride_y + offs, y, mask=mask)
+        return w.to(tl.float32) * h.to(tl.float32)
 
     @triton.jit
     def _rotate(x1, x2, COS, SIN, p, stride_c, offs, mask, HALF: tl.constexpr):
@@ -109,16 +115,11 @@ if triton_available():
 
     @triton.jit
     def _rms_row(X, W, Y, eps, N: tl.constexpr, BLOCK: tl.constexpr):
-        """One row of `_add_rmsnorm_kernel` without a residual, rounding as it does."""
+        """One row of `_add_rmsnorm_kernel` without a residual."""
         offs = tl.arange(0, BLOCK)
         mask = offs < N
         x = tl.load(X + offs, mask=mask, other=0.0)
-        h = x.to(tl.float32)
-        var = tl.sum(h * h, 0) / N
-        h = (h * tl.math.rsqrt(var + eps)).to(X.dtype.element_ty)
-        w = tl.load(W + offs, mask=mask, other=0.0)
-        tl.store(Y + offs, (w.to(tl.float32) * h.to(tl.float32)).to(Y.dtype.element_ty),
-                 mask=mask)
+        tl.store(Y + offs, _rms(x, W, offs, mask, eps, N).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _dual_rmsnorm_kernel(A, B, WA, WB, Y, stride_a, stride_b, stride_y, eps,
