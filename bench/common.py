@@ -142,6 +142,13 @@ def precapture(eng, batch_sizes, long_context: bool | None = None) -> str:
         return f"precapture failed ({type(e).__name__}: {e}); relying on the warm-up run"
 
 
+def hold_at_k0(eng) -> None:
+    """Make a speculative engine's dynamic policy draft nothing, ever: every step is the K=0
+    step (the head's KV kept current), what speculation costs once it has switched off."""
+    eng.spec.policy.choose = lambda seq, batch_size: 0
+    eng.spec.policy.choose_batch = lambda seqs, batch_size: 0
+
+
 def spec_counts(eng) -> tuple[int, int]:
     if eng.spec is None:
         return 0, 0

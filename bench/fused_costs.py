@@ -79,14 +79,13 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
     """Figure 3's steady mixed workload at each concurrency, the no-spec engine, the
     speculative engine held at K=0 and the one with dynamic K taking turns `reps` times, so a
     drift of the host's speed between runs lands on all three alike."""
-    from bench.common import held_out_messages
+    from bench.common import held_out_messages, hold_at_k0
     from bench.step_profile import steady_tokens
 
     if not concurrency:
         return []
     forced = spec_eng.with_config(num_blocks=8192)
-    forced.spec.policy.choose = lambda seq, batch_size: 0
-    forced.spec.policy.choose_batch = lambda seqs, batch_size: 0
+    hold_at_k0(forced)
     engines = {"no_spec": plain, "eagle3_k0": forced, "eagle3_dynamic": spec_eng}
     prompts = [spec_eng.encode_prompt(m) for m in held_out_messages(max(concurrency))]
     out = []

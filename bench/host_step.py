@@ -50,6 +50,7 @@ def make_engine(concurrency: int, max_tokens: int, spec_k0: bool = False):
 
         eng.runner.graphs.fn = fake
         return eng
+    from bench.common import hold_at_k0
     from tests.spec.test_eagle3 import random_head
 
     cfg = replace(ref.config, attention_backend="triton",
@@ -58,8 +59,7 @@ def make_engine(concurrency: int, max_tokens: int, spec_k0: bool = False):
     n = max(concurrency, 1)
     eng.runner.enable_graphs(n, range(1, 9), eng.spec.aux_layers)
     eng.spec.enable_graphs(n)
-    eng.spec.policy.choose = lambda seq, batch_size: 0
-    eng.spec.policy.choose_batch = lambda seqs, batch_size: 0
+    hold_at_k0(eng)
 
     def fake0(ids, pos, meta, kn_rows):
         return (ids * 7 + 3) % vocab, torch.zeros(meta.seq_lens.shape[0], dtype=torch.int64)
