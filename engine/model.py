@@ -184,17 +184,32 @@ class LlamaModel(nn.Module):
                 round(graph_time_us(lambda i: projections(i, False), reps), 2))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of each row. Where the projections take the GEMV (`prologue_rows`), the LM
-        head does too: its rows are then computed alike whatever the row count, so a verify
+        """Logits of each row. Where the projections take the prologue linears
+        (`prologue_rows`), the LM head does too, with tiles that do not depend on the row
+        count: its rows are then computed alike whatever the row count, so a verify
         step's logits equal the one-row decode step's bit for bit (a GEMM picks its kernel,
         and so its summation order, by the row count: in bf16 near-tied logits would round
         differently and greedy speculation would part from no speculation). On a GPU only:
         off CUDA the Triton kernels run in the interpreter, far slower than the GEMM, and
         the fp32 greedy checks there held without it."""
+        return self._logits(hidden).float()
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype. Through the prologue linears, the LM head takes
+        16-row tensor-core tiles (`ops.LOGITS_DOT_TILES`): its weight is read once for all
+        rows of a verify step, and each row still rounds as it does alone."""
         if self.prologue_linears and hidden.is_cuda and hidden.shape[0] in self.prologue_rows:
             return ops.prologue_linear(hidden.contiguous(), self.lm_head.weight,
-                                       self.lm_head.bias).float()
-        return self.lm_head(hidden).float()
+                                       self.lm_head.bias, dot=ops.LOGITS_DOT_TILES)
+        return self.lm_head(hidden)
+
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy token: the argmax of `logits(hidden)`. On the fused path on a
+        GPU, two Triton launches over the logits in the model's dtype (their fp32 casts
+        order alike) instead of a cast and torch's one-program-per-row reduce."""
+        if self.fused and hidden.is_cuda:
+            return ops.argmax_rows(self._logits(hidden))
+        return self.logits(hidden).argmax(dim=-1)
 
 
 # One projection of the fused forward, with its activation folded into the GEMV (`fold`,

@@ -159,6 +159,35 @@ if triton_available():
         tl.store(OUT + row, idx)
 
     @triton.jit
+    def _argmax_part_kernel(X, PM, PI, stride_x, V: tl.constexpr, BLOCK: tl.constexpr,
+                            USE_PDL: tl.constexpr = False):
+        """Chunk c of row t: its largest value and the first index holding it."""
+        row = tl.program_id(0)
+        c = tl.program_id(1)
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        x = tl.load(X + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        chunks = tl.num_programs(1)
+        tl.store(PM + row * chunks + c, tl.max(x, 0))
+        tl.store(PI + row * chunks + c,
+                 tl.argmax(x, 0, tie_break_left=True).to(tl.int64) + c * BLOCK)
+
+    @triton.jit
+    def _argmax_join_kernel(PM, PI, OUT, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
+                            USE_PDL: tl.constexpr = False):
+        """Row t's first maximum over its chunks' (max, index) pairs, chunks in order."""
+        row = tl.program_id(0)
+        c = tl.arange(0, BLOCK)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        m = tl.load(PM + row * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"))
+        i = tl.argmax(m, 0, tie_break_left=True)  # the first chunk holding the maximum
+        tl.store(OUT + row, tl.load(PI + row * CHUNKS + i))
+
+    @triton.jit
     def _silu_mul_kernel(GU, Y, stride_g, N: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -176,7 +205,8 @@ if triton_available():
                                 PRO: tl.constexpr, HAS_RES: tl.constexpr,
                                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                PREC: tl.constexpr, USE_PDL: tl.constexpr):
+                                PREC: tl.constexpr, ROWS_FIRST: tl.constexpr,
+                                USE_PDL: tl.constexpr):
         """Y[M, N] = a(X) @ W[N, K].T (+ B), the activation a() computed per K tile in the
         prologue and rounded where the separate kernels round:
         PRO 0: a(x) = x;
@@ -184,9 +214,15 @@ if triton_available():
                column block), `_add_rmsnorm_kernel`'s rounding;
         PRO 2: a([g | u]) = silu(g) * u for X = [M, 2K], `_silu_mul_kernel`'s rounding.
         Weight tiles load one iteration ahead; the first before the programmatic-launch wait
-        (USE_PDL), so it overlaps the kernel before, whose outputs only X and R are."""
-        pid_n = tl.program_id(0)
-        pid_m = tl.program_id(1)
+        (USE_PDL), so it overlaps the kernel before, whose outputs only X and R are.
+        ROWS_FIRST: the grid's first axis walks the row blocks, so the programs reading one
+        weight tile run side by side (the tile comes from HBM once, for the others from L2)."""
+        if ROWS_FIRST:
+            pid_m = tl.program_id(0)
+            pid_n = tl.program_id(1)
+        else:
+            pid_n = tl.program_id(0)
+            pid_m = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk0 = tl.arange(0, BLOCK_K)
@@ -278,15 +314,37 @@ def dual_rmsnorm(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.T
 
 def argmax_rows(x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's argmax (the first of equal maxima, as torch.argmax), plus offsets[argmax]
-    when given (a draft-to-target id map), in one launch: [T] int64."""
+    when given (a draft-to-target id map), in one launch (rows wider than ARGMAX_SPLIT
+    without offsets: two): [T] int64."""
     t, v = x.shape
     assert x.stride(1) == 1
     out = torch.empty(t, dtype=torch.int64, device=x.device)
+    if t and offsets is None and v > ARGMAX_SPLIT:
+        return _argmax_split(x, out)
     if t:
         block = min(next_pow2(v, 1), 4096)
         _argmax_kernel[(t,)](x, offsets if offsets is not None else out, out, x.stride(0),
                              V=v, BLOCK=block, HAS_OFF=offsets is not None,
                              num_warps=8 if block >= 2048 else 4, **pdl_args(x))
+    return out
+
+
+# Rows wider than this (a target vocabulary) take the two-launch argmax: chunks of
+# ARGMAX_CHUNK values side by side, then each row's first maximum over its chunks. One
+# program walking 49152 logits took ~13 us of a one-stream step (torch's reduce likewise).
+ARGMAX_SPLIT = 8192
+ARGMAX_CHUNK = 2048
+
+
+def _argmax_split(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    t, v = x.shape
+    chunks = triton.cdiv(v, ARGMAX_CHUNK)
+    pm = torch.empty(t, chunks, dtype=torch.float32, device=x.device)
+    pi = torch.empty(t, chunks, dtype=torch.int64, device=x.device)
+    _argmax_part_kernel[(t, chunks)](x, pm, pi, x.stride(0), V=v, BLOCK=ARGMAX_CHUNK,
+                                     num_warps=4, **pdl_args(x))
+    _argmax_join_kernel[(t,)](pm, pi, out, CHUNKS=chunks, BLOCK=next_pow2(chunks, 16),
+                              num_warps=1, **pdl_args(x))
     return out
 
 
@@ -365,6 +423,20 @@ CALIBRATE_MAX_ROWS = 8
 LINEAR_MAX_WEIGHT = 4 << 20
 # Tile overrides for sweeps (bench/linear_sweep.py): (BLOCK_M, BLOCK_N, BLOCK_K, num_warps).
 LINEAR_TILES: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+# Grid order of multi-row launches: row blocks first, so the programs sharing a weight tile
+# run side by side and read it from HBM once (bench/row_layouts.py).
+ROWS_FIRST = True
+# Tiles (BLOCK_N, BLOCK_K, num_warps) of a tensor-core layout for every row count up to
+# DOT_MAX_ROWS: one 16-row tl.dot block whatever the count, so a tile is read once for all
+# rows and each row still rounds the same alone or beside others (mma rows are independent).
+# None: one GEMV program per row. On the H200 (bench/results/profile/row_layouts_7322324)
+# the GEMV stays the faster layout for a SmolLM2 layer's projections at one row (1.3-3.0 us
+# against 1.9-7 us for the best 16-row tiles, and the SiLU prologue of down_proj far worse),
+# so the layers keep it; the LM head's 49152 x 576 takes LOGITS_DOT_TILES (17.4 / 18.0 us at
+# 1 / 8 rows against the GEMV's 19.9 / 116: its 56 MB do not stay in L2 for the next row).
+DOT_TILES: tuple[int, int, int] | None = None
+LOGITS_DOT_TILES = (64, 128, 4)
+DOT_MAX_ROWS = 16
 
 
 def prologue_suits(weights) -> bool:
@@ -375,7 +447,8 @@ def prologue_suits(weights) -> bool:
 GEMV_WARPS = 4  # warps of a one-row GEMV program (every row count up to 8)
 
 
-def linear_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
+                 ) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear. Up to 8
     rows: one GEMV program per row and column block over narrow, long weight tiles (16 x
     1024: 1.1-3.5 us for each SmolLM2 projection on the H200 under PDL); the rows' programs
@@ -392,6 +465,10 @@ def linear_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
     (`bench/results/profile/linear_sweep_gemv_w4.json`, `linear_sweep_gemv_w8.json`)."""
     if (m, n, k) in LINEAR_TILES:
         return LINEAR_TILES[(m, n, k)]
+    dot = dot or DOT_TILES
+    if dot is not None and m <= DOT_MAX_ROWS:
+        bn, bk, warps = dot
+        return 16, bn, min(bk, next_pow2(k, 16)), warps
     if m <= 8:
         return 1, 16, min(1024, next_pow2(k, 16)), GEMV_WARPS
     return 16, 32, min(128, next_pow2(k, 16)), 4
@@ -399,12 +476,14 @@ def linear_tiles(m: int, n: int, k: int) -> tuple[int, int, int, int]:
 
 def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                    residual: torch.Tensor | None = None, silu: bool = False):
+                    residual: torch.Tensor | None = None, silu: bool = False,
+                    dot: tuple[int, int, int] | None = None):
     """One launch for what takes two: `linear(rmsnorm(x + residual))` (norm_weight given;
     returns (y, x + residual), or y without a residual), `linear(silu_mul(x))` (silu), or a
     plain `linear(x)`. weight is nn.Linear's [N, K]; each activation rounds exactly where
     `add_rmsnorm` / `silu_mul` round, so only the GEMM's summation order differs from the
-    separate kernels."""
+    separate kernels. dot: 16-row tensor-core tiles (BLOCK_N, BLOCK_K, warps) for up to
+    DOT_MAX_ROWS rows instead of the GEMV (see DOT_TILES)."""
     m = x.shape[0]
     n, k = weight.shape
     pro = 1 if norm_weight is not None else 2 if silu else 0
@@ -412,15 +491,16 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
     if m:
-        bm, bn, bk, warps = linear_tiles(m, n, k)
+        bm, bn, bk, warps = linear_tiles(m, n, k, dot)
         assert bm == 1 or bm >= 16, "row blocks are GEMVs (1) or tl.dot tiles (16+)"
         r = residual if residual is not None else x
-        _prologue_linear_kernel[(triton.cdiv(n, bn), triton.cdiv(m, bm))](
+        grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
+        _prologue_linear_kernel[grid[::-1] if ROWS_FIRST else grid](
             x, r, norm_weight if norm_weight is not None else weight,
             weight, bias if bias is not None else weight, y,
             res_out if res_out is not None else y, m, eps, x.stride(0), r.stride(0),
             weight.stride(0), y.stride(0), N=n, K=k, PRO=pro, HAS_RES=residual is not None,
             HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=warps,
-            **pdl_args(x, always=True))
+            PREC="ieee" if x.dtype == torch.float32 else "tf32", ROWS_FIRST=ROWS_FIRST,
+            num_warps=warps, **pdl_args(x, always=True))
     return y if residual is None else (y, res_out)

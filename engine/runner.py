@@ -100,7 +100,7 @@ class ModelRunner:
         def fn(ids, pos, meta):
             hidden, aux = model(ids, pos, kv, meta, aux_layers)
             # Every row's greedy token inside the graph: a greedy step needs nothing else.
-            return (hidden, model.logits(hidden).argmax(dim=-1), *aux)
+            return (hidden, model.greedy(hidden), *aux)
 
         self.graphs = GraphSet(fn, self.cfg.device, max_batch, query_lens,
                                self.cfg.max_blocks_per_seq)

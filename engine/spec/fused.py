@@ -240,7 +240,7 @@ class FusedSteps:
             b = meta.seq_lens.shape[0]
             q = ids.shape[0] // b
             hidden, aux = model(ids, pos, kv_cache, meta, aux_layers)
-            am = model.logits(hidden).argmax(dim=-1)
+            am = model.greedy(hidden)
             if q == 1:
                 # Nothing to verify (every K=0 step of a dynamic batch): no draft accepted,
                 # and the head stores KV exactly where the target did. Eight small kernels

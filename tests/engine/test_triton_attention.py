@@ -218,12 +218,16 @@ def test_prologue_linear_equals_its_two_kernels(dtype, rows, k):
         ops.prologue_linear(x, w, silu=True)
 
 
+@pytest.mark.parametrize("dot", [None, (32, 256, 4)], ids=["gemv", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prologue_linear_rows_are_batch_invariant(dtype):
+def test_prologue_linear_rows_are_batch_invariant(dtype, dot, monkeypatch):
     """Up to 8 rows, a row's output must not depend on how many rows share the launch: bit
     for bit, alone or in a batch of 2-8 (what keeps a verify step's logits equal to the
-    one-row decode step's, and greedy speculation token-identical in bf16)."""
+    one-row decode step's, and greedy speculation token-identical in bf16); with one GEMV
+    program per row or with the 16-row tensor-core blocks (`ops.DOT_TILES`)."""
     from engine import ops
+
+    monkeypatch.setattr(ops, "DOT_TILES", dot)
 
     g = torch.Generator().manual_seed(3)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
@@ -435,11 +439,16 @@ def test_dual_rmsnorm_is_two_norms_side_by_side(dtype):
     assert y.shape == (t, 2 * n) and torch.equal(y, ref)
 
 
-@pytest.mark.parametrize("vocab", [37, 4096, 5000])
-def test_argmax_rows_takes_the_first_maximum_and_maps_ids(vocab):
-    """Row argmax in one launch: torch.argmax's index (the first of tied maxima, also when
-    the tie spans two blocks of the row), plus the id map's offset when given."""
+@pytest.mark.parametrize("vocab", [37, 4096, 5000, 9000])
+def test_argmax_rows_takes_the_first_maximum_and_maps_ids(vocab, monkeypatch):
+    """Row argmax: torch.argmax's index (the first of tied maxima, also when the tie spans
+    two blocks or two chunks of the row), plus the id map's offset when given. 9000 values
+    take the two-launch split (chunks, then the first chunk holding the maximum)."""
     from engine import ops
+
+    split = []
+    real = ops._argmax_split
+    monkeypatch.setattr(ops, "_argmax_split", lambda *a: split.append(1) or real(*a))
 
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(6, vocab, generator=g).to(torch.bfloat16)
@@ -451,4 +460,5 @@ def test_argmax_rows_takes_the_first_maximum_and_maps_ids(vocab):
     want = x.float().argmax(dim=-1)
     assert want[1] == 3 and want[2] == vocab // 3 and want[3] == 0
     assert torch.equal(ops.argmax_rows(x), want)
+    assert len(split) == (vocab > ops.ARGMAX_SPLIT)
     assert torch.equal(ops.argmax_rows(x, off), want + off[want])
