@@ -149,6 +149,7 @@ if triton_available():
         for v0 in range(0, V, BLOCK):
             x = tl.load(X + row * stride_x + v0 + offs, mask=v0 + offs < V,
                         other=float("-inf")).to(tl.float32)
+            x = tl.where(x != x, float("inf"), x)  # NaN wins, as in torch.argmax
             m = tl.max(x, 0)
             i = tl.argmax(x, 0, tie_break_left=True).to(tl.int64) + v0
             take = m > best  # strictly: an equal value later in the row loses
@@ -169,6 +170,7 @@ if triton_available():
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(X + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("inf"), x)  # NaN wins, as in torch.argmax
         chunks = tl.num_programs(1)
         tl.store(PM + row * chunks + c, tl.max(x, 0))
         tl.store(PI + row * chunks + c,
@@ -185,7 +187,7 @@ if triton_available():
             tl.extra.cuda.gdc_launch_dependents()
         m = tl.load(PM + row * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"))
         i = tl.argmax(m, 0, tie_break_left=True)  # the first chunk holding the maximum
-        tl.store(OUT + row, tl.load(PI + row * CHUNKS + i))
+        tl.store(OUT + row, tl.load(PI + row * CHUNKS + tl.minimum(i, CHUNKS - 1)))
 
     @triton.jit
     def _silu_mul_kernel(GU, Y, stride_g, N: tl.constexpr, BLOCK: tl.constexpr):
@@ -313,7 +315,9 @@ def dual_rmsnorm(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.T
 
 
 def argmax_rows(x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's argmax (the first of equal maxima, as torch.argmax), plus offsets[argmax]
+    """Each row's argmax (the first of equal maxima, as torch.argmax; NaN counts as the
+    largest, so a row of garbage, say a graph bucket's padding row, still gives an index
+    inside the row), plus offsets[argmax]
     when given (a draft-to-target id map), in one launch (rows wider than ARGMAX_SPLIT
     without offsets: two): [T] int64."""
     t, v = x.shape

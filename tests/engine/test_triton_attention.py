@@ -455,10 +455,13 @@ def test_argmax_rows_takes_the_first_maximum_and_maps_ids(vocab, monkeypatch):
     x[1, 3] = x[1, vocab - 1] = 9.0  # a tie: the first wins
     x[2, vocab // 2] = x[2, vocab // 3] = 9.0
     x[3] = -2.0  # every value equal
+    x[4, vocab // 2:] = float("nan")  # NaN wins (a padding row of garbage stays in range)
+    x[5] = float("nan")
     x = x.to(DEV)
     off = torch.randint(0, 1000, (vocab,), generator=g).to(DEV)
     want = x.float().argmax(dim=-1)
     assert want[1] == 3 and want[2] == vocab // 3 and want[3] == 0
+    assert want[4] == vocab // 2 and want[5] == 0
     assert torch.equal(ops.argmax_rows(x), want)
     assert len(split) == (vocab > ops.ARGMAX_SPLIT)
     assert torch.equal(ops.argmax_rows(x, off), want + off[want])
