@@ -4,7 +4,7 @@ machine (no GPU needed). The decode graphs' function returns a fixed hidden stat
 token per row; prefill still runs the small random model.
 
     python -m bench.host_step --out DIR [--concurrency 16,64] [--steps 300] [--profile]
-        [--spec-k0]
+        [--spec-k0] [--spec-k 1,3]
 
 Writes DIR/host_step.json: microseconds per step per concurrency (and with --profile the
 top functions by own time, under cProfile, which inflates the absolute numbers)."""
@@ -27,10 +27,11 @@ NOTE = ("model replaced by a trivial function: host work only; the tiny test mod
         "numbers")
 
 
-def make_engine(concurrency: int, max_tokens: int, spec_k0: bool = False):
-    """No speculation; or (`spec_k0`) an EAGLE-3 engine whose dynamic policy drafts nothing,
-    so every step is the fused K=0 step: what a speculative engine pays per step when it has
-    turned drafting off (the head's KV kept current), against the plain step."""
+def make_engine(concurrency: int, max_tokens: int, spec_k: int | None = None):
+    """No speculation (`spec_k` None); or an EAGLE-3 engine whose policy always drafts
+    `spec_k` tokens, every draft accepted: K=0 is what a speculative engine pays per step
+    when it has turned drafting off (the head's KV kept current), K>0 the host side of
+    steps that verify K drafts and emit K+1 tokens per sequence."""
     import torch
 
     from engine import Engine
@@ -39,9 +40,9 @@ def make_engine(concurrency: int, max_tokens: int, spec_k0: bool = False):
 
     blocks = concurrency * (max_tokens // 4 + 4) + 64
     ref = tiny_engine(0, max_num_batched_tokens=4096, num_blocks=blocks,
-                      attention_backend="torch")
+                      attention_backend="torch", max_position=max(512, max_tokens + 64))
     vocab = ref.config.model.vocab_size
-    if not spec_k0:
+    if spec_k is None:
         eng = Engine(replace(ref.config, attention_backend="triton"), weights_of=ref)
         eng.runner.enable_graphs(max(concurrency, 1), (1,), ())
 
@@ -60,19 +61,36 @@ def make_engine(concurrency: int, max_tokens: int, spec_k0: bool = False):
     eng.runner.enable_graphs(n, range(1, 9), eng.spec.aux_layers)
     eng.spec.enable_graphs(n)
     hold_at_k0(eng)
+    if spec_k:
+        eng.spec.policy.choose = lambda seq, batch_size: spec_k
+        eng.spec.policy.choose_batch = lambda seqs, batch_size: spec_k
 
-    def fake0(ids, pos, meta, kn_rows):
-        return (ids * 7 + 3) % vocab, torch.zeros(meta.seq_lens.shape[0], dtype=torch.int64)
+    def fake(drafts: int):
+        def fn(ids, pos, meta, kn_rows):
+            # The target's token at each row is the draft after it: every draft accepted.
+            b = meta.seq_lens.shape[0]
+            grid = ids.view(b, -1)
+            am = torch.cat([grid[:, 1:], (grid[:, -1:] * 7 + 3) % vocab], dim=1)
+            real = meta.slot_mapping.view(b, -1) >= 0
+            nacc = ((grid[:, 1:] == am[:, :-1]) & real[:, 1:]).to(torch.int64).cumprod(
+                dim=1).sum(dim=1)
+            if drafts == 0:
+                return am.reshape(-1), nacc
+            first = (am.gather(1, nacc[:, None]) * 5 + 1) % vocab
+            return am.reshape(-1), nacc, (first + torch.arange(drafts)) % vocab
+        return fn
 
-    eng.spec.fused.set_for(0).fn = fake0
+    for d in eng.spec.fused.draft_levels:
+        eng.spec.fused.set_for(d).fn = fake(d)
     return eng
 
 
-def measure(concurrency: int, steps: int, profile: bool, spec_k0: bool = False) -> dict:
+def measure(concurrency: int, steps: int, profile: bool, spec_k: int | None = None) -> dict:
     from engine.sequence import SamplingParams
 
-    tokens = 2 * steps + 40  # the timed steps and the profiled ones all decode
-    eng = make_engine(concurrency, tokens, spec_k0)
+    # The timed steps and the profiled ones all decode (K+1 tokens a step at K drafts).
+    tokens = (2 * steps + 40) * (1 + (spec_k or 0))
+    eng = make_engine(concurrency, tokens, spec_k)
     sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for i in range(concurrency):
         eng.add_request([1 + i % 50, 2, 3, 4], sp)
@@ -85,12 +103,12 @@ def measure(concurrency: int, steps: int, profile: bool, spec_k0: bool = False) 
         for _ in range(steps // 5):
             eng.step()
         chunks.append((time.perf_counter() - t0) / (steps // 5) * 1e6)
-    row = {"engine": "eagle3, K=0 throughout" if spec_k0 else "no speculation",
+    row = {"engine": "no speculation" if spec_k is None else f"eagle3, K={spec_k} throughout",
            "concurrency": concurrency, "steps": steps,
            "us_per_step": round(min(chunks), 1),
            "us_per_step_stretches": [round(c, 1) for c in chunks],
            "overlapped_runs": eng.pipe.overlapped_runs}
-    row["us_per_token"] = round(row["us_per_step"] / concurrency, 2)
+    row["us_per_token"] = round(row["us_per_step"] / (concurrency * (1 + (spec_k or 0))), 2)
     if profile:
         pr = cProfile.Profile()
         pr.enable()
@@ -98,8 +116,8 @@ def measure(concurrency: int, steps: int, profile: bool, spec_k0: bool = False) 
             eng.step()
         pr.disable()
         out = io.StringIO()
-        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(15)
-        row["profile_top"] = out.getvalue().splitlines()[-22:]
+        pstats.Stats(pr, stream=out).sort_stats("tottime").print_stats(25)
+        row["profile_top"] = out.getvalue().splitlines()[-32:]
     return row
 
 
@@ -111,12 +129,16 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--spec-k0", action="store_true",
                     help="also the EAGLE-3 engine with drafting off (the fused K=0 step)")
+    ap.add_argument("--spec-k", default="",
+                    help="also EAGLE-3 engines at these K (comma-separated; 0: as --spec-k0), "
+                         "every draft accepted")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the regular forward's kernels, off CUDA
     rows = []
-    for k0 in (False, True) if args.spec_k0 else (False,):
+    ks = [None] + ([0] if args.spec_k0 else []) + [int(k) for k in args.spec_k.split(",") if k]
+    for k in ks:
         for c in args.concurrency.split(","):
-            rows.append(measure(int(c), args.steps, args.profile, k0))
+            rows.append(measure(int(c), args.steps, args.profile, k))
             r = rows[-1]
             print(f"{r['engine']}, {r['concurrency']} streams: {r['us_per_step']} us/step "
                   f"({r['us_per_token']} us/token)", flush=True)
