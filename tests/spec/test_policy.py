@@ -274,6 +274,24 @@ def test_measured_throughput_overrules_a_model_that_predicts_a_win():
     assert pol.choose_batch(seqs, 4) > 0 and pol.choose(seqs[0], batch_size=4) > 0
 
 
+def test_measured_throughput_counts_the_tokens_steps_deliver_together():
+    """Drafting steps emit lumpy token counts: most one token, some four. Together they
+    deliver more tokens per second than plain steps even though the median step's rate is
+    lower, and that is what decides; a stalled step (a capture, the host descheduled) does
+    not count."""
+    from engine.spec.policy import StepCosts
+
+    costs = StepCosts()
+    for _ in range(8):
+        costs.record(1, 0, 1e-3, tokens=1)  # plain: 1000 tokens/s
+    costs.record(1, 0, 50e-3, tokens=1)  # a stall
+    for i in range(16):
+        costs.record(1, 3.0, 1.2e-3, tokens=4 if i % 5 < 2 else 1)  # 2.2 tokens a step
+    rate = (2 * 4 + 3 * 1) / 5 / 1.2e-3
+    assert abs(costs.measured_gain(1) - rate / 1000) < 0.05 * rate / 1000
+    assert costs.measured_gain(1) > 1.5  # the median step's rate (833 tokens/s) would lose
+
+
 def test_a_seeded_sampled_request_ignores_measured_throughput():
     """A seeded request's K must not depend on timings (its draws depend on its K)."""
     from engine.spec.policy import StepCosts
