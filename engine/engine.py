@@ -517,35 +517,37 @@ class Engine:
         """Append tokens until one stops the request; the text delta holds back any tail that
         could still become a stop string."""
         detok = self._detok.get(seq.request_id)
+        p, ids = seq.params, seq.token_ids
+        # What stops a request, worked out once per call (a step at 64 streams emits up to
+        # 64 x (K+1) tokens, one Python pass each): the ids that stop it, and the length
+        # (max_tokens or the model's length) that does.
+        eos = () if p.ignore_eos else self.eos_ids
+        limit = min(seq.num_prompt_tokens + p.max_tokens, self.config.max_model_len)
         emitted, reason = [], None
         for tok in tokens:
-            seq.token_ids.append(tok)
+            ids.append(tok)
             emitted.append(tok)
-            self.stats.generated_tokens += 1
-            seq.text += detok.step(seq.token_ids) if detok else ""
-            reason = self._stop_reason(seq, tok)
-            if seq.params.stop and cut_at_stop(seq):
+            if detok:
+                seq.text += detok.step(ids)
+            if tok in eos or tok in p.stop_token_ids:
+                reason = "stop"
+            elif len(ids) >= limit:
+                reason = "length"
+            if p.stop and cut_at_stop(seq):
                 reason = "stop"
             if reason:
                 break
             if seq.hold:
                 reason = "handoff"
                 break
+        self.stats.generated_tokens += len(emitted)
         done = reason is not None and reason != "handoff"
-        keep = len(seq.text) - (0 if done else stop_prefix_len(seq))
+        keep = len(seq.text) - (0 if done or not p.stop else stop_prefix_len(seq))
         text, seq.num_emitted_chars = seq.text[seq.num_emitted_chars : keep], keep
         return RequestOutput(seq.request_id, emitted, text, prompt_tokens=seq.num_prompt_tokens,
                              completion_tokens=seq.num_output_tokens,
                              cached_tokens=seq.num_cached_tokens,
                              accepted_tokens=seq.num_accepted), reason
-
-    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.params
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens or len(seq) >= self.config.max_model_len:
-            return "length"
-        return None
 
     def _finished_output(self, seq: Sequence) -> RequestOutput:
         """Report a request the scheduler had to stop (the KV cache cannot hold it)."""

@@ -139,9 +139,10 @@ class SpecRunner:
         """k drafts capped by what `seq` may still emit after its pending token (token number
         `need`): each verify of k drafts emits k + 1 tokens, within max_tokens and the
         model's length; and by the request's own draft limit."""
-        left = min(seq.params.max_tokens - seq.num_output_tokens,
-                   self.cfg.max_model_len - len(seq)) - (need - len(seq) + 1)
-        k = min(k, max(left, 0))
+        n = len(seq.token_ids)
+        left = min(seq.params.max_tokens - (n - seq.num_prompt_tokens),
+                   self.cfg.max_model_len - n) - (need - n + 1)
+        k = min(k, left) if left > 0 else 0
         return k if seq.max_draft is None else min(k, seq.max_draft)
 
     def _ks_for(self, seqs, needs: list[int], blocks, want: int | None) -> list[int | None]:
