@@ -456,6 +456,9 @@ class Engine:
         `drafts` when the fused step already made them, else by proposing now."""
         self.stats.steps += count_step
         outs, spans, row = [], [], 0
+        # Spans to propose drafts from: none without speculation, or when the fused step
+        # made the drafts.
+        propose = drafts is None and self.spec is not None
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             lo = seq.num_computed
             if self.capture is not None:
@@ -484,14 +487,15 @@ class Engine:
             if reason == "handoff":
                 # Draft here exactly as one engine would, so the decode side verifies the same
                 # drafts and the request's RNG advances the same way: output is identical.
-                spans.append(Span(seq, lo, seq.num_computed - lo, row,
-                                  draft=self.config.handoff_drafts))
+                if propose:
+                    spans.append(Span(seq, lo, seq.num_computed - lo, row,
+                                      draft=self.config.handoff_drafts))
                 self._finish(seq, reason)
                 out.handoff = True
             elif reason:
                 self._finish(seq, reason)
                 out.finished, out.finish_reason = True, reason
-            else:
+            elif propose:
                 spans.append(Span(seq, lo, seq.num_computed - lo, row, draft=True))
             row += n
         if drafts is not None:
