@@ -74,11 +74,13 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 128
-              ) -> list[dict]:
+def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 128,
+              admission: list[tuple[int, int]] = ()) -> list[dict]:
     """Figure 3's steady mixed workload at each concurrency, the no-spec engine, the
     speculative engine held at K=0 and the one with dynamic K taking turns `reps` times, so a
-    drift of the host's speed between runs lands on all three alike."""
+    drift of the host's speed between runs lands on all three alike. `admission`: (delay
+    steps, share) settings (`EngineConfig.admission_delay_steps`, `admission_share`) under
+    which a no-spec and a dynamic engine also take their turns (`no_spec@d:s`, ...)."""
     from bench.common import held_out_messages, hold_at_k0
     from bench.step_profile import steady_tokens
 
@@ -87,6 +89,10 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
     forced = spec_eng.with_config(num_blocks=8192)
     hold_at_k0(forced)
     engines = {"no_spec": plain, "eagle3_k0": forced, "eagle3_dynamic": spec_eng}
+    for d, sh in admission:
+        for name, e in (("no_spec", plain), ("eagle3_dynamic", spec_eng)):
+            engines[f"{name}@{d}:{sh}"] = e.with_config(
+                num_blocks=8192, admission_delay_steps=d, admission_share=sh)
     prompts = [spec_eng.encode_prompt(m) for m in held_out_messages(max(concurrency))]
     out = []
     for c in concurrency:
@@ -123,6 +129,9 @@ def main(argv=None) -> int:
                    help="concurrencies of the interleaved steady A/B (no-spec, K=0, dynamic); "
                         "empty: skip")
     p.add_argument("--ab-reps", type=int, default=3)
+    p.add_argument("--ab-admission", default="",
+                   help="admission settings delay:share (e.g. 4:8,8:4) that a no-spec and a "
+                        "dynamic engine also run the A/B under")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     spec = SpecConfig(method="eagle3", num_tokens=args.k, dynamic=True)
@@ -133,7 +142,9 @@ def main(argv=None) -> int:
     fused = eng.spec.fused
     # First, while no graph buffer was made under inference mode (the engines' own steps run
     # outside it).
-    ab = steady_ab(eng, plain, [int(c) for c in args.ab.split(",") if c], args.ab_reps)
+    admission = [tuple(int(x) for x in a.split(":")) for a in args.ab_admission.split(",") if a]
+    ab = steady_ab(eng, plain, [int(c) for c in args.ab.split(",") if c], args.ab_reps,
+                   admission=admission)
     rows = []
     with torch.inference_mode():
         for b in [int(x) for x in args.batches.split(",") if x]:
