@@ -116,14 +116,10 @@ VARIANTS = [  # (name, prologue linears, triton_backend.PDL)
     ("prologue", True, False), ("prologue_pdl", True, None)]
 
 
-def forward_times(rows_list, ctx: int = 256) -> tuple[list[dict], dict | None]:
-    """GPU ms per decode-graph replay of a random SmolLM2-shaped bf16 model: separate kernels
-    or prologue linears (every row count allowed here), each without and with programmatic
-    dependent launch; and the engine's own calibration at graph set-up ({rows: (prologue
-    us, separate us)} for one layer's projections), which picks the rows it uses."""
+def random_smol_engine():
+    """A SmolLM2-shaped bf16 engine on the GPU with random weights (N(0, 0.05), seed 0),
+    Triton attention and CUDA graphs: timing only."""
     from engine import Engine, EngineConfig
-    from engine.attention import triton_backend
-    from engine.graphs import pack
     from tests.engine.test_gpu_engine import smol_shape
 
     torch.manual_seed(0)
@@ -133,6 +129,18 @@ def forward_times(rows_list, ctx: int = 256) -> tuple[list[dict], dict | None]:
     with torch.no_grad():
         for p in eng.model.parameters():
             p.normal_(0, 0.05)
+    return eng
+
+
+def forward_times(rows_list, ctx: int = 256) -> tuple[list[dict], dict | None]:
+    """GPU ms per decode-graph replay of a random SmolLM2-shaped bf16 model: separate kernels
+    or prologue linears (every row count allowed here), each without and with programmatic
+    dependent launch; and the engine's own calibration at graph set-up ({rows: (prologue
+    us, separate us)} for one layer's projections), which picks the rows it uses."""
+    from engine.attention import triton_backend
+    from engine.graphs import pack
+
+    eng = random_smol_engine()
     rows_default = eng.model.prologue_rows
     graphs = eng.runner.graphs
     out = []

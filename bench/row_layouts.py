@@ -115,8 +115,7 @@ def greedy_us(rows: int) -> dict:
 
 
 def main(argv=None):
-    from engine import Engine, EngineConfig
-    from tests.engine.test_gpu_engine import smol_shape
+    from bench.linear_sweep import random_smol_engine
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/profile")
@@ -146,13 +145,7 @@ def main(argv=None):
 
     result["greedy"] = {r: greedy_us(r) for r in (1, 8)}
     print(json.dumps(result["greedy"]), flush=True)
-    torch.manual_seed(0)
-    eng = Engine(EngineConfig(model=smol_shape(), dtype=torch.bfloat16, device="cuda",
-                              num_blocks=4096, block_size=16, attention_backend="triton",
-                              cuda_graphs=True))
-    with torch.no_grad():
-        for p in eng.model.parameters():
-            p.normal_(0, 0.05)
+    eng = random_smol_engine()
     eng.model.prologue_rows = frozenset(range(1, max(rows_list) + 1))
     base = None
     for name in names:
