@@ -238,11 +238,19 @@ class SpecRunner:
             def prepare(ids, pos, meta):
                 prev_ids = prev.out[0][: len(prev.seqs)]
                 ids[:b].copy_(prev_ids if sel is None else prev_ids[sel])
-        elif prev is not None:
-            state = self.stager.index([*(s.num_computed for s in seqs), *kcur])
-            prepare = continuation(prev, state, b, q, self.cfg.block_size, sel)
-        # The draft count per row; a step drafting nothing never reads it (no copy).
-        extras = (self.stager.index(rows)[:, None],) if any(kn) else ()
+        # One copy to the device for the continuation's state (num_computed per sequence,
+        # then this step's draft counts) and the draft count per row, which a step drafting
+        # nothing never reads.
+        parts = []
+        if not known and prev is not None:
+            parts.append(np.fromiter((s.num_computed for s in seqs), np.int64, b))
+            parts.append(np.asarray(kcur, dtype=np.int64))
+        if any(kn):
+            parts.append(rows)
+        dev = self.stager.to_device(np.concatenate(parts)) if parts else None
+        if not known and prev is not None:
+            prepare = continuation(prev, dev[: 2 * b], b, q, self.cfg.block_size, sel)
+        extras = (dev[len(dev) - b * q:][:, None],) if any(kn) else ()
         out = self.fused.set_for(max(kn)).run(inp, extras, prepare)
         self.fused_runs += 1
         # Outputs live in the graph pool, which the next replay overwrites: the host reads a
