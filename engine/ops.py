@@ -136,22 +136,26 @@ if triton_available():
             _rms_row(B + row * stride_b, WB, Y + row * stride_y + N, eps, N, BLOCK)
 
     @triton.jit
+    def _chunk_argmax(ROW, start, V, BLOCK: tl.constexpr):
+        """The largest of ROW[start : start + BLOCK] (indices below V) and the first index
+        holding it, by torch.argmax's rules: NaN counts as the largest value."""
+        offs = start + tl.arange(0, BLOCK)
+        x = tl.load(ROW + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        x = tl.where(x != x, float("inf"), x)
+        return tl.max(x, 0), tl.argmax(x, 0, tie_break_left=True).to(tl.int64) + start
+
+    @triton.jit
     def _argmax_kernel(X, OFF, OUT, stride_x, V: tl.constexpr, BLOCK: tl.constexpr,
                        HAS_OFF: tl.constexpr, USE_PDL: tl.constexpr = False):
         """OUT[t] = the first index of row t's largest value (+ OFF[index])."""
         row = tl.program_id(0)
-        offs = tl.arange(0, BLOCK)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         best = tl.full([], float("-inf"), tl.float32)
         idx = tl.full([], 0, tl.int64)
         for v0 in range(0, V, BLOCK):
-            x = tl.load(X + row * stride_x + v0 + offs, mask=v0 + offs < V,
-                        other=float("-inf")).to(tl.float32)
-            x = tl.where(x != x, float("inf"), x)  # NaN wins, as in torch.argmax
-            m = tl.max(x, 0)
-            i = tl.argmax(x, 0, tie_break_left=True).to(tl.int64) + v0
+            m, i = _chunk_argmax(X + row * stride_x, v0, V, BLOCK)
             take = m > best  # strictly: an equal value later in the row loses
             idx = tl.where(take, i, idx)
             best = tl.where(take, m, best)
@@ -165,16 +169,13 @@ if triton_available():
         """Chunk c of row t: its largest value and the first index holding it."""
         row = tl.program_id(0)
         c = tl.program_id(1)
-        offs = c * BLOCK + tl.arange(0, BLOCK)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        x = tl.load(X + row * stride_x + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
-        x = tl.where(x != x, float("inf"), x)  # NaN wins, as in torch.argmax
+        m, i = _chunk_argmax(X + row * stride_x, c * BLOCK, V, BLOCK)
         chunks = tl.num_programs(1)
-        tl.store(PM + row * chunks + c, tl.max(x, 0))
-        tl.store(PI + row * chunks + c,
-                 tl.argmax(x, 0, tie_break_left=True).to(tl.int64) + c * BLOCK)
+        tl.store(PM + row * chunks + c, m)
+        tl.store(PI + row * chunks + c, i)
 
     @triton.jit
     def _argmax_join_kernel(PM, PI, OUT, CHUNKS: tl.constexpr, BLOCK: tl.constexpr,
