@@ -523,10 +523,9 @@ class Engine:
         detok = self._detok.get(seq.request_id)
         p, ids = seq.params, seq.token_ids
         # What stops a request, worked out once per call (a step at 64 streams emits up to
-        # 64 x (K+1) tokens, one Python pass each): the ids that stop it, and the length
-        # (max_tokens or the model's length) that does.
+        # 64 x (K+1) tokens, one Python pass each): the ids that stop it, and its length limit.
         eos = () if p.ignore_eos else self.eos_ids
-        limit = min(seq.num_prompt_tokens + p.max_tokens, self.config.max_model_len)
+        limit = seq.length_limit(self.config.max_model_len)
         emitted, reason = [], None
         for tok in tokens:
             ids.append(tok)

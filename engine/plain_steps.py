@@ -78,7 +78,7 @@ class PlainSteps:
         cfg = self.cfg
         seqs = prev.seqs if keep is None else [prev.seqs[i] for i in keep]
         for s in seqs:
-            if s.num_output_tokens + 1 >= s.params.max_tokens or len(s) + 1 >= cfg.max_model_len:
+            if len(s) + 1 >= s.length_limit(cfg.max_model_len):
                 return None
         # Room for every sequence's next token at once (`grow_all`), or drain.
         if not blocks.grow_all(seqs, [len(s) + 1 for s in seqs]):

@@ -97,6 +97,11 @@ class Sequence:
         """len(output_ids), without copying them (checked for every token emitted)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def length_limit(self, max_model_len: int) -> int:
+        """The length at which the request stops for length: max_tokens after its prompt,
+        or the model's length, whichever comes first."""
+        return min(self.num_prompt_tokens + self.params.max_tokens, max_model_len)
+
     @property
     def num_pending(self) -> int:
         """Tokens whose KV is not yet in the cache (1 while decoding)."""

@@ -126,8 +126,6 @@ class SpecRunner:
         if not blocks.can_grow(seq, need):
             return None
         blocks.grow(seq, need)
-        # Up to need - len(seq) tokens may be emitted before the pending one, and each verify
-        # of k drafts emits k + 1: keep within max_tokens and the model's length.
         k = self._cap(seq, need, self.policy.choose(seq, batch_size) if want is None else want)
         while k and not blocks.can_grow(seq, need + k):
             k -= 1
@@ -137,11 +135,9 @@ class SpecRunner:
 
     def _cap(self, seq: Sequence, need: int, k: int) -> int:
         """k drafts capped by what `seq` may still emit after its pending token (token number
-        `need`): each verify of k drafts emits k + 1 tokens, within max_tokens and the
-        model's length; and by the request's own draft limit."""
-        n = len(seq.token_ids)
-        left = min(seq.params.max_tokens - (n - seq.num_prompt_tokens),
-                   self.cfg.max_model_len - n) - (need - n + 1)
+        `need`): each verify of k drafts emits k + 1 tokens, within its length limit; and by
+        the request's own draft limit."""
+        left = seq.length_limit(self.cfg.max_model_len) - need - 1
         k = min(k, left) if left > 0 else 0
         return k if seq.max_draft is None else min(k, seq.max_draft)
 
@@ -231,8 +227,7 @@ class SpecRunner:
         the token ids when the host knew the rest (`known`: prev and this step are one row
         per sequence)."""
         b = len(seqs)
-        rows = np.zeros(b * q, dtype=np.int64)
-        rows[::q] = kn
+        cont, drafting = not known and prev is not None, any(kn)
         prepare = None
         if known:
             def prepare(ids, pos, meta):
@@ -242,15 +237,17 @@ class SpecRunner:
         # then this step's draft counts) and the draft count per row, which a step drafting
         # nothing never reads.
         parts = []
-        if not known and prev is not None:
-            parts.append(np.fromiter((s.num_computed for s in seqs), np.int64, b))
-            parts.append(np.asarray(kcur, dtype=np.int64))
-        if any(kn):
+        if cont:
+            parts += [np.fromiter((s.num_computed for s in seqs), np.int64, b),
+                      np.asarray(kcur, dtype=np.int64)]
+        if drafting:
+            rows = np.zeros(b * q, dtype=np.int64)
+            rows[::q] = kn
             parts.append(rows)
         dev = self.stager.to_device(np.concatenate(parts)) if parts else None
-        if not known and prev is not None:
+        if cont:
             prepare = continuation(prev, dev[: 2 * b], b, q, self.cfg.block_size, sel)
-        extras = (dev[len(dev) - b * q:][:, None],) if any(kn) else ()
+        extras = (dev[-b * q:][:, None],) if drafting else ()
         out = self.fused.set_for(max(kn)).run(inp, extras, prepare)
         self.fused_runs += 1
         # Outputs live in the graph pool, which the next replay overwrites: the host reads a
