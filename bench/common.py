@@ -142,11 +142,12 @@ def precapture(eng, batch_sizes, long_context: bool | None = None) -> str:
         return f"precapture failed ({type(e).__name__}: {e}); relying on the warm-up run"
 
 
-def hold_at_k0(eng) -> None:
-    """Make a speculative engine's dynamic policy draft nothing, ever: every step is the K=0
-    step (the head's KV kept current), what speculation costs once it has switched off."""
-    eng.spec.policy.choose = lambda seq, batch_size: 0
-    eng.spec.policy.choose_batch = lambda seqs, batch_size: 0
+def hold_at_k(eng, k: int = 0) -> None:
+    """Make a speculative engine's policy draft k tokens every step. k = 0: every step is
+    the K=0 step (the head's KV kept current), what speculation costs once it has switched
+    off."""
+    eng.spec.policy.choose = lambda seq, batch_size: k
+    eng.spec.policy.choose_batch = lambda seqs, batch_size: k
 
 
 def spec_counts(eng) -> tuple[int, int]:

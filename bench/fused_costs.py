@@ -81,13 +81,13 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
     drift of the host's speed between runs lands on all three alike. `admission`: (delay
     steps, share) settings (`EngineConfig.admission_delay_steps`, `admission_share`) under
     which a no-spec and a dynamic engine also take their turns (`no_spec@d:s`, ...)."""
-    from bench.common import held_out_messages, hold_at_k0
+    from bench.common import held_out_messages, hold_at_k
     from bench.step_profile import steady_tokens
 
     if not concurrency:
         return []
     forced = spec_eng.with_config(num_blocks=8192)
-    hold_at_k0(forced)
+    hold_at_k(forced)
     engines = {"no_spec": plain, "eagle3_k0": forced, "eagle3_dynamic": spec_eng}
     for d, sh in admission:
         for name, e in (("no_spec", plain), ("eagle3_dynamic", spec_eng)):

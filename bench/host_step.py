@@ -51,7 +51,7 @@ def make_engine(concurrency: int, max_tokens: int, spec_k: int | None = None):
 
         eng.runner.graphs.fn = fake
         return eng
-    from bench.common import hold_at_k0
+    from bench.common import hold_at_k
     from tests.spec.test_eagle3 import random_head
 
     cfg = replace(ref.config, attention_backend="triton",
@@ -60,10 +60,7 @@ def make_engine(concurrency: int, max_tokens: int, spec_k: int | None = None):
     n = max(concurrency, 1)
     eng.runner.enable_graphs(n, range(1, 9), eng.spec.aux_layers)
     eng.spec.enable_graphs(n)
-    hold_at_k0(eng)
-    if spec_k:
-        eng.spec.policy.choose = lambda seq, batch_size: spec_k
-        eng.spec.policy.choose_batch = lambda seqs, batch_size: spec_k
+    hold_at_k(eng, spec_k)
 
     def fake(drafts: int):
         def fn(ids, pos, meta, kn_rows):
@@ -88,8 +85,8 @@ def make_engine(concurrency: int, max_tokens: int, spec_k: int | None = None):
 def measure(concurrency: int, steps: int, profile: bool, spec_k: int | None = None) -> dict:
     from engine.sequence import SamplingParams
 
-    # The timed steps and the profiled ones all decode (K+1 tokens a step at K drafts).
-    tokens = (2 * steps + 40) * (1 + (spec_k or 0))
+    per_step = 1 + (spec_k or 0)  # tokens a sequence emits a step (every draft accepted)
+    tokens = (2 * steps + 40) * per_step  # the timed steps and the profiled ones all decode
     eng = make_engine(concurrency, tokens, spec_k)
     sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for i in range(concurrency):
@@ -108,7 +105,7 @@ def measure(concurrency: int, steps: int, profile: bool, spec_k: int | None = No
            "us_per_step": round(min(chunks), 1),
            "us_per_step_stretches": [round(c, 1) for c in chunks],
            "overlapped_runs": eng.pipe.overlapped_runs}
-    row["us_per_token"] = round(row["us_per_step"] / (concurrency * (1 + (spec_k or 0))), 2)
+    row["us_per_token"] = round(row["us_per_step"] / (concurrency * per_step), 2)
     if profile:
         pr = cProfile.Profile()
         pr.enable()

@@ -132,42 +132,38 @@ def random_smol_engine():
     return eng
 
 
+def decode_forward_us(eng, rows: int, ctx: int = 256) -> float:
+    """GPU microseconds per replay of eng's decode graph for `rows` sequences of `ctx` tokens
+    (captured afresh, so the current kernel settings apply; best of three runs of 50)."""
+    from engine.graphs import pack, replay_us
+
+    graphs = eng.runner.graphs
+    per = ctx // 16 + 1
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(rows)]
+    inp = pack([5] * rows, [ctx] * rows, tables, [1] * rows, 16)
+    graphs.graphs.clear()
+    graphs.run(inp)  # captures the bucket, stages the inputs
+    key = next(k for k in graphs.graphs if k[1] == 1)
+    return replay_us(graphs.graphs[key][0], 50)
+
+
 def forward_times(rows_list, ctx: int = 256) -> tuple[list[dict], dict | None]:
     """GPU ms per decode-graph replay of a random SmolLM2-shaped bf16 model: separate kernels
     or prologue linears (every row count allowed here), each without and with programmatic
     dependent launch; and the engine's own calibration at graph set-up ({rows: (prologue
     us, separate us)} for one layer's projections), which picks the rows it uses."""
     from engine.attention import triton_backend
-    from engine.graphs import pack
 
     eng = random_smol_engine()
     rows_default = eng.model.prologue_rows
-    graphs = eng.runner.graphs
     out = []
     for rows in rows_list:
-        per = ctx // 16 + 1
-        tables = [list(range(i * per, (i + 1) * per)) for i in range(rows)]
-        inp = pack([5] * rows, [ctx] * rows, tables, [1] * rows, 16)
         row = {"rows": rows, "context": ctx}
         for name, flag, pdl in VARIANTS:
             eng.model.prologue_linears = flag
             eng.model.prologue_rows = frozenset(range(1, 65))
             triton_backend.PDL = pdl
-            graphs.graphs.clear()
-            graphs.run(inp)  # captures the bucket, stages the inputs
-            key = next(k for k in graphs.graphs if k[1] == 1)
-            g = graphs.graphs[key][0]
-            torch.cuda.synchronize()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            best = float("inf")
-            for _ in range(3):
-                a.record()
-                for _ in range(50):
-                    g.replay()
-                b.record()
-                b.synchronize()
-                best = min(best, a.elapsed_time(b) / 50)
-            row[name + "_ms"] = round(best, 4)
+            row[name + "_ms"] = round(decode_forward_us(eng, rows, ctx) / 1e3, 4)
         for name, _, _ in VARIANTS[1:]:
             row[name + "_vs_separate"] = round(row[name + "_ms"] / row["separate_ms"], 3)
         out.append(row)

@@ -43,19 +43,6 @@ def set_layout(name: str) -> None:
     ops.ROWS_FIRST, ops.DOT_TILES = LAYOUTS[name]
 
 
-def forward_us(eng, rows: int, ctx: int = 256) -> float:
-    from engine.graphs import pack, replay_us
-
-    graphs = eng.runner.graphs
-    per = ctx // 16 + 1
-    tables = [list(range(i * per, (i + 1) * per)) for i in range(rows)]
-    inp = pack([5] * rows, [ctx] * rows, tables, [1] * rows, 16)
-    graphs.graphs.clear()
-    graphs.run(inp)
-    key = next(k for k in graphs.graphs if k[1] == 1)
-    return round(replay_us(graphs.graphs[key][0], 50), 1)
-
-
 def op_us(name: str, rows: int) -> float:
     from engine import ops
     from engine.graphs import graph_time_us
@@ -115,7 +102,7 @@ def greedy_us(rows: int) -> dict:
 
 
 def main(argv=None):
-    from bench.linear_sweep import random_smol_engine
+    from bench.linear_sweep import decode_forward_us, random_smol_engine
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/profile")
@@ -153,7 +140,7 @@ def main(argv=None):
         row = {"tiles": LAYOUTS[name]}
         try:
             row["bit_equal_rows"] = rows_bit_equal()
-            row["forward_us"] = {r: forward_us(eng, r) for r in rows_list}
+            row["forward_us"] = {r: round(decode_forward_us(eng, r), 1) for r in rows_list}
             if base is None:
                 base = row["forward_us"][rows_list[0]]
             row["forward_vs_base_1row"] = {r: round(v / base, 3)

@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     p.add_argument("--llama8b", action="store_true",
                    help="also break down an eager 8B-shape decode forward by op and shape")
     args = p.parse_args(argv)
-    from bench.common import held_out_messages, hold_at_k0
+    from bench.common import held_out_messages, hold_at_k
     from engine import Engine, SamplingParams
     from engine.config import SpecConfig
 
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     for name in args.variants.split(","):
         eng = base.with_config(spec=variants[name], num_blocks=8192)
         if name == "eagle3_k0":
-            hold_at_k0(eng)
+            hold_at_k(eng)
         eng.capture_graphs(range(1, max(conc) + 1))  # every bucket a tail meets
         for c in conc:
             batch = [prompts[i % len(prompts)] for i in range(c)]
