@@ -176,10 +176,14 @@ class EngineConfig:
     overlap: bool = True
     # Under overlap, a request arriving while a batch of R sequences decodes joins at once
     # when max(1, R // admission_share) requests wait, else after at most
-    # admission_delay_steps engine steps: each admission drains the pipeline for one
-    # un-overlapped step, so at high load a few arrivals share one (0: always at once).
+    # admission_delay_steps engine steps: each admission costs the running streams a step
+    # (a drain and an un-overlapped step, or a prefill beside the step in flight), so at
+    # high load a few arrivals share one (0: always at once).
     admission_delay_steps: int = 2
     admission_share: int = 16
+    # A greedy arrival whose whole prompt fits one forward is prefilled beside the decode
+    # step in flight and joins the step after it, instead of draining the pipeline.
+    admit_in_flight: bool = True
     # Prefill role: draft the first K tokens before a hand-off (the decode side verifies them
     # at once; seeded sampling stays identical to one engine). False: ship only the head's
     # hidden state and let the decode side draft with the K its own load calls for.

@@ -88,6 +88,7 @@ class Engine:
         self._inflight = None  # (Batch, FusedHandle): a step launched and not read yet
         self._deferred: list[Sequence] = []  # finished meanwhile: blocks freed after it
         self._carry: list[RequestOutput] = []  # outputs read outside step(), returned next
+        self.admitted_in_flight = 0  # requests prefilled beside a step in flight, no drain
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **overrides) -> Engine:
@@ -240,7 +241,7 @@ class Engine:
         if nxt is not None:
             self._inflight = (_entries(nxt), nxt)
         outs = self._postprocess(batch, None, results, drafts)
-        return batch, results, outs + self._settle(batch)
+        return batch, results, outs + self._settle()
 
     def _splits(self) -> bool:
         """Whether a batch mixing greedy decodes with other entries runs the decodes apart
@@ -281,17 +282,34 @@ class Engine:
         batch, h = self._inflight
         # Requests that finished while h was in flight drop out here: the next step continues
         # the others from h's outputs, and h's rows of theirs are read and discarded.
+        # Requests prefilled beside h join it (`_joining`), and requests due to be admitted
+        # are prefilled beside it (`_admit_beside`); anything else drains the pipeline.
         keep = _unfinished(batch)
         live = batch.select(keep)
-        nxt = self.pipe.fused_continue(h, self.blocks, self.stats.steps + 2,
-                                       keep if len(keep) < len(batch.seqs) else None) \
-            if keep and self._can_overlap(live) else None
+        join = self._joining(live) if keep else None
+        nxt = pre = None
+        if join is not None:
+            due = self._admission_due()
+            # The prefill goes on the stream before the continuation, so reading it waits
+            # for h and itself, not for the step launched next.
+            pre = self._admit_beside(h) if due else None
+            if pre is not None or not due:
+                nxt = self.pipe.fused_continue(h, self.blocks, self.stats.steps + 2,
+                                               keep if len(keep) < len(batch.seqs) else None,
+                                               join.seqs)
+            if pre is not None and nxt is not None:
+                nxt.protect()  # drafting for the prefill replays graphs of its pool
         if nxt is None:
-            return batch, {}, self._drain()
-        results, drafts = self._read(h, keep)
-        self._inflight = (_entries(nxt), nxt)
-        outs = self._postprocess(live, None, results, drafts)
-        return live, results, outs + self._settle(live)
+            outs = self._drain()
+            results = {}
+        else:
+            results, drafts = self._read(h, keep)
+            self._inflight = (_entries(nxt), nxt)
+            outs = self._postprocess(live, None, results, drafts)
+        if pre is not None:  # its step mixed in a prefill: not one the cost model prices
+            outs += self._read_beside(*pre)
+            results = {}
+        return live, results, outs + self._settle()
 
     def _can_overlap(self, batch: Batch) -> bool:
         """The next step may be launched before this one is read: overlap is on, no request
@@ -315,15 +333,68 @@ class Engine:
         oldest = min(s.arrival_step for s in sch.waiting)
         return self.stats.steps - oldest >= cfg.admission_delay_steps
 
-    def _settle(self, batch: Batch) -> list[RequestOutput]:
-        """After reading a step while the next is in flight: drain if the batch changed other
-        than by requests finishing (those the next step leaves out, `_step_overlapped`)."""
+    def _settle(self) -> list[RequestOutput]:
+        """After reading a step while the next is in flight: drain if the running set
+        changed other than by requests finishing (those the next step leaves out,
+        `_step_overlapped`) or being prefilled to join it, or if requests are due to be
+        admitted that cannot be prefilled beside it."""
         if self._inflight is None:
             return []
-        live = batch.select(_unfinished(batch))
-        if not live.seqs or not self._can_overlap(live):
+        live = self._inflight[0].select(_unfinished(self._inflight[0]))
+        if not live.seqs or self._joining(live) is None or \
+                (self._admission_due() and not self._admits_beside()):
             return self._drain()
         return []
+
+    def _joining(self, live: Batch) -> Batch | None:
+        """The running requests besides `live` (the unfinished entries of the step in
+        flight), as the entries they join its continuation with: requests prefilled beside
+        it, each one greedy pending token plus its drafts. None when the running set differs
+        from `live` in any other way (then the pipeline drains)."""
+        if not self.config.overlap or self.capture is not None:
+            return None
+        run, n = self.scheduler.running, len(live.seqs)
+        if len(run) < n or any(a is not b for a, b in zip(run, live.seqs)):
+            return None
+        join = Batch()
+        for s in run[n:]:
+            if not s.greedy_decode(1 + len(s.draft)):
+                return None
+            join.add(s, 1 + len(s.draft))
+        return join
+
+    def _beside_ok(self, seq: Sequence) -> bool:
+        """Whether a waiting request may be prefilled beside a decode step in flight: a
+        greedy request that decodes here (sampled ones and hand-offs take the drain)."""
+        return seq.params.greedy and not seq.hold and \
+            seq.num_pending <= self.config.max_num_batched_tokens
+
+    def _admits_beside(self) -> bool:
+        """Whether the next waiting request can be prefilled beside the step in flight."""
+        sch = self.scheduler
+        return self.config.admit_in_flight and bool(sch.waiting) and \
+            self._beside_ok(sch.waiting[0]) and self._splits()
+
+    def _admit_beside(self, h):
+        """Admit the waiting requests that can be prefilled whole beside the step in flight
+        `h` (`_beside_ok`, their KV blocks free) and launch their prefill without waiting for
+        it: (batch, forward, read) for `_read_beside`, or None (drain and admit instead)."""
+        if not self._admits_beside():
+            return None
+        r = self.scheduler.admit_whole(self.config.max_num_batched_tokens, self._beside_ok)
+        if not r.seqs:
+            return None
+        # Graphs share memory pools: the prefill's scratch may be where h's outputs live,
+        # which the continuation after it reads.
+        h.protect()
+        self.admitted_in_flight += len(r.seqs)
+        return (r, *self._run(r, defer=True))
+
+    def _read_beside(self, batch: Batch, fwd, read) -> list[RequestOutput]:
+        """Read a prefill launched beside a step in flight and postprocess it: the first
+        token, and (speculation) drafts proposed after it. The requests then join the next
+        continuation (`_joining`)."""
+        return self._postprocess(batch, fwd, read(), count_step=False)
 
     def _drain(self) -> list[RequestOutput]:
         """Read the step in flight, free the blocks of requests that finished meanwhile (it
@@ -410,10 +481,13 @@ class Engine:
         dev = torch.device(self.config.device)
         return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
-    def _run(self, batch: Batch):
+    def _run(self, batch: Batch, defer: bool = False):
         """Forward the batch; for entries whose tokens are all computed now, verify their
         drafts (none: plain sampling) against the target's logits. Greedy and sampled entries
-        alike stay on the device until one host sync reads the whole batch's results."""
+        alike stay on the device until one host sync reads the whole batch's results.
+        `defer`: start copying the results to the host and return (forward, read) without
+        waiting; read() waits and gives the results (work launched meanwhile is not waited
+        for)."""
         done, rows, ks, end = [], [], [], 0
         for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             end += n
@@ -423,7 +497,8 @@ class Engine:
                 ks.append(k)
                 rows.extend(range(end - k - 1, end))
         aux = self.spec.aux_layers if self.spec else self.capture_layers
-        fwd = self.runner.forward(batch, rows, aux_layers=aux)
+        # Deferred: beside a step in flight, whose decode-graph outputs the next step reads.
+        fwd = self.runner.forward(batch, rows, aux_layers=aux, decode_graphs=not defer)
         parts, sampled, r = [fwd.argmax], [], 0
         for i, k in zip(done, ks):
             seq = batch.seqs[i]
@@ -435,20 +510,27 @@ class Engine:
                 sampled.append(i)
                 parts += [n.view(1), tok.view(1)]
             r += k + 1
-        flat = torch.cat(parts).tolist() if len(parts) > 1 else parts[0].tolist()  # the sync
-        argmax, extra = flat[: len(rows)], iter(flat[len(rows):])
-        drawn = {i: (next(extra), next(extra)) for i in sampled}
-        results, r = {}, 0
-        for i, k in zip(done, ks):
-            seq = batch.seqs[i]
-            if i in drawn:
-                n, tok = drawn[i]
-                res = VerifyResult([*seq.draft[:n], tok], n)
-            else:
-                res = verify_greedy(seq.draft[:k], argmax[r : r + k + 1])
-            results[i] = (k, res)
-            r += k + 1
-        return fwd, results
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+
+        def read(values: list[int]) -> dict:
+            argmax, extra = values[: len(rows)], iter(values[len(rows):])
+            drawn = {i: (next(extra), next(extra)) for i in sampled}
+            results, r = {}, 0
+            for i, k in zip(done, ks):
+                seq = batch.seqs[i]
+                if i in drawn:
+                    n, tok = drawn[i]
+                    res = VerifyResult([*seq.draft[:n], tok], n)
+                else:
+                    res = verify_greedy(seq.draft[:k], argmax[r : r + k + 1])
+                results[i] = (k, res)
+                r += k + 1
+            return results
+
+        if defer:
+            fetch = self.runner.stager.fetch(flat)
+            return fwd, lambda: read(fetch())
+        return fwd, read(flat.tolist())  # the sync
 
     def _postprocess(self, batch: Batch, fwd, results, drafts=None,
                      count_step: bool = True) -> list[RequestOutput]:

@@ -25,6 +25,7 @@ from engine.config import EngineConfig
 from engine.graphs import PackedInputs, TableRows, pack_next
 from engine.runner import ModelRunner, pack_batch
 from engine.sequence import Sequence
+from engine.spec.fused import join_inputs
 from engine.spec.verify import VerifyResult
 
 
@@ -36,6 +37,11 @@ class DecodeHandle:
     seqs: list[Sequence]
     argmax: torch.Tensor
     fetch: object  # () -> list[int], waits for the copy
+
+    def protect(self) -> None:
+        """An own copy of the tokens the next step's continuation reads (see
+        `FusedHandle.protect`)."""
+        self.argmax = self.argmax.clone()
 
     @property
     def kcur(self) -> list[int]:
@@ -51,6 +57,7 @@ class PlainSteps:
         self.fused_runs = 0  # steps launched here (one replay, one read)
         self.overlapped_runs = 0  # of those, launched before the previous step was read
         self.compacted_runs = 0  # of those, leaving out requests that finished meanwhile
+        self.joined_runs = 0  # of those, taking in sequences prefilled beside the last
         self._tables = TableRows()  # the continuations' block tables, row by row
 
     def fused_launch(self, batch, blocks, step: int, capture=None) -> DecodeHandle | None:
@@ -68,35 +75,44 @@ class PlainSteps:
         return self._launch(batch.seqs, inp, None)
 
     def fused_continue(self, prev: DecodeHandle, blocks, step: int,
-                       keep: list[int] | None = None) -> DecodeHandle | None:
+                       keep: list[int] | None = None, join=()) -> DecodeHandle | None:
         """Launch the step after `prev` before reading it. The host has read every step but
         prev, so prev computes each sequence's pending token (position len - 1) and this
         step the token prev emits (position len). None (drain instead) when a sequence
         certainly finishes at prev (its length limit), or the free blocks cannot hold one more
         token for every sequence.
-        `keep`: only these of prev's rows continue (the others' requests finished)."""
+        `keep`: only these of prev's rows continue (the others' requests finished). `join`:
+        sequences prefilled beside prev take rows after prev's, at their pending token."""
         cfg = self.cfg
-        seqs = prev.seqs if keep is None else [prev.seqs[i] for i in keep]
-        for s in seqs:
+        old = prev.seqs if keep is None else [prev.seqs[i] for i in keep]
+        for s in old:
             if len(s) + 1 >= s.length_limit(cfg.max_model_len):
                 return None
+        seqs = list(old) + list(join)
         # Room for every sequence's next token at once (`grow_all`), or drain.
-        if not blocks.grow_all(seqs, [len(s) + 1 for s in seqs]):
+        if not blocks.grow_all(seqs, [len(s) + 1 for s in old] + [len(s) for s in join]):
             return None
         # (len + 1 < max_model_len: the table fits the graphs' max_blocks_per_seq columns.)
+        b = len(old)
         tab = self._tables([s.block_table for s in seqs])
         self.overlapped_runs += 1
         self.compacted_runs += keep is not None
+        self.joined_runs += bool(join)
         sel = None if keep is None else self.runner.stager.index(keep)
-        return self._launch(seqs, pack_next(seqs, tab, cfg.block_size), prev, sel)
+        inp = join_inputs(pack_next(old, tab[:b], cfg.block_size), join, 1, tab,
+                          cfg.block_size)
+        return self._launch(seqs, inp, prev, sel, b)
 
     def _launch(self, seqs, inp: PackedInputs, prev: DecodeHandle | None,
-                sel: torch.Tensor | None = None) -> DecodeHandle:
+                sel: torch.Tensor | None = None, cont_rows: int = 0) -> DecodeHandle:
+        """Replay a decode graph for inp; after `prev`, the token ids of the first
+        `cont_rows` rows are what prev chose (its rows `sel`, default all), copied on the
+        device; the rest (launched fresh, or joining) are the ones the host packed."""
         b = len(seqs)
         prepare = None
         if prev is not None:
             def prepare(ids, pos, meta):  # this step's tokens: what prev chose, on the device
-                ids[:b].copy_(prev.argmax if sel is None else prev.argmax[sel])
+                ids[:cont_rows].copy_(prev.argmax if sel is None else prev.argmax[sel])
         out = self.runner.graphs.run(inp, prepare=prepare)
         self.fused_runs += 1
         top = out[1][:b]

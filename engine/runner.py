@@ -114,16 +114,20 @@ class ModelRunner:
         return self.graphs
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, rows: list[int], aux_layers: tuple[int, ...] = ()
-                ) -> ForwardOutput:
-        """Run the batch; logits of the packed `rows`."""
+    def forward(self, batch: Batch, rows: list[int], aux_layers: tuple[int, ...] = (),
+                decode_graphs: bool = True) -> ForwardOutput:
+        """Run the batch; logits of the packed `rows`. `decode_graphs=False`: not through
+        the decode graphs, whose outputs a step in flight may still be read from (a
+        prefill launched beside it)."""
         inp = pack_batch(batch, self.cfg.block_size)
-        return self.forward_packed(inp, rows, aux_layers)
+        return self.forward_packed(inp, rows, aux_layers, decode_graphs)
 
     def forward_packed(self, inp: PackedInputs, rows: list[int],
-                       aux_layers: tuple[int, ...] = ()) -> ForwardOutput:
+                       aux_layers: tuple[int, ...] = (),
+                       decode_graphs: bool = True) -> ForwardOutput:
         top = None
-        g = next((g for g in (self.graphs, self.prefill_graphs) if g is not None
+        sets = (self.graphs, self.prefill_graphs) if decode_graphs else (self.prefill_graphs,)
+        g = next((g for g in sets if g is not None
                   and aux_layers == self.graph_aux and g.supports(inp)), None)
         if g is not None:
             hidden, top, *aux = g.run(inp)

@@ -89,6 +89,29 @@ class Scheduler:
             budget -= n
         return batch
 
+    def admit_whole(self, budget: int, ok) -> Batch:
+        """Admit waiting requests from the front of the queue whose whole remaining prompt
+        fits `budget` tokens and the free blocks, while `ok(seq)` holds: one prefill entry
+        each, the rest of the batch left running as it is (the engine prefills them beside a
+        decode step in flight). Stops at the first request that does not qualify."""
+        batch = Batch()
+        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if not ok(seq):
+                break
+            self.blocks.match_prefix(seq)
+            n = seq.num_pending
+            if n > budget or not self.blocks.can_grow(seq, seq.num_computed + n):
+                self.blocks.release(seq)
+                break
+            self.blocks.grow(seq, seq.num_computed + n)
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.add(seq, n)
+            budget -= n
+        return batch
+
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq` to `num_tokens`, preempting later requests if needed; False if seq itself
         had to go."""

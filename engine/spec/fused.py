@@ -49,6 +49,13 @@ class FusedHandle:
     fetch: object  # () -> list[int], waits for the copy
     continuable: bool = True  # blocks exist for the step after it
 
+    def protect(self) -> None:
+        """Own copies of the outputs the next step's continuation reads: before other graphs
+        of the same memory pool replay between this step and that one (a prefill launched
+        beside it, and the drafting after that prefill), whose scratch memory may be where
+        this graph's outputs live."""
+        self.out = tuple(t.clone() for t in self.out)
+
 
 def continuation(prev: FusedHandle, state: torch.Tensor, b: int, q: int, block_size: int,
                  sel: torch.Tensor | None = None):
@@ -199,6 +206,19 @@ def pack_uniform(seqs, q: int, block_size: int) -> PackedInputs:
     starts = np.arange(b + 1, dtype=np.int64) * q
     return PackedInputs(ids.reshape(-1), pos.reshape(-1), slots.reshape(-1), starts, lo + q,
                         tab, q)
+
+
+def join_inputs(inp: PackedInputs, join, q: int, tab: np.ndarray,
+                block_size: int) -> PackedInputs:
+    """`inp` followed by q rows for each sequence of `join`, packed as `pack_uniform` packs
+    them (pending token, drafts, padding), with `tab` the block tables of all of them."""
+    if not join:
+        return inp
+    j = pack_uniform(join, q, block_size)
+    cat = np.concatenate
+    return PackedInputs(cat([inp.ids, j.ids]), cat([inp.pos, j.pos]), cat([inp.slots, j.slots]),
+                        cat([inp.starts, j.starts[1:] + inp.starts[-1]]), cat([inp.lens, j.lens]),
+                        tab, max(inp.max_query_len, q))
 
 
 class FusedSteps:

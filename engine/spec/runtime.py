@@ -24,7 +24,14 @@ from engine.runner import prefill_graph_set
 from engine.sampler import processed_probs, sample_from
 from engine.sequence import Sequence
 from engine.spec.eagle3 import Eagle3Head
-from engine.spec.fused import FusedHandle, FusedSteps, chain_steps, continuation, pack_uniform
+from engine.spec.fused import (
+    FusedHandle,
+    FusedSteps,
+    chain_steps,
+    continuation,
+    join_inputs,
+    pack_uniform,
+)
 from engine.spec.ngram import NgramDrafter
 from engine.spec.policy import KPolicy
 from engine.spec.verify import VerifyResult
@@ -92,6 +99,7 @@ class SpecRunner:
         self.overlapped_runs = 0  # of those, launched from the previous step's device outputs
         self.known_continuations = 0  # of those, at K=0 with positions known on the host
         self.compacted_runs = 0  # of those, leaving out requests that finished meanwhile
+        self.joined_runs = 0  # of those, taking in sequences prefilled beside the last
         self._tables = TableRows()  # the continuations' block tables, row by row
 
     @property
@@ -179,74 +187,85 @@ class SpecRunner:
         return h
 
     def fused_continue(self, prev: FusedHandle, blocks, step: int,
-                       keep: list[int] | None = None) -> FusedHandle | None:
+                       keep: list[int] | None = None, join=()) -> FusedHandle | None:
         """Launch the step after `prev` before reading it: the pending tokens, drafts,
         positions and KV slots come from prev's outputs on the device, so the host's work
         on prev's results overlaps this step's. K for the step after is chosen now (a
         two-step lag) and capped as if prev and this step accept everything. `keep`: only
-        these of prev's rows continue (the others' requests finished meanwhile)."""
+        these of prev's rows continue (the others' requests finished meanwhile). `join`:
+        sequences prefilled beside prev, whose pending token and drafts the host knows,
+        take rows after prev's (packed as `fused_launch` packs them)."""
         f = self.fused
         rows = range(len(prev.seqs)) if keep is None else keep
-        seqs = [prev.seqs[i] for i in rows]
+        old = [prev.seqs[i] for i in rows]
+        seqs = old + list(join)
         if not prev.continuable or max(len(s.block_table) for s in seqs) > f.max_blocks:
             return None
-        kcur, kprev = [prev.kn[i] for i in rows], [prev.kcur[i] for i in rows]
+        kprev = [prev.kcur[i] for i in rows]
+        kcur = [prev.kn[i] for i in rows] + [len(s.draft) for s in join]
         self.policy.begin_propose(step, len(seqs))
         want = self.policy.choose_batch(seqs, len(seqs))
-        # This step's tokens were given blocks when prev chose its drafts; the pending token
-        # after it and the drafts it makes get theirs now (none free: drain instead).
-        needs = [len(s) + kp + kc + 2 for s, kp, kc in zip(seqs, kprev, kcur)]
+        # This step's tokens were given blocks when prev chose its drafts (or, joining, when
+        # the drafts were proposed); the pending token after it and the drafts it makes get
+        # theirs now (none free: drain instead).
+        needs = [len(s) + kp + kc + 2 for s, kp, kc in zip(old, kprev, kcur)] + \
+            [len(s) + len(s.draft) + 1 for s in join]
         kn = self._ks_for(seqs, needs, blocks, want)
         if None in kn or max(len(s.block_table) for s in seqs) > f.max_blocks:
             return None
         q = next(x for x in f.query_levels if x > max(kcur))
-        b = len(seqs)
+        b, bs = len(old), self.cfg.block_size
         tab = self._tables([s.block_table for s in seqs])
         sel = None if keep is None else self.stager.index(keep)
         self.overlapped_runs += 1
         self.compacted_runs += keep is not None
+        self.joined_runs += bool(join)
         if q == 1 and prev.q == 1:
             # Nothing verified by prev and nothing to verify now (a batch at K=0): prev
             # emits exactly one token, so every position is known here, as in a plain
             # decode; only the token ids come from prev's outputs.
             self.known_continuations += 1
-            return self._launch(seqs, kcur, kn, q, pack_next(seqs, tab, self.cfg.block_size),
-                                prev, known=True, sel=sel)
+            inp = join_inputs(pack_next(old, tab[:b], bs), join, q, tab, bs)
+            return self._launch(seqs, kcur, kn, q, inp, prev, known=True, sel=sel, cont_rows=b)
         # Host part: block tables and query starts; the rest is a placeholder the device
         # overwrites. Context upper bound: every draft of prev accepted.
-        bound = np.fromiter((len(s) + kp + q for s, kp in zip(seqs, kprev)), np.int64, b)
+        bound = np.fromiter((len(s) + kp + q for s, kp in zip(old, kprev)), np.int64, b)
         inp = PackedInputs(np.zeros(b * q, np.int64), np.zeros(b * q, np.int64),
                            np.full(b * q, -1, np.int64), np.arange(b + 1, dtype=np.int64) * q,
-                           bound, tab, q)
-        return self._launch(seqs, kcur, kn, q, inp, prev, sel=sel)
+                           bound, tab[:b], q)
+        return self._launch(seqs, kcur, kn, q, join_inputs(inp, join, q, tab, bs), prev,
+                            sel=sel, cont_rows=b)
 
     def _launch(self, seqs, kcur, kn, q, inp, prev: FusedHandle | None,
-                known: bool = False, sel: torch.Tensor | None = None) -> FusedHandle:
-        """Replay the fused step for inp; after `prev`, its device-side inputs come from
-        prev's outputs (its rows `sel`, default all): all of them (`continuation`), or only
-        the token ids when the host knew the rest (`known`: prev and this step are one row
-        per sequence)."""
+                known: bool = False, sel: torch.Tensor | None = None,
+                cont_rows: int | None = None) -> FusedHandle:
+        """Replay the fused step for inp; after `prev`, the device-side inputs of its first
+        `cont_rows` rows (default all) come from prev's outputs (its rows `sel`, default
+        all): all of them (`continuation`), or only the token ids when the host knew the
+        rest (`known`: prev and this step are one row per sequence). Rows after those
+        (sequences joining) keep what the host packed."""
         b = len(seqs)
+        c = b if cont_rows is None else cont_rows
         cont, drafting = not known and prev is not None, any(kn)
         prepare = None
         if known:
             def prepare(ids, pos, meta):
                 prev_ids = prev.out[0][: len(prev.seqs)]
-                ids[:b].copy_(prev_ids if sel is None else prev_ids[sel])
-        # One copy to the device for the continuation's state (num_computed per sequence,
-        # then this step's draft counts) and the draft count per row, which a step drafting
-        # nothing never reads.
+                ids[:c].copy_(prev_ids if sel is None else prev_ids[sel])
+        # One copy to the device for the continuation's state (num_computed per continued
+        # sequence, then its draft count this step) and the draft count per row, which a
+        # step drafting nothing never reads.
         parts = []
         if cont:
-            parts += [np.fromiter((s.num_computed for s in seqs), np.int64, b),
-                      np.asarray(kcur, dtype=np.int64)]
+            parts += [np.fromiter((s.num_computed for s in seqs[:c]), np.int64, c),
+                      np.asarray(kcur[:c], dtype=np.int64)]
         if drafting:
             rows = np.zeros(b * q, dtype=np.int64)
             rows[::q] = kn
             parts.append(rows)
         dev = self.stager.to_device(np.concatenate(parts)) if parts else None
         if cont:
-            prepare = continuation(prev, dev[: 2 * b], b, q, self.cfg.block_size, sel)
+            prepare = continuation(prev, dev[: 2 * c], c, q, self.cfg.block_size, sel)
         extras = (dev[-b * q:][:, None],) if drafting else ()
         out = self.fused.set_for(max(kn)).run(inp, extras, prepare)
         self.fused_runs += 1

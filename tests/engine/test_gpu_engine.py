@@ -132,6 +132,47 @@ def test_fused_step_is_lossless_with_dynamic_k_fp32(random_smol):
     spec.blocks.check_all_free()
 
 
+def _staggered(eng, prompts, params, every=3) -> list[list[int]]:
+    """Requests arriving one by one, one every `every` engine steps, while the others
+    decode; their output tokens, in arrival order."""
+    pending, seqs, n = list(zip(prompts, params)), [], 0
+    while pending or eng.has_unfinished():
+        if pending and n % every == 0:
+            p, sp = pending.pop(0)
+            seqs.append(eng.seqs[eng.add_request(p, sp)])
+        eng.step()
+        n += 1
+    return [s.output_ids for s in seqs]
+
+
+@pytest.mark.parametrize("spec", [None, (4, False), (6, True)], ids=["plain", "k4", "dynamic"])
+def test_arrivals_prefilled_beside_the_step_in_flight_are_lossless(random_smol, spec):
+    """Arrivals are prefilled beside the decode step in flight (launched before its
+    continuation, never through the decode graphs whose outputs the continuation reads) and
+    join the step after it with host-packed rows: without speculation, at a fixed K (rows
+    with drafts beside rows continued on the device) and with dynamic K. Output equals the
+    torch backend's; the last request repeats the first prompt (a prefix-cache hit).
+    Without `protect`, the drafting after a prefill replayed head graphs over the fused
+    step's outputs and the continuation read garbage."""
+    from engine import SamplingParams
+    from engine.config import SpecConfig
+
+    prompts = PROMPTS + [PROMPTS[0]]
+    params = [SamplingParams(temperature=0.0, max_tokens=12 + 3 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    ref = [c.token_ids for c in random_smol.generate(prompts, params)]
+    kw = {} if spec is None else {"spec": SpecConfig(num_tokens=spec[0], dynamic=spec[1])}
+    eng = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
+                                  admission_delay_steps=0, enable_prefix_caching=True, **kw)
+    # Captured up front as a server does: the fused graphs last, so their outputs may sit
+    # in memory the head's prefill graphs use as scratch (what `protect` guards against).
+    assert eng.capture_graphs(range(1, len(prompts) + 1)) > 0
+    assert _staggered(eng, prompts, params) == ref
+    assert eng.admitted_in_flight >= 3 and eng.pipe.joined_runs > 0
+    assert eng._inflight is None and not eng._deferred
+    eng.blocks.check_all_free()
+
+
 def test_continuations_compile_nothing_after_capture(random_smol):
     """The one-launch continuation kernel is compiled for every variant at capture: steps of
     changing batch size, K and rows (requests finishing apart drop out of the next launch)

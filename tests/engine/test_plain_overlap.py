@@ -219,16 +219,20 @@ def test_a_full_batch_keeps_overlapping_while_arrivals_wait(ref, delay=2):
     eng.blocks.check_all_free()
 
 
-def test_an_arrival_waits_for_the_admission_delay_beside_a_running_batch(ref, delay=3):
+@pytest.mark.parametrize("beside", [True, False])
+def test_an_arrival_waits_for_the_admission_delay_beside_a_running_batch(ref, beside, delay=3):
     """Room in the batch, one arrival, 3 running (admission_share 1: 3 must wait to be due
     at once): the pipeline keeps overlapping until the arrival has waited
-    admission_delay_steps steps, then drains and admits it. (With the delay 0 an arrival is
-    due at once: the next step drains, the one after admits it, as in the tests above.)"""
+    admission_delay_steps steps. Then it is prefilled beside the step in flight and joins
+    the continuation after it, the pipeline never drained (`beside`); or, with
+    admit_in_flight off, the pipeline drains and the step after admits it. Output stays
+    exact either way."""
     prompts, params = workload(4)
     params = [replace(p, max_tokens=12) for p in params]
-    eng = graph_engine(ref, admission_delay_steps=delay, admission_share=1)
-    for p, sp in zip(prompts[:3], params[:3]):
-        eng.add_request(p, sp)
+    expect = [c.token_ids for c in ref.generate(prompts, params)]
+    eng = graph_engine(ref, admission_delay_steps=delay, admission_share=1,
+                       admit_in_flight=beside)
+    seqs = [eng.seqs[eng.add_request(p, sp)] for p, sp in zip(prompts[:3], params[:3])]
     while eng._inflight is None:
         eng.step()
     runs = eng.plain.overlapped_runs
@@ -237,9 +241,15 @@ def test_an_arrival_waits_for_the_admission_delay_beside_a_running_batch(ref, de
     while new.num_computed == 0:
         eng.step()
         n += 1
-    # Due once `delay` steps have passed since it arrived: delay - 1 steps overlapped, the
-    # next drains, the one after admits.
-    assert n == delay + 1 and eng.plain.overlapped_runs - runs >= delay - 1
+    # Due once `delay` steps have passed since it arrived: the step after that admits it.
+    assert n == delay + 1
+    if beside:  # every step overlapped; the arrival rides in the one in flight next
+        assert eng.plain.overlapped_runs - runs == n and eng.admitted_in_flight == 1
+        eng.step()
+        assert eng.plain.joined_runs == 1 and new in eng._inflight[0].seqs
+    else:  # `delay` steps overlapped, the last of them drained, the one after admits
+        assert eng.plain.overlapped_runs - runs == delay and eng.admitted_in_flight == 0
     while eng.has_unfinished():
         eng.step()
+    assert [s.output_ids for s in seqs + [new]] == expect
     eng.blocks.check_all_free()

@@ -205,10 +205,11 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
 
 
 def fast_engine(base: Engine, head: Eagle3Head, max_batch: int = 8, num_blocks=None,
-                overlap: bool = True, **spec) -> Engine:
+                overlap: bool = True, admit_in_flight: bool = True, **spec) -> Engine:
     """Triton backend with the static-bucket (graph) path, run eagerly on the CPU."""
     cfg = replace(base.config, attention_backend="triton", spec=SpecConfig(**spec),
-                  num_blocks=num_blocks or base.config.num_blocks, overlap=overlap)
+                  num_blocks=num_blocks or base.config.num_blocks, overlap=overlap,
+                  admit_in_flight=admit_in_flight)
     eng = Engine(cfg, weights_of=base, draft_head=head)
     eng.runner.enable_graphs(max_batch, range(1, eng.config.spec.num_tokens + 2),
                              eng.spec.aux_layers)
@@ -266,18 +267,22 @@ def test_fused_step_equals_the_step_by_step_path(k=3):
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("dynamic,num_blocks", [(False, None), (True, None), (False, 16)])
-def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, k=4):
+@pytest.mark.parametrize("dynamic,num_blocks,beside",
+                         [(False, None, True), (True, None, True), (False, 16, False)])
+def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, beside, k=4):
     """Fused (and overlapped) steps through max_tokens and EOS-free ends, with new requests
-    arriving mid-way (their prefill steps take the step-by-step path), and with a KV cache so
-    small that requests are preempted: output equals plain decoding, blocks all come back."""
+    arriving mid-way (prefilled beside the step in flight and joining its continuation with
+    their drafts, or, `beside` off, after a drain beside the fused decodes), and with a KV
+    cache so small that requests are preempted: output equals plain decoding, blocks all
+    come back."""
     base = tiny_engine(0, max_num_batched_tokens=64)
     head = random_head(base)
     rng = random.Random(5)
     prompts = [[rng.randrange(30) for _ in range(rng.randrange(3, 30))] for _ in range(6)]
     params = [SamplingParams(temperature=0, max_tokens=rng.randrange(5, 25)) for _ in prompts]
     ref = [c.token_ids for c in base.generate(prompts, params)]
-    eng = fast_engine(base, head, num_tokens=k, dynamic=dynamic, num_blocks=num_blocks)
+    eng = fast_engine(base, head, num_tokens=k, dynamic=dynamic, num_blocks=num_blocks,
+                      admit_in_flight=beside)
     split, plain_split = [], eng._step_split
     eng._step_split = lambda batch, dec: (split.append(len(dec)), plain_split(batch, dec))[1]
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
@@ -296,7 +301,10 @@ def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, k=4):
     # A random head is never right: dynamic K settles at 0, where continuations take the
     # positions the host knows (fixed K meets it only where max_tokens caps K).
     assert eng.spec.known_continuations > (5 if dynamic else 0)
-    assert split  # arrivals prefilled beside fused decodes, in the same step
+    if beside:  # arrivals prefilled beside the step in flight, then joining the pipeline
+        assert eng.admitted_in_flight >= 3 and eng.spec.joined_runs > 0
+    else:  # arrivals prefilled beside fused decodes, in the same step, after a drain
+        assert split and eng.admitted_in_flight == 0
     assert eng._inflight is None and not eng._deferred
     assert (eng.scheduler.num_preemptions > 0) == (num_blocks is not None)
     eng.blocks.check_all_free()
