@@ -609,21 +609,27 @@ def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3,
 def steady_run(eng, prompts, c: int, lengths: list[int]) -> tuple[int, set]:
     """Keep c requests in flight, the i-th with max_tokens lengths[i], replacing each one
     that finishes until all were admitted; returns the tokens generated and the ids of the
-    requests still running."""
+    requests still running. Only this run's requests count: the first step may return
+    outputs of requests an earlier run aborted (read by the abort's drain of the step in
+    flight), and taking their finishes for this run's would admit extra streams."""
     from engine import SamplingParams
 
-    started, tokens, live = 0, 0, set()
+    started, tokens, live, mine = 0, 0, set(), set()
 
     def admit():
         nonlocal started
         params = SamplingParams(temperature=0, max_tokens=lengths[started], ignore_eos=True)
-        live.add(eng.add_request(prompts[started % len(prompts)], params))
+        rid = eng.add_request(prompts[started % len(prompts)], params)
+        live.add(rid)
+        mine.add(rid)
         started += 1
 
     for _ in range(c):
         admit()
     while started < len(lengths):
         for out in eng.step():
+            if out.request_id not in mine:
+                continue
             tokens += len(out.token_ids)
             if out.finished:
                 live.discard(out.request_id)

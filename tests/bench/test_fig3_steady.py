@@ -38,3 +38,27 @@ def test_steady_run_admits_the_mixed_lengths_in_order(monkeypatch):
     assert seen == mixed_lengths(6, 6)
     assert not eng.has_unfinished()
     eng.blocks.check_all_free()
+
+
+def test_outputs_of_an_earlier_runs_requests_admit_nothing():
+    """The first step of a run may return outputs an abort at the end of the run before
+    carried over (the drain of its step in flight): a finish among them is not one of this
+    run's, so it admits no extra stream and its tokens do not count."""
+    from bench.suite import steady_run
+    from engine.output import RequestOutput
+    from tests.helpers import tiny_engine
+
+    eng = tiny_engine(0)
+    eng._carry.append(RequestOutput("earlier", [1, 2, 3], "", True, "length"))
+    most, add = [0], eng.add_request
+
+    def counted(*a, **k):
+        rid = add(*a, **k)
+        most[0] = max(most[0], len(eng.scheduler.running) + len(eng.scheduler.waiting))
+        return rid
+
+    eng.add_request = counted
+    tokens, live = steady_run(eng, [[5, 6, 7]], 2, [4] * 6)
+    assert most[0] == 2 and len(live) == 2
+    # Four requests finished (4 tokens each); the two still running made some tokens too.
+    assert 16 <= tokens < 16 + 2 * 4
