@@ -74,13 +74,23 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def admission_setting(text: str) -> dict:
+    """`delay:share`, or `delay:share:drain` (arrivals wait for a drain instead of being
+    prefilled beside the step in flight), as EngineConfig fields."""
+    d, sh, *rest = text.split(":")
+    if rest not in ([], ["drain"]):
+        raise ValueError(f"admission setting {text!r}: delay:share or delay:share:drain")
+    return {"admission_delay_steps": int(d), "admission_share": int(sh),
+            "admit_in_flight": not rest}
+
+
 def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 128,
-              admission: list[tuple[int, int]] = ()) -> list[dict]:
+              admission: list[str] = ()) -> list[dict]:
     """Figure 3's steady mixed workload at each concurrency, the no-spec engine, the
     speculative engine held at K=0 and the one with dynamic K taking turns `reps` times, so a
-    drift of the host's speed between runs lands on all three alike. `admission`: (delay
-    steps, share) settings (`EngineConfig.admission_delay_steps`, `admission_share`) under
-    which a no-spec and a dynamic engine also take their turns (`no_spec@d:s`, ...)."""
+    drift of the host's speed between runs lands on all three alike. `admission`: settings
+    (`admission_setting`) under which a no-spec and a dynamic engine also take their turns
+    (`no_spec@d:s`, `eagle3_dynamic@d:s:drain`, ...)."""
     from bench.common import held_out_messages, hold_at_k
     from bench.step_profile import steady_tokens
 
@@ -89,10 +99,9 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
     forced = spec_eng.with_config(num_blocks=8192)
     hold_at_k(forced)
     engines = {"no_spec": plain, "eagle3_k0": forced, "eagle3_dynamic": spec_eng}
-    for d, sh in admission:
+    for a in admission:
         for name, e in (("no_spec", plain), ("eagle3_dynamic", spec_eng)):
-            engines[f"{name}@{d}:{sh}"] = e.with_config(
-                num_blocks=8192, admission_delay_steps=d, admission_share=sh)
+            engines[f"{name}@{a}"] = e.with_config(num_blocks=8192, **admission_setting(a))
     prompts = [spec_eng.encode_prompt(m) for m in held_out_messages(max(concurrency))]
     out = []
     for c in concurrency:
@@ -130,9 +139,14 @@ def main(argv=None) -> int:
                         "empty: skip")
     p.add_argument("--ab-reps", type=int, default=3)
     p.add_argument("--ab-admission", default="",
-                   help="admission settings delay:share (e.g. 4:8,8:4) that a no-spec and a "
-                        "dynamic engine also run the A/B under")
+                   help="admission settings delay:share[:drain] (e.g. 2:16:drain,4:8) "
+                        "that a no-spec and a dynamic engine also run the A/B under; "
+                        "drain: arrivals wait for a drain, not prefilled beside the step "
+                        "in flight")
     args = p.parse_args(argv)
+    admission = [a for a in args.ab_admission.split(",") if a]
+    for a in admission:
+        admission_setting(a)  # a bad setting fails here, before the model loads
     os.makedirs(args.out, exist_ok=True)
     spec = SpecConfig(method="eagle3", num_tokens=args.k, dynamic=True)
     eng = Engine.from_pretrained(args.model, device="cuda", dtype=torch.bfloat16,
@@ -142,7 +156,6 @@ def main(argv=None) -> int:
     fused = eng.spec.fused
     # First, while no graph buffer was made under inference mode (the engines' own steps run
     # outside it).
-    admission = [tuple(int(x) for x in a.split(":")) for a in args.ab_admission.split(",") if a]
     ab = steady_ab(eng, plain, [int(c) for c in args.ab.split(",") if c], args.ab_reps,
                    admission=admission)
     rows = []
