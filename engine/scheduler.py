@@ -74,19 +74,7 @@ class Scheduler:
                 budget -= n
             elif seq.finished:
                 batch.out_of_blocks.append(seq)
-        while self.waiting and budget and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
-            self.blocks.match_prefix(seq)
-            n = min(seq.num_pending, budget)
-            if not self.blocks.can_grow(seq, seq.num_computed + n):
-                self.blocks.release(seq)
-                break
-            self.blocks.grow(seq, seq.num_computed + n)
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
-            batch.add(seq, n)
-            budget -= n
+        self._admit(batch, budget)
         return batch
 
     def admit_whole(self, budget: int, ok) -> Batch:
@@ -95,12 +83,19 @@ class Scheduler:
         each, the rest of the batch left running as it is (the engine prefills them beside a
         decode step in flight). Stops at the first request that does not qualify."""
         batch = Batch()
-        while self.waiting and len(self.running) < self.cfg.max_num_seqs:
+        self._admit(batch, budget, ok)
+        return batch
+
+    def _admit(self, batch: Batch, budget: int, whole=None) -> None:
+        """Move waiting requests from the front of the queue to the running set, each with
+        its next prefill chunk, while the token budget, max_num_seqs and the free blocks
+        allow. `whole`: only whole remaining prompts, and only while whole(seq) holds."""
+        while self.waiting and budget and len(self.running) < self.cfg.max_num_seqs:
             seq = self.waiting[0]
-            if not ok(seq):
+            if whole is not None and not whole(seq):
                 break
             self.blocks.match_prefix(seq)
-            n = seq.num_pending
+            n = seq.num_pending if whole is not None else min(seq.num_pending, budget)
             if n > budget or not self.blocks.can_grow(seq, seq.num_computed + n):
                 self.blocks.release(seq)
                 break
@@ -110,7 +105,6 @@ class Scheduler:
             self.running.append(seq)
             batch.add(seq, n)
             budget -= n
-        return batch
 
     def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
         """Grow `seq` to `num_tokens`, preempting later requests if needed; False if seq itself

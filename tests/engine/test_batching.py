@@ -72,3 +72,19 @@ def test_chunked_prefill_tiny_many_sizes():
     for budget in (1, 2, 5, 13, 64):
         eng = engine.with_config(max_num_batched_tokens=budget)
         assert eng.generate([prompt], GREEDY)[0].token_ids == ref, f"chunk size {budget}"
+
+
+def test_admit_whole_takes_whole_prompts_from_the_front_only():
+    """`Scheduler.admit_whole` (admission beside a step in flight): whole remaining prompts
+    only, from the front of the queue, stopping at the first that does not fit the budget or
+    that `ok` refuses; `schedule` would have split that one into a chunk."""
+    eng = tiny_engine(0, max_num_batched_tokens=64)
+    sch = eng.scheduler
+    rids = [eng.add_request(list(range(1, n + 1)), SamplingParams(max_tokens=2))
+            for n in (10, 20, 40, 5)]
+    batch = sch.admit_whole(35, lambda s: True)
+    assert batch.num_tokens == [10, 20]  # 40 does not fit the 5 left, and 5 waits behind it
+    assert [s.request_id for s in sch.running] == rids[:2] and len(sch.waiting) == 2
+    assert not sch.admit_whole(64, lambda s: False).seqs  # refused: nothing admitted
+    batch = sch.schedule()  # the running two, then the rest of the queue in the budget
+    assert batch.num_tokens == [10, 20, 34] and len(sch.waiting) == 1
