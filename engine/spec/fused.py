@@ -110,7 +110,7 @@ def continue_inputs(out: tuple, pq: int, pb: int, sel: torch.Tensor | None,
                            HAS_SEL=sel is not None, Q=next_pow2(q, 1), num_warps=1)
 
 
-def warm_continuation(query_levels, block_size: int, device) -> None:
+def compile_continuation_variants(query_levels, block_size: int, device) -> None:
     """Compile `continue_inputs` for every variant a run can meet (each query level, with
     and without a row selection) now, not in the middle of serving."""
     if not (torch.device(device).type == "cuda" and triton_available()):
@@ -249,8 +249,8 @@ class FusedSteps:
         return [self.set_for(d) for d in self.draft_levels]
 
     def warm_continuation(self) -> None:
-        """Compile the continuation kernel's variants (`warm_continuation`) now."""
-        warm_continuation(self.query_levels, self.cfg.block_size, self.cfg.device)
+        """Compile the continuation kernel's variants (`compile_continuation_variants`) now."""
+        compile_continuation_variants(self.query_levels, self.cfg.block_size, self.cfg.device)
 
     def _fn(self, drafts: int):
         model, head, kv_cache, aux_layers = self.model, self.head, self.kv_cache, self.aux_layers
