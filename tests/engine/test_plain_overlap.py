@@ -154,6 +154,32 @@ def test_abort_while_a_step_is_in_flight(ref):
     eng.blocks.check_all_free()
 
 
+def test_abort_of_a_request_prefilled_beside_the_step_in_flight(ref):
+    """A request prefilled beside the step in flight, aborted before it joins the next one:
+    its blocks come back, the pipeline goes on exactly for the others, and an arrival after
+    it is prefilled beside and joins as usual."""
+    prompts, params = workload(4)
+    params = [replace(p, max_tokens=20) for p in params]
+    expect = [c.token_ids for c in ref.generate(prompts, params)]
+    eng = graph_engine(ref, admission_delay_steps=0)
+    seqs = [eng.seqs[eng.add_request(p, sp)] for p, sp in zip(prompts[:2], params[:2])]
+    while eng._inflight is None:
+        eng.step()
+    gone = eng.seqs[eng.add_request(prompts[2], params[2])]
+    eng.step()
+    assert eng.admitted_in_flight == 1 and gone.num_computed > 0
+    assert gone not in eng._inflight[0].seqs  # prefilled, to join the next continuation
+    assert eng.abort(gone.request_id) and gone.finished and not gone.block_table
+    while eng._inflight is None:  # the abort drained the pipeline; it starts again
+        eng.step()
+    late = eng.seqs[eng.add_request(prompts[3], params[3])]
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.admitted_in_flight == 2 and eng.plain.joined_runs >= 1
+    assert [s.output_ids for s in seqs + [late]] == expect[:2] + expect[3:]
+    eng.blocks.check_all_free()
+
+
 def test_step_path_metric_counts_plain_overlapped_steps(ref):
     from engine.metrics import Metrics
 
