@@ -91,9 +91,13 @@ class RoleSection(_Section):
     gpu_memory_utilization: float | None = None  # share of free GPU memory; None: engine default
     enable_prefix_caching: bool = True
     # Under overlapped decoding at 32+ running sequences, an arrival may wait this many engine
-    # steps for others to share its admission (each admission costs one un-overlapped step;
-    # `EngineConfig.admission_delay_steps`). 0: admit every arrival at once.
+    # steps for others to share its admission (each admission costs the running streams some
+    # time; `EngineConfig.admission_delay_steps`). 0: admit every arrival at once.
     admission_delay_steps: int = 2
+    # true: a greedy arrival whose prompt fits one forward is prefilled beside the decode step
+    # in flight and joins the next, instead of draining the pipeline
+    # (`EngineConfig.admit_in_flight`).
+    admit_in_flight: bool = True
 
     def _validate(self) -> None:
         _require(self.replicas >= 1, f"replicas must be >= 1, got {self.replicas}")
@@ -256,6 +260,7 @@ def engine_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
         "max_num_batched_tokens": sec.max_num_batched_tokens,
         "enable_prefix_caching": sec.enable_prefix_caching,
         "admission_delay_steps": sec.admission_delay_steps,
+        "admit_in_flight": sec.admit_in_flight,
         # Prefill needs the spec too: it fills the EAGLE-3 draft layer's KV that it ships.
         "spec": spec_config(cfg.speculation),
         "overlap": cfg.speculation.overlap,  # greedy decode steps, with speculation or not

@@ -169,7 +169,8 @@ def test_engine_kwargs_cpu_auto_dtype_and_eagle3():
     assert kw == {
         "device": "cpu", "dtype": torch.float32, "block_size": 16, "max_num_seqs": 64,
         "max_num_batched_tokens": 2048, "enable_prefix_caching": True,
-        "admission_delay_steps": 2, "kv_cache_bytes": 1 << 20, "max_model_len": 1024,
+        "admission_delay_steps": 2, "admit_in_flight": True, "kv_cache_bytes": 1 << 20,
+        "max_model_len": 1024,
         "spec": SpecConfig(method="eagle3", num_tokens=5, head=None, dynamic=True),
         "overlap": True,
     }
