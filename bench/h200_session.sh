@@ -3,7 +3,9 @@
 # bench/README.md): `bash bench/h200_session.sh cluster` (GPU tests + the two-GPU cluster),
 # `bash bench/h200_session.sh bench` (the figures), `bash bench/h200_session.sh ucx` (the UCX
 # sweep, two GPUs; SWEEP_ONLY=a,b narrows it), `bash bench/h200_session.sh steady` (the step
-# profile under figure 3's steady load, PROFILE_CONC / PROFILE_VARIANTS narrow it). Results
+# profile under figure 3's steady load, PROFILE_CONC / PROFILE_VARIANTS narrow it),
+# `bash bench/h200_session.sh ab` (the interleaved steady A/B: no-spec, K=0, dynamic, and both
+# with admission taking the drain; AB_CONC / AB_ADMISSION / AB_REPS narrow it). Results
 # land in $OUT/<part>.tgz.
 set -u
 part=${1:-bench}
@@ -23,6 +25,11 @@ elif [ "$part" = steady ]; then  # where a step's time goes with streams replace
     --variants "${PROFILE_VARIANTS:-no_spec,eagle3_k0,eagle3_dynamic_k7}" > "$R/profile.log" 2>&1
   grep -o '"variant": "[a-z0-9_]*", "concurrency": [0-9]*, "steady": true, "tokens_per_s": [0-9.]*' \
     "$R/profile.log"
+elif [ "$part" = ab ]; then  # admission beside the step in flight against the drain
+  timeout "${AB_TIMEOUT:-420}" python3 -m bench.fused_costs --model "$M" --out "$R" --batches "" \
+    --ab "${AB_CONC:-16,32,64}" --ab-reps "${AB_REPS:-2}" \
+    --ab-admission "${AB_ADMISSION:-2:16:drain}" > "$R/ab.log" 2>&1
+  grep '"concurrency"' "$R/ab.log"
 elif [ "$part" = cluster ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} \
     > "$R/gpu_tests.log" 2>&1
