@@ -159,7 +159,7 @@ def test_abort_of_a_request_prefilled_beside_the_step_in_flight(ref):
     its blocks come back, the pipeline goes on exactly for the others, and an arrival after
     it is prefilled beside and joins as usual."""
     prompts, params = workload(4)
-    params = [replace(p, max_tokens=20) for p in params]
+    params = [replace(p, max_tokens=12) for p in params]
     expect = [c.token_ids for c in ref.generate(prompts, params)]
     eng = graph_engine(ref, admission_delay_steps=0)
     seqs = [eng.seqs[eng.add_request(p, sp)] for p, sp in zip(prompts[:2], params[:2])]
