@@ -614,21 +614,19 @@ def steady_run(eng, prompts, c: int, lengths: list[int]) -> tuple[int, set]:
     flight), and taking their finishes for this run's would admit extra streams."""
     from engine import SamplingParams
 
-    started, tokens, live, mine = 0, 0, set(), set()
+    started, tokens, live = 0, 0, set()
 
     def admit():
         nonlocal started
         params = SamplingParams(temperature=0, max_tokens=lengths[started], ignore_eos=True)
-        rid = eng.add_request(prompts[started % len(prompts)], params)
-        live.add(rid)
-        mine.add(rid)
+        live.add(eng.add_request(prompts[started % len(prompts)], params))
         started += 1
 
     for _ in range(c):
         admit()
     while started < len(lengths):
         for out in eng.step():
-            if out.request_id not in mine:
+            if out.request_id not in live:  # a request's finishing output is its last
                 continue
             tokens += len(out.token_ids)
             if out.finished:

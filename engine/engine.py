@@ -313,10 +313,12 @@ class Engine:
 
     def _can_overlap(self, batch: Batch) -> bool:
         """The next step may be launched before this one is read: overlap is on, no request
-        waits to be admitted, and the running set is exactly this batch."""
-        run = self.scheduler.running
-        return (self.config.overlap and self.capture is None and not self._admission_due()
-                and len(run) == len(batch.seqs) and all(a is b for a, b in zip(run, batch.seqs)))
+        waits to be admitted, and the running set is exactly this batch (`_joining`: nothing
+        beside it)."""
+        if self._admission_due():
+            return False
+        join = self._joining(batch)
+        return join is not None and not join.seqs
 
     def _admission_due(self) -> bool:
         """Whether waiting requests stop the overlap now, to be admitted by the fresh step

@@ -104,15 +104,16 @@ class PlainSteps:
         return self._launch(seqs, inp, prev, sel, b)
 
     def _launch(self, seqs, inp: PackedInputs, prev: DecodeHandle | None,
-                sel: torch.Tensor | None = None, cont_rows: int = 0) -> DecodeHandle:
+                sel: torch.Tensor | None = None, cont_rows: int | None = None) -> DecodeHandle:
         """Replay a decode graph for inp; after `prev`, the token ids of the first
-        `cont_rows` rows are what prev chose (its rows `sel`, default all), copied on the
-        device; the rest (launched fresh, or joining) are the ones the host packed."""
+        `cont_rows` rows (default all) are what prev chose (its rows `sel`, default all),
+        copied on the device; the rest (joining) are the ones the host packed."""
         b = len(seqs)
+        c = b if cont_rows is None else cont_rows
         prepare = None
         if prev is not None:
             def prepare(ids, pos, meta):  # this step's tokens: what prev chose, on the device
-                ids[:cont_rows].copy_(prev.argmax if sel is None else prev.argmax[sel])
+                ids[:c].copy_(prev.argmax if sel is None else prev.argmax[sel])
         out = self.runner.graphs.run(inp, prepare=prepare)
         self.fused_runs += 1
         top = out[1][:b]
