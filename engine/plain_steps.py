@@ -78,21 +78,28 @@ class PlainSteps:
                        keep: list[int] | None = None, join=()) -> DecodeHandle | None:
         """Launch the step after `prev` before reading it. The host has read every step but
         prev, so prev computes each sequence's pending token (position len - 1) and this
-        step the token prev emits (position len). None (drain instead) when a sequence
-        certainly finishes at prev (its length limit), or the free blocks cannot hold one more
-        token for every sequence.
-        `keep`: only these of prev's rows continue (the others' requests finished). `join`:
+        step the token prev emits (position len). Sequences that certainly finish at prev
+        (the token it emits reaches their length limit) are left out, as are those whose
+        requests finished meanwhile; None (drain instead) when no sequence of prev continues,
+        or the free blocks cannot hold one more token for every sequence.
+        `keep`: only these of prev's rows may continue (the others' requests finished). `join`:
         sequences prefilled beside prev take rows after prev's, at their pending token."""
         cfg = self.cfg
-        old = prev.seqs if keep is None else [prev.seqs[i] for i in keep]
-        for s in old:
-            if len(s) + 1 >= s.length_limit(cfg.max_model_len):
-                return None
-        seqs = list(old) + list(join)
+        rows = range(len(prev.seqs)) if keep is None else keep
+        # A sequence whose token from prev reaches its length limit finishes at prev: it
+        # leaves the continuation now, as one that finished while prev was in flight did.
+        kept = [i for i in rows
+                if len(prev.seqs[i]) + 1 < prev.seqs[i].length_limit(cfg.max_model_len)]
+        if not kept:
+            return None
+        if len(kept) < len(prev.seqs):
+            keep = kept
+        old = [prev.seqs[i] for i in kept]
+        seqs = old + list(join)
         # Room for every sequence's next token at once (`grow_all`), or drain.
         if not blocks.grow_all(seqs, [len(s) + 1 for s in old] + [len(s) for s in join]):
             return None
-        # (len + 1 < max_model_len: the table fits the graphs' max_blocks_per_seq columns.)
+        # (len + 1 < length limit <= max_model_len: the table fits the graphs' columns.)
         b = len(old)
         tab = self._tables([s.block_table for s in seqs])
         self.overlapped_runs += 1

@@ -130,6 +130,31 @@ def test_a_request_that_finishes_in_flight_drops_out_without_a_drain(ref):
     eng.blocks.check_all_free()
 
 
+def test_requests_reaching_max_tokens_leave_the_pipeline_without_a_drain(ref):
+    """The step that emits a request's last token (its max_tokens) is known before it is
+    read: the step launched after it leaves that request out, so the others keep decoding
+    from the device, and only the last request's end drains the pipeline."""
+    prompts, params = workload(3)
+    params = [replace(p, max_tokens=n) for p, n in zip(params, (7, 12, 20))]
+    expect = [c.token_ids for c in ref.generate(prompts, params)]
+    eng = graph_engine(ref)
+    drains, drain = [], eng._drain
+    eng._drain = lambda: (drains.append(eng._inflight is not None), drain())[1]
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    seqs = {r: eng.seqs[r] for r in rids}
+    left_out = {}  # at the step a request finished: the step in flight leaves it out
+    while eng.has_unfinished():
+        eng.step()
+        for r in rids[:2]:
+            if seqs[r].finished and r not in left_out:
+                left_out[r] = eng._inflight is not None and \
+                    seqs[r] not in eng._inflight[0].seqs
+    assert [seqs[r].output_ids for r in rids] == expect
+    assert all(left_out.values()) and sum(drains) == 1  # in flight at the last's end only
+    assert eng.plain.compacted_runs >= 2
+    eng.blocks.check_all_free()
+
+
 def test_abort_while_a_step_is_in_flight(ref):
     """An abort drains the step in flight: the others' tokens come with the next step(), the
     aborted request's blocks are free at once, and decoding goes on exactly."""
