@@ -91,7 +91,7 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
     drift of the host's speed between runs lands on all three alike. `admission`: settings
     (`admission_setting`) under which a no-spec and a dynamic engine also take their turns
     (`no_spec@d:s`, `eagle3_dynamic@d:s:drain`, ...)."""
-    from bench.common import held_out_messages, hold_at_k
+    from bench.common import held_out_messages, hold_at_k, paths_delta, step_costs, step_paths
     from bench.step_profile import steady_tokens
 
     if not concurrency:
@@ -109,6 +109,8 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
             e.capture_graphs(range(1, c + 1))
             steady_tokens(e, prompts, c, tokens)  # warm: JIT, the dynamic-K cost model
         runs = {k: [] for k in engines}
+        before = {k: step_paths(e) | {"beside": e.admitted_in_flight}
+                  for k, e in engines.items()}
         for _ in range(reps):
             for k, e in engines.items():
                 sync()
@@ -118,7 +120,14 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
                 runs[k].append(round(toks / (time.perf_counter() - t0), 1))
         row = {"concurrency": c, "tokens_per_s": runs,
                "best_vs_no_spec": {k: round(max(v) / max(runs["no_spec"]), 3) for k, v in
-                                   runs.items()}}
+                                   runs.items()},
+               # How the timed steps ran: fused / overlapped steps, K of each fused step,
+               # arrivals prefilled beside the step in flight; and the dynamic-K cost model.
+               "paths": {k: paths_delta(before[k], step_paths(e) |
+                                        {"beside": e.admitted_in_flight})
+                         for k, e in engines.items()},
+               "step_costs": {k: step_costs(e) for k, e in engines.items()
+                              if step_costs(e) is not None}}
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
