@@ -85,12 +85,14 @@ def admission_setting(text: str) -> dict:
 
 
 def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 128,
-              admission: list[str] = ()) -> list[dict]:
+              admission: list[str] = (), fixed_k: list[int] = ()) -> list[dict]:
     """Figure 3's steady mixed workload at each concurrency, the no-spec engine, the
     speculative engine held at K=0 and the one with dynamic K taking turns `reps` times, so a
     drift of the host's speed between runs lands on all three alike. `admission`: settings
     (`admission_setting`) under which a no-spec and a dynamic engine also take their turns
-    (`no_spec@d:s`, `eagle3_dynamic@d:s:drain`, ...)."""
+    (`no_spec@d:s`, `eagle3_dynamic@d:s:drain`, ...). `fixed_k`: speculative engines held at
+    each of these K take turns too (`eagle3_k<K>`): the true price of each K under this
+    load, against which dynamic K's choices can be read."""
     from bench.common import held_out_messages, hold_at_k, paths_delta, step_costs, step_paths
     from bench.step_profile import steady_tokens
 
@@ -99,6 +101,9 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
     forced = spec_eng.with_config(num_blocks=8192)
     hold_at_k(forced)
     engines = {"no_spec": plain, "eagle3_k0": forced, "eagle3_dynamic": spec_eng}
+    for k in fixed_k:
+        engines[f"eagle3_k{k}"] = held = spec_eng.with_config(num_blocks=8192)
+        hold_at_k(held, k)
     for a in admission:
         for name, e in (("no_spec", plain), ("eagle3_dynamic", spec_eng)):
             engines[f"{name}@{a}"] = e.with_config(num_blocks=8192, **admission_setting(a))
@@ -152,7 +157,11 @@ def main(argv=None) -> int:
                         "that a no-spec and a dynamic engine also run the A/B under; "
                         "drain: arrivals wait for a drain, not prefilled beside the step "
                         "in flight")
+    p.add_argument("--ab-fixed-k", default="",
+                   help="K values (e.g. 1,2,5) at which held speculative engines also run "
+                        "the A/B")
     args = p.parse_args(argv)
+    fixed_k = [int(k) for k in args.ab_fixed_k.split(",") if k]
     admission = [a for a in args.ab_admission.split(",") if a]
     for a in admission:
         admission_setting(a)  # a bad setting fails here, before the model loads
@@ -166,7 +175,7 @@ def main(argv=None) -> int:
     # First, while no graph buffer was made under inference mode (the engines' own steps run
     # outside it).
     ab = steady_ab(eng, plain, [int(c) for c in args.ab.split(",") if c], args.ab_reps,
-                   admission=admission)
+                   admission=admission, fixed_k=fixed_k)
     rows = []
     with torch.inference_mode():
         for b in [int(x) for x in args.batches.split(",") if x]:

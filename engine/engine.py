@@ -394,9 +394,13 @@ class Engine:
 
     def _read_beside(self, batch: Batch, fwd, read) -> list[RequestOutput]:
         """Read a prefill launched beside a step in flight and postprocess it: the first
-        token, and (speculation) drafts proposed after it. The requests then join the next
-        continuation (`_joining`)."""
-        return self._postprocess(batch, fwd, read(), count_step=False)
+        token, and (speculation) the head's step over the prompt, which keeps its KV, but no
+        drafts. The requests then join the next continuation (`_joining`) at their pending
+        token alone, and that fused step chooses their drafts with everyone's. Drafting here
+        would read the drafts back to the host, which waits for the step launched after the
+        one in flight as well: every arrival would stall the pipeline for a step (under
+        steady load at 64 streams, nearly every step)."""
+        return self._postprocess(batch, fwd, read(), count_step=False, draft=False)
 
     def _drain(self) -> list[RequestOutput]:
         """Read the step in flight, free the blocks of requests that finished meanwhile (it
@@ -535,9 +539,10 @@ class Engine:
         return fwd, read(flat.tolist())  # the sync
 
     def _postprocess(self, batch: Batch, fwd, results, drafts=None,
-                     count_step: bool = True) -> list[RequestOutput]:
+                     count_step: bool = True, draft: bool = True) -> list[RequestOutput]:
         """Emit each entry's verified tokens, advance its KV, and draft what comes next: from
-        `drafts` when the fused step already made them, else by proposing now."""
+        `drafts` when the fused step already made them, else by proposing now (`draft` off:
+        the head still steps over the new positions, but proposes nothing)."""
         self.stats.steps += count_step
         outs, spans, row = [], [], 0
         # Spans to propose drafts from: none without speculation, or when the fused step
@@ -580,7 +585,7 @@ class Engine:
                 self._finish(seq, reason)
                 out.finished, out.finish_reason = True, reason
             elif propose:
-                spans.append(Span(seq, lo, seq.num_computed - lo, row, draft=True))
+                spans.append(Span(seq, lo, seq.num_computed - lo, row, draft=draft))
             row += n
         if drafts is not None:
             for i, seq in enumerate(batch.seqs):

@@ -285,6 +285,14 @@ def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, beside, k=4):
                       admit_in_flight=beside)
     split, plain_split = [], eng._step_split
     eng._step_split = lambda batch, dec: (split.append(len(dec)), plain_split(batch, dec))[1]
+    beside_drafts, read_beside = [], eng._read_beside
+
+    def read(batch, *a):  # drafts an arrival carries out of its prefill beside the step
+        outs = read_beside(batch, *a)
+        beside_drafts.extend(len(s.draft) for s in batch.seqs)
+        return outs
+
+    eng._read_beside = read
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
     for _ in range(4):
         eng.step()
@@ -303,6 +311,11 @@ def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, beside, k=4):
     assert eng.spec.known_continuations > (5 if dynamic else 0)
     if beside:  # arrivals prefilled beside the step in flight, then joining the pipeline
         assert eng.admitted_in_flight >= 3 and eng.spec.joined_runs > 0
+        # ... at their pending token alone (drafting then would read drafts back, waiting
+        # for the step launched after the one in flight); the fused steps draft for them.
+        assert len(beside_drafts) >= 3 and not any(beside_drafts)
+        if not dynamic:
+            assert all(seqs[r].num_drafted > 0 for r in rids[3:])
     else:  # arrivals prefilled beside fused decodes, in the same step, after a drain
         assert split and eng.admitted_in_flight == 0
     assert eng._inflight is None and not eng._deferred
