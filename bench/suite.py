@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python bench/suite.py` and the `tandem` entry point
@@ -486,7 +487,9 @@ def fig_concurrency(args, res: dict) -> None:
                                    "slowest), median of reps. steady: c streams always in "
                                    "flight, each finished request replaced at once, tokens / "
                                    "wall time until the last of 3c requests is admitted "
-                                   "(bench.suite.steady_throughput). steady mixed: the same "
+                                   "(bench.suite.steady_throughput), median of reps, each "
+                                   "run's stalls (steps of 3x its median step or more) "
+                                   "recorded. steady mixed: the same "
                                    "with output lengths uniform in [n/2, 3n/2] (one seeded "
                                    "list for all variants), so no-spec streams do not all "
                                    "finish in one step",
@@ -536,12 +539,20 @@ def fig_concurrency(args, res: dict) -> None:
             # admitted at once) compile here, not inside the window (no speculation at 8
             # streams once measured a third of its burst rate).
             steady_throughput(args, eng, prompts, c, 4)
-            before, paths = spec_counts(eng), step_paths(eng)
-            rows[-1]["steady_tokens_per_s"] = rnd(steady_throughput(args, eng, prompts, c, n), 1)
-            rows[-1]["steady_acceptance_length"] = acceptance(before, spec_counts(eng))
-            rows[-1]["steady_paths"] = paths_delta(paths, step_paths(eng))
-            rows[-1]["steady_mixed_tokens_per_s"] = rnd(
-                steady_throughput(args, eng, prompts, c, n, mixed=True), 1)
+            # Each steady window lasts about a second at 64 streams: one stall inside it (a
+            # collection, a descheduled host) moved a variant's figure by up to 2x between
+            # runs, so each is repeated like the burst and each run's stalls are recorded.
+            for key, mixed in (("steady", False), ("steady_mixed", True)):
+                before, paths = spec_counts(eng), step_paths(eng)
+                runs = [steady_throughput(args, eng, prompts, c, n, mixed=mixed)
+                        for _ in range(args.fig3_reps)]
+                tps = [r.tokens_per_s for r in runs]
+                rows[-1][f"{key}_tokens_per_s"] = rnd(statistics.median(tps), 1)
+                rows[-1][f"{key}_reps_tokens_per_s"] = [rnd(x, 1) for x in tps]
+                rows[-1][f"{key}_stalls"] = [r.stalls for r in runs]
+                if not mixed:
+                    rows[-1]["steady_acceptance_length"] = acceptance(before, spec_counts(eng))
+                    rows[-1]["steady_paths"] = paths_delta(paths, step_paths(eng))
             rows[-1]["step_costs"] = step_costs(eng)
             log(f"fig 3: {name} c={c}: burst {rows[-1]['tokens_per_s']} tok/s, steady "
                 f"{rows[-1]['steady_tokens_per_s']} tok/s, steady mixed lengths "
@@ -585,8 +596,32 @@ def mixed_lengths(n: int, count: int) -> list[int]:
     return [rng.randint(max(1, n // 2), max(1, 3 * n // 2)) for _ in range(count)]
 
 
+@dataclass
+class SteadyRun:
+    """One steady window: its tokens/s, and its stalls (`stalls`)."""
+
+    tokens_per_s: float
+    stalls: dict
+
+
+STALL_FACTOR = 3.0  # an engine step this many times the window's median step is a stall
+
+
+def stalls(step_seconds: list[float]) -> dict:
+    """Steps of a window that took STALL_FACTOR times its median step or more: how many, the
+    time they took beyond the median, and the longest step (ms)."""
+    if not step_seconds:
+        return {"steps": 0, "stalls": 0, "stalled_ms": 0.0, "median_step_ms": None,
+                "max_step_ms": None}
+    med = statistics.median(step_seconds)
+    slow = [t for t in step_seconds if t >= STALL_FACTOR * med]
+    return {"steps": len(step_seconds), "stalls": len(slow),
+            "stalled_ms": rnd(sum(t - med for t in slow) * 1e3, 2),
+            "median_step_ms": rnd(med * 1e3, 3), "max_step_ms": rnd(max(step_seconds) * 1e3, 2)}
+
+
 def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3,
-                      mixed: bool = False) -> float:
+                      mixed: bool = False) -> SteadyRun:
     """Tokens/s with `c` streams always in flight, as a server under steady load runs: each
     finished request is replaced at once by the next prompt (its prefill counted), and the
     window ends when the last of generations * c requests is admitted (the drain at the end,
@@ -596,17 +631,19 @@ def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3,
     which traffic of varied lengths does not do."""
     total = generations * c
     lengths = mixed_lengths(n, total) if mixed else [n] * total
+    steps: list[float] = []
     sync(args)
     t0 = time.perf_counter()
-    tokens, live = steady_run(eng, prompts, c, lengths)
+    tokens, live = steady_run(eng, prompts, c, lengths, steps)
     sync(args)
     dt = time.perf_counter() - t0
     for rid in live:
         eng.abort(rid)
-    return tokens / dt
+    return SteadyRun(tokens / dt, stalls(steps))
 
 
-def steady_run(eng, prompts, c: int, lengths: list[int]) -> tuple[int, set]:
+def steady_run(eng, prompts, c: int, lengths: list[int],
+               step_seconds: list[float] | None = None) -> tuple[int, set]:
     """Keep c requests in flight, the i-th with max_tokens lengths[i], replacing each one
     that finishes until all were admitted; returns the tokens generated and the ids of the
     requests still running. Only this run's requests count: the first step may return
@@ -624,8 +661,13 @@ def steady_run(eng, prompts, c: int, lengths: list[int]) -> tuple[int, set]:
 
     for _ in range(c):
         admit()
+    clock = time.perf_counter
     while started < len(lengths):
-        for out in eng.step():
+        t0 = clock()
+        outs = eng.step()
+        if step_seconds is not None:
+            step_seconds.append(clock() - t0)
+        for out in outs:
             if out.request_id not in live:  # a request's finishing output is its last
                 continue
             tokens += len(out.token_ids)

@@ -33,8 +33,8 @@ def test_steady_run_admits_the_mixed_lengths_in_order(monkeypatch):
 
     monkeypatch.setattr(Engine, "add_request", record)
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
-    tps = steady_throughput(SimpleNamespace(device="cpu"), eng, prompts, 2, 6, mixed=True)
-    assert tps > 0
+    run = steady_throughput(SimpleNamespace(device="cpu"), eng, prompts, 2, 6, mixed=True)
+    assert run.tokens_per_s > 0 and run.stalls["steps"] > 0
     assert seen == mixed_lengths(6, 6)
     assert not eng.has_unfinished()
     eng.blocks.check_all_free()
@@ -77,3 +77,12 @@ def test_admission_settings_of_the_steady_ab():
     assert admission_setting("4:8:drain")["admit_in_flight"] is False
     with pytest.raises(ValueError, match="delay:share"):
         main(["--model", "/nonexistent", "--ab-admission", "2:16:later"])
+
+
+def test_stalls_are_steps_far_above_the_median():
+    from bench.suite import stalls
+
+    st = stalls([0.001] * 20 + [0.0029, 0.004, 0.010])
+    assert st["steps"] == 23 and st["stalls"] == 2 and st["max_step_ms"] == 10.0
+    assert st["stalled_ms"] == 12.0 and st["median_step_ms"] == 1.0
+    assert stalls([])["stalls"] == 0
