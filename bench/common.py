@@ -42,6 +42,7 @@ def sync(args) -> None:
 
 
 def free_memory() -> None:
+    gc.unfreeze()  # what `precapture` froze: a discarded engine's cycles must be collectable
     gc.collect()
     torch = _torch()
     if torch.cuda.is_available():
@@ -133,11 +134,16 @@ def precapture(eng, batch_sizes, long_context: bool | None = None) -> str:
     region (`Engine.capture_graphs`); the returned note says what happened. By default with
     the split-KV variants (the engine's default, as nodes capture): figures 1 and 3 pass
     128 tokens of context (`long_context` on CUDA)."""
+    from engine.collector import freeze_long_lived
+
     if eng.runner.graphs is None:
         return "no CUDA graphs (eager)"
     try:
         n = eng.capture_graphs(batch_sizes, long_context=long_context)
-        return f"captured {n} graphs before timing"
+        # As a serving process does after start-up (engine/collector.py): no full collection
+        # walks the engines' objects inside a timed window.
+        frozen = freeze_long_lived()
+        return f"captured {n} graphs before timing; {frozen} objects frozen"
     except Exception as e:  # noqa: BLE001
         return f"precapture failed ({type(e).__name__}: {e}); relying on the warm-up run"
 

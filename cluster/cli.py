@@ -104,10 +104,12 @@ def cmd_serve(args) -> int:
     print(f"starting {cfg.mode} serving…", file=sys.stderr, flush=True)
     if cfg.mode == "colocated":
         from engine import Engine
+        from engine.collector import freeze_long_lived
         from router.backends import LocalBackend
 
         engine = Engine.from_pretrained(cfg.model.path, **engine_kwargs(cfg, "colocated"))
         engine.capture_graphs(progress=True)  # CUDA only
+        freeze_long_lived()  # full collections skip the engine's objects
         backend = LocalBackend(engine)
         close = backend.close
     else:

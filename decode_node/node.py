@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from engine import Engine
+from engine.collector import freeze_long_lived
 from engine.handoff import Handoff
 from engine.loop import EngineLoop
 from engine.output import RequestOutput
@@ -23,6 +24,7 @@ class DecodeNode:
                  metrics_port: int | None = None):
         self.engine = Engine.from_pretrained(model, **engine_kwargs)
         self.engine.capture_graphs()  # CUDA only: no capture lands in a request's latency
+        freeze_long_lived()  # full collections skip the engine's objects (engine/collector.py)
         self.metrics, self.metrics_port = serve_metrics("decode", metrics_port)
         self.loop = EngineLoop(self.engine)
         self.loop.on_step = self.metrics.engine_step
