@@ -5,7 +5,8 @@
 # sweep, two GPUs; SWEEP_ONLY=a,b narrows it), `bash bench/h200_session.sh steady` (the step
 # profile under figure 3's steady load, PROFILE_CONC / PROFILE_VARIANTS narrow it),
 # `bash bench/h200_session.sh ab` (the interleaved steady A/B: no-spec, K=0, dynamic, and both
-# with admission taking the drain; AB_CONC / AB_ADMISSION / AB_REPS narrow it). Results
+# with admission taking the drain; AB_CONC / AB_ADMISSION / AB_REPS narrow it, AB_ADMISSION=
+# (empty) leaves the drain out, AB_FIXED_K=2,5 adds engines held at those K). Results
 # land in $OUT/<part>.tgz.
 set -u
 part=${1:-bench}
@@ -26,9 +27,12 @@ elif [ "$part" = steady ]; then  # where a step's time goes with streams replace
   grep -o '"variant": "[a-z0-9_]*", "concurrency": [0-9]*, "steady": true, "tokens_per_s": [0-9.]*' \
     "$R/profile.log"
 elif [ "$part" = ab ]; then  # admission beside the step in flight against the drain
+  # (~45 s to load, then per concurrency each engine's captures and warm run: 5 engines at
+  # 16/32/64 took 235 s; 4 at 32/64 did not finish in 165 s.)
   timeout "${AB_TIMEOUT:-420}" python3 -m bench.fused_costs --model "$M" --out "$R" --batches "" \
     --ab "${AB_CONC:-16,32,64}" --ab-reps "${AB_REPS:-2}" \
-    --ab-admission "${AB_ADMISSION:-2:16:drain}" > "$R/ab.log" 2>&1
+    --ab-admission "${AB_ADMISSION-2:16:drain}" --ab-fixed-k "${AB_FIXED_K:-}" \
+    > "$R/ab.log" 2>&1
   grep '"concurrency"' "$R/ab.log"
 elif [ "$part" = cluster ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} \
