@@ -10,7 +10,7 @@ middle of every running stream. `freeze_long_lived` after start-up (weights load
 captured) moves every object alive then to the permanent generation, which collections
 skip (a full collection then took ~0 ms there); what serving allocates afterwards is still
 collected as before. (How often such pauses landed in the benchmarks' timed windows on the
-GPU host is not measured.)
+GPU host is not measured.)"""
 
 from __future__ import annotations
 
