@@ -42,7 +42,9 @@ def sync(args) -> None:
 
 
 def free_memory() -> None:
-    gc.unfreeze()  # what `precapture` froze: a discarded engine's cycles must be collectable
+    from engine.collector import unfreeze
+
+    unfreeze()  # what `precapture` froze: a discarded engine's cycles must be collectable
     gc.collect()
     torch = _torch()
     if torch.cuda.is_available():
