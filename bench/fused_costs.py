@@ -98,6 +98,10 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
 
     if not concurrency:
         return []
+
+    def paths(e) -> dict:  # `step_paths` and the arrivals prefilled beside a step in flight
+        return step_paths(e) | {"beside": e.admitted_in_flight}
+
     forced = spec_eng.with_config(num_blocks=8192)
     hold_at_k(forced)
     engines = {"no_spec": plain, "eagle3_k0": forced, "eagle3_dynamic": spec_eng}
@@ -114,8 +118,7 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
             e.capture_graphs(range(1, c + 1))
             steady_tokens(e, prompts, c, tokens)  # warm: JIT, the dynamic-K cost model
         runs = {k: [] for k in engines}
-        before = {k: step_paths(e) | {"beside": e.admitted_in_flight}
-                  for k, e in engines.items()}
+        before = {k: paths(e) for k, e in engines.items()}
         for _ in range(reps):
             for k, e in engines.items():
                 sync()
@@ -128,11 +131,9 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
                                    runs.items()},
                # How the timed steps ran: fused / overlapped steps, K of each fused step,
                # arrivals prefilled beside the step in flight; and the dynamic-K cost model.
-               "paths": {k: paths_delta(before[k], step_paths(e) |
-                                        {"beside": e.admitted_in_flight})
-                         for k, e in engines.items()},
-               "step_costs": {k: step_costs(e) for k, e in engines.items()
-                              if step_costs(e) is not None}}
+               "paths": {k: paths_delta(before[k], paths(e)) for k, e in engines.items()},
+               "step_costs": {k: cost for k, e in engines.items()
+                              if (cost := step_costs(e)) is not None}}
         print(json.dumps(row), flush=True)
         out.append(row)
     return out
