@@ -604,17 +604,17 @@ class SteadyRun:
     stalls: dict
 
 
-STALL_FACTOR = 3.0  # an engine step this many times the window's median step is a stall
-
-
 def stalls(step_seconds: list[float]) -> dict:
-    """Steps of a window that took STALL_FACTOR times its median step or more: how many, the
-    time they took beyond the median, and the longest step (ms)."""
+    """Steps of a window that took `STALL` times its median step or more (the threshold the
+    dynamic-K policy leaves out of its rates): how many, the time they took beyond the
+    median, and the longest step (ms)."""
+    from engine.spec.policy import STALL
+
     if not step_seconds:
         return {"steps": 0, "stalls": 0, "stalled_ms": 0.0, "median_step_ms": None,
                 "max_step_ms": None}
     med = statistics.median(step_seconds)
-    slow = [t for t in step_seconds if t >= STALL_FACTOR * med]
+    slow = [t for t in step_seconds if t >= STALL * med]
     return {"steps": len(step_seconds), "stalls": len(slow),
             "stalled_ms": rnd(sum(t - med for t in slow) * 1e3, 2),
             "median_step_ms": rnd(med * 1e3, 3), "max_step_ms": rnd(max(step_seconds) * 1e3, 2)}
