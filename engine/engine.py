@@ -298,7 +298,7 @@ class Engine:
                                                keep if len(keep) < len(batch.seqs) else None,
                                                join.seqs)
             if pre is not None and nxt is not None:
-                nxt.protect()  # drafting for the prefill replays graphs of its pool
+                nxt.protect()  # the head's step after the prefill replays graphs of its pool
         if nxt is None:
             outs = self._drain()
             results = {}

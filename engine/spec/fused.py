@@ -52,7 +52,7 @@ class FusedHandle:
     def protect(self) -> None:
         """Own copies of the outputs the next step's continuation reads: before other graphs
         of the same memory pool replay between this step and that one (a prefill launched
-        beside it, and the drafting after that prefill), whose scratch memory may be where
+        beside it, and the head's step after that prefill), whose scratch memory may be where
         this graph's outputs live."""
         self.out = tuple(t.clone() for t in self.out)
 

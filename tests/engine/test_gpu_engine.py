@@ -149,8 +149,8 @@ def _staggered(eng, prompts, params, every=3) -> list[list[int]]:
 def test_arrivals_prefilled_beside_the_step_in_flight_are_lossless(random_smol, spec):
     """Arrivals are prefilled beside the decode step in flight (launched before its
     continuation, never through the decode graphs whose outputs the continuation reads) and
-    join the step after it with host-packed rows: without speculation, at a fixed K (rows
-    with drafts beside rows continued on the device) and with dynamic K. Output equals the
+    join the step after it with host-packed rows: without speculation, at a fixed K (those
+    rows beside rows continued on the device) and with dynamic K. Output equals the
     torch backend's; the last request repeats the first prompt (a prefix-cache hit)."""
     from engine import SamplingParams
     from engine.config import SpecConfig

@@ -271,8 +271,8 @@ def test_fused_step_equals_the_step_by_step_path(k=3):
                          [(False, None, True), (True, None, True), (False, 16, False)])
 def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, beside, k=4):
     """Fused (and overlapped) steps through max_tokens and EOS-free ends, with new requests
-    arriving mid-way (prefilled beside the step in flight and joining its continuation with
-    their drafts, or, `beside` off, after a drain beside the fused decodes), and with a KV
+    arriving mid-way (prefilled beside the step in flight and joining its continuation at
+    their pending token, or, `beside` off, after a drain beside the fused decodes), and with a KV
     cache so small that requests are preempted: output equals plain decoding, blocks all
     come back."""
     base = tiny_engine(0, max_num_batched_tokens=64)
