@@ -136,8 +136,10 @@ def precapture(eng, batch_sizes, long_context: bool | None = None) -> str:
     region (`Engine.capture_graphs`); the returned note says what happened. By default with
     the split-KV variants (the engine's default, as nodes capture): figures 1 and 3 pass
     128 tokens of context (`long_context` on CUDA)."""
+    from engine import jit_watch
     from engine.collector import freeze_long_lived
 
+    jit_watch.install()  # the figures record the compiles inside their timed windows
     if eng.runner.graphs is None:
         return "no CUDA graphs (eager)"
     try:

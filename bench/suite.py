@@ -520,9 +520,10 @@ def fig_concurrency(args, res: dict) -> None:
             # Untimed, the same batch: shapes only this concurrency meets (prefill spans,
             # mixed steps) compile and capture here, and dynamic K measures this batch size.
             eng.generate(batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-            tps, acc = [], []
+            tps, acc, events = [], [], []
             for _ in range(args.fig3_reps):
                 before, paths = spec_counts(eng), step_paths(eng)
+                mark = window_mark()
                 sync(args)
                 t0 = time.perf_counter()
                 outs = eng.generate(batch, params)
@@ -530,8 +531,9 @@ def fig_concurrency(args, res: dict) -> None:
                 dt = time.perf_counter() - t0
                 tps.append(sum(len(o.token_ids) for o in outs) / dt)
                 acc.append(acceptance(before, spec_counts(eng)))
+                events.append(window_events(mark))
             rows.append({"concurrency": c, "tokens_per_s": rnd(statistics.median(tps), 1),
-                         "reps_tokens_per_s": [rnd(x, 1) for x in tps],
+                         "reps_tokens_per_s": [rnd(x, 1) for x in tps], "reps_events": events,
                          "acceptance_length": acc[-1],
                          "paths": paths_delta(paths, step_paths(eng))})
             # Untimed, the same admissions with short requests: the prefill batches a steady
@@ -620,6 +622,24 @@ def stalls(step_seconds: list[float]) -> dict:
             "median_step_ms": rnd(med * 1e3, 3), "max_step_ms": rnd(max(step_seconds) * 1e3, 2)}
 
 
+def window_mark() -> tuple[int, int]:
+    """Where the Triton compile record and the graph-capture count stand now."""
+    from engine import jit_watch
+    from engine.graphs import GraphSet
+
+    return jit_watch.count(), GraphSet.captures
+
+
+def window_events(mark: tuple[int, int]) -> dict:
+    """Kernels compiled ({name: [count, seconds]}) and CUDA graphs captured since `mark`:
+    one-time costs that, inside a timed window, are stalls no later run has."""
+    from engine import jit_watch
+    from engine.graphs import GraphSet
+
+    return {"compiles": jit_watch.summary(jit_watch.since(mark[0])),
+            "captures": GraphSet.captures - mark[1]}
+
+
 def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3,
                       mixed: bool = False) -> SteadyRun:
     """Tokens/s with `c` streams always in flight, as a server under steady load runs: each
@@ -632,6 +652,7 @@ def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3,
     total = generations * c
     lengths = mixed_lengths(n, total) if mixed else [n] * total
     steps: list[float] = []
+    mark = window_mark()
     sync(args)
     t0 = time.perf_counter()
     tokens, live = steady_run(eng, prompts, c, lengths, steps)
@@ -639,7 +660,7 @@ def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3,
     dt = time.perf_counter() - t0
     for rid in live:
         eng.abort(rid)
-    return SteadyRun(tokens / dt, stalls(steps))
+    return SteadyRun(tokens / dt, {**stalls(steps), **window_events(mark)})
 
 
 def steady_run(eng, prompts, c: int, lengths: list[int],
@@ -994,7 +1015,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("figure 3 (concurrency)")
     g.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     g.add_argument("--fig3-tokens", type=int, default=128)
-    g.add_argument("--fig3-reps", type=int, default=2)
+    g.add_argument("--fig3-reps", type=int, default=3)
     g = p.add_argument_group("figure 4 (KV transfer)")
     g.add_argument("--fig4-reps", type=int, default=10)
     g = p.add_argument_group("figure 5 (ITL, colocated vs disaggregated)")

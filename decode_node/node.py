@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from engine import Engine
+from engine import Engine, jit_watch
 from engine.collector import freeze_long_lived
 from engine.handoff import Handoff
 from engine.loop import EngineLoop
@@ -25,6 +25,7 @@ class DecodeNode:
         self.engine = Engine.from_pretrained(model, **engine_kwargs)
         self.engine.capture_graphs()  # CUDA only: no capture lands in a request's latency
         freeze_long_lived()  # full collections skip the engine's objects (engine/collector.py)
+        jit_watch.warn_after()  # a kernel compiled from here on stalls streams: log it
         self.metrics, self.metrics_port = serve_metrics("decode", metrics_port)
         self.loop = EngineLoop(self.engine)
         self.loop.on_step = self.metrics.engine_step

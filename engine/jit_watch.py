@@ -1,0 +1,96 @@
+"""Triton kernels compiled (or loaded from Triton's disk cache) while the process runs.
+
+A Triton kernel is compiled the first time it is launched with a new specialization: new
+constexpr values, or an integer argument that turns 1 or a multiple of 16, or a pointer whose
+alignment changes. A compile takes ~0.2-1 s of host time (a disk-cache hit tens of ms), and
+a compile in the middle of serving stalls every stream of the batch for that long. Start-up
+captures the CUDA graphs the engine will replay, which compiles their kernels; whatever still
+compiles afterwards is a stall a user sees. `install()` hooks Triton so each compile is
+recorded (kernel, seconds); the benchmarks record which landed in their timed windows, and
+`warn_after()` logs each compile from a moment on (the nodes: after start-up)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Compile:
+    name: str  # the kernel's function name
+    at: float  # time.perf_counter() when it finished
+    seconds: float  # host time from the cache miss to the compiled kernel
+
+
+_events: list[Compile] = []
+_lock = threading.Lock()
+_started: dict[int, float] = {}  # thread id -> perf_counter at its latest cache miss
+_installed = False
+_warn_from: float | None = None
+
+
+def install() -> bool:
+    """Hook Triton's JIT (once per process; chains hooks already set). False without Triton
+    or without its runtime hooks (older Triton): nothing is recorded then."""
+    global _installed
+    if _installed:
+        return True
+    try:
+        from triton import knobs
+        rt = knobs.runtime
+        prev_miss, prev_done = rt.jit_cache_hook, rt.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        return False
+
+    def on_miss(*args, **kw):
+        _started[threading.get_ident()] = time.perf_counter()
+        return prev_miss(*args, **kw) if prev_miss else None
+
+    def on_done(*args, **kw):
+        now = time.perf_counter()
+        fn = kw.get("fn")
+        name = getattr(fn, "name", None) or str(kw.get("key", "?"))[:60]
+        t0 = _started.pop(threading.get_ident(), now)
+        event = Compile(name, now, now - t0)
+        with _lock:
+            _events.append(event)
+        if _warn_from is not None and t0 >= _warn_from:
+            log.warning("Triton kernel %s compiled while serving (%.0f ms): every stream of "
+                        "the batch waited for it", name, event.seconds * 1e3)
+        return prev_done(*args, **kw) if prev_done else None
+
+    rt.jit_cache_hook, rt.jit_post_compile_hook = on_miss, on_done
+    _installed = True
+    return True
+
+
+def count() -> int:
+    """Compiles recorded so far (a mark for `since`)."""
+    return len(_events)
+
+
+def since(mark: int) -> list[Compile]:
+    """Compiles recorded after `count()` returned mark."""
+    with _lock:
+        return _events[mark:]
+
+
+def warn_after(now: float | None = None) -> None:
+    """Log a warning for every compile that starts from now on (installs the hook)."""
+    global _warn_from
+    install()
+    _warn_from = time.perf_counter() if now is None else now
+
+
+def summary(events: list[Compile]) -> dict:
+    """{kernel name: [count, seconds]} of these compiles."""
+    out: dict[str, list] = {}
+    for e in events:
+        c = out.setdefault(e.name, [0, 0.0])
+        c[0] += 1
+        c[1] = round(c[1] + e.seconds, 3)
+    return out
