@@ -175,11 +175,47 @@ def shape_times(name: str, gemv: SplitKGemv, budget_end: float) -> dict:
     return row
 
 
+ROW_TILES = [(4, 1024, 8), (4, 512, 4), (8, 512, 8), (2, 1024, 4), (4, 512, 8)]
+
+
+def rows_times(name: str, rows: list[int]) -> dict:
+    """The engine's `ops.gemv_rows` (one program reads each weight tile once for all rows)
+    against cuBLAS at each row count, with a few tiles (a model uses one for every count);
+    and whether each row comes out bit-equal alone and beside the others."""
+    from engine import ops
+    from engine.graphs import graph_time_us
+
+    n, k = SHAPES[name]
+    dt, dev = torch.bfloat16, "cuda"
+    wbytes = n * k * 2
+    reps = max(3, min(40, int(3 * (64 << 20) // wbytes)))
+    ws = [torch.randn(n, k, dtype=dt, device=dev) * 0.02 for _ in range(reps)]
+    x = torch.randn(max(rows), k, dtype=dt, device=dev)
+    out = {"proj": name, "n": n, "k": k, "reps": reps, "rows": {}}
+    for m in rows:
+        xm = x[:m]
+        r = {"cublas_us": round(graph_time_us(lambda i, xm=xm: F.linear(xm, ws[i]), reps, 20),
+                                2)}
+        for t in ROW_TILES:
+            r["gemv_{}x{}w{}_us".format(*t)] = round(graph_time_us(
+                lambda i, t=t, xm=xm: ops.gemv_rows(xm, ws[i], tiles=t), reps, 20), 2)
+        out["rows"][m] = r
+        print(name, m, json.dumps(r), flush=True)
+    y = ops.gemv_rows(x, ws[0])
+    out["rows_bit_equal_alone"] = all(
+        torch.equal(ops.gemv_rows(x[i:i + 1], ws[0])[0], y[i]) for i in range(len(x)))
+    ws.clear()
+    torch.cuda.empty_cache()
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--shapes", default="o,qkv,down,lm_head,gate_up")
     ap.add_argument("--budget", type=float, default=150.0, help="seconds for the tile sweeps")
+    ap.add_argument("--rows", default="", help="instead of the sweep: ops.gemv_rows against "
+                    "cuBLAS at these row counts (e.g. 1,2,4,6,8)")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "gemv_sweep.json")
@@ -189,6 +225,16 @@ def main(argv=None):
               "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "triton": triton.__version__, "note": __doc__.split("\n\n", 1)[1], "rows": []}
     names = args.shapes.split(",")
+    if args.rows:
+        rows = [int(r) for r in args.rows.split(",")]
+        result["by_rows"] = []
+        for s in names:
+            result["by_rows"].append(rows_times(s, rows))
+            result["seconds"] = round(time.time() - t0, 1)
+            with open(path, "w") as f:
+                json.dump(result, f, indent=1)
+        print("wrote", path)
+        return
     gemv = SplitKGemv("cuda", max(SHAPES[s][0] for s in names))
     per = args.budget / len(names)
     for s in names:

@@ -201,6 +201,8 @@ class LlamaModel(nn.Module):
         if self.prologue_linears and hidden.is_cuda and hidden.shape[0] in self.prologue_rows:
             return ops.prologue_linear(hidden.contiguous(), self.lm_head.weight,
                                        self.lm_head.bias, dot=ops.LOGITS_DOT_TILES)
+        if self.fused and not self.prologue_linears:  # large models: `ops.gemv_rows` on a GPU
+            return ops.linear(hidden, self.lm_head.weight, self.lm_head.bias)
         return self.lm_head(hidden)
 
     def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -232,17 +234,17 @@ def norm_proj(p, x, ln: RMSNorm, res, fold: bool):
         return ops.prologue_linear(x, p.weight, p.bias, norm_weight=ln.weight,
                                    eps=ln.eps, residual=res)
     if res is None:
-        return F.linear(ops.add_rmsnorm(x, ln.weight, ln.eps), p.weight, p.bias), x
+        return ops.linear(ops.add_rmsnorm(x, ln.weight, ln.eps), p.weight, p.bias), x
     y, res = ops.add_rmsnorm(x, ln.weight, ln.eps, res)
-    return F.linear(y, p.weight, p.bias), res
+    return ops.linear(y, p.weight, p.bias), res
 
 
 def project(p, x, fold: bool):
-    return ops.prologue_linear(x, p.weight, p.bias) if fold else F.linear(x, p.weight, p.bias)
+    return ops.prologue_linear(x, p.weight, p.bias) if fold else ops.linear(x, p.weight, p.bias)
 
 
 def silu_proj(p, gate_up, fold: bool):
     """p(silu(gate) * up) for gate_up = [gate | up]."""
     if fold:
         return ops.prologue_linear(gate_up, p.weight, p.bias, silu=True)
-    return F.linear(ops.silu_mul(gate_up), p.weight, p.bias)
+    return ops.linear(ops.silu_mul(gate_up), p.weight, p.bias)

@@ -247,6 +247,47 @@ def test_prologue_linear_rows_are_batch_invariant(dtype, dot, monkeypatch):
     assert len({ops.linear_tiles(m, n, k) for m in range(1, 9)}) == 1
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_rows_equals_the_gemm_and_rows_are_batch_invariant(dtype):
+    """`ops.gemv_rows` (large projections at up to 8 rows): the GEMM's result to rounding,
+    the bias included, K past one tile and partly masked; and each row bit for bit the same
+    alone or beside 1-7 others, as a verify step's rows must be to equal the decode step's.
+    On the GPU at one of Llama-8B's shapes with the engine's tiles."""
+    import torch.nn.functional as F
+
+    from engine import ops
+
+    g = torch.Generator().manual_seed(5)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
+    cuda = DEV == "cuda"
+    n, k, tiles = (4096, 4096, None) if cuda else (37, 300, (4, 128, 4))
+    w, b, x = rnd(n, k) / 30, rnd(n), rnd(8, k)
+    ref = F.linear(x.float(), w.float(), b.float())
+    y = ops.gemv_rows(x, w, b, tiles=tiles)
+    tol = 2e-5 if dtype == torch.float32 and not cuda else 2e-2
+    torch.testing.assert_close(y.float(), ref, atol=tol, rtol=tol)
+    for m in range(1, 8) if cuda else (1, 3):
+        ym = ops.gemv_rows(x[:m], w, b, tiles=tiles)
+        assert torch.equal(ym, y[:m]), m
+    with pytest.raises(AssertionError):
+        ops.gemv_rows(rnd(9, k), w, tiles=tiles)
+
+
+def test_large_projections_take_the_gemv_on_a_gpu_only():
+    """`ops.linear` sends projections of more than LINEAR_MAX_WEIGHT elements at 1-8 rows
+    in half precision on a GPU to `gemv_rows`; everything else to F.linear."""
+    from engine import ops
+
+    big = torch.empty(ops.LINEAR_MAX_WEIGHT // 512 + 1, 512, dtype=torch.bfloat16)
+    small = torch.empty(64, 512, dtype=torch.bfloat16)
+    assert not ops.gemv_suits(1, big)  # on the CPU
+    if torch.cuda.is_available():
+        big, small = big.cuda(), small.cuda()
+        assert ops.gemv_suits(1, big) and ops.gemv_suits(8, big)
+        assert not ops.gemv_suits(9, big) and not ops.gemv_suits(1, small)
+        assert not ops.gemv_suits(1, big.float())
+
+
 @pytest.mark.parametrize("rows", [1, 6, 70])
 def test_prologue_forward_equals_the_fused_forward(rows):
     """The forward with norms folded into the projections (every row count up to 64 allowed
