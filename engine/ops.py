@@ -359,8 +359,11 @@ if triton_available():
 # to GEMV_MAX_ROWS rows take `gemv_rows` instead of cuBLAS on a GPU. At one row on the H200
 # (bench/results/profile/gemv_sweep_bb82e82.json) its 4 x 1024 tiles with 8 warps read the
 # 8B projections at 3.5-4.6 TB/s against cuBLAS's 2.7-4.2: o 9.7 vs 12.7 us, qkv 13.6 vs
-# 17.0, down 29.4 vs 32.1, gate_up 54.3 vs 57.8, the LM head 231 vs 247.
-GEMV_MAX_ROWS = 8
+# 17.0, down 29.4 vs 32.1, gate_up 54.3 vs 57.8, the LM head 231 vs 247; figure 2's 8B
+# decode step went from 4.70 to 4.18 ms. At 2-8 rows its fp32 products on CUDA cores are
+# the limit (`profile/gemv_rows_5427c10.json`: 6 rows of down_proj 57-172 us against
+# cuBLAS's 32 for any count, figure 2's 6-token verify 16.9 ms), so those stay on cuBLAS.
+GEMV_MAX_ROWS = 1
 GEMV_TILES = (4, 1024, 8)  # BLOCK_N, BLOCK_K, num_warps
 
 

@@ -274,8 +274,8 @@ def test_gemv_rows_equals_the_gemm_and_rows_are_batch_invariant(dtype):
 
 
 def test_large_projections_take_the_gemv_on_a_gpu_only():
-    """`ops.linear` sends projections of more than LINEAR_MAX_WEIGHT elements at 1-8 rows
-    in half precision on a GPU to `gemv_rows`; everything else to F.linear."""
+    """`ops.linear` sends projections of more than LINEAR_MAX_WEIGHT elements at up to
+    GEMV_MAX_ROWS rows in half precision on a GPU to `gemv_rows`; the rest to F.linear."""
     from engine import ops
 
     big = torch.empty(ops.LINEAR_MAX_WEIGHT // 512 + 1, 512, dtype=torch.bfloat16)
@@ -283,8 +283,9 @@ def test_large_projections_take_the_gemv_on_a_gpu_only():
     assert not ops.gemv_suits(1, big)  # on the CPU
     if torch.cuda.is_available():
         big, small = big.cuda(), small.cuda()
-        assert ops.gemv_suits(1, big) and ops.gemv_suits(8, big)
-        assert not ops.gemv_suits(9, big) and not ops.gemv_suits(1, small)
+        assert ops.gemv_suits(1, big) and ops.gemv_suits(ops.GEMV_MAX_ROWS, big)
+        assert not ops.gemv_suits(ops.GEMV_MAX_ROWS + 1, big)
+        assert not ops.gemv_suits(1, small)
         assert not ops.gemv_suits(1, big.float())
 
 
