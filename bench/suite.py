@@ -383,6 +383,9 @@ def fig_llama8b_shape(args, res: dict) -> None:
     log(f"fig 2: params {total / 2**30:.2f} GiB, floor {floor_ms:.3f} ms")
     if cfg.use_cuda_graphs:
         eng.runner.enable_graphs(max(batches), qlens, ())
+    # Which kernel each large projection takes at one row and at several (GEMV / 16-row
+    # tensor-core tiles or cuBLAS), as timed on this GPU at graph set-up, with the timings.
+    res["large_linears"] = eng.model.large_linear_tuning
     runner = eng.runner
 
     def tables(b: int) -> list[list[int]]:

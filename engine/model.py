@@ -98,6 +98,8 @@ class LlamaModel(nn.Module):
         # Row counts that take them: one row until `calibrate_prologue_rows` times more.
         self.prologue_rows = frozenset(range(1, ops.LINEAR_MAX_ROWS + 1))
         self.prologue_calibration: dict | None = None
+        # Large projections' kernels as `tune_large_linears` chose them on this GPU.
+        self.large_linear_tuning: dict | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()
@@ -148,6 +150,32 @@ class LlamaModel(nn.Module):
         self.prologue_rows = frozenset(m for m, (pro, sep) in timings.items() if pro < sep)
         self.prologue_calibration = timings
         return timings
+
+    @torch.inference_mode()
+    def tune_large_linears(self) -> dict | None:
+        """On a GPU, on the fused path: for each projection too large for the prologue
+        linears (Llama-8B's, the LM head), time our one-row GEMV and 16-row tensor-core tiles
+        against cuBLAS on this GPU with the model's own weights, and keep the fastest per
+        weight shape (`ops.tune_large_linear`; shapes already chosen in this process are not
+        timed again). Returns {projection: choice and timings}; None where nothing is large
+        or off CUDA."""
+        w = self.embed_tokens.weight
+        if not self.fused or not w.is_cuda:
+            return None
+        groups = {"qkv": [la.self_attn.qkv_proj.weight for la in self.layers],
+                  "o": [la.self_attn.o_proj.weight for la in self.layers],
+                  "gate_up": [la.mlp.gate_up_proj.weight for la in self.layers],
+                  "down": [la.mlp.down_proj.weight for la in self.layers],
+                  "lm_head": [self.lm_head.weight]}
+        out = {}
+        with torch.cuda.device(w.device):
+            for name, ws in groups.items():
+                if not ops.large_suits(ws[0]):
+                    continue
+                known = ops.LARGE_LINEAR.get(ops._large_key(ws[0]))
+                out[name] = dict(known) if known is not None else ops.tune_large_linear(ws)
+        self.large_linear_tuning = out or None
+        return self.large_linear_tuning
 
     def share_calibration(self, other: LlamaModel) -> None:
         """Take `other`'s calibrated row counts (same weights, same device and dtype), so

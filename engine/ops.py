@@ -355,23 +355,79 @@ if triton_available():
         _gemv_out(a7, B, Y, 7, M, stride_y, rn, n_ok, HAS_BIAS)
 
 
-# Large projections (more than LINEAR_MAX_WEIGHT elements: Llama-8B's, any LM head) at up
-# to GEMV_MAX_ROWS rows take `gemv_rows` instead of cuBLAS on a GPU. At one row on the H200
-# (bench/results/profile/gemv_sweep_bb82e82.json) its 4 x 1024 tiles with 8 warps read the
-# 8B projections at 3.5-4.6 TB/s against cuBLAS's 2.7-4.2: o 9.7 vs 12.7 us, qkv 13.6 vs
-# 17.0, down 29.4 vs 32.1, gate_up 54.3 vs 57.8, the LM head 231 vs 247; figure 2's 8B
-# decode step went from 4.70 to 4.18 ms. At 2-8 rows its fp32 products on CUDA cores are
-# the limit (`profile/gemv_rows_5427c10.json`: 6 rows of down_proj 57-172 us against
-# cuBLAS's 32 for any count, figure 2's 6-token verify 16.9 ms), so those stay on cuBLAS.
+if triton_available():
+
+    @triton.jit
+    def _dot_rows_kernel(X, W, B, Y, M, N, stride_x, stride_w, stride_y, K: tl.constexpr,
+                         HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         STAGES: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+        """Y[M, N] = X[M, K] @ W[N, K].T (+ B) for M <= 16: one 16-row tensor-core block per
+        program over BLOCK_N columns, Triton's software pipeline keeping STAGES weight tiles
+        in flight. Rows past M are masked (zeros): mma rows are independent, so each row
+        rounds alike whatever M."""
+        pid = tl.program_id(0)
+        rm = tl.arange(0, 16)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            k_ok = (k0 + rk < K) | EVEN_K  # no K mask (vector loads) where tiles divide K
+            x = tl.load(X + rm[:, None] * stride_x + (k0 + rk)[None, :],
+                        mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(W + rn[:, None] * stride_w + (k0 + rk)[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
+        if HAS_BIAS:
+            acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+
+# Large projections (more than LINEAR_MAX_WEIGHT elements: Llama-8B's, any LM head) at up to
+# DOT_ROWS_MAX rows on a GPU in half precision take our kernels instead of cuBLAS, per weight
+# shape as `tune_large_linear` measured on the GPU at hand (defaults until then: the GEMV at
+# one row, cuBLAS above). One row: `gemv_rows`, whose 4 x 1024 tiles with 8 warps read the
+# 8B projections at 3.5-4.6 TB/s against cuBLAS's 2.7-4.2 on the H200
+# (bench/results/profile/gemv_sweep_bb82e82.json: o 9.7 vs 12.7 us, qkv 13.6 vs 17.0, down
+# 29.4 vs 32.1, gate_up 54.3 vs 57.8, the LM head 231 vs 247; figure 2's 8B decode step went
+# from 4.70 to 4.18 ms). At 2-8 rows the GEMV's fp32 products on CUDA cores are the limit
+# (`profile/gemv_rows_5427c10.json`: 6 rows of down_proj 57-172 us against cuBLAS's 32), so
+# several rows take `dot_rows`, one 16-row tensor-core block per program, where it beats
+# cuBLAS for the shape (`profile/gemv_dot_e31b3de.json`, 6 rows: o 11.2 vs 13.3, qkv 15.6 vs
+# 16.1, down 30.9 vs 32.6, the LM head 239.9 vs 249.1; gate_up 58.7 vs 57.8).
 GEMV_MAX_ROWS = 1
 GEMV_TILES = (4, 1024, 8)  # BLOCK_N, BLOCK_K, num_warps
+DOT_ROWS_MAX = 16
+# What `tune_large_linear` tries: GEMV tiles at one row, dot tiles (BLOCK_N, BLOCK_K,
+# STAGES, warps) at DOT_TUNE_ROWS rows; cuBLAS is always a candidate.
+GEMV_CANDIDATES = [(4, 1024, 8), (4, 512, 4), (16, 512, 4), (8, 512, 8)]
+DOT_CANDIDATES = [(32, 256, 5, 4), (32, 128, 5, 4), (64, 256, 3, 4), (32, 512, 3, 4)]
+DOT_TUNE_ROWS = 8
+# (N, K, dtype, device) -> {"one": GEMV tiles or None (cuBLAS), "rows": dot tiles or None}
+LARGE_LINEAR: dict[tuple, dict] = {}
+
+
+def large_suits(weight: torch.Tensor) -> bool:
+    """Whether projections with this weight may take `gemv_rows` / `dot_rows`."""
+    n, k = weight.shape
+    return (n * k > LINEAR_MAX_WEIGHT and weight.is_cuda and triton_available()
+            and weight.dtype in (torch.bfloat16, torch.float16) and weight.stride(1) == 1)
+
+
+def _large_key(weight: torch.Tensor) -> tuple:
+    return (*weight.shape, weight.dtype, weight.device)
 
 
 def gemv_suits(m: int, weight: torch.Tensor) -> bool:
     """Whether an [m, K] x weight.T projection takes `gemv_rows`."""
-    n, k = weight.shape
-    return (1 <= m <= GEMV_MAX_ROWS and n * k > LINEAR_MAX_WEIGHT and weight.is_cuda
-            and weight.dtype in (torch.bfloat16, torch.float16) and triton_available())
+    return 1 <= m <= GEMV_MAX_ROWS and large_suits(weight) and LARGE_LINEAR.get(
+        _large_key(weight), {"one": GEMV_TILES})["one"] is not None
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -383,7 +439,7 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     assert 1 <= m <= 8 and weight.shape[1] == k and weight.stride(1) == 1
     if x.stride(1) != 1:
         x = x.contiguous()
-    bn, bk, warps = tiles or GEMV_TILES
+    bn, bk, warps = tiles or LARGE_LINEAR.get(_large_key(weight), {}).get("one") or GEMV_TILES
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _gemv_rows_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, n, x.stride(0), weight.stride(0),
@@ -392,12 +448,73 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return y
 
 
+def dot_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for at most 16 rows in one 16-row tensor-core block per program
+    (`_dot_rows_kernel`; rows past the count masked, so each row rounds alike whatever the
+    count). tiles: (BLOCK_N, BLOCK_K, STAGES, warps)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert 1 <= m <= DOT_ROWS_MAX and weight.shape[1] == k and weight.stride(1) == 1
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    bn, bk, stages, warps = tiles or DOT_CANDIDATES[0]
+    bk = min(bk, next_pow2(k, 16))
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _dot_rows_kernel[(triton.cdiv(n, bn),)](
+        x, weight, bias if bias is not None else weight, y, m, n, x.stride(0),
+        weight.stride(0), y.stride(0), K=k, HAS_BIAS=bias is not None, BLOCK_N=bn,
+        BLOCK_K=bk, STAGES=stages, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        EVEN_K=k % bk == 0, num_warps=warps,
+        **pdl_args(x, always=True))
+    return y
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """F.linear, or `gemv_rows` where it suits (`gemv_suits`)."""
-    if gemv_suits(x.shape[0], weight):
-        return gemv_rows(x, weight, bias)
+    """F.linear, or for large weights on a GPU `gemv_rows` (one row) / `dot_rows` (up to
+    DOT_ROWS_MAX rows) as `LARGE_LINEAR` says for the shape."""
+    m = x.shape[0]
+    if 1 <= m <= DOT_ROWS_MAX and large_suits(weight):
+        choice = LARGE_LINEAR.get(_large_key(weight), {"one": GEMV_TILES, "rows": None})
+        if m <= GEMV_MAX_ROWS and choice["one"] is not None:
+            return gemv_rows(x, weight, bias, choice["one"])
+        if m > GEMV_MAX_ROWS and choice["rows"] is not None:
+            return dot_rows(x, weight, bias, choice["rows"])
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def tune_large_linear(weights: list[torch.Tensor], reps: int = 8) -> dict:
+    """Choose, on this GPU, the kernel for one row (GEMV tiles or cuBLAS) and for several rows
+    (dot tiles or cuBLAS) of projections with these weights (one shape; several copies, e.g.
+    every layer's, so each call of a timing graph reads its weight from HBM as a forward
+    does). Records the choice in LARGE_LINEAR and returns it with the timings (us)."""
+    from engine.graphs import graph_time_us
+
+    w0 = weights[0]
+    k = w0.shape[1]
+    gen = torch.Generator(device=w0.device).manual_seed(0)
+    x = torch.randn(DOT_TUNE_ROWS, k, device=w0.device, dtype=w0.dtype, generator=gen)
+    n_reps = min(reps, len(weights)) if len(weights) > 1 else 2
+
+    def us(fn):
+        return round(graph_time_us(lambda i: fn(weights[i % len(weights)]), n_reps), 2)
+
+    one = {"cublas": us(lambda w: torch.nn.functional.linear(x[:1], w))}
+    for t in GEMV_CANDIDATES:
+        one[t] = us(lambda w, t=t: gemv_rows(x[:1], w, tiles=t))
+    rows = {"cublas": us(lambda w: torch.nn.functional.linear(x, w))}
+    for t in DOT_CANDIDATES:
+        try:
+            rows[t] = us(lambda w, t=t: dot_rows(x, w, tiles=t))
+        except Exception:  # noqa: BLE001 - a tile this GPU cannot run (shared memory)
+            continue
+    best_one, best_rows = min(one, key=one.get), min(rows, key=rows.get)
+    choice = {"one": None if best_one == "cublas" else best_one,
+              "rows": None if best_rows == "cublas" else best_rows}
+    LARGE_LINEAR[_large_key(w0)] = choice
+    return {**choice, "one_us": {str(t): v for t, v in one.items()},
+            "rows_us": {str(t): v for t, v in rows.items()}}
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,

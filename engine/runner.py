@@ -96,6 +96,12 @@ class ModelRunner:
             except Exception as e:  # keep the uncalibrated default (one row)
                 warnings.warn(f"prologue-linear calibration failed, keeping "
                               f"{sorted(model.prologue_rows)} rows: {e!r}", stacklevel=2)
+        if model.large_linear_tuning is None:
+            try:  # large projections: our kernels or cuBLAS, per shape on this GPU
+                model.tune_large_linears()
+            except Exception as e:  # noqa: BLE001 - keep the defaults (ops.LARGE_LINEAR)
+                warnings.warn(f"large-linear tuning failed, keeping the defaults: {e!r}",
+                              stacklevel=2)
 
         def fn(ids, pos, meta):
             hidden, aux = model(ids, pos, kv, meta, aux_layers)

@@ -245,3 +245,31 @@ def test_engines_on_two_gpus_in_one_process_capture_on_their_own_device():
     outs_b = [c.token_ids for c in b.generate(PROMPTS[:2], sp)]
     assert outs_a == outs_b
     assert all(g is not None for g, _ in b.runner.graphs.graphs.values())
+
+
+def test_large_projections_are_tuned_at_graph_set_up_and_serve():
+    """A model with projections too large for the prologue linears: graph set-up times our
+    GEMV and tensor-core tiles against cuBLAS per weight shape (`tune_large_linears`), each
+    choice is recorded with its timings, and the engine then generates with the graphs
+    (every block back afterwards)."""
+    from engine import Engine, EngineConfig, SamplingParams, ops
+
+    torch.manual_seed(0)
+    cfg = smol_shape(hidden_size=1024, intermediate_size=8192, num_layers=4, num_heads=16,
+                     num_kv_heads=4, vocab_size=8192, tie_word_embeddings=False)
+    eng = Engine(EngineConfig(model=cfg, dtype=torch.bfloat16, device="cuda", num_blocks=256,
+                              attention_backend="triton", cuda_graphs=True))
+    with torch.no_grad():
+        for p in eng.model.parameters():
+            p.normal_(0, 0.02) if p.dim() >= 2 else p.fill_(1.0)
+    eng.runner.enable_graphs(4, (1,), ())
+    tuned = eng.model.large_linear_tuning
+    assert tuned is not None and set(tuned) == {"gate_up", "down", "lm_head"}
+    for name, t in tuned.items():
+        assert "cublas" in t["one_us"] and "cublas" in t["rows_us"], name
+        assert ops.LARGE_LINEAR[ops._large_key(eng.model.lm_head.weight)]["one"] == \
+            tuned["lm_head"]["one"]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = eng.generate(PROMPTS[:3], sp)
+    assert [len(o.token_ids) for o in outs] == [12] * 3
+    eng.blocks.check_all_free()

@@ -273,20 +273,56 @@ def test_gemv_rows_equals_the_gemm_and_rows_are_batch_invariant(dtype):
         ops.gemv_rows(rnd(9, k), w, tiles=tiles)
 
 
-def test_large_projections_take_the_gemv_on_a_gpu_only():
-    """`ops.linear` sends projections of more than LINEAR_MAX_WEIGHT elements at up to
-    GEMV_MAX_ROWS rows in half precision on a GPU to `gemv_rows`; the rest to F.linear."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16 if DEV == "cpu" else
+                                   torch.bfloat16])
+def test_dot_rows_equals_the_gemm_and_rows_are_batch_invariant(dtype):
+    """`ops.dot_rows` (large projections at 2-16 rows): one 16-row tensor-core block per
+    program; the GEMM's result to rounding (bias included, K divisible by the tile or not),
+    each row bit for bit the same alone or beside others. (The interpreter's bf16 tl.dot
+    returns garbage on the CPU: fp16 there, bf16 on the GPU.)"""
+    import torch.nn.functional as F
+
+    from engine import ops
+
+    g = torch.Generator().manual_seed(6)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
+    cuda = DEV == "cuda"
+    shapes = [(4096, 4096, None), (1000, 1100, None)] if cuda else [(40, 256, (16, 128, 3, 4)),
+                                                                    (37, 300, (16, 128, 3, 4))]
+    for n, k, tiles in shapes:
+        w, b, x = rnd(n, k) / 30, rnd(n), rnd(16, k)
+        ref = F.linear(x.float(), w.float(), b.float())
+        y = ops.dot_rows(x, w, b, tiles=tiles)
+        tol = 2e-5 if dtype == torch.float32 and not cuda else 3e-2
+        torch.testing.assert_close(y.float(), ref, atol=tol, rtol=tol)
+        for m in (1, 2, 6, 9) if cuda else (1, 6):
+            assert torch.equal(ops.dot_rows(x[:m], w, b, tiles=tiles), y[:m]), (n, m)
+
+
+def test_large_projections_take_our_kernels_on_a_gpu_only(monkeypatch):
+    """`ops.linear` sends projections of more than LINEAR_MAX_WEIGHT elements in half
+    precision on a GPU to `gemv_rows` at one row and to `dot_rows` at up to DOT_ROWS_MAX rows
+    as `LARGE_LINEAR` chose for the shape (None: cuBLAS); the rest to F.linear."""
     from engine import ops
 
     big = torch.empty(ops.LINEAR_MAX_WEIGHT // 512 + 1, 512, dtype=torch.bfloat16)
     small = torch.empty(64, 512, dtype=torch.bfloat16)
-    assert not ops.gemv_suits(1, big)  # on the CPU
-    if torch.cuda.is_available():
-        big, small = big.cuda(), small.cuda()
-        assert ops.gemv_suits(1, big) and ops.gemv_suits(ops.GEMV_MAX_ROWS, big)
-        assert not ops.gemv_suits(ops.GEMV_MAX_ROWS + 1, big)
-        assert not ops.gemv_suits(1, small)
-        assert not ops.gemv_suits(1, big.float())
+    assert not ops.large_suits(big) and not ops.gemv_suits(1, big)  # on the CPU
+    if not torch.cuda.is_available():
+        return
+    big, small = big.cuda().normal_(), small.cuda()
+    assert ops.gemv_suits(1, big) and not ops.gemv_suits(2, big)
+    assert not ops.gemv_suits(1, small) and not ops.large_suits(big.float())
+    calls = []
+    monkeypatch.setattr(ops, "gemv_rows", lambda *a, **k: calls.append("gemv"))
+    monkeypatch.setattr(ops, "dot_rows", lambda *a, **k: calls.append("dot"))
+    monkeypatch.setattr(ops, "LARGE_LINEAR", {})
+    x = torch.ones(17, 512, dtype=torch.bfloat16, device="cuda")
+    ops.linear(x[:1], big), ops.linear(x[:4], big), ops.linear(x, big)
+    assert calls == ["gemv"]  # defaults: the GEMV at one row, cuBLAS above
+    ops.LARGE_LINEAR[ops._large_key(big)] = {"one": None, "rows": (32, 256, 5, 4)}
+    ops.linear(x[:1], big), ops.linear(x[:4], big), ops.linear(x[:16], big), ops.linear(x, big)
+    assert calls == ["gemv", "dot", "dot"]
 
 
 @pytest.mark.parametrize("rows", [1, 6, 70])
