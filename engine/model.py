@@ -129,8 +129,14 @@ class LlamaModel(nn.Module):
                 taps[i] = res
             o = attn.attend_qkv(qkv, positions, kv_cache[i], meta)
             a = project(attn.o_proj, o, fold)
-            gu, res = norm_proj(mlp.gate_up_proj, a, layer.post_attention_layernorm, res, fold)
-            h = silu_proj(mlp.down_proj, gu, fold)
+            ln = layer.post_attention_layernorm
+            if not fold and ops.gemv_silu_suits(a.shape[0], mlp.gate_up_proj):
+                # One row of a large model: SiLU-and-mul in the gate_up GEMV's epilogue.
+                y, res = ops.add_rmsnorm(a, ln.weight, ln.eps, res)
+                h = project(mlp.down_proj, ops.gemv_silu(y, mlp.gate_up_proj.weight), False)
+            else:
+                gu, res = norm_proj(mlp.gate_up_proj, a, ln, res, fold)
+                h = silu_proj(mlp.down_proj, gu, fold)
         out, _ = ops.add_rmsnorm(h, self.norm.weight, self.norm.eps, res)
         return out, [taps[i] for i in aux_layers]
 

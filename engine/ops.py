@@ -358,6 +358,41 @@ if triton_available():
 if triton_available():
 
     @triton.jit
+    def _gemv_silu_kernel(X, W, Y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+        """Y[N] = silu(g) * u for one row x, g = W[:N] @ x and u = W[N:2N] @ x (gate_up's
+        weight [2N, K]): each program reads BLOCK_N gate rows and the matching up rows, so the
+        SiLU-and-mul runs in its epilogue instead of a launch of its own. g and u round to
+        the storage dtype first, as gate_up's output does before `_silu_mul_kernel`."""
+        pid = tl.program_id(0)
+        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < N
+        gp = W + rn[:, None] * stride_w + rk[None, :]
+        up = gp + N * stride_w
+        ok = n_ok[:, None] & (rk < K)[None, :]
+        wg = tl.load(gp, mask=ok, other=0.0)
+        wu = tl.load(up, mask=ok, other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        ag = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        au = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for kk in range(0, K, BLOCK_K):
+            x = tl.load(X + kk + rk, mask=kk + rk < K, other=0.0).to(tl.float32)[None, :]
+            cg, cu = wg.to(tl.float32), wu.to(tl.float32)
+            nok = n_ok[:, None] & (kk + BLOCK_K + rk < K)[None, :]
+            wg = tl.load(gp + kk + BLOCK_K, mask=nok, other=0.0)
+            wu = tl.load(up + kk + BLOCK_K, mask=nok, other=0.0)
+            ag += cg * x
+            au += cu * x
+        dt = Y.dtype.element_ty
+        g = tl.sum(ag, 1).to(dt).to(tl.float32)
+        u = tl.sum(au, 1).to(dt).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt)
+        tl.store(Y + rn, (s.to(tl.float32) * u).to(dt), mask=n_ok)
+
+    @triton.jit
     def _dot_rows_kernel(X, W, B, Y, M, N, stride_x, stride_w, stride_y, K: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          STAGES: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
@@ -444,6 +479,29 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     _gemv_rows_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, n, x.stride(0), weight.stride(0),
         y.stride(0), K=k, M=m, HAS_BIAS=bias is not None, BLOCK_N=bn,
+        BLOCK_K=min(bk, next_pow2(k, 16)), num_warps=warps, **pdl_args(x, always=True))
+    return y
+
+
+def gemv_silu_suits(m: int, gate_up) -> bool:
+    """Whether gate_up (an nn.Linear or Projection) then SiLU-and-mul over m rows takes
+    `gemv_silu`: one row, a large bias-free weight whose one-row kernel is the GEMV."""
+    return gate_up.bias is None and gemv_suits(m, gate_up.weight)
+
+
+def gemv_silu(x: torch.Tensor, weight: torch.Tensor,
+              tiles: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """silu_mul(x @ weight.T) for one row x and gate_up's weight [2N, K], in one launch
+    (`_gemv_silu_kernel`): the same values as `gemv_rows` then `silu_mul`, one launch and
+    one [1, 2N] round trip fewer. tiles: the GEMV's (BLOCK_N per half, BLOCK_K, warps)."""
+    m, k = x.shape
+    n2 = weight.shape[0]
+    assert m == 1 and n2 % 2 == 0 and weight.shape[1] == k and weight.stride(1) == 1
+    n = n2 // 2
+    bn, bk, warps = tiles or LARGE_LINEAR.get(_large_key(weight), {}).get("one") or GEMV_TILES
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    _gemv_silu_kernel[(triton.cdiv(n, bn),)](
+        x.contiguous(), weight, y, n, weight.stride(0), K=k, BLOCK_N=bn,
         BLOCK_K=min(bk, next_pow2(k, 16)), num_warps=warps, **pdl_args(x, always=True))
     return y
 

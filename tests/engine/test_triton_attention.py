@@ -273,6 +273,19 @@ def test_gemv_rows_equals_the_gemm_and_rows_are_batch_invariant(dtype):
         ops.gemv_rows(rnd(9, k), w, tiles=tiles)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_silu_equals_the_gemv_then_silu_mul(dtype):
+    """`ops.gemv_silu` (one row of a large model's gate_up with SiLU-and-mul in the epilogue)
+    gives exactly what the GEMV followed by `silu_mul` gives."""
+    from engine import ops
+
+    g = torch.Generator().manual_seed(7)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
+    n, k, tiles = (2 * 14336, 4096, None) if DEV == "cuda" else (2 * 37, 300, (4, 128, 4))
+    w, x = rnd(n, k) / 30, rnd(1, k)
+    assert torch.equal(ops.gemv_silu(x, w, tiles), ops.silu_mul(ops.gemv_rows(x, w, tiles=tiles)))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16 if DEV == "cpu" else
                                    torch.bfloat16])
 def test_dot_rows_equals_the_gemm_and_rows_are_batch_invariant(dtype):
