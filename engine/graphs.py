@@ -193,17 +193,37 @@ def pack(ids: list[int], pos: list[int], tables: list[list[int]], qlens: list[in
                         max(qlens))
 
 
+# Every int64 segment of a staged buffer starts at a multiple of this many elements (16
+# bytes): Triton specializes a kernel on whether each pointer argument is 16-byte aligned, so
+# views whose alignment followed the token and sequence counts compiled new kernel variants
+# in the middle of serving (each a ~0.2-0.7 s stall of every stream on the H200).
+ALIGN = 2
+
+
+def aligned_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Start of each segment of these sizes, every start a multiple of ALIGN, and the total."""
+    offs, o = [], 0
+    for s in sizes:
+        offs.append(o)
+        o += -(-s // ALIGN) * ALIGN
+    return offs, o
+
+
 def to_device(inp: PackedInputs, stager: HostStager):
-    """(ids, positions, meta) as device tensors for an eager forward."""
+    """(ids, positions, meta) as device tensors for an eager forward; each one a 16-byte
+    aligned view of one staged buffer."""
     n, b = inp.num_tokens, inp.num_seqs
-    flat = np.concatenate([inp.ids, inp.pos, inp.slots, inp.starts, inp.lens,
-                           inp.tables.reshape(-1)])
+    parts = [inp.ids, inp.pos, inp.slots, inp.starts, inp.lens, inp.tables.reshape(-1)]
+    o, total = aligned_offsets([len(p) for p in parts])
+    flat = np.zeros(total, dtype=np.int64)
+    for start, p in zip(o, parts):
+        flat[start: start + len(p)] = p
     dev = stager.to_device(flat)
-    o = np.cumsum([0, n, n, n, b + 1, b])
-    ids, pos, slots = dev[o[0]:o[1]], dev[o[1]:o[2]], dev[o[2]:o[3]]
+    ids, pos, slots = dev[o[0]:o[0] + n], dev[o[1]:o[1] + n], dev[o[2]:o[2] + n]
     meta = AttentionMetadata(
-        slot_mapping=slots, query_start=dev[o[3]:o[4]], seq_lens=dev[o[4]:o[5]],
-        block_tables=dev[o[5]:].view(b, -1), max_query_len=inp.max_query_len,
+        slot_mapping=slots, query_start=dev[o[3]:o[3] + b + 1], seq_lens=dev[o[4]:o[4] + b],
+        block_tables=dev[o[5]:o[5] + inp.tables.size].view(b, -1),
+        max_query_len=inp.max_query_len,
         max_seq_len=int(inp.lens.max()), query_start_cpu=inp.starts.tolist(),
         seq_lens_cpu=inp.lens.tolist())
     return ids, pos, meta
@@ -231,9 +251,9 @@ class GraphSet:
         self.max_batch, self.max_blocks = max_batch, max_blocks
         tm = max_batch * max(self.query_lens)
         # Layout of the static int64 buffer; block tables last so a prefix copy covers a bucket.
-        self.off = dict(ids=0, pos=tm, slots=2 * tm, starts=3 * tm, lens=3 * tm + max_batch + 1,
-                        tables=3 * tm + 2 * max_batch + 1)
-        self.size = self.off["tables"] + max_batch * max_blocks
+        offs, self.size = aligned_offsets([tm, tm, tm, max_batch + 1, max_batch,
+                                           max_batch * max_blocks])
+        self.off = dict(zip(("ids", "pos", "slots", "starts", "lens", "tables"), offs))
         self.buf = torch.zeros(self.size, dtype=torch.int64, device=self.device)
         self.extras = [torch.zeros(tm, w, dtype=dt, device=self.device) for w, dt in extras]
         self.stager = HostStager(device, self.size)

@@ -202,7 +202,7 @@ if triton_available():
         y = (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
         tl.store(Y + row * N + col, y, mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])  # the row count varies by the step
     def _prologue_linear_kernel(X, R, NW, W, B, Y, RES_OUT, M, eps, stride_x, stride_r,
                                 stride_w, stride_y, N: tl.constexpr, K: tl.constexpr,
                                 PRO: tl.constexpr, HAS_RES: tl.constexpr,
@@ -392,7 +392,7 @@ if triton_available():
         s = (g / (1.0 + tl.exp(-g))).to(dt)
         tl.store(Y + rn, (s.to(tl.float32) * u).to(dt), mask=n_ok)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["M"])
     def _dot_rows_kernel(X, W, B, Y, M, N, stride_x, stride_w, stride_y, K: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          STAGES: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,

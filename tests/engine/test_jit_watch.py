@@ -77,3 +77,31 @@ def test_steady_window_records_compiles_and_captures(hooks, monkeypatch):
     ev = window_events(mark)
     assert ev["compiles"] == {"_late": [1, pytest.approx(ev["compiles"]["_late"][1])]}
     assert ev["captures"] == 2
+
+
+@pytest.mark.parametrize("n_tokens,n_seqs", [(1, 1), (3, 2), (7, 3), (16, 5), (33, 8)])
+def test_staged_views_are_16_byte_aligned_whatever_the_counts(n_tokens, n_seqs):
+    """Eager forwards take their ids, positions, slots and metadata as views of one staged
+    buffer, and every view starts 16-byte aligned whatever the token and sequence counts:
+    Triton compiles a kernel variant per pointer alignment, so views whose alignment followed
+    the counts compiled kernels in the middle of serving. Values survive the padding; the
+    graph sets' static buffers are laid out alike."""
+    from engine.graphs import GraphSet, HostStager, pack, to_device
+
+    qlens = [n_tokens // n_seqs + (i < n_tokens % n_seqs) for i in range(n_seqs)]
+    qlens = [q for q in qlens if q] or [1]
+    n = sum(qlens)
+    tables = [list(range(10 * i, 10 * i + 1 + i % 3)) for i in range(len(qlens))]
+    pos = [j for q in qlens for j in range(q)]
+    inp = pack(list(range(100, 100 + n)), pos, tables, qlens, 16)
+    ids, p, meta = to_device(inp, HostStager("cpu", 64))
+    base = ids.data_ptr()
+    views = [ids, p, meta.slot_mapping, meta.query_start, meta.seq_lens, meta.block_tables]
+    assert all((v.data_ptr() - base) % 16 == 0 for v in views)
+    assert ids.tolist() == list(range(100, 100 + n)) and p.tolist() == pos
+    assert meta.query_start.tolist() == inp.starts.tolist()
+    assert meta.seq_lens.tolist() == inp.lens.tolist()
+    assert meta.block_tables.tolist() == inp.tables.tolist()
+    assert meta.slot_mapping.tolist() == inp.slots.tolist()
+    g = GraphSet(lambda *a: (), "cpu", 2 * n_seqs + 1, (1, 3), 7)
+    assert all(o % 2 == 0 for o in g.off.values()) and g.size >= g.off["tables"] + 7 * g.max_batch
