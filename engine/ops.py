@@ -485,8 +485,10 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
 
 def gemv_silu_suits(m: int, gate_up) -> bool:
     """Whether gate_up (an nn.Linear or Projection) then SiLU-and-mul over m rows takes
-    `gemv_silu`: one row, a large bias-free weight whose one-row kernel is the GEMV."""
-    return gate_up.bias is None and gemv_suits(m, gate_up.weight)
+    `gemv_silu`: one row of a large bias-free weight for which `tune_gemv_silu` measured it
+    faster than the GEMV followed by `silu_mul` (never before that measurement)."""
+    return (gate_up.bias is None and gemv_suits(m, gate_up.weight)
+            and LARGE_LINEAR.get(_large_key(gate_up.weight), {}).get("silu") is not None)
 
 
 def gemv_silu(x: torch.Tensor, weight: torch.Tensor,
@@ -498,7 +500,7 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor,
     n2 = weight.shape[0]
     assert m == 1 and n2 % 2 == 0 and weight.shape[1] == k and weight.stride(1) == 1
     n = n2 // 2
-    bn, bk, warps = tiles or LARGE_LINEAR.get(_large_key(weight), {}).get("one") or GEMV_TILES
+    bn, bk, warps = tiles or LARGE_LINEAR.get(_large_key(weight), {}).get("silu") or GEMV_TILES
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_silu_kernel[(triton.cdiv(n, bn),)](
         x.contiguous(), weight, y, n, weight.stride(0), K=k, BLOCK_N=bn,
@@ -540,6 +542,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if m > GEMV_MAX_ROWS and choice["rows"] is not None:
             return dot_rows(x, weight, bias, choice["rows"])
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def tune_gemv_silu(weights: list[torch.Tensor], reps: int = 8) -> dict:
+    """For gate_up weights ([2N, K], already in LARGE_LINEAR with a one-row GEMV): time
+    `gemv_silu` (each candidate GEMV tile with half its columns per half, so a program still
+    reads as many weight rows) against the chosen GEMV followed by `silu_mul`, and record the
+    faster in LARGE_LINEAR (key "silu": tiles, or None for the two launches). On the H200 a
+    first version, with the GEMV's whole tile per half, made figure 2's 8B forward 0.5% slower
+    than the two launches."""
+    from engine.graphs import graph_time_us
+
+    w0 = weights[0]
+    choice = LARGE_LINEAR[_large_key(w0)]
+    gen = torch.Generator(device=w0.device).manual_seed(0)
+    x = torch.randn(1, w0.shape[1], device=w0.device, dtype=w0.dtype, generator=gen)
+    n_reps = min(reps, len(weights))
+
+    def us(fn):
+        return round(graph_time_us(lambda i: fn(weights[i % len(weights)]), n_reps), 2)
+
+    times = {"gemv+silu_mul": us(lambda w: silu_mul(gemv_rows(x, w, tiles=choice["one"])))}
+    for bn, bk, warps in GEMV_CANDIDATES:
+        t = (max(1, bn // 2), bk, warps)
+        times[t] = us(lambda w, t=t: gemv_silu(x, w, tiles=t))
+    best = min(times, key=times.get)
+    choice["silu"] = None if best == "gemv+silu_mul" else best
+    return {"silu": choice["silu"], "silu_us": {str(t): v for t, v in times.items()}}
 
 
 def tune_large_linear(weights: list[torch.Tensor], reps: int = 8) -> dict:

@@ -267,6 +267,8 @@ def test_large_projections_are_tuned_at_graph_set_up_and_serve():
     assert tuned is not None and set(tuned) == {"gate_up", "down", "lm_head"}
     for name, t in tuned.items():
         assert "cublas" in t["one_us"] and "cublas" in t["rows_us"], name
+    if tuned["gate_up"]["one"] is not None:  # then gate_up + SiLU was timed both ways too
+        assert "gemv+silu_mul" in tuned["gate_up"]["silu_us"]
         assert ops.LARGE_LINEAR[ops._large_key(eng.model.lm_head.weight)]["one"] == \
             tuned["lm_head"]["one"]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
