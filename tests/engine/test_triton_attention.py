@@ -556,3 +556,14 @@ def test_argmax_rows_takes_the_first_maximum_and_maps_ids(vocab, monkeypatch):
     assert torch.equal(ops.argmax_rows(x), want)
     assert len(split) == (vocab > ops.ARGMAX_SPLIT)
     assert torch.equal(ops.argmax_rows(x, off), want + off[want])
+
+
+def test_tuning_keeps_the_default_kernel_unless_another_wins_by_the_margin():
+    """`ops.tune_large_linear` / `tune_gemv_silu` replace the one-row default only for a
+    candidate at least TUNE_MARGIN faster alone (smaller lone wins lost inside a forward)."""
+    from engine import ops
+
+    near = 1 / ops.TUNE_MARGIN + 0.01  # a win just short of the margin
+    assert ops._beats({"d": 10.0, "x": 10.0 * near, "y": 12.0}, "d") == "d"
+    assert ops._beats({"d": 10.0, "x": 10.0 / ops.TUNE_MARGIN - 0.01}, "d") == "x"
+    assert ops._beats({"d": 10.0, "x": 11.0}, "d") == "d"
