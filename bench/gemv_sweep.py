@@ -2,6 +2,8 @@
 split-K Triton GEMV, and both against a copy of the same bytes, per projection.
 
     python -m bench.gemv_sweep --out DIR [--budget 150] [--shapes qkv,o,gate_up,down,lm_head]
+    python -m bench.gemv_sweep --out DIR --rows 1,2,4,6,8   # ops.gemv_rows vs cuBLAS by rows
+    python -m bench.gemv_sweep --out DIR --dot 1,6,16       # ops.dot_rows tiles vs cuBLAS
 
 Figure 2's decode step at batch 1 reads each weight once; cuBLAS reads them at 2.7-4.1 TB/s
 (`profile/llama8b_linears.json`), the copy at ~4.3. The GEMV here splits K over `SPLIT`
@@ -81,55 +83,13 @@ if triton is not None:
                 tl.store(Y + rn, tot.to(Y.dtype.element_ty), mask=n_ok)
                 tl.atomic_xchg(CNT + pid_n, 0)
 
-    @triton.jit
-    def _dot_rows_kernel(X, W, Y, M, N, stride_x, stride_w, stride_y, K: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-        """Y[M, N] = X[M, K] @ W[N, K].T for M <= 16: one 16-row tensor-core block per
-        program over BLOCK_N columns, Triton's software pipeline keeping STAGES tiles of
-        weights in flight (rows past M are masked: each row rounds alike whatever M)."""
-        pid = tl.program_id(0)
-        rm = tl.arange(0, 16)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
-        n_ok = rn < N
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            x = tl.load(X + rm[:, None] * stride_x + (k0 + rk)[None, :], mask=m_ok[:, None],
-                        other=0.0)
-            w = tl.load(W + rn[:, None] * stride_w + (k0 + rk)[None, :], mask=n_ok[:, None],
-                        other=0.0)
-            acc = tl.dot(x, tl.trans(w), acc)
-        tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
-
-
-def dot_rows(x, w, tiles, out=None):
-    """`_dot_rows_kernel` launch: tiles = (BLOCK_N, BLOCK_K, STAGES, warps)."""
-    from engine.attention.triton_backend import pdl_args
-
-    bn, bk, stages, warps = tiles
-    m, k = x.shape
-    n = w.shape[0]
-    assert m <= 16 and k % bk == 0
-    y = out if out is not None else torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _dot_rows_kernel[(triton.cdiv(n, bn),)](x, w, y, m, n, x.stride(0), w.stride(0),
-                                            y.stride(0), K=k, BLOCK_N=bn, BLOCK_K=bk,
-                                            STAGES=stages, num_warps=warps,
-                                            **pdl_args(x, always=True))
-    return y
-
 
 DOT_TILES = [(bn, bk, st, 4) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 5)] + [
     (32, 512, 3, 4), (64, 128, 4, 8), (128, 64, 4, 8), (16, 512, 4, 4)]
 
 
 def dot_times(name: str, rows: list[int], budget_end: float) -> dict:
-    """`_dot_rows_kernel` tiles against cuBLAS and the one-row GEMV at each row count."""
+    """`ops.dot_rows` tiles against cuBLAS and the one-row GEMV at each row count."""
     from engine import ops
     from engine.graphs import graph_time_us
 
@@ -151,7 +111,7 @@ def dot_times(name: str, rows: list[int], budget_end: float) -> dict:
                 break
             try:
                 r["dot_{}x{}s{}w{}_us".format(*t)] = round(graph_time_us(
-                    lambda i, t=t, xm=xm: dot_rows(xm, ws[i], t), reps, 20), 2)
+                    lambda i, t=t, xm=xm: ops.dot_rows(xm, ws[i], tiles=t), reps, 20), 2)
             except Exception as e:  # a tile that does not compile (shared memory)
                 r["dot_{}x{}s{}w{}_us".format(*t)] = repr(e)[:60]
         ok = {t: v for t, v in r.items() if t.startswith("dot") and isinstance(v, float)}
@@ -160,9 +120,10 @@ def dot_times(name: str, rows: list[int], budget_end: float) -> dict:
         out["rows"][m] = r
         print(name, m, "cublas", r["cublas_us"], "best", r.get("best"), ok.get(r.get("best")),
               flush=True)
-    y = dot_rows(x, ws[0], DOT_TILES[0])
+    y = ops.dot_rows(x, ws[0], tiles=DOT_TILES[0])
     out["rows_bit_equal_alone"] = all(
-        torch.equal(dot_rows(x[i:i + 1], ws[0], DOT_TILES[0])[0], y[i]) for i in range(16))
+        torch.equal(ops.dot_rows(x[i:i + 1], ws[0], tiles=DOT_TILES[0])[0], y[i])
+        for i in range(16))
     ws.clear()
     torch.cuda.empty_cache()
     return out
