@@ -122,7 +122,8 @@ def load_smol(args, spec=None, num_blocks: int = 1024):
 def eagle(args, k: int, dynamic: bool):
     from engine.config import SpecConfig
 
-    return SpecConfig(method="eagle3", num_tokens=k, dynamic=dynamic, head=args.head)
+    return SpecConfig(method="eagle3", num_tokens=k, dynamic=dynamic, head=args.head,
+                      accept_model=getattr(args, "accept_model", "geometric"))
 
 
 def ngram(k: int):

@@ -1002,6 +1002,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-offset", type=int, default=0,
                    help="first held-out prompt used")
     p.add_argument("--dynamic-k", type=int, default=7, help="max K for dynamic EAGLE-3")
+    p.add_argument("--accept-model", choices=("geometric", "runs"), default="geometric",
+                   help="how dynamic K predicts a K-draft step's tokens (SpecConfig)")
     g = p.add_argument_group("figure 1 (single stream)")
     g.add_argument("--fig1-prompts", type=int, default=4)
     g.add_argument("--fig1-tokens", type=int, default=256)

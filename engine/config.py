@@ -138,8 +138,16 @@ class SpecConfig:
     # Greedy decode steps run verify + head + draft chain as one graph replay and one host
     # sync (engine/spec/fused.py); off: the step-by-step path (same tokens, slower).
     fused_step: bool = True
+    # How dynamic K predicts the tokens a K-draft step emits: "geometric" (one acceptance
+    # rate per sequence, every draft accepted independently) or "runs" (each depth's
+    # acceptance given the drafts before it were accepted, per sequence: answers that loop
+    # accept in long runs, which one rate prices far too low; see bench/README.md).
+    accept_model: str = "geometric"
 
     def __post_init__(self) -> None:
+        if self.accept_model not in ("geometric", "runs"):
+            raise ValueError(f"accept_model must be 'geometric' or 'runs', got "
+                             f"{self.accept_model!r}")
         if self.method not in SPEC_METHODS:
             raise ValueError(f"unknown speculation method {self.method!r}; have {SPEC_METHODS}")
         if not 0 <= self.num_tokens <= 16:

@@ -78,6 +78,8 @@ class Sequence:
         self.num_accepted = 0
         self.num_verify_steps = 0
         self.accept_rate: float | None = None  # per-draft-token acceptance estimate
+        # Decayed (tried, accepted) counts per draft depth (KPolicy with accept_model "runs").
+        self.accept_runs: tuple[list[float], list[float]] | None = None
         self.idle_steps = 0  # decode steps spent at K=0
         self.max_draft: int | None = None  # per-request cap on drafts per step
         # EAGLE-3 head's hidden state at the last computed position (prefill role only): the

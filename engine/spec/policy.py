@@ -27,6 +27,11 @@ MIN_DRAFTS = 1.0  # a step prices drafts only if it carried this many per sequen
 # draft, so the comparison stays current). The model misses what drafting costs beyond a
 # steady step's time; on the H200 it kept a single stream drafting at 0.83x no-spec.
 GAIN_FLOOR = 1.0
+# accept_model "runs": per-depth counts decay by this factor a verify (about the last ten
+# verifies count), and a depth's acceptance is shrunk toward the sequence's rate with this
+# many pseudo-trials, so a depth tried once or never reads about as the geometric model.
+RUNS_DECAY = 0.9
+RUNS_PRIOR = 2.0
 
 
 def _bucket(batch_size: int) -> int:
@@ -168,7 +173,7 @@ class KPolicy:
         seeded = not seq.params.greedy and seq.params.seed is not None
         if self.plain_probe and not seeded:
             return 0
-        best_k = self._best_k([self._rate(seq)], self._cost(batch_size, seeded))
+        best_k = self._best_k([self._tokens(seq)], self._cost(batch_size, seeded))
         if best_k and not seeded and self._losing(batch_size):
             best_k = 0
         if best_k and not seeded and self._batch_plain(batch_size):
@@ -205,7 +210,7 @@ class KPolicy:
             return kmax
         if self.plain_probe:
             return 0
-        best_k = self._best_k([self._rate(s) for s in seqs], self._cost(batch_size, False),
+        best_k = self._best_k([self._tokens(s) for s in seqs], self._cost(batch_size, False),
                               BATCH_START_MARGIN)
         if best_k and self._losing(batch_size):
             best_k = 0
@@ -236,24 +241,58 @@ class KPolicy:
             per_token += self.spec.draft_step_cost
         return per_token
 
-    def _best_k(self, rates: list[float], per_token: float, start: float = MARGIN) -> int:
-        """argmax over K of sum over sequences of (1 - a^(K+1)) / (1 - a), over 1 + K c;
-        drafting at all must beat plain decoding by `start`, each deeper K the best
-        shallower one by MARGIN (no speculating for a rounding-error win)."""
-        a = np.asarray(rates, dtype=np.float64)[None, :]
-        k = np.arange(1, self.spec.num_tokens + 1, dtype=np.float64)[:, None]
-        gains = ((1 - a ** (k + 1)) / (1 - a)).sum(axis=1) / (1 + k[:, 0] * per_token)
+    def _best_k(self, rates: list, per_token: float, start: float = MARGIN) -> int:
+        """argmax over K of the sequences' expected tokens per forward, over 1 + K c: for a
+        rate a, (1 - a^(K+1)) / (1 - a); a sequence given as an array (`_tokens`) brings
+        its own per-K expectation. Drafting at all must beat plain decoding by `start`,
+        each deeper K the best shallower one by MARGIN (no speculating for a rounding-error
+        win)."""
+        kmax = self.spec.num_tokens
+        k = np.arange(1, kmax + 1, dtype=np.float64)
+        total = np.zeros(kmax)
+        geo = [a for a in rates if not isinstance(a, np.ndarray)]
+        if geo:
+            a = np.asarray(geo, dtype=np.float64)[None, :]
+            total += ((1 - a ** (k[:, None] + 1)) / (1 - a)).sum(axis=1)
+        for curve in rates:
+            if isinstance(curve, np.ndarray):
+                total += curve[:kmax]
+        gains = total / (1 + k * per_token)
         best_k, best, need = 0, float(len(rates)), start
         for i, gain in enumerate(gains.tolist()):
             if gain > best * need:
                 best_k, best, need = i + 1, gain, MARGIN
         return best_k
 
-    @staticmethod
-    def update(seq: Sequence, drafted: int, accepted: int) -> None:
-        """Fold one verify result into the sequence's acceptance estimate."""
+    def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """Fold one verify result into the sequence's acceptance estimate (and, with
+        accept_model "runs", into its per-depth counts: depths 1..accepted were tried and
+        accepted, depth accepted + 1 tried and rejected when it was drafted)."""
         if drafted == 0:
             return
         trials = accepted + (1 if accepted < drafted else 0)
         rate = accepted / trials
         seq.accept_rate = rate if seq.accept_rate is None else 0.7 * seq.accept_rate + 0.3 * rate
+        if self.spec.accept_model != "runs":
+            return
+        if seq.accept_runs is None:
+            seq.accept_runs = ([0.0] * self.spec.num_tokens, [0.0] * self.spec.num_tokens)
+        tried, passed = seq.accept_runs
+        for j in range(len(tried)):
+            tried[j] *= RUNS_DECAY
+            passed[j] *= RUNS_DECAY
+        for j in range(min(trials, len(tried))):
+            tried[j] += 1.0
+        for j in range(min(accepted, len(passed))):
+            passed[j] += 1.0
+
+    def _tokens(self, seq: Sequence) -> np.ndarray | float:
+        """What `_best_k` prices a sequence by: its acceptance rate (geometric), or with
+        accept_model "runs" its expected tokens per target forward at K = 1..num_tokens,
+        1 + sum over depths i <= K of the chance that drafts 1..i are all accepted."""
+        a = self._rate(seq)
+        if self.spec.accept_model != "runs" or seq.accept_runs is None:
+            return a
+        tried, passed = seq.accept_runs
+        r = [min((p + RUNS_PRIOR * a) / (t + RUNS_PRIOR), 0.999) for t, p in zip(tried, passed)]
+        return 1.0 + np.cumsum(np.cumprod(r))

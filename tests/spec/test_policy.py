@@ -38,13 +38,76 @@ def test_fixed_k_when_not_dynamic():
 
 
 def test_update_tracks_acceptance():
+    pol = KPolicy(SpecConfig(num_tokens=4))
     s = seq_with_rate(None)
     for _ in range(20):
-        KPolicy.update(s, drafted=4, accepted=4)
+        pol.update(s, drafted=4, accepted=4)
     high = s.accept_rate
     for _ in range(20):
-        KPolicy.update(s, drafted=4, accepted=0)
+        pol.update(s, drafted=4, accepted=0)
     assert high > 0.95 and s.accept_rate < 0.05
+    assert s.accept_runs is None  # the geometric model keeps no per-depth counts
+
+
+def test_runs_model_drafts_deeper_where_acceptance_comes_in_runs():
+    """accept_model "runs": a sequence whose drafts are accepted all or nothing (an answer
+    that loops: depth 1 lands half the time, every later depth whenever the one before did)
+    has a per-token rate of ~0.5, where the geometric model keeps K small; its per-depth
+    counts show that every draft past the first lands, so K goes to the maximum. A sequence
+    whose acceptance really is independent gets about the geometric model's K."""
+    import random
+
+    geo = KPolicy(SpecConfig(num_tokens=7))
+    runs = KPolicy(SpecConfig(num_tokens=7, accept_model="runs"))
+    a, b = seq_with_rate(None), seq_with_rate(None)
+    for i in range(40):
+        geo.update(a, drafted=7, accepted=7 if i % 2 else 0)
+        runs.update(b, drafted=7, accepted=7 if i % 2 else 0)
+    assert b.accept_runs is not None and a.accept_runs is None
+    k_geo, k_runs = geo.choose(a, batch_size=1), runs.choose(b, batch_size=1)
+    assert k_runs == 7 and k_geo < 7
+    rng = random.Random(0)
+    c, d = seq_with_rate(None), seq_with_rate(None)
+    for _ in range(200):
+        acc = next((j for j in range(5) if rng.random() > 0.6), 5)  # independent, a = 0.6
+        geo.update(c, drafted=5, accepted=acc)
+        runs.update(d, drafted=5, accepted=acc)
+    assert abs(geo.choose(c, batch_size=1) - runs.choose(d, batch_size=1)) <= 2
+
+
+def test_runs_model_in_the_engine_is_lossless():
+    """Dynamic K with accept_model "runs" through the engine (fused batch K, per-sequence K,
+    probes): greedy output equals plain decoding, and the sequences kept per-depth counts."""
+    from dataclasses import replace
+
+    from engine import Engine
+    from tests.helpers import tiny_engine
+    from tests.spec.test_eagle3 import random_head
+
+    base = tiny_engine(0)
+    spec = SpecConfig(num_tokens=4, dynamic=True, accept_model="runs")
+    eng = Engine(replace(base.config, spec=spec), weights_of=base, draft_head=random_head(base))
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15]]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = [c.token_ids for c in base.generate(prompts, sp)]
+    seen = []
+    update = eng.spec.policy.update
+
+    def record(seq, drafted, accepted):
+        update(seq, drafted, accepted)
+        seen.append(seq.accept_runs is not None)
+
+    eng.spec.policy.update = record
+    assert [c.token_ids for c in eng.generate(prompts, sp)] == want
+    assert seen and all(seen)
+    eng.blocks.check_all_free()
+
+
+def test_unknown_acceptance_model_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="accept_model"):
+        SpecConfig(accept_model="markov")
 
 
 def test_measured_costs_replace_the_configured_guess():
