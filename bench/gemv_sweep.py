@@ -274,33 +274,22 @@ def main(argv=None):
               "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "triton": triton.__version__, "note": __doc__.split("\n\n", 1)[1], "rows": []}
     names = args.shapes.split(",")
-    if args.dot:
-        rows = [int(r) for r in args.dot.split(",")]
-        result["dot"] = []
-        per = args.budget / len(names)
-        for s in names:
-            result["dot"].append(dot_times(s, rows, time.time() + per))
-            result["seconds"] = round(time.time() - t0, 1)
-            with open(path, "w") as f:
-                json.dump(result, f, indent=1)
-        print("wrote", path)
-        return
-    if args.rows:
-        rows = [int(r) for r in args.rows.split(",")]
-        result["by_rows"] = []
-        for s in names:
-            result["by_rows"].append(rows_times(s, rows))
-            result["seconds"] = round(time.time() - t0, 1)
-            with open(path, "w") as f:
-                json.dump(result, f, indent=1)
-        print("wrote", path)
-        return
-    gemv = SplitKGemv("cuda", max(SHAPES[s][0] for s in names))
     per = args.budget / len(names)
+    if args.dot:  # one mode per run: which measure, under which key of the JSON
+        key, rows = "dot", [int(r) for r in args.dot.split(",")]
+        measure = lambda s: dot_times(s, rows, time.time() + per)  # noqa: E731
+    elif args.rows:
+        key, rows = "by_rows", [int(r) for r in args.rows.split(",")]
+        measure = lambda s: rows_times(s, rows)  # noqa: E731
+    else:
+        key, gemv = "rows", SplitKGemv("cuda", max(SHAPES[s][0] for s in names))
+        measure = lambda s: shape_times(s, gemv, time.time() + per)  # noqa: E731
+    result[key] = []
     for s in names:
-        row = shape_times(s, gemv, time.time() + per)
-        result["rows"].append(row)
-        print(json.dumps({k: v for k, v in row.items() if k != "sweep"}), flush=True)
+        row = measure(s)
+        result[key].append(row)
+        if key == "rows":
+            print(json.dumps({k: v for k, v in row.items() if k != "sweep"}), flush=True)
         result["seconds"] = round(time.time() - t0, 1)
         with open(path, "w") as f:
             json.dump(result, f, indent=1)
