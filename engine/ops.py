@@ -449,8 +449,10 @@ DOT_TUNE_ROWS = 8
 # yet figure 2's 8B forward with them took 4.160-4.163 ms against 4.138 with the defaults
 # (the programmatic-launch overlap between kernels is not in a lone kernel's timing).
 TUNE_MARGIN = 1.05
-# (N, K, dtype, device) -> {"one": GEMV tiles or None (cuBLAS), "rows": dot tiles or None}
+# (N, K, dtype, device) -> {"one": GEMV tiles or None (cuBLAS), "rows": dot tiles or None,
+# and for gate_up "silu": `gemv_silu` tiles or None}; shapes not in it take DEFAULT_CHOICE.
 LARGE_LINEAR: dict[tuple, dict] = {}
+DEFAULT_CHOICE = {"one": GEMV_TILES, "rows": None, "silu": None}
 
 
 def large_suits(weight: torch.Tensor) -> bool:
@@ -464,10 +466,15 @@ def _large_key(weight: torch.Tensor) -> tuple:
     return (*weight.shape, weight.dtype, weight.device)
 
 
+def large_choice(weight: torch.Tensor) -> dict:
+    """The kernels chosen for this weight's shape (`tune_large_linear`), or DEFAULT_CHOICE."""
+    return LARGE_LINEAR.get(_large_key(weight), DEFAULT_CHOICE)
+
+
 def gemv_suits(m: int, weight: torch.Tensor) -> bool:
     """Whether an [m, K] x weight.T projection takes `gemv_rows`."""
-    return 1 <= m <= GEMV_MAX_ROWS and large_suits(weight) and LARGE_LINEAR.get(
-        _large_key(weight), {"one": GEMV_TILES})["one"] is not None
+    return (1 <= m <= GEMV_MAX_ROWS and large_suits(weight)
+            and large_choice(weight)["one"] is not None)
 
 
 def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -479,7 +486,7 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     assert 1 <= m <= 8 and weight.shape[1] == k and weight.stride(1) == 1
     if x.stride(1) != 1:
         x = x.contiguous()
-    bn, bk, warps = tiles or LARGE_LINEAR.get(_large_key(weight), {}).get("one") or GEMV_TILES
+    bn, bk, warps = tiles or large_choice(weight)["one"] or GEMV_TILES
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _gemv_rows_kernel[(triton.cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, n, x.stride(0), weight.stride(0),
@@ -493,7 +500,7 @@ def gemv_silu_suits(m: int, gate_up) -> bool:
     `gemv_silu`: one row of a large bias-free weight for which `tune_gemv_silu` measured it
     faster than the GEMV followed by `silu_mul` (never before that measurement)."""
     return (gate_up.bias is None and gemv_suits(m, gate_up.weight)
-            and LARGE_LINEAR.get(_large_key(gate_up.weight), {}).get("silu") is not None)
+            and large_choice(gate_up.weight).get("silu") is not None)
 
 
 def gemv_silu(x: torch.Tensor, weight: torch.Tensor,
@@ -505,7 +512,7 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor,
     n2 = weight.shape[0]
     assert m == 1 and n2 % 2 == 0 and weight.shape[1] == k and weight.stride(1) == 1
     n = n2 // 2
-    bn, bk, warps = tiles or LARGE_LINEAR.get(_large_key(weight), {}).get("silu") or GEMV_TILES
+    bn, bk, warps = tiles or large_choice(weight).get("silu") or GEMV_TILES
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     _gemv_silu_kernel[(triton.cdiv(n, bn),)](
         x.contiguous(), weight, y, n, weight.stride(0), K=k, BLOCK_N=bn,
@@ -541,7 +548,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     DOT_ROWS_MAX rows) as `LARGE_LINEAR` says for the shape."""
     m = x.shape[0]
     if 1 <= m <= DOT_ROWS_MAX and large_suits(weight):
-        choice = LARGE_LINEAR.get(_large_key(weight), {"one": GEMV_TILES, "rows": None})
+        choice = large_choice(weight)
         if m <= GEMV_MAX_ROWS and choice["one"] is not None:
             return gemv_rows(x, weight, bias, choice["one"])
         if m > GEMV_MAX_ROWS and choice["rows"] is not None:
@@ -555,6 +562,23 @@ def _beats(times: dict, default):
     return best if times[best] * TUNE_MARGIN <= times[default] else default
 
 
+def _tuning(weights: list[torch.Tensor], rows: int, reps: int):
+    """(x, us) for timing kernels on these weights: `rows` random rows in their dtype, and
+    us(fn), GPU microseconds per call of fn(weight) in a CUDA graph that cycles through the
+    weights (with several copies each call reads its weight from HBM, as a forward does)."""
+    from engine.graphs import graph_time_us
+
+    w0 = weights[0]
+    gen = torch.Generator(device=w0.device).manual_seed(0)
+    x = torch.randn(rows, w0.shape[1], device=w0.device, dtype=w0.dtype, generator=gen)
+    n_reps = min(reps, len(weights)) if len(weights) > 1 else 2
+
+    def us(fn):
+        return round(graph_time_us(lambda i: fn(weights[i % len(weights)]), n_reps), 2)
+
+    return x, us
+
+
 def tune_gemv_silu(weights: list[torch.Tensor], reps: int = 8) -> dict:
     """For gate_up weights ([2N, K], already in LARGE_LINEAR with a one-row GEMV): time
     `gemv_silu` (each candidate GEMV tile with half its columns per half, so a program still
@@ -562,17 +586,8 @@ def tune_gemv_silu(weights: list[torch.Tensor], reps: int = 8) -> dict:
     faster in LARGE_LINEAR (key "silu": tiles, or None for the two launches). On the H200 a
     first version, with the GEMV's whole tile per half, made figure 2's 8B forward 0.5% slower
     than the two launches."""
-    from engine.graphs import graph_time_us
-
-    w0 = weights[0]
-    choice = LARGE_LINEAR[_large_key(w0)]
-    gen = torch.Generator(device=w0.device).manual_seed(0)
-    x = torch.randn(1, w0.shape[1], device=w0.device, dtype=w0.dtype, generator=gen)
-    n_reps = min(reps, len(weights))
-
-    def us(fn):
-        return round(graph_time_us(lambda i: fn(weights[i % len(weights)]), n_reps), 2)
-
+    choice = LARGE_LINEAR[_large_key(weights[0])]
+    x, us = _tuning(weights, 1, reps)
     times = {"gemv+silu_mul": us(lambda w: silu_mul(gemv_rows(x, w, tiles=choice["one"])))}
     for bn, bk, warps in GEMV_CANDIDATES:
         t = (max(1, bn // 2), bk, warps)
@@ -587,17 +602,7 @@ def tune_large_linear(weights: list[torch.Tensor], reps: int = 8) -> dict:
     (dot tiles or cuBLAS) of projections with these weights (one shape; several copies, e.g.
     every layer's, so each call of a timing graph reads its weight from HBM as a forward
     does). Records the choice in LARGE_LINEAR and returns it with the timings (us)."""
-    from engine.graphs import graph_time_us
-
-    w0 = weights[0]
-    k = w0.shape[1]
-    gen = torch.Generator(device=w0.device).manual_seed(0)
-    x = torch.randn(DOT_TUNE_ROWS, k, device=w0.device, dtype=w0.dtype, generator=gen)
-    n_reps = min(reps, len(weights)) if len(weights) > 1 else 2
-
-    def us(fn):
-        return round(graph_time_us(lambda i: fn(weights[i % len(weights)]), n_reps), 2)
-
+    x, us = _tuning(weights, DOT_TUNE_ROWS, reps)
     one = {"cublas": us(lambda w: torch.nn.functional.linear(x[:1], w))}
     for t in GEMV_CANDIDATES:
         one[t] = us(lambda w, t=t: gemv_rows(x[:1], w, tiles=t))
@@ -610,7 +615,7 @@ def tune_large_linear(weights: list[torch.Tensor], reps: int = 8) -> dict:
     best_one, best_rows = _beats(one, GEMV_TILES), min(rows, key=rows.get)
     choice = {"one": None if best_one == "cublas" else best_one,
               "rows": None if best_rows == "cublas" else best_rows}
-    LARGE_LINEAR[_large_key(w0)] = choice
+    LARGE_LINEAR[_large_key(weights[0])] = choice
     return {**choice, "one_us": {str(t): v for t, v in one.items()},
             "rows_us": {str(t): v for t, v in rows.items()}}
 
