@@ -180,8 +180,9 @@ class LlamaModel(nn.Module):
                     continue
                 known = ops.LARGE_LINEAR.get(ops._large_key(ws[0]))
                 out[name] = dict(known) if known is not None else ops.tune_large_linear(ws)
+                # gate_up + SiLU in one launch (`ops.gemv_silu` takes no bias)
                 if name == "gate_up" and known is None and out[name]["one"] is not None \
-                        and _gate_up_bias_free(self.layers):
+                        and not self.cfg.mlp_bias:
                     out[name].update(ops.tune_gemv_silu(ws))
         self.large_linear_tuning = out or None
         return self.large_linear_tuning
@@ -254,11 +255,6 @@ class LlamaModel(nn.Module):
 # One projection of the fused forward, with its activation folded into the GEMV (`fold`,
 # `ops.prologue_linear`) or as the separate kernel followed by the linear. `p` is an nn.Linear
 # or a `Projection` (the EAGLE-3 head's stacked weights).
-
-def _gate_up_bias_free(layers) -> bool:
-    """Whether the layers' gate_up projections have no bias (`ops.gemv_silu` takes none)."""
-    return all(la.mlp.gate_up_proj.bias is None for la in layers)
-
 
 class Projection(NamedTuple):
     """A projection's weights outside an nn.Linear."""
