@@ -103,14 +103,11 @@ def cmd_serve(args) -> int:
     host, port = cfg.router.host, args.port if args.port is not None else cfg.router.port
     print(f"starting {cfg.mode} serving…", file=sys.stderr, flush=True)
     if cfg.mode == "colocated":
-        from engine import Engine, jit_watch
-        from engine.collector import freeze_long_lived
+        from engine import Engine
         from router.backends import LocalBackend
 
         engine = Engine.from_pretrained(cfg.model.path, **engine_kwargs(cfg, "colocated"))
-        engine.capture_graphs(progress=True)  # CUDA only
-        freeze_long_lived()  # full collections skip the engine's objects
-        jit_watch.warn_after()  # log kernels compiled while serving
+        engine.prepare_to_serve(progress=True)  # graphs, frozen objects, compiles logged
         backend = LocalBackend(engine)
         close = backend.close
     else:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from engine import Engine, jit_watch
-from engine.collector import freeze_long_lived
+from engine import Engine
 from engine.handoff import Handoff
 from engine.loop import EngineLoop
 from engine.output import RequestOutput
@@ -23,9 +22,7 @@ class DecodeNode:
     def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
                  metrics_port: int | None = None):
         self.engine = Engine.from_pretrained(model, **engine_kwargs)
-        self.engine.capture_graphs()  # CUDA only: no capture lands in a request's latency
-        freeze_long_lived()  # full collections skip the engine's objects (engine/collector.py)
-        jit_watch.warn_after()  # a kernel compiled from here on stalls streams: log it
+        self.engine.prepare_to_serve()  # graphs captured, objects frozen, compiles logged
         self.metrics, self.metrics_port = serve_metrics("decode", metrics_port)
         self.loop = EngineLoop(self.engine)
         self.loop.on_step = self.metrics.engine_step

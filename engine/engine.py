@@ -483,6 +483,20 @@ class Engine:
         bar.close()
         return len(keys)
 
+    def prepare_to_serve(self, progress: bool = False) -> int:
+        """What a serving process does once before its first request: capture every graph
+        (`capture_graphs`; CUDA only), exempt the objects alive then from the garbage
+        collector (`collector.freeze_long_lived`), and from then on log each Triton kernel
+        compiled (`jit_watch.warn_after`): either would otherwise stall running streams.
+        Returns how many graphs were captured."""
+        from engine import jit_watch
+        from engine.collector import freeze_long_lived
+
+        n = self.capture_graphs(progress=progress)
+        freeze_long_lived()
+        jit_watch.warn_after()
+        return n
+
     def _on_device(self):
         dev = torch.device(self.config.device)
         return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()

@@ -26,3 +26,26 @@ def test_frozen_objects_are_skipped_until_unfrozen():
     finally:
         free_memory()  # unfreezes, then collects
     assert gc.get_freeze_count() == 0 and gone() is None
+
+
+def test_prepare_to_serve_captures_freezes_and_watches_compiles(monkeypatch):
+    """`Engine.prepare_to_serve`, what nodes and `tandem serve` run before the first request:
+    every graph captured, the objects alive then frozen, compiles logged from then on."""
+    from engine import jit_watch
+    from engine.collector import unfreeze
+    from tests.helpers import tiny_engine
+
+    eng = tiny_engine(0)
+    captured = []
+
+    def capture(progress=False):
+        captured.append(progress)
+        return 3
+
+    monkeypatch.setattr(eng, "capture_graphs", capture)
+    monkeypatch.setattr(jit_watch, "_warn_from", None)
+    try:
+        assert eng.prepare_to_serve(progress=True) == 3 and captured == [True]
+        assert gc.get_freeze_count() > 0 and jit_watch._warn_from is not None
+    finally:
+        unfreeze()
