@@ -43,6 +43,10 @@ SPLIT_KEYS = 128
 # work, so splits there only multiply programs: 1024-key splits keep engine-level CPU tests
 # on the one-pass kernel below 1024 keys (kernel tests pick their own split size).
 INTERPRETER_SPLIT_KEYS = 1024
+# How split-KV partials become the output: "fused" (the last program of each (sequence, KV
+# head) combines them in the split kernel) or "kernel" (a second launch, `_split_reduce_kernel`;
+# TANDEM_SPLIT_REDUCE=kernel, for A/B runs). Both combine each row in the same order.
+SPLIT_REDUCE = os.environ.get("TANDEM_SPLIT_REDUCE", "fused")
 
 
 def long_context(device: torch.device) -> int:
@@ -193,19 +197,22 @@ if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt", "stride_as", "stride_at", "stride_ms",
                                    "stride_mt"])
     def _paged_attention_split_kernel(
-        Q, KC, VC, ACC, ML, query_start, seq_lens, block_tables, scale,
+        Q, KC, VC, ACC, ML, Out, CNT, query_start, seq_lens, block_tables, scale,
         stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
-        stride_as, stride_at, stride_ah, stride_ms, stride_mt,
+        stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_ot, stride_oh,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT_KEYS: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+        SPLIT_KEYS: tl.constexpr, PRECISION: tl.constexpr, REDUCE: tl.constexpr,
+        USE_PDL: tl.constexpr = False,
     ):
         """Split-KV (flash-decoding) for short query counts: split s of a sequence covers
         keys [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS) of its context, for all its query rows,
         and writes unnormalized partials (acc, max, sum). Program (p, kv head, seq) takes
         splits p, p + P, p + 2P, ... (P programs per head and sequence): the partition is
         fixed by SPLIT_KEYS alone, whatever P a launch uses, so a row's partials do not
-        depend on the batch around it."""
+        depend on the batch around it. REDUCE: the last of a (kv head, seq)'s P programs to
+        finish (CNT counts them; that program resets it) combines the partials into Out in
+        split order (`_combine_splits`), instead of a second launch."""
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
@@ -237,6 +244,44 @@ if triton is not None:
             ml = ML + split * stride_ms + base_t * stride_mt + head * 2
             tl.store(ml, m_i, mask=row_ok)
             tl.store(ml + 1, l_i, mask=row_ok)
+        if REDUCE:
+            # Every thread's partials are written before the count: the program that counts
+            # last then reads all programs' partials (acquire) from L2 (.cg).
+            tl.debug_barrier()
+            cnt = CNT + b * tl.num_programs(1) + kvh
+            if tl.atomic_add(cnt, 1, sem="acq_rel") == programs - 1:
+                _combine_splits(ACC, ML, Out, q0 + t, head, row_ok, d, d_ok,
+                                tl.cdiv(ctx, SPLIT_KEYS), stride_as, stride_at, stride_ah,
+                                stride_ms, stride_mt, stride_ot, stride_oh, BLOCK_M, BLOCK_D)
+                tl.atomic_xchg(cnt, 0)
+
+    @triton.jit
+    def _combine_splits(ACC, ML, Out, tok, head, row_ok, d, d_ok, n, stride_as, stride_at,
+                        stride_ah, stride_ms, stride_mt, stride_ot, stride_oh,
+                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Out rows (token tok, head head) from their n splits' partials: the largest max
+        first, then the rescaled sums and accumulators added in split order (each row's
+        arithmetic is `_split_reduce_kernel`'s, whatever the tile around it)."""
+        ml = ML + tok * stride_mt + head * 2
+        m = tl.load(ml, mask=row_ok, other=0.0, cache_modifier=".cg")
+        for s in range(1, n):
+            m = tl.maximum(m, tl.load(ml + s * stride_ms, mask=row_ok, other=0.0,
+                                      cache_modifier=".cg"))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        l_sum = tl.zeros([BLOCK_M], tl.float32)
+        mask = row_ok[:, None] & d_ok[None, :]
+        part = ACC + tok[:, None] * stride_at + head[:, None] * stride_ah + d[None, :]
+        for s in range(0, n):
+            ms = tl.load(ml + s * stride_ms, mask=row_ok, other=0.0, cache_modifier=".cg")
+            ls = tl.load(ml + s * stride_ms + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+            w = tl.exp2(ms - m_safe)
+            l_sum += ls * w
+            acc += w[:, None] * tl.load(part + s * stride_as, mask=mask, other=0.0,
+                                        cache_modifier=".cg")
+        out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+        tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["stride_as", "stride_at", "stride_ms", "stride_mt"])
     def _split_reduce_kernel(ACC, ML, Out, query_start, seq_lens, token_seq,
@@ -295,6 +340,7 @@ class TritonAttention(AttentionBackend):
         # on how many queries it brings (decode and verify reduce in the same order). None:
         # the device's `long_context`.
         self.split_keys = split_keys
+        self._cnt: dict[str, torch.Tensor] = {}
 
     def store_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         t = k.shape[0]
@@ -347,6 +393,17 @@ class TritonAttention(AttentionBackend):
         per = -(-4 * sm_count(device) // (self.num_kv_heads * num_seqs))
         return max(1, min(splits, per))
 
+    def _counters(self, device: torch.device, num_seqs: int) -> torch.Tensor:
+        """Zeroed int32 counters, one per (sequence, KV head) of a split launch, for the
+        fused combine: each launch's last program leaves its counter at 0 again, so one
+        buffer per device serves every launch (launches on a stream run in order; the
+        first is made before any graph capture, by the capture's warm-up)."""
+        need = max(num_seqs, self.max_split_seqs(device)) * self.num_kv_heads
+        c = self._cnt.get(str(device))
+        if c is None or c.numel() < need:
+            c = self._cnt[str(device)] = torch.zeros(need, dtype=torch.int32, device=device)
+        return c
+
     def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         if q.shape[0] == 0:
@@ -373,27 +430,31 @@ class TritonAttention(AttentionBackend):
         t, h, dim = q.shape
         acc = torch.empty(splits, t, h, dim, dtype=torch.float32, device=q.device)
         ml = torch.empty(splits, t, h, 2, dtype=torch.float32, device=q.device)
+        block_m = self.tile_m(meta.max_query_len)
+        precision = "ieee" if q.dtype == torch.float32 else "tf32"
+        programs = self.split_programs(splits, meta.num_seqs, q.device)
+        reduce = SPLIT_REDUCE == "fused"
+        # Tiles, key blocks and warps as the one-pass kernel's: a context within one split
+        # reduces in the same order on both paths.
+        _paged_attention_split_kernel[(programs, self.num_kv_heads, meta.num_seqs)](
+            q, kc, vc, acc, ml, out, self._counters(q.device, meta.num_seqs),
+            meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+            meta.block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
+            ml.stride(0), ml.stride(1), out.stride(0), out.stride(1),
+            G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
+            PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=self.block_n(q.device),
+            SPLIT_KEYS=self.keys_per_split(q.device), PRECISION=precision, REDUCE=reduce,
+            num_warps=4 if block_m <= 32 else 8, **pdl_args(q),
+        )
+        if reduce:
+            return out
         if meta.token_seq is None:
             # Which sequence each packed row belongs to (-1: a padding row of a graph bucket).
             rows = torch.arange(t, device=q.device)
             ts = torch.searchsorted(meta.query_start[1:].to(torch.int64), rows, right=True)
             meta.token_seq = torch.where(ts < meta.num_seqs, ts, -1)
         token_seq = meta.token_seq
-        block_m = self.tile_m(meta.max_query_len)
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"
-        programs = self.split_programs(splits, meta.num_seqs, q.device)
-        # Tiles, key blocks and warps as the one-pass kernel's: a context within one split
-        # reduces in the same order on both paths.
-        _paged_attention_split_kernel[(programs, self.num_kv_heads, meta.num_seqs)](
-            q, kc, vc, acc, ml, meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
-            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
-            meta.block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
-            ml.stride(0), ml.stride(1),
-            G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
-            PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=self.block_n(q.device),
-            SPLIT_KEYS=self.keys_per_split(q.device),
-            PRECISION=precision, num_warps=4 if block_m <= 32 else 8, **pdl_args(q),
-        )
         _split_reduce_kernel[(t, h)](
             acc, ml, out, meta.query_start, meta.seq_lens, token_seq,
             acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
