@@ -90,8 +90,6 @@ def main(argv=None) -> int:
                             fn = (lambda be=be, m=meta, x=x, kv=kv: be.attend(x, kv, m))
                         else:
                             splits = -(-cap // sk)
-                            meta.token_seq = None
-                            be._attend_split(x, kv[0], kv[1], out, meta, splits)  # token_seq
                             fn = (lambda be=be, m=meta, s=splits, o=out, x=x, kv=kv:
                                   be._attend_split(x, kv[0], kv[1], o, m, s))
                         res = fn()
@@ -105,7 +103,7 @@ def main(argv=None) -> int:
                     # What the engine runs: the default split size and its own choice of
                     # path (`TritonAttention.use_split`).
                     eng = TritonAttention(h, kvh, d, block)
-                    meta.max_seq_len, meta.token_seq = ctx, None
+                    meta.max_seq_len = ctx
                     row["engine_path"] = "split" if eng.use_split(meta, dev) else "one_pass"
                     row["engine_us"] = round(time_graph(
                         lambda e=eng, m=meta, x=x, kv=kv: e.attend(x, kv, m), args.calls), 2)

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     res = {"name": "step_kernels", "command": command_line(), "environment": environment(ns),
            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
            "model": m.name, "context_tokens": ctx, "pdl": triton_backend.PDL is not False,
-           "split_reduce": triton_backend.SPLIT_REDUCE, "forwards": {}}
+           "forwards": {}}
     with torch.inference_mode():
         for q in qlens:
             ids = [(7 * j + 11) % m.vocab_size for j in range(q)]

@@ -356,11 +356,9 @@ class GraphSet:
             for _ in range(2):  # compile kernels and settle allocations outside the graph
                 self.fn(ids, pos, meta, *extras)
         torch.cuda.current_stream().wait_stream(stream)
-        # Fresh views for the capture: the warm-up left per-forward state on its metadata
-        # (the split-KV path's row-to-sequence map), made outside the graph. Captured as is,
-        # the graph would read a tensor freed with that metadata (an illegal address once the
-        # allocator hands it out again) and a map of the capture's rows, not the replay's;
-        # from fresh views it is computed inside the graph, from each replay's query starts.
+        # Fresh views for the capture: nothing a backend may have cached on the warm-up's
+        # metadata outside the graph is captured (the graph would read a tensor freed with
+        # that metadata, or values of the capture's rows rather than the replay's).
         ids, pos, meta, extras = self._views(b, q, long)
         g = torch.cuda.CUDAGraph()
         # thread_local: other threads (a UCX progress thread moving KV) may use CUDA meanwhile.

@@ -25,8 +25,6 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
-    token_seq: torch.Tensor | None = None  # [T] sequence of each row (-1: none); a backend
-    # computes it once per forward and every layer reuses it
 
     @property
     def num_seqs(self) -> int:

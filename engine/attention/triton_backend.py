@@ -43,10 +43,6 @@ SPLIT_KEYS = 128
 # work, so splits there only multiply programs: 1024-key splits keep engine-level CPU tests
 # on the one-pass kernel below 1024 keys (kernel tests pick their own split size).
 INTERPRETER_SPLIT_KEYS = 1024
-# How split-KV partials become the output: "fused" (the last program of each (sequence, KV
-# head) combines them in the split kernel) or "kernel" (a second launch, `_split_reduce_kernel`;
-# TANDEM_SPLIT_REDUCE=kernel, for A/B runs). Both combine each row in the same order.
-SPLIT_REDUCE = os.environ.get("TANDEM_SPLIT_REDUCE", "fused")
 
 
 def long_context(device: torch.device) -> int:
@@ -138,6 +134,7 @@ if triton is not None:
         off = page.to(tl.int64) * stride_cb + (k_pos % PAGE) * stride_cs + kvh * stride_ch
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(KC + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(VC + off[:, None] + d[None, :], mask=kv_mask, other=0.0)  # with K's
         s = tl.dot(q, tl.trans(k).to(q.dtype), input_precision=PRECISION) * qk_scale
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -146,7 +143,6 @@ if triton is not None:
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(VC + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                             input_precision=PRECISION)
         return m_new, l_i, acc
@@ -167,12 +163,14 @@ if triton is not None:
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
-        if USE_PDL:  # launched while the kernel before runs: wait for its results
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        # The launch's metadata is never written by the kernel before (the KV store): read
+        # it while that kernel still runs.
         q0 = tl.load(query_start + b)
         q_len = tl.load(query_start + b + 1) - q0
         ctx = tl.load(seq_lens + b)
+        if USE_PDL:  # launched while the kernel before runs: wait for its results
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if tile * BLOCK_M < q_len * G:
             q, t, head, row_ok, d, d_ok, q_pos = _load_queries(
                 Q, tile * BLOCK_M, q0, q_len, ctx, kvh, stride_qt, stride_qh,
@@ -197,46 +195,43 @@ if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt", "stride_as", "stride_at", "stride_ms",
                                    "stride_mt"])
     def _paged_attention_split_kernel(
-        Q, KC, VC, ACC, ML, Out, CNT, query_start, seq_lens, block_tables, scale,
+        Q, KC, VC, ACC, ML, query_start, seq_lens, block_tables, scale,
         stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
-        stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_ot, stride_oh,
+        stride_as, stride_at, stride_ah, stride_ms, stride_mt,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT_KEYS: tl.constexpr, PRECISION: tl.constexpr, REDUCE: tl.constexpr,
-        USE_PDL: tl.constexpr = False,
+        SPLIT_KEYS: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
     ):
         """Split-KV (flash-decoding) for short query counts: split s of a sequence covers
         keys [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS) of its context, for all its query rows,
         and writes unnormalized partials (acc, max, sum). Program (p, kv head, seq) takes
         splits p, p + P, p + 2P, ... (P programs per head and sequence): the partition is
         fixed by SPLIT_KEYS alone, whatever P a launch uses, so a row's partials do not
-        depend on the batch around it. REDUCE: the last of a (kv head, seq)'s P programs to
-        finish (CNT counts them; that program resets it) combines the partials into Out in
-        split order (`_combine_splits`), instead of a second launch."""
+        depend on the batch around it."""
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
         programs = tl.num_programs(0)
+        table = block_tables + b * stride_bt
+        q0 = tl.load(query_start + b)  # launch metadata: the kernel before never writes it
+        q_len = tl.load(query_start + b + 1) - q0
+        ctx = tl.load(seq_lens + b)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        q0 = tl.load(query_start + b)
-        q_len = tl.load(query_start + b + 1) - q0
-        ctx = tl.load(seq_lens + b)
         q, t, head, row_ok, d, d_ok, q_pos = _load_queries(
             Q, 0, q0, q_len, ctx, kvh, stride_qt, stride_qh, G, HEAD_DIM, BLOCK_D, BLOCK_M)
+        qk_scale = scale * 1.4426950408889634
         for split in range(pid, tl.cdiv(ctx, SPLIT_KEYS), programs):
             lo = split * SPLIT_KEYS
             hi = tl.minimum(lo + SPLIT_KEYS, ctx)
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-            qk_scale = scale * 1.4426950408889634
             for start in range(lo, hi, BLOCK_N):
                 m_i, l_i, acc = _attend_keys(
-                    q, q_pos, m_i, l_i, acc, start, hi, KC, VC, block_tables + b * stride_bt,
-                    kvh, d, d_ok, qk_scale, stride_cb, stride_cs, stride_ch,
-                    PAGE, BLOCK_N, PRECISION)
+                    q, q_pos, m_i, l_i, acc, start, hi, KC, VC, table, kvh, d, d_ok,
+                    qk_scale, stride_cb, stride_cs, stride_ch, PAGE, BLOCK_N, PRECISION)
             base_t = (q0 + t)
             tl.store(ACC + split * stride_as + base_t[:, None] * stride_at
                      + head[:, None] * stride_ah + d[None, :], acc,
@@ -244,79 +239,54 @@ if triton is not None:
             ml = ML + split * stride_ms + base_t * stride_mt + head * 2
             tl.store(ml, m_i, mask=row_ok)
             tl.store(ml + 1, l_i, mask=row_ok)
-        if REDUCE:
-            # Every thread's partials are written before the count: the program that counts
-            # last then reads all programs' partials (acquire) from L2 (.cg).
-            tl.debug_barrier()
-            cnt = CNT + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(cnt, 1, sem="acq_rel") == programs - 1:
-                _combine_splits(ACC, ML, Out, q0 + t, head, row_ok, d, d_ok,
-                                tl.cdiv(ctx, SPLIT_KEYS), stride_as, stride_at, stride_ah,
-                                stride_ms, stride_mt, stride_ot, stride_oh, BLOCK_M, BLOCK_D)
-                tl.atomic_xchg(cnt, 0)
-
-    @triton.jit
-    def _combine_splits(ACC, ML, Out, tok, head, row_ok, d, d_ok, n, stride_as, stride_at,
-                        stride_ah, stride_ms, stride_mt, stride_ot, stride_oh,
-                        BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Out rows (token tok, head head) from their n splits' partials: the largest max
-        first, then the rescaled sums and accumulators added in split order (each row's
-        arithmetic is `_split_reduce_kernel`'s, whatever the tile around it)."""
-        ml = ML + tok * stride_mt + head * 2
-        m = tl.load(ml, mask=row_ok, other=0.0, cache_modifier=".cg")
-        for s in range(1, n):
-            m = tl.maximum(m, tl.load(ml + s * stride_ms, mask=row_ok, other=0.0,
-                                      cache_modifier=".cg"))
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        l_sum = tl.zeros([BLOCK_M], tl.float32)
-        mask = row_ok[:, None] & d_ok[None, :]
-        part = ACC + tok[:, None] * stride_at + head[:, None] * stride_ah + d[None, :]
-        for s in range(0, n):
-            ms = tl.load(ml + s * stride_ms, mask=row_ok, other=0.0, cache_modifier=".cg")
-            ls = tl.load(ml + s * stride_ms + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-            w = tl.exp2(ms - m_safe)
-            l_sum += ls * w
-            acc += w[:, None] * tl.load(part + s * stride_as, mask=mask, other=0.0,
-                                        cache_modifier=".cg")
-        out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
-        tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["stride_as", "stride_at", "stride_ms", "stride_mt"])
-    def _split_reduce_kernel(ACC, ML, Out, query_start, seq_lens, token_seq,
+    def _split_reduce_kernel(ACC, ML, Out, query_start, seq_lens,
                              stride_as, stride_at, stride_ah, stride_ms, stride_mt,
                              stride_ot, stride_oh, SPLIT_KEYS: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                             USE_PDL: tl.constexpr = False):
-        """Combine the partials of the splits a token's sequence used, in split order."""
-        t = tl.program_id(0)
+                             CHUNK: tl.constexpr = 8, USE_PDL: tl.constexpr = False):
+        """Program (i, head, seq) combines the partials of query token i of the sequence for
+        one head: the largest max, then the rescaled sums and accumulators added in split
+        order. The loads of CHUNK splits go out together, not one round trip per split; a
+        split past the sequence's adds nothing."""
+        i = tl.program_id(0)
         h = tl.program_id(1)
+        b = tl.program_id(2)
+        q0 = tl.load(query_start + b)  # launch metadata: no kernel before writes it
+        q_len = tl.load(query_start + b + 1) - q0
+        ctx = tl.load(seq_lens + b)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        b = tl.load(token_seq + t)
-        if b >= 0:
-            ctx = tl.load(seq_lens + b)
+        if i < q_len:
             n = tl.cdiv(ctx, SPLIT_KEYS)
             d = tl.arange(0, BLOCK_D)
             d_ok = d < HEAD_DIM
-            m = tl.load(ML + t * stride_mt + h * 2)
-            for s in range(1, n):
-                m = tl.maximum(m, tl.load(ML + s * stride_ms + t * stride_mt + h * 2))
+            ml = ML + (q0 + i) * stride_mt + h * 2
+            part = ACC + (q0 + i) * stride_at + h * stride_ah + d
+            m = float("-inf")
+            c = tl.arange(0, CHUNK)
+            for s0 in range(0, n, CHUNK):
+                m = tl.maximum(m, tl.max(tl.load(ml + (s0 + c) * stride_ms, mask=s0 + c < n,
+                                                 other=float("-inf"))))
             m_safe = tl.where(m == float("-inf"), 0.0, m)
             acc = tl.zeros([BLOCK_D], tl.float32)
             l_sum = 0.0
-            for s in range(0, n):
-                ms = tl.load(ML + s * stride_ms + t * stride_mt + h * 2)
-                ls = tl.load(ML + s * stride_ms + t * stride_mt + h * 2 + 1)
-                w = tl.exp2(ms - m_safe)
-                l_sum += ls * w
-                acc += w * tl.load(ACC + s * stride_as + t * stride_at + h * stride_ah + d,
-                                   mask=d_ok, other=0.0)
+            for s0 in range(0, n, CHUNK):
+                ok = s0 + c < n
+                w = tl.exp2(tl.load(ml + (s0 + c) * stride_ms, mask=ok, other=float("-inf"))
+                            - m_safe)
+                ls = tl.load(ml + (s0 + c) * stride_ms + 1, mask=ok, other=0.0)
+                parts = tl.load(part[None, :] + (s0 + c)[:, None] * stride_as,
+                                mask=ok[:, None] & d_ok[None, :], other=0.0)
+                for j in tl.static_range(CHUNK):  # in split order (picking one is exact)
+                    wj = tl.sum(tl.where(c == j, w, 0.0))
+                    l_sum += tl.sum(tl.where(c == j, ls, 0.0)) * wj
+                    acc += wj * tl.sum(tl.where((c == j)[:, None], parts, 0.0), 0)
             out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)
-            tl.store(Out + t * stride_ot + h * stride_oh + d, out.to(Out.dtype.element_ty),
-                     mask=d_ok)
+            tl.store(Out + (q0 + i) * stride_ot + h * stride_oh + d,
+                     out.to(Out.dtype.element_ty), mask=d_ok)
 
 
 def next_pow2(n: int, lo: int = 16) -> int:
@@ -340,7 +310,6 @@ class TritonAttention(AttentionBackend):
         # on how many queries it brings (decode and verify reduce in the same order). None:
         # the device's `long_context`.
         self.split_keys = split_keys
-        self._cnt: dict[str, torch.Tensor] = {}
 
     def store_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         t = k.shape[0]
@@ -357,7 +326,8 @@ class TritonAttention(AttentionBackend):
         return self.split_keys if self.split_keys is not None else long_context(device)
 
     def block_n(self, device: torch.device) -> int:
-        """Keys per inner step (both kernels): 4 pages, 16 to 64, within a split."""
+        """Keys per inner step (both kernels): 4 pages, 16 to 64, within a split (128-key
+        steps, one per split, were 2% slower in figure 2's 8B forward on the H200)."""
         return max(16, min(64, 4 * self.block_size, self.keys_per_split(device)))
 
     def tile_m(self, max_query_len: int) -> int:
@@ -393,17 +363,6 @@ class TritonAttention(AttentionBackend):
         per = -(-4 * sm_count(device) // (self.num_kv_heads * num_seqs))
         return max(1, min(splits, per))
 
-    def _counters(self, device: torch.device, num_seqs: int) -> torch.Tensor:
-        """Zeroed int32 counters, one per (sequence, KV head) of a split launch, for the
-        fused combine: each launch's last program leaves its counter at 0 again, so one
-        buffer per device serves every launch (launches on a stream run in order; the
-        first is made before any graph capture, by the capture's warm-up)."""
-        need = max(num_seqs, self.max_split_seqs(device)) * self.num_kv_heads
-        c = self._cnt.get(str(device))
-        if c is None or c.numel() < need:
-            c = self._cnt[str(device)] = torch.zeros(need, dtype=torch.int32, device=device)
-        return c
-
     def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         out = torch.empty_like(q)
         if q.shape[0] == 0:
@@ -433,33 +392,25 @@ class TritonAttention(AttentionBackend):
         block_m = self.tile_m(meta.max_query_len)
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         programs = self.split_programs(splits, meta.num_seqs, q.device)
-        reduce = SPLIT_REDUCE == "fused"
         # Tiles, key blocks and warps as the one-pass kernel's: a context within one split
         # reduces in the same order on both paths.
         _paged_attention_split_kernel[(programs, self.num_kv_heads, meta.num_seqs)](
-            q, kc, vc, acc, ml, out, self._counters(q.device, meta.num_seqs),
+            q, kc, vc, acc, ml,
             meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
             meta.block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
-            ml.stride(0), ml.stride(1), out.stride(0), out.stride(1),
+            ml.stride(0), ml.stride(1),
             G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
             PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=self.block_n(q.device),
-            SPLIT_KEYS=self.keys_per_split(q.device), PRECISION=precision, REDUCE=reduce,
+            SPLIT_KEYS=self.keys_per_split(q.device), PRECISION=precision,
             num_warps=4 if block_m <= 32 else 8, **pdl_args(q),
         )
-        if reduce:
-            return out
-        if meta.token_seq is None:
-            # Which sequence each packed row belongs to (-1: a padding row of a graph bucket).
-            rows = torch.arange(t, device=q.device)
-            ts = torch.searchsorted(meta.query_start[1:].to(torch.int64), rows, right=True)
-            meta.token_seq = torch.where(ts < meta.num_seqs, ts, -1)
-        token_seq = meta.token_seq
-        _split_reduce_kernel[(t, h)](
-            acc, ml, out, meta.query_start, meta.seq_lens, token_seq,
+        _split_reduce_kernel[(meta.max_query_len, self.num_heads, meta.num_seqs)](
+            acc, ml, out, meta.query_start, meta.seq_lens,
             acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
             out.stride(0), out.stride(1), SPLIT_KEYS=self.keys_per_split(q.device),
-            HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim), num_warps=1, **pdl_args(q),
+            HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim), num_warps=1,
+            **pdl_args(q),
         )
         return out
 

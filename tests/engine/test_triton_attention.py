@@ -459,32 +459,6 @@ def test_split_kv_matches_torch_reference(dtype, cases):
     assert err < (1e-5 if dtype == torch.float32 else 2e-3), f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEV == "cuda" else []))
-def test_fused_split_combine_equals_the_reduce_launch(dtype, monkeypatch):
-    """The split kernel's last program per (sequence, KV head) combines the partials exactly
-    as the separate reduce launch does, for several sequences and programs per head, and
-    leaves its counters at zero for the next launch."""
-    from engine.attention import TritonAttention
-    from engine.attention import triton_backend as tb
-
-    heads, kv_heads, head_dim, block_size = 6, 2, 32, 4
-    gen = torch.Generator().manual_seed(11)
-    meta = _meta([(50, 6), (7, 1), (130, 3)], block_size, 64, gen)
-    meta.max_seq_len = 4096
-    cache = torch.randn(2, 64, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(DEV)
-    q = torch.randn(int(meta.query_start_cpu[-1]), heads, head_dim,
-                    generator=gen).to(dtype).to(DEV)
-    be = TritonAttention(heads, kv_heads, head_dim, block_size, split_keys=16)
-    for programs in (1, 3):
-        be.split_programs = lambda splits, n, device, p=programs: p
-        monkeypatch.setattr(tb, "SPLIT_REDUCE", "kernel")
-        two = be.attend(q, cache, meta)
-        monkeypatch.setattr(tb, "SPLIT_REDUCE", "fused")
-        one = be.attend(q, cache, meta)
-        assert torch.equal(one, two), programs
-        assert not be._counters(q.device, 3).any()
-
-
 @pytest.mark.parametrize("heads_per_program", [None, 1, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_store_equals_rope_then_store(dtype, heads_per_program, monkeypatch):
