@@ -22,6 +22,7 @@ if triton_available():
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
+        w = tl.load(W + offs, mask=mask, other=0.0)  # a weight: read before the wait
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -30,17 +31,16 @@ if triton_available():
             r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
             tl.store(RES_OUT + row * N + offs, x, mask=mask)
-        tl.store(Y + row * stride_y + offs, _rms(x, W, offs, mask, eps, N).to(Y.dtype.element_ty),
+        tl.store(Y + row * stride_y + offs, _rms(x, w, eps, N).to(Y.dtype.element_ty),
                  mask=mask)
 
     @triton.jit
-    def _rms(x, W, offs, mask, eps, N: tl.constexpr):
-        """w * norm(x) for one row x (masked lanes 0), in fp32, rounded to x's dtype where
-        the torch reference rounds."""
+    def _rms(x, w, eps, N: tl.constexpr):
+        """w * norm(x) for one row x (masked lanes 0) and its norm weight w, in fp32, rounded
+        to x's dtype where the torch reference rounds."""
         h = x.to(tl.float32)
         var = tl.sum(h * h, 0) / N
         h = (h * tl.math.rsqrt(var + eps)).to(x.dtype)
-        w = tl.load(W + offs, mask=mask, other=0.0)
         return w.to(tl.float32) * h.to(tl.float32)
 
     @triton.jit
@@ -118,8 +118,9 @@ if triton_available():
         """One row of `_add_rmsnorm_kernel` without a residual."""
         offs = tl.arange(0, BLOCK)
         mask = offs < N
+        w = tl.load(W + offs, mask=mask, other=0.0)
         x = tl.load(X + offs, mask=mask, other=0.0)
-        tl.store(Y + offs, _rms(x, W, offs, mask, eps, N).to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + offs, _rms(x, w, eps, N).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _dual_rmsnorm_kernel(A, B, WA, WB, Y, stride_a, stride_b, stride_y, eps,
