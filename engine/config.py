@@ -143,6 +143,12 @@ class SpecConfig:
     # acceptance given the drafts before it were accepted, per sequence: answers that loop
     # accept in long runs, which one rate prices far too low; see bench/README.md).
     accept_model: str = "geometric"
+    # Dynamic K only: a fused step verifies batch * (K + 1) tokens, and K stays where that is
+    # at most this many (0: no cap). At 64 streams on the H200 (SmolLM2) fixed K=5 (384
+    # tokens) ran 1.11x no-spec where dynamic K, mostly at 6-7, ran 0.80x: the linear step
+    # cost it prices K by (1 + K * c, c measured at the K it ran) misses how a verify of
+    # several hundred tokens leaves the memory-bound regime.
+    verify_token_budget: int = 384
 
     def __post_init__(self) -> None:
         if self.accept_model not in ("geometric", "runs"):
@@ -154,6 +160,8 @@ class SpecConfig:
             raise ValueError(f"num_tokens must be in 0..16, got {self.num_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if self.verify_token_budget < 0:
+            raise ValueError(f"verify_token_budget must be >= 0, got {self.verify_token_budget}")
 
     @property
     def num_draft_layers(self) -> int:

@@ -173,14 +173,15 @@ class KPolicy:
         seeded = not seq.params.greedy and seq.params.seed is not None
         if self.plain_probe and not seeded:
             return 0
-        best_k = self._best_k([self._tokens(seq)], self._cost(batch_size, seeded))
+        best_k = self._best_k([self._tokens(seq)], self._cost(batch_size, seeded),
+                              kmax=self._kmax(batch_size))
         if best_k and not seeded and self._losing(batch_size):
             best_k = 0
         if best_k and not seeded and self._batch_plain(batch_size):
             return 0
         if best_k == 0:
             seq.idle_steps += 1
-            if seq.idle_steps % PROBE_EVERY == 0:
+            if seq.idle_steps % PROBE_EVERY == 0 and self._kmax(batch_size):
                 return 1
         return best_k
 
@@ -211,16 +212,24 @@ class KPolicy:
         if self.plain_probe:
             return 0
         best_k = self._best_k([self._tokens(s) for s in seqs], self._cost(batch_size, False),
-                              BATCH_START_MARGIN)
+                              BATCH_START_MARGIN, self._kmax(batch_size))
         if best_k and self._losing(batch_size):
             best_k = 0
         if best_k == 0:
             # (Rarer than a lone sequence's probe: a batch probe breaks the host-packed K=0
             # continuation for every stream, twice.)
             self.batch_idle += 1
-            if self.batch_idle % BATCH_PROBE_EVERY == 0:
+            if self.batch_idle % BATCH_PROBE_EVERY == 0 and self._kmax(batch_size):
                 return 1
         return best_k
+
+    def _kmax(self, batch_size: int) -> int:
+        """The deepest K dynamic K may take at this batch size: batch * (K + 1) verified
+        tokens within SpecConfig.verify_token_budget."""
+        budget = self.spec.verify_token_budget
+        if not budget:
+            return self.spec.num_tokens
+        return max(0, min(self.spec.num_tokens, budget // max(batch_size, 1) - 1))
 
     def _losing(self, batch_size: int) -> bool:
         """Drafting measured slower than plain decoding at this batch size (outside draft
@@ -241,13 +250,16 @@ class KPolicy:
             per_token += self.spec.draft_step_cost
         return per_token
 
-    def _best_k(self, rates: list, per_token: float, start: float = MARGIN) -> int:
+    def _best_k(self, rates: list, per_token: float, start: float = MARGIN,
+                kmax: int | None = None) -> int:
         """argmax over K of the sequences' expected tokens per forward, over 1 + K c: for a
         rate a, (1 - a^(K+1)) / (1 - a); a sequence given as an array (`_tokens`) brings
         its own per-K expectation. Drafting at all must beat plain decoding by `start`,
         each deeper K the best shallower one by MARGIN (no speculating for a rounding-error
-        win)."""
-        kmax = self.spec.num_tokens
+        win); K at most kmax (default: SpecConfig.num_tokens)."""
+        kmax = self.spec.num_tokens if kmax is None else kmax
+        if kmax == 0:
+            return 0
         k = np.arange(1, kmax + 1, dtype=np.float64)
         total = np.zeros(kmax)
         geo = [a for a in rates if not isinstance(a, np.ndarray)]

@@ -277,6 +277,34 @@ def test_batch_k_is_one_k_for_the_whole_fused_step():
     assert fixed.choose_batch(low, 64) == 4
 
 
+def test_dynamic_k_keeps_a_fused_verify_within_the_token_budget():
+    """However well drafts land and however cheap a draft measures, dynamic K keeps batch *
+    (K + 1) verified tokens within verify_token_budget (384: K <= 5 at 64 streams, 2 at 128,
+    none at 384 streams, probes included); 0 lifts the cap, and a fixed K ignores it."""
+    good = [seq_with_rate(0.95) for _ in range(64)]
+    pol = KPolicy(SpecConfig(num_tokens=7))
+    for b in (64, 128):
+        pol.costs.plain[b], pol.costs.per_draft[b] = 1e-3, 0.01
+    assert pol.choose_batch(good, 64) == 5 and pol.choose(good[0], 64) == 5
+    assert pol.choose_batch(good * 2, 128) == 2
+    assert pol.choose_batch([seq_with_rate(0.95)] * 8, 8) == 7  # 64 tokens: uncapped
+    assert [pol.choose_batch(good * 6, 384) for _ in range(2 * BATCH_PROBE_EVERY)] == [0] * (
+        2 * BATCH_PROBE_EVERY)
+    s = seq_with_rate(0.95)
+    assert [pol.choose(s, 384) for _ in range(2 * PROBE_EVERY)] == [0] * 2 * PROBE_EVERY
+    uncapped = KPolicy(SpecConfig(num_tokens=7, verify_token_budget=0))
+    uncapped.costs.plain[64], uncapped.costs.per_draft[64] = 1e-3, 0.01
+    assert uncapped.choose_batch(good, 64) == 7
+    assert KPolicy(SpecConfig(num_tokens=7, dynamic=False)).choose_batch(good, 64) == 7
+
+
+def test_a_negative_verify_token_budget_is_refused():
+    import pytest
+
+    with pytest.raises(ValueError, match="verify_token_budget"):
+        SpecConfig(verify_token_budget=-1)
+
+
 def test_a_batch_leaves_k0_only_for_a_clear_win():
     """A draft at half a plain step's price and acceptance 0.6 predict K=1 at 1.6 / 1.5 =
     1.067x: enough for a lone sequence (2% margin), not for a fused batch, which must
