@@ -567,3 +567,8 @@ def test_tuning_keeps_the_default_kernel_unless_another_wins_by_the_margin():
     assert ops._beats({"d": 10.0, "x": 10.0 * near, "y": 12.0}, "d") == "d"
     assert ops._beats({"d": 10.0, "x": 10.0 / ops.TUNE_MARGIN - 0.01}, "d") == "x"
     assert ops._beats({"d": 10.0, "x": 11.0}, "d") == "d"
+    # Several rows: the fastest dot tile, unless cuBLAS wins by the margin.
+    assert ops._rows_choice({"cublas": 55.3, (32, 256): 60.0, (64, 256): 56.4}) == (64, 256)
+    assert ops._rows_choice({"cublas": 50.0, (32, 256): 60.0, (64, 256): 56.4}) == "cublas"
+    assert ops._rows_choice({"cublas": 20.0, (32, 256): 15.2, (64, 256): 16.0}) == (32, 256)
+    assert ops._rows_choice({"cublas": 20.0}) == "cublas"
