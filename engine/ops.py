@@ -696,6 +696,15 @@ def _argmax_split(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# Launch options of kernels whose rounding must follow torch's op by op (the rotary ones:
+# each product rounded to the dtype, then the sum): no fused multiply-add. With contraction
+# on, the compiler fused one product of each sum into an FMA, and which one depended on the
+# order of the kernel's instructions (sm_90 PTX: `fma.rn.f16` over x1 * sin in one kernel,
+# over x2 * cos in the other), so rope_store_ and rope_ parted bit-wise once rope_store_
+# read its cos/sin earlier.
+ROUND_LIKE_TORCH = {"enable_fp_fusion": False}
+
+
 def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
           ) -> torch.Tensor:
     """Rotate x ([T, heads, head_dim], last dim contiguous) in place."""
@@ -704,7 +713,8 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
         bh = _rope_heads(t, h, x.device)
         _rope_kernel[(t, triton.cdiv(h, bh))](
             x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0), NH=h, HALF=d // 2,
-            BLOCK_H=bh, BLOCK=next_pow2(d // 2, 1), num_warps=_rope_warps(bh, d))
+            BLOCK_H=bh, BLOCK=next_pow2(d // 2, 1), num_warps=_rope_warps(bh, d),
+            **ROUND_LIKE_TORCH)
     return x
 
 
@@ -740,7 +750,8 @@ def rope_store_(heads: torch.Tensor, num_q: int, num_kv: int, positions: torch.T
         _rope_store_kernel[(t, triton.cdiv(nh, bh))](
             heads, cos, sin, positions, kc, vc, slots, heads.stride(0), heads.stride(1),
             cos.stride(0), kc.stride(1), NQ=num_q, NKV=num_kv, HALF=d // 2, BLOCK_H=bh,
-            BLOCK=next_pow2(d // 2, 1), num_warps=_rope_warps(bh, d), **pdl_args(heads))
+            BLOCK=next_pow2(d // 2, 1), num_warps=_rope_warps(bh, d), **pdl_args(heads),
+            **ROUND_LIKE_TORCH)
     return heads
 
 
