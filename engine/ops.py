@@ -44,14 +44,22 @@ if triton_available():
         return w.to(tl.float32) * h.to(tl.float32)
 
     @triton.jit
-    def _rotate(x1, x2, COS, SIN, p, stride_c, offs, mask, HALF: tl.constexpr):
-        """The two halves of x*cos + rotate_half(x)*sin at position p, rounding like torch;
-        x1, x2: [heads, HALF] tiles of one token, offs/mask over HALF."""
+    def _cos_sin(COS, SIN, p, stride_c, offs, mask, HALF: tl.constexpr):
+        """The cos and sin halves of position p (offs/mask over HALF), for `_rotate`."""
+        return (tl.load(COS + p * stride_c + offs, mask=mask, other=0.0),
+                tl.load(COS + p * stride_c + HALF + offs, mask=mask, other=0.0),
+                tl.load(SIN + p * stride_c + offs, mask=mask, other=0.0),
+                tl.load(SIN + p * stride_c + HALF + offs, mask=mask, other=0.0))
+
+    @triton.jit
+    def _rotate(x1, x2, c1, c2, s1, s2):
+        """The two halves of x*cos + rotate_half(x)*sin, rounding like torch; x1, x2:
+        [heads, HALF] tiles of one token, (c1, c2, s1, s2) its position's `_cos_sin`."""
         dt = x1.dtype
-        c1 = tl.load(COS + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
-        c2 = tl.load(COS + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
-        s1 = tl.load(SIN + p * stride_c + offs, mask=mask, other=0.0).to(dt).to(tl.float32)
-        s2 = tl.load(SIN + p * stride_c + HALF + offs, mask=mask, other=0.0).to(dt)
+        c1 = c1.to(dt).to(tl.float32)
+        c2 = c2.to(dt)
+        s1 = s1.to(dt).to(tl.float32)
+        s2 = s2.to(dt)
         a1 = (x1.to(tl.float32) * c1[None, :]).to(dt).to(tl.float32)
         b1 = (-x2.to(tl.float32) * s1[None, :]).to(dt).to(tl.float32)
         a2 = (x2.to(tl.float32) * c2.to(tl.float32)[None, :]).to(dt).to(tl.float32)
@@ -72,7 +80,8 @@ if triton_available():
         base = X + t * stride_xt + h[:, None] * stride_xh + offs[None, :]
         x1 = tl.load(base, mask=m2, other=0.0)
         x2 = tl.load(base + HALF, mask=m2, other=0.0)
-        y1, y2 = _rotate(x1, x2, COS, SIN, p, stride_c, offs, mask, HALF)
+        c1, c2, s1, s2 = _cos_sin(COS, SIN, p, stride_c, offs, mask, HALF)
+        y1, y2 = _rotate(x1, x2, c1, c2, s1, s2)
         tl.store(base, y1, mask=m2)
         tl.store(base + HALF, y2, mask=m2)
 
@@ -88,6 +97,11 @@ if triton_available():
         offs = tl.arange(0, BLOCK)
         mask = offs < HALF
         h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        # The step's slots and positions (never written by the kernel before, the qkv
+        # projection) and the position's cos/sin: read while that kernel still runs.
+        slot = tl.load(SLOTS + t)
+        p = tl.load(POS + t)
+        c1, c2, s1, s2 = _cos_sin(COS, SIN, p, stride_c, offs, mask, HALF)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -95,9 +109,7 @@ if triton_available():
         base = X + t * stride_xt + h[:, None] * stride_xh + offs[None, :]
         x1 = tl.load(base, mask=m2, other=0.0)
         x2 = tl.load(base + HALF, mask=m2, other=0.0)
-        slot = tl.load(SLOTS + t)
-        p = tl.load(POS + t)
-        y1, y2 = _rotate(x1, x2, COS, SIN, p, stride_c, offs, mask, HALF)
+        y1, y2 = _rotate(x1, x2, c1, c2, s1, s2)
         rot = (h < NQ + NKV)[:, None] & m2  # q and k heads
         tl.store(base, y1, mask=rot)
         tl.store(base + HALF, y2, mask=rot)
