@@ -560,12 +560,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, or for large weights on a GPU `gemv_rows` (one row) / `dot_rows` (up to
     DOT_ROWS_MAX rows) as `LARGE_LINEAR` says for the shape."""
     m = x.shape[0]
-    if 1 <= m <= DOT_ROWS_MAX and large_suits(weight):
-        choice = large_choice(weight)
-        if m <= GEMV_MAX_ROWS and choice["one"] is not None:
-            return gemv_rows(x, weight, bias, choice["one"])
-        if m > GEMV_MAX_ROWS and choice["rows"] is not None:
-            return dot_rows(x, weight, bias, choice["rows"])
+    if gemv_suits(m, weight):  # gemv_rows takes the shape's chosen tiles
+        return gemv_rows(x, weight, bias)
+    if GEMV_MAX_ROWS < m <= DOT_ROWS_MAX and large_suits(weight):
+        tiles = large_choice(weight)["rows"]
+        if tiles is not None:
+            return dot_rows(x, weight, bias, tiles)
     return torch.nn.functional.linear(x, weight, bias)
 
 

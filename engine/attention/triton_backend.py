@@ -395,8 +395,7 @@ class TritonAttention(AttentionBackend):
         # Tiles, key blocks and warps as the one-pass kernel's: a context within one split
         # reduces in the same order on both paths.
         _paged_attention_split_kernel[(programs, self.num_kv_heads, meta.num_seqs)](
-            q, kc, vc, acc, ml,
-            meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
+            q, kc, vc, acc, ml, meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
             meta.block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
             ml.stride(0), ml.stride(1),

@@ -173,15 +173,15 @@ class KPolicy:
         seeded = not seq.params.greedy and seq.params.seed is not None
         if self.plain_probe and not seeded:
             return 0
-        best_k = self._best_k([self._tokens(seq)], self._cost(batch_size, seeded),
-                              kmax=self._kmax(batch_size))
+        kmax = self._kmax(batch_size)
+        best_k = self._best_k([self._tokens(seq)], self._cost(batch_size, seeded), kmax=kmax)
         if best_k and not seeded and self._losing(batch_size):
             best_k = 0
         if best_k and not seeded and self._batch_plain(batch_size):
             return 0
         if best_k == 0:
             seq.idle_steps += 1
-            if seq.idle_steps % PROBE_EVERY == 0 and self._kmax(batch_size):
+            if seq.idle_steps % PROBE_EVERY == 0 and kmax:
                 return 1
         return best_k
 
@@ -211,15 +211,16 @@ class KPolicy:
             return kmax
         if self.plain_probe:
             return 0
+        kmax = self._kmax(batch_size)
         best_k = self._best_k([self._tokens(s) for s in seqs], self._cost(batch_size, False),
-                              BATCH_START_MARGIN, self._kmax(batch_size))
+                              BATCH_START_MARGIN, kmax)
         if best_k and self._losing(batch_size):
             best_k = 0
         if best_k == 0:
             # (Rarer than a lone sequence's probe: a batch probe breaks the host-packed K=0
             # continuation for every stream, twice.)
             self.batch_idle += 1
-            if self.batch_idle % BATCH_PROBE_EVERY == 0 and self._kmax(batch_size):
+            if self.batch_idle % BATCH_PROBE_EVERY == 0 and kmax:
                 return 1
         return best_k
 
