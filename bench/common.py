@@ -180,6 +180,7 @@ def step_paths(eng) -> dict:
            "compacted": getattr(pipe, "compacted_runs", 0)}
     if eng.spec is not None:
         out.update({f"k{k}": n for k, n in eng.spec.policy.batch_ks.items()})
+        out.update({f"why_{w}": n for w, n in eng.spec.policy.batch_why.items()})
     return out
 
 

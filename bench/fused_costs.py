@@ -85,14 +85,17 @@ def admission_setting(text: str) -> dict:
 
 
 def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 128,
-              admission: list[str] = (), fixed_k: list[int] = ()) -> list[dict]:
+              admission: list[str] = (), fixed_k: list[int] = (),
+              trace_dir: str | None = None) -> list[dict]:
     """Figure 3's steady mixed workload at each concurrency, the no-spec engine, the
     speculative engine held at K=0 and the one with dynamic K taking turns `reps` times, so a
     drift of the host's speed between runs lands on all three alike. `admission`: settings
     (`admission_setting`) under which a no-spec and a dynamic engine also take their turns
     (`no_spec@d:s`, `eagle3_dynamic@d:s:drain`, ...). `fixed_k`: speculative engines held at
     each of these K take turns too (`eagle3_k<K>`): the true price of each K under this
-    load, against which dynamic K's choices can be read."""
+    load, against which dynamic K's choices can be read. `trace_dir`: each speculative
+    engine's steps as its cost model saw them in the timed runs (`StepCosts.trace`) go to
+    trace_c<c>.json there."""
     from bench.common import held_out_messages, hold_at_k, paths_delta, step_costs, step_paths
     from bench.step_profile import steady_tokens
 
@@ -119,6 +122,9 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
             steady_tokens(e, prompts, c, tokens)  # warm: JIT, the dynamic-K cost model
         runs = {k: [] for k in engines}
         before = {k: paths(e) for k, e in engines.items()}
+        for e in engines.values():
+            if e.spec is not None:
+                e.spec.policy.costs.trace = []
         for _ in range(reps):
             for k, e in engines.items():
                 sync()
@@ -136,6 +142,13 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
                               if (cost := step_costs(e)) is not None}}
         print(json.dumps(row), flush=True)
         out.append(row)
+        traces = {k: e.spec.policy.costs.trace for k, e in engines.items() if e.spec is not None}
+        for e in engines.values():
+            if e.spec is not None:
+                e.spec.policy.costs.trace = None
+        if trace_dir is not None:
+            with open(os.path.join(trace_dir, f"trace_c{c}.json"), "w") as f:
+                json.dump(traces, f)
     return out
 
 
@@ -176,7 +189,7 @@ def main(argv=None) -> int:
     # First, while no graph buffer was made under inference mode (the engines' own steps run
     # outside it).
     ab = steady_ab(eng, plain, [int(c) for c in args.ab.split(",") if c], args.ab_reps,
-                   admission=admission, fixed_k=fixed_k)
+                   admission=admission, fixed_k=fixed_k, trace_dir=args.out)
     rows = []
     with torch.inference_mode():
         for b in [int(x) for x in args.batches.split(",") if x]:

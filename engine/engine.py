@@ -210,6 +210,7 @@ class Engine:
         outs, self._carry = self._carry, []
         t0, captures = self.clock(), GraphSet.captures
         with self._on_device():  # kernels, graphs, streams go to this engine's GPU
+            how = "overlapped" if self._inflight is not None else "fresh"
             if self._inflight is not None:
                 batch, results, more = self._step_overlapped()
             else:
@@ -220,7 +221,7 @@ class Engine:
                 batch, results, more = self._step_fresh(batch)
         outs += more
         if GraphSet.captures == captures:  # a capture inside would skew the cost model
-            self._time_step(batch, results, self.clock() - t0)
+            self._time_step(batch, results, self.clock() - t0, how)
         return outs
 
     def _step_fresh(self, batch: Batch):
@@ -426,19 +427,21 @@ class Engine:
         return ({j: results[i] for j, i in enumerate(keep)},
                 {j: drafts[i] for j, i in enumerate(keep)})
 
-    def _time_step(self, batch: Batch, results: dict, seconds: float) -> None:
+    def _time_step(self, batch: Batch, results: dict, seconds: float, how: str = "") -> None:
         """Feed pure decode steps (every entry verifies its pending token and drafts) to the
         dynamic-K cost model: drafts per sequence, verified and proposed, against time."""
-        if self.spec is None or len(results) != len(batch.seqs):
+        if self.spec is None:
             return
-        if any(n != k + 1 for n, (k, _) in zip(batch.num_tokens, results.values())):
+        costs = self.spec.policy.costs
+        if len(results) != len(batch.seqs) or \
+                any(n != k + 1 for n, (k, _) in zip(batch.num_tokens, results.values())):
+            costs.untimed(len(batch.seqs), seconds, how)
             return
         # A step verifies last step's drafts and proposes the next: their mean is K in a steady
         # state, which is what the policy's 1 + K*c model prices.
         drafts = sum(k for k, _ in results.values()) + sum(len(s.draft) for s in batch.seqs)
         tokens = sum(len(r.tokens) for _, r in results.values())
-        self.spec.policy.costs.record(len(batch.seqs), drafts / (2 * len(batch.seqs)), seconds,
-                                      tokens)
+        costs.record(len(batch.seqs), drafts / (2 * len(batch.seqs)), seconds, tokens, how)
 
     def _split_max_seqs(self) -> int:
         """The most sequences any attention of the model (or draft head) splits keys for:

@@ -66,9 +66,12 @@ class StepCosts:
         # (bucket, plain?) -> (tokens, seconds) of the last RATE_WINDOW steady steps
         self._rates: dict[tuple[int, bool], deque] = {}
         self._last: tuple[int, bool] | None = None  # (bucket, plain?) of the last step seen
+        # When a list: every step offered to the model, (batch size, drafts per sequence,
+        # seconds, tokens, how the step ran, timed?) - for benchmarks reading what it saw.
+        self.trace: list | None = None
 
     def record(self, batch_size: int, drafts_per_seq: float, seconds: float,
-               tokens: int | None = None) -> None:
+               tokens: int | None = None, how: str = "") -> None:
         """One pure decode step: `drafts_per_seq` drafts verified and proposed per sequence
         on average (0: a plain step), `tokens` emitted. Draft steps are kept raw and priced
         against the current plain time, so those seen before the first plain step count
@@ -79,6 +82,9 @@ class StepCosts:
         kind = (b, drafts_per_seq == 0) if drafts_per_seq == 0 or drafts_per_seq >= MIN_DRAFTS \
             else None
         steady, self._last = kind is not None and kind == self._last, kind
+        if self.trace is not None:
+            self.trace.append((batch_size, round(drafts_per_seq, 3), round(seconds * 1e3, 4),
+                               tokens, how, steady))
         if not steady:
             return
         if tokens is not None and seconds > 0:
@@ -91,6 +97,12 @@ class StepCosts:
             p = self.plain[b]
             self.per_draft[b] = statistics.median(max(t / p - 1.0, 0.0) / d
                                                   for d, t in self._drafted[b])
+
+    def untimed(self, batch_size: int, seconds: float, how: str) -> None:
+        """A step the model does not price (a prefill beside it, entries that did not verify
+        and draft), seen only by the trace."""
+        if self.trace is not None:
+            self.trace.append((batch_size, None, round(seconds * 1e3, 4), None, how, False))
 
     def per_token(self, batch_size: int) -> float | None:
         return self.per_draft.get(_bucket(batch_size))
@@ -151,6 +163,10 @@ class KPolicy:
         self.batch_idle = 0  # fused steps in a row at K=0 (choose_batch)
         self.batch_k: int | None = None  # the last fused step's K (choose_batch)
         self.batch_ks: Counter = Counter()  # K of each fused step chosen (choose_batch)
+        # why each fused step got its K: "probe" (a plain probe), "model" / "model_k0" (the
+        # 1 + K*c model's pick: drafts / none), "losing" (drafting measured slower than
+        # plain), "retry" (a batch at K=0 drafting one token)
+        self.batch_why: Counter = Counter()
 
     def begin_propose(self, step: int, batch_size: int) -> None:
         """Called before a step's drafts are chosen: decides whether this is a plain probe
@@ -210,18 +226,21 @@ class KPolicy:
         if not self.spec.dynamic or kmax == 0:
             return kmax
         if self.plain_probe:
+            self.batch_why["probe"] += 1
             return 0
         kmax = self._kmax(batch_size)
         best_k = self._best_k([self._tokens(s) for s in seqs], self._cost(batch_size, False),
                               BATCH_START_MARGIN, kmax)
+        why = "model"
         if best_k and self._losing(batch_size):
-            best_k = 0
+            best_k, why = 0, "losing"
         if best_k == 0:
             # (Rarer than a lone sequence's probe: a batch probe breaks the host-packed K=0
             # continuation for every stream, twice.)
             self.batch_idle += 1
             if self.batch_idle % BATCH_PROBE_EVERY == 0 and kmax:
-                return 1
+                best_k, why = 1, "retry"
+        self.batch_why["model_k0" if why == "model" and not best_k else why] += 1
         return best_k
 
     def _kmax(self, batch_size: int) -> int:
