@@ -439,9 +439,17 @@ class Engine:
             return
         # A step verifies last step's drafts and proposes the next: their mean is K in a steady
         # state, which is what the policy's 1 + K*c model prices.
-        drafts = sum(k for k, _ in results.values()) + sum(len(s.draft) for s in batch.seqs)
+        # A fused step (greedy) runs every sequence on one grid at the graphs' padded sizes,
+        # and is priced by those (`KPolicy.paid`).
+        b = len(batch.seqs)
+        if self.spec.fused is not None and all(s.params.greedy for s in batch.seqs):
+            per_seq = self.spec.policy.paid(max(k for k, _ in results.values()),
+                                            max(len(s.draft) for s in batch.seqs))
+        else:
+            drafts = sum(k for k, _ in results.values()) + sum(len(s.draft) for s in batch.seqs)
+            per_seq = drafts / (2 * b)
         tokens = sum(len(r.tokens) for _, r in results.values())
-        costs.record(len(batch.seqs), drafts / (2 * len(batch.seqs)), seconds, tokens, how)
+        costs.record(b, per_seq, seconds, tokens, how)
 
     def _split_max_seqs(self) -> int:
         """The most sequences any attention of the model (or draft head) splits keys for:

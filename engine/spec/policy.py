@@ -12,7 +12,8 @@ from engine.config import SpecConfig
 from engine.sequence import Sequence
 
 PROBE_EVERY = 8  # a sequence at K=0 drafts one token this often, to notice recovery
-BATCH_PROBE_EVERY = 32  # a whole fused batch at K=0 drafts one token this often
+BATCH_PROBE_EVERY = 32  # a whole fused batch at K=0 drafts one token this often...
+SMALL_BATCH = 8  # ...or, at this many sequences or fewer, every PROBE_EVERY steps
 PLAIN_PROBE_EVERY = 64  # every this many steps, PROBE_LEN steps without drafts time a plain step
 PROBE_LEN = 4  # steps a probe lasts: its first ones are transitions, the rest get timed
 MARGIN = 1.02  # a deeper K must beat the best shallower one by this factor
@@ -42,8 +43,10 @@ class StepCosts:
     """Measured step times per batch-size bucket (powers of two): a plain step's seconds, and
     the extra cost of one draft token per sequence relative to it. Measured, because the real
     overhead of speculating (head steps, launches, syncs) depends on the machine and model far
-    more than a configured guess can. Each is the median of the last WINDOW samples, so one
-    stalled step (a graph captured, a kernel compiled, the host descheduled) cannot skew K.
+    more than a configured guess can. Each comes from the last WINDOW samples (the plain
+    time their lower quartile, `_low`; the price of a draft the median over drafting steps),
+    so one stalled step (a graph captured, a kernel compiled, the host descheduled) cannot
+    skew K.
 
     Only steps in a steady regime are timed: a step whose previous timed step was of the other
     kind (plain after drafting, or drafting after plain) is a transition. Its step time holds
@@ -90,7 +93,7 @@ class StepCosts:
         if tokens is not None and seconds > 0:
             _window(self._rates, kind, (tokens, seconds), self.RATE_WINDOW)
         if drafts_per_seq == 0:
-            self.plain[b] = statistics.median(_window(self._plain, b, seconds))
+            self.plain[b] = _low(_window(self._plain, b, seconds))
         else:
             _window(self._drafted, b, (drafts_per_seq, seconds))
         if b in self.plain and self._drafted.get(b):
@@ -118,6 +121,17 @@ class StepCosts:
 
     def knows_plain(self, batch_size: int) -> bool:
         return _bucket(batch_size) in self.plain
+
+
+def _low(xs) -> float:
+    """The lower quartile: what a plain step costs undisturbed. A plain step's time has no
+    lumpiness of its own (one token per sequence), so its spread is disturbance only, and
+    at 64 streams under steady arrivals the few plain steps a probe times often follow an
+    admission: their median read 1.70 ms on the H200 where a steady K=0 engine's read 1.12.
+    Read high, it made every draft look cheap (the price of a draft is a drafting step's
+    time over the plain one); read low, drafting only looks dearer."""
+    xs = sorted(xs)
+    return xs[(len(xs) - 1) // 4]
 
 
 def _window(windows: dict, b, x, size: int = StepCosts.WINDOW) -> deque:
@@ -153,6 +167,10 @@ class KPolicy:
     Above the model sits a measured check: where steady drafting steps emitted fewer tokens
     per second than steady plain steps at the same batch-size bucket (`GAIN_FLOOR`), the
     batch decodes plainly.
+
+    A fused batch step runs graphs captured at padded sizes (`levels`: verify rows and draft
+    chain steps), so K is priced by what it runs (`paid`): with levels 1, 2, 4, 8 and 0, 1,
+    2, 4, 7, K=5 runs the K=7 chain and verifies 8 rows.
     """
 
     def __init__(self, spec: SpecConfig, prior: float = 0.6, batch_knee: int = 16):
@@ -167,6 +185,8 @@ class KPolicy:
         # 1 + K*c model's pick: drafts / none), "losing" (drafting measured slower than
         # plain), "retry" (a batch at K=0 drafting one token)
         self.batch_why: Counter = Counter()
+        # (query levels, draft levels) of the fused step's graphs, set by its runner
+        self.levels: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def begin_propose(self, step: int, batch_size: int) -> None:
         """Called before a step's drafts are chosen: decides whether this is a plain probe
@@ -208,7 +228,8 @@ class KPolicy:
         batch pay for whichever sequence drafts most (a K=0 sequence probing every
         PROBE_EVERY steps, at 64 streams, makes nearly every step a drafting one). So K
         maximizes the batch's expected tokens per unit of step cost, and a batch at K=0
-        probes together, every BATCH_PROBE_EVERY steps."""
+        probes together, every BATCH_PROBE_EVERY steps (PROBE_EVERY at SMALL_BATCH
+        sequences or fewer, where a probe costs little)."""
         k = self._choose_batch(seqs, batch_size)
         self.batch_ks[k] += 1
         self.batch_k = k
@@ -228,9 +249,9 @@ class KPolicy:
         if self.plain_probe:
             self.batch_why["probe"] += 1
             return 0
-        kmax = self._kmax(batch_size)
+        kmax = self._kmax(batch_size, padded=True)
         best_k = self._best_k([self._tokens(s) for s in seqs], self._cost(batch_size, False),
-                              BATCH_START_MARGIN, kmax)
+                              BATCH_START_MARGIN, kmax, padded=True)
         why = "model"
         if best_k and self._losing(batch_size):
             best_k, why = 0, "losing"
@@ -238,18 +259,24 @@ class KPolicy:
             # (Rarer than a lone sequence's probe: a batch probe breaks the host-packed K=0
             # continuation for every stream, twice.)
             self.batch_idle += 1
-            if self.batch_idle % BATCH_PROBE_EVERY == 0 and kmax:
+            every = PROBE_EVERY if batch_size <= SMALL_BATCH else BATCH_PROBE_EVERY
+            if self.batch_idle % every == 0 and kmax:
                 best_k, why = 1, "retry"
         self.batch_why["model_k0" if why == "model" and not best_k else why] += 1
         return best_k
 
-    def _kmax(self, batch_size: int) -> int:
+    def _kmax(self, batch_size: int, padded: bool = False) -> int:
         """The deepest K dynamic K may take at this batch size: batch * (K + 1) verified
-        tokens within SpecConfig.verify_token_budget."""
-        budget = self.spec.verify_token_budget
+        tokens within SpecConfig.verify_token_budget (`padded`: batch * the verify rows the
+        fused step's graph for K runs)."""
+        budget, kmax = self.spec.verify_token_budget, self.spec.num_tokens
         if not budget:
-            return self.spec.num_tokens
-        return max(0, min(self.spec.num_tokens, budget // max(batch_size, 1) - 1))
+            return kmax
+        rows = budget // max(batch_size, 1)
+        if padded and self.levels is not None:
+            fits = [q - 1 for q in self.levels[0] if q <= rows]
+            return min(kmax, fits[-1]) if fits else 0
+        return max(0, min(kmax, rows - 1))
 
     def _losing(self, batch_size: int) -> bool:
         """Drafting measured slower than plain decoding at this batch size (outside draft
@@ -270,13 +297,26 @@ class KPolicy:
             per_token += self.spec.draft_step_cost
         return per_token
 
+    def paid(self, k: int, kn: int | None = None) -> float:
+        """Drafts per sequence a fused step verifying k drafts and drafting kn more (default
+        k) pays for: the mean of its padded verify rows beyond the pending token and its
+        padded chain, as `StepCosts.record` is given them. The plain mean without levels."""
+        kn = k if kn is None else kn
+        if self.levels is None:
+            return (k + kn) / 2
+        qs, ds = self.levels
+        q = next((x for x in qs if x > k), k + 1)
+        d = next((x for x in ds if x >= kn), kn)
+        return (q - 1 + d) / 2
+
     def _best_k(self, rates: list, per_token: float, start: float = MARGIN,
-                kmax: int | None = None) -> int:
+                kmax: int | None = None, padded: bool = False) -> int:
         """argmax over K of the sequences' expected tokens per forward, over 1 + K c: for a
         rate a, (1 - a^(K+1)) / (1 - a); a sequence given as an array (`_tokens`) brings
         its own per-K expectation. Drafting at all must beat plain decoding by `start`,
         each deeper K the best shallower one by MARGIN (no speculating for a rounding-error
-        win); K at most kmax (default: SpecConfig.num_tokens)."""
+        win); K at most kmax (default: SpecConfig.num_tokens); `padded`: K priced by the
+        fused graphs' padded sizes (`paid`)."""
         kmax = self.spec.num_tokens if kmax is None else kmax
         if kmax == 0:
             return 0
@@ -289,9 +329,14 @@ class KPolicy:
         for curve in rates:
             if isinstance(curve, np.ndarray):
                 total += curve[:kmax]
-        gains = total / (1 + k * per_token)
+        cost = np.array([self.paid(int(x)) for x in k]) if padded else k
+        gains = total / (1 + cost * per_token)
         best_k, best, need = 0, float(len(rates)), start
         for i, gain in enumerate(gains.tolist()):
+            # (Padded, a K priced as the next K is, is never worth less than it: only the
+            # deepest K of each price is a candidate.)
+            if padded and i + 1 < kmax and cost[i] == cost[i + 1]:
+                continue
             if gain > best * need:
                 best_k, best, need = i + 1, gain, MARGIN
         return best_k

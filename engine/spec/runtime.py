@@ -333,6 +333,7 @@ class SpecRunner:
         if self.spec.fused_step and self.spec.num_tokens:
             self.fused = FusedSteps(model, head, self.kv_cache, self.aux_layers, self.cfg,
                                     max_batch, self.graphs.pool)
+            self.policy.levels = (self.fused.query_levels, self.fused.draft_levels)
 
     def _chain_graph(self, steps: int) -> GraphSet:
         """One graph for `steps` chained greedy draft steps of every sequence in a bucket:

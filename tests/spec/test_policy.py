@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from engine.config import SpecConfig
 from engine.sequence import SamplingParams, Sequence
 from engine.spec.policy import BATCH_PROBE_EVERY, PROBE_EVERY, PROBE_LEN, KPolicy
@@ -354,7 +356,8 @@ def test_measured_throughput_overrules_a_model_that_predicts_a_win():
     seqs = [seq_with_rate(0.9) for _ in range(4)]
     assert pol.choose(seqs[0], batch_size=4) == 0
     ks = [pol.choose_batch(seqs, 4) for _ in range(2 * BATCH_PROBE_EVERY)]
-    assert ks.count(0) == 2 * BATCH_PROBE_EVERY - 2  # batch probes only
+    # batch probes only, at a small batch every PROBE_EVERY steps
+    assert ks.count(0) == 2 * BATCH_PROBE_EVERY - 2 * BATCH_PROBE_EVERY // PROBE_EVERY
     pol.begin_propose(PLAIN_PROBE_EVERY // 2, batch_size=4)
     assert pol.draft_probe and pol.choose_batch(seqs, 4) > 0
     pol.begin_propose(PROBE_LEN + 1, batch_size=4)  # neither a plain nor a draft probe
@@ -434,3 +437,66 @@ def test_batch_told_to_draft_nothing_grows_blocks_like_the_per_sequence_path():
         assert [s.block_table for s in fast[1]] == [s.block_table for s in slow[1]]
         assert fast[0].num_free == slow[0].num_free
         assert (None in got) == (free < 3)
+
+
+def test_a_small_batch_at_k0_retries_drafting_sooner_than_a_large_one():
+    """A fused batch held at K=0 by low acceptance drafts one token every PROBE_EVERY steps
+    at SMALL_BATCH sequences or fewer (where the probe costs little), every
+    BATCH_PROBE_EVERY steps above."""
+    from engine.spec.policy import SMALL_BATCH
+
+    pol = KPolicy(SpecConfig(num_tokens=7))
+    small = [seq_with_rate(0.05) for _ in range(SMALL_BATCH)]
+    ks = [pol.choose_batch(small, SMALL_BATCH) for _ in range(BATCH_PROBE_EVERY)]
+    assert ks.count(1) == BATCH_PROBE_EVERY // PROBE_EVERY and set(ks) == {0, 1}
+    pol = KPolicy(SpecConfig(num_tokens=7))
+    large = [seq_with_rate(0.05) for _ in range(SMALL_BATCH + 1)]
+    ks = [pol.choose_batch(large, SMALL_BATCH + 1) for _ in range(BATCH_PROBE_EVERY)]
+    assert ks.count(1) == 1 and ks[-1] == 1
+
+
+def test_fused_batches_price_k_by_the_padded_graph_sizes():
+    """With graph levels 1, 2, 4, 8 (verify rows) and 0, 1, 2, 4, 7 (chain steps), K=5 runs
+    what K=7 runs: priced alike, K=7 emits more, so K=5 is never the batch's pick; the
+    step-by-step path (per-sequence choose) keeps the linear price."""
+    pol = KPolicy(SpecConfig(num_tokens=7, verify_token_budget=0))
+    assert pol.paid(5) == 5 and pol.paid(2, 4) == 3
+    pol.levels = ((1, 2, 4, 8), (0, 1, 2, 4, 7))
+    assert [pol.paid(k) for k in range(8)] == [0, 1, 2.5, 3.5, 5.5, 7, 7, 7]
+    assert pol.paid(7, 0) == 3.5 and pol.paid(0, 1) == 0.5
+    picks = set()
+    for a in np.linspace(0.3, 0.98, 35):
+        for c in (0.02, 0.05, 0.1, 0.2):
+            k = pol._best_k([a] * 4, c, kmax=7, padded=True)
+            picks.add(k)
+            assert k not in (5, 6)
+            # the pick maximizes tokens over the padded price
+            tok = [(1 - a ** (j + 1)) / (1 - a) for j in range(8)]
+            best = max(tok[j] / (1 + c * pol.paid(j)) for j in range(8))
+            assert tok[k] / (1 + c * pol.paid(k)) >= best / 1.11
+    assert {1, 2, 7} <= picks
+    # the verify token budget counts padded rows: 64 sequences verify 4 rows (K <= 3, not
+    # K = 5, whose 6 rows run as 8), 48 sequences 8 rows
+    budget = KPolicy(SpecConfig(num_tokens=7, verify_token_budget=384))
+    budget.levels = pol.levels
+    assert budget._kmax(64) == 5 and budget._kmax(64, padded=True) == 3
+    assert budget._kmax(48, padded=True) == 7 and budget._kmax(512, padded=True) == 0
+    # unpadded, somewhere in the same sweep K=5 or 6 is the pick
+    assert any(pol._best_k([a] * 4, c, kmax=7) in (5, 6)
+               for a in np.linspace(0.3, 0.98, 35) for c in (0.02, 0.05, 0.1, 0.2))
+
+
+def test_plain_step_time_is_the_lower_quartile_of_its_window():
+    """A plain step's time is read low: the steps after an admission run slow, and a median
+    over a window holding several of them would make every draft look cheap."""
+    from engine.spec.policy import StepCosts
+
+    costs = StepCosts()
+    times = [1.1e-3] * 8 + [2.0e-3] * 7  # 7 of 15 disturbed: the median is still 1.1 ms...
+    times[3:10] = [2.0e-3] * 7
+    for t in [1.1e-3] * 6 + [2.0e-3] * 9:  # ...with 9 of 15 disturbed it would read 2.0
+        costs.record(64, 0, t, tokens=64)
+    assert abs(costs.plain[64] - 1.1e-3) < 1e-12
+    for _ in range(3):
+        costs.record(64, 2.0, 1.43e-3, tokens=150)
+    assert abs(costs.per_token(64) - (1.43 / 1.1 - 1) / 2) < 1e-9
