@@ -78,6 +78,7 @@ class Sequence:
         self.num_accepted = 0
         self.num_verify_steps = 0
         self.accept_rate: float | None = None  # per-draft-token acceptance estimate
+        self.accept_counts: tuple[float, float] | None = None  # its decayed (accepted, tried)
         # Decayed (tried, accepted) counts per draft depth (KPolicy with accept_model "runs").
         self.accept_runs: tuple[list[float], list[float]] | None = None
         self.idle_steps = 0  # decode steps spent at K=0

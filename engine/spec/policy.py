@@ -31,6 +31,7 @@ GAIN_FLOOR = 1.0
 # accept_model "runs": per-depth counts decay by this factor a verify (about the last ten
 # verifies count), and a depth's acceptance is shrunk toward the sequence's rate with this
 # many pseudo-trials, so a depth tried once or never reads about as the geometric model.
+ACCEPT_DECAY = 0.7  # per verify, of a sequence's accepted and tried draft counts
 RUNS_DECAY = 0.9
 RUNS_PRIOR = 2.0
 
@@ -348,8 +349,15 @@ class KPolicy:
         if drafted == 0:
             return
         trials = accepted + (1 if accepted < drafted else 0)
-        rate = accepted / trials
-        seq.accept_rate = rate if seq.accept_rate is None else 0.7 * seq.accept_rate + 0.3 * rate
+        # Accepted drafts over drafts tried, each sum decayed by ACCEPT_DECAY a verify: the
+        # per-token rate's estimate. Not a running mean of each verify's ratio, which reads
+        # low wherever K > 1 (a verify that rejects at depth 1 counts as a rate of 0 however
+        # many drafts it carried; at a = 0.62 and K = 3 that mean is 0.45) and so held
+        # batches at K=0 that drafting would have sped up.
+        acc, tried = seq.accept_counts or (0.0, 0.0)
+        acc, tried = ACCEPT_DECAY * acc + accepted, ACCEPT_DECAY * tried + trials
+        seq.accept_counts = (acc, tried)
+        seq.accept_rate = acc / tried
         if self.spec.accept_model != "runs":
             return
         if seq.accept_runs is None:
