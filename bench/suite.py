@@ -507,6 +507,7 @@ def fig_concurrency(args, res: dict) -> None:
                 dyn: eagle(args, args.dynamic_k, True)}
     table: dict[str, list[dict]] = {}
     res["runs"] = table
+    traces: dict[str, list] = {}  # --fig3-trace
     for name, spec in variants.items():
         log(f"fig 3: {name}")
         rows: list[dict] = []
@@ -524,14 +525,17 @@ def fig_concurrency(args, res: dict) -> None:
             # mixed steps) compile and capture here, and dynamic K measures this batch size.
             eng.generate(batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
             tps, acc, events = [], [], []
-            for _ in range(args.fig3_reps):
+            for rep in range(args.fig3_reps):
                 before, paths = spec_counts(eng), step_paths(eng)
                 mark = window_mark()
+                tracing = trace_start(args, eng)
                 sync(args)
                 t0 = time.perf_counter()
                 outs = eng.generate(batch, params)
                 sync(args)
                 dt = time.perf_counter() - t0
+                if tracing:
+                    traces[f"{name} c={c} burst {rep}"] = trace_take(eng)
                 tps.append(sum(len(o.token_ids) for o in outs) / dt)
                 acc.append(acceptance(before, spec_counts(eng)))
                 events.append(window_events(mark))
@@ -549,8 +553,12 @@ def fig_concurrency(args, res: dict) -> None:
             # runs, so each is repeated like the burst and each run's stalls are recorded.
             for key, mixed in (("steady", False), ("steady_mixed", True)):
                 before, paths = spec_counts(eng), step_paths(eng)
-                runs = [steady_throughput(args, eng, prompts, c, n, mixed=mixed)
-                        for _ in range(args.fig3_reps)]
+                runs = []
+                for rep in range(args.fig3_reps):
+                    tracing = trace_start(args, eng)
+                    runs.append(steady_throughput(args, eng, prompts, c, n, mixed=mixed))
+                    if tracing:
+                        traces[f"{name} c={c} {key} {rep}"] = trace_take(eng)
                 tps = [r.tokens_per_s for r in runs]
                 rows[-1][f"{key}_tokens_per_s"] = rnd(statistics.median(tps), 1)
                 rows[-1][f"{key}_reps_tokens_per_s"] = [rnd(x, 1) for x in tps]
@@ -586,10 +594,31 @@ def fig_concurrency(args, res: dict) -> None:
         low = min(r[vs] for r in table[dyn])
         goals[f"dynamic_at_least_0.97x_no_spec_everywhere_{measure}"] = low >= 0.97
         goals[f"dynamic_min_ratio_{measure}"] = low
+    if args.fig3_trace:
+        path = os.path.join(args.out, "fig3_trace.json")
+        with open(path, "w") as f:
+            json.dump(traces, f)
+        res["trace"] = os.path.basename(path)
     res["break_even_fixed_k5"] = break_even(table["eagle3_k5"])
     res["goals"] = goals
     dyn_min = goals["dynamic_min_ratio_burst"]
     log(f"fig 3: fixed K=5 break-even {res['break_even_fixed_k5']}; dynamic min {dyn_min}")
+
+
+def trace_start(args, eng) -> bool:
+    """With --fig3-trace, start recording what a dynamic-K engine's cost model is offered
+    (`StepCosts.trace`); whether it records."""
+    if not args.fig3_trace or eng.spec is None or not eng.spec.spec.dynamic:
+        return False
+    eng.spec.policy.costs.trace = []
+    return True
+
+
+def trace_take(eng) -> list:
+    """The steps recorded since `trace_start`, and stop recording."""
+    costs = eng.spec.policy.costs
+    out, costs.trace = costs.trace, None
+    return out
 
 
 def mixed_lengths(n: int, count: int) -> list[int]:
@@ -1021,6 +1050,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     g.add_argument("--fig3-tokens", type=int, default=128)
     g.add_argument("--fig3-reps", type=int, default=3)
+    g.add_argument("--fig3-trace", action="store_true",
+                   help="write fig3_trace.json: each dynamic-K window's steps as the cost "
+                        "model saw them (batch size, drafts per sequence, ms, tokens, path, "
+                        "timed)")
     g = p.add_argument_group("figure 4 (KV transfer)")
     g.add_argument("--fig4-reps", type=int, default=10)
     g = p.add_argument_group("figure 5 (ITL, colocated vs disaggregated)")

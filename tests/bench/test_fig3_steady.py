@@ -86,3 +86,24 @@ def test_stalls_are_steps_far_above_the_median():
     assert st["steps"] == 23 and st["stalls"] == 2 and st["max_step_ms"] == 10.0
     assert st["stalled_ms"] == 12.0 and st["median_step_ms"] == 1.0
     assert stalls([])["stalls"] == 0
+
+
+def test_fig3_trace_records_what_dynamic_k_saw():
+    """--fig3-trace: a dynamic-K engine's cost model records every step it is offered in a
+    window (batch size, drafts per sequence, ms, tokens, path, timed), and stops after;
+    engines without dynamic K record nothing."""
+    from bench.suite import steady_throughput, trace_start, trace_take
+    from engine.config import SpecConfig
+    from tests.helpers import tiny_engine
+
+    eng = tiny_engine(0, spec=SpecConfig(method="ngram", num_tokens=2, dynamic=True))
+    args = SimpleNamespace(device="cpu", fig3_trace=True)
+    assert trace_start(args, eng)
+    run = steady_throughput(args, eng, [[5, 6, 7, 5, 6, 7], [8, 9, 10, 11]], 2, 6)
+    trace = trace_take(eng)
+    assert eng.spec.policy.costs.trace is None
+    assert len(trace) >= run.stalls["steps"] > 0
+    assert all(len(t) == 6 and t[0] in (1, 2) and t[2] > 0 for t in trace)
+    assert {t[4] for t in trace} <= {"fresh", "overlapped"}
+    assert not trace_start(SimpleNamespace(fig3_trace=False), eng)
+    assert not trace_start(args, tiny_engine(0))
