@@ -204,10 +204,14 @@ if triton_available():
         tl.store(OUT + row, tl.load(PI + row * CHUNKS + tl.minimum(i, CHUNKS - 1)))
 
     @triton.jit
-    def _silu_mul_kernel(GU, Y, stride_g, N: tl.constexpr, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(GU, Y, stride_g, N: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
         row = tl.program_id(0)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = col < N
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         g = tl.load(GU + row * stride_g + col, mask=mask, other=0.0)
         u = tl.load(GU + row * stride_g + N + col, mask=mask, other=0.0)
         gf = g.to(tl.float32)
@@ -768,14 +772,17 @@ def rope_store_(heads: torch.Tensor, num_q: int, num_kv: int, positions: torch.T
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+    """silu(gate) * up for gate_up = [gate | up] along the last dim. Launched early (PDL)
+    like the kernels around it: it was the one launch of a decoder layer that waited for
+    gate_up's GEMV to end before starting (1.7 us a layer of the 8B step on the H200)."""
     t, n2 = gate_up.shape
     n = n2 // 2
     y = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     if t:
         block = min(1024, next_pow2(n, 1))
         _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, y, gate_up.stride(0), N=n,
-                                                    BLOCK=block, num_warps=4)
+                                                    BLOCK=block, num_warps=4,
+                                                    **pdl_args(gate_up))
     return y
 
 
