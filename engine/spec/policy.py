@@ -28,6 +28,14 @@ MIN_DRAFTS = 1.0  # a step prices drafts only if it carried this many per sequen
 # draft, so the comparison stays current). The model misses what drafting costs beyond a
 # steady step's time; on the H200 it kept a single stream drafting at 0.83x no-spec.
 GAIN_FLOOR = 1.0
+# ...and the other way: where steady drafting steps measured at least this multiple of plain
+# steps' tokens/s at the batch's bucket, a fused batch the model would put at K=0 keeps
+# drafting at the K it last drafted at there. Figure 3 on the H200 (e638a0c): at 64 streams
+# drafting measured 1.27x plain, yet the model (its price per draft read 0.42 of a step, four
+# times the device's, the step's host work growing with the tokens it emits) held 315 of 600
+# steady steps at K=0 and ran 1.13x no-spec where fixed K=5 ran 1.29x; at one stream
+# (measured 1.78x) 230 of 523, 1.005x against 1.13x.
+WIN_FLOOR = 1.10
 # accept_model "runs": per-depth counts decay by this factor a verify (about the last ten
 # verifies count), and a depth's acceptance is shrunk toward the sequence's rate with this
 # many pseudo-trials, so a depth tried once or never reads about as the geometric model.
@@ -167,7 +175,9 @@ class KPolicy:
     the verify part growing with the batch (the forward leaves the memory-bound regime).
     Above the model sits a measured check: where steady drafting steps emitted fewer tokens
     per second than steady plain steps at the same batch-size bucket (`GAIN_FLOOR`), the
-    batch decodes plainly.
+    batch decodes plainly; where they emitted WIN_FLOOR times as many, a batch the model
+    would put at K=0 drafts at the K last chosen there (the step's host work grows with the
+    tokens it emits, which the measured price of a draft takes for the device's).
 
     A fused batch step runs graphs captured at padded sizes (`levels`: verify rows and draft
     chain steps), so K is priced by what it runs (`paid`): with levels 1, 2, 4, 8 and 0, 1,
@@ -184,8 +194,10 @@ class KPolicy:
         self.batch_ks: Counter = Counter()  # K of each fused step chosen (choose_batch)
         # why each fused step got its K: "probe" (a plain probe), "model" / "model_k0" (the
         # 1 + K*c model's pick: drafts / none), "losing" (drafting measured slower than
-        # plain), "retry" (a batch at K=0 drafting one token)
+        # plain), "winning" (measured faster where the model said K=0), "retry" (a batch
+        # at K=0 drafting one token)
         self.batch_why: Counter = Counter()
+        self.draft_k: dict[int, int] = {}  # per bucket, the last K>0 the model chose
         # (query levels, draft levels) of the fused step's graphs, set by its runner
         self.levels: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
@@ -254,8 +266,12 @@ class KPolicy:
         best_k = self._best_k([self._tokens(s) for s in seqs], self._cost(batch_size, False),
                               BATCH_START_MARGIN, kmax, padded=True)
         why = "model"
+        if best_k:
+            self.draft_k[_bucket(batch_size)] = best_k
         if best_k and self._losing(batch_size):
             best_k, why = 0, "losing"
+        elif best_k == 0 and kmax and self._winning(batch_size):
+            best_k, why = min(self.draft_k.get(_bucket(batch_size), 1), kmax), "winning"
         if best_k == 0:
             # (Rarer than a lone sequence's probe: a batch probe breaks the host-packed K=0
             # continuation for every stream, twice.)
@@ -278,6 +294,14 @@ class KPolicy:
             fits = [q - 1 for q in self.levels[0] if q <= rows]
             return min(kmax, fits[-1]) if fits else 0
         return max(0, min(kmax, rows - 1))
+
+    def _winning(self, batch_size: int) -> bool:
+        """Drafting measured at least WIN_FLOOR times plain decoding's tokens/s at this batch
+        size (outside draft probes, which price K from the configured costs)."""
+        if self.draft_probe:
+            return False
+        gain = self.costs.measured_gain(batch_size)
+        return gain is not None and gain >= WIN_FLOOR
 
     def _losing(self, batch_size: int) -> bool:
         """Drafting measured slower than plain decoding at this batch size (outside draft

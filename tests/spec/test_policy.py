@@ -6,7 +6,13 @@ import numpy as np
 
 from engine.config import SpecConfig
 from engine.sequence import SamplingParams, Sequence
-from engine.spec.policy import BATCH_PROBE_EVERY, PROBE_EVERY, PROBE_LEN, KPolicy
+from engine.spec.policy import (
+    BATCH_PROBE_EVERY,
+    BATCH_START_MARGIN,
+    PROBE_EVERY,
+    PROBE_LEN,
+    KPolicy,
+)
 
 
 def seq_with_rate(rate):
@@ -524,3 +530,31 @@ def test_acceptance_estimate_is_accepted_over_tried_drafts():
     assert abs(s.accept_rate - 2 / 3) < 1e-12 and s.accept_counts == (2.0, 3.0)
     pol.update(s, drafted=4, accepted=4)  # 4 of 4
     assert abs(s.accept_rate - (0.7 * 2 + 4) / (0.7 * 3 + 4)) < 1e-12
+
+
+def test_measured_throughput_overrules_a_model_that_predicts_a_loss():
+    """Drafts priced dear (a whole plain step each) but drafting steps measured 1.2x plain
+    tokens/s: a fused batch the model would hold at K=0 drafts at the K the model last chose
+    at this bucket (1 before any); below WIN_FLOOR the model's K=0 stands."""
+    from engine.spec.policy import WIN_FLOOR, StepCosts
+
+    costs = StepCosts()
+    for _ in range(3):
+        costs.record(4, 0, 1e-3, tokens=4)  # plain: 4000 tokens/s
+    for _ in range(3):
+        costs.record(4, 4.0, 5e-3, tokens=24)  # drafting: 4800 tokens/s, 1.0 per draft
+    assert abs(costs.per_token(4) - 1.0) < 1e-9 and costs.measured_gain(4) >= WIN_FLOOR
+    pol = KPolicy(SpecConfig(num_tokens=7))
+    pol.costs = costs
+    seqs = [seq_with_rate(0.6) for _ in range(4)]
+    pol.begin_propose(PROBE_LEN + 1, batch_size=4)  # neither a plain nor a draft probe
+    assert pol._best_k([0.6] * 4, 1.0, BATCH_START_MARGIN, 7, padded=True) == 0
+    assert pol.choose_batch(seqs, 4) == 1 and pol.batch_why["winning"] == 1
+    pol.draft_k[4] = 3
+    assert pol.choose_batch(seqs, 4) == 3
+    for _ in range(StepCosts.RATE_WINDOW):
+        costs.record(4, 4.0, 5e-3, tokens=20)  # drafting now 4000 tokens/s: no win
+    assert costs.measured_gain(4) < WIN_FLOOR
+    assert pol.choose_batch(seqs, 4) == 0 and pol.batch_why["model_k0"] == 1
+    pol.begin_propose(0, batch_size=4)  # a plain probe stays plain
+    assert pol.choose_batch(seqs, 4) == 0 and pol.batch_why["probe"] == 1
