@@ -30,7 +30,7 @@ MIN_DRAFTS = 1.0  # a step prices drafts only if it carried this many per sequen
 GAIN_FLOOR = 1.0
 # ...and the other way: where steady drafting steps measured at least this multiple of plain
 # steps' tokens/s at the batch's bucket, a fused batch the model would put at K=0 keeps
-# drafting at the K it last drafted at there. Figure 3 on the H200 (e638a0c): at 64 streams
+# drafting, at the model's best K above 0. Figure 3 on the H200 (e638a0c): at 64 streams
 # drafting measured 1.27x plain, yet the model (its price per draft read 0.42 of a step, four
 # times the device's, the step's host work growing with the tokens it emits) held 315 of 600
 # steady steps at K=0 and ran 1.13x no-spec where fixed K=5 ran 1.29x; at one stream
@@ -176,8 +176,8 @@ class KPolicy:
     Above the model sits a measured check: where steady drafting steps emitted fewer tokens
     per second than steady plain steps at the same batch-size bucket (`GAIN_FLOOR`), the
     batch decodes plainly; where they emitted WIN_FLOOR times as many, a batch the model
-    would put at K=0 drafts at the K last chosen there (the step's host work grows with the
-    tokens it emits, which the measured price of a draft takes for the device's).
+    would put at K=0 drafts at the model's best K above 0 (the step's host work grows with
+    the tokens it emits, which the measured price of a draft takes for the device's).
 
     A fused batch step runs graphs captured at padded sizes (`levels`: verify rows and draft
     chain steps), so K is priced by what it runs (`paid`): with levels 1, 2, 4, 8 and 0, 1,
@@ -197,7 +197,6 @@ class KPolicy:
         # plain), "winning" (measured faster where the model said K=0), "retry" (a batch
         # at K=0 drafting one token)
         self.batch_why: Counter = Counter()
-        self.draft_k: dict[int, int] = {}  # per bucket, the last K>0 the model chose
         # (query levels, draft levels) of the fused step's graphs, set by its runner
         self.levels: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
@@ -263,15 +262,14 @@ class KPolicy:
             self.batch_why["probe"] += 1
             return 0
         kmax = self._kmax(batch_size, padded=True)
-        best_k = self._best_k([self._tokens(s) for s in seqs], self._cost(batch_size, False),
-                              BATCH_START_MARGIN, kmax, padded=True)
+        rates, cost = [self._tokens(s) for s in seqs], self._cost(batch_size, False)
+        best_k = self._best_k(rates, cost, BATCH_START_MARGIN, kmax, padded=True)
         why = "model"
-        if best_k:
-            self.draft_k[_bucket(batch_size)] = best_k
         if best_k and self._losing(batch_size):
             best_k, why = 0, "losing"
         elif best_k == 0 and kmax and self._winning(batch_size):
-            best_k, why = min(self.draft_k.get(_bucket(batch_size), 1), kmax), "winning"
+            # the model's best K that drafts (K=1 where every deeper one prices worse)
+            best_k, why = self._best_k(rates, cost, 0.0, kmax, padded=True), "winning"
         if best_k == 0:
             # (Rarer than a lone sequence's probe: a batch probe breaks the host-packed K=0
             # continuation for every stream, twice.)

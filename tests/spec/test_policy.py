@@ -534,8 +534,8 @@ def test_acceptance_estimate_is_accepted_over_tried_drafts():
 
 def test_measured_throughput_overrules_a_model_that_predicts_a_loss():
     """Drafts priced dear (a whole plain step each) but drafting steps measured 1.2x plain
-    tokens/s: a fused batch the model would hold at K=0 drafts at the K the model last chose
-    at this bucket (1 before any); below WIN_FLOOR the model's K=0 stands."""
+    tokens/s: a fused batch the model would hold at K=0 drafts at the model's best K above
+    0 (1 at these prices); below WIN_FLOOR the model's K=0 stands."""
     from engine.spec.policy import WIN_FLOOR, StepCosts
 
     costs = StepCosts()
@@ -550,8 +550,7 @@ def test_measured_throughput_overrules_a_model_that_predicts_a_loss():
     pol.begin_propose(PROBE_LEN + 1, batch_size=4)  # neither a plain nor a draft probe
     assert pol._best_k([0.6] * 4, 1.0, BATCH_START_MARGIN, 7, padded=True) == 0
     assert pol.choose_batch(seqs, 4) == 1 and pol.batch_why["winning"] == 1
-    pol.draft_k[4] = 3
-    assert pol.choose_batch(seqs, 4) == 3
+    assert pol._best_k([0.6] * 4, 1.0, 0.0, 7, padded=True) == 1
     for _ in range(StepCosts.RATE_WINDOW):
         costs.record(4, 4.0, 5e-3, tokens=20)  # drafting now 4000 tokens/s: no win
     assert costs.measured_gain(4) < WIN_FLOOR
