@@ -210,10 +210,11 @@ class Engine:
         outs, self._carry = self._carry, []
         t0, captures = self.clock(), GraphSet.captures
         with self._on_device():  # kernels, graphs, streams go to this engine's GPU
-            how = "overlapped" if self._inflight is not None else "fresh"
             if self._inflight is not None:
+                how = "overlapped"
                 batch, results, more = self._step_overlapped()
             else:
+                how = "fresh"
                 batch = self.scheduler.schedule()
                 outs += [self._finished_output(s) for s in batch.out_of_blocks]
                 if not batch.seqs:

@@ -36,10 +36,10 @@ GAIN_FLOOR = 1.0
 # steady steps at K=0 and ran 1.13x no-spec where fixed K=5 ran 1.29x; at one stream
 # (measured 1.78x) 230 of 523, 1.005x against 1.13x.
 WIN_FLOOR = 1.10
+ACCEPT_DECAY = 0.7  # per verify, of a sequence's accepted and tried draft counts
 # accept_model "runs": per-depth counts decay by this factor a verify (about the last ten
 # verifies count), and a depth's acceptance is shrunk toward the sequence's rate with this
 # many pseudo-trials, so a depth tried once or never reads about as the geometric model.
-ACCEPT_DECAY = 0.7  # per verify, of a sequence's accepted and tried draft counts
 RUNS_DECAY = 0.9
 RUNS_PRIOR = 2.0
 
@@ -199,6 +199,7 @@ class KPolicy:
         self.batch_why: Counter = Counter()
         # (query levels, draft levels) of the fused step's graphs, set by its runner
         self.levels: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._paid: dict[tuple, np.ndarray] = {}  # `_paid_costs`
 
     def begin_propose(self, step: int, batch_size: int) -> None:
         """Called before a step's drafts are chosen: decides whether this is a plain probe
@@ -293,20 +294,21 @@ class KPolicy:
             return min(kmax, fits[-1]) if fits else 0
         return max(0, min(kmax, rows - 1))
 
+    def _gain(self, batch_size: int) -> float | None:
+        """Drafting's measured tokens/s over plain decoding's at this batch size, for the
+        measured overrides of the model; None until both were timed, and in draft probes
+        (which keep drafting at the configured costs, so that the measurement stays
+        current)."""
+        return None if self.draft_probe else self.costs.measured_gain(batch_size)
+
     def _winning(self, batch_size: int) -> bool:
-        """Drafting measured at least WIN_FLOOR times plain decoding's tokens/s at this batch
-        size (outside draft probes, which price K from the configured costs)."""
-        if self.draft_probe:
-            return False
-        gain = self.costs.measured_gain(batch_size)
+        """Drafting measured at least WIN_FLOOR times plain decoding's tokens/s."""
+        gain = self._gain(batch_size)
         return gain is not None and gain >= WIN_FLOOR
 
     def _losing(self, batch_size: int) -> bool:
-        """Drafting measured slower than plain decoding at this batch size (outside draft
-        probes, which keep drafting so that the measurement stays current)."""
-        if self.draft_probe:
-            return False
-        gain = self.costs.measured_gain(batch_size)
+        """Drafting measured slower than plain decoding."""
+        gain = self._gain(batch_size)
         return gain is not None and gain < GAIN_FLOOR
 
     def _rate(self, seq: Sequence) -> float:
@@ -332,6 +334,15 @@ class KPolicy:
         d = next((x for x in ds if x >= kn), kn)
         return (q - 1 + d) / 2
 
+    def _paid_costs(self, kmax: int) -> np.ndarray:
+        """`paid` of K = 1..kmax, kept per (levels, kmax): `_best_k` prices every fused step's
+        candidates by them."""
+        key = (self.levels, kmax)
+        if key not in self._paid:
+            self._paid[key] = np.array([self.paid(k) for k in range(1, kmax + 1)],
+                                       dtype=np.float64)
+        return self._paid[key]
+
     def _best_k(self, rates: list, per_token: float, start: float = MARGIN,
                 kmax: int | None = None, padded: bool = False) -> int:
         """argmax over K of the sequences' expected tokens per forward, over 1 + K c: for a
@@ -352,7 +363,7 @@ class KPolicy:
         for curve in rates:
             if isinstance(curve, np.ndarray):
                 total += curve[:kmax]
-        cost = np.array([self.paid(int(x)) for x in k]) if padded else k
+        cost = self._paid_costs(kmax) if padded else k
         gains = total / (1 + cost * per_token)
         best_k, best, need = 0, float(len(rates)), start
         for i, gain in enumerate(gains.tolist()):
