@@ -184,6 +184,22 @@ def step_paths(eng) -> dict:
     return out
 
 
+def start_trace(eng) -> bool:
+    """Start recording every step a speculative engine's dynamic-K cost model is offered
+    (`StepCosts.trace`); whether it records (False without speculation)."""
+    if eng.spec is None:
+        return False
+    eng.spec.policy.costs.trace = []
+    return True
+
+
+def take_trace(eng) -> list:
+    """The steps recorded since `start_trace`, and stop recording."""
+    costs = eng.spec.policy.costs
+    out, costs.trace = costs.trace, None
+    return out
+
+
 def paths_delta(before: dict, after: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in sorted(after.items()) if v - before.get(k, 0)}
 

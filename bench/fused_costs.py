@@ -96,7 +96,15 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
     load, against which dynamic K's choices can be read. `trace_dir`: each speculative
     engine's steps as its cost model saw them in the timed runs (`StepCosts.trace`) go to
     trace_c<c>.json there."""
-    from bench.common import held_out_messages, hold_at_k, paths_delta, step_costs, step_paths
+    from bench.common import (
+        held_out_messages,
+        hold_at_k,
+        paths_delta,
+        start_trace,
+        step_costs,
+        step_paths,
+        take_trace,
+    )
     from bench.step_profile import steady_tokens
 
     if not concurrency:
@@ -122,9 +130,7 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
             steady_tokens(e, prompts, c, tokens)  # warm: JIT, the dynamic-K cost model
         runs = {k: [] for k in engines}
         before = {k: paths(e) for k, e in engines.items()}
-        for e in engines.values():
-            if e.spec is not None:
-                e.spec.policy.costs.trace = []
+        tracing = [k for k, e in engines.items() if start_trace(e)]
         for _ in range(reps):
             for k, e in engines.items():
                 sync()
@@ -142,10 +148,7 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
                               if (cost := step_costs(e)) is not None}}
         print(json.dumps(row), flush=True)
         out.append(row)
-        traces = {k: e.spec.policy.costs.trace for k, e in engines.items() if e.spec is not None}
-        for e in engines.values():
-            if e.spec is not None:
-                e.spec.policy.costs.trace = None
+        traces = {k: take_trace(engines[k]) for k in tracing}
         if trace_dir is not None:
             with open(os.path.join(trace_dir, f"trace_c{c}.json"), "w") as f:
                 json.dump(traces, f)

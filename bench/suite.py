@@ -54,9 +54,11 @@ from bench.common import (  # noqa: E402 - after the sys.path fix above
     rnd,
     save,
     spec_counts,
+    start_trace,
     step_costs,
     step_paths,
     sync,
+    take_trace,
     timed_ms,
     torch_dtype,
 )
@@ -535,7 +537,7 @@ def fig_concurrency(args, res: dict) -> None:
                 sync(args)
                 dt = time.perf_counter() - t0
                 if tracing:
-                    traces[f"{name} c={c} burst {rep}"] = trace_take(eng)
+                    traces[f"{name} c={c} burst {rep}"] = take_trace(eng)
                 tps.append(sum(len(o.token_ids) for o in outs) / dt)
                 acc.append(acceptance(before, spec_counts(eng)))
                 events.append(window_events(mark))
@@ -558,7 +560,7 @@ def fig_concurrency(args, res: dict) -> None:
                     tracing = trace_start(args, eng)
                     runs.append(steady_throughput(args, eng, prompts, c, n, mixed=mixed))
                     if tracing:
-                        traces[f"{name} c={c} {key} {rep}"] = trace_take(eng)
+                        traces[f"{name} c={c} {key} {rep}"] = take_trace(eng)
                 tps = [r.tokens_per_s for r in runs]
                 rows[-1][f"{key}_tokens_per_s"] = rnd(statistics.median(tps), 1)
                 rows[-1][f"{key}_reps_tokens_per_s"] = [rnd(x, 1) for x in tps]
@@ -606,19 +608,9 @@ def fig_concurrency(args, res: dict) -> None:
 
 
 def trace_start(args, eng) -> bool:
-    """With --fig3-trace, start recording what a dynamic-K engine's cost model is offered
-    (`StepCosts.trace`); whether it records."""
-    if not args.fig3_trace or eng.spec is None or not eng.spec.spec.dynamic:
-        return False
-    eng.spec.policy.costs.trace = []
-    return True
-
-
-def trace_take(eng) -> list:
-    """The steps recorded since `trace_start`, and stop recording."""
-    costs = eng.spec.policy.costs
-    out, costs.trace = costs.trace, None
-    return out
+    """With --fig3-trace, `start_trace` on a dynamic-K engine; whether it records."""
+    return bool(args.fig3_trace and eng.spec is not None and eng.spec.spec.dynamic
+                and start_trace(eng))
 
 
 def mixed_lengths(n: int, count: int) -> list[int]:

@@ -92,7 +92,8 @@ def test_fig3_trace_records_what_dynamic_k_saw():
     """--fig3-trace: a dynamic-K engine's cost model records every step it is offered in a
     window (batch size, drafts per sequence, ms, tokens, path, timed), and stops after;
     engines without dynamic K record nothing."""
-    from bench.suite import steady_throughput, trace_start, trace_take
+    from bench.common import take_trace
+    from bench.suite import steady_throughput, trace_start
     from engine.config import SpecConfig
     from tests.helpers import tiny_engine
 
@@ -100,7 +101,7 @@ def test_fig3_trace_records_what_dynamic_k_saw():
     args = SimpleNamespace(device="cpu", fig3_trace=True)
     assert trace_start(args, eng)
     run = steady_throughput(args, eng, [[5, 6, 7, 5, 6, 7], [8, 9, 10, 11]], 2, 6)
-    trace = trace_take(eng)
+    trace = take_trace(eng)
     assert eng.spec.policy.costs.trace is None
     assert len(trace) >= run.stalls["steps"] > 0
     assert all(len(t) == 6 and t[0] in (1, 2) and t[2] > 0 for t in trace)
