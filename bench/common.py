@@ -205,15 +205,16 @@ def paths_delta(before: dict, after: dict) -> dict:
 
 
 def step_costs(eng) -> dict | None:
-    """The dynamic-K cost model as measured: plain step ms, relative draft price, and
-    drafting's measured tokens/s over plain's (`StepCosts.measured_gain`) per batch
-    bucket."""
+    """The dynamic-K cost model as measured per batch bucket: plain step ms, the relative
+    price of a draft and fixed cost of drafting, and drafting's measured tokens/s over
+    plain's (`StepCosts.measured_gain`)."""
     if eng.spec is None or not eng.spec.spec.dynamic:
         return None
     c = eng.spec.policy.costs
     gains = {b: c.measured_gain(b) for b in sorted(c.plain)}
     return {"plain_ms": {str(b): rnd(t * 1e3, 3) for b, t in sorted(c.plain.items())},
             "per_draft": {str(b): rnd(x, 3) for b, x in sorted(c.per_draft.items())},
+            "fixed": {str(b): rnd(x, 3) for b, x in sorted(c.fixed.items())},
             "gain": {str(b): rnd(g, 3) for b, g in gains.items() if g is not None}}
 
 

@@ -19,12 +19,12 @@ PROBE_LEN = 4  # steps a probe lasts: its first ones are transitions, the rest g
 MARGIN = 1.02  # a deeper K must beat the best shallower one by this factor
 # A fused batch leaves K=0 only for a predicted win of this factor: at 64 streams on the H200
 # a batch drafting on marginal predicted wins (K=1 at c ~ 0.5) ran 0.83x no-spec where one
-# held at K=0 ran 0.94x. Switching regimes costs what the 1 + K*c model does not price
+# held at K=0 ran 0.94x. Switching regimes costs what the 1 + f + K*c model does not price
 # (relaunches from host-packed inputs, the continuation's device-side rebuild of inputs).
 BATCH_START_MARGIN = 1.10
 MIN_DRAFTS = 1.0  # a step prices drafts only if it carried this many per sequence on average
 # Measured drafting tokens/s must reach this multiple of measured plain tokens/s at the batch's
-# bucket, or the batch decodes plainly whatever the 1 + K*c model predicts (draft probes still
+# bucket, or the batch decodes plainly whatever the step-cost model predicts (draft probes still
 # draft, so the comparison stays current). The model misses what drafting costs beyond a
 # steady step's time; on the H200 it kept a single stream drafting at 0.83x no-spec.
 GAIN_FLOOR = 1.0
@@ -34,7 +34,10 @@ GAIN_FLOOR = 1.0
 # drafting measured 1.27x plain, yet the model (its price per draft read 0.42 of a step, four
 # times the device's, the step's host work growing with the tokens it emits) held 315 of 600
 # steady steps at K=0 and ran 1.13x no-spec where fixed K=5 ran 1.29x; at one stream
-# (measured 1.78x) 230 of 523, 1.005x against 1.13x.
+# (measured 1.78x) 230 of 523, 1.005x against 1.13x. (With drafts priced per draft alone
+# the model's best K above 0 was K=1, and at one stream that pick held the stream at K=1,
+# acceptance length 1.75, 0.80x no-spec: figure 3 at 4cba156; the fixed part StepCosts
+# now measures is what prices deep K right.)
 WIN_FLOOR = 1.10
 ACCEPT_DECAY = 0.7  # per verify, of a sequence's accepted and tried draft counts
 # accept_model "runs": per-depth counts decay by this factor a verify (about the last ten
@@ -50,12 +53,20 @@ def _bucket(batch_size: int) -> int:
 
 class StepCosts:
     """Measured step times per batch-size bucket (powers of two): a plain step's seconds, and
-    the extra cost of one draft token per sequence relative to it. Measured, because the real
-    overhead of speculating (head steps, launches, syncs) depends on the machine and model far
-    more than a configured guess can. Each comes from the last WINDOW samples (the plain
-    time their lower quartile, `_low`; the price of a draft the median over drafting steps),
-    so one stalled step (a graph captured, a kernel compiled, the host descheduled) cannot
-    skew K.
+    what drafting adds to it, relative to it: a fixed part (`fixed`: what any drafting step
+    pays, the head's launches and the host's extra work) and a price per draft per sequence
+    (`per_draft`). Measured, because the real overhead of speculating depends on the
+    machine and model far more than a configured guess can. The plain time is the lower
+    quartile of its last WINDOW samples (`_low`); drafting steps are kept per level (drafts
+    per sequence, as the fused step's padded graphs run them), the median of each level's
+    last LEVEL_WINDOW samples one point, and the two parts are the line through those
+    points (`_fit_line`), so one stalled step (a graph captured, a kernel compiled, the
+    host descheduled) cannot skew K.
+
+    Why two parts: on the H200 at one stream every drafting step took ~1.0 ms whatever its
+    K (1..7) where a plain step took 0.55 ms, the step host-bound. A price per draft alone,
+    read from K=1 steps, came to 0.9 of a step per draft and priced K=7 at 7.3 steps, so
+    the model held K=0 or 1 (acceptance length 1.75) where fixed K=5 ran 1.43x no-spec.
 
     Only steps in a steady regime are timed: a step whose previous timed step was of the other
     kind (plain after drafting, or drafting after plain) is a transition. Its step time holds
@@ -66,6 +77,10 @@ class StepCosts:
     cheap."""
 
     WINDOW = 15
+    LEVEL_WINDOW = 8  # drafting steps kept per level (drafts per sequence)
+    # A level last timed this many recorded steps ago leaves the fit: the costs follow the
+    # load (at one stream figure 3's burst steps ran ~1.0 ms where its steady ones ran 0.65).
+    LEVEL_STALE = 256
     # Steps behind the measured tokens/s of each kind: a drafting step emits 1..K+1 tokens
     # per sequence, so its rate needs more samples than its time does.
     RATE_WINDOW = 32
@@ -73,8 +88,11 @@ class StepCosts:
     def __init__(self) -> None:
         self.plain: dict[int, float] = {}
         self.per_draft: dict[int, float] = {}
+        self.fixed: dict[int, float] = {}
         self._plain: dict[int, deque] = {}
-        self._drafted: dict[int, deque] = {}  # (drafts per sequence, seconds) of draft steps
+        # bucket -> drafts per sequence -> (record number, seconds) of steady drafting steps
+        self._drafted: dict[int, dict[float, deque]] = {}
+        self._n = 0  # steps recorded
         # (bucket, plain?) -> (tokens, seconds) of the last RATE_WINDOW steady steps
         self._rates: dict[tuple[int, bool], deque] = {}
         self._last: tuple[int, bool] | None = None  # (bucket, plain?) of the last step seen
@@ -89,6 +107,7 @@ class StepCosts:
         against the current plain time, so those seen before the first plain step count
         too."""
         b = _bucket(batch_size)
+        self._n += 1
         # (With a few drafts spread over many sequences, timing noise divided by a small
         # count would pass for the price of a draft: such steps are neither kind.)
         kind = (b, drafts_per_seq == 0) if drafts_per_seq == 0 or drafts_per_seq >= MIN_DRAFTS \
@@ -104,11 +123,19 @@ class StepCosts:
         if drafts_per_seq == 0:
             self.plain[b] = _low(_window(self._plain, b, seconds))
         else:
-            _window(self._drafted, b, (drafts_per_seq, seconds))
-        if b in self.plain and self._drafted.get(b):
-            p = self.plain[b]
-            self.per_draft[b] = statistics.median(max(t / p - 1.0, 0.0) / d
-                                                  for d, t in self._drafted[b])
+            _window(self._drafted.setdefault(b, {}), drafts_per_seq, (self._n, seconds),
+                    self.LEVEL_WINDOW)
+        self._fit(b)
+
+    def _fit(self, b: int) -> None:
+        """`fixed` and `per_draft` at bucket b from its fresh drafting levels."""
+        if b not in self.plain or not self._drafted.get(b):
+            return
+        p = self.plain[b]
+        points = [(d, statistics.median(t for _, t in w) / p - 1.0, len(w))
+                  for d, w in self._drafted[b].items() if self._n - w[-1][0] <= self.LEVEL_STALE]
+        if points:
+            self.fixed[b], self.per_draft[b] = _fit_line(points)
 
     def untimed(self, batch_size: int, seconds: float, how: str) -> None:
         """A step the model does not price (a prefill beside it, entries that did not verify
@@ -118,6 +145,9 @@ class StepCosts:
 
     def per_token(self, batch_size: int) -> float | None:
         return self.per_draft.get(_bucket(batch_size))
+
+    def fixed_cost(self, batch_size: int) -> float:
+        return self.fixed.get(_bucket(batch_size), 0.0)
 
     def measured_gain(self, batch_size: int) -> float | None:
         """Tokens/s of steady drafting steps over that of steady plain steps at this batch
@@ -141,6 +171,27 @@ def _low(xs) -> float:
     time over the plain one); read low, drafting only looks dearer."""
     xs = sorted(xs)
     return xs[(len(xs) - 1) // 4]
+
+
+def _fit_line(points: list[tuple[float, float, int]]) -> tuple[float, float]:
+    """(fixed, per draft) >= 0 of the line through (drafts per sequence, relative extra step
+    time, samples) points by least squares, each point weighted by its samples. One level
+    alone cannot split the two: its whole extra time is priced per draft (the dearer
+    reading for deeper K; draft probes at other K add the levels that split it)."""
+    if len({d for d, _, _ in points}) == 1:
+        d, y, _ = points[0]
+        return 0.0, max(y, 0.0) / d
+    w = sum(n for _, _, n in points)
+    md = sum(n * d for d, _, n in points) / w
+    my = sum(n * y for _, y, n in points) / w
+    slope = (sum(n * (d - md) * (y - my) for d, y, n in points)
+             / sum(n * (d - md) ** 2 for d, _, n in points))
+    if slope <= 0:
+        return max(my, 0.0), 0.0
+    if my - slope * md < 0:  # through the origin instead
+        return 0.0, max(sum(n * d * y for d, y, n in points)
+                        / sum(n * d * d for d, _, n in points), 0.0)
+    return my - slope * md, slope
 
 
 def _window(windows: dict, b, x, size: int = StepCosts.WINDOW) -> deque:
@@ -169,10 +220,11 @@ class KPolicy:
     """Maximizes expected tokens per unit of step cost.
 
     With per-token acceptance a, K drafts emit (1 - a^(K+1)) / (1 - a) tokens per target
-    forward; the step costs 1 + K * c relative to a plain decode step. c is measured
-    (`StepCosts`: every PLAIN_PROBE_EVERY steps PROBE_LEN steps run without drafts to time a
-    plain step at the current batch size); until then it is SpecConfig's verify + draft cost,
-    the verify part growing with the batch (the forward leaves the memory-bound regime).
+    forward; the step costs 1 + f + K * c relative to a plain decode step (f: what any
+    drafting step adds, c: the price of a draft). Both are measured (`StepCosts`: every
+    PLAIN_PROBE_EVERY steps PROBE_LEN steps run without drafts to time a plain step at the
+    current batch size); until then f is 0 and c SpecConfig's verify + draft cost, the
+    verify part growing with the batch (the forward leaves the memory-bound regime).
     Above the model sits a measured check: where steady drafting steps emitted fewer tokens
     per second than steady plain steps at the same batch-size bucket (`GAIN_FLOOR`), the
     batch decodes plainly; where they emitted WIN_FLOOR times as many, a batch the model
@@ -193,7 +245,7 @@ class KPolicy:
         self.batch_k: int | None = None  # the last fused step's K (choose_batch)
         self.batch_ks: Counter = Counter()  # K of each fused step chosen (choose_batch)
         # why each fused step got its K: "probe" (a plain probe), "model" / "model_k0" (the
-        # 1 + K*c model's pick: drafts / none), "losing" (drafting measured slower than
+        # step-cost model's pick: drafts / none), "losing" (drafting measured slower than
         # plain), "winning" (measured faster where the model said K=0), "retry" (a batch
         # at K=0 drafting one token)
         self.batch_why: Counter = Counter()
@@ -223,7 +275,8 @@ class KPolicy:
         if self.plain_probe and not seeded:
             return 0
         kmax = self._kmax(batch_size)
-        best_k = self._best_k([self._tokens(seq)], self._cost(batch_size, seeded), kmax=kmax)
+        fixed, per = self._cost(batch_size, seeded)
+        best_k = self._best_k([self._tokens(seq)], per, kmax=kmax, fixed=fixed)
         if best_k and not seeded and self._losing(batch_size):
             best_k = 0
         if best_k and not seeded and self._batch_plain(batch_size):
@@ -263,14 +316,14 @@ class KPolicy:
             self.batch_why["probe"] += 1
             return 0
         kmax = self._kmax(batch_size, padded=True)
-        rates, cost = [self._tokens(s) for s in seqs], self._cost(batch_size, False)
-        best_k = self._best_k(rates, cost, BATCH_START_MARGIN, kmax, padded=True)
+        rates, (fixed, per) = [self._tokens(s) for s in seqs], self._cost(batch_size, False)
+        best_k = self._best_k(rates, per, BATCH_START_MARGIN, kmax, padded=True, fixed=fixed)
         why = "model"
         if best_k and self._losing(batch_size):
             best_k, why = 0, "losing"
         elif best_k == 0 and kmax and self._winning(batch_size):
             # the model's best K that drafts (K=1 where every deeper one prices worse)
-            best_k, why = self._best_k(rates, cost, 0.0, kmax, padded=True), "winning"
+            best_k, why = self._best_k(rates, per, 0.0, kmax, True, fixed), "winning"
         if best_k == 0:
             # (Rarer than a lone sequence's probe: a batch probe breaks the host-packed K=0
             # continuation for every stream, twice.)
@@ -314,13 +367,15 @@ class KPolicy:
     def _rate(self, seq: Sequence) -> float:
         return min(seq.accept_rate if seq.accept_rate is not None else self.prior, 0.999)
 
-    def _cost(self, batch_size: int, seeded: bool) -> float:
-        """Step cost of one draft per sequence, relative to a plain step."""
+    def _cost(self, batch_size: int, seeded: bool) -> tuple[float, float]:
+        """What drafting adds to a plain step, relative to it: (a fixed part, the cost of
+        one draft per sequence); measured (`StepCosts`) or the configured guess (no fixed
+        part)."""
         per_token = None if seeded or self.draft_probe else self.costs.per_token(batch_size)
         if per_token is None:
             per_token = self.spec.verify_token_cost * max(1.0, batch_size / self.knee)
-            per_token += self.spec.draft_step_cost
-        return per_token
+            return 0.0, per_token + self.spec.draft_step_cost
+        return self.costs.fixed_cost(batch_size), per_token
 
     def paid(self, k: int, kn: int | None = None) -> float:
         """Drafts per sequence a fused step verifying k drafts and drafting kn more (default
@@ -344,8 +399,9 @@ class KPolicy:
         return self._paid[key]
 
     def _best_k(self, rates: list, per_token: float, start: float = MARGIN,
-                kmax: int | None = None, padded: bool = False) -> int:
-        """argmax over K of the sequences' expected tokens per forward, over 1 + K c: for a
+                kmax: int | None = None, padded: bool = False, fixed: float = 0.0) -> int:
+        """argmax over K of the sequences' expected tokens per forward, over the step's cost
+        1 + fixed + K c (fixed: what any drafting step adds; c: a draft's price): for a
         rate a, (1 - a^(K+1)) / (1 - a); a sequence given as an array (`_tokens`) brings
         its own per-K expectation. Drafting at all must beat plain decoding by `start`,
         each deeper K the best shallower one by MARGIN (no speculating for a rounding-error
@@ -364,7 +420,7 @@ class KPolicy:
             if isinstance(curve, np.ndarray):
                 total += curve[:kmax]
         cost = self._paid_costs(kmax) if padded else k
-        gains = total / (1 + cost * per_token)
+        gains = total / (1 + fixed + cost * per_token)
         best_k, best, need = 0, float(len(rates)), start
         for i, gain in enumerate(gains.tolist()):
             # (Padded, a K priced as the next K is, is never worth less than it: only the

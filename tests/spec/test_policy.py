@@ -120,7 +120,8 @@ def test_unknown_acceptance_model_is_refused():
 
 def test_measured_costs_replace_the_configured_guess():
     """Plain steps of 1 ms and K=4 steps of 2 ms → each draft costs 0.25 of a step: K stays
-    modest at a=0.6; at 1 ms per draft no K pays and speculation switches off."""
+    modest at a=0.6; at 1 ms per draft (K=1 steps of 2 ms, K=4 of 5 ms) no K pays and
+    speculation switches off."""
     from engine.spec.policy import StepCosts
 
     costs = StepCosts()
@@ -138,9 +139,57 @@ def test_measured_costs_replace_the_configured_guess():
     pol.costs = costs
     measured = pol.choose(s, batch_size=4)
     assert 0 < measured < guess
-    for _ in range(40):
+    for _ in range(StepCosts.LEVEL_WINDOW):
+        costs.record(4, 4.0, 5e-3)
         costs.record(4, 1.0, 2e-3)  # one draft doubles the step
+    assert abs(costs.per_token(4) - 1.0) < 1e-9 and costs.fixed_cost(4) == 0.0
     assert pol.choose(seq_with_rate(0.6), batch_size=4) == 0
+
+
+def test_a_fixed_drafting_cost_is_split_from_the_price_of_a_draft():
+    """Host-bound drafting (H200, one stream): every drafting step ~1.0 ms whatever its K,
+    a plain one 0.55 ms. Priced per draft alone (K=1 steps only) a draft costs ~0.8 of a
+    step and no K pays; once a deeper level is timed the line through the levels splits a
+    fixed ~0.8 from a small price per draft, and K goes deep."""
+    from engine.spec.policy import StepCosts, _fit_line
+
+    costs = StepCosts()
+    for _ in range(4):
+        costs.record(1, 0, 0.55e-3, tokens=1)
+    for _ in range(6):
+        costs.record(1, 1.0, 1.0e-3, tokens=2)
+    assert abs(costs.per_token(1) - 0.45 / 0.55) < 1e-9 and costs.fixed_cost(1) == 0.0
+    pol = KPolicy(SpecConfig(num_tokens=7))
+    pol.costs = costs
+    pol.begin_propose(PROBE_LEN + 1, batch_size=1)  # neither a plain nor a draft probe
+    assert pol.choose_batch([seq_with_rate(0.6)], 1) == 0
+    for _ in range(3):
+        costs.record(1, 7.0, 1.05e-3, tokens=3)
+    fixed, per = costs.fixed_cost(1), costs.per_token(1)
+    assert 0.7 < fixed < 0.85 and 0 < per < 0.02
+    assert pol.choose_batch([seq_with_rate(0.6)], 1) >= 5
+    # the line's edges: a falling line is all fixed cost, one through negative fixed cost
+    # goes through the origin instead
+    assert _fit_line([(1.0, 0.8, 4), (7.0, 0.6, 4)]) == (0.7, 0.0)
+    f, c = _fit_line([(1.0, 0.1, 4), (4.0, 1.0, 4)])
+    assert f == 0.0 and abs(c - (0.1 + 4.0) / 17) < 1e-12
+
+
+def test_a_drafting_level_not_timed_lately_leaves_the_fit():
+    """Costs follow the load: a level last timed LEVEL_STALE steps ago (another phase of
+    the traffic) no longer bends the line."""
+    from engine.spec.policy import StepCosts
+
+    costs = StepCosts()
+    costs.record(4, 0, 1e-3)
+    costs.record(4, 0, 1e-3)
+    costs.record(4, 7.0, 8e-3)  # the switch: not timed
+    costs.record(4, 7.0, 8e-3)  # 1 per draft at 7
+    costs.record(4, 1.0, 1.5e-3)
+    assert costs.fixed_cost(4) == 0.0 and costs.per_token(4) > 0.5
+    for _ in range(StepCosts.LEVEL_STALE):
+        costs.record(4, 1.0, 1.5e-3)
+    assert costs.fixed_cost(4) == 0.0 and abs(costs.per_token(4) - 0.5) < 1e-9
 
 
 def test_one_stalled_step_does_not_skew_the_costs():
