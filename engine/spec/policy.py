@@ -78,12 +78,17 @@ class StepCosts:
 
     WINDOW = 15
     LEVEL_WINDOW = 8  # drafting steps kept per level (drafts per sequence)
-    # A level last timed this many recorded steps ago leaves the fit: the costs follow the
-    # load (at one stream figure 3's burst steps ran ~1.0 ms where its steady ones ran 0.65).
-    LEVEL_STALE = 256
+    # A sample this many recorded steps old no longer counts: the costs follow the load (at
+    # one stream figure 3's burst steps ran ~1.0 ms where its steady ones ran 0.65), and a
+    # measurement from a stretch of text the head drafted badly must not hold a bucket at
+    # K=0 after it (on the H200 one stream ran 360 of 570 steady steps at K=0 on a
+    # drafting rate read 100 steps into the run, 0.85x no-spec). A bucket whose drafting
+    # was not timed that long prices drafts by the configured guess again.
+    STALE = 256
     # Steps behind the measured tokens/s of each kind: a drafting step emits 1..K+1 tokens
     # per sequence, so its rate needs more samples than its time does.
     RATE_WINDOW = 32
+    MIN_RATE_SAMPLES = 2  # fresh steps of each kind before a measured gain is read
 
     def __init__(self) -> None:
         self.plain: dict[int, float] = {}
@@ -92,8 +97,11 @@ class StepCosts:
         self._plain: dict[int, deque] = {}
         # bucket -> drafts per sequence -> (record number, seconds) of steady drafting steps
         self._drafted: dict[int, dict[float, deque]] = {}
+        self._drafted_at: dict[int, int] = {}  # bucket -> record number of its last one
         self._n = 0  # steps recorded
-        # (bucket, plain?) -> (tokens, seconds) of the last RATE_WINDOW steady steps
+        # (bucket, plain?) -> (record number, tokens per sequence, seconds) of the last
+        # RATE_WINDOW steady steps (per sequence: a bucket spans batch sizes, and in a burst's
+        # tail the plain probes ran at the larger ones, the drafting steps at the smaller)
         self._rates: dict[tuple[int, bool], deque] = {}
         self._last: tuple[int, bool] | None = None  # (bucket, plain?) of the last step seen
         # When a list: every step offered to the model, (batch size, drafts per sequence,
@@ -119,12 +127,14 @@ class StepCosts:
         if not steady:
             return
         if tokens is not None and seconds > 0:
-            _window(self._rates, kind, (tokens, seconds), self.RATE_WINDOW)
+            _window(self._rates, kind, (self._n, tokens / batch_size, seconds),
+                    self.RATE_WINDOW)
         if drafts_per_seq == 0:
             self.plain[b] = _low(_window(self._plain, b, seconds))
         else:
             _window(self._drafted.setdefault(b, {}), drafts_per_seq, (self._n, seconds),
                     self.LEVEL_WINDOW)
+            self._drafted_at[b] = self._n
         self._fit(b)
 
     def _fit(self, b: int) -> None:
@@ -133,7 +143,7 @@ class StepCosts:
             return
         p = self.plain[b]
         points = [(d, statistics.median(t for _, t in w) / p - 1.0, len(w))
-                  for d, w in self._drafted[b].items() if self._n - w[-1][0] <= self.LEVEL_STALE]
+                  for d, w in self._drafted[b].items() if self._n - w[-1][0] <= self.STALE]
         if points:
             self.fixed[b], self.per_draft[b] = _fit_line(points)
 
@@ -143,20 +153,32 @@ class StepCosts:
         if self.trace is not None:
             self.trace.append((batch_size, None, round(seconds * 1e3, 4), None, how, False))
 
+    def _stale(self, b: int) -> bool:
+        return b in self._drafted_at and self._n - self._drafted_at[b] > self.STALE
+
     def per_token(self, batch_size: int) -> float | None:
-        return self.per_draft.get(_bucket(batch_size))
+        """The measured price of a draft per sequence at this batch size's bucket; None
+        until timed, or where drafting was not timed for STALE steps."""
+        b = _bucket(batch_size)
+        return None if self._stale(b) else self.per_draft.get(b)
 
     def fixed_cost(self, batch_size: int) -> float:
-        return self.fixed.get(_bucket(batch_size), 0.0)
+        b = _bucket(batch_size)
+        return 0.0 if self._stale(b) else self.fixed.get(b, 0.0)
 
     def measured_gain(self, batch_size: int) -> float | None:
-        """Tokens/s of steady drafting steps over that of steady plain steps at this batch
-        size's bucket (`_rate`); None until both were timed."""
+        """Tokens/s per sequence of steady drafting steps over that of steady plain steps at
+        this batch size's bucket (`_rate`), from steps of the last STALE; None until both
+        kinds have MIN_RATE_SAMPLES there."""
         b = _bucket(batch_size)
-        drafting, plain = self._rates.get((b, False)), self._rates.get((b, True))
-        if not drafting or not plain:
-            return None
-        return _rate(drafting) / _rate(plain)
+        rates = []
+        for plain in (False, True):
+            fresh = [(tok, sec) for n, tok, sec in self._rates.get((b, plain), ())
+                     if self._n - n <= self.STALE]
+            if len(fresh) < self.MIN_RATE_SAMPLES:
+                return None
+            rates.append(_rate(fresh))
+        return rates[0] / rates[1]
 
     def knows_plain(self, batch_size: int) -> bool:
         return _bucket(batch_size) in self.plain

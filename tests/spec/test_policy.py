@@ -176,8 +176,10 @@ def test_a_fixed_drafting_cost_is_split_from_the_price_of_a_draft():
 
 
 def test_a_drafting_level_not_timed_lately_leaves_the_fit():
-    """Costs follow the load: a level last timed LEVEL_STALE steps ago (another phase of
-    the traffic) no longer bends the line."""
+    """Costs follow the load: a level last timed STALE steps ago (another phase of the
+    traffic) no longer bends the line; a bucket whose drafting was not timed for STALE
+    steps is priced by the configured guess, and its measured gain is read from fresh
+    steps only."""
     from engine.spec.policy import StepCosts
 
     costs = StepCosts()
@@ -187,9 +189,30 @@ def test_a_drafting_level_not_timed_lately_leaves_the_fit():
     costs.record(4, 7.0, 8e-3)  # 1 per draft at 7
     costs.record(4, 1.0, 1.5e-3)
     assert costs.fixed_cost(4) == 0.0 and costs.per_token(4) > 0.5
-    for _ in range(StepCosts.LEVEL_STALE):
+    for _ in range(StepCosts.STALE):
         costs.record(4, 1.0, 1.5e-3)
     assert costs.fixed_cost(4) == 0.0 and abs(costs.per_token(4) - 0.5) < 1e-9
+    costs.record(4, 0, 1e-3, tokens=4)
+    for _ in range(StepCosts.STALE):
+        costs.record(4, 0, 1e-3, tokens=4)
+    assert costs.per_token(4) is None and costs.fixed_cost(4) == 0.0
+
+
+def test_measured_gain_is_per_sequence_and_fresh():
+    """A bucket spans batch sizes (3 and 4 share bucket 4): plain steps of 4 sequences and
+    drafting steps of 3 compare per sequence. A drafting rate read STALE steps ago no
+    longer holds the bucket's gain."""
+    from engine.spec.policy import StepCosts
+
+    costs = StepCosts()
+    for _ in range(4):
+        costs.record(4, 0, 1e-3, tokens=4)  # 1 token a sequence per ms
+    for _ in range(4):
+        costs.record(3, 4.0, 1.5e-3, tokens=6)  # 2 tokens a sequence per 1.5 ms
+    assert abs(costs.measured_gain(4) - 2 / 1.5) < 1e-9
+    for _ in range(StepCosts.STALE):
+        costs.record(4, 0, 1e-3, tokens=4)
+    assert costs.measured_gain(4) is None
 
 
 def test_one_stalled_step_does_not_skew_the_costs():
