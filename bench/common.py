@@ -210,7 +210,7 @@ def step_costs(eng) -> dict | None:
     plain's (`StepCosts.measured_gain`)."""
     if eng.spec is None or not eng.spec.spec.dynamic:
         return None
-    c = eng.spec.policy.costs
+    c = eng.spec.policy.costs.fitted()
     gains = {b: c.measured_gain(b) for b in sorted(c.plain)}
     return {"plain_ms": {str(b): rnd(t * 1e3, 3) for b, t in sorted(c.plain.items())},
             "per_draft": {str(b): rnd(x, 3) for b, x in sorted(c.per_draft.items())},

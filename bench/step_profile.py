@@ -284,8 +284,9 @@ def main(argv=None) -> int:
                                            for k, v in timers.items()}
             if eng.spec is not None:
                 row["acceptance_length"] = round(eng.spec.stats.acceptance_length, 3)
-                row["per_draft_cost"] = {str(k): round(v, 3)
-                                         for k, v in eng.spec.policy.costs.per_draft.items()}
+                costs = eng.spec.policy.costs.fitted()
+                row["per_draft_cost"] = {str(k): round(v, 3) for k, v in costs.per_draft.items()}
+                row["fixed_draft_cost"] = {str(k): round(v, 3) for k, v in costs.fixed.items()}
                 row["plain_step_ms"] = {str(k): round(1000 * v, 3)
                                         for k, v in eng.spec.policy.costs.plain.items()}
             buf = io.StringIO()

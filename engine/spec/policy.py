@@ -98,6 +98,7 @@ class StepCosts:
         # bucket -> drafts per sequence -> (record number, seconds) of steady drafting steps
         self._drafted: dict[int, dict[float, deque]] = {}
         self._drafted_at: dict[int, int] = {}  # bucket -> record number of its last one
+        self._fit_at: dict[int, int] = {}  # bucket -> record number `_fit` last ran at
         self._n = 0  # steps recorded
         # (bucket, plain?) -> (record number, tokens per sequence, seconds) of the last
         # RATE_WINDOW steady steps (per sequence: a bucket spans batch sizes, and in a burst's
@@ -135,10 +136,14 @@ class StepCosts:
             _window(self._drafted.setdefault(b, {}), drafts_per_seq, (self._n, seconds),
                     self.LEVEL_WINDOW)
             self._drafted_at[b] = self._n
-        self._fit(b)
 
     def _fit(self, b: int) -> None:
-        """`fixed` and `per_draft` at bucket b from its fresh drafting levels."""
+        """`fixed` and `per_draft` at bucket b from its fresh drafting levels; run when read
+        (a fixed-K engine, which records steps but never reads them, pays nothing), at most
+        once per recorded step."""
+        if self._fit_at.get(b) == self._n:
+            return
+        self._fit_at[b] = self._n
         if b not in self.plain or not self._drafted.get(b):
             return
         p = self.plain[b]
@@ -160,11 +165,19 @@ class StepCosts:
         """The measured price of a draft per sequence at this batch size's bucket; None
         until timed, or where drafting was not timed for STALE steps."""
         b = _bucket(batch_size)
+        self._fit(b)
         return None if self._stale(b) else self.per_draft.get(b)
 
     def fixed_cost(self, batch_size: int) -> float:
         b = _bucket(batch_size)
+        self._fit(b)
         return 0.0 if self._stale(b) else self.fixed.get(b, 0.0)
+
+    def fitted(self) -> StepCosts:
+        """Every bucket's `fixed` and `per_draft` brought up to date (for reports)."""
+        for b in list(self._drafted):
+            self._fit(b)
+        return self
 
     def measured_gain(self, batch_size: int) -> float | None:
         """Tokens/s per sequence of steady drafting steps over that of steady plain steps at
