@@ -11,6 +11,36 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _row_independent_dots() -> None:
+    """The interpreter's tl.dot is one numpy matmul, and numpy's BLAS may sum a one-row
+    product (a GEMV) in another order than the same row inside a taller one (on an AVX-512
+    EPYC a row of a [6, 64] @ [64, 16] product differed from the row alone by up to 4e-6).
+    A GPU tile's MMA computes each row on its own, in the tile's order: the interpreter
+    computes each row of a 2-D dot as its own matmul, so kernels whose rows must not depend
+    on their neighbours (a verify row against a decode row) are tested as they run."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.data.ndim != 2 or a.data.shape[0] == 1:
+            return dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        rows = [dot(self, interpreter.TensorHandle(a.data[i:i + 1], a.dtype), b,
+                    interpreter.TensorHandle(d.data[i:i + 1], d.dtype), input_precision,
+                    max_num_imprecise_acc).data for i in range(a.data.shape[0])]
+        return interpreter.TensorHandle(np.concatenate(rows), d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        _row_independent_dots()
+    except ImportError:  # no Triton: the torch backends only
+        pass
+
 CHAT_PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Write a Python function that returns the n-th Fibonacci number.",
