@@ -313,7 +313,7 @@ class KPolicy:
         fixed, per = self._cost(batch_size, seeded)
         best_k = self._best_k([self._tokens(seq)], per, kmax=kmax, fixed=fixed)
         if best_k and not seeded and self._losing(batch_size):
-            return 0  # (no probe: see `_choose_batch`)
+            best_k = 0
         if best_k and not seeded and self._batch_plain(batch_size):
             return 0
         if best_k == 0:
@@ -359,12 +359,9 @@ class KPolicy:
         elif best_k == 0 and kmax and self._winning(batch_size):
             # the model's best K that drafts (K=1 where every deeper one prices worse)
             best_k, why = self._best_k(rates, per, 0.0, kmax, True, fixed), "winning"
-        if best_k == 0 and why != "losing":
+        if best_k == 0:
             # (Rarer than a lone sequence's probe: a batch probe breaks the host-packed K=0
-            # continuation for every stream, twice. None where drafting measured slower:
-            # a probe's one draft is no timed drafting step, so it cannot end that verdict,
-            # only draft probes and STALE can; on the H200 at 2 streams such retries took
-            # 2 of every 8 steps of a batch held at K=0 by a measured loss, burst 0.94x.)
+            # continuation for every stream, twice.)
             self.batch_idle += 1
             every = PROBE_EVERY if batch_size <= SMALL_BATCH else BATCH_PROBE_EVERY
             if self.batch_idle % every == 0 and kmax:

@@ -418,9 +418,8 @@ def test_a_new_arrival_drafts_only_when_its_batch_does():
 
 def test_measured_throughput_overrules_a_model_that_predicts_a_win():
     """Drafting priced cheap per draft (0.25 of a step) but emitting fewer tokens per second
-    than plain decoding: the batch decodes plainly, except in draft probes, and does not
-    retry one draft (a retry is no timed drafting step: it could not end the verdict); once
-    drafting steps measure faster than plain ones, the model's K comes back."""
+    than plain decoding: the batch decodes plainly, except in draft probes; once drafting
+    steps measure faster than plain ones, the model's K comes back."""
     from engine.spec.policy import PLAIN_PROBE_EVERY, StepCosts
 
     costs = StepCosts()
@@ -433,10 +432,10 @@ def test_measured_throughput_overrules_a_model_that_predicts_a_win():
     pol = KPolicy(SpecConfig(num_tokens=7))
     pol.costs = costs
     seqs = [seq_with_rate(0.9) for _ in range(4)]
-    assert all(pol.choose(seqs[0], batch_size=4) == 0 for _ in range(2 * PROBE_EVERY))
+    assert pol.choose(seqs[0], batch_size=4) == 0
     ks = [pol.choose_batch(seqs, 4) for _ in range(2 * BATCH_PROBE_EVERY)]
-    assert ks == [0] * (2 * BATCH_PROBE_EVERY) and pol.batch_why["losing"] == len(ks)
-    assert "retry" not in pol.batch_why
+    # batch probes only, at a small batch every PROBE_EVERY steps
+    assert ks.count(0) == 2 * BATCH_PROBE_EVERY - 2 * BATCH_PROBE_EVERY // PROBE_EVERY
     pol.begin_propose(PLAIN_PROBE_EVERY // 2, batch_size=4)
     assert pol.draft_probe and pol.choose_batch(seqs, 4) > 0
     pol.begin_propose(PROBE_LEN + 1, batch_size=4)  # neither a plain nor a draft probe
