@@ -1,0 +1,87 @@
+"""Replay figure 3's dynamic-K step traces (`bench.suite --fig3-trace`, `fig3_trace.json`)
+through the cost model offline: what `StepCosts` read at each point of each run (plain step
+ms, drafting's fixed part and price per draft, the measured gain per sequence), and each
+run's steps grouped by drafts per sequence (count, median ms, tokens per ms).
+
+    python -m bench.trace_replay TRACE.json [--match "c=2 burst"] [--every 10] [--json OUT]
+
+The traces hold every step the model was offered in the order the engine ran them (one
+engine per variant, its runs one after another), so the replay feeds all of them to one
+`StepCosts` and prints the runs whose key contains --match. Decisions are not replayed (they
+depend on acceptance the trace does not hold): this shows what the model saw, from the
+same code the engine runs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections import defaultdict
+
+from engine.spec.policy import StepCosts, _bucket
+
+
+def replay(trace: dict, match: str = "", every: int = 10) -> list[dict]:
+    """Per run whose key contains `match`: its steps by drafts per sequence and the cost
+    model's readings every `every` steps (at the batch size of that step)."""
+    costs, out = StepCosts(), []
+    for key, steps in trace.items():
+        readings, groups = [], defaultdict(list)
+        for i, (batch, drafts, ms, tokens, how, _) in enumerate(steps):
+            if drafts is None:
+                groups["untimed"].append((ms, 0))
+                continue
+            costs.record(batch, drafts, ms / 1e3, tokens, how)
+            groups[f"{drafts:g}"].append((ms, tokens or 0))
+            if match in key and i % every == 0:
+                b = _bucket(batch)
+                gain = costs.measured_gain(batch)
+                per = costs.per_token(batch)
+                readings.append({
+                    "step": i, "batch": batch,
+                    "plain_ms": round(costs.plain[b] * 1e3, 3) if b in costs.plain else None,
+                    "fixed": round(costs.fixed_cost(batch), 3),
+                    "per_draft": None if per is None else round(per, 3),
+                    "gain": None if gain is None else round(gain, 3)})
+        if match not in key:
+            continue
+        by_level = {}
+        for level, xs in sorted(groups.items(), key=lambda kv: (kv[0] == "untimed", kv[0])):
+            ms = [m for m, _ in xs]
+            by_level[level] = {"steps": len(xs), "median_ms": round(statistics.median(ms), 3),
+                               "total_ms": round(sum(ms), 1), "tokens": sum(t for _, t in xs),
+                               "tokens_per_ms": round(sum(t for _, t in xs) / sum(ms), 2)
+                               if level != "untimed" else None}
+        out.append({"run": key, "steps": len(steps), "by_drafts": by_level,
+                    "readings": readings})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("trace")
+    p.add_argument("--match", default="", help="only runs whose key contains this")
+    p.add_argument("--every", type=int, default=10, help="a reading every this many steps")
+    p.add_argument("--json", default=None, help="also write the result here")
+    args = p.parse_args(argv)
+    with open(args.trace) as f:
+        trace = json.load(f)
+    runs = replay(trace, args.match, args.every)
+    for r in runs:
+        print(f"{r['run']}: {r['steps']} steps")
+        for level, g in r["by_drafts"].items():
+            print(f"  drafts/seq {level:>7}: {g['steps']:4d} steps, median {g['median_ms']:.3f} "
+                  f"ms, {g['total_ms']:.1f} ms, {g['tokens']} tokens"
+                  + (f", {g['tokens_per_ms']} tok/ms" if g["tokens_per_ms"] is not None else ""))
+        print("  " + " ".join(
+            f"{x['step']}|b{x['batch']}:p{x['plain_ms']}/f{x['fixed']}/c{x['per_draft']}"
+            f"/g{x['gain']}" for x in r["readings"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

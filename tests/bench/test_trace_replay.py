@@ -1,0 +1,42 @@
+"""bench.trace_replay: figure 3's dynamic-K traces read back through the cost model."""
+
+from __future__ import annotations
+
+import json
+
+from bench.trace_replay import main, replay
+
+
+def _trace():
+    # (batch, drafts per sequence, ms, tokens, how, timed?) as StepCosts.trace records them
+    plain = [(2, 0.0, 0.5, 2, "overlapped", True)] * 6
+    k1 = [(2, 1.0, 0.75, 3, "overlapped", True)] * 6
+    k7 = [(2, 7.0, 1.0, 8, "overlapped", True)] * 6
+    return {"v c=2 burst 0": [(2, None, 2.0, None, "fresh", False)] + plain + k1,
+            "v c=2 burst 1": k7 + plain}
+
+
+def test_replay_groups_steps_and_reads_the_model_as_the_engine_did():
+    runs = replay(_trace(), match="burst", every=1)
+    assert [r["run"] for r in runs] == ["v c=2 burst 0", "v c=2 burst 1"]
+    first = runs[0]["by_drafts"]
+    assert first["0"]["steps"] == 6 and first["0"]["median_ms"] == 0.5
+    assert first["0"]["tokens_per_ms"] == 4.0 and first["1"]["tokens_per_ms"] == 4.0
+    assert first["untimed"]["steps"] == 1 and first["untimed"]["tokens_per_ms"] is None
+    last = runs[0]["readings"][-1]
+    # K=1 steps of 0.75 ms against 0.5 plain: one level, priced per draft alone
+    assert last["plain_ms"] == 0.5 and last["per_draft"] == 0.5 and last["fixed"] == 0.0
+    assert last["gain"] == (3 / 2 / 0.75) / (2 / 2 / 0.5)
+    # the second run's K=7 level (1.0 ms: 1 over plain at 7 drafts; K=1's 0.5 at 1) splits
+    # a fixed part from the price of a draft: the line through both levels
+    mid = runs[1]["readings"][5]
+    assert mid["fixed"] == round(0.5 - 0.5 / 6, 3) and mid["per_draft"] == round(0.5 / 6, 3)
+    assert replay(_trace(), match="burst 1", every=100)[0]["run"] == "v c=2 burst 1"
+
+
+def test_cli_writes_json(tmp_path, capsys):
+    src, out = tmp_path / "t.json", tmp_path / "o.json"
+    src.write_text(json.dumps(_trace()))
+    assert main([str(src), "--match", "burst 0", "--json", str(out)]) == 0
+    assert "v c=2 burst 0: 13 steps" in capsys.readouterr().out
+    assert json.loads(out.read_text())[0]["by_drafts"]["1"]["steps"] == 6
