@@ -4,6 +4,7 @@ ms, drafting's fixed part and price per draft, the measured gain per sequence), 
 run's steps grouped by drafts per sequence (count, median ms, tokens per ms).
 
     python -m bench.trace_replay TRACE.json [--match "c=2 burst"] [--every 10] [--json OUT]
+        [--fig3 fig3_concurrency.json]
 
 The traces hold every step the model was offered in the order the engine ran them (one
 engine per variant, its runs one after another), so the replay feeds all of them to one
@@ -22,9 +23,12 @@ from collections import defaultdict
 from engine.spec.policy import StepCosts, _bucket
 
 
-def replay(trace: dict, match: str = "", every: int = 10) -> list[dict]:
+def replay(trace: dict, match: str = "", every: int = 10, walls: dict | None = None
+           ) -> list[dict]:
     """Per run whose key contains `match`: its steps by drafts per sequence and the cost
-    model's readings every `every` steps (at the batch size of that step)."""
+    model's readings every `every` steps (at the batch size of that step); with `walls`
+    (figure 3's `trace_burst_wall_ms`), a burst run's wall ms and the part of it no traced
+    step holds."""
     costs, out = StepCosts(), []
     for key, steps in trace.items():
         readings, groups = [], defaultdict(list)
@@ -53,8 +57,11 @@ def replay(trace: dict, match: str = "", every: int = 10) -> list[dict]:
                                "total_ms": round(sum(ms), 1), "tokens": sum(t for _, t in xs),
                                "tokens_per_ms": round(sum(t for _, t in xs) / sum(ms), 2)
                                if level != "untimed" else None}
-        out.append({"run": key, "steps": len(steps), "by_drafts": by_level,
-                    "readings": readings})
+        run = {"run": key, "steps": len(steps), "by_drafts": by_level, "readings": readings}
+        if walls and key in walls:
+            run["wall_ms"] = walls[key]
+            run["outside_steps_ms"] = round(walls[key] - sum(s[2] for s in steps), 3)
+        out.append(run)
     return out
 
 
@@ -64,12 +71,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--match", default="", help="only runs whose key contains this")
     p.add_argument("--every", type=int, default=10, help="a reading every this many steps")
     p.add_argument("--json", default=None, help="also write the result here")
+    p.add_argument("--fig3", default=None,
+                   help="the run's fig3_concurrency.json: burst runs' wall time against the "
+                        "traced steps (its trace_burst_wall_ms)")
     args = p.parse_args(argv)
     with open(args.trace) as f:
         trace = json.load(f)
-    runs = replay(trace, args.match, args.every)
+    walls = None
+    if args.fig3:
+        with open(args.fig3) as f:
+            walls = json.load(f).get("trace_burst_wall_ms")
+    runs = replay(trace, args.match, args.every, walls)
     for r in runs:
-        print(f"{r['run']}: {r['steps']} steps")
+        wall = f", wall {r['wall_ms']} ms, {r['outside_steps_ms']} ms outside the steps" \
+            if "wall_ms" in r else ""
+        print(f"{r['run']}: {r['steps']} steps{wall}")
         for level, g in r["by_drafts"].items():
             print(f"  drafts/seq {level:>7}: {g['steps']:4d} steps, median {g['median_ms']:.3f} "
                   f"ms, {g['total_ms']:.1f} ms, {g['tokens']} tokens"

@@ -32,11 +32,16 @@ def test_replay_groups_steps_and_reads_the_model_as_the_engine_did():
     mid = runs[1]["readings"][5]
     assert mid["fixed"] == round(0.5 - 0.5 / 6, 3) and mid["per_draft"] == round(0.5 / 6, 3)
     assert replay(_trace(), match="burst 1", every=100)[0]["run"] == "v c=2 burst 1"
+    walled = replay(_trace(), match="burst 0", walls={"v c=2 burst 0": 10.0})[0]
+    assert walled["wall_ms"] == 10.0 and walled["outside_steps_ms"] == 10.0 - 2.0 - 3.0 - 4.5
 
 
 def test_cli_writes_json(tmp_path, capsys):
     src, out = tmp_path / "t.json", tmp_path / "o.json"
     src.write_text(json.dumps(_trace()))
-    assert main([str(src), "--match", "burst 0", "--json", str(out)]) == 0
-    assert "v c=2 burst 0: 13 steps" in capsys.readouterr().out
+    fig3 = tmp_path / "f.json"
+    fig3.write_text(json.dumps({"trace_burst_wall_ms": {"v c=2 burst 0": 12.0}}))
+    assert main([str(src), "--match", "burst 0", "--json", str(out), "--fig3", str(fig3)]) == 0
+    assert "v c=2 burst 0: 13 steps, wall 12.0 ms, 2.5 ms outside the steps" in \
+        capsys.readouterr().out
     assert json.loads(out.read_text())[0]["by_drafts"]["1"]["steps"] == 6
