@@ -99,6 +99,7 @@ class StepCosts:
         self._drafted: dict[int, dict[float, deque]] = {}
         self._drafted_at: dict[int, int] = {}  # bucket -> record number of its last one
         self._fit_at: dict[int, int] = {}  # bucket -> record number `_fit` last ran at
+        self._gains: dict[int, tuple] = {}  # bucket -> (record number, `measured_gain`)
         self._n = 0  # steps recorded
         # (bucket, plain?) -> (record number, tokens per sequence, seconds) of the last
         # RATE_WINDOW steady steps (per sequence: a bucket spans batch sizes, and in a burst's
@@ -182,16 +183,24 @@ class StepCosts:
     def measured_gain(self, batch_size: int) -> float | None:
         """Tokens/s per sequence of steady drafting steps over that of steady plain steps at
         this batch size's bucket (`_rate`), from steps of the last STALE; None until both
-        kinds have MIN_RATE_SAMPLES there."""
+        kinds have MIN_RATE_SAMPLES there. Read at most once per recorded step and bucket (a
+        fused step's K asks it twice: losing, then winning)."""
         b = _bucket(batch_size)
+        hit = self._gains.get(b)
+        if hit is not None and hit[0] == self._n:
+            return hit[1]
+        gain = None
         rates = []
         for plain in (False, True):
             fresh = [(tok, sec) for n, tok, sec in self._rates.get((b, plain), ())
                      if self._n - n <= self.STALE]
             if len(fresh) < self.MIN_RATE_SAMPLES:
-                return None
+                break
             rates.append(_rate(fresh))
-        return rates[0] / rates[1]
+        else:
+            gain = rates[0] / rates[1]
+        self._gains[b] = (self._n, gain)
+        return gain
 
     def knows_plain(self, batch_size: int) -> bool:
         return _bucket(batch_size) in self.plain
