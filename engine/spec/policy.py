@@ -63,8 +63,9 @@ class StepCosts:
     points (`_fit_line`), so one stalled step (a graph captured, a kernel compiled, the
     host descheduled) cannot skew K.
 
-    Why two parts: on the H200 at one stream every drafting step took ~1.0 ms whatever its
-    K (1..7) where a plain step took 0.55 ms, the step host-bound. A price per draft alone,
+    Why two parts: on the H200 at one stream (figure 3's burst runs) every drafting step
+    took ~1.0 ms whatever its K (1..7) where a plain step took 0.55 ms: most of what
+    drafting cost did not grow with K. A price per draft alone,
     read from K=1 steps, came to 0.9 of a step per draft and priced K=7 at 7.3 steps, so
     the model held K=0 or 1 (acceptance length 1.75) where fixed K=5 ran 1.43x no-spec.
 
