@@ -287,8 +287,7 @@ def main(argv=None) -> int:
                 costs = eng.spec.policy.costs.fitted()
                 row["per_draft_cost"] = {str(k): round(v, 3) for k, v in costs.per_draft.items()}
                 row["fixed_draft_cost"] = {str(k): round(v, 3) for k, v in costs.fixed.items()}
-                row["plain_step_ms"] = {str(k): round(1000 * v, 3)
-                                        for k, v in eng.spec.policy.costs.plain.items()}
+                row["plain_step_ms"] = {str(k): round(1000 * v, 3) for k, v in costs.plain.items()}
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(35)
             with open(os.path.join(args.out, f"profile_{name}_c{c}.txt"), "w") as f:

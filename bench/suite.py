@@ -539,8 +539,7 @@ def fig_concurrency(args, res: dict) -> None:
                 dt = time.perf_counter() - t0
                 if tracing:
                     traces[f"{name} c={c} burst {rep}"] = take_trace(eng)
-                    # against the traced steps' sum: time the steps do not hold (the step
-                    # left in flight at the end, admission)
+                    # against the traced steps' sum: the time no traced step holds
                     walls[f"{name} c={c} burst {rep}"] = rnd(dt * 1e3, 3)
                 tps.append(sum(len(o.token_ids) for o in outs) / dt)
                 acc.append(acceptance(before, spec_counts(eng)))

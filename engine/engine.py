@@ -439,7 +439,7 @@ class Engine:
             costs.untimed(len(batch.seqs), seconds, how)
             return
         # A step verifies last step's drafts and proposes the next: their mean is K in a steady
-        # state, which is what the policy's 1 + K*c model prices.
+        # state, the K the policy's 1 + f + K*c step cost prices.
         # A fused step (greedy) runs every sequence on one grid at the graphs' padded sizes,
         # and is priced by those (`KPolicy.paid`).
         b = len(batch.seqs)
