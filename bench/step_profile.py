@@ -118,7 +118,8 @@ def sections(prof: cProfile.Profile) -> dict:
 
 
 def kernel_table(eng, batch, out: str, tag: str) -> float:
-    """Device time per kernel over a short run (torch profiler); returns the busy seconds."""
+    """Device time per kernel and host time per op or CUDA runtime call over a short run
+    (torch profiler); returns the busy seconds."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine import SamplingParams
@@ -129,6 +130,10 @@ def kernel_table(eng, batch, out: str, tag: str) -> float:
     avg = tp.key_averages()
     with open(os.path.join(out, f"kernels_{tag}.txt"), "w") as f:
         f.write(avg.table(sort_by="self_cuda_time_total", row_limit=40))
+    # The host side of the same run: CUDA runtime calls (cudaGraphLaunch, cudaLaunchKernel,
+    # cudaEventSynchronize...) and ops by their own CPU time.
+    with open(os.path.join(out, f"cpu_{tag}.txt"), "w") as f:
+        f.write(avg.table(sort_by="self_cpu_time_total", row_limit=40))
     return round(sum(e.self_device_time_total for e in avg) / 1e6, 4)
 
 
