@@ -774,28 +774,31 @@ def rope_store_(heads: torch.Tensor, num_q: int, num_kv: int, positions: torch.T
     return heads
 
 
-# Rows up to which silu_mul launches early (PDL); past its single-row case it lets the
-# next launch (the down GEMV) start only once its own stores are issued.
-SILU_PDL_ROWS = 8
+# Row counts from 2 up to this let silu_mul's dependent launch only once its own stores are
+# issued; one row, and more rows than this, let it go at once.
+SILU_LATE_ROWS = 8
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up = [gate | up] along the last dim. For a decode step or a
-    verify (up to SILU_PDL_ROWS rows) launched early (PDL) like the kernels around it: it
-    was the one launch of a decoder layer that waited for gate_up's GEMV to end. Figure 2 on
-    the H200 (8B shape, batch 1): one token 4.14 -> 4.09 ms. Its dependent's early launch
-    is let go at once for one row, and after the stores for more: let go at once there too,
-    the 6-token verify ran 4.53 -> 4.69 ms, after the stores 4.49 ms (one kernel looping
-    over the rows in 14 blocks, 4.90 ms)."""
+    """silu(gate) * up for gate_up = [gate | up] along the last dim, launched early (PDL) like
+    the kernels around it: it was the one launch of a decoder layer that waited for gate_up's
+    GEMV to end. Figure 2 on the H200 (8B shape, batch 1): one token 4.14 -> 4.09 ms. Its
+    dependent's early launch is let go at once for one row and past SILU_LATE_ROWS rows, and
+    after the stores in between: let go at once there too, the 6-token verify ran 4.53 ->
+    4.69 ms, after the stores 4.49 ms (one kernel looping over the rows in 14 blocks, 4.90
+    ms). Without PDL past 8 rows (d8f68e4..0fe6dfa) figure 3's dynamic K slowed at 64
+    streams: its K=3 steps (256 verify rows) took 1.9-2.9 ms against 1.65-2.15 with PDL at
+    once, in one A/B on the H200 (burst 0.74 -> 1.02x no-spec, steady 0.63 -> 0.93x;
+    bench/results/profile/silu_pdl_ab/fig3_*)."""
     t, n2 = gate_up.shape
     n = n2 // 2
     y = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     if t:
         block = min(1024, next_pow2(n, 1))
-        pdl = pdl_args(gate_up) if t <= SILU_PDL_ROWS else {}
         _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, y, gate_up.stride(0), N=n,
                                                     BLOCK=block, num_warps=4,
-                                                    EARLY=t == 1, **pdl)
+                                                    EARLY=not 1 < t <= SILU_LATE_ROWS,
+                                                    **pdl_args(gate_up))
     return y
 
 
