@@ -641,11 +641,14 @@ class Engine:
         # 64 x (K+1) tokens, one Python pass each): the ids that stop it, and its length limit.
         eos = () if p.ignore_eos else self.eos_ids
         limit = seq.length_limit(self.config.max_model_len)
+        # Text token by token only where a stop string may end the request mid-way; otherwise
+        # one detokenizer step for all the tokens kept (a decode per call, not per token).
+        per_token = detok is not None and bool(p.stop)
         emitted, reason = [], None
         for tok in tokens:
             ids.append(tok)
             emitted.append(tok)
-            if detok:
+            if per_token:
                 seq.text += detok.step(ids)
             if tok in eos or tok in p.stop_token_ids:
                 reason = "stop"
@@ -658,6 +661,8 @@ class Engine:
             if seq.hold:
                 reason = "handoff"
                 break
+        if detok and not per_token and emitted:
+            seq.text += detok.step(ids)
         self.stats.generated_tokens += len(emitted)
         done = reason is not None and reason != "handoff"
         keep = len(seq.text) - (0 if done or not p.stop else stop_prefix_len(seq))

@@ -1,0 +1,99 @@
+"""Incremental detokenization: the text deltas, whatever ids arrive per call, add up to what
+decoding one token at a time (two decodes a call, the window moved to each read point)
+gives, and never end inside a character."""
+
+import random
+
+import pytest
+
+from engine.loader import Detokenizer
+
+
+def reference_stream(tok, prompt: list[int], out: list[int]) -> list[str]:
+    """Per token: decode ids[prefix:read] and ids[prefix:], emit the difference once the
+    text does not end inside a character, then move prefix to read."""
+    prefix, read, ids, deltas = max(0, len(prompt) - 4), len(prompt), list(prompt), []
+    for t in out:
+        ids.append(t)
+        before, text = tok.decode(ids[prefix:read]), tok.decode(ids[prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            continue
+        prefix, read = read, len(ids)
+        deltas.append(text[len(before):])
+    return deltas
+
+
+def stream(tok, prompt: list[int], out: list[int], chunks: list[int]) -> list[str]:
+    d, ids, deltas, i = Detokenizer(tok, prompt), list(prompt), [], 0
+    for n in chunks:
+        ids.extend(out[i : i + n])
+        i += n
+        deltas.append(d.step(ids))
+    assert i == len(out)
+    return deltas
+
+
+def chunking(rng: random.Random, n: int) -> list[int]:
+    sizes = []
+    while n:
+        sizes.append(min(n, rng.randint(1, 8)))
+        n -= sizes[-1]
+    return sizes
+
+
+TEXTS = ["The quick brown fox jumps over the lazy dog. " * 3,
+         "Ünïcödé, emoji 🎉🚀 and 中文 text; numbers 12345, code `x = f(y)`.\n\n  Indented.",
+         "   leading spaces, tabs\tand \"quotes\" - 'single' — dashes…"]
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_add_up_whatever_the_chunks(smol_engine, text):
+    tok = smol_engine.tokenizer
+    ids = tok.encode(text)
+    prompt, out = ids[:6], ids[6:]
+    want = "".join(reference_stream(tok, prompt, out))
+    assert want == tok.decode(out)
+    rng = random.Random(len(text))
+    for chunks in ([1] * len(out), [len(out)], chunking(rng, len(out)), chunking(rng, len(out))):
+        got = stream(tok, prompt, out, chunks)
+        assert "".join(got) == want, chunks
+        assert not any(d.endswith("\ufffd") for d in got)
+
+
+def test_random_ids_with_broken_characters(smol_engine):
+    """Random ids, byte tokens among them (characters split or never completed): the same
+    text as the token-by-token reference at every chunking."""
+    tok = smol_engine.tokenizer
+    rng = random.Random(7)
+    vocab = smol_engine.config.model.vocab_size
+    # Byte-level tokens of the first 256 ids carry partial UTF-8 sequences.
+    for trial in range(20):
+        prompt = [rng.randrange(256, vocab) for _ in range(5)]
+        out = [rng.randrange(0, 256) if rng.random() < 0.4 else rng.randrange(256, vocab)
+               for _ in range(40)]
+        want = "".join(reference_stream(tok, prompt, out))
+        for chunks in ([1] * len(out), chunking(rng, len(out))):
+            assert "".join(stream(tok, prompt, out, chunks)) == want, (trial, chunks)
+
+
+def test_one_decode_per_call_on_short_windows(smol_engine):
+    """Token by token, a call decodes once while its window is short (the second decode only
+    after the window moves), so about WINDOW + 1 decodes per WINDOW tokens at most."""
+    tok = smol_engine.tokenizer
+    calls = []
+
+    class Counting:
+        def decode(self, ids):
+            calls.append(len(ids))
+            return tok.decode(ids)
+
+    ids = tok.encode("Counting decodes over a plain English sentence of some length here, "
+                     "then another clause, and one more after it to make the stream long.")
+    d, cur = Detokenizer(Counting(), ids[:6]), list(ids[:6])
+    for t in ids[6:]:
+        cur.append(t)
+        d.step(cur)
+    n = len(ids) - 6
+    assert n >= 10
+    assert len(calls) <= n * (Detokenizer.WINDOW + 1) / Detokenizer.WINDOW + 2
+    assert len(calls) < 2 * n
