@@ -84,7 +84,7 @@ def test_many_arrivals_prefill_through_the_chunk_graphs():
     runs, run = [], tri.runner.prefill_graphs.run
     tri.runner.prefill_graphs.run = lambda inp, *a, **kw: runs.append(inp.num_seqs) or \
         run(inp, *a, **kw)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     a = [c.token_ids for c in ref.generate(prompts, params)]
     b = [c.token_ids for c in tri.generate(prompts, params)]
     assert a == b
@@ -102,7 +102,7 @@ def test_many_arrivals_with_eagle3_head():
     base = tiny_engine(0, max_num_batched_tokens=256)
     eng = fast_engine(base, random_head(base), num_tokens=3, dynamic=False)
     prompts = [[(5 * i + j) % 40 + 1 for j in range(4 + 2 * i)] for i in range(6)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     ref = [c.token_ids for c in base.generate(prompts, params)]
     runs, run = [], eng.spec.prefill_graphs.run
     eng.spec.prefill_graphs.run = lambda inp, *a, **kw: runs.append(inp.num_seqs) or \
