@@ -327,12 +327,15 @@ class GraphSet:
         if not (self.pad_queries and inp.max_query_len <= self.query_lens[-1]
                 and inp.tables.shape[1] <= self.max_blocks):
             return False
-        padded = 0
-        for lo in range(0, inp.num_seqs, self.max_batch):
-            hi = min(lo + self.max_batch, inp.num_seqs)
-            q = int(np.diff(inp.starts[lo : hi + 1]).max())
-            padded += bucket_for(hi - lo, self.buckets) * self._query_level(q)
+        padded = sum(bucket_for(hi - lo, self.buckets)
+                     * self._query_level(int(np.diff(inp.starts[lo : hi + 1]).max()))
+                     for lo, hi in self._groups(inp))
         return padded <= max(2 * inp.num_tokens, self.query_lens[-1])
+
+    def _groups(self, inp: PackedInputs) -> list[tuple[int, int]]:
+        """inp's sequences max_batch at a time, as (first, past the last)."""
+        n = inp.num_seqs
+        return [(lo, min(lo + self.max_batch, n)) for lo in range(0, n, self.max_batch)]
 
     def run_split(self, inp: PackedInputs, extras: Sequence[torch.Tensor] = ()) -> tuple:
         """`run` over inp's sequences max_batch at a time, the outputs concatenated row by
@@ -343,8 +346,7 @@ class GraphSet:
         if inp.num_seqs <= self.max_batch:
             return self.run(inp, extras)
         parts = []
-        for lo in range(0, inp.num_seqs, self.max_batch):
-            hi = min(lo + self.max_batch, inp.num_seqs)
+        for lo, hi in self._groups(inp):
             r0, r1 = int(inp.starts[lo]), int(inp.starts[hi])
             out = self.run(inp.take(lo, hi), [e[r0:r1] for e in extras])
             # A graph's outputs live in its pool, which the next group's replay overwrites.
