@@ -14,6 +14,7 @@ import ctypes
 import json
 import os
 import statistics
+import sys
 import time
 from collections import Counter
 
@@ -89,7 +90,7 @@ def main(argv=None) -> int:
     from engine import Engine
     from engine.config import SpecConfig
 
-    res = {"command": "python -m bench.graph_launch " + " ".join(argv or os.sys.argv[1:]),
+    res = {"command": "python -m bench.graph_launch " + " ".join(argv or sys.argv[1:]),
            "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
            "device": torch.cuda.get_device_name(), "torch": torch.__version__, "graphs": []}
     for name, spec in (("no_spec", None),
