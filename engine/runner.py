@@ -135,8 +135,11 @@ class ModelRunner:
         sets = (self.graphs, self.prefill_graphs) if decode_graphs else (self.prefill_graphs,)
         g = next((g for g in sets if g is not None
                   and aux_layers == self.graph_aux and g.supports(inp)), None)
+        pre = self.prefill_graphs
         if g is not None:
             hidden, top, *aux = g.run(inp)
+        elif pre is not None and aux_layers == self.graph_aux and pre.supports_split(inp):
+            hidden, top, *aux = pre.run_split(inp)  # more sequences than a chunk holds
         else:
             ids, pos, meta = to_device(inp, self.stager)
             hidden, aux = self.model(ids, pos, self.kv_cache, meta, aux_layers)

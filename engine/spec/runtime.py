@@ -477,6 +477,9 @@ class SpecRunner:
                   if g is not None and g.supports(inp)), None)
         if g is not None:
             return g.run(inp, (hidden,))[0]
+        pre = self.prefill_graphs
+        if pre is not None and pre.supports_split(inp):  # more spans than a chunk holds
+            return pre.run_split(inp, (hidden,))[0]
         ids, p, meta = to_device(inp, self.stager)
         embeds = self.model.embed_tokens(ids)
         return self.head(embeds, hidden.to(embeds.dtype), p, self.kv, meta)
