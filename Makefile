@@ -22,9 +22,13 @@ venv: $(STAMP)
 run: venv
 	$(VENV)/bin/tandem serve --demo "$(PROMPT)" --max-tokens 128
 
+# Two pytest-xdist workers (CI has two cores): files spread over them, the Ray cluster tests
+# kept on one (tests/conftest.py). TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
+
 test: venv
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 lint: venv
 	$(PY) -m ruff check .

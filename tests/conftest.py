@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -53,6 +54,28 @@ CHAT_PROMPTS = [
     "Summarize the plot of Romeo and Juliet in two sentences.",
     "Why do cats purr?",
 ]
+
+
+# Test files that start a Ray cluster: under pytest-xdist (`make test` runs two workers) they
+# go to one worker, since two clusters on one machine at once refuse each other's actors.
+RAY_DIRS = ("cluster_e2e",)
+
+if importlib.util.find_spec("xdist") is not None:
+
+    def pytest_xdist_make_scheduler(config, log):
+        """--dist loadgroup: whole files per worker (their module fixtures load once), the Ray
+        files as one unit. (xdist's own xdist_group marks need it to rename test ids, which
+        pytest 9 no longer lets it do.)"""
+        if config.getvalue("dist") != "loadgroup":
+            return None
+        from xdist.scheduler import LoadScopeScheduling
+
+        class FileScheduling(LoadScopeScheduling):
+            def _split_scope(self, nodeid: str) -> str:
+                path = nodeid.split("::")[0]
+                return "ray" if any(d in path.split("/") for d in RAY_DIRS) else path
+
+        return FileScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
