@@ -41,6 +41,38 @@ def sync(args) -> None:
         _torch().cuda.synchronize()
 
 
+def host_probe_us(reps: int = 2000) -> dict:
+    """The host's speed now, in microseconds per call of what an engine step does most:
+    a pure-Python loop (per-sequence bookkeeping) and a small torch op on the host (op
+    dispatch). Best of five stretches. On the H200 machine two processes of the same code
+    in a row differed 1.5x in host op time (bench/README.md): figure 3 records this before
+    and after each variant so its ratios can be read against the host they ran on."""
+    import time
+
+    torch = _torch()
+    x = torch.zeros(8)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) / reps * 1e6)
+        return round(min(times), 3)
+
+    def python_loop():
+        acc = 0
+        for i in range(reps):
+            acc += len(str(i)) % 3
+        return acc
+
+    def torch_ops():
+        for _ in range(reps):
+            x.add_(1.0)
+
+    return {"python_loop_us": best(python_loop), "torch_op_us": best(torch_ops)}
+
+
 def free_memory() -> None:
     from engine.collector import unfreeze
 

@@ -42,6 +42,7 @@ from bench.common import (  # noqa: E402 - after the sys.path fix above
     free_memory,
     header,
     held_out_messages,
+    host_probe_us,
     is_cuda,
     llama8b_shape,
     load_smol,
@@ -511,10 +512,13 @@ def fig_concurrency(args, res: dict) -> None:
     res["runs"] = table
     traces: dict[str, list] = {}  # --fig3-trace
     walls: dict[str, float] = {}  # --fig3-trace: each burst run's wall ms
+    probes: dict[str, dict] = {}
+    res["host_probe"] = probes  # the host's speed around each variant (bench.common)
     for name, spec in variants.items():
         log(f"fig 3: {name}")
         rows: list[dict] = []
         table[name] = rows
+        probes[name] = {"before": host_probe_us()}
         eng = base.with_config(spec=spec, num_blocks=args.num_blocks)
         # Every batch size up to the largest: with speculation, streams advance at different
         # rates and finish apart, so each run's tail passes through the smaller buckets.
@@ -576,6 +580,8 @@ def fig_concurrency(args, res: dict) -> None:
                 f"{rows[-1]['steady_tokens_per_s']} tok/s, steady mixed lengths "
                 f"{rows[-1]['steady_mixed_tokens_per_s']} tok/s")
         res.setdefault("graphs", {})[name] = note
+        probes[name]["after"] = host_probe_us()
+        log(f"fig 3: {name} host probe {probes[name]}")
         eng = None
         free_memory()
     base = None

@@ -108,3 +108,14 @@ def test_fig3_trace_records_what_dynamic_k_saw():
     assert {t[4] for t in trace} <= {"fresh", "overlapped"}
     assert not trace_start(SimpleNamespace(fig3_trace=False), eng)
     assert not trace_start(args, tiny_engine(0))
+
+
+def test_host_probe_reports_both_speeds():
+    """Figure 3's host probe: per-call microseconds of a Python loop and a host torch op,
+    each a best of stretches (positive, and a torch op dispatch costs more than a loop
+    iteration)."""
+    from bench.common import host_probe_us
+
+    p = host_probe_us(reps=200)
+    assert set(p) == {"python_loop_us", "torch_op_us"}
+    assert 0 < p["python_loop_us"] < p["torch_op_us"] < 1000
