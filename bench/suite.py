@@ -498,7 +498,9 @@ def fig_concurrency(args, res: dict) -> None:
                                    "recorded. steady mixed: the same "
                                    "with output lengths uniform in [n/2, 3n/2] (one seeded "
                                    "list for all variants), so no-spec streams do not all "
-                                   "finish in one step",
+                                   "finish in one step. The three variants' engines stay "
+                                   "alive and take turns in every repetition (the order "
+                                   "rotated each time, bench.suite.turns)",
                      "prompts": "held-out split of cluster/prompt_sets.py, cycled"}
     log("fig 3: loading SmolLM2 + EAGLE-3 head")
     base = load_smol(args, spec=eagle(args, 5, False))
@@ -508,33 +510,48 @@ def fig_concurrency(args, res: dict) -> None:
     dyn = f"eagle3_dynamic_k{args.dynamic_k}"
     variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False),
                 dyn: eagle(args, args.dynamic_k, True)}
-    table: dict[str, list[dict]] = {}
+    table: dict[str, list[dict]] = {name: [] for name in variants}
     res["runs"] = table
     traces: dict[str, list] = {}  # --fig3-trace
     walls: dict[str, float] = {}  # --fig3-trace: each burst run's wall ms
     probes: dict[str, dict] = {}
-    res["host_probe"] = probes  # the host's speed around each variant (bench.common)
+    res["host_probe"] = probes  # the host's speed around each concurrency (bench.common)
+    # All variants' engines stay alive and take turns in every repetition (`turns`): the
+    # host's speed drifts between runs and between processes (two steady K=5 profiles of one
+    # commit, one after the other, ran 29.7k and 33.9k tok/s at 64 streams on the same
+    # device time), and a variant measured minutes after its baseline carried that drift
+    # into its ratio.
+    engines = {}
     for name, spec in variants.items():
-        log(f"fig 3: {name}")
-        rows: list[dict] = []
-        table[name] = rows
-        probes[name] = {"before": host_probe_us()}
+        log(f"fig 3: {name}: capturing")
         eng = base.with_config(spec=spec, num_blocks=args.num_blocks)
         # Every batch size up to the largest: with speculation, streams advance at different
         # rates and finish apart, so each run's tail passes through the smaller buckets.
-        note = precapture(eng, range(1, max(conc) + 1))
+        res.setdefault("graphs", {})[name] = precapture(eng, range(1, max(conc) + 1))
         # Every prompt once: the steady runs cycle through all of them, and a prompt length
         # not seen before may compile prefill kernels.
         eng.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        for c in conc:
-            batch = [prompts[i % len(prompts)] for i in range(c)]
+        engines[name] = eng
+    for c in conc:
+        batch = [prompts[i % len(prompts)] for i in range(c)]
+        probes[str(c)] = {"before": host_probe_us()}
+        for eng in engines.values():
             # Untimed, the same batch: shapes only this concurrency meets (prefill spans,
             # mixed steps) compile and capture here, and dynamic K measures this batch size.
             eng.generate(batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
-            tps, acc, events = [], [], []
-            for rep in range(args.fig3_reps):
-                before, paths = spec_counts(eng), step_paths(eng)
-                mark = window_mark()
+            # Untimed, the same admissions with short requests: the prefill batches a steady
+            # run makes (without speculation all c streams finish together and c prompts
+            # are admitted at once) compile here, not inside the window (no speculation at
+            # 8 streams once measured a third of its burst rate).
+            steady_throughput(args, eng, prompts, c, 4)
+        before = {name: (spec_counts(eng), step_paths(eng)) for name, eng in engines.items()}
+        tps = {name: [] for name in engines}
+        acc = {name: [] for name in engines}
+        events = {name: [] for name in engines}
+        for rep in range(args.fig3_reps):
+            for name in turns(list(engines), rep):
+                eng = engines[name]
+                counts, mark = spec_counts(eng), window_mark()
                 tracing = trace_start(args, eng)
                 sync(args)
                 t0 = time.perf_counter()
@@ -545,46 +562,47 @@ def fig_concurrency(args, res: dict) -> None:
                     traces[f"{name} c={c} burst {rep}"] = take_trace(eng)
                     # against the traced steps' sum: the time no traced step holds
                     walls[f"{name} c={c} burst {rep}"] = rnd(dt * 1e3, 3)
-                tps.append(sum(len(o.token_ids) for o in outs) / dt)
-                acc.append(acceptance(before, spec_counts(eng)))
-                events.append(window_events(mark))
-            rows.append({"concurrency": c, "tokens_per_s": rnd(statistics.median(tps), 1),
-                         "reps_tokens_per_s": [rnd(x, 1) for x in tps], "reps_events": events,
-                         "acceptance_length": acc[-1],
-                         "paths": paths_delta(paths, step_paths(eng))})
-            # Untimed, the same admissions with short requests: the prefill batches a steady
-            # run makes (without speculation all c streams finish together and c prompts are
-            # admitted at once) compile here, not inside the window (no speculation at 8
-            # streams once measured a third of its burst rate).
-            steady_throughput(args, eng, prompts, c, 4)
-            # Each steady window lasts about a second at 64 streams: one stall inside it (a
-            # collection, a descheduled host) moved a variant's figure by up to 2x between
-            # runs, so each is repeated like the burst and each run's stalls are recorded.
-            for key, mixed in (("steady", False), ("steady_mixed", True)):
-                before, paths = spec_counts(eng), step_paths(eng)
-                runs = []
-                for rep in range(args.fig3_reps):
+                tps[name].append(sum(len(o.token_ids) for o in outs) / dt)
+                acc[name].append(acceptance(counts, spec_counts(eng)))
+                events[name].append(window_events(mark))
+        for name, eng in engines.items():
+            table[name].append({"concurrency": c,
+                                "tokens_per_s": rnd(statistics.median(tps[name]), 1),
+                                "reps_tokens_per_s": [rnd(x, 1) for x in tps[name]],
+                                "reps_events": events[name],
+                                "acceptance_length": acc[name][-1],
+                                "paths": paths_delta(before[name][1], step_paths(eng))})
+        # Each steady window lasts about a second at 64 streams: one stall inside it (a
+        # collection, a descheduled host) moved a variant's figure by up to 2x between runs,
+        # so each is repeated like the burst and each run's stalls are recorded.
+        for key, mixed in (("steady", False), ("steady_mixed", True)):
+            before = {name: (spec_counts(eng), step_paths(eng)) for name, eng in engines.items()}
+            runs = {name: [] for name in engines}
+            for rep in range(args.fig3_reps):
+                for name in turns(list(engines), rep):
+                    eng = engines[name]
                     tracing = trace_start(args, eng)
-                    runs.append(steady_throughput(args, eng, prompts, c, n, mixed=mixed))
+                    runs[name].append(steady_throughput(args, eng, prompts, c, n, mixed=mixed))
                     if tracing:
                         traces[f"{name} c={c} {key} {rep}"] = take_trace(eng)
-                tps = [r.tokens_per_s for r in runs]
-                rows[-1][f"{key}_tokens_per_s"] = rnd(statistics.median(tps), 1)
-                rows[-1][f"{key}_reps_tokens_per_s"] = [rnd(x, 1) for x in tps]
-                rows[-1][f"{key}_stalls"] = [r.stalls for r in runs]
+            for name, eng in engines.items():
+                row, rates = table[name][-1], [r.tokens_per_s for r in runs[name]]
+                row[f"{key}_tokens_per_s"] = rnd(statistics.median(rates), 1)
+                row[f"{key}_reps_tokens_per_s"] = [rnd(x, 1) for x in rates]
+                row[f"{key}_stalls"] = [r.stalls for r in runs[name]]
                 if not mixed:
-                    rows[-1]["steady_acceptance_length"] = acceptance(before, spec_counts(eng))
-                    rows[-1]["steady_paths"] = paths_delta(paths, step_paths(eng))
-            rows[-1]["step_costs"] = step_costs(eng)
-            log(f"fig 3: {name} c={c}: burst {rows[-1]['tokens_per_s']} tok/s, steady "
-                f"{rows[-1]['steady_tokens_per_s']} tok/s, steady mixed lengths "
-                f"{rows[-1]['steady_mixed_tokens_per_s']} tok/s")
-        res.setdefault("graphs", {})[name] = note
-        probes[name]["after"] = host_probe_us()
-        log(f"fig 3: {name} host probe {probes[name]}")
-        eng = None
-        free_memory()
-    base = None
+                    row["steady_acceptance_length"] = acceptance(before[name][0],
+                                                                 spec_counts(eng))
+                    row["steady_paths"] = paths_delta(before[name][1], step_paths(eng))
+        probes[str(c)]["after"] = host_probe_us()
+        for name, eng in engines.items():
+            row = table[name][-1]
+            row["step_costs"] = step_costs(eng)
+            log(f"fig 3: {name} c={c}: burst {row['tokens_per_s']} tok/s, steady "
+                f"{row['steady_tokens_per_s']} tok/s, steady mixed lengths "
+                f"{row['steady_mixed_tokens_per_s']} tok/s")
+        log(f"fig 3: c={c} host probe {probes[str(c)]}")
+    engines = eng = base = None
     free_memory()
     # Per measure: the rows' throughput key, their ratio key, the summary's key.
     measures = {"burst": ("tokens_per_s", "vs_no_spec", "ratio_vs_no_spec"),
@@ -606,6 +624,7 @@ def fig_concurrency(args, res: dict) -> None:
         goals[f"dynamic_at_least_0.97x_no_spec_everywhere_{measure}"] = low >= 0.97
         goals[f"dynamic_min_ratio_{measure}"] = low
     if args.fig3_trace:
+        os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "fig3_trace.json")
         with open(path, "w") as f:
             json.dump(traces, f)
@@ -615,6 +634,13 @@ def fig_concurrency(args, res: dict) -> None:
     res["goals"] = goals
     dyn_min = goals["dynamic_min_ratio_burst"]
     log(f"fig 3: fixed K=5 break-even {res['break_even_fixed_k5']}; dynamic min {dyn_min}")
+
+
+def turns(names: list[str], rep: int) -> list[str]:
+    """The order the variants take their turns in repetition `rep`: rotated by one each
+    repetition, so none always runs first (after another variant's run) or last."""
+    r = rep % len(names) if names else 0
+    return names[r:] + names[:r]
 
 
 def trace_start(args, eng) -> bool:

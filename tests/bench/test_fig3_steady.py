@@ -119,3 +119,16 @@ def test_host_probe_reports_both_speeds():
     p = host_probe_us(reps=200)
     assert set(p) == {"python_loop_us", "torch_op_us"}
     assert 0 < p["python_loop_us"] < p["torch_op_us"] < 1000
+
+
+def test_variants_take_turns_in_rotated_order():
+    """Figure 3's repetitions: every variant runs once per repetition, and each takes every
+    position (first, after another variant's run, last) as the order rotates."""
+    from bench.suite import turns
+
+    names = ["no_spec", "eagle3_k5", "eagle3_dynamic_k7"]
+    orders = [turns(names, rep) for rep in range(3)]
+    assert all(sorted(o) == sorted(names) for o in orders)
+    assert {o[0] for o in orders} == set(names) and {o[-1] for o in orders} == set(names)
+    assert turns(names, 3) == turns(names, 0) == names
+    assert turns([], 1) == []
