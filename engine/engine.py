@@ -569,6 +569,8 @@ class Engine:
         """Emit each entry's verified tokens, advance its KV, and draft what comes next: from
         `drafts` when the fused step already made them, else by proposing now (`draft` off:
         the head still steps over the new positions, but proposes nothing)."""
+        if drafts is not None and self.capture is None:
+            return self._postprocess_fused(batch, results, drafts, count_step)
         self.stats.steps += count_step
         outs, spans, row = [], [], 0
         # Spans to propose drafts from: none without speculation, or when the fused step
@@ -623,6 +625,43 @@ class Engine:
             size = max(len(batch), len(self.scheduler.running))
             self.spec.policy.begin_propose(self.stats.steps, size)
             self.spec.propose(spans, fwd.aux, self.blocks, size, self._generators)
+        return outs
+
+    def _postprocess_fused(self, batch: Batch, results, drafts, count_step: bool
+                           ) -> list[RequestOutput]:
+        """`_postprocess` of a one-graph step whose drafts were made on the device: every
+        entry a decode with its verify result and its next drafts. The same updates in one
+        pass (a step at 64 streams runs it 64 times, on the host's critical path)."""
+        self.stats.steps += count_step
+        self.stats.decode_tokens += sum(batch.num_tokens)
+        emit, commit, outs = self._emit, self.blocks.commit, []
+        record = self.spec.stats.record if self.spec is not None else None
+        update = self.spec.policy.update if self.spec is not None else None
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            k, res = results[i]
+            if k:
+                seq.num_drafted += k
+                seq.num_accepted += res.num_accepted
+                seq.num_verify_steps += 1
+                record(k, res)
+                update(seq, k, res.num_accepted)
+            seq.draft_q = None
+            out, reason = emit(seq, res.tokens)
+            outs.append(out)
+            # KV is valid for the real tokens and the accepted drafts; the last token is
+            # pending.
+            seq.num_computed = min(seq.num_computed + n - k + res.num_accepted,
+                                   len(seq.token_ids) - 1)
+            commit(seq)
+            if reason:
+                seq.draft = []
+                self._finish(seq, reason)
+                if reason == "handoff":
+                    out.handoff = True
+                else:
+                    out.finished, out.finish_reason = True, reason
+            else:
+                seq.draft = drafts[i]
         return outs
 
     def _record_verify(self, seq: Sequence, k: int, res) -> None:
