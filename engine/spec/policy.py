@@ -39,13 +39,6 @@ GAIN_FLOOR = 1.0
 # acceptance length 1.75, 0.80x no-spec: figure 3 at 4cba156; the fixed part StepCosts
 # now measures is what prices deep K right.)
 WIN_FLOOR = 1.10
-# ...but only for a batch whose streams draft at least this share as well (mean acceptance) as
-# those of the drafting steps the gain was measured on. Figure 3's bursts on the H200
-# (780356e): once the well-drafted streams finished, the streams left in a burst's tail kept
-# drafting on the gain measured while they were there (63-72 fused steps a run at 8 streams,
-# K=1 steps at 3 streams 0.95-0.98 ms against 0.72 plain for 3-5 tokens), 0.944-0.947x
-# no-spec where every other concurrency ran 0.98-1.04x.
-ACCEPT_REF = 0.85
 ACCEPT_DECAY = 0.7  # per verify, of a sequence's accepted and tried draft counts
 # accept_model "runs": per-depth counts decay by this factor a verify (about the last ten
 # verifies count), and a depth's acceptance is shrunk toward the sequence's rate with this
@@ -210,11 +203,6 @@ class StepCosts:
         self._gains[b] = (self._n, gain)
         return gain
 
-    @property
-    def records(self) -> int:
-        """Steps recorded so far (every step offered to `record`)."""
-        return self._n
-
     def knows_plain(self, batch_size: int) -> bool:
         return _bucket(batch_size) in self.plain
 
@@ -286,8 +274,7 @@ class KPolicy:
     per second than steady plain steps at the same batch-size bucket (`GAIN_FLOOR`), the
     batch decodes plainly; where they emitted WIN_FLOOR times as many, a batch the model
     would put at K=0 drafts at the model's best K above 0 (the step's host work grows with
-    the tokens it emits, which the measured price of a draft takes for the device's), unless
-    its streams draft clearly worse than those the gain was measured on (`ACCEPT_REF`).
+    the tokens it emits, which the measured price of a draft takes for the device's).
 
     A fused batch step runs graphs captured at padded sizes (`levels`: verify rows and draft
     chain steps), so K is priced by what it runs (`paid`): with levels 1, 2, 4, 8 and 0, 1,
@@ -310,9 +297,6 @@ class KPolicy:
         # (query levels, draft levels) of the fused step's graphs, set by its runner
         self.levels: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._paid: dict[tuple, np.ndarray] = {}  # `_paid_costs`
-        # bucket -> (record number, mean acceptance) of the fused steps the model or the
-        # WIN_FLOOR override put at K > 0: the streams the measured gain comes from
-        self._drafted_accept: dict[int, deque] = {}
 
     def begin_propose(self, step: int, batch_size: int) -> None:
         """Called before a step's drafts are chosen: decides whether this is a plain probe
@@ -382,13 +366,9 @@ class KPolicy:
         why = "model"
         if best_k and self._losing(batch_size):
             best_k, why = 0, "losing"
-        elif best_k == 0 and kmax and self._winning(batch_size) and \
-                self._like_measured(batch_size, seqs, rates):
+        elif best_k == 0 and kmax and self._winning(batch_size):
             # the model's best K that drafts (K=1 where every deeper one prices worse)
             best_k, why = self._best_k(rates, per, 0.0, kmax, True, fixed), "winning"
-        if best_k:
-            _window(self._drafted_accept, _bucket(batch_size),
-                    (self.costs.records, self._mean_rate(seqs, rates)), StepCosts.RATE_WINDOW)
         if best_k == 0:
             # (Rarer than a lone sequence's probe: a batch probe breaks the host-packed K=0
             # continuation for every stream, twice.)
@@ -423,23 +403,6 @@ class KPolicy:
         """Drafting measured at least WIN_FLOOR times plain decoding's tokens/s."""
         gain = self._gain(batch_size)
         return gain is not None and gain >= WIN_FLOOR
-
-    def _mean_rate(self, seqs: list[Sequence], rates: list) -> float:
-        """The batch's mean per-draft acceptance (`rates`: `_tokens` of each sequence, the
-        rate itself with the geometric model)."""
-        if all(isinstance(a, float) for a in rates):
-            return sum(rates) / len(rates)
-        return sum(self._rate(s) for s in seqs) / len(seqs)
-
-    def _like_measured(self, batch_size: int, seqs: list[Sequence], rates: list) -> bool:
-        """Whether this batch's streams draft about as well as those of the drafting steps
-        behind the measured gain at its bucket (fresh ones, the last RATE_WINDOW): mean
-        acceptance at least ACCEPT_REF of theirs. True when none were recorded (the gain
-        then comes from elsewhere, and is taken as it is)."""
-        costs = self.costs
-        ref = [a for n, a in self._drafted_accept.get(_bucket(batch_size), ())
-               if costs.records - n <= StepCosts.STALE]
-        return not ref or self._mean_rate(seqs, rates) >= ACCEPT_REF * sum(ref) / len(ref)
 
     def _losing(self, batch_size: int) -> bool:
         """Drafting measured slower than plain decoding."""

@@ -629,34 +629,3 @@ def test_measured_throughput_overrules_a_model_that_predicts_a_loss():
     assert pol.choose_batch(seqs, 4) == 0 and pol.batch_why["model_k0"] == 1
     pol.begin_propose(0, batch_size=4)  # a plain probe stays plain
     assert pol.choose_batch(seqs, 4) == 0 and pol.batch_why["probe"] == 1
-
-
-def test_measured_win_does_not_carry_over_to_streams_that_draft_worse():
-    """The WIN_FLOOR override drafts on a gain measured with the streams of earlier drafting
-    steps: a batch whose streams draft much worse (a burst's tail, once the well-drafted
-    streams finished) keeps the model's K=0; one that drafts as well still drafts."""
-    from engine.spec.policy import ACCEPT_REF, WIN_FLOOR
-
-    pol = KPolicy(SpecConfig(num_tokens=7))
-    costs = pol.costs
-    good = [seq_with_rate(0.9) for _ in range(4)]
-    for _ in range(3):
-        costs.record(4, 0, 1e-3, tokens=4)  # plain: 4000 tokens/s
-    pol.begin_propose(PROBE_LEN + 1, batch_size=4)
-    for _ in range(3):  # the model (drafts not timed yet) drafts for streams accepting 0.9
-        assert pol.choose_batch(good, 4) > 0
-    assert pol.batch_why["model"] == 3
-    for _ in range(3):  # those steps: 4800 tokens/s, priced 1.0 per draft
-        costs.record(4, 4.0, 5e-3, tokens=24)
-    assert costs.measured_gain(4) >= WIN_FLOOR
-    bad = [seq_with_rate(0.5) for _ in range(4)]
-    assert 0.5 < ACCEPT_REF * 0.9
-    assert pol._best_k([0.5] * 4, costs.per_token(4), BATCH_START_MARGIN, 7, padded=True,
-                       fixed=costs.fixed_cost(4)) == 0
-    assert pol.choose_batch(bad, 4) == 0 and pol.batch_why["winning"] == 0
-    assert pol.batch_why["model_k0"] == 1
-    # Streams that draft about as well as those measured: the override stands.
-    like = [seq_with_rate(0.8) for _ in range(4)]
-    assert pol._best_k([0.8] * 4, costs.per_token(4), BATCH_START_MARGIN, 7, padded=True,
-                       fixed=costs.fixed_cost(4)) == 0
-    assert pol.choose_batch(like, 4) > 0 and pol.batch_why["winning"] == 1
