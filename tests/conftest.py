@@ -12,6 +12,16 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker takes an equal share of the cores for torch's threads (and
+# passes it to the processes it starts), unless OMP_NUM_THREADS was set: on the 2-core CI
+# machine two workers of two threads each ran tests/spec/test_spec_real_model.py and
+# tests/spec/test_eagle3.py in 446 s, one thread each in 293 s.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
+    _share = max(1, (os.cpu_count() or 1) // _WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(_share)
+    torch.set_num_threads(_share)
+
 
 def _row_independent_dots() -> None:
     """The interpreter's tl.dot is one numpy matmul, and numpy's BLAS may sum a one-row
