@@ -243,7 +243,9 @@ def main(argv=None) -> int:
                 "eagle3_dynamic_k7": SpecConfig(method="eagle3", num_tokens=7, dynamic=True),
                 # Speculation's machinery at K=0 throughout (head KV kept current, nothing
                 # drafted): what a dynamic batch that switched drafting off costs per step.
-                "eagle3_k0": SpecConfig(method="eagle3", num_tokens=7, dynamic=True)}
+                "eagle3_k0": SpecConfig(method="eagle3", num_tokens=7, dynamic=True),
+                # Drafts proposed on the host from the sequence's own n-grams.
+                "ngram_k5": SpecConfig(method="ngram", num_tokens=5, dynamic=False)}
     given = sys.argv[1:] if argv is None else argv
     res = {"command": "python -m bench.step_profile " + " ".join(given),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
