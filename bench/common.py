@@ -151,11 +151,16 @@ def load_smol(args, spec=None, num_blocks: int = 1024):
     return _SMOL[key]
 
 
-def eagle(args, k: int, dynamic: bool):
+def eagle(args, k: int, dynamic: bool, context: bool | None = None):
+    """EAGLE-3 at K=k; `context`: drafts from the context too (default: --context-drafts,
+    else SpecConfig's default)."""
     from engine.config import SpecConfig
 
+    if context is None:
+        context = {"on": True, "off": False}.get(getattr(args, "context_drafts", None))
+    extra = {} if context is None else {"context_drafts": context}
     return SpecConfig(method="eagle3", num_tokens=k, dynamic=dynamic, head=args.head,
-                      accept_model=getattr(args, "accept_model", "geometric"))
+                      accept_model=getattr(args, "accept_model", "geometric"), **extra)
 
 
 def ngram(k: int):

@@ -163,9 +163,13 @@ def fig_single_stream(args, res: dict) -> None:
     res["config"]["prologue_calibration_us"] = base.model.prologue_calibration
     prompts = [base.encode_prompt(m) for m in msgs]
     res["config"]["prompt_tokens"] = [len(p) for p in prompts]
-    variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False),
-                "eagle3_k7": eagle(args, 7, False),
-                f"eagle3_dynamic_k{args.dynamic_k}": eagle(args, args.dynamic_k, True),
+    dyn = f"eagle3_dynamic_k{args.dynamic_k}"
+    variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False, False),
+                "eagle3_k7": eagle(args, 7, False, False),
+                dyn: eagle(args, args.dynamic_k, True, False),
+                "eagle3_k5_context": eagle(args, 5, False, True),
+                "eagle3_k7_context": eagle(args, 7, False, True),
+                f"{dyn}_context": eagle(args, args.dynamic_k, True, True),
                 "ngram_k5": ngram(5)}
     runs: dict[str, dict] = {}
     res["tandem"] = runs
@@ -1059,6 +1063,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-offset", type=int, default=0,
                    help="first held-out prompt used")
     p.add_argument("--dynamic-k", type=int, default=7, help="max K for dynamic EAGLE-3")
+    p.add_argument("--context-drafts", choices=("on", "off"), default=None,
+                   help="EAGLE-3 drafts from the context too (SpecConfig.context_drafts; "
+                        "default: its default). Figure 1 runs both.")
     p.add_argument("--accept-model", choices=("geometric", "runs"), default="geometric",
                    help="how dynamic K predicts a K-draft step's tokens (SpecConfig)")
     g = p.add_argument_group("figure 1 (single stream)")

@@ -131,6 +131,12 @@ class SpecConfig:
     dynamic: bool = True  # pick K per sequence and batch from measured acceptance
     ngram_max: int = 4
     ngram_min: int = 2
+    # EAGLE-3 only: greedy steps also look the current suffix up in the sequence's own tokens
+    # (the n-gram drafter's rule, on the device in the fused step: engine/spec/lookup.py) and
+    # draft what followed its latest earlier copy instead of the head's drafts wherever a
+    # suffix of at least `context_min_n` (and at most `ngram_max`) tokens matches.
+    context_drafts: bool = False
+    context_min_n: int = 3
     # Cost of one extra verified token and of one draft step, as fractions of a plain decode
     # step at batch 1; they set where dynamic K stops paying.
     verify_token_cost: float = 0.03
@@ -160,6 +166,9 @@ class SpecConfig:
             raise ValueError(f"num_tokens must be in 0..16, got {self.num_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if not 1 <= self.context_min_n <= self.ngram_max:
+            raise ValueError(f"need 1 <= context_min_n <= ngram_max ({self.ngram_max}), got "
+                             f"{self.context_min_n}")
         if self.verify_token_budget < 0:
             raise ValueError(f"verify_token_budget must be >= 0, got {self.verify_token_budget}")
 

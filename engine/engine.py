@@ -6,6 +6,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from engine import loader
@@ -30,6 +31,7 @@ from engine.runner import ModelRunner, allocate_kv_cache
 from engine.sampler import new_generator
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import SamplingParams, Sequence
+from engine.spec.lookup import store_tokens, token_store
 from engine.spec.runtime import Span, SpecRunner
 from engine.spec.verify import VerifyResult, verify_greedy, verify_sampled_device
 
@@ -60,9 +62,13 @@ class Engine:
         self.kv_cache = allocate_kv_cache(cfg, self.num_blocks)
         self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(cfg, self.blocks)
-        self.runner = ModelRunner(cfg, self.model, self.kv_cache)
-        self.spec = SpecRunner(cfg, self.model, self.kv_cache, self._draft_head(draft_head)) \
-            if cfg.spec else None
+        # Token ids by KV slot, for drafting from the context on the device (lookup.py).
+        self.token_store = token_store(self.num_blocks * cfg.block_size, cfg.device) \
+            if cfg.spec is not None and cfg.spec.context_drafts and cfg.spec.method == "eagle3" \
+            else None
+        self.runner = ModelRunner(cfg, self.model, self.kv_cache, self.token_store)
+        self.spec = SpecRunner(cfg, self.model, self.kv_cache, self._draft_head(draft_head),
+                               self.token_store) if cfg.spec else None
         if cfg.use_cuda_graphs:
             k = cfg.spec.num_tokens if cfg.spec else 0
             self.runner.enable_graphs(min(cfg.max_num_seqs, 256), range(1, k + 2),
@@ -778,6 +784,8 @@ class Engine:
             if h.draft_q is not None:
                 seq.draft_q = h.draft_q[: len(seq.draft)].to(self.config.device)
         self.blocks.commit(seq)
+        if self.token_store is not None:  # the KV came over the wire, its tokens did not
+            self._store_tokens(seq, 0, seq.num_computed)
         if not params.greedy:
             g = new_generator(None, self.config.device)
             if h.rng_state is not None:
@@ -794,6 +802,14 @@ class Engine:
             self._detok[h.request_id] = d
         self.seqs[h.request_id] = seq
         self.scheduler.admit_running(seq)
+
+    def _store_tokens(self, seq: Sequence, lo: int, hi: int) -> None:
+        """The token store's entries for positions lo..hi-1 of seq, from the host."""
+        bs, pos = self.config.block_size, np.arange(lo, hi)
+        slots = np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
+        dev = self.config.device
+        store_tokens(self.token_store, torch.tensor(seq.token_ids[lo:hi], device=dev),
+                     torch.from_numpy(slots).to(dev))
 
     def release(self, request_id: str) -> None:
         """Free a held (prefill) or reserved (decode) request's blocks."""

@@ -10,6 +10,7 @@ from engine.config import EngineConfig
 from engine.graphs import GraphSet, HostStager, PackedInputs, pack, to_device
 from engine.model import LlamaModel
 from engine.scheduler import Batch
+from engine.spec.lookup import store_tokens
 
 
 class ForwardOutput:
@@ -80,8 +81,10 @@ class ModelRunner:
     lengths) replay captured graphs, and so do prefill chunks of a few sequences (padded up to
     a captured chunk length); longer chunks run eagerly."""
 
-    def __init__(self, cfg: EngineConfig, model: LlamaModel, kv_cache: torch.Tensor):
+    def __init__(self, cfg: EngineConfig, model: LlamaModel, kv_cache: torch.Tensor,
+                 tokens: torch.Tensor | None = None):
         self.cfg, self.model, self.kv_cache = cfg, model, kv_cache
+        self.tokens = tokens  # token ids by KV slot (engine/spec/lookup.py), or None
         self.stager = HostStager(cfg.device, 1 << 14)
         self.graphs: GraphSet | None = None
         self.prefill_graphs: GraphSet | None = None
@@ -103,7 +106,11 @@ class ModelRunner:
                 warnings.warn(f"large-linear tuning failed, keeping the defaults: {e!r}",
                               stacklevel=2)
 
+        tokens = self.tokens
+
         def fn(ids, pos, meta):
+            if tokens is not None:
+                store_tokens(tokens, ids, meta.slot_mapping)
             hidden, aux = model(ids, pos, kv, meta, aux_layers)
             # Every row's greedy token inside the graph: a greedy step needs nothing else.
             return (hidden, model.greedy(hidden), *aux)
@@ -142,6 +149,8 @@ class ModelRunner:
             hidden, top, *aux = pre.run_split(inp)  # more sequences than a chunk holds
         else:
             ids, pos, meta = to_device(inp, self.stager)
+            if self.tokens is not None:
+                store_tokens(self.tokens, ids, meta.slot_mapping)
             hidden, aux = self.model(ids, pos, self.kv_cache, meta, aux_layers)
         if len(rows) == inp.num_tokens and rows == list(range(len(rows))):
             picked = hidden

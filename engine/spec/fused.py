@@ -33,6 +33,7 @@ from engine.attention import AttentionMetadata
 from engine.attention.triton_backend import next_pow2, triton, triton_available
 from engine.graphs import GraphSet, PackedInputs, table_array
 from engine.sequence import Sequence
+from engine.spec.lookup import lookup, store_tokens
 
 
 @dataclass
@@ -225,8 +226,10 @@ class FusedSteps:
     """The fused greedy step's graphs: one GraphSet per number of next drafts (a level of
     `levels(K)`, or 0: verify and keep the draft KV current, draft nothing)."""
 
-    def __init__(self, model, head, kv_cache, aux_layers, cfg, max_batch: int, pool):
+    def __init__(self, model, head, kv_cache, aux_layers, cfg, max_batch: int, pool,
+                 tokens: torch.Tensor | None = None):
         self.model, self.head, self.kv_cache = model, head, kv_cache
+        self.tokens = tokens  # token ids by KV slot: drafts from the context (lookup.py)
         self.aux_layers, self.cfg = aux_layers, cfg
         self.max_batch, self.pool = max_batch, pool
         k = cfg.spec.num_tokens
@@ -255,10 +258,13 @@ class FusedSteps:
     def _fn(self, drafts: int):
         model, head, kv_cache, aux_layers = self.model, self.head, self.kv_cache, self.aux_layers
         kv, bs = kv_cache[self.cfg.model.num_layers], self.cfg.block_size
+        tokens, spec = self.tokens, self.cfg.spec
 
         def fn(ids, pos, meta, kn_rows):
             b = meta.seq_lens.shape[0]
             q = ids.shape[0] // b
+            if tokens is not None:
+                store_tokens(tokens, ids, meta.slot_mapping)
             hidden, aux = model(ids, pos, kv_cache, meta, aux_layers)
             am = model.greedy(hidden)
             if q == 1:
@@ -295,7 +301,18 @@ class FusedSteps:
                 out += chain_steps(head, model, kv, bs, meta.block_tables, t, last, kn, start,
                                    meta.seq_lens > 0, torch.arange(b + 1, device=ids.device),
                                    meta.max_seq_len, drafts - 1)
-            return am, nacc, torch.stack(out, dim=1)
+            d = torch.stack(out, dim=1)
+            if tokens is not None:
+                # The sequence's tokens: positions up to the last accepted row are in the
+                # store now, then the target's token after them.
+                bonus = am if q == 1 else grid.gather(1, nacc[:, None])[:, 0]
+                known = pos.view(b, q)[:, 0] + nacc + 1
+                lens, got = lookup(tokens, meta.block_tables, bs, known, bonus,
+                                   meta.seq_lens > 0, drafts, spec.ngram_max, spec.context_min_n,
+                                   kernel=ids.is_cuda and triton_available())
+                cols = torch.arange(drafts, device=ids.device)
+                d = torch.where(cols[None, :] < lens[:, None], got, d)
+            return am, nacc, d
 
         return fn
 

@@ -91,13 +91,18 @@ class SpecRunner:
     """Proposes drafts for the sequences of a finished step."""
 
     def __init__(self, cfg: EngineConfig, model: LlamaModel, kv_cache: torch.Tensor,
-                 head: Eagle3Head | None):
+                 head: Eagle3Head | None, tokens: torch.Tensor | None = None):
         assert cfg.spec is not None
         self.cfg, self.spec, self.model, self.head = cfg, cfg.spec, model, head
+        # Token ids by KV slot: drafting from the context on the device (lookup.py).
+        self.tokens = tokens if head is not None else None
         self.kv_cache = kv_cache
         self.kv = kv_cache[cfg.model.num_layers] if head is not None else None
         self.ngram = NgramDrafter(cfg.spec.ngram_max, cfg.spec.ngram_min) \
             if cfg.spec.method == "ngram" else None
+        # The host side of context drafts: an incremental index per sequence.
+        self.context = NgramDrafter(cfg.spec.ngram_max, cfg.spec.context_min_n) \
+            if self.tokens is not None else None
         self.policy = KPolicy(cfg.spec)
         self.stats = SpecStats(cfg.spec.num_tokens)
         self.stager = HostStager(cfg.device, 1 << 12)
@@ -118,8 +123,9 @@ class SpecRunner:
         return self.head.cfg.aux_layer_ids if self.head is not None else ()
 
     def release(self, seq: Sequence) -> None:
-        if self.ngram is not None:
-            self.ngram.release(seq.request_id)
+        for drafter in (self.ngram, self.context):
+            if drafter is not None:
+                drafter.release(seq.request_id)
 
     def propose(self, spans: list[Span], aux: list[torch.Tensor], blocks, batch_size: int,
                 generators: dict[str, torch.Generator]) -> None:
@@ -131,6 +137,19 @@ class SpecRunner:
                     s.seq.draft = self.ngram.propose(s.seq.token_ids, k, s.seq.request_id)
         elif spans:
             self._eagle(spans, aux, ks, generators)
+            self._from_context(s.seq for s in spans)
+
+    def _from_context(self, seqs) -> None:
+        """`SpecConfig.context_drafts` on the host (the fused step does it on the device): a
+        greedy sequence whose suffix has an earlier copy drafts what followed it, then the
+        head's drafts past those."""
+        if self.context is None:
+            return
+        for seq in seqs:
+            if seq.draft and seq.params.greedy:
+                got = self.context.propose(seq.token_ids, len(seq.draft), seq.request_id)
+                if got:
+                    seq.draft = got + seq.draft[len(got):]
 
     def _k(self, span: Span, blocks, batch_size: int) -> int:
         """K for this sequence, capped by what it may still emit and by free KV blocks."""
@@ -343,7 +362,7 @@ class SpecRunner:
                                                 extras=((width, dt),), pool=self.graphs.pool)
         if self.spec.fused_step and self.spec.num_tokens:
             self.fused = FusedSteps(model, head, self.kv_cache, self.aux_layers, self.cfg,
-                                    max_batch, self.graphs.pool)
+                                    max_batch, self.graphs.pool, self.tokens)
             self.policy.levels = (self.fused.query_levels, self.fused.draft_levels)
 
     def _chain_graph(self, steps: int) -> GraphSet:
@@ -398,6 +417,7 @@ class SpecRunner:
         if k:
             h = hidden.to(device=self.cfg.device, dtype=self.cfg.dtype)[None]
             self._chain([span], [0], [k], h, generators)
+            self._from_context([seq])
 
     def _chain(self, spans: list[Span], live: list[int], ks: list[int], h: torch.Tensor,
                generators: dict[str, torch.Generator]) -> None:

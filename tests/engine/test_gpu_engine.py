@@ -275,3 +275,39 @@ def test_large_projections_are_tuned_at_graph_set_up_and_serve():
     outs = eng.generate(PROMPTS[:3], sp)
     assert [len(o.token_ids) for o in outs] == [12] * 3
     eng.blocks.check_all_free()
+
+
+def test_context_drafts_on_the_device_equal_the_host_path(random_smol):
+    """`SpecConfig.context_drafts`: the fused step's graphs look drafts up in the token store
+    (Triton) and the step-by-step path on the host (`NgramDrafter`); in lockstep every draft
+    is the same, some come from the context, and output equals plain decoding."""
+    from dataclasses import replace
+
+    from engine import SamplingParams
+    from engine.config import SpecConfig
+    from engine.spec.ngram import ngram_search
+
+    prompts = [p[:12] * 3 for p in PROMPTS]  # suffixes with earlier copies
+    params = [SamplingParams(temperature=0.0, max_tokens=10 + 4 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    ref = [c.token_ids for c in random_smol.generate(prompts, params)]
+    spec = SpecConfig(num_tokens=4, dynamic=False, context_drafts=True)
+    a = random_smol.with_config(attention_backend="triton", cuda_graphs=True, spec=spec)
+    b = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
+                                spec=replace(spec, fused_step=False),
+                                num_blocks=a.num_blocks)
+    assert a.token_store is not None and a.spec.fused is not None and b.spec.fused is None
+    rids = [[e.add_request(p, sp) for e in (a, b)] for p, sp in zip(prompts, params)]
+    seqs = [(a.seqs[x], b.seqs[y]) for x, y in rids]
+    compared = from_context = 0
+    while a.has_unfinished():
+        a.step()
+        b.step()
+        for x, y in seqs:
+            assert (x.token_ids, x.draft) == (y.token_ids, y.draft), f"at {len(x.token_ids)}"
+            compared += bool(x.draft)
+            from_context += bool(x.draft) and bool(ngram_search(x.token_ids, len(x.draft), 4, 3))
+    assert not b.has_unfinished() and a.spec.fused_runs > 0 and a.spec.overlapped_runs > 0
+    assert compared > 20 and from_context > 5
+    assert [x.output_ids for x, _ in seqs] == ref
+    a.blocks.check_all_free()

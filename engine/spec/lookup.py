@@ -1,0 +1,167 @@
+"""Drafting from the context on the device: `ngram.ngram_search` inside the fused step.
+
+Answers that repeat themselves (lists, code, loops) are drafted far better by copying what
+followed the latest earlier copy of the current suffix than by the EAGLE-3 head, and the head
+far better elsewhere. With `SpecConfig.context_drafts` an EAGLE-3 engine drafts both ways in
+every greedy step and keeps the copy where a suffix of at least `context_min_n` tokens
+matches. The fused step must do that on the device, since the next step is launched before
+the host has read this one's tokens. So:
+
+- Every forward of the engine also writes its rows' token ids into a token store, one int64
+  per KV slot (`store_tokens`): a sequence's tokens sit where its KV sits, read through its
+  block table. Blocks shared by prefix caching hold the same tokens for every sharer; rows
+  that store no KV (slot -1) land on a spare last element.
+- `lookup` then finds, per sequence, the longest suffix of at most `max_n` tokens (at least
+  `min_n`) with an earlier copy, the latest such copy, and the up-to-k tokens after it: the
+  same answer as `ngram.ngram_search` over the sequence's tokens, on the device, one Triton
+  program per sequence (a torch version elsewhere).
+
+The host path (`SpecRunner.propose`) applies the same rule to `seq.token_ids`, so both paths
+keep drafting the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.triton_backend import next_pow2, triton, triton_available
+
+if triton_available():
+    import triton.language as tl
+
+LOOKUP_BLOCK = 512  # candidate positions a lookup program compares at once
+
+
+def token_store(num_slots: int, device) -> torch.Tensor:
+    """Token ids by KV slot, plus one spare element for rows that store no KV."""
+    return torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+
+
+def store_tokens(store: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
+                 kernel: bool | None = None) -> None:
+    """store[slot] = id for every row whose slot is >= 0. `kernel` (default: on CUDA with
+    Triton): one Triton launch."""
+    n = ids.shape[0]
+    if n == 0:
+        return
+    if kernel is None:
+        kernel = ids.is_cuda and triton_available()
+    if kernel:
+        block = next_pow2(min(n, 1024), 16)
+        _store_kernel[(triton.cdiv(n, block),)](store, ids, slots, n, store.shape[0] - 1,
+                                               BLOCK=block, num_warps=4)
+        return
+    idx = torch.where(slots[:n] >= 0, slots[:n], store.shape[0] - 1)
+    store.index_copy_(0, idx, ids.to(store.dtype))
+
+
+def lookup(store: torch.Tensor, tables: torch.Tensor, block_size: int, known: torch.Tensor,
+           bonus: torch.Tensor, live: torch.Tensor, k: int, max_n: int, min_n: int,
+           kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence (row of `tables`): its history is the `known` tokens in the store at
+    positions 0..known-1, then `bonus`. Returns (lens [b], tokens [b, k]): the up-to-k
+    tokens after the latest earlier copy of the longest matching suffix (`min_n` <= n <=
+    `max_n`), as `ngram.ngram_search` gives them; lens 0 where nothing matches or `live` is
+    false. `kernel` (default: on CUDA with Triton): the Triton version."""
+    b = tables.shape[0]
+    if kernel is None:
+        kernel = known.is_cuda and triton_available()
+    if kernel:
+        lens = torch.empty(b, dtype=torch.int64, device=known.device)
+        toks = torch.empty(b, max(k, 1), dtype=torch.int64, device=known.device)
+        _lookup_kernel[(b,)](store, tables, known, bonus, live, lens, toks, tables.stride(0),
+                             tables.shape[1], known.stride(0), bonus.stride(0),
+                             toks.stride(0), block_size, k, MAX_N=max_n, MIN_N=min_n,
+                             NP=next_pow2(max_n, 2), KP=next_pow2(max(k, 1), 2),
+                             BLOCK=LOOKUP_BLOCK, num_warps=4)
+        return lens, toks[:, :k]
+    return _lookup_torch(store, tables, block_size, known, bonus, live, k, max_n, min_n)
+
+
+def _lookup_torch(store, tables, block_size, known, bonus, live, k, max_n, min_n):
+    b, width = tables.shape
+    dev = known.device
+    p = torch.arange(width * block_size, device=dev)
+    slot = tables.gather(1, (p // block_size)[None].expand(b, -1)) * block_size + p % block_size
+    hist = torch.where(p[None] == known[:, None], bonus[:, None], store[slot])
+    length = known + 1  # history length, the bonus token last
+    suffix = hist.gather(1, (length[:, None] - 1 - torch.arange(max_n, device=dev)[None])
+                         .clamp(min=0))
+    e = p[None]  # candidate ends: the copy's continuation starts at e
+    match = (e >= 1) & (e <= length[:, None] - 1)
+    best = torch.full((b,), -1, dtype=torch.int64, device=dev)
+    best_n = torch.zeros(b, dtype=torch.int64, device=dev)
+    for j in range(max_n):
+        shifted = torch.cat([torch.full((b, j + 1), -1, dtype=hist.dtype, device=dev),
+                             hist[:, : hist.shape[1] - j - 1]], dim=1)  # hist[e - 1 - j]
+        match = match & (e - 1 - j >= 0) & (shifted == suffix[:, j : j + 1])
+        if j + 1 >= min_n:
+            last = torch.where(match, e, -1).amax(dim=1)
+            found = last >= 0
+            best = torch.where(found, last, best)  # a longer match replaces a shorter one
+            best_n = torch.where(found, j + 1, best_n)
+    ok = (best_n > 0) & live
+    lens = torch.where(ok, torch.clamp(length - best, max=k), 0)
+    t = torch.arange(k, device=dev)
+    at = (best.clamp(min=0)[:, None] + t[None]).clamp(max=hist.shape[1] - 1)
+    toks = torch.where(t[None] < lens[:, None], hist.gather(1, at), 0)
+    return lens, toks
+
+
+if triton_available():
+
+    @triton.jit
+    def _store_kernel(STORE, IDS, SLOTS, n, spare, BLOCK: tl.constexpr):
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = r < n
+        s = tl.load(SLOTS + r, mask=ok, other=-1)
+        t = tl.load(IDS + r, mask=ok, other=0)
+        tl.store(STORE + tl.where(s >= 0, s, spare), t, mask=ok)
+
+    @triton.jit
+    def _hist(STORE, TABLES, row, width, bs, p, known, bonus, ok):
+        """Token at history position p (masked by ok): the bonus at p == known, else the
+        store's token at p's slot."""
+        col = tl.minimum(tl.maximum(p, 0) // bs, width - 1)
+        blk = tl.load(TABLES + row + col, mask=ok, other=0).to(tl.int64)
+        t = tl.load(STORE + blk * bs + tl.maximum(p, 0) % bs, mask=ok & (p != known), other=-1)
+        return tl.where(p == known, bonus, t)
+
+    @triton.jit
+    def _lookup_kernel(STORE, TABLES, KNOWN, BONUS, LIVE, LENS, TOKS, t_stride, width,
+                       k_stride, b_stride, o_stride, bs, k, MAX_N: tl.constexpr,
+                       MIN_N: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        """`lookup` for one sequence: scan every candidate end e in blocks, keep per suffix
+        length n the latest e whose n tokens before it equal the suffix's."""
+        b = tl.program_id(0)
+        row = b.to(tl.int64) * t_stride
+        known = tl.load(KNOWN + b * k_stride)
+        bonus = tl.load(BONUS + b * b_stride)
+        length = known + 1
+        jr = tl.arange(0, NP)
+        sp = length - 1 - jr
+        suffix = _hist(STORE, TABLES, row, width, bs, sp, known, bonus, (jr < MAX_N) & (sp >= 0))
+        best = tl.full((NP,), -1, tl.int64)
+        for start in range(0, length, BLOCK):
+            e = start + tl.arange(0, BLOCK)
+            match = (e >= 1) & (e <= length - 1)
+            for j in tl.static_range(MAX_N):
+                s_j = tl.sum(tl.where(jr == j, suffix, 0))
+                pj = e - 1 - j
+                match = match & (pj >= 0)
+                h = _hist(STORE, TABLES, row, width, bs, pj, known, bonus, match)
+                match = match & (h == s_j)
+                if j + 1 >= MIN_N:
+                    last = tl.max(tl.where(match, e, -1).to(tl.int64))
+                    best = tl.maximum(best, tl.where(jr == j, last, -1))
+        n_idx = tl.max(tl.where(best >= 0, jr, -1))
+        e_best = tl.sum(tl.where(jr == n_idx, best, 0))
+        live = tl.load(LIVE + b) != 0
+        ok = (n_idx >= 0) & live
+        n_tok = tl.where(ok, tl.minimum(length - e_best, k), 0)
+        t = tl.arange(0, KP)
+        p = e_best + t
+        tok = _hist(STORE, TABLES, row, width, bs, p, known, bonus, t < n_tok)
+        tl.store(LENS + b, n_tok)
+        tl.store(TOKS + b * o_stride + t, tl.where(t < n_tok, tok, 0), mask=t < k)
