@@ -2,7 +2,7 @@
 # What one H200 session runs once the model and wheels are staged under /tmp (see
 # bench/README.md): `bash bench/h200_session.sh cluster` (GPU tests + the two-GPU cluster),
 # `bash bench/h200_session.sh bench` (the figures; FIG3_TRACE=1 adds figure 3's dynamic-K
-# step traces), `bash bench/h200_session.sh ucx` (the UCX
+# step traces, BENCH_ARGS more arguments of bench.suite), `bash bench/h200_session.sh ucx` (the UCX
 # sweep, two GPUs; SWEEP_ONLY=a,b narrows it), `bash bench/h200_session.sh steady` (the step
 # profile under figure 3's steady load, PROFILE_CONC / PROFILE_VARIANTS narrow it),
 # `bash bench/h200_session.sh ab` (the interleaved steady A/B: no-spec, K=0, dynamic, and both
@@ -44,7 +44,8 @@ elif [ "$part" = cluster ]; then
   tail -25 "$R/cluster.log"
 else
   timeout "${BENCH_TIMEOUT:-540}" python3 -m bench.suite --model "$M" \
-    --figures "${FIGS:-1,2,3,4}" --out "$R" ${FIG3_TRACE:+--fig3-trace} > "$R/bench.log" 2>&1
+    --figures "${FIGS:-1,2,3,4}" --out "$R" ${FIG3_TRACE:+--fig3-trace} ${BENCH_ARGS:-} \
+    > "$R/bench.log" 2>&1
   tail -40 "$R/bench.log"
 fi
 tar czf "$OUT/$part.tgz" -C "$R" .
