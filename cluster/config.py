@@ -147,6 +147,9 @@ class SpecSection(_Section):
     # true: greedy decode steps overlap (the next is launched before this one is read; same
     # tokens, K chosen two steps ahead); false: every step is read before the next
     overlap: bool = True
+    # EAGLE-3: greedy steps also draft by copying what followed the latest earlier copy of
+    # the sequence's current suffix (lossless either way; false: the head's drafts only)
+    context_drafts: bool = True
 
     def _validate(self) -> None:
         _choice("method", self.method, SPEC_METHODS)
@@ -289,7 +292,7 @@ def spec_config(spec: SpecSection):
     from engine.config import SpecConfig
 
     return SpecConfig(method=spec.method, num_tokens=spec.num_tokens, head=spec.head,
-                      dynamic=spec.dynamic)
+                      dynamic=spec.dynamic, context_drafts=spec.context_drafts)
 
 
 # ---- helpers ---------------------------------------------------------------------------------
