@@ -105,6 +105,24 @@ CHAT_PROMPTS = [
 # go to one worker, since two clusters on one machine at once refuse each other's actors.
 RAY_DIRS = ("cluster_e2e",)
 
+# Rough seconds per unit under `make test` on the 2-core CI machine (--durations), for the
+# units that take more than ~20 s; only the order in which workers take units uses them.
+SLOW_FILES = {
+    "ray": 260,
+    "tests/spec/test_eagle3.py": 200,
+    "tests/spec/test_spec_real_model.py": 160,
+    "tests/engine/test_plain_overlap.py": 150,
+    "tests/engine/test_batching.py": 95,
+    "tests/engine/test_handoff.py": 85,
+    "tests/engine/test_oracle.py": 75,
+    "tests/engine/test_triton_attention.py": 70,
+    "tests/spec/test_context_lookup.py": 50,
+    "tests/spec/test_verify.py": 40,
+    "tests/kvtransfer/test_ucx.py": 40,
+    "tests/bench/test_fig5_disagg.py": 25,
+    "tests/engine/test_prefill_split.py": 20,
+}
+
 if importlib.util.find_spec("xdist") is not None:
 
     def pytest_xdist_make_scheduler(config, log):
@@ -119,6 +137,15 @@ if importlib.util.find_spec("xdist") is not None:
             def _split_scope(self, nodeid: str) -> str:
                 path = nodeid.split("::")[0]
                 return "ray" if any(d in path.split("/") for d in RAY_DIRS) else path
+
+            def _assign_work_unit(self, node) -> None:
+                """The longest unit left first (xdist orders units by test count, which put
+                the Ray cluster's few long tests near the end, one worker running them while
+                the other sat idle); the many short files fill in at the end."""
+                heaviest = max(self.workqueue, key=lambda s: (SLOW_FILES.get(s, 0),
+                                                              len(self.workqueue[s])))
+                self.workqueue.move_to_end(heaviest, last=False)
+                super()._assign_work_unit(node)
 
         return FileScheduling(config, log)
 
