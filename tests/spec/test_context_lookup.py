@@ -109,7 +109,7 @@ def test_context_drafts_fused_equal_step_by_step_and_stay_lossless(k=3):
             e.step()
         assert [s.output_ids for s in (row[engines.index(e)] for row in seqs)] == ref
         e.blocks.check_all_free()
-    head_only = spec_engine(base, head, num_tokens=k, dynamic=False)
+    head_only = spec_engine(base, head, num_tokens=k, dynamic=False, context_drafts=False)
     head_only.generate(prompts, sp)
     accepted = sum(step.spec.stats.accepted_per_pos)
     assert sum(overlap.spec.stats.accepted_per_pos) == accepted
