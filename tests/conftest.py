@@ -83,8 +83,11 @@ def _lighter_interpreter() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     try:
         _row_independent_dots()
-        _lighter_interpreter()
     except ImportError:  # no Triton: the torch backends only
+        pass
+    try:
+        _lighter_interpreter()
+    except (ImportError, AttributeError):  # another Triton: its interpreter as it ships
         pass
 
 CHAT_PROMPTS = [
