@@ -78,15 +78,9 @@ def test_context_drafts_fused_equal_step_by_step_and_stay_lossless(k=3):
     device) and the step-by-step path (on the host) keep the same drafts step for step, the
     lookup's drafts get accepted where the head's (random) are not, and the output equals
     plain decoding to the end."""
-    from engine import SamplingParams
-    from tests.helpers import tiny_engine
-    from tests.spec.test_eagle3 import fast_engine, random_head, spec_engine
+    from tests.spec.test_eagle3 import fast_engine, looping_setup, spec_engine
 
-    base = tiny_engine(0, max_num_batched_tokens=64)
-    head = random_head(base)
-    prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 3 for i in range(2)]
-    sp = SamplingParams(temperature=0, max_tokens=32)
-    ref = [c.token_ids for c in base.generate(prompts, sp)]
+    base, head, prompts, sp, ref = looping_setup(2, 3, 32)
     # The step-by-step path on the reference backend; the fused step alone and overlapped.
     step = spec_engine(base, head, num_tokens=k, dynamic=False, context_drafts=True)
     fused = fast_engine(base, head, num_tokens=k, dynamic=False, overlap=False,

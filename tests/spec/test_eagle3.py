@@ -39,6 +39,16 @@ def spec_engine(base: Engine, head: Eagle3Head | None, **spec) -> Engine:
     return Engine(cfg, weights_of=base, draft_head=head)
 
 
+def looping_setup(n: int, copies: int, max_tokens: int):
+    """A tiny engine, a random head, n prompts each a short pattern repeated `copies` times,
+    greedy params and the plain engine's outputs for them."""
+    base = tiny_engine(0, max_num_batched_tokens=64)
+    head = random_head(base)
+    prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * copies for i in range(n)]
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return base, head, prompts, sp, [c.token_ids for c in base.generate(prompts, sp)]
+
+
 def test_checkpoint_round_trip_is_exact(tmp_path):
     base = tiny_engine(0)
     head = random_head(base, norm_before_residual=True)
@@ -161,11 +171,7 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
     """Triton backend + fused head + the static-bucket (graph) path, run eagerly on the CPU:
     output equals plain decoding and every draft equals the reference path's drafts (same
     acceptance counts per position)."""
-    base = tiny_engine(0, max_num_batched_tokens=64)
-    head = random_head(base)
-    prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 2 for i in range(3)]
-    sp = SamplingParams(temperature=0, max_tokens=16)
-    ref = [c.token_ids for c in base.generate(prompts, sp)]
+    base, head, prompts, sp, ref = looping_setup(3, 2, 16)
     # The head's drafts alone: with context drafts the copies get accepted and dynamic K,
     # priced from measured step times, may pick different K on the two paths (context
     # drafts have their own lockstep test in test_context_lookup.py).
