@@ -47,9 +47,8 @@ def main(argv=None) -> dict:
            "k": args.k, "max_tokens": args.tokens, "runs": []}
     head = None
     for mode in args.min_n.split(","):
-        extra = {} if mode == "off" else {"context_drafts": True, "context_min_n": int(mode)}
-        if mode == "off":
-            extra["context_drafts"] = False
+        extra = ({"context_drafts": False} if mode == "off"
+                 else {"context_drafts": True, "context_min_n": int(mode)})
         spec = SpecConfig(num_tokens=args.k, dynamic=False, head=args.head, **extra)
         for name, (msgs, ignore_eos) in sets.items():
             eng = Engine(replace(base.config, spec=spec), weights_of=base, draft_head=head)

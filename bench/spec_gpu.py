@@ -80,7 +80,9 @@ def main() -> int:
            "prompts": "held-out split of cluster/prompt_sets.py (never trained on)"}
     acc = []
     for k in range(1, 8):
-        eng = variant(base, SpecConfig(head=args.head, num_tokens=k, dynamic=False))
+        # The head's own acceptance per position: context drafts off.
+        eng = variant(base, SpecConfig(head=args.head, num_tokens=k, dynamic=False,
+                                       context_drafts=False))
         eng.generate(msgs[: args.accept_prompts],
                      SamplingParams(temperature=0, max_tokens=args.max_tokens))
         st = eng.spec.stats

@@ -239,12 +239,14 @@ def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, e
 
 def engine_acceptance(engine: Engine, head: Eagle3Head, prompts: list[str], k: int,
                       max_tokens: int) -> dict:
-    """Greedy speculative decoding on `prompts`: acceptance length and per-position rates."""
+    """Greedy speculative decoding on `prompts`: acceptance length and per-position rates of
+    the head's own drafts (context drafts off: copies from the context are not the head's)."""
     from dataclasses import replace
 
     from engine.config import SpecConfig
 
-    spec = Engine(replace(engine.config, spec=SpecConfig(num_tokens=k, dynamic=False),
+    spec = Engine(replace(engine.config, spec=SpecConfig(num_tokens=k, dynamic=False,
+                                                       context_drafts=False),
                           num_blocks=8192),
                   weights_of=engine, draft_head=head)
     msgs = [[{"role": "user", "content": p}] for p in prompts]
