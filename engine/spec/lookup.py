@@ -13,8 +13,9 @@ the host has read this one's tokens. So:
   that store no KV (slot -1) land on a spare last element.
 - `lookup` then finds, per sequence, the longest suffix of at most `max_n` tokens (at least
   `min_n`) with an earlier copy, the latest such copy, and the up-to-k tokens after it: the
-  same answer as `ngram.ngram_search` over the sequence's tokens, on the device, one Triton
-  program per sequence (a torch version elsewhere).
+  same answer as `ngram.ngram_search` over the sequence's tokens (a copy that reaches the
+  present continues as a loop, `ngram.continue_copy`), on the device, one Triton program per
+  sequence (a torch version elsewhere).
 
 The host path (`SpecRunner.propose`) applies the same rule to `seq.token_ids`, so both paths
 keep drafting the same tokens.
@@ -59,10 +60,11 @@ def lookup(store: torch.Tensor, tables: torch.Tensor, block_size: int, known: to
            bonus: torch.Tensor, live: torch.Tensor, k: int, max_n: int, min_n: int,
            kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence (row of `tables`): its history is the `known` tokens in the store at
-    positions 0..known-1, then `bonus`. Returns (lens [b], tokens [b, k]): the up-to-k
-    tokens after the latest earlier copy of the longest matching suffix (`min_n` <= n <=
-    `max_n`), as `ngram.ngram_search` gives them; lens 0 where nothing matches or `live` is
-    false. `kernel` (default: on CUDA with Triton): the Triton version."""
+    positions 0..known-1, then `bonus`. Returns (lens [b], tokens [b, k]): the k tokens
+    after the latest earlier copy of the longest matching suffix (`min_n` <= n <= `max_n`),
+    continued as a loop past the present, as `ngram.ngram_search` gives them; lens k where
+    a suffix matches, 0 where nothing does or `live` is false. `kernel` (default: on CUDA
+    with Triton): the Triton version."""
     b = tables.shape[0]
     if kernel is None:
         kernel = known.is_cuda and triton_available()
@@ -101,9 +103,11 @@ def _lookup_torch(store, tables, block_size, known, bonus, live, k, max_n, min_n
             best = torch.where(found, last, best)  # a longer match replaces a shorter one
             best_n = torch.where(found, j + 1, best_n)
     ok = (best_n > 0) & live
-    lens = torch.where(ok, torch.clamp(length - best, max=k), 0)
+    lens = torch.where(ok, k, 0)
     t = torch.arange(k, device=dev)
-    at = (best.clamp(min=0)[:, None] + t[None]).clamp(max=hist.shape[1] - 1)
+    start = best.clamp(min=0)
+    period = (length - start).clamp(min=1)  # past the present the copy repeats itself
+    at = (start[:, None] + t[None] % period[:, None]).clamp(max=hist.shape[1] - 1)
     toks = torch.where(t[None] < lens[:, None], hist.gather(1, at), 0)
     return lens, toks
 
@@ -159,9 +163,9 @@ if triton_available():
         e_best = tl.sum(tl.where(jr == n_idx, best, 0))
         live = tl.load(LIVE + b) != 0
         ok = (n_idx >= 0) & live
-        n_tok = tl.where(ok, tl.minimum(length - e_best, k), 0)
+        n_tok = tl.where(ok, k, 0)
         t = tl.arange(0, KP)
-        p = e_best + t
+        p = e_best + t % tl.maximum(length - e_best, 1)  # past the present: the loop again
         tok = _hist(STORE, TABLES, row, width, bs, p, known, bonus, t < n_tok)
         tl.store(LENS + b, n_tok)
         tl.store(TOKS + b * o_stride + t, tl.where(t < n_tok, tok, 0), mask=t < k)

