@@ -65,22 +65,26 @@ def lookup(store: torch.Tensor, tables: torch.Tensor, block_size: int, known: to
     continued as a loop past the present, as `ngram.ngram_search` gives them; lens k where
     a suffix matches, 0 where nothing does or `live` is false. `kernel` (default: on CUDA
     with Triton): the Triton version."""
+    from engine.spec import ngram
+
     b = tables.shape[0]
     if kernel is None:
         kernel = known.is_cuda and triton_available()
+    loops = ngram.CONTINUE_LOOPS
     if kernel:
         lens = torch.empty(b, dtype=torch.int64, device=known.device)
         toks = torch.empty(b, max(k, 1), dtype=torch.int64, device=known.device)
         _lookup_kernel[(b,)](store, tables, known, bonus, live, lens, toks, tables.stride(0),
                              tables.shape[1], known.stride(0), bonus.stride(0),
-                             toks.stride(0), block_size, k, MAX_N=max_n, MIN_N=min_n,
+                             toks.stride(0), block_size, k, LOOPS=loops, MAX_N=max_n,
+                             MIN_N=min_n,
                              NP=next_pow2(max_n, 2), KP=next_pow2(max(k, 1), 2),
                              BLOCK=LOOKUP_BLOCK, num_warps=4)
         return lens, toks[:, :k]
-    return _lookup_torch(store, tables, block_size, known, bonus, live, k, max_n, min_n)
+    return _lookup_torch(store, tables, block_size, known, bonus, live, k, max_n, min_n, loops)
 
 
-def _lookup_torch(store, tables, block_size, known, bonus, live, k, max_n, min_n):
+def _lookup_torch(store, tables, block_size, known, bonus, live, k, max_n, min_n, loops=True):
     b, width = tables.shape
     dev = known.device
     p = torch.arange(width * block_size, device=dev)
@@ -103,10 +107,10 @@ def _lookup_torch(store, tables, block_size, known, bonus, live, k, max_n, min_n
             best = torch.where(found, last, best)  # a longer match replaces a shorter one
             best_n = torch.where(found, j + 1, best_n)
     ok = (best_n > 0) & live
-    lens = torch.where(ok, k, 0)
-    t = torch.arange(k, device=dev)
     start = best.clamp(min=0)
     period = (length - start).clamp(min=1)  # past the present the copy repeats itself
+    lens = torch.where(ok, k if loops else torch.clamp(period, max=k), 0)
+    t = torch.arange(k, device=dev)
     at = (start[:, None] + t[None] % period[:, None]).clamp(max=hist.shape[1] - 1)
     toks = torch.where(t[None] < lens[:, None], hist.gather(1, at), 0)
     return lens, toks
@@ -133,7 +137,8 @@ if triton_available():
 
     @triton.jit
     def _lookup_kernel(STORE, TABLES, KNOWN, BONUS, LIVE, LENS, TOKS, t_stride, width,
-                       k_stride, b_stride, o_stride, bs, k, MAX_N: tl.constexpr,
+                       k_stride, b_stride, o_stride, bs, k, LOOPS: tl.constexpr,
+                       MAX_N: tl.constexpr,
                        MIN_N: tl.constexpr, NP: tl.constexpr, KP: tl.constexpr,
                        BLOCK: tl.constexpr):
         """`lookup` for one sequence: scan every candidate end e in blocks, keep per suffix
@@ -163,9 +168,13 @@ if triton_available():
         e_best = tl.sum(tl.where(jr == n_idx, best, 0))
         live = tl.load(LIVE + b) != 0
         ok = (n_idx >= 0) & live
-        n_tok = tl.where(ok, k, 0)
+        period = tl.maximum(length - e_best, 1)
+        if LOOPS:
+            n_tok = tl.where(ok, k, 0)
+        else:
+            n_tok = tl.where(ok, tl.minimum(period, k), 0)
         t = tl.arange(0, KP)
-        p = e_best + t % tl.maximum(length - e_best, 1)  # past the present: the loop again
+        p = e_best + t % period  # past the present: the loop again
         tok = _hist(STORE, TABLES, row, width, bs, p, known, bonus, t < n_tok)
         tl.store(LENS + b, n_tok)
         tl.store(TOKS + b * o_stride + t, tl.where(t < n_tok, tok, 0), mask=t < k)

@@ -69,6 +69,11 @@ def ngram_search(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 2) -
     return []
 
 
+# Off: a copy ends where it reaches the present (the rule before loops were continued), for
+# A/B runs (bench/loop_copies.py); the device lookup reads it when it is launched.
+CONTINUE_LOOPS = True
+
+
 def continue_copy(tokens, end: int, k: int) -> list[int]:
     """k tokens from tokens[end:], the copy continuing as the sequence itself would: where it
     reaches the last token, the last len(tokens) - end tokens repeat (the suffix matched at
@@ -77,7 +82,7 @@ def continue_copy(tokens, end: int, k: int) -> list[int]:
     K=7) acceptance length went 4.16 -> 5.15 there with copies continued, 3.67 -> 3.78 on 12
     other held-out prompts (`bench.context_acceptance`)."""
     period = len(tokens) - end
-    if k <= period:
+    if k <= period or not CONTINUE_LOOPS:
         return list(tokens[end : end + k])
     return [tokens[end + i % period] for i in range(k)]
 

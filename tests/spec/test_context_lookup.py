@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from engine.spec import ngram
 from engine.spec.lookup import lookup, store_tokens, token_store
 from engine.spec.ngram import ngram_search
 
@@ -36,8 +37,11 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel: Triton's int
 
 
 @pytest.mark.parametrize("kernel", [False, True])
-@pytest.mark.parametrize("min_n", [1, 2, 3])
-def test_lookup_equals_ngram_search(kernel, min_n, k=5, max_n=4):
+@pytest.mark.parametrize("min_n,loops", [(1, True), (2, True), (3, True), (2, False)])
+def test_lookup_equals_ngram_search(kernel, min_n, loops, monkeypatch, k=5, max_n=4):
+    """Copies continued as loops (the default) and cut at the present (`CONTINUE_LOOPS`
+    off, for A/B runs) alike."""
+    monkeypatch.setattr(ngram, "CONTINUE_LOOPS", loops)
     rng = random.Random(min_n)
     seqs = []
     for _ in range(24):
@@ -50,14 +54,16 @@ def test_lookup_equals_ngram_search(kernel, min_n, k=5, max_n=4):
     live[3] = False
     lens, toks = lookup(store, tables, 4, known, bonus, live, k, max_n, min_n, kernel=kernel)
     lens, toks = lens.cpu(), toks.cpu()
-    hits = 0
+    hits = cut = 0
     for i, s in enumerate(seqs):
         want = ngram_search(s, k, max_n, min_n) if live[i] else []
         got = toks[i, : lens[i]].tolist()
         assert got == want, (i, s)
         assert toks[i, lens[i]:].eq(0).all()
         hits += bool(want)
+        cut += 0 < len(want) < k
     assert 5 < hits < len(seqs)  # both outcomes occur
+    assert bool(cut) != loops  # continued copies fill all k drafts; cut ones may not
 
 
 @pytest.mark.parametrize("kernel", [False, True])
