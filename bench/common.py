@@ -36,6 +36,22 @@ def is_cuda(args) -> bool:
     return str(args.device).startswith("cuda")
 
 
+def model_arguments(p) -> None:
+    """--model, --head, --device, --dtype: the SmolLM2 engine a single-script benchmark loads
+    (`model_defaults` fills the last two in)."""
+    p.add_argument("--model", default=None, help="HF folder or GGUF (default: embedded)")
+    p.add_argument("--head", default=None, help="EAGLE-3 head folder (default: the shipped one)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                   help="default: bfloat16 on CUDA, float32 on the CPU")
+
+
+def model_defaults(args) -> None:
+    """`model_arguments`' defaults: CUDA when there is one, bf16 there and fp32 on the CPU."""
+    args.device = args.device or ("cuda" if _torch().cuda.is_available() else "cpu")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+
+
 def sync(args) -> None:
     if is_cuda(args):
         _torch().cuda.synchronize()

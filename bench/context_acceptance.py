@@ -14,15 +14,20 @@ import argparse
 import time
 from dataclasses import replace
 
-from bench.common import command_line, environment, held_out_messages, log, torch_dtype
+from bench.common import (
+    command_line,
+    environment,
+    held_out_messages,
+    log,
+    model_arguments,
+    model_defaults,
+    torch_dtype,
+)
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="HF folder or GGUF (default: embedded)")
-    p.add_argument("--head", default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
+    model_arguments(p)
     p.add_argument("--k", type=int, default=5)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--fig1-prompts", type=int, default=4)
@@ -31,13 +36,11 @@ def main(argv=None) -> dict:
                    help="comma list: off (head alone) or context_min_n values")
     p.add_argument("--out", default="bench/results/profile/context_acceptance.json")
     args = p.parse_args(argv)
-    import torch
 
     from engine import Engine, SamplingParams
     from engine.config import SpecConfig
 
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    model_defaults(args)
     base = Engine.from_pretrained(args.model, device=args.device, dtype=torch_dtype(args),
                                   enable_prefix_caching=False)
     sets = {"fig1": (held_out_messages(args.fig1_prompts, 0), True),

@@ -21,6 +21,8 @@ from bench.common import (
     held_out_messages,
     load_smol,
     log,
+    model_arguments,
+    model_defaults,
     rnd,
     start_trace,
     take_trace,
@@ -42,23 +44,18 @@ def trace_summary(trace: list) -> dict:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="HF folder or GGUF (default: embedded)")
-    p.add_argument("--head", default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
+    model_arguments(p)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--num-blocks", type=int, default=8192)
     p.add_argument("--out", default="bench/results/profile/loop_copies.json")
     args = p.parse_args(argv)
-    import torch
 
     from bench.suite import run_single
     from engine.spec import ngram
 
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    model_defaults(args)
     args.prompt_offset = 0
     torch_dtype(args)
     msgs = held_out_messages(args.prompts, 0)
