@@ -2,7 +2,7 @@
 the default) and cut where they reach the present, in one process: the variants take turns,
 the order rotated each repetition, so host drift lands on all alike. Also writes the no-spec
 greedy answers (for replaying drafters offline) and, per dynamic-K run, how many steps ran
-at each draft count with their median time and tokens.
+at each draft count with their median time and tokens, and why each step got its K.
 
     python -m bench.loop_copies --model M --out bench/results/profile/loop_copies.json
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from bench.common import (
     command_line,
@@ -81,10 +81,13 @@ def main(argv=None) -> dict:
                 eng = engines[(name, loops)] = base.with_config(spec=specs[name],
                                                                 num_blocks=args.num_blocks)
             tracing = specs[name] is not None and specs[name].dynamic and start_trace(eng)
+            why = Counter(eng.spec.policy.batch_why) if tracing else None
             out = run_single(args, eng, prompts, args.tokens)
             outs = out.pop("_outs")
             if tracing:
                 out["steps_by_drafts"] = trace_summary(take_trace(eng))
+                # why dynamic K picked each fused step's K in this run (`KPolicy.batch_why`)
+                out["why"] = dict(sorted((Counter(eng.spec.policy.batch_why) - why).items()))
             if name == "no_spec" and rep == 0:
                 res["answers"] = {"prompts": prompts, "outputs": outs}
             else:
