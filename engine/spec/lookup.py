@@ -12,7 +12,7 @@ the host has read this one's tokens. So:
   block table. Blocks shared by prefix caching hold the same tokens for every sharer; rows
   that store no KV (slot -1) land on a spare last element.
 - `lookup` then finds, per sequence, the longest suffix of at most `max_n` tokens (at least
-  `min_n`) with an earlier copy, the latest such copy, and the up-to-k tokens after it: the
+  `min_n`) with an earlier copy, the latest such copy, and the k tokens after it: the
   same answer as `ngram.ngram_search` over the sequence's tokens (a copy that reaches the
   present continues as a loop, `ngram.continue_copy`), on the device, one Triton program per
   sequence (a torch version elsewhere).
