@@ -85,7 +85,7 @@ def run_single(args, eng, msgs, n: int) -> dict:
     eng.generate(held_out_messages(1, offset=len(msgs) + args.prompt_offset + 7), params)
     for m in msgs:
         eng.generate([m], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    before = spec_counts(eng)
+    before, paths = spec_counts(eng), step_paths(eng)
     per, outs, secs = [], [], 0.0
     for m in msgs:
         sync(args)
@@ -100,7 +100,8 @@ def run_single(args, eng, msgs, n: int) -> dict:
     toks = sum(len(o) for o in outs)
     return {"tokens": toks, "seconds": rnd(secs, 4), "tokens_per_s": rnd(toks / secs, 1),
             "acceptance_length": acceptance(before, spec_counts(eng)), "per_prompt": per,
-            "graphs": note, "_outs": outs}
+            # how the timed steps ran: fused / overlapped, and dynamic K's picks and reasons
+            "paths": paths_delta(paths, step_paths(eng)), "graphs": note, "_outs": outs}
 
 
 def load_hf(args):
