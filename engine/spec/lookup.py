@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.triton_backend import next_pow2, triton, triton_available
+from engine.spec import ngram
 
 if triton_available():
     import triton.language as tl
@@ -65,8 +66,6 @@ def lookup(store: torch.Tensor, tables: torch.Tensor, block_size: int, known: to
     continued as a loop past the present, as `ngram.ngram_search` gives them; lens k where
     a suffix matches, 0 where nothing does or `live` is false. `kernel` (default: on CUDA
     with Triton): the Triton version."""
-    from engine.spec import ngram
-
     b = tables.shape[0]
     if kernel is None:
         kernel = known.is_cuda and triton_available()

@@ -70,7 +70,8 @@ def ngram_search(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 2) -
 
 
 # Off: a copy ends where it reaches the present (the rule before loops were continued), for
-# A/B runs (bench/loop_copies.py); the device lookup reads it when it is launched.
+# A/B runs (bench/loop_copies.py). The device lookup reads it at each launch, so a captured
+# graph keeps the value it was captured with.
 CONTINUE_LOOPS = True
 
 
