@@ -42,6 +42,7 @@ class Metrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._spec_seen: tuple[list[int], list[int]] = ([], [])
         self._steps_seen: list[int] = []
+        self._k_seen: dict[tuple[str, str], int] = {}  # (metric, label) -> count fed so far
         self._latency_metrics()
         self._token_metrics()
         self._transfer_metrics()
@@ -79,6 +80,16 @@ class Metrics:
         self.spec_accepted = self._metric(c, "tandem_spec_accepted_tokens_total",
                                           "Draft tokens accepted, by draft position (0-based).",
                                           ("position",))
+        self.spec_k = self._metric(
+            c, "tandem_spec_steps_by_k_total",
+            "Fused speculative decode steps by the drafts per sequence dynamic K gave them "
+            "(0: plain decoding, the draft head's KV kept current).", ("k",))
+        self.spec_k_reasons = self._metric(
+            c, "tandem_spec_k_reasons_total",
+            "Why dynamic K gave each fused step its K: model (the step-cost model drafts), "
+            "model_k0 (the model drafts nothing), losing (drafting measured slower than plain "
+            "decoding), winning (drafting measured faster where the model said K=0), probe (a "
+            "plain step timed), retry (a batch at K=0 drafting one token).", ("reason",))
         self.engine_steps = self._metric(
             c, "tandem_engine_steps_total",
             "Engine steps by path: overlapped (a one-graph decode step launched before the "
@@ -168,9 +179,24 @@ class Metrics:
                                spec.acceptance_length if spec and spec.verify_steps else None)
         if spec is not None:
             self.observe_spec_totals(spec.drafted_per_pos, spec.accepted_per_pos)
+            policy = engine.spec.policy
+            self.observe_k_totals(policy.batch_ks, policy.batch_why)
         pipe = getattr(engine, "pipe", None)
         self.observe_step_totals(engine.stats.steps, getattr(pipe, "fused_runs", 0),
                                  getattr(pipe, "overlapped_runs", 0))
+
+    def observe_k_totals(self, by_k: dict[int, int], by_reason: dict[str, int]) -> None:
+        """Cumulative dynamic-K counts (`KPolicy.batch_ks`, `batch_why`): fused steps by K and
+        by the reason for their K; records what is new."""
+        for metric, name, counts in ((self.spec_k, "k", by_k),
+                                     (self.spec_k_reasons, "reason", by_reason)):
+            for label, total in counts.items():
+                key = (name, str(label))
+                seen = self._k_seen.get(key, 0)
+                new = total - seen if total >= seen else total  # a restarted source
+                if new:
+                    metric.labels(self.role, str(label)).inc(new)
+                self._k_seen[key] = total
 
     def observe_step_totals(self, steps: int, fused: int, overlapped: int) -> None:
         """Cumulative engine counts: steps, fused-step launches, and those of them launched

@@ -94,6 +94,22 @@ def test_observe_spec_totals_records_only_what_is_new():
     assert value(m, "tandem_spec_accepted_tokens_total", position="1") == 1
 
 
+def test_dynamic_k_counts_record_only_what_is_new():
+    """Fused steps by K and by the reason for their K, fed cumulative counts as an engine's
+    `KPolicy` keeps them; a count that goes down is a restarted engine's."""
+    m = Metrics("decode")
+    m.observe_k_totals({0: 4, 7: 10}, {"probe": 4, "model": 10})
+    m.observe_k_totals({0: 9, 3: 2, 7: 12}, {"probe": 4, "losing": 5, "model": 14})
+    assert value(m, "tandem_spec_steps_by_k_total", k="0") == 9
+    assert value(m, "tandem_spec_steps_by_k_total", k="3") == 2
+    assert value(m, "tandem_spec_steps_by_k_total", k="7") == 12
+    assert value(m, "tandem_spec_k_reasons_total", reason="losing") == 5
+    assert value(m, "tandem_spec_k_reasons_total", reason="model") == 14
+    m.observe_k_totals({7: 3}, {"model": 3})  # the engine started over
+    assert value(m, "tandem_spec_steps_by_k_total", k="7") == 15
+    assert value(m, "tandem_spec_k_reasons_total", reason="model") == 17
+
+
 def test_engine_steps_are_counted_by_path():
     m = Metrics("decode")
     m.observe_step_totals(steps=10, fused=6, overlapped=4)
