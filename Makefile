@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bootstrapped
 PROMPT ?= Explain in three sentences why the sky is blue.
 
-.PHONY: venv run test lint bench proto clean
+.PHONY: venv run test test-durations lint bench proto clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ TEST_WORKERS ?= 2
 test: venv
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
+# The suite as `make test` runs it, each file's seconds written to tests/durations.json (the
+# order in which the workers take files: longest first). Re-run when files grow or move.
+test-durations: venv
+	TANDEM_RECORD_DURATIONS=tests/durations.json $(PY) -m pytest -q -n $(TEST_WORKERS) \
+		--dist loadgroup
 
 lint: venv
 	$(PY) -m ruff check .

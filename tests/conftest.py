@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -108,24 +109,46 @@ CHAT_PROMPTS = [
 # go to one worker, since two clusters on one machine at once refuse each other's actors.
 RAY_DIRS = ("cluster_e2e",)
 
-# Rough seconds per unit under `make test` on the 2-core CI machine (--durations), for the
-# units that take more than ~15 s (measured at 9b4f035); only the order in which workers
-# take units uses them.
-SLOW_FILES = {
-    "ray": 300,
-    "tests/spec/test_eagle3.py": 170,
-    "tests/engine/test_plain_overlap.py": 175,
-    "tests/spec/test_spec_real_model.py": 140,
-    "tests/engine/test_oracle.py": 65,
-    "tests/engine/test_handoff.py": 55,
-    "tests/engine/test_triton_attention.py": 50,
-    "tests/spec/test_context_lookup.py": 40,
-    "tests/spec/test_verify.py": 35,
-    "tests/engine/test_batching.py": 35,
-    "tests/kvtransfer/test_ucx.py": 20,
-    "tests/engine/test_prefill_split.py": 20,
-    "tests/bench/test_fig5_disagg.py": 15,
-}
+# Seconds per unit (a test file, or "ray" for the Ray cluster files) of the last
+# `make test-durations` on the 2-core CI machine, only for the order in which xdist workers
+# take units (`FileScheduling`): longest first. A unit missing from it (a new file) counts 0.
+DURATIONS_FILE = os.path.join(os.path.dirname(__file__), "durations.json")
+# Set (to a path) by `make test-durations`: this run's seconds per unit are written there.
+RECORD_DURATIONS = os.environ.get("TANDEM_RECORD_DURATIONS")
+
+
+def _unit(nodeid: str) -> str:
+    path = nodeid.split("::")[0]
+    return "ray" if any(d in path.split("/") for d in RAY_DIRS) else path
+
+
+def _load_durations() -> dict[str, float]:
+    try:
+        with open(DURATIONS_FILE) as f:
+            return {str(k): float(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError, AttributeError):  # missing or unreadable: no order
+        return {}
+
+
+SLOW_FILES = _load_durations()
+_recorded: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    """With TANDEM_RECORD_DURATIONS: add each phase's time (setup, call, teardown) to its
+    unit's (under xdist the controller sees every worker's reports)."""
+    if RECORD_DURATIONS and not os.environ.get("PYTEST_XDIST_WORKER"):
+        unit = _unit(report.nodeid)
+        _recorded[unit] = _recorded.get(unit, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if RECORD_DURATIONS and _recorded and not os.environ.get("PYTEST_XDIST_WORKER"):
+        with open(RECORD_DURATIONS, "w") as f:
+            json.dump({u: round(t, 1) for u, t in sorted(_recorded.items(),
+                                                          key=lambda kv: -kv[1])}, f, indent=1)
+            f.write("\n")
+
 
 if importlib.util.find_spec("xdist") is not None:
 
@@ -139,8 +162,7 @@ if importlib.util.find_spec("xdist") is not None:
 
         class FileScheduling(LoadScopeScheduling):
             def _split_scope(self, nodeid: str) -> str:
-                path = nodeid.split("::")[0]
-                return "ray" if any(d in path.split("/") for d in RAY_DIRS) else path
+                return _unit(nodeid)
 
             def _assign_work_unit(self, node) -> None:
                 """The longest unit left first (xdist orders units by test count, which put
