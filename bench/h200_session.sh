@@ -7,7 +7,8 @@
 # profile under figure 3's steady load, PROFILE_CONC / PROFILE_VARIANTS narrow it),
 # `bash bench/h200_session.sh ab` (the interleaved steady A/B: no-spec, K=0, dynamic, and both
 # with admission taking the drain; AB_CONC / AB_ADMISSION / AB_REPS narrow it, AB_ADMISSION=
-# (empty) leaves the drain out, AB_FIXED_K=2,5 adds engines held at those K). Results
+# (empty) leaves the drain out, AB_FIXED_K=2,5 adds engines held at those K), `bash
+# bench/h200_session.sh loops` (bench.loop_copies; LOOPS_REPS repetitions). Results
 # land in $OUT/<part>.tgz.
 set -u
 part=${1:-bench}
@@ -35,6 +36,10 @@ elif [ "$part" = ab ]; then  # admission beside the step in flight against the d
     --ab-admission "${AB_ADMISSION-2:16:drain}" --ab-fixed-k "${AB_FIXED_K:-}" \
     > "$R/ab.log" 2>&1
   grep '"concurrency"' "$R/ab.log"
+elif [ "$part" = loops ]; then  # figure 1's context variants, copies continued and cut, in turns
+  timeout "${LOOPS_TIMEOUT:-300}" python3 -m bench.loop_copies --model "$M" --reps "${LOOPS_REPS:-2}" \
+    --out "$R/loop_copies.json" > "$R/loop_copies.log" 2>&1
+  grep '\[bench' "$R/loop_copies.log" | tail -16
 elif [ "$part" = cluster ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} \
     > "$R/gpu_tests.log" 2>&1
