@@ -298,6 +298,14 @@ def timed_ms(fn, reps: int, warmup: int = 3) -> list[float]:
     return [a.elapsed_time(b) for a, b in ev]
 
 
+def save_json(path: str, res: dict) -> str:
+    """Write one benchmark's results to `path` (its folder made if missing); returns path."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    return path
+
+
 def save(out_dir: str, res: dict, plot=None) -> str:
     """Write figN_<name>.json (and the PNG when matplotlib imports and `plot` is given)."""
     os.makedirs(out_dir, exist_ok=True)

@@ -21,6 +21,7 @@ from bench.common import (
     log,
     model_arguments,
     model_defaults,
+    save_json,
     torch_dtype,
 )
 
@@ -69,16 +70,6 @@ def main(argv=None) -> dict:
             res["runs"].append(run)
             log(f"context_min_n={mode} {name}: acceptance {run['acceptance_length']}")
     return {"path": save_json(args.out, res), **res}
-
-
-def save_json(path: str, res: dict) -> str:
-    import json
-    import os
-
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    return path
 
 
 if __name__ == "__main__":

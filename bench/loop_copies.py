@@ -24,11 +24,10 @@ from bench.common import (
     model_arguments,
     model_defaults,
     rnd,
+    save_json,
     start_trace,
     take_trace,
-    torch_dtype,
 )
-from bench.context_acceptance import save_json
 
 
 def trace_summary(trace: list) -> dict:
@@ -57,7 +56,6 @@ def main(argv=None) -> dict:
 
     model_defaults(args)
     args.prompt_offset = 0
-    torch_dtype(args)
     msgs = held_out_messages(args.prompts, 0)
     base = load_smol(args, spec=eagle(args, 5, False, False), num_blocks=args.num_blocks)
     prompts = [base.encode_prompt(m) for m in msgs]

@@ -192,8 +192,7 @@ class Metrics:
                                      (self.spec_k_reasons, "reason", by_reason)):
             for label, total in counts.items():
                 key = (name, str(label))
-                seen = self._k_seen.get(key, 0)
-                new = total - seen if total >= seen else total  # a restarted source
+                new = _new(total, self._k_seen.get(key, 0))
                 if new:
                     metric.labels(self.role, str(label)).inc(new)
                 self._k_seen[key] = total
@@ -256,7 +255,14 @@ class RequestTimer:
                                      self.prompt_tokens, self.output_tokens, status)
 
 
+def _new(total: int, seen: int) -> int:
+    """What a cumulative count added since it read `seen`; a total that went down means the
+    source restarted, so all of it is new."""
+    return total - seen if total >= seen else total
+
+
 def _delta(totals: Sequence[int], seen: Sequence[int]) -> list[int]:
-    """New counts since `seen`; a total that went down means the source restarted."""
+    """`_new` for each of a list of counts (`seen` may be shorter: counts it lacks start at
+    0)."""
     old = list(seen) + [0] * max(0, len(totals) - len(seen))
-    return [t - o if t >= o else t for t, o in zip(totals, old)]
+    return [_new(t, o) for t, o in zip(totals, old)]
