@@ -8,7 +8,8 @@
 # `bash bench/h200_session.sh ab` (the interleaved steady A/B: no-spec, K=0, dynamic, and both
 # with admission taking the drain; AB_CONC / AB_ADMISSION / AB_REPS narrow it, AB_ADMISSION=
 # (empty) leaves the drain out, AB_FIXED_K=2,5 adds engines held at those K), `bash
-# bench/h200_session.sh loops` (bench.loop_copies; LOOPS_REPS repetitions). Results
+# bench/h200_session.sh loops` (bench.loop_copies; LOOPS_REPS repetitions), `bash
+# bench/h200_session.sh policy` (bench.policy_ab; POLICY_REPS repetitions). Results
 # land in $OUT/<part>.tgz.
 set -u
 part=${1:-bench}
@@ -40,6 +41,10 @@ elif [ "$part" = loops ]; then  # figure 1's context variants, copies continued 
   timeout "${LOOPS_TIMEOUT:-300}" python3 -m bench.loop_copies --model "$M" --reps "${LOOPS_REPS:-2}" \
     --out "$R/loop_copies.json" > "$R/loop_copies.log" 2>&1
   grep '\[bench' "$R/loop_copies.log" | tail -16
+elif [ "$part" = policy ]; then  # figure 1's dynamic K under its rules before and after, in turns
+  timeout "${POLICY_TIMEOUT:-300}" python3 -m bench.policy_ab --model "$M" --reps "${POLICY_REPS:-3}" \
+    --out "$R/policy_ab.json" > "$R/policy_ab.log" 2>&1
+  grep '\[bench' "$R/policy_ab.log" | tail -20
 elif [ "$part" = cluster ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} \
     > "$R/gpu_tests.log" 2>&1

@@ -23,12 +23,14 @@ from collections import defaultdict
 from engine.spec.policy import StepCosts, _bucket
 
 
-def replay(trace: dict, match: str = "", every: int = 10, walls: dict | None = None
-           ) -> list[dict]:
+def replay(trace: dict, match: str = "", every: int = 10, walls: dict | None = None,
+           pure: set[float] | None = None) -> list[dict]:
     """Per run whose key contains `match`: its steps by drafts per sequence and the cost
     model's readings every `every` steps (at the batch size of that step); with `walls`
     (figure 3's `trace_burst_wall_ms`), a burst run's wall ms and the part of it no traced
-    step holds."""
+    step holds. Steps switching K are those the trace marks so (`how` ending in "switch");
+    with `pure` (for traces recorded before the marks), drafting steps at any other level
+    than these."""
     costs, out = StepCosts(), []
     for key, steps in trace.items():
         readings, groups = [], defaultdict(list)
@@ -36,7 +38,9 @@ def replay(trace: dict, match: str = "", every: int = 10, walls: dict | None = N
             if drafts is None:
                 groups["untimed"].append((ms, 0))
                 continue
-            costs.record(batch, drafts, ms / 1e3, tokens, how)
+            switch = how.endswith("switch") or (pure is not None and drafts > 0
+                                                and drafts not in pure)
+            costs.record(batch, drafts, ms / 1e3, tokens, how, switch)
             groups[f"{drafts:g}"].append((ms, tokens or 0))
             if match in key and i % every == 0:
                 b = _bucket(batch)
@@ -74,14 +78,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fig3", default=None,
                    help="the run's fig3_concurrency.json: burst runs' wall time against the "
                         "traced steps (its trace_burst_wall_ms)")
+    p.add_argument("--pure", default=None,
+                   help="drafting levels of steps that keep their K, comma-separated (e.g. "
+                        "1,2.5,3.5,5.5,7 for K=1..7 on graphs of 1, 2, 4, 8 verify rows and "
+                        "0, 1, 2, 4, 7 chain steps): others replay as switches of K, for "
+                        "traces recorded before the engine marked them")
     args = p.parse_args(argv)
+    pure = None if args.pure is None else {float(x) for x in args.pure.split(",")}
     with open(args.trace) as f:
         trace = json.load(f)
     walls = None
     if args.fig3:
         with open(args.fig3) as f:
             walls = json.load(f).get("trace_burst_wall_ms")
-    runs = replay(trace, args.match, args.every, walls)
+    runs = replay(trace, args.match, args.every, walls, pure)
     for r in runs:
         wall = f", wall {r['wall_ms']} ms, {r['outside_steps_ms']} ms outside the steps" \
             if "wall_ms" in r else ""

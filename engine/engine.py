@@ -448,15 +448,18 @@ class Engine:
         # state, the K the policy's 1 + f + K*c step cost prices.
         # A fused step (greedy) runs every sequence on one grid at the graphs' padded sizes,
         # and is priced by those (`KPolicy.paid`).
-        b = len(batch.seqs)
+        # (A fused step that verifies one K's drafts and proposes another's switches K: it
+        # is no point of the cost fit, `StepCosts.record`.)
+        b, switch = len(batch.seqs), False
         if self.spec.fused is not None and all(s.params.greedy for s in batch.seqs):
-            per_seq = self.spec.policy.paid(max(k for k, _ in results.values()),
-                                            max(len(s.draft) for s in batch.seqs))
+            pol = self.spec.policy
+            k, kn = max(k for k, _ in results.values()), max(len(s.draft) for s in batch.seqs)
+            per_seq, switch = pol.paid(k, kn), pol.paid(k) != pol.paid(kn)
         else:
             drafts = sum(k for k, _ in results.values()) + sum(len(s.draft) for s in batch.seqs)
             per_seq = drafts / (2 * b)
         tokens = sum(len(r.tokens) for _, r in results.values())
-        costs.record(b, per_seq, seconds, tokens, how)
+        costs.record(b, per_seq, seconds, tokens, how, switch)
 
     def _split_max_seqs(self) -> int:
         """The most sequences any attention of the model (or draft head) splits keys for:

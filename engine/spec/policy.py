@@ -39,6 +39,19 @@ GAIN_FLOOR = 1.0
 # acceptance length 1.75, 0.80x no-spec: figure 3 at 4cba156; the fixed part StepCosts
 # now measures is what prices deep K right.)
 WIN_FLOOR = 1.10
+# A losing verdict (GAIN_FLOOR) reads only drafting steps of the last this many: it holds a
+# batch at K=0, where drafting is timed by draft probes alone, so older steps would keep it
+# there long after the stretch of text that drafted badly (on the H200 one stream held K=0
+# for 259 of ~580 steady steps and ran 1.08x no-spec where the next process, the same code,
+# held 88 and ran 1.25x). A winning verdict keeps its batch drafting, which renews its own
+# samples, so it reads the whole STALE window. `StepCosts.STALE` restores the old rule.
+LOSING_FRESH = 64
+# Whether drafting steps that switch K (they verify one K's drafts and propose another's) are
+# points of the cost fit. They are not: at one stream on the H200 the step after a retry
+# verified 1 draft and proposed 2 and took 2.2-2.9 plain steps, and at the line's shallow end
+# those made its slope <= 0, so all of drafting read as a fixed ~1.0 plain step and only K=7
+# at high acceptance beat K=0 (`bench.trace_replay` on fig3_c374fcc_a). True restores that.
+FIT_SWITCHES = False
 ACCEPT_DECAY = 0.7  # per verify, of a sequence's accepted and tried draft counts
 # accept_model "runs": per-depth counts decay by this factor a verify (about the last ten
 # verifies count), and a depth's acceptance is shrunk toward the sequence's rate with this
@@ -100,7 +113,8 @@ class StepCosts:
         self._drafted: dict[int, dict[float, deque]] = {}
         self._drafted_at: dict[int, int] = {}  # bucket -> record number of its last one
         self._fit_at: dict[int, int] = {}  # bucket -> record number `_fit` last ran at
-        self._gains: dict[int, tuple] = {}  # bucket -> (record number, `measured_gain`)
+        # (bucket, drafting steps' age limit) -> (record number, `measured_gain`)
+        self._gains: dict[tuple[int, int], tuple] = {}
         self._n = 0  # steps recorded
         # (bucket, plain?) -> (record number, tokens per sequence, seconds) of the last
         # RATE_WINDOW steady steps (per sequence: a bucket spans batch sizes, and in a burst's
@@ -112,11 +126,13 @@ class StepCosts:
         self.trace: list | None = None
 
     def record(self, batch_size: int, drafts_per_seq: float, seconds: float,
-               tokens: int | None = None, how: str = "") -> None:
+               tokens: int | None = None, how: str = "", switch: bool = False) -> None:
         """One pure decode step: `drafts_per_seq` drafts verified and proposed per sequence
         on average (0: a plain step), `tokens` emitted. Draft steps are kept raw and priced
         against the current plain time, so those seen before the first plain step count
-        too."""
+        too. `switch`: a drafting step whose K differs from the one before (a fused step
+        verifying one K's drafts and proposing another's): it counts toward the measured
+        tokens/s but is no point of the cost fit (`FIT_SWITCHES`)."""
         b = _bucket(batch_size)
         self._n += 1
         # (With a few drafts spread over many sequences, timing noise divided by a small
@@ -126,7 +142,7 @@ class StepCosts:
         steady, self._last = kind is not None and kind == self._last, kind
         if self.trace is not None:
             self.trace.append((batch_size, round(drafts_per_seq, 3), round(seconds * 1e3, 4),
-                               tokens, how, steady))
+                               tokens, f"{how} switch" if switch else how, steady))
         if not steady:
             return
         if tokens is not None and seconds > 0:
@@ -135,8 +151,9 @@ class StepCosts:
         if drafts_per_seq == 0:
             self.plain[b] = _low(_window(self._plain, b, seconds))
         else:
-            _window(self._drafted.setdefault(b, {}), drafts_per_seq, (self._n, seconds),
-                    self.LEVEL_WINDOW)
+            if FIT_SWITCHES or not switch:
+                _window(self._drafted.setdefault(b, {}), drafts_per_seq, (self._n, seconds),
+                        self.LEVEL_WINDOW)
             self._drafted_at[b] = self._n
 
     def _fit(self, b: int) -> None:
@@ -181,26 +198,29 @@ class StepCosts:
             self._fit(b)
         return self
 
-    def measured_gain(self, batch_size: int) -> float | None:
+    def measured_gain(self, batch_size: int, fresh: int | None = None) -> float | None:
         """Tokens/s per sequence of steady drafting steps over that of steady plain steps at
-        this batch size's bucket (`_rate`), from steps of the last STALE; None until both
-        kinds have MIN_RATE_SAMPLES there. Read at most once per recorded step and bucket (a
-        fused step's K asks it twice: losing, then winning)."""
+        this batch size's bucket (`_rate`), from steps of the last STALE (drafting steps: of
+        the last `fresh`, if given); None until both kinds have MIN_RATE_SAMPLES there. Read
+        at most once per recorded step, bucket and `fresh` (a fused step's K asks it twice:
+        losing, then winning)."""
         b = _bucket(batch_size)
-        hit = self._gains.get(b)
+        ages = (self.STALE if fresh is None else min(fresh, self.STALE), self.STALE)
+        hit = self._gains.get((b, ages[0]))
         if hit is not None and hit[0] == self._n:
             return hit[1]
         gain = None
         rates = []
         for plain in (False, True):
-            fresh = [(tok, sec) for n, tok, sec in self._rates.get((b, plain), ())
-                     if self._n - n <= self.STALE]
-            if len(fresh) < self.MIN_RATE_SAMPLES:
+            age = ages[plain]
+            recent = [(tok, sec) for n, tok, sec in self._rates.get((b, plain), ())
+                      if self._n - n <= age]
+            if len(recent) < self.MIN_RATE_SAMPLES:
                 break
-            rates.append(_rate(fresh))
+            rates.append(_rate(recent))
         else:
             gain = rates[0] / rates[1]
-        self._gains[b] = (self._n, gain)
+        self._gains[(b, ages[0])] = (self._n, gain)
         return gain
 
     def knows_plain(self, batch_size: int) -> bool:
@@ -392,12 +412,12 @@ class KPolicy:
             return min(kmax, fits[-1]) if fits else 0
         return max(0, min(kmax, rows - 1))
 
-    def _gain(self, batch_size: int) -> float | None:
+    def _gain(self, batch_size: int, fresh: int | None = None) -> float | None:
         """Drafting's measured tokens/s over plain decoding's at this batch size, for the
         measured overrides of the model; None until both were timed, and in draft probes
         (which keep drafting at the configured costs, so that the measurement stays
-        current)."""
-        return None if self.draft_probe else self.costs.measured_gain(batch_size)
+        current). `fresh`: drafting steps of the last this many only."""
+        return None if self.draft_probe else self.costs.measured_gain(batch_size, fresh)
 
     def _winning(self, batch_size: int) -> bool:
         """Drafting measured at least WIN_FLOOR times plain decoding's tokens/s."""
@@ -405,8 +425,8 @@ class KPolicy:
         return gain is not None and gain >= WIN_FLOOR
 
     def _losing(self, batch_size: int) -> bool:
-        """Drafting measured slower than plain decoding."""
-        gain = self._gain(batch_size)
+        """Drafting measured slower than plain decoding, lately (`LOSING_FRESH`)."""
+        gain = self._gain(batch_size, LOSING_FRESH)
         return gain is not None and gain < GAIN_FLOOR
 
     def _rate(self, seq: Sequence) -> float:

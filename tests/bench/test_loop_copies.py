@@ -1,16 +1,58 @@
-"""bench/loop_copies.py's summary of dynamic K's steps (the GPU run itself is not in CI)."""
+"""bench/turns.py, behind bench/loop_copies.py and bench/policy_ab.py: the summary of dynamic
+K's steps, and variants taking turns with their settings (the GPU runs are not in CI)."""
 
 from __future__ import annotations
 
-from bench.loop_copies import trace_summary
+from types import SimpleNamespace
+
+from bench.turns import take_turns, trace_summary
 
 
 def test_trace_summary_groups_steps_by_draft_count():
     trace = [(1, 0.0, 0.5, 1, "overlapped", True), (1, 0.0, 0.7, 1, "overlapped", True),
              (1, 0.0, 0.6, 1, "fresh", False), (1, 7.0, 1.1, 8, "overlapped", True),
-             (1, 7.0, 1.3, 2, "overlapped", True), (1, None, 3.0, None, "prefill", False)]
+             (1, 7.0, 1.3, 2, "overlapped switch", True), (1, None, 3.0, None, "prefill", False)]
     got = trace_summary(trace)
-    assert list(got) == ["other", "0.0", "7.0"]
+    assert list(got) == ["other", "0.0", "7.0", "switches"]
     assert got["0.0"] == {"steps": 3, "median_ms": 0.6, "mean_tokens": 1.0}
     assert got["7.0"] == {"steps": 2, "median_ms": 1.2, "mean_tokens": 5.0}
     assert got["other"] == {"steps": 1, "median_ms": 3.0, "mean_tokens": 0.0}
+    assert got["switches"] == 1
+
+
+def test_variants_take_turns_in_rotated_order_with_their_settings(monkeypatch):
+    """Each turn runs under its variant's settings, the order rotates each repetition, an
+    engine is built once per variant, answers are compared with the first variant's, and
+    the settings are back as they were after."""
+    import bench.suite
+    from engine.spec import policy
+
+    seen, built = [], []
+
+    def run_single(args, eng, prompts, n):
+        seen.append((eng.name, policy.LOSING_FRESH))
+        outs = [[1, 2]] * len(prompts) if eng.name != "c" else [[1, 2], [3]]
+        return {"tokens_per_s": {"a": 100.0, "b": 150.0, "c": 50.0}[eng.name],
+                "acceptance_length": None, "_outs": outs}
+
+    def with_config(spec, num_blocks):
+        built.append(spec.name)
+        return SimpleNamespace(name=spec.name, spec=None)
+
+    monkeypatch.setattr(bench.suite, "run_single", run_single)
+    before = policy.LOSING_FRESH
+    variants = {n: (SimpleNamespace(name=n, dynamic=False),
+                    {"engine.spec.policy.LOSING_FRESH": v})
+                for n, v in (("a", 1), ("b", 2), ("c", 3))}
+    out = take_turns(SimpleNamespace(tokens=2), SimpleNamespace(with_config=with_config),
+                     [[7], [8]], variants, reps=3, num_blocks=4)
+    assert policy.LOSING_FRESH == before
+    assert built == ["a", "b", "c"]
+    assert seen == [("a", 1), ("b", 2), ("c", 3), ("b", 2), ("c", 3), ("a", 1),
+                    ("c", 3), ("a", 1), ("b", 2)]
+    assert [len(v) for v in out["runs"].values()] == [3, 3, 3]
+    assert out["answers"] == {"prompts": [[7], [8]], "outputs": [[1, 2], [1, 2]]}
+    assert [r["token_identical_to_no_spec"] for r in out["runs"]["c"]] == [1, 1, 1]
+    assert "token_identical_to_no_spec" not in out["runs"]["a"][0]
+    assert out["best_vs_first"] == {"a": 1.0, "b": 1.5, "c": 0.5}
+    assert out["median_vs_first"]["b"] == 1.5

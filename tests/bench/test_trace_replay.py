@@ -45,3 +45,22 @@ def test_cli_writes_json(tmp_path, capsys):
     assert "v c=2 burst 0: 13 steps, wall 12.0 ms, 2.5 ms outside the steps" in \
         capsys.readouterr().out
     assert json.loads(out.read_text())[0]["by_drafts"]["1"]["steps"] == 6
+
+
+def test_switches_of_k_replay_as_the_engine_marks_them_or_by_pure_levels():
+    """Steps the trace marks as switches of K (`how` ending in "switch"), or with `pure`
+    those at other levels, are no points of the fit: a dear 1.5-draft step between K=1 and
+    K=7 steps leaves the line through those two levels as it was."""
+    plain = [(1, 0.0, 0.5, 1, "overlapped", True)] * 6
+    k1 = [(1, 1.0, 0.6, 2, "overlapped", True)] * 4
+    k7 = [(1, 7.0, 1.2, 5, "overlapped", True)] * 4
+    dear = [(1, 1.5, 1.5, 2, "overlapped", True)] * 8
+    marked = [(1, 1.5, 1.5, 2, "overlapped switch", True)] * 8
+    clean = replay({"r": plain + k1 + k7}, every=1)[0]["readings"][-1]
+    assert clean["per_draft"] > 0.1
+    for trace, pure in (({"r": plain + k1 + k7 + marked}, None),
+                        ({"r": plain + k1 + k7 + dear}, {1.0, 7.0})):
+        last = replay(trace, every=1, pure=pure)[0]["readings"][-1]
+        assert (last["fixed"], last["per_draft"]) == (clean["fixed"], clean["per_draft"])
+    last = replay({"r": plain + k1 + k7 + dear}, every=1)[0]["readings"][-1]
+    assert last["per_draft"] != clean["per_draft"]

@@ -127,9 +127,17 @@ def test_fused_step_is_lossless_with_dynamic_k_fp32(random_smol):
     spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
                                    spec=SpecConfig(num_tokens=6, dynamic=True))
     assert spec.capture_graphs([1, 2, 4]) > 0
+    pol = spec.spec.policy
+    pol.costs.trace = []
     assert _greedy(spec) == ref
     assert spec.spec.fused_runs > 0 and spec.spec.overlapped_runs > 0
     spec.blocks.check_all_free()
+    # A fused step at a drafting level no K runs alone (`paid`) verified one K's drafts and
+    # proposed another's: the cost model is told it switched K, and keeps it out of the fit.
+    pure = {pol.paid(k) for k in range(7)}
+    drafting = [row for row in pol.costs.trace if row[1]]
+    assert drafting and any(row[1] not in pure for row in drafting)
+    assert all(row[4].endswith("switch") for row in drafting if row[1] not in pure)
 
 
 def _staggered(eng, prompts, params, every=3) -> list[list[int]]:

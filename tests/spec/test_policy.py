@@ -629,3 +629,65 @@ def test_measured_throughput_overrules_a_model_that_predicts_a_loss():
     assert pol.choose_batch(seqs, 4) == 0 and pol.batch_why["model_k0"] == 1
     pol.begin_propose(0, batch_size=4)  # a plain probe stays plain
     assert pol.choose_batch(seqs, 4) == 0 and pol.batch_why["probe"] == 1
+
+
+def test_steps_switching_k_are_no_points_of_the_fit():
+    """A fused step verifying one K's drafts and proposing another's (after a retry: 1
+    verified, 2 proposed) cost 2.2-2.9 plain steps on the H200 at one stream. As a point of
+    the fit at the line's shallow end it made the slope <= 0, all of drafting read as a
+    fixed part and the price per draft 0. Marked as a switch, it counts toward the measured
+    tokens/s only."""
+    from engine.spec import policy
+    from engine.spec.policy import StepCosts
+
+    def costs_with_switches(marked: bool) -> StepCosts:
+        costs = StepCosts()
+        for _ in range(4):
+            costs.record(1, 0, 1e-3, tokens=1)
+        for level, ms in ((2.5, 1.35), (7.0, 1.8)):  # fixed 0.1, 0.1 per draft
+            costs.record(1, level, ms * 1e-3, tokens=3, switch=True)  # the switch into K
+            for _ in range(4):
+                costs.record(1, level, ms * 1e-3, tokens=3)
+        for _ in range(5):  # verify 1 draft 2, each a switch, each dear
+            costs.record(1, 1.5, 2.6e-3, tokens=2, switch=marked)
+        costs.record(1, 7.0, 1.8e-3, tokens=3)
+        return costs
+
+    costs = costs_with_switches(True)
+    assert abs(costs.fixed_cost(1) - 0.1) < 1e-9 and abs(costs.per_token(1) - 0.1) < 1e-9
+    # the switches' tokens count: the steady drafting steps (the first after plain ones is
+    # a transition) are 4 of 3 tokens in 1.35 ms, 6 of 3 in 1.8 ms and the 5 of 2 in 2.6
+    # ms, against 1 token a ms (2.6 ms is under STALL times the median, 1.8)
+    rate = (10 * 3 + 5 * 2) / (4 * 1.35 + 6 * 1.8 + 5 * 2.6)
+    assert abs(costs.measured_gain(1) - rate) < 1e-9
+    unmarked = costs_with_switches(False)
+    assert unmarked.per_token(1) == 0.0 and unmarked.fixed_cost(1) > 0.6
+    policy.FIT_SWITCHES = True  # the rule before: switches are points too
+    try:
+        assert costs_with_switches(True).per_token(1) == 0.0
+    finally:
+        policy.FIT_SWITCHES = False
+
+
+def test_a_losing_verdict_reads_recent_drafting_steps_only():
+    """Drafting measured slower than plain holds a batch at K=0, where only probes draft. A
+    verdict from drafting steps older than LOSING_FRESH lapses, and the model's K stands
+    again, though the whole STALE window still reads a loss."""
+    from engine.spec.policy import LOSING_FRESH, StepCosts
+
+    costs = StepCosts()
+    for _ in range(3):
+        costs.record(1, 0, 1e-3, tokens=1)  # plain: 1000 tokens/s
+    costs.record(1, 2.5, 1.3e-3, tokens=1)
+    for _ in range(6):
+        costs.record(1, 2.5, 1.3e-3, tokens=1)  # a stretch that drafted badly
+    pol = KPolicy(SpecConfig(num_tokens=7))
+    pol.costs = costs
+    seqs = [seq_with_rate(0.8)]
+    pol.begin_propose(PROBE_LEN + 1, batch_size=1)  # neither a plain nor a draft probe
+    assert pol.choose_batch(seqs, 1) == 0 and pol.batch_why["losing"] == 1
+    for _ in range(LOSING_FRESH):
+        costs.record(1, 0, 1e-3, tokens=1)  # held at K=0
+    assert costs.measured_gain(1) < 1.0 and costs.measured_gain(1, LOSING_FRESH) is None
+    assert pol.choose_batch(seqs, 1) > 0 and pol.batch_why["model"] == 1
+    assert pol.choose(seqs[0], batch_size=1) > 0

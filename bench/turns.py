@@ -1,0 +1,86 @@
+"""Single-stream engines taking turns in one process (`bench.loop_copies`, `bench.policy_ab`):
+figure 1's runs (`bench.suite.run_single`) of several variants, the order rotated each
+repetition, so host drift lands on all alike. A variant is an engine config plus module
+settings set before each of its turns (flags read at run time, or baked into graphs at the
+engine's first turn)."""
+
+from __future__ import annotations
+
+import importlib
+import statistics
+from collections import Counter, defaultdict
+
+from bench.common import log, rnd, start_trace, take_trace
+
+
+def trace_summary(trace: list) -> dict:
+    """Steps by drafts per sequence: count, median ms, mean tokens (`StepCosts.trace` rows;
+    steps that are not a pure decode, drafts None, under "other"; steps switching K are
+    counted per level all the same, and apart under "switches")."""
+    by = defaultdict(list)
+    for _, drafts, ms, tokens, _, _ in trace:
+        by[-1.0 if drafts is None else drafts].append((ms, tokens or 0))
+    out = {"other" if d < 0 else str(d): {
+        "steps": len(v), "median_ms": rnd(statistics.median(m for m, _ in v), 4),
+        "mean_tokens": rnd(statistics.fmean(t for _, t in v), 3)} for d, v in sorted(by.items())}
+    out["switches"] = sum(how.endswith("switch") for *_, how, _ in trace)
+    return out
+
+
+def _setting(path: str):
+    module, attr = path.rsplit(".", 1)
+    return importlib.import_module(module), attr
+
+
+def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks: int) -> dict:
+    """Run every variant (name -> (SpecConfig or None, {"module.ATTR": value})) `reps` times
+    over `prompts`, engines built from `base` on their first turn and kept. Returns {"runs":
+    name -> the runs' results (tok/s, acceptance, token identity with the first variant's
+    answers, and for dynamic K its steps by draft count and `why` each fused step got its K),
+    "answers": the first variant's first answers and their prompts}. The settings are put
+    back as they were after."""
+    names = list(variants)
+    saved = {p: getattr(*_setting(p)) for _, sets in variants.values() for p in sets}
+    from bench.suite import run_single
+
+    engines: dict = {}
+    out: dict = {"runs": {n: [] for n in names}}
+    try:
+        for rep in range(reps):
+            r = rep % len(names)
+            for name in names[r:] + names[:r]:
+                spec, sets = variants[name]
+                for path, value in sets.items():
+                    setattr(*_setting(path), value)
+                eng = engines.get(name)
+                if eng is None:
+                    eng = engines[name] = base.with_config(spec=spec, num_blocks=num_blocks)
+                tracing = spec is not None and spec.dynamic and start_trace(eng)
+                why = Counter(eng.spec.policy.batch_why) if tracing else None
+                res = run_single(args, eng, prompts, args.tokens)
+                outs = res.pop("_outs")
+                if tracing:
+                    res["steps_by_drafts"] = trace_summary(take_trace(eng))
+                    # why dynamic K picked each fused step's K in this run (`KPolicy.batch_why`)
+                    res["why"] = dict(sorted((Counter(eng.spec.policy.batch_why) - why).items()))
+                if name == names[0] and "answers" not in out:
+                    out["answers"] = {"prompts": prompts, "outputs": outs}
+                else:
+                    res["token_identical_to_no_spec"] = sum(
+                        a == b for a, b in zip(outs, out.get("answers", {}).get("outputs", [])))
+                out["runs"][name].append(res)
+                log(f"rep {rep} {name}: {res['tokens_per_s']} tok/s, "
+                    f"acceptance {res['acceptance_length']}")
+    finally:
+        for path, value in saved.items():
+            setattr(*_setting(path), value)
+    first = max(r["tokens_per_s"] for r in out["runs"][names[0]])
+    out["best_vs_first"] = {k: rnd(max(r["tokens_per_s"] for r in v) / first, 3)
+                            for k, v in out["runs"].items()}
+    out["median_vs_first"] = {
+        k: rnd(statistics.median(r["tokens_per_s"] for r in v)
+               / statistics.median(r["tokens_per_s"] for r in out["runs"][names[0]]), 3)
+        for k, v in out["runs"].items()}
+    log(f"best of each / best {names[0]}: {out['best_vs_first']}")
+    log(f"median of each / median {names[0]}: {out['median_vs_first']}")
+    return out
