@@ -243,14 +243,17 @@ def start_trace(eng) -> bool:
     if eng.spec is None:
         return False
     eng.spec.policy.costs.trace = []
+    eng.spec.policy.picks = []
     return True
 
 
-def take_trace(eng) -> list:
-    """The steps recorded since `start_trace`, and stop recording."""
-    costs = eng.spec.policy.costs
-    out, costs.trace = costs.trace, None
-    return out
+def take_trace(eng, picks: bool = False) -> list | tuple[list, list]:
+    """The steps recorded since `start_trace` (with `picks`, also dynamic K's (K, why) of
+    every fused step, `KPolicy.picks`), and stop recording."""
+    pol = eng.spec.policy
+    out, pol.costs.trace = pol.costs.trace, None
+    chosen, pol.picks = pol.picks, None
+    return (out, chosen) if picks else out
 
 
 def paths_delta(before: dict, after: dict) -> dict:

@@ -43,7 +43,7 @@ elif [ "$part" = loops ]; then  # figure 1's context variants, copies continued 
   grep '\[bench' "$R/loop_copies.log" | tail -16
 elif [ "$part" = policy ]; then  # figure 1's dynamic K under its rules before and after, in turns
   timeout "${POLICY_TIMEOUT:-300}" python3 -m bench.policy_ab --model "$M" --reps "${POLICY_REPS:-3}" \
-    --out "$R/policy_ab.json" > "$R/policy_ab.log" 2>&1
+    ${POLICY_TRACES:+--traces} --out "$R/policy_ab.json" > "$R/policy_ab.log" 2>&1
   grep '\[bench' "$R/policy_ab.log" | tail -20
 elif [ "$part" = cluster ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} \

@@ -32,15 +32,28 @@ def _setting(path: str):
     return importlib.import_module(module), attr
 
 
-def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks: int) -> dict:
-    """Run every variant (name -> (SpecConfig or None, {"module.ATTR": value})) `reps` times
-    over `prompts`, engines built from `base` on their first turn and kept. Returns {"runs":
-    name -> the runs' results (tok/s, acceptance, token identity with the first variant's
-    answers, and for dynamic K its steps by draft count and `why` each fused step got its K),
-    "answers": the first variant's first answers and their prompts}. The settings are put
-    back as they were after."""
+def _reset_policy(eng) -> None:
+    """A new dynamic-K policy for the engine, keeping what its graphs set (`levels`)."""
+    from engine.spec.policy import KPolicy
+
+    old = eng.spec.policy
+    new = KPolicy(old.spec, old.prior, old.knee)
+    new.levels = old.levels
+    eng.spec.policy = new
+
+
+def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks: int,
+               traces: bool = False) -> dict:
+    """Run every variant (name -> (SpecConfig or None, {"module.ATTR": value}[, "reset"]))
+    `reps` times over `prompts`, engines built from `base` on their first turn and kept
+    ("reset": the dynamic-K policy's measurements and state start afresh each turn). Returns
+    {"runs": name -> the runs' results (tok/s, acceptance, token identity with the first
+    variant's answers, and for dynamic K its steps by draft count and `why` each fused step
+    got its K; with `traces`, every step as the cost model saw it and every pick, (K, why),
+    in order), "answers": the first variant's first answers and their prompts}. The
+    settings are put back as they were after."""
     names = list(variants)
-    saved = {p: getattr(*_setting(p)) for _, sets in variants.values() for p in sets}
+    saved = {p: getattr(*_setting(p)) for v in variants.values() for p in v[1]}
     from bench.suite import run_single
 
     engines: dict = {}
@@ -49,18 +62,23 @@ def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks:
         for rep in range(reps):
             r = rep % len(names)
             for name in names[r:] + names[:r]:
-                spec, sets = variants[name]
+                spec, sets, *how = variants[name]
                 for path, value in sets.items():
                     setattr(*_setting(path), value)
                 eng = engines.get(name)
                 if eng is None:
                     eng = engines[name] = base.with_config(spec=spec, num_blocks=num_blocks)
+                elif "reset" in how:
+                    _reset_policy(eng)
                 tracing = spec is not None and spec.dynamic and start_trace(eng)
                 why = Counter(eng.spec.policy.batch_why) if tracing else None
                 res = run_single(args, eng, prompts, args.tokens)
                 outs = res.pop("_outs")
                 if tracing:
-                    res["steps_by_drafts"] = trace_summary(take_trace(eng))
+                    steps, picks = take_trace(eng, picks=True)
+                    res["steps_by_drafts"] = trace_summary(steps)
+                    if traces:
+                        res["trace"], res["picks"] = steps, picks
                     # why dynamic K picked each fused step's K in this run (`KPolicy.batch_why`)
                     res["why"] = dict(sorted((Counter(eng.spec.policy.batch_why) - why).items()))
                 if name == names[0] and "answers" not in out:

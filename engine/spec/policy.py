@@ -314,6 +314,8 @@ class KPolicy:
         # plain), "winning" (measured faster where the model said K=0), "retry" (a batch
         # at K=0 drafting one token)
         self.batch_why: Counter = Counter()
+        # When a list: (K, why) of every fused step's pick in order (for benchmarks)
+        self.picks: list | None = None
         # (query levels, draft levels) of the fused step's graphs, set by its runner
         self.levels: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self._paid: dict[tuple, np.ndarray] = {}  # `_paid_costs`
@@ -379,6 +381,8 @@ class KPolicy:
             return kmax
         if self.plain_probe:
             self.batch_why["probe"] += 1
+            if self.picks is not None:
+                self.picks.append((0, "probe"))
             return 0
         kmax = self._kmax(batch_size, padded=True)
         rates, (fixed, per) = [self._tokens(s) for s in seqs], self._cost(batch_size, False)
@@ -396,7 +400,10 @@ class KPolicy:
             every = PROBE_EVERY if batch_size <= SMALL_BATCH else BATCH_PROBE_EVERY
             if self.batch_idle % every == 0 and kmax:
                 best_k, why = 1, "retry"
-        self.batch_why["model_k0" if why == "model" and not best_k else why] += 1
+        why = "model_k0" if why == "model" and not best_k else why
+        self.batch_why[why] += 1
+        if self.picks is not None:
+            self.picks.append((best_k, why))
         return best_k
 
     def _kmax(self, batch_size: int, padded: bool = False) -> int:

@@ -56,3 +56,25 @@ def test_variants_take_turns_in_rotated_order_with_their_settings(monkeypatch):
     assert "token_identical_to_no_spec" not in out["runs"]["a"][0]
     assert out["best_vs_first"] == {"a": 1.0, "b": 1.5, "c": 0.5}
     assert out["median_vs_first"]["b"] == 1.5
+
+
+def test_a_reset_variant_starts_its_policy_afresh_each_turn(monkeypatch):
+    import bench.suite
+    from engine.config import SpecConfig
+    from engine.spec.policy import KPolicy
+
+    policies = []
+    spec = SimpleNamespace(name="d", dynamic=False)
+    eng = SimpleNamespace(spec=SimpleNamespace(policy=KPolicy(SpecConfig(num_tokens=3))))
+    eng.spec.policy.levels = ((1, 2, 4), (0, 1, 2, 3))
+    eng.spec.policy.batch_why["model"] += 5
+
+    def run_single(args, e, prompts, n):
+        policies.append(e.spec.policy)
+        return {"tokens_per_s": 1.0, "acceptance_length": None, "_outs": [[1]]}
+
+    monkeypatch.setattr(bench.suite, "run_single", run_single)
+    take_turns(SimpleNamespace(tokens=1), SimpleNamespace(with_config=lambda **kw: eng),
+               [[7]], {"d": (spec, {}, "reset")}, reps=3, num_blocks=4)
+    assert len({id(p) for p in policies}) == 3 and not policies[1].batch_why
+    assert policies[2].levels == ((1, 2, 4), (0, 1, 2, 3)) and policies[2].spec.num_tokens == 3
