@@ -37,6 +37,7 @@ if ROOT not in sys.path:  # `python bench/suite.py` and the `tandem` entry point
 from bench.common import (  # noqa: E402 - after the sys.path fix above
     _torch,
     acceptance,
+    apply_settings,
     eagle,
     first_diff,
     free_memory,
@@ -1064,6 +1065,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-offset", type=int, default=0,
                    help="first held-out prompt used")
     p.add_argument("--dynamic-k", type=int, default=7, help="max K for dynamic EAGLE-3")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a module constant before any figure runs, for A/B processes "
+                        "(e.g. engine.spec.policy.LOSING_FRESH=256); repeatable, recorded "
+                        "in each figure's argv")
     p.add_argument("--context-drafts", choices=("on", "off"), default=None,
                    help="EAGLE-3 drafts from the context too (SpecConfig.context_drafts; "
                         "default: its default). Figure 1 runs both.")
@@ -1140,7 +1145,13 @@ def run(args) -> int:
     if bad:
         print(f"error: no figure {bad}; have {sorted(FIGURES)}", file=sys.stderr)
         return 2
-    log(f"figures {nums} on {args.device} ({args.dtype}) -> {args.out}")
+    try:
+        settings = apply_settings(args.set)
+    except (ValueError, ImportError, AttributeError) as e:
+        print(f"error: --set: {e}", file=sys.stderr)
+        return 2
+    log(f"figures {nums} on {args.device} ({args.dtype}) -> {args.out}"
+        + (f", settings {settings}" if settings else ""))
     failed = []
     for num in nums:
         name, fn, plot = FIGURES[num]

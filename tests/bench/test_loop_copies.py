@@ -78,3 +78,24 @@ def test_a_reset_variant_starts_its_policy_afresh_each_turn(monkeypatch):
                [[7]], {"d": (spec, {}, "reset")}, reps=3, num_blocks=4)
     assert len({id(p) for p in policies}) == 3 and not policies[1].batch_why
     assert policies[2].levels == ((1, 2, 4), (0, 1, 2, 3)) and policies[2].spec.num_tokens == 3
+
+
+def test_suite_settings_set_module_constants_and_refuse_unknown_names():
+    import pytest
+
+    from bench.common import apply_settings
+    from engine.spec import policy
+
+    before = (policy.LOSING_FRESH, policy.FIT_SWITCHES)
+    try:
+        got = apply_settings(["engine.spec.policy.LOSING_FRESH=256",
+                              "engine.spec.policy.FIT_SWITCHES=True"])
+        assert got == {"engine.spec.policy.LOSING_FRESH": 256,
+                       "engine.spec.policy.FIT_SWITCHES": True}
+        assert policy.LOSING_FRESH == 256 and policy.FIT_SWITCHES is True
+    finally:
+        policy.LOSING_FRESH, policy.FIT_SWITCHES = before
+    with pytest.raises(AttributeError):
+        apply_settings(["engine.spec.policy.NO_SUCH_NAME=1"])
+    with pytest.raises(ValueError):
+        apply_settings(["LOSING_FRESH"])
