@@ -18,6 +18,16 @@ STDLIB = ("os", "os.path", "shutil", "string", "textwrap", "json", "itertools", 
           "dataclasses", "typing", "contextlib", "threading", "queue", "subprocess", "socket",
           "struct", "array", "secrets", "shlex", "io", "sqlite3", "email.utils", "ipaddress")
 
+# Modules the extended set adds (`build(extended=True)`): more documentation to ask about.
+STDLIB_MORE = ("asyncio", "concurrent.futures", "pickle", "zipfile", "tarfile", "configparser",
+               "xml.etree.ElementTree", "http.client", "http.server", "colorsys", "platform",
+               "traceback", "inspect", "abc", "weakref", "types", "numbers", "cmath", "codecs",
+               "mimetypes", "binascii", "selectors", "errno", "signal", "sched", "graphlib",
+               "reprlib", "keyword", "token", "tokenize", "ast", "dis", "linecache", "filecmp",
+               "stat", "getpass", "locale", "gettext", "wave", "zoneinfo", "smtplib",
+               "urllib.request", "json.decoder", "multiprocessing", "unittest", "doctest",
+               "timeit", "pdb", "profile", "pstats", "warnings", "atexit", "sysconfig")
+
 TOPICS = ("photosynthesis", "compound interest", "how vaccines work", "black holes",
           "the water cycle", "recursion", "public-key cryptography", "inflation", "plate "
           "tectonics", "the immune system", "neural networks", "supply and demand", "DNS",
@@ -51,9 +61,11 @@ JSON = ("Return only a JSON object describing a fictional {e} with the fields {f
         "Write a JSON schema for a {e} object with the fields {f}.")
 
 
-def _doc_prompts() -> list[str]:
+def _doc_prompts(modules=STDLIB, kinds_per_name: int = 2) -> list[str]:
+    """Questions about each documented public function or class of `modules`:
+    `kinds_per_name` of the four kinds (chosen by a hash of the name; 4: all)."""
     out = []
-    for mod_name in STDLIB:
+    for mod_name in modules:
         try:
             mod = importlib.import_module(mod_name)
         except ImportError:
@@ -76,7 +88,8 @@ def _doc_prompts() -> list[str]:
                 f"Summarize this Python documentation in plain words:\n\n{doc[:600]}",
                 f"What are common mistakes when using `{full}`?",
             )
-            out += [kinds[h % 4], kinds[(h + 2) % 4]]
+            picks = (h % 4, (h + 2) % 4, (h + 1) % 4, (h + 3) % 4)[:kinds_per_name]
+            out += [kinds[i] for i in picks]
     return out
 
 
@@ -88,10 +101,28 @@ def _templated() -> list[str]:
     return out
 
 
-def build(n: int | None = None, seed: int = 0, eval_frac: float = 0.05
-          ) -> tuple[list[str], list[str]]:
-    """(train, eval) user messages. The split is by a hash of the text, so it never moves."""
-    prompts = sorted(set(_doc_prompts() + _templated()))
+def _templated_more() -> list[str]:
+    """Every template with every filler of the other kinds too (a chat template about an
+    activity or a thing, advice about a topic), for the extended set."""
+    subjects = TOPICS + ACTIVITIES + THINGS
+    out = [c.format(t=t) for c in CHAT for t in ACTIVITIES + THINGS]
+    out += [c.format(a=a) for c in ADVICE for a in TOPICS]
+    out += [c.format(x=x) for c in OPINION for x in subjects if x not in THINGS]
+    return out
+
+
+def build(n: int | None = None, seed: int = 0, eval_frac: float = 0.05,
+          extended: bool = False) -> tuple[list[str], list[str]]:
+    """(train, eval) user messages. The split is by a hash of the text, so it never moves.
+    `extended`: also all four documentation questions per name, more stdlib modules and
+    every template with every filler (for a larger self-distillation set); the base set's
+    prompts keep their side of the split, and the base set itself (what the benchmarks'
+    held-out prompts come from) does not change."""
+    prompts = set(_doc_prompts() + _templated())
+    if extended:
+        prompts |= set(_doc_prompts(STDLIB, 4) + _doc_prompts(STDLIB_MORE, 4)
+                       + _templated_more())
+    prompts = sorted(prompts)
     random.Random(seed).shuffle(prompts)
     if n is not None:
         prompts = prompts[:n]

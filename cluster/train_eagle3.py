@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from engine import Engine, SamplingParams
-from engine.spec.eagle3 import Eagle3Config, Eagle3Head, save_head
+from engine.spec.eagle3 import Eagle3Config, Eagle3Head, load_head, save_head
 
 
 @dataclass
@@ -187,19 +187,25 @@ def expected_acceptance(accs: list[float]) -> float:
 
 
 def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, epochs=4,
-          lr=1e-3, batch_size=16, log_every=50, aux_layers=None) -> tuple[Eagle3Head, dict]:
+          lr=1e-3, batch_size=16, log_every=50, aux_layers=None,
+          init: Eagle3Head | None = None) -> tuple[Eagle3Head, dict]:
+    """Train a head on the records (`init`: continue from this head, its draft vocabulary
+    kept; vocab_ids is then ignored)."""
     target = engine.model
     cfg = engine.config
-    hc = Eagle3Config.for_target(cfg.model, len(vocab_ids), aux_layers)
-    from engine.attention import TorchAttention
+    if init is not None:
+        head = init.to(cfg.device)
+    else:
+        hc = Eagle3Config.for_target(cfg.model, len(vocab_ids), aux_layers)
+        from engine.attention import TorchAttention
 
-    with torch.device(cfg.device):
-        head = Eagle3Head(hc, TorchAttention(hc.num_heads, hc.num_kv_heads, hc.head_dim,
-                                             cfg.block_size))
-    head.set_vocab(vocab_ids.to(cfg.device))
-    with torch.no_grad():  # start the draft LM head from the target's rows
-        head.lm_head.weight.copy_(target.lm_head.weight[vocab_ids.to(cfg.device)])
-        head.norm.weight.copy_(target.norm.weight)
+        with torch.device(cfg.device):
+            head = Eagle3Head(hc, TorchAttention(hc.num_heads, hc.num_kv_heads, hc.head_dim,
+                                                 cfg.block_size))
+        head.set_vocab(vocab_ids.to(cfg.device))
+        with torch.no_grad():  # start the draft LM head from the target's rows
+            head.lm_head.weight.copy_(target.lm_head.weight[vocab_ids.to(cfg.device)])
+            head.norm.weight.copy_(target.norm.weight)
     head = head.to(torch.float32).train()
     for p in target.parameters():
         p.requires_grad_(False)
@@ -259,33 +265,79 @@ def engine_acceptance(engine: Engine, head: Eagle3Head, prompts: list[str], k: i
             "verify_steps": st.verify_steps, "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def save_records(path: str, key: dict, train_records: list[Record],
+                 eval_records: list[Record]) -> None:
+    """Self-distilled records to a file, with what they were made from (`key`), so that
+    training can run apart from the generation (another process, another device call)."""
+    def pack(rs):
+        return [{"ids": r.ids, "prompt_len": r.prompt_len, "aux": r.aux, "hidden": r.hidden}
+                for r in rs]
+    torch.save({"key": key, "train": pack(train_records), "eval": pack(eval_records)}, path)
+
+
+def load_records(path: str, key: dict) -> tuple[list[Record], list[Record]]:
+    """`save_records`' records; refuses a file made from other prompts, model or length."""
+    got = torch.load(path, map_location="cpu", weights_only=True)
+    if got["key"] != key:
+        raise ValueError(f"{path} holds records of {got['key']}, not {key}")
+    return ([Record(**r) for r in got["train"]], [Record(**r) for r in got["eval"]])
+
+
 def run(args) -> int:
-    """The CLI entry: self-distil, train, evaluate, save."""
+    """The CLI entry: self-distil (or load the records), train, evaluate, save."""
+    import os
+
     from cluster import prompt_sets
 
+    if args.data_only and not args.records:
+        print("error: --data-only needs --records FILE to write the records to")
+        return 2
     torch.manual_seed(args.seed)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = Engine.from_pretrained(args.model, device=device, dtype=torch.float32,
                                     enable_prefix_caching=False, max_num_seqs=256,
                                     max_num_batched_tokens=8192)
-    train_p, eval_p = prompt_sets.build(args.num_prompts, seed=args.seed)
+    extended = args.prompt_set == "extended"
+    train_p, eval_p = prompt_sets.build(args.num_prompts, seed=args.seed, extended=extended)
     m = engine.config.model
     layers = Eagle3Config.for_target(m, 1).aux_layer_ids
     t0 = time.perf_counter()
     store = torch.bfloat16 if device == "cuda" else torch.float32
-    tr = self_distill(engine, train_p, args.max_tokens, layers, store)
-    ev = self_distill(engine, eval_p, args.max_tokens, layers, store, desc="held-out")
+    key = {"target": m.name, "prompt_set": args.prompt_set, "num_prompts": args.num_prompts,
+           "seed": args.seed, "max_tokens": args.max_tokens, "prompts": [len(train_p),
+                                                                       len(eval_p)]}
+    if args.records and os.path.exists(args.records):
+        tr, ev = load_records(args.records, key)
+        print(f"records: {len(tr)} + {len(ev)} from {args.records}")
+    else:
+        tr = self_distill(engine, train_p, args.max_tokens, layers, store)
+        ev = self_distill(engine, eval_p, args.max_tokens, layers, store, desc="held-out")
+        if args.records:
+            save_records(args.records, key, tr, ev)
     t_data = time.perf_counter() - t0
-    vocab_ids = draft_vocab(tr, args.draft_vocab, m.vocab_size)
+    if args.data_only:
+        print(f"records: {len(tr)} + {len(ev)} in {t_data:.1f} s -> {args.records}")
+        return 0
+    init = None
+    if args.init:
+        from engine.attention import TorchAttention
+
+        init = load_head(args.init, m, lambda c: TorchAttention(
+            c.num_heads, c.num_kv_heads, c.head_dim, engine.config.block_size),
+            device=device)
+    vocab_ids = init.draft_to_target.cpu() if init is not None else \
+        draft_vocab(tr, args.draft_vocab, m.vocab_size)
     head, info = train(engine, tr, ev, vocab_ids, unroll=args.unroll, epochs=args.epochs,
-                       lr=args.lr, batch_size=args.batch_size, log_every=args.log_every)
+                       lr=args.lr, batch_size=args.batch_size, log_every=args.log_every,
+                       init=init)
     recipe = {
         "command": "tandem " + " ".join(args.argv), "target": m.name, "device": device,
-        "prompts": {"train": len(train_p), "held_out": len(eval_p),
+        "prompts": {"train": len(train_p), "held_out": len(eval_p), "set": args.prompt_set,
                     "source": "cluster/prompt_sets.py (stdlib docs + templated chat/code/JSON)"},
+        "init": args.init,
         "responses": f"target greedy, max {args.max_tokens} tokens",
         "train_tokens": int(sum(len(r.ids) - r.prompt_len for r in tr)),
-        "draft_vocab_size": args.draft_vocab, "unroll": args.unroll, "epochs": args.epochs,
+        "draft_vocab_size": len(vocab_ids), "unroll": args.unroll, "epochs": args.epochs,
         "lr": args.lr, "batch_size": args.batch_size, "data_seconds": round(t_data, 1),
         **info, "date": time.strftime("%Y-%m-%d"),
     }
@@ -320,4 +372,14 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--k-eval", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompt-set", choices=("base", "extended"), default="base",
+                   help="extended: ~3.3x the training prompts (every documentation question, "
+                        "more stdlib modules, every template with every filler)")
+    p.add_argument("--records", default=None,
+                   help="a file for the self-distilled records: loaded when it exists (and "
+                        "was made from the same prompts, model and length), else written")
+    p.add_argument("--data-only", action="store_true",
+                   help="stop after writing --records (train in a later run)")
+    p.add_argument("--init", default=None,
+                   help="continue training from this head folder (its draft vocabulary)")
     p.set_defaults(fn=run)

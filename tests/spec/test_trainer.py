@@ -53,3 +53,69 @@ def test_trainer_runs_end_to_end_and_learns(tmp_path):
     sp = SamplingParams(temperature=0, max_tokens=20)
     ids = [[5, 6, 7, 8, 9]]
     assert spec.generate(ids, sp)[0].token_ids == eng.generate(ids, sp)[0].token_ids
+
+
+def test_records_round_trip_and_training_continues_from_a_head(tmp_path):
+    """Self-distilled records saved apart from training load back equal (and refuse a file
+    made from other prompts); a head trained further (`init`) keeps its draft vocabulary
+    and starts where it stood, not from scratch."""
+    import pytest
+
+    from cluster.train_eagle3 import load_records, save_records
+
+    torch.manual_seed(0)
+    eng = tiny_engine(0, max_num_seqs=32, enable_prefix_caching=False)
+    eng.tokenizer = _Tok()
+    layers = Eagle3Config.for_target(eng.config.model, 1).aux_layer_ids
+    prompts = [f"another prompt {i} on {w}" for i, w in enumerate("abcdefghijkl")]
+    recs = self_distill(eng, prompts[:8], 16, layers, torch.float32)
+    held = self_distill(eng, prompts[8:], 16, layers, torch.float32, desc="held-out")
+    key = {"target": "tiny", "prompts": [8, 4], "max_tokens": 16}
+    path = str(tmp_path / "records.pt")
+    save_records(path, key, recs, held)
+    tr, ev = load_records(path, key)
+    assert len(tr) == 8 and len(ev) == 4
+    assert all(torch.equal(a.ids, b.ids) and torch.equal(a.aux, b.aux)
+               and torch.equal(a.hidden, b.hidden) and a.prompt_len == b.prompt_len
+               for a, b in zip(tr + ev, recs + held))
+    with pytest.raises(ValueError, match="holds records of"):
+        load_records(path, {**key, "max_tokens": 32})
+    vocab = draft_vocab(recs, 64, 256)
+    first, info = train(eng, tr, ev, vocab, unroll=3, epochs=30, lr=3e-3, batch_size=4,
+                        log_every=2)
+    d2t = first.d2t.clone()
+    other = torch.arange(64) * 3  # a vocabulary `init` must ignore
+    again, info2 = train(eng, tr, ev, other, unroll=3, epochs=1, lr=1e-4, batch_size=4,
+                         log_every=1, init=first)
+    assert torch.equal(again.d2t, d2t)
+    # one small step on from the trained head: held-out accuracy where training left it,
+    # above a fresh head's after its first step
+    fresh, info3 = train(eng, tr, ev, vocab, unroll=3, epochs=1, lr=1e-4, batch_size=4,
+                         log_every=1)
+    trained, cont, new = info["history"][-1], info2["history"][0], info3["history"][0]
+    assert all(abs(a - b) < 0.02 for a, b in zip(cont["eval_acc_per_step"],
+                                                 trained["eval_acc_per_step"]))
+    assert cont["eval_expected_acceptance"] > new["eval_expected_acceptance"]
+
+
+def test_extended_prompt_set_keeps_the_base_split():
+    """The extended set adds prompts on both sides of the split; the base set (the
+    benchmarks' held-out prompts) is the same with or without it, and no prompt changes
+    sides."""
+    from cluster import prompt_sets
+
+    base_train, base_eval = prompt_sets.build()
+    train_x, eval_x = prompt_sets.build(extended=True)
+    assert prompt_sets.build() == (base_train, base_eval)
+    assert set(base_train) <= set(train_x) and set(base_eval) <= set(eval_x)
+    assert len(train_x) > 3 * len(base_train) and len(eval_x) > len(base_eval)
+    assert not set(train_x) & set(eval_x)
+
+
+def test_data_only_without_a_records_file_is_refused(capsys):
+    from types import SimpleNamespace
+
+    from cluster.train_eagle3 import run
+
+    assert run(SimpleNamespace(data_only=True, records=None)) == 2
+    assert "--data-only needs --records" in capsys.readouterr().out
