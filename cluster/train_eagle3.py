@@ -334,7 +334,7 @@ def run(args) -> int:
         "command": "tandem " + " ".join(args.argv), "target": m.name, "device": device,
         "prompts": {"train": len(train_p), "held_out": len(eval_p), "set": args.prompt_set,
                     "source": "cluster/prompt_sets.py (stdlib docs + templated chat/code/JSON)"},
-        "init": args.init,
+        "init": args.init, "records": args.records,
         "responses": f"target greedy, max {args.max_tokens} tokens",
         "train_tokens": int(sum(len(r.ids) - r.prompt_len for r in tr)),
         "draft_vocab_size": len(vocab_ids), "unroll": args.unroll, "epochs": args.epochs,
