@@ -3,7 +3,7 @@
 K=5 with its own drafts only, K=5 with context drafts, and dynamic K with context drafts (the
 default), beside no-spec. Per run: tok/s, acceptance, token identity with no-spec.
 
-    python -m bench.head_ab --model M --other HEAD_DIR --reps 3 --out bench/results/profile/head_ab.json
+    python -m bench.head_ab --model M --other HEAD --reps 3 --out bench/results/profile/head_ab.json
 """
 
 from __future__ import annotations
