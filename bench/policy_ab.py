@@ -12,60 +12,35 @@ acceptance, token identity with no-spec, steps by draft count and why each got i
 from __future__ import annotations
 
 import argparse
-import time
 
-from bench.common import (
-    command_line,
-    eagle,
-    environment,
-    held_out_messages,
-    load_smol,
-    model_arguments,
-    model_defaults,
-    save_json,
-)
-from bench.turns import take_turns
+from bench.common import eagle
+from bench.turns import run_turns, turn_arguments
 
 FRESH, FIT = "engine.spec.policy.LOSING_FRESH", "engine.spec.policy.FIT_SWITCHES"
 
 
+def variants(args) -> dict:
+    from engine.spec.policy import LOSING_FRESH, StepCosts
+
+    dyn = eagle(args, 7, True, True)
+    old, new = StepCosts.STALE, LOSING_FRESH
+    return {"no_spec": (None, {}), "eagle3_k5_context": (eagle(args, 5, False, True), {}),
+            "dynamic now": (dyn, {FRESH: new, FIT: False}),
+            "dynamic before": (dyn, {FRESH: old, FIT: True}),
+            # the policy's measurements start afresh each turn, as on an engine's first
+            "dynamic now reset": (dyn, {FRESH: new, FIT: False}, "reset"),
+            "dynamic before reset": (dyn, {FRESH: old, FIT: True}, "reset"),
+            "dynamic fresh losing only": (dyn, {FRESH: new, FIT: True}),
+            "dynamic switches unfit only": (dyn, {FRESH: old, FIT: False})}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    model_arguments(p)
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--num-blocks", type=int, default=8192)
-    p.add_argument("--out", default="bench/results/profile/policy_ab.json")
+    turn_arguments(p, "bench/results/profile/policy_ab.json", reps=3)
     p.add_argument("--traces", action="store_true",
                    help="keep every dynamic run's steps and K picks (trace, picks)")
     args = p.parse_args(argv)
-
-    from engine.spec.policy import LOSING_FRESH, StepCosts
-
-    model_defaults(args)
-    args.prompt_offset = 0
-    msgs = held_out_messages(args.prompts, 0)
-    base = load_smol(args, spec=eagle(args, 5, False, False), num_blocks=args.num_blocks)
-    prompts = [base.encode_prompt(m) for m in msgs]
-    dyn = eagle(args, 7, True, True)
-    old, new = StepCosts.STALE, LOSING_FRESH
-    variants = {"no_spec": (None, {}), "eagle3_k5_context": (eagle(args, 5, False, True), {}),
-                "dynamic now": (dyn, {FRESH: new, FIT: False}),
-                "dynamic before": (dyn, {FRESH: old, FIT: True}),
-                # the policy's measurements start afresh each turn, as on an engine's first
-                "dynamic now reset": (dyn, {FRESH: new, FIT: False}, "reset"),
-                "dynamic before reset": (dyn, {FRESH: old, FIT: True}, "reset"),
-                "dynamic fresh losing only": (dyn, {FRESH: new, FIT: True}),
-                "dynamic switches unfit only": (dyn, {FRESH: old, FIT: False})}
-    res = {"name": "policy_ab", "command": command_line(),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "environment": environment(args),
-           "prompts": len(prompts), "tokens": args.tokens, "reps": args.reps,
-           **take_turns(args, base, prompts, variants, args.reps, args.num_blocks,
-                        traces=args.traces)}
-    res["best_vs_no_spec"] = res.pop("best_vs_first")
-    res["median_vs_no_spec"] = res.pop("median_vs_first")
-    return {"path": save_json(args.out, res), **res}
+    return run_turns("policy_ab", args, variants, traces=args.traces)
 
 
 if __name__ == "__main__":

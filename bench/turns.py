@@ -8,9 +8,23 @@ from __future__ import annotations
 
 import importlib
 import statistics
+import time
 from collections import Counter, defaultdict
 
-from bench.common import log, rnd, start_trace, take_trace
+from bench.common import (
+    command_line,
+    eagle,
+    environment,
+    held_out_messages,
+    load_smol,
+    log,
+    model_arguments,
+    model_defaults,
+    rnd,
+    save_json,
+    start_trace,
+    take_trace,
+)
 
 
 def trace_summary(trace: list) -> dict:
@@ -102,3 +116,35 @@ def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks:
     log(f"best of each / best {names[0]}: {out['best_vs_first']}")
     log(f"median of each / median {names[0]}: {out['median_vs_first']}")
     return out
+
+
+def turn_arguments(p, out: str, reps: int) -> None:
+    """The options every turn-taking script shares: the model's, and --prompts, --tokens,
+    --reps, --num-blocks, --out."""
+    model_arguments(p)
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--reps", type=int, default=reps)
+    p.add_argument("--num-blocks", type=int, default=8192)
+    p.add_argument("--out", default=out)
+
+
+def run_turns(name: str, args, make_variants, extra: dict | None = None,
+              traces: bool = False) -> dict:
+    """Load SmolLM2, take figure 1's first held-out prompts, run `make_variants(args)`'s
+    variants in turns (`take_turns`, the first of them no-spec) and write the JSON to
+    args.out: the command, date, environment, `extra`, every run, and each variant's best
+    and median tok/s over no-spec's."""
+    model_defaults(args)
+    args.prompt_offset = 0
+    msgs = held_out_messages(args.prompts, 0)
+    base = load_smol(args, spec=eagle(args, 5, False, False), num_blocks=args.num_blocks)
+    prompts = [base.encode_prompt(m) for m in msgs]
+    res = {"name": name, "command": command_line(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "environment": environment(args),
+           **(extra or {}), "prompts": len(prompts), "tokens": args.tokens, "reps": args.reps,
+           **take_turns(args, base, prompts, make_variants(args), args.reps, args.num_blocks,
+                        traces=traces)}
+    res["best_vs_no_spec"] = res.pop("best_vs_first")
+    res["median_vs_no_spec"] = res.pop("median_vs_first")
+    return {"path": save_json(args.out, res), **res}

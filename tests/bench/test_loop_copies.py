@@ -99,3 +99,28 @@ def test_suite_settings_set_module_constants_and_refuse_unknown_names():
         apply_settings(["engine.spec.policy.NO_SUCH_NAME=1"])
     with pytest.raises(ValueError):
         apply_settings(["LOSING_FRESH"])
+
+
+def test_turn_scripts_start_with_no_spec_and_name_real_settings():
+    """Each turn-taking script's first variant is no-spec (the baseline its ratios divide
+    by), every setting names a module constant that exists, and head_ab's second head is
+    the one asked for."""
+    import importlib
+
+    import bench.head_ab
+    import bench.loop_copies
+    import bench.policy_ab
+
+    args = SimpleNamespace(head=None, other="/heads/new", accept_model="geometric",
+                           context_drafts=None)
+    for mod in (bench.loop_copies, bench.policy_ab, bench.head_ab):
+        variants = mod.variants(args)
+        first = next(iter(variants.values()))
+        assert first[0] is None, mod.__name__
+        for _, sets, *_ in variants.values():
+            for path in sets:
+                module, name = path.rsplit(".", 1)
+                assert hasattr(importlib.import_module(module), name), path
+    heads = {n: v[0].head for n, v in bench.head_ab.variants(args).items() if v[0]}
+    assert {h for n, h in heads.items() if n.startswith("other")} == {"/heads/new"}
+    assert {h for n, h in heads.items() if n.startswith("shipped")} == {None}

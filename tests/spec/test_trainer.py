@@ -27,14 +27,22 @@ class _Tok:
         return ""
 
 
-def test_trainer_runs_end_to_end_and_learns(tmp_path):
-    torch.manual_seed(0)  # head init and batch order: independent of the tests run before
+def _distilled(prompts: list[str], n_train: int, tokens: int):
+    """A tiny random target (seeded: head init and batch order do not depend on the tests
+    run before) and its self-distilled records: the first n_train prompts, then the rest."""
+    torch.manual_seed(0)
     eng = tiny_engine(0, max_num_seqs=32, enable_prefix_caching=False)
     eng.tokenizer = _Tok()
     layers = Eagle3Config.for_target(eng.config.model, 1).aux_layer_ids
+    recs = self_distill(eng, prompts[:n_train], tokens, layers, torch.float32)
+    held = self_distill(eng, prompts[n_train:], tokens, layers, torch.float32,
+                        desc="held-out")
+    return eng, recs, held
+
+
+def test_trainer_runs_end_to_end_and_learns(tmp_path):
     prompts = [f"prompt number {i} about {w}" for i, w in enumerate("abcdefghijklmnopqrst")]
-    recs = self_distill(eng, prompts[:16], 24, layers, torch.float32)
-    held = self_distill(eng, prompts[16:], 24, layers, torch.float32, desc="held-out")
+    eng, recs, held = _distilled(prompts, 16, 24)
     assert len(recs) == 16 and all(r.aux.shape == (len(r.ids) - 1, 3 * 64) for r in recs)
     assert eng.capture is None  # the tap is removed afterwards
     vocab = draft_vocab(recs, 64, 256)
@@ -63,13 +71,8 @@ def test_records_round_trip_and_training_continues_from_a_head(tmp_path):
 
     from cluster.train_eagle3 import load_records, save_records
 
-    torch.manual_seed(0)
-    eng = tiny_engine(0, max_num_seqs=32, enable_prefix_caching=False)
-    eng.tokenizer = _Tok()
-    layers = Eagle3Config.for_target(eng.config.model, 1).aux_layer_ids
     prompts = [f"another prompt {i} on {w}" for i, w in enumerate("abcdefghijkl")]
-    recs = self_distill(eng, prompts[:8], 16, layers, torch.float32)
-    held = self_distill(eng, prompts[8:], 16, layers, torch.float32, desc="held-out")
+    eng, recs, held = _distilled(prompts, 8, 16)
     key = {"target": "tiny", "prompts": [8, 4], "max_tokens": 16}
     path = str(tmp_path / "records.pt")
     save_records(path, key, recs, held)
