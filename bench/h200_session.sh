@@ -53,12 +53,14 @@ elif [ "$part" = train ]; then  # a new EAGLE-3 head: TRAIN_STAGE=data (records 
   REC=${TRAIN_RECORDS:-/tmp/records_${TRAIN_SET:-extended}.pt}
   if [ "${TRAIN_STAGE:-fit}" = data ]; then
     timeout "${TRAIN_TIMEOUT:-560}" python3 -m cluster.cli train-eagle3 --model "$M" \
-      --prompt-set "${TRAIN_SET:-extended}" --records "$REC" --data-only --out /tmp/head_unused \
+      --prompt-set "${TRAIN_SET:-extended}" ${TRAIN_PROMPTS:+--num-prompts $TRAIN_PROMPTS} \
+      --records "$REC" --data-only --out /tmp/head_unused \
       > "$R/train_data.log" 2>&1
     tail -2 "$R/train_data.log"
   else  # then figure 1 with both heads in turns (bench.head_ab)
     timeout "${TRAIN_TIMEOUT:-400}" python3 -m cluster.cli train-eagle3 --model "$M" \
-      --prompt-set "${TRAIN_SET:-extended}" --records "$REC" ${TRAIN_ARGS:-} --out "$R/head" \
+      --prompt-set "${TRAIN_SET:-extended}" ${TRAIN_PROMPTS:+--num-prompts $TRAIN_PROMPTS} \
+      --records "$REC" ${TRAIN_ARGS:-} --out "$R/head" \
       > "$R/train.log" 2>&1
     grep -o '"eval_expected_acceptance": [0-9.]*' "$R/train.log" | tail -3
     timeout "${HEADS_TIMEOUT:-150}" python3 -m bench.head_ab --model "$M" --other "$R/head" \
