@@ -301,21 +301,30 @@ def timed_ms(fn, reps: int, warmup: int = 3) -> list[float]:
     return [a.elapsed_time(b) for a, b in ev]
 
 
+def setting(path: str):
+    """(module, NAME) of a "module.NAME" module constant; refuses a name the module lacks."""
+    import importlib
+
+    module, _, name = path.strip().rpartition(".")
+    if not module or not name:
+        raise ValueError(f"{path!r} is not module.NAME")
+    mod = importlib.import_module(module)
+    if not hasattr(mod, name):
+        raise AttributeError(f"{module} has no {name}")
+    return mod, name
+
+
 def apply_settings(items: list[str]) -> dict:
     """Set module constants from "module.NAME=VALUE" strings (VALUE a Python literal, else a
     string) for an A/B process; only names the module already has. Returns what was set."""
     import ast
-    import importlib
 
     done = {}
     for item in items:
         path, sep, raw = item.partition("=")
-        module, _, name = path.strip().rpartition(".")
-        if not sep or not module or not name:
+        if not sep:
             raise ValueError(f"{item!r} is not module.NAME=VALUE")
-        mod = importlib.import_module(module)
-        if not hasattr(mod, name):
-            raise AttributeError(f"{module} has no {name}")
+        mod, name = setting(path)
         try:
             value = ast.literal_eval(raw.strip())
         except (ValueError, SyntaxError):

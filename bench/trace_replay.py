@@ -20,7 +20,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from engine.spec.policy import StepCosts, _bucket
+from engine.spec.policy import StepCosts, _bucket, switched
 
 
 def replay(trace: dict, match: str = "", every: int = 10, walls: dict | None = None,
@@ -38,8 +38,7 @@ def replay(trace: dict, match: str = "", every: int = 10, walls: dict | None = N
             if drafts is None:
                 groups["untimed"].append((ms, 0))
                 continue
-            switch = how.endswith("switch") or (pure is not None and drafts > 0
-                                                and drafts not in pure)
+            switch = switched(how) or (pure is not None and drafts > 0 and drafts not in pure)
             costs.record(batch, drafts, ms / 1e3, tokens, how, switch)
             groups[f"{drafts:g}"].append((ms, tokens or 0))
             if match in key and i % every == 0:

@@ -6,7 +6,6 @@ engine's first turn)."""
 
 from __future__ import annotations
 
-import importlib
 import statistics
 import time
 from collections import Counter, defaultdict
@@ -22,9 +21,11 @@ from bench.common import (
     model_defaults,
     rnd,
     save_json,
+    setting,
     start_trace,
     take_trace,
 )
+from engine.spec.policy import switched
 
 
 def trace_summary(trace: list) -> dict:
@@ -37,13 +38,8 @@ def trace_summary(trace: list) -> dict:
     out = {"other" if d < 0 else str(d): {
         "steps": len(v), "median_ms": rnd(statistics.median(m for m, _ in v), 4),
         "mean_tokens": rnd(statistics.fmean(t for _, t in v), 3)} for d, v in sorted(by.items())}
-    out["switches"] = sum(how.endswith("switch") for *_, how, _ in trace)
+    out["switches"] = sum(switched(how) for *_, how, _ in trace)
     return out
-
-
-def _setting(path: str):
-    module, attr = path.rsplit(".", 1)
-    return importlib.import_module(module), attr
 
 
 def _reset_policy(eng) -> None:
@@ -67,7 +63,7 @@ def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks:
     in order), "answers": the first variant's first answers and their prompts}. The
     settings are put back as they were after."""
     names = list(variants)
-    saved = {p: getattr(*_setting(p)) for v in variants.values() for p in v[1]}
+    saved = {p: getattr(*setting(p)) for v in variants.values() for p in v[1]}
     from bench.suite import run_single
 
     engines: dict = {}
@@ -78,7 +74,7 @@ def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks:
             for name in names[r:] + names[:r]:
                 spec, sets, *how = variants[name]
                 for path, value in sets.items():
-                    setattr(*_setting(path), value)
+                    setattr(*setting(path), value)
                 eng = engines.get(name)
                 if eng is None:
                     eng = engines[name] = base.with_config(spec=spec, num_blocks=num_blocks)
@@ -105,7 +101,7 @@ def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks:
                     f"acceptance {res['acceptance_length']}")
     finally:
         for path, value in saved.items():
-            setattr(*_setting(path), value)
+            setattr(*setting(path), value)
     first = max(r["tokens_per_s"] for r in out["runs"][names[0]])
     out["best_vs_first"] = {k: rnd(max(r["tokens_per_s"] for r in v) / first, 3)
                             for k, v in out["runs"].items()}

@@ -186,6 +186,13 @@ def expected_acceptance(accs: list[float]) -> float:
     return out
 
 
+def _head_backend(block_size: int):
+    """The attention backend a head trains with (`Eagle3Config` -> the torch reference)."""
+    from engine.attention import TorchAttention
+
+    return lambda c: TorchAttention(c.num_heads, c.num_kv_heads, c.head_dim, block_size)
+
+
 def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, epochs=4,
           lr=1e-3, batch_size=16, log_every=50, aux_layers=None,
           init: Eagle3Head | None = None) -> tuple[Eagle3Head, dict]:
@@ -197,11 +204,8 @@ def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, e
         head = init.to(cfg.device)
     else:
         hc = Eagle3Config.for_target(cfg.model, len(vocab_ids), aux_layers)
-        from engine.attention import TorchAttention
-
         with torch.device(cfg.device):
-            head = Eagle3Head(hc, TorchAttention(hc.num_heads, hc.num_kv_heads, hc.head_dim,
-                                                 cfg.block_size))
+            head = Eagle3Head(hc, _head_backend(cfg.block_size)(hc))
         head.set_vocab(vocab_ids.to(cfg.device))
         with torch.no_grad():  # start the draft LM head from the target's rows
             head.lm_head.weight.copy_(target.lm_head.weight[vocab_ids.to(cfg.device)])
@@ -320,11 +324,7 @@ def run(args) -> int:
         return 0
     init = None
     if args.init:
-        from engine.attention import TorchAttention
-
-        init = load_head(args.init, m, lambda c: TorchAttention(
-            c.num_heads, c.num_kv_heads, c.head_dim, engine.config.block_size),
-            device=device)
+        init = load_head(args.init, m, _head_backend(engine.config.block_size), device=device)
     vocab_ids = init.draft_to_target.cpu() if init is not None else \
         draft_vocab(tr, args.draft_vocab, m.vocab_size)
     head, info = train(engine, tr, ev, vocab_ids, unroll=args.unroll, epochs=args.epochs,

@@ -52,6 +52,13 @@ LOSING_FRESH = 64
 # those made its slope <= 0, so all of drafting read as a fixed ~1.0 plain step and only K=7
 # at high acceptance beat K=0 (`bench.trace_replay` on fig3_c374fcc_a). True restores that.
 FIT_SWITCHES = False
+SWITCH_MARK = " switch"  # appended to a trace row's `how` where the step switched K
+
+
+def switched(how: str) -> bool:
+    """Whether a `StepCosts.trace` row's `how` marks a step that switched K."""
+    return how.endswith(SWITCH_MARK)
+
 ACCEPT_DECAY = 0.7  # per verify, of a sequence's accepted and tried draft counts
 # accept_model "runs": per-depth counts decay by this factor a verify (about the last ten
 # verifies count), and a depth's acceptance is shrunk toward the sequence's rate with this
@@ -142,7 +149,7 @@ class StepCosts:
         steady, self._last = kind is not None and kind == self._last, kind
         if self.trace is not None:
             self.trace.append((batch_size, round(drafts_per_seq, 3), round(seconds * 1e3, 4),
-                               tokens, f"{how} switch" if switch else how, steady))
+                               tokens, how + SWITCH_MARK if switch else how, steady))
         if not steady:
             return
         if tokens is not None and seconds > 0:
