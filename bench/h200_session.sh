@@ -12,7 +12,8 @@
 # bench/h200_session.sh policy` (bench.policy_ab; POLICY_REPS repetitions), `TRAIN_STAGE=data
 # bash bench/h200_session.sh train` then `bash bench/h200_session.sh train` (a new EAGLE-3
 # head on the extended prompt set: records to /tmp in one call, training and bench.head_ab
-# against the shipped head in the next; TRAIN_ARGS e.g. "--init assets/... --epochs 6").
+# against the shipped head in the next; TRAIN_ARGS e.g. "--init assets/... --epochs 6",
+# TRAIN_SECONDS caps the training; HEADS_REPS=0 leaves head_ab to a TRAIN_STAGE=ab call).
 # Results
 # land in $OUT/<part>.tgz.
 set -u
@@ -49,20 +50,26 @@ elif [ "$part" = policy ]; then  # figure 1's dynamic K under its rules before a
   timeout "${POLICY_TIMEOUT:-300}" python3 -m bench.policy_ab --model "$M" --reps "${POLICY_REPS:-3}" \
     ${POLICY_TRACES:+--traces} --out "$R/policy_ab.json" > "$R/policy_ab.log" 2>&1
   grep '\[bench' "$R/policy_ab.log" | tail -20
-elif [ "$part" = train ]; then  # a new EAGLE-3 head: TRAIN_STAGE=data (records to /tmp), then fit
+elif [ "$part" = train ]; then  # a new EAGLE-3 head: TRAIN_STAGE=data (records to /tmp), fit, ab
   REC=${TRAIN_RECORDS:-/tmp/records_${TRAIN_SET:-extended}.pt}
-  if [ "${TRAIN_STAGE:-fit}" = data ]; then
+  stage=${TRAIN_STAGE:-fit}
+  if [ "$stage" = data ]; then
     timeout "${TRAIN_TIMEOUT:-560}" python3 -m cluster.cli train-eagle3 --model "$M" \
       --prompt-set "${TRAIN_SET:-extended}" ${TRAIN_PROMPTS:+--num-prompts $TRAIN_PROMPTS} \
       --records "$REC" --data-only --out /tmp/head_unused \
       > "$R/train_data.log" 2>&1
     tail -2 "$R/train_data.log"
-  else  # then figure 1 with both heads in turns (bench.head_ab)
+  fi
+  if [ "$stage" = fit ]; then  # TRAIN_SECONDS caps the training itself (--max-seconds)
     timeout "${TRAIN_TIMEOUT:-400}" python3 -m cluster.cli train-eagle3 --model "$M" \
       --prompt-set "${TRAIN_SET:-extended}" ${TRAIN_PROMPTS:+--num-prompts $TRAIN_PROMPTS} \
-      --records "$REC" ${TRAIN_ARGS:-} --out "$R/head" \
-      > "$R/train.log" 2>&1
+      --records "$REC" ${TRAIN_SECONDS:+--max-seconds $TRAIN_SECONDS} ${TRAIN_ARGS:-} \
+      --out "$R/head" > "$R/train.log" 2>&1
     grep -o '"eval_expected_acceptance": [0-9.]*' "$R/train.log" | tail -3
+    grep -A3 '"k": 5' "$R/train.log" | tr -d ' \n'; echo
+  fi
+  if [ "$stage" = ab ] || { [ "$stage" = fit ] && [ "${HEADS_REPS:-2}" != 0 ]; }; then
+    # figure 1 with the shipped head and the new one in turns (bench.head_ab)
     timeout "${HEADS_TIMEOUT:-150}" python3 -m bench.head_ab --model "$M" --other "$R/head" \
       --reps "${HEADS_REPS:-2}" --out "$R/head_ab.json" > "$R/head_ab.log" 2>&1
     grep '\[bench' "$R/head_ab.log" | tail -3

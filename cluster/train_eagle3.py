@@ -48,23 +48,30 @@ def self_distill(engine: Engine, prompts: list[str], max_tokens: int, layers: tu
 
     engine.capture, engine.capture_layers = capture, layers
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    msgs = [[{"role": "user", "content": p}] for p in prompts]
-    records = []
+    done: dict[str, Record] = {}
     try:
-        bar = tqdm(total=len(msgs), desc=desc, unit="prompt")
-        for i in range(0, len(msgs), 256):
-            for c in engine.generate(msgs[i : i + 256], params):
-                got = caps.pop(c.request_id)
+        # All prompts queued at once: continuous batching refills a finished answer's slot,
+        # where batches of a fixed set waited for their longest answer.
+        seqs = {}
+        for p in prompts:
+            rid = engine.add_request([{"role": "user", "content": p}], params)
+            seqs[rid] = engine.seqs[rid]
+        bar = tqdm(total=len(seqs), desc=desc, unit="prompt")
+        while len(done) < len(seqs):
+            for out in engine.step():
+                if not out.finished or out.request_id not in seqs:
+                    continue
+                seq, got = seqs[out.request_id], caps.pop(out.request_id)
                 parts = [got[k] for k in sorted(got)]
-                ids = torch.tensor(c.prompt_token_ids + c.token_ids)
+                ids = torch.tensor(seq.token_ids[: seq.num_prompt_tokens] + seq.output_ids)
                 aux = torch.cat([a for a, _ in parts])[: len(ids) - 1]
                 hid = torch.cat([h for _, h in parts])[: len(ids) - 1]
-                records.append(Record(ids, len(c.prompt_token_ids), aux, hid))
+                done[out.request_id] = Record(ids, seq.num_prompt_tokens, aux, hid)
                 bar.update(1)
         bar.close()
     finally:
         engine.capture, engine.capture_layers = None, ()
-    return records
+    return [done[rid] for rid in seqs]  # in the prompts' order
 
 
 def draft_vocab(records: list[Record], size: int, vocab: int) -> torch.Tensor:
@@ -186,6 +193,9 @@ def expected_acceptance(accs: list[float]) -> float:
     return out
 
 
+PLAN_AFTER = 20  # steps timed before a time budget (`max_seconds`) plans the rest
+
+
 def _head_backend(block_size: int):
     """The attention backend a head trains with (`Eagle3Config` -> the torch reference)."""
     from engine.attention import TorchAttention
@@ -195,9 +205,12 @@ def _head_backend(block_size: int):
 
 def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, epochs=4,
           lr=1e-3, batch_size=16, log_every=50, aux_layers=None,
-          init: Eagle3Head | None = None) -> tuple[Eagle3Head, dict]:
+          init: Eagle3Head | None = None,
+          max_seconds: float | None = None) -> tuple[Eagle3Head, dict]:
     """Train a head on the records (`init`: continue from this head, its draft vocabulary
-    kept; vocab_ids is then ignored)."""
+    kept; vocab_ids is then ignored). `max_seconds`: fewer steps than `epochs` asks where
+    they would not fit, planned from the pace of the first steps (held-out evaluations
+    included) and again at every log; the learning-rate schedule ends with the plan."""
     target = engine.model
     cfg = engine.config
     if init is not None:
@@ -216,14 +229,18 @@ def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, e
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     order = sorted(range(len(train_records)), key=lambda i: len(train_records[i].ids))
     batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    total = epochs * len(batches)
+    asked = epochs * len(batches)
+    plan = [asked]  # steps to run: the schedule reads it as it changes
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (
-        1 + math.cos(math.pi * min(s / max(total, 1), 1.0))))
+        1 + math.cos(math.pi * min(s / max(plan[0], 1), 1.0))))
     history = []
     g = torch.Generator().manual_seed(0)
-    bar = tqdm(total=total, desc="train", unit="step")
+    bar = tqdm(total=asked, desc="train", unit="step")
     step = 0
+    t0 = time.perf_counter()
     for ep in range(epochs):
+        if step >= plan[0]:
+            break
         for bi in torch.randperm(len(batches), generator=g).tolist():
             recs = [train_records[i] for i in batches[bi]]
             losses, accs = step_losses(head, target, *_batch(recs, cfg.device, torch.float32),
@@ -237,14 +254,23 @@ def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, e
             step += 1
             bar.update(1)
             bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0]:.2f}")
-            if step % log_every == 0 or step == total:
+            if max_seconds and (step == PLAN_AFTER or step % log_every == 0):
+                pace = (time.perf_counter() - t0) / step
+                plan[0] = max(step, min(asked, int(max_seconds / pace)))
+                bar.total = plan[0]
+                bar.refresh()
+            if step % log_every == 0 or step == plan[0]:
                 ev = evaluate(head, target, eval_records, unroll, cfg.device, torch.float32)
                 history.append({"step": step, "epoch": ep, "loss": round(loss.item(), 4),
                                 "eval_acc_per_step": [round(a, 4) for a in ev],
                                 "eval_expected_acceptance": round(expected_acceptance(ev), 3)})
                 tqdm.write(json.dumps(history[-1]))
+            if step >= plan[0]:
+                break
     bar.close()
-    return head.eval(), {"history": history}
+    return head.eval(), {"history": history, "steps": step, "steps_asked": asked,
+                         "train_seconds": round(time.perf_counter() - t0, 1),
+                         "final_lr": sched.get_last_lr()[0]}
 
 
 def engine_acceptance(engine: Engine, head: Eagle3Head, prompts: list[str], k: int,
@@ -329,7 +355,7 @@ def run(args) -> int:
         draft_vocab(tr, args.draft_vocab, m.vocab_size)
     head, info = train(engine, tr, ev, vocab_ids, unroll=args.unroll, epochs=args.epochs,
                        lr=args.lr, batch_size=args.batch_size, log_every=args.log_every,
-                       init=init)
+                       init=init, max_seconds=args.max_seconds)
     recipe = {
         "command": "tandem " + " ".join(args.argv), "target": m.name, "device": device,
         "prompts": {"train": len(train_p), "held_out": len(eval_p), "set": args.prompt_set,
@@ -368,6 +394,9 @@ def add_parser(sub) -> None:
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="train at most about this long: fewer steps than --epochs asks "
+                        "where they would not fit (the schedule shortened to match)")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--k-eval", type=int, default=5)

@@ -3,11 +3,12 @@ build the draft vocabulary, train a few steps, save in the public layout, load, 
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
 
-from cluster.train_eagle3 import draft_vocab, expected_acceptance, self_distill, train
+from cluster.train_eagle3 import PLAN_AFTER, draft_vocab, expected_acceptance, self_distill, train
 from engine import Engine, SamplingParams
 from engine.attention import TorchAttention
 from engine.config import SpecConfig
@@ -99,6 +100,25 @@ def test_records_round_trip_and_training_continues_from_a_head(tmp_path):
     assert all(abs(a - b) < 0.02 for a, b in zip(cont["eval_acc_per_step"],
                                                  trained["eval_acc_per_step"]))
     assert cont["eval_expected_acceptance"] > new["eval_expected_acceptance"]
+
+
+def test_a_time_budget_shortens_training_and_its_schedule():
+    """`max_seconds` plans the steps from the pace of the first ones: far fewer than the
+    epochs ask, each timed, the learning rate run down to its end and a last evaluation."""
+    prompts = [f"a budget prompt {i} on {w}" for i, w in enumerate("abcdefghij")]
+    eng, recs, held = _distilled(prompts, 8, 12)
+    vocab = draft_vocab(recs, 64, 256)
+    t0 = time.perf_counter()
+    _, info = train(eng, recs, held, vocab, unroll=2, epochs=5000, lr=3e-3, batch_size=4,
+                    log_every=10**6, max_seconds=2.0)
+    took = time.perf_counter() - t0
+    assert info["steps_asked"] == 10000 and PLAN_AFTER <= info["steps"] < 10000
+    assert took < 2.0 * 4 and info["train_seconds"] <= round(took, 1)
+    assert info["final_lr"] < 1e-3 * 3e-3  # the cosine ended with the plan
+    assert [h["step"] for h in info["history"]] == [info["steps"]]
+    _, full = train(eng, recs, held, vocab, unroll=2, epochs=2, lr=3e-3, batch_size=4,
+                    log_every=10**6, max_seconds=600.0)
+    assert full["steps"] == full["steps_asked"] == 4  # a budget that fits changes nothing
 
 
 def test_extended_prompt_set_keeps_the_base_split():
