@@ -235,7 +235,11 @@ class LlamaModel(nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype. Through the prologue linears, the LM head takes
         16-row tensor-core tiles (`ops.LOGITS_DOT_TILES`): its weight is read once for all
-        rows of a verify step, and each row still rounds as it does alone."""
+        rows of a verify step, and each row still rounds as it does alone. Leading
+        dimensions other than rows (a trainer's [batch, length, hidden]) count as rows."""
+        if hidden.dim() != 2:
+            return self._logits(hidden.reshape(-1, hidden.shape[-1])).view(
+                *hidden.shape[:-1], -1)
         if self.prologue_linears and hidden.is_cuda and hidden.shape[0] in self.prologue_rows:
             return ops.prologue_linear(hidden.contiguous(), self.lm_head.weight,
                                        self.lm_head.bias, dot=ops.LOGITS_DOT_TILES)

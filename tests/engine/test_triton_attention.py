@@ -373,6 +373,20 @@ def test_prologue_forward_equals_the_fused_forward(rows):
         torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
 
 
+def test_logits_of_a_batch_of_sequences_are_its_rows_logits():
+    """A trainer's [batch, length, hidden] takes the LM head row by row: a leading dimension
+    whose size is a prologue row count is not read as rows (on a GPU that tripped the
+    prologue GEMV's shape check)."""
+    from tests.helpers import tiny_engine
+
+    eng = tiny_engine(num_blocks=64, device=DEV, attention_backend="triton")
+    eng.model.prologue_rows = frozenset(range(1, 65))
+    h = torch.randn(4, 9, eng.config.model.hidden_size, device=DEV)
+    got = eng.model.logits(h)
+    assert got.shape == (4, 9, eng.config.model.vocab_size)
+    torch.testing.assert_close(got[2], eng.model.logits(h[2]), atol=1e-5, rtol=1e-5)
+
+
 def test_fused_model_matches_reference_logits():
     """The whole fused forward (triton backend) against the reference model, fp32: the aux
     taps too, which the EAGLE-3 head reads."""
