@@ -105,11 +105,15 @@ class Engine:
         return cls(cfg, loader.load_state_dict(ckpt, cfg.dtype), loader.Tokenizer.load(ckpt))
 
     def with_config(self, **overrides) -> Engine:
-        """A fresh engine (own KV cache and queues) sharing this one's weights."""
+        """A fresh engine (own KV cache and queues) sharing this one's weights, and its
+        EAGLE-3 head where the new spec names the same checkpoint (another is loaded)."""
         from dataclasses import replace
 
-        head = self.spec.head if self.spec is not None else None
-        return Engine(replace(self.config, **overrides), weights_of=self, draft_head=head)
+        cfg = replace(self.config, **overrides)
+        mine, new = self.config.spec, cfg.spec
+        same = self.spec is not None and mine is not None and new is not None \
+            and new.method == "eagle3" and new.head == mine.head
+        return Engine(cfg, weights_of=self, draft_head=self.spec.head if same else None)
 
     def _draft_head(self, given):
         """This engine's EAGLE-3 head: sharing the weights of `given`, or loaded from the spec's

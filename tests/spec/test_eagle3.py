@@ -66,6 +66,26 @@ def test_checkpoint_round_trip_is_exact(tmp_path):
     assert torch.equal(back.draft_to_target, head.draft_to_target)
 
 
+def test_with_config_loads_the_head_its_spec_names(tmp_path):
+    """`Engine.with_config` shares the head only when the new spec names the same checkpoint:
+    a spec naming another head folder gets that head (figure 1's head A/B compared the
+    shipped head with itself when every derived engine took the first one's)."""
+    base = tiny_engine(0)
+    a, b = random_head(base, seed=1), random_head(base, seed=2)
+    save_head(b, str(tmp_path), dtype=torch.float32)
+    eng = spec_engine(base, a, num_tokens=3)
+
+    def weights(e):
+        return e.spec.head.fc.weight
+
+    assert torch.equal(weights(eng), a.fc.weight)
+    assert torch.equal(weights(eng.with_config(spec=SpecConfig(num_tokens=5))), a.fc.weight)
+    other = eng.with_config(spec=SpecConfig(num_tokens=3, head=str(tmp_path)))
+    assert torch.equal(weights(other), b.fc.weight)
+    assert torch.equal(other.spec.head.draft_to_target, b.draft_to_target)
+    assert torch.equal(weights(other.with_config(num_blocks=64)), b.fc.weight)
+
+
 def test_public_layout_names(tmp_path):
     from safetensors.torch import load_file
 
