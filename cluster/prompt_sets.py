@@ -8,6 +8,7 @@ import hashlib
 import importlib
 import inspect
 import random
+import re
 import warnings
 
 STDLIB = ("os", "os.path", "shutil", "string", "textwrap", "json", "itertools", "functools",
@@ -128,3 +129,22 @@ def build(n: int | None = None, seed: int = 0, eval_frac: float = 0.05,
         prompts = prompts[:n]
     is_eval = lambda p: int(hashlib.sha1(p.encode()).hexdigest(), 16) % 1000 < eval_frac * 1000  # noqa: E731
     return [p for p in prompts if not is_eval(p)], [p for p in prompts if is_eval(p)]
+
+
+def mentions(prompt: str) -> set[str]:
+    """What a documentation prompt is about: its backticked names and the first line of any
+    documentation it quotes (empty for the templated prompts, whose subjects every set
+    shares)."""
+    out = set(re.findall(r"`([\w.]+)`", prompt))
+    for mark in ("The docs say: ", "in plain words:\n\n"):
+        if mark in prompt:
+            out.add(prompt.split(mark, 1)[1].split("\n")[0].strip())
+    return out
+
+
+def unseen(held_out: list[str], *train_sets: list[str]) -> list[str]:
+    """The held-out documentation prompts none of whose `mentions` any training prompt
+    mentions. The split is by prompt text, so a held-out question can share its name with
+    other questions in training; these cannot."""
+    seen = set().union(*(mentions(p) for t in train_sets for p in t))
+    return [p for p in held_out if (m := mentions(p)) and not m & seen]

@@ -1,0 +1,94 @@
+"""EAGLE-3 heads compared by acceptance alone: greedy speculative decoding at fixed K with the
+head's own drafts (context drafts off), every head on the same prompts. Sets: the first
+--held-out base held-out prompts; the held-out documentation prompts none of whose names the
+heads' training prompts mention (`prompt_sets.unseen`, training sets from --trained-on); and
+figure 1's first --per-prompt prompts one at a time. Runs on the CPU (fp32) as well.
+
+    python -m bench.head_acceptance --heads assets/eagle3-smollm2-135m-instruct,OLD_HEAD \\
+        --out bench/results/profile/head_acceptance.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+from bench.common import command_line, environment, log, model_arguments, model_defaults, save_json
+
+SHIPPED = "assets/eagle3-smollm2-135m-instruct"
+
+
+def training_prompts(spec: str) -> list[str]:
+    """'base' or 'extended', optionally ':N' (the --num-prompts cap): that set's training side."""
+    from cluster import prompt_sets
+
+    name, _, cap = spec.partition(":")
+    if name not in ("base", "extended"):
+        raise SystemExit(f"--trained-on: unknown prompt set {name!r} (base or extended)")
+    return prompt_sets.build(int(cap) if cap else None, extended=name == "extended")[0]
+
+
+def acceptance(base, head, prompts: list[str], k: int, tokens: int) -> dict:
+    """Tokens per target forward and per-position acceptance of `head` at K=k on `prompts`."""
+    from engine import Engine, SamplingParams
+    from engine.config import SpecConfig
+
+    spec = SpecConfig(num_tokens=k, dynamic=False, context_drafts=False)
+    eng = Engine(replace(base.config, spec=spec, enable_prefix_caching=False), weights_of=base,
+                 draft_head=head)
+    eng.generate([[{"role": "user", "content": p}] for p in prompts],
+                 SamplingParams(temperature=0, max_tokens=tokens))
+    st = eng.spec.stats
+    return {"acceptance_length": round(st.acceptance_length, 3),
+            "accept_rate_per_pos": [round(a / max(d, 1), 4) for a, d in
+                                    zip(st.accepted_per_pos, st.drafted_per_pos)],
+            "verify_steps": st.verify_steps}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_arguments(p)
+    p.add_argument("--heads", default=None,
+                   help="comma-separated head folders (default: --head, else the shipped one)")
+    p.add_argument("--k", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--held-out", type=int, default=24)
+    p.add_argument("--per-prompt", type=int, default=4)
+    p.add_argument("--trained-on", default="base,extended:3500",
+                   help="the heads' training sets, for the unseen set (the shipped head's)")
+    p.add_argument("--out", default="bench/results/profile/head_acceptance.json")
+    args = p.parse_args(argv)
+    model_defaults(args)
+
+    import torch
+
+    from bench.common import load_smol
+    from cluster import prompt_sets
+    from cluster.train_eagle3 import _head_backend
+    from engine.spec.eagle3 import load_head
+
+    _, held = prompt_sets.build()
+    unseen = prompt_sets.unseen(held, *(training_prompts(s)
+                                        for s in args.trained_on.split(",")))
+    sets = {f"held_out_{args.held_out}": held[: args.held_out], f"unseen_{len(unseen)}": unseen}
+    sets.update({f"figure1_prompt_{i + 1}": [held[i]] for i in range(args.per_prompt)})
+    base = load_smol(args, spec=None)
+    res = {"name": "head_acceptance", "command": command_line(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "environment": environment(args),
+           "k": args.k, "tokens": args.tokens, "trained_on": args.trained_on,
+           "prompts": sets, "heads": {}}
+    dtype = getattr(torch, args.dtype)
+    for folder in (args.heads or args.head or SHIPPED).split(","):
+        head = load_head(folder, base.config.model, _head_backend(base.config.block_size),
+                         dtype, args.device)
+        res["heads"][folder] = got = {}
+        for name, prompts in sets.items():
+            got[name] = acceptance(base, head, prompts, args.k, args.tokens)
+            log(f"{folder} {name}: {got[name]['acceptance_length']}")
+    save_json(args.out, res)
+    return res
+
+
+if __name__ == "__main__":
+    main()
