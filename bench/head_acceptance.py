@@ -2,7 +2,13 @@
 head's own drafts (context drafts off), every head on the same prompts. Sets: the first
 --held-out base held-out prompts; the held-out documentation prompts none of whose names the
 heads' training prompts mention (`prompt_sets.unseen`, training sets from --trained-on); and
-figure 1's first --per-prompt prompts one at a time. Runs on the CPU (fp32) as well.
+the first --per-prompt held-out prompts one at a time. Runs on the CPU (fp32) as well.
+
+The prompt sets are built from the running Python's standard library (and what is imported
+before them: torch replaces `inspect.getfile`, `concurrent.futures` grows its executors once
+touched), so another Python version gives partly other prompts: figure 1's prompts are the
+first held-out ones only under the Python the figure ran on, and the unseen set is unseen by
+training prompts built as here, not necessarily by the ones a head was trained on elsewhere.
 
     python -m bench.head_acceptance --heads assets/eagle3-smollm2-135m-instruct,OLD_HEAD \\
         --out bench/results/profile/head_acceptance.json
@@ -11,6 +17,7 @@ figure 1's first --per-prompt prompts one at a time. Runs on the CPU (fp32) as w
 from __future__ import annotations
 
 import argparse
+import platform
 import time
 from dataclasses import replace
 
@@ -72,11 +79,12 @@ def main(argv=None) -> dict:
     unseen = prompt_sets.unseen(held, *(training_prompts(s)
                                         for s in args.trained_on.split(",")))
     sets = {f"held_out_{args.held_out}": held[: args.held_out], f"unseen_{len(unseen)}": unseen}
-    sets.update({f"figure1_prompt_{i + 1}": [held[i]] for i in range(args.per_prompt)})
+    sets.update({f"held_out_prompt_{i + 1}": [held[i]] for i in range(args.per_prompt)})
     base = load_smol(args, spec=None)
     res = {"name": "head_acceptance", "command": command_line(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "environment": environment(args),
            "k": args.k, "tokens": args.tokens, "trained_on": args.trained_on,
+           "python": platform.python_version(),
            "prompts": sets, "heads": {}}
     dtype = getattr(torch, args.dtype)
     for folder in (args.heads or args.head or SHIPPED).split(","):
