@@ -46,18 +46,10 @@ def test_training_prompts_refuses_an_unknown_set():
 def test_acceptance_of_a_head_on_a_tiny_model():
     from tests.helpers import tiny_engine
     from tests.spec.test_eagle3 import random_head
-
-    class Tok:
-        eos_token_id = None
-
-        def apply_chat(self, messages):
-            return [ord(c) % 256 for c in messages[-1]["content"]][:16]
-
-        def decode(self, ids):
-            return ""
+    from tests.spec.test_trainer import _Tok
 
     base = tiny_engine(0)
-    base.tokenizer = Tok()
+    base.tokenizer = _Tok()
     got = acceptance(base, random_head(base), ["a prompt", "another one"], 3, 12)
     assert 1.0 <= got["acceptance_length"] <= 4.0 and got["verify_steps"] > 0
     assert len(got["accept_rate_per_pos"]) == 3
