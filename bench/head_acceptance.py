@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import platform
 import time
-from dataclasses import replace
 
 from bench.common import command_line, environment, log, model_arguments, model_defaults, save_json
 
@@ -34,23 +33,6 @@ def training_prompts(spec: str) -> list[str]:
     if name not in ("base", "extended"):
         raise SystemExit(f"--trained-on: unknown prompt set {name!r} (base or extended)")
     return prompt_sets.build(int(cap) if cap else None, extended=name == "extended")[0]
-
-
-def acceptance(base, head, prompts: list[str], k: int, tokens: int) -> dict:
-    """Tokens per target forward and per-position acceptance of `head` at K=k on `prompts`."""
-    from engine import Engine, SamplingParams
-    from engine.config import SpecConfig
-
-    spec = SpecConfig(num_tokens=k, dynamic=False, context_drafts=False)
-    eng = Engine(replace(base.config, spec=spec, enable_prefix_caching=False), weights_of=base,
-                 draft_head=head)
-    eng.generate([[{"role": "user", "content": p}] for p in prompts],
-                 SamplingParams(temperature=0, max_tokens=tokens))
-    st = eng.spec.stats
-    return {"acceptance_length": round(st.acceptance_length, 3),
-            "accept_rate_per_pos": [round(a / max(d, 1), 4) for a, d in
-                                    zip(st.accepted_per_pos, st.drafted_per_pos)],
-            "verify_steps": st.verify_steps}
 
 
 def main(argv=None) -> dict:
@@ -72,7 +54,7 @@ def main(argv=None) -> dict:
 
     from bench.common import load_smol
     from cluster import prompt_sets
-    from cluster.train_eagle3 import _head_backend
+    from cluster.train_eagle3 import _head_backend, engine_acceptance
     from engine.spec.eagle3 import load_head
 
     _, held = prompt_sets.build()
@@ -92,7 +74,7 @@ def main(argv=None) -> dict:
                          dtype, args.device)
         res["heads"][folder] = got = {}
         for name, prompts in sets.items():
-            got[name] = acceptance(base, head, prompts, args.k, args.tokens)
+            got[name] = engine_acceptance(base, head, prompts, args.k, args.tokens)
             log(f"{folder} {name}: {got[name]['acceptance_length']}")
     save_json(args.out, res)
     return res

@@ -48,30 +48,21 @@ def self_distill(engine: Engine, prompts: list[str], max_tokens: int, layers: tu
 
     engine.capture, engine.capture_layers = capture, layers
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    done: dict[str, Record] = {}
+    msgs = [[{"role": "user", "content": p}] for p in prompts]
+    records = []
     try:
         # All prompts queued at once: continuous batching refills a finished answer's slot,
         # where batches of a fixed set waited for their longest answer.
-        seqs = {}
-        for p in prompts:
-            rid = engine.add_request([{"role": "user", "content": p}], params)
-            seqs[rid] = engine.seqs[rid]
-        bar = tqdm(total=len(seqs), desc=desc, unit="prompt")
-        while len(done) < len(seqs):
-            for out in engine.step():
-                if not out.finished or out.request_id not in seqs:
-                    continue
-                seq, got = seqs[out.request_id], caps.pop(out.request_id)
-                parts = [got[k] for k in sorted(got)]
-                ids = torch.tensor(seq.token_ids[: seq.num_prompt_tokens] + seq.output_ids)
-                aux = torch.cat([a for a, _ in parts])[: len(ids) - 1]
-                hid = torch.cat([h for _, h in parts])[: len(ids) - 1]
-                done[out.request_id] = Record(ids, seq.num_prompt_tokens, aux, hid)
-                bar.update(1)
-        bar.close()
+        for c in engine.generate(msgs, params, use_tqdm=desc):
+            got = caps.pop(c.request_id)
+            parts = [got[k] for k in sorted(got)]
+            ids = torch.tensor(c.prompt_token_ids + c.token_ids)
+            aux = torch.cat([a for a, _ in parts])[: len(ids) - 1]
+            hid = torch.cat([h for _, h in parts])[: len(ids) - 1]
+            records.append(Record(ids, len(c.prompt_token_ids), aux, hid))
     finally:
         engine.capture, engine.capture_layers = None, ()
-    return [done[rid] for rid in seqs]  # in the prompts' order
+    return records
 
 
 def draft_vocab(records: list[Record], size: int, vocab: int) -> torch.Tensor:

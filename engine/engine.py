@@ -830,8 +830,9 @@ class Engine:
     # ---- offline use -----------------------------------------------------------------------
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[Completion]:
-        """Run prompts to completion with continuous batching; results in input order."""
+                 use_tqdm: bool | str = False) -> list[Completion]:
+        """Run prompts to completion with continuous batching; results in input order.
+        `use_tqdm`: a progress bar (a string: the bar's label)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = params if isinstance(params, list) else [params] * len(prompts)
@@ -841,7 +842,8 @@ class Engine:
         for p, sp in zip(prompts, plist):
             rid = self.add_request(p, sp)
             seqs[rid] = self.seqs[rid]
-        bar = _progress(len(seqs), use_tqdm)
+        bar = _progress(len(seqs), bool(use_tqdm),
+                        use_tqdm if isinstance(use_tqdm, str) else "generate")
         while any(not s.finished for s in seqs.values()):
             for out in self.step():
                 if out.finished and out.request_id in seqs:

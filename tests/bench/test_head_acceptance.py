@@ -1,11 +1,12 @@
 """bench/head_acceptance.py: which held-out prompts count as unseen by a head's training
-prompts, and the acceptance of a head measured on a tiny model (the real runs are not in CI)."""
+prompts, and the acceptance it measures (the trainer's `engine_acceptance`) on a tiny model
+(the real runs are not in CI)."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.head_acceptance import acceptance, training_prompts
+from bench.head_acceptance import training_prompts
 from cluster import prompt_sets
 
 
@@ -44,12 +45,13 @@ def test_training_prompts_refuses_an_unknown_set():
 
 
 def test_acceptance_of_a_head_on_a_tiny_model():
+    from cluster.train_eagle3 import engine_acceptance
     from tests.helpers import tiny_engine
     from tests.spec.test_eagle3 import random_head
     from tests.spec.test_trainer import _Tok
 
     base = tiny_engine(0)
     base.tokenizer = _Tok()
-    got = acceptance(base, random_head(base), ["a prompt", "another one"], 3, 12)
+    got = engine_acceptance(base, random_head(base), ["a prompt", "another one"], 3, 12)
     assert 1.0 <= got["acceptance_length"] <= 4.0 and got["verify_steps"] > 0
     assert len(got["accept_rate_per_pos"]) == 3
