@@ -58,16 +58,23 @@ def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks:
     `reps` times over `prompts`, engines built from `base` on their first turn and kept
     ("reset": the dynamic-K policy's measurements and state start afresh each turn). Returns
     {"runs": name -> the runs' results (tok/s, acceptance, token identity with the first
-    variant's answers, and for dynamic K its steps by draft count and `why` each fused step
-    got its K; with `traces`, every step as the cost model saw it and every pick, (K, why),
-    in order), "answers": the first variant's first answers and their prompts}. The
-    settings are put back as they were after."""
+    no-spec variant's answers under the same settings, else the first variant's, and for
+    dynamic K its steps by draft count and `why` each fused step got its K; with `traces`,
+    every step as the cost model saw it and every pick, (K, why), in order), "answers": the
+    first variant's first answers and their prompts}. The settings are put back as they
+    were after."""
     names = list(variants)
     saved = {p: getattr(*setting(p)) for v in variants.values() for p in v[1]}
     from bench.suite import run_single
 
     engines: dict = {}
     out: dict = {"runs": {n: [] for n in names}}
+    # Token identity is against the first no-spec variant with the same settings (kernel
+    # settings change rounding, so no-spec under each is its own baseline), else the first.
+    plain = [n for n in names if variants[n][0] is None]
+    base_of = {n: next((b for b in plain if variants[b][1] == variants[n][1]), names[0])
+               for n in names}
+    base_answers: dict = {}
     try:
         for rep in range(reps):
             r = rep % len(names)
@@ -93,9 +100,12 @@ def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks:
                     res["why"] = dict(sorted((Counter(eng.spec.policy.batch_why) - why).items()))
                 if name == names[0] and "answers" not in out:
                     out["answers"] = {"prompts": prompts, "outputs": outs}
+                elif name == base_of[name] and name not in base_answers:
+                    base_answers[name] = outs
                 else:
-                    res["token_identical_to_no_spec"] = sum(
-                        a == b for a, b in zip(outs, out.get("answers", {}).get("outputs", [])))
+                    res["token_identical_to_no_spec"] = sum(a == b for a, b in zip(
+                        outs, base_answers.get(base_of[name], out.get("answers", {}).get(
+                            "outputs", []))))
                 out["runs"][name].append(res)
                 log(f"rep {rep} {name}: {res['tokens_per_s']} tok/s, "
                     f"acceptance {res['acceptance_length']}")
