@@ -1,9 +1,8 @@
 """How the prologue linears lay out a few rows (a verify step's K+1, a small batch) on the GPU:
 one GEMV program per row with the column blocks first in the grid (each row's programs walk
 the whole weight before the next row's start), the same with the rows first (the programs
-sharing a weight tile side by side), 16-row tensor-core blocks (`ops.DOT_TILES`) in a few
-tile shapes, which read each weight tile once for all rows, and GEMV programs of up to 1-8
-rows each (`ops.SHARED_ROWS`, `ops.SHARED_TILES`), which do too on CUDA cores.
+sharing a weight tile side by side), and 16-row tensor-core blocks (`ops.DOT_TILES`) in a
+few tile shapes, which read each weight tile once for all rows.
 
     python -m bench.row_layouts --out DIR [--rows 1,2,4,8,16] [--layouts all]
 
@@ -27,16 +26,12 @@ import time
 
 import torch
 
-LAYOUTS = {  # name: (ROWS_FIRST, DOT_TILES, SHARED_ROWS, SHARED_TILES)
-    "gemv_cols_first": (False, None, 0, None),
-    "gemv_rows_first": (True, None, 0, None),
-    **{f"dot_{bn}x{bk}w{w}": (True, (bn, bk, w), 0, None) for bn, bk, w in [
+LAYOUTS = {  # name: (ROWS_FIRST, DOT_TILES)
+    "gemv_cols_first": (False, None),
+    "gemv_rows_first": (True, None),
+    **{f"dot_{bn}x{bk}w{w}": (True, (bn, bk, w)) for bn, bk, w in [
         (16, 256, 4), (32, 256, 4), (64, 256, 4), (16, 512, 4), (32, 512, 4), (32, 128, 4),
         (16, 1024, 4), (32, 1024, 8), (64, 128, 4), (16, 256, 2)]},
-    # one GEMV program for up to `rows` rows, each weight tile read once for all of them
-    **{f"shared{r}_{bn}x{bk}w{w}": (True, None, r, (bn, bk, w)) for r, bn, bk, w in [
-        (8, 16, 1024, 4), (8, 8, 1024, 4), (8, 32, 1024, 8), (8, 16, 512, 4), (8, 8, 512, 4),
-        (8, 4, 1024, 4), (4, 16, 1024, 4), (2, 16, 1024, 4), (1, 16, 1024, 4)]},
 }
 PROJ = {"qkv": (960, 576, "norm"), "o": (576, 576, "plain"), "gate_up": (3072, 576, "norm"),
         "down": (576, 1536, "silu"), "lm_head": (49152, 576, "plain")}
@@ -45,7 +40,7 @@ PROJ = {"qkv": (960, 576, "norm"), "o": (576, 576, "plain"), "gate_up": (3072, 5
 def set_layout(name: str) -> None:
     from engine import ops
 
-    ops.ROWS_FIRST, ops.DOT_TILES, ops.SHARED_ROWS, ops.SHARED_TILES = LAYOUTS[name]
+    ops.ROWS_FIRST, ops.DOT_TILES = LAYOUTS[name]
 
 
 def op_us(name: str, rows: int) -> float:

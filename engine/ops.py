@@ -310,158 +310,6 @@ if triton_available():
 if triton_available():
 
     @triton.jit
-    def _shared_rstd(X, R, RES_OUT, row, M, stride_x, stride_r, eps, rk0, store,
-                     K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RES: tl.constexpr):
-        """1 / rms of row `row` of x (+ r), whose sum goes to RES_OUT where `store`."""
-        ss = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + rk0
-            ok = rk < K - (row >= M) * K  # none past the last row
-            x = tl.load(X + row * stride_x + rk, mask=ok, other=0.0)
-            if HAS_RES:
-                r = tl.load(R + row * stride_r + rk, mask=ok, other=0.0)
-                x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-                if store:
-                    tl.store(RES_OUT + row * K + rk, x, mask=ok)
-            xf = x.to(tl.float32)
-            ss += xf * xf
-        return tl.math.rsqrt(tl.sum(ss, 0) / K + eps)
-
-    @triton.jit
-    def _shared_row(acc, wf, X, R, NW, row, M, rstd, stride_x, stride_r, rk, k_ok,
-                    K: tl.constexpr, PRO: tl.constexpr, HAS_RES: tl.constexpr):
-        """Row `row`'s activation over the K tile rk (`_prologue_linear_kernel`'s prologue and
-        rounding) times the weight tile wf, summed along K into the row's accumulator."""
-        if row < M:
-            dt = X.dtype.element_ty
-            xp = X + row * stride_x + rk
-            if PRO == 2:
-                g = tl.load(xp, mask=k_ok, other=0.0)
-                u = tl.load(xp + K, mask=k_ok, other=0.0)
-                gf = g.to(tl.float32)
-                sg = (gf / (1.0 + tl.exp(-gf))).to(dt)
-                a = (sg.to(tl.float32) * u.to(tl.float32)).to(dt)
-            else:
-                a = tl.load(xp, mask=k_ok, other=0.0)
-                if PRO == 1:
-                    if HAS_RES:
-                        r = tl.load(R + row * stride_r + rk, mask=k_ok, other=0.0)
-                        a = (a.to(tl.float32) + r.to(tl.float32)).to(dt)
-                    h = (a.to(tl.float32) * rstd).to(dt)
-                    nw = tl.load(NW + rk, mask=k_ok, other=0.0)
-                    a = (nw.to(tl.float32) * h.to(tl.float32)).to(dt)
-            acc += tl.sum(a.to(tl.float32)[None, :] * wf, 1)
-        return acc
-
-    @triton.jit
-    def _shared_out(acc, B, Y, row, M, stride_y, rn, n_ok, HAS_BIAS: tl.constexpr):
-        if row < M:
-            if HAS_BIAS:
-                acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)
-            tl.store(Y + row * stride_y + rn, acc.to(Y.dtype.element_ty), mask=n_ok)
-
-    @triton.jit(do_not_specialize=["M"])  # the row count varies by the step
-    def _prologue_shared_kernel(X, R, NW, W, B, Y, RES_OUT, M, eps, stride_x, stride_r,
-                                stride_w, stride_y, N: tl.constexpr, K: tl.constexpr,
-                                PRO: tl.constexpr, HAS_RES: tl.constexpr,
-                                HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                USE_PDL: tl.constexpr):
-        """`_prologue_linear_kernel`'s GEMV for up to ROWS (<= 8) rows a program, each weight
-        tile read once for all of them: the tile's fp32 products with each row in turn,
-        summed along K per tile into that row's own [BLOCK_N] accumulator. Every row slot
-        runs the same code, and slots past M are skipped, so a row's result does not depend
-        on how many rows share the launch (a verify step's rows round as the one-row decode
-        step's). Grid: (row blocks, column blocks)."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        r0 = pid_m * ROWS
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk0 = tl.arange(0, BLOCK_K)
-        n_ok = rn < N
-        wp = W + rn[:, None] * stride_w + rk0[None, :]
-        w = tl.load(wp, mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        s0 = 0.0
-        s1 = 0.0
-        s2 = 0.0
-        s3 = 0.0
-        s4 = 0.0
-        s5 = 0.0
-        s6 = 0.0
-        s7 = 0.0
-        if PRO == 1:  # each row's mean square first: one pass over x (+ r)
-            st = pid_n == 0
-            s0 = _shared_rstd(X, R, RES_OUT, r0, M, stride_x, stride_r, eps, rk0, st, K, BLOCK_K,
-                              HAS_RES)
-            if ROWS > 1:
-                s1 = _shared_rstd(X, R, RES_OUT, r0 + 1, M, stride_x, stride_r, eps, rk0, st, K,
-                                  BLOCK_K, HAS_RES)
-            if ROWS > 2:
-                s2 = _shared_rstd(X, R, RES_OUT, r0 + 2, M, stride_x, stride_r, eps, rk0, st, K,
-                                  BLOCK_K, HAS_RES)
-                s3 = _shared_rstd(X, R, RES_OUT, r0 + 3, M, stride_x, stride_r, eps, rk0, st, K,
-                                  BLOCK_K, HAS_RES)
-            if ROWS > 4:
-                s4 = _shared_rstd(X, R, RES_OUT, r0 + 4, M, stride_x, stride_r, eps, rk0, st, K,
-                                  BLOCK_K, HAS_RES)
-                s5 = _shared_rstd(X, R, RES_OUT, r0 + 5, M, stride_x, stride_r, eps, rk0, st, K,
-                                  BLOCK_K, HAS_RES)
-                s6 = _shared_rstd(X, R, RES_OUT, r0 + 6, M, stride_x, stride_r, eps, rk0, st, K,
-                                  BLOCK_K, HAS_RES)
-                s7 = _shared_rstd(X, R, RES_OUT, r0 + 7, M, stride_x, stride_r, eps, rk0, st, K,
-                                  BLOCK_K, HAS_RES)
-        a0 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        a1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        a2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        a3 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        a4 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        a5 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        a6 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        a7 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + rk0
-            k_ok = rk < K
-            wf = w.to(tl.float32)
-            nk = rk + BLOCK_K  # the next tile's weights (masked off past K: no traffic)
-            w = tl.load(wp + k0 + BLOCK_K, mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
-            a0 = _shared_row(a0, wf, X, R, NW, r0, M, s0, stride_x, stride_r, rk, k_ok, K, PRO,
-                             HAS_RES)
-            if ROWS > 1:
-                a1 = _shared_row(a1, wf, X, R, NW, r0 + 1, M, s1, stride_x, stride_r, rk, k_ok, K,
-                                 PRO, HAS_RES)
-            if ROWS > 2:
-                a2 = _shared_row(a2, wf, X, R, NW, r0 + 2, M, s2, stride_x, stride_r, rk, k_ok, K,
-                                 PRO, HAS_RES)
-                a3 = _shared_row(a3, wf, X, R, NW, r0 + 3, M, s3, stride_x, stride_r, rk, k_ok, K,
-                                 PRO, HAS_RES)
-            if ROWS > 4:
-                a4 = _shared_row(a4, wf, X, R, NW, r0 + 4, M, s4, stride_x, stride_r, rk, k_ok, K,
-                                 PRO, HAS_RES)
-                a5 = _shared_row(a5, wf, X, R, NW, r0 + 5, M, s5, stride_x, stride_r, rk, k_ok, K,
-                                 PRO, HAS_RES)
-                a6 = _shared_row(a6, wf, X, R, NW, r0 + 6, M, s6, stride_x, stride_r, rk, k_ok, K,
-                                 PRO, HAS_RES)
-                a7 = _shared_row(a7, wf, X, R, NW, r0 + 7, M, s7, stride_x, stride_r, rk, k_ok, K,
-                                 PRO, HAS_RES)
-        _shared_out(a0, B, Y, r0, M, stride_y, rn, n_ok, HAS_BIAS)
-        if ROWS > 1:
-            _shared_out(a1, B, Y, r0 + 1, M, stride_y, rn, n_ok, HAS_BIAS)
-        if ROWS > 2:
-            _shared_out(a2, B, Y, r0 + 2, M, stride_y, rn, n_ok, HAS_BIAS)
-            _shared_out(a3, B, Y, r0 + 3, M, stride_y, rn, n_ok, HAS_BIAS)
-        if ROWS > 4:
-            _shared_out(a4, B, Y, r0 + 4, M, stride_y, rn, n_ok, HAS_BIAS)
-            _shared_out(a5, B, Y, r0 + 5, M, stride_y, rn, n_ok, HAS_BIAS)
-            _shared_out(a6, B, Y, r0 + 6, M, stride_y, rn, n_ok, HAS_BIAS)
-            _shared_out(a7, B, Y, r0 + 7, M, stride_y, rn, n_ok, HAS_BIAS)
-
-
-if triton_available():
-
-    @triton.jit
     def _gemv_row(acc, X, row: tl.constexpr, M: tl.constexpr, stride_x, kk, rk,
                   K: tl.constexpr, wf):
         """Row `row`'s products with the weight tile wf (fp32) added to its accumulator."""
@@ -991,12 +839,6 @@ def prologue_suits(weights) -> bool:
 
 
 GEMV_WARPS = 4  # warps of a one-row GEMV program (every row count up to 8)
-# Rows a GEMV program takes at 1-8 rows, each weight tile read once for all of them
-# (`_prologue_shared_kernel`); 0: one program per row (`_prologue_linear_kernel`), the rows'
-# programs sharing tiles through L2. SHARED_TILES: that kernel's (BLOCK_N, BLOCK_K, warps),
-# None for the GEMV's.
-SHARED_ROWS = 0
-SHARED_TILES: tuple[int, int, int] | None = None
 
 
 def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
@@ -1005,7 +847,9 @@ def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
     rows: one GEMV program per row and column block over narrow, long weight tiles (16 x
     1024: 1.1-3.5 us for each SmolLM2 projection on the H200 under PDL); the rows' programs
     read the same tiles, all but the first from L2. (Sharing each tile across rows inside
-    one program measured 2-3x slower.) Above: one tl.dot row block per 16 rows.
+    one program measured 1.5-2.5x slower in three designs; the last, at 20723cd, lost even
+    at one row: bench/results/profile/shared_rows_20723cd/.) Above: one tl.dot row block
+    per 16 rows.
 
     Up to 8 rows the tiles must not depend on the row count: each row is then computed by
     the same program, bit for bit, alone or beside others, so a verify step's rows round
@@ -1042,20 +886,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     assert x.shape[1] == (2 * k if silu else k) and x.stride(1) == 1 and weight.stride(1) == 1
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
-    if m and SHARED_ROWS and m <= 8 and (dot or DOT_TILES) is None:
-        _, bn, bk, warps = linear_tiles(m, n, k)
-        if SHARED_TILES is not None:
-            bn, bk, warps = SHARED_TILES
-            bk = min(bk, next_pow2(k, 16))
-        r = residual if residual is not None else x
-        _prologue_shared_kernel[(triton.cdiv(m, SHARED_ROWS), triton.cdiv(n, bn))](
-            x, r, norm_weight if norm_weight is not None else weight,
-            weight, bias if bias is not None else weight, y,
-            res_out if res_out is not None else y, m, eps, x.stride(0), r.stride(0),
-            weight.stride(0), y.stride(0), N=n, K=k, PRO=pro, HAS_RES=residual is not None,
-            HAS_BIAS=bias is not None, ROWS=SHARED_ROWS, BLOCK_N=bn, BLOCK_K=bk,
-            num_warps=warps, **pdl_args(x, always=True))
-    elif m:
+    if m:
         bm, bn, bk, warps = linear_tiles(m, n, k, dot)
         assert bm == 1 or bm >= 16, "row blocks are GEMVs (1) or tl.dot tiles (16+)"
         r = residual if residual is not None else x

@@ -186,20 +186,16 @@ def test_fused_ops_round_like_the_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rows,k,shared", [(1, 48, 0), (3, 48, 0), (8, 48, 0), (17, 48, 0),
-                                           (5, 1100, 0), (1, 48, 8), (3, 48, 2), (8, 48, 8),
-                                           (5, 1100, 4)])
-def test_prologue_linear_equals_its_two_kernels(dtype, rows, k, shared, monkeypatch):
+@pytest.mark.parametrize("rows,k", [(1, 48), (3, 48), (8, 48), (17, 48), (5, 1100)])
+def test_prologue_linear_equals_its_two_kernels(dtype, rows, k):
     """norm + projection, SiLU-and-mul + projection and a plain projection in one launch, each
     against the separate kernel followed by the GEMM: the residual sum exactly, the outputs to
     fp32 rounding (the GEMM's summation order), in fp16 up to one rounding step. K = 1100
-    takes two weight tiles, the second partly masked. shared: GEMV programs of that many rows
-    (`ops.SHARED_ROWS`; 3 rows in programs of 2 leave a slot empty)."""
+    takes two weight tiles, the second partly masked."""
     import torch.nn.functional as F
 
     from engine import ops
 
-    monkeypatch.setattr(ops, "SHARED_ROWS", shared)
     g = torch.Generator().manual_seed(rows)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
     n = 40
@@ -222,19 +218,16 @@ def test_prologue_linear_equals_its_two_kernels(dtype, rows, k, shared, monkeypa
         ops.prologue_linear(x, w, silu=True)
 
 
-@pytest.mark.parametrize("dot,shared", [(None, 0), ((32, 256, 4), 0), (None, 8), (None, 4)],
-                         ids=["gemv", "dot", "shared8", "shared4"])
+@pytest.mark.parametrize("dot", [None, (32, 256, 4)], ids=["gemv", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prologue_linear_rows_are_batch_invariant(dtype, dot, shared, monkeypatch):
+def test_prologue_linear_rows_are_batch_invariant(dtype, dot, monkeypatch):
     """Up to 8 rows, a row's output must not depend on how many rows share the launch: bit
     for bit, alone or in a batch of 2-8 (what keeps a verify step's logits equal to the
     one-row decode step's, and greedy speculation token-identical in bf16); with one GEMV
-    program per row, with the 16-row tensor-core blocks (`ops.DOT_TILES`), or with GEMV
-    programs of several rows (`ops.SHARED_ROWS`: each row slot runs the same code)."""
+    program per row or with the 16-row tensor-core blocks (`ops.DOT_TILES`)."""
     from engine import ops
 
     monkeypatch.setattr(ops, "DOT_TILES", dot)
-    monkeypatch.setattr(ops, "SHARED_ROWS", shared)
 
     g = torch.Generator().manual_seed(3)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
