@@ -13,7 +13,8 @@
 # bash bench/h200_session.sh train` then `bash bench/h200_session.sh train` (a new EAGLE-3
 # head on the extended prompt set: records to /tmp in one call, training and bench.head_ab
 # against the shipped head in the next; TRAIN_ARGS e.g. "--init assets/... --epochs 6",
-# TRAIN_SECONDS caps the training; HEADS_REPS=0 leaves head_ab to a TRAIN_STAGE=ab call).
+# TRAIN_SECONDS caps the training; HEADS_REPS=0 leaves head_ab to a TRAIN_STAGE=ab call;
+# TRAIN_NAME_SPLIT=1 trains on no prompt sharing a documented name with a held-out one).
 # Results
 # land in $OUT/<part>.tgz.
 set -u
@@ -56,14 +57,15 @@ elif [ "$part" = train ]; then  # a new EAGLE-3 head: TRAIN_STAGE=data (records 
   if [ "$stage" = data ]; then
     timeout "${TRAIN_TIMEOUT:-560}" python3 -m cluster.cli train-eagle3 --model "$M" \
       --prompt-set "${TRAIN_SET:-extended}" ${TRAIN_PROMPTS:+--num-prompts $TRAIN_PROMPTS} \
-      --records "$REC" --data-only --out /tmp/head_unused \
+      ${TRAIN_NAME_SPLIT:+--name-split} --records "$REC" --data-only --out /tmp/head_unused \
       > "$R/train_data.log" 2>&1
     tail -2 "$R/train_data.log"
   fi
   if [ "$stage" = fit ]; then  # TRAIN_SECONDS caps the training itself (--max-seconds)
     timeout "${TRAIN_TIMEOUT:-400}" python3 -m cluster.cli train-eagle3 --model "$M" \
       --prompt-set "${TRAIN_SET:-extended}" ${TRAIN_PROMPTS:+--num-prompts $TRAIN_PROMPTS} \
-      --records "$REC" ${TRAIN_SECONDS:+--max-seconds $TRAIN_SECONDS} ${TRAIN_ARGS:-} \
+      ${TRAIN_NAME_SPLIT:+--name-split} --records "$REC" \
+      ${TRAIN_SECONDS:+--max-seconds $TRAIN_SECONDS} ${TRAIN_ARGS:-} \
       --out "$R/head" > "$R/train.log" 2>&1
     grep -o '"eval_expected_acceptance": [0-9.]*' "$R/train.log" | tail -3
     grep -A3 '"k": 5' "$R/train.log" | tr -d ' \n'; echo

@@ -1,15 +1,31 @@
-"""Prompt sets for self-distillation, built from what every machine has: the Python standard
-library's own documentation, plus templated chat, code and JSON requests. No hub datasets,
-no benchmark text (HumanEval, MT-bench) anywhere."""
+"""Prompt sets for self-distillation and the benchmarks' held-out prompts, built from what
+every machine has: the Python standard library's own documentation, plus templated chat, code
+and JSON requests. No hub datasets, no benchmark text (HumanEval, MT-bench) anywhere.
+
+The documentation questions depend on the Python that reads the docs (its version, and its
+import state: torch replaces `inspect.getfile`, `concurrent.futures` lists its executors
+once they are touched), so the prompts are generated once and kept in `FROZEN`; `build`
+reads that file, so every machine splits the same prompts the same way.
+
+    python -m cluster.prompt_sets --out assets/prompt_sets.json.gz   # generate again
+"""
 
 from __future__ import annotations
 
+import functools
+import gzip
 import hashlib
 import importlib
 import inspect
+import json
+import os
 import random
 import re
+import sys
 import warnings
+
+FROZEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
+                      "prompt_sets.json.gz")
 
 STDLIB = ("os", "os.path", "shutil", "string", "textwrap", "json", "itertools", "functools",
           "collections", "math", "statistics", "re", "datetime", "random", "heapq", "bisect",
@@ -112,17 +128,64 @@ def _templated_more() -> list[str]:
     return out
 
 
+def generate() -> dict:
+    """The prompts as this Python builds them: {"base": the base set, "extended": what the
+    extended set adds}, each sorted, and where they came from."""
+    base = set(_doc_prompts() + _templated())
+    more = set(_doc_prompts(STDLIB, 4) + _doc_prompts(STDLIB_MORE, 4) + _templated_more())
+    return {"python": sys.version.split()[0], "torch_imported": "torch" in sys.modules,
+            "base": sorted(base), "extended": sorted(more - base)}
+
+
+def write(path: str = FROZEN, sets: dict | None = None) -> dict:
+    """Write `generate()`'s prompts (or `sets`) to path as gzipped JSON; returns them."""
+    sets = generate() if sets is None else sets
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        json.dump(sets, f, ensure_ascii=False, indent=0)
+    frozen.cache_clear()
+    return sets
+
+
+@functools.lru_cache(maxsize=4)
+def frozen(path: str = FROZEN) -> dict:
+    """The kept prompts (`write`'s file)."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            sets = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no prompt sets at {path}: run `python -m cluster.prompt_sets"
+                                f" --out {path}` to generate them") from None
+    if not isinstance(sets.get("base"), list) or not isinstance(sets.get("extended"), list):
+        raise ValueError(f"{path} has no 'base' and 'extended' prompt lists")
+    return sets
+
+
 def build(n: int | None = None, seed: int = 0, eval_frac: float = 0.05,
-          extended: bool = False) -> tuple[list[str], list[str]]:
-    """(train, eval) user messages. The split is by a hash of the text, so it never moves.
-    `extended`: also all four documentation questions per name, more stdlib modules and
-    every template with every filler (for a larger self-distillation set); the base set's
-    prompts keep their side of the split, and the base set itself (what the benchmarks'
-    held-out prompts come from) does not change."""
-    prompts = set(_doc_prompts() + _templated())
+          extended: bool = False, path: str = FROZEN, name_split: bool = False
+          ) -> tuple[list[str], list[str]]:
+    """(train, eval) user messages from the kept prompts (`frozen`). The split is by a hash
+    of the text, so it never moves. `extended`: also all four documentation questions per
+    name, more stdlib modules and every template with every filler (for a larger
+    self-distillation set); the base set's prompts keep their side of the split, and the
+    base set itself (what the benchmarks' held-out prompts come from) does not change.
+    `name_split`: also leave out of training every prompt that `mentions` something a
+    held-out prompt (this set's or the base set's: the benchmarks') mentions, so no held-out
+    question shares its documented name with a training question; the held-out side is
+    unchanged."""
+    train, held = _split(n, seed, eval_frac, extended, path)
+    if name_split:
+        bench_held = _split(None, 0, 0.05, False, path)[1]  # what `build()` holds out
+        seen = set().union(*(mentions(p) for p in held + bench_held))
+        train = [p for p in train if not mentions(p) & seen]
+    return train, held
+
+
+def _split(n, seed, eval_frac, extended, path) -> tuple[list[str], list[str]]:
+    """`build`'s split of the kept prompts, before any name split."""
+    sets = frozen(path)
+    prompts = set(sets["base"])
     if extended:
-        prompts |= set(_doc_prompts(STDLIB, 4) + _doc_prompts(STDLIB_MORE, 4)
-                       + _templated_more())
+        prompts |= set(sets["extended"])
     prompts = sorted(prompts)
     random.Random(seed).shuffle(prompts)
     if n is not None:
@@ -148,3 +211,28 @@ def unseen(held_out: list[str], *train_sets: list[str]) -> list[str]:
     other questions in training; these cannot."""
     seen = set().union(*(mentions(p) for t in train_sets for p in t))
     return [p for p in held_out if (m := mentions(p)) and not m & seen]
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Generate the prompt sets from this Python's "
+                                            "standard library and keep them in a file.")
+    p.add_argument("--out", default=FROZEN)
+    p.add_argument("--no-torch", action="store_true",
+                   help="do not import torch first (every user of the sets imports it, and "
+                        "it changes what inspect reports)")
+    args = p.parse_args(argv)
+    if not args.no_torch:
+        import torch  # noqa: F401
+    sets = write(args.out)
+    train, held = build(path=args.out)
+    xtrain, xheld = build(path=args.out, extended=True)
+    print(f"{args.out}: Python {sets['python']}, base {len(sets['base'])} prompts "
+          f"({len(train)} train / {len(held)} held out), extended +{len(sets['extended'])} "
+          f"({len(xtrain)} / {len(xheld)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -319,7 +319,8 @@ def run(args) -> int:
                                     enable_prefix_caching=False, max_num_seqs=256,
                                     max_num_batched_tokens=8192)
     extended = args.prompt_set == "extended"
-    train_p, eval_p = prompt_sets.build(args.num_prompts, seed=args.seed, extended=extended)
+    train_p, eval_p = prompt_sets.build(args.num_prompts, seed=args.seed, extended=extended,
+                                        name_split=args.name_split)
     m = engine.config.model
     layers = Eagle3Config.for_target(m, 1).aux_layer_ids
     t0 = time.perf_counter()
@@ -327,6 +328,8 @@ def run(args) -> int:
     key = {"target": m.name, "prompt_set": args.prompt_set, "num_prompts": args.num_prompts,
            "seed": args.seed, "max_tokens": args.max_tokens, "prompts": [len(train_p),
                                                                        len(eval_p)]}
+    if args.name_split:  # records made without it hold other prompts
+        key["name_split"] = True
     if args.records and os.path.exists(args.records):
         tr, ev = load_records(args.records, key)
         print(f"records: {len(tr)} + {len(ev)} from {args.records}")
@@ -350,7 +353,9 @@ def run(args) -> int:
     recipe = {
         "command": "tandem " + " ".join(args.argv), "target": m.name, "device": device,
         "prompts": {"train": len(train_p), "held_out": len(eval_p), "set": args.prompt_set,
-                    "source": "cluster/prompt_sets.py (stdlib docs + templated chat/code/JSON)"},
+                    "name_split": args.name_split,
+                    "source": "assets/prompt_sets.json.gz (cluster/prompt_sets.py: stdlib "
+                              "docs + templated chat/code/JSON)"},
         "init": args.init, "records": args.records,
         "responses": f"target greedy, max {args.max_tokens} tokens",
         "train_tokens": int(sum(len(r.ids) - r.prompt_len for r in tr)),
@@ -395,6 +400,10 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-set", choices=("base", "extended"), default="base",
                    help="extended: ~3.3x the training prompts (every documentation question, "
                         "more stdlib modules, every template with every filler)")
+    p.add_argument("--name-split", action="store_true",
+                   help="train on no prompt that shares a documented name with a held-out "
+                        "prompt (this set's or the benchmarks'): held-out acceptance then "
+                        "measures names the head never saw")
     p.add_argument("--records", default=None,
                    help="a file for the self-distilled records: loaded when it exists (and "
                         "was made from the same prompts, model and length), else written")
