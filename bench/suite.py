@@ -312,15 +312,16 @@ def hf_compiled(args, model, prompts, n) -> dict:
 def plot_single_stream(plt, res):
     names, vals = [], []
     for k, r in res.get("tandem", {}).items():
-        if r.get("tokens_per_s"):
-            names.append(f"tandem\n{k}")
+        if r.get("tokens_per_s"):  # "eagle3_dynamic_k7_context" -> one word a line
+            names.append("tandem\n" + k.replace("_", "\n"))
             vals.append(r["tokens_per_s"])
     for k, r in res.get("hf", {}).items():
         if r.get("tokens_per_s"):
             names.append(f"HF\n{k}")
             vals.append(r["tokens_per_s"])
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = plt.subplots(figsize=(11, 4.8))
     ax.bar(names, vals)
+    ax.tick_params(axis="x", labelsize=8)
     ax.set_ylabel("tokens/s (single stream)")
     ax.set_title(f"fig 1: single stream, {res['environment'].get('gpu') or 'cpu'}")
     for i, v in enumerate(vals):
