@@ -4,11 +4,10 @@ head's own drafts (context drafts off), every head on the same prompts. Sets: th
 heads' training prompts mention (`prompt_sets.unseen`, training sets from --trained-on); and
 the first --per-prompt held-out prompts one at a time. Runs on the CPU (fp32) as well.
 
-The prompt sets are built from the running Python's standard library (and what is imported
-before them: torch replaces `inspect.getfile`, `concurrent.futures` grows its executors once
-touched), so another Python version gives partly other prompts: figure 1's prompts are the
-first held-out ones only under the Python the figure ran on, and the unseen set is unseen by
-training prompts built as here, not necessarily by the ones a head was trained on elsewhere.
+The prompt sets are the kept ones (`assets/prompt_sets.json.gz`), the same on every machine:
+the first held-out prompts are figure 1's, and the unseen set is unseen by the training
+prompts the heads were trained on (as --trained-on names them: 'base', 'extended', ':N' for
+a --num-prompts cap, '+name-split' for --name-split).
 
     python -m bench.head_acceptance --heads assets/eagle3-smollm2-135m-instruct,OLD_HEAD \\
         --out bench/results/profile/head_acceptance.json
@@ -26,13 +25,18 @@ SHIPPED = "assets/eagle3-smollm2-135m-instruct"
 
 
 def training_prompts(spec: str) -> list[str]:
-    """'base' or 'extended', optionally ':N' (the --num-prompts cap): that set's training side."""
+    """'base' or 'extended', optionally ':N' (the --num-prompts cap) and '+name-split'
+    (--name-split): that set's training side."""
     from cluster import prompt_sets
 
+    spec, split, rest = spec.partition("+")
+    if split and rest != "name-split":
+        raise SystemExit(f"--trained-on: unknown option +{rest!r} (+name-split)")
     name, _, cap = spec.partition(":")
     if name not in ("base", "extended"):
         raise SystemExit(f"--trained-on: unknown prompt set {name!r} (base or extended)")
-    return prompt_sets.build(int(cap) if cap else None, extended=name == "extended")[0]
+    return prompt_sets.build(int(cap) if cap else None, extended=name == "extended",
+                             name_split=bool(split))[0]
 
 
 def main(argv=None) -> dict:

@@ -36,12 +36,19 @@ def test_unseen_leaves_out_what_training_mentions():
     both = prompt_sets.unseen(base_held, training_prompts("base"),
                               training_prompts("extended:3500"))
     assert 0 < len(both) < len(base) and set(both) <= set(base)
+    # a name-split set leaves every held-out documentation prompt unseen
+    split = training_prompts("extended+name-split")
+    assert set(split) < set(training_prompts("extended"))
+    assert prompt_sets.unseen(base_held, split) == [p for p in base_held
+                                                    if prompt_sets.mentions(p)]
 
 
 def test_training_prompts_refuses_an_unknown_set():
     assert len(training_prompts("base")) > 2000
     with pytest.raises(SystemExit, match="unknown prompt set"):
         training_prompts("wiki")
+    with pytest.raises(SystemExit, match="unknown option"):
+        training_prompts("base+name")
 
 
 def test_acceptance_of_a_head_on_a_tiny_model():
@@ -54,4 +61,9 @@ def test_acceptance_of_a_head_on_a_tiny_model():
     base.tokenizer = _Tok()
     got = engine_acceptance(base, random_head(base), ["a prompt", "another one"], 3, 12)
     assert 1.0 <= got["acceptance_length"] <= 4.0 and got["verify_steps"] > 0
+    # KV blocks for both answers at once (prompt + 12 tokens + 3 drafts + 1 each), no more
+    bs = base.config.block_size
+    need = sum(-(-(len(base.encode_prompt([{"role": "user", "content": p}])) + 16) // bs)
+               for p in ("a prompt", "another one"))
+    assert got["kv_blocks"] == need + 8
     assert len(got["accept_rate_per_pos"]) == 3
