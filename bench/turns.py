@@ -74,7 +74,7 @@ def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks:
     plain = [n for n in names if variants[n][0] is None]
     base_of = {n: next((b for b in plain if variants[b][1] == variants[n][1]), names[0])
                for n in names}
-    base_answers: dict = {}
+    base_answers: dict = {}  # baseline name -> its first answers
     try:
         for rep in range(reps):
             r = rep % len(names)
@@ -98,14 +98,13 @@ def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks:
                         res["trace"], res["picks"] = steps, picks
                     # why dynamic K picked each fused step's K in this run (`KPolicy.batch_why`)
                     res["why"] = dict(sorted((Counter(eng.spec.policy.batch_why) - why).items()))
-                if name == names[0] and "answers" not in out:
-                    out["answers"] = {"prompts": prompts, "outputs": outs}
-                elif name == base_of[name] and name not in base_answers:
+                if name in (names[0], base_of[name]) and name not in base_answers:
                     base_answers[name] = outs
+                    if name == names[0]:
+                        out["answers"] = {"prompts": prompts, "outputs": outs}
                 else:
-                    res["token_identical_to_no_spec"] = sum(a == b for a, b in zip(
-                        outs, base_answers.get(base_of[name], out.get("answers", {}).get(
-                            "outputs", []))))
+                    res["token_identical_to_no_spec"] = sum(
+                        a == b for a, b in zip(outs, base_answers.get(base_of[name], [])))
                 out["runs"][name].append(res)
                 log(f"rep {rep} {name}: {res['tokens_per_s']} tok/s, "
                     f"acceptance {res['acceptance_length']}")

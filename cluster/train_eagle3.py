@@ -274,15 +274,15 @@ def engine_acceptance(engine: Engine, head: Eagle3Head, prompts: list[str], k: i
 
     from engine.config import SpecConfig
 
-    msgs = [[{"role": "user", "content": p}] for p in prompts]
+    ids = [engine.encode_prompt([{"role": "user", "content": p}]) for p in prompts]
     bs = engine.config.block_size
-    blocks = sum(-(-(len(engine.encode_prompt(m)) + max_tokens + k + 1) // bs) for m in msgs)
+    blocks = sum(-(-(len(i) + max_tokens + k + 1) // bs) for i in ids)
     spec = Engine(replace(engine.config, spec=SpecConfig(num_tokens=k, dynamic=False,
                                                        context_drafts=False),
                           num_blocks=blocks + 8),
                   weights_of=engine, draft_head=head)
     t0 = time.perf_counter()
-    spec.generate(msgs, SamplingParams(temperature=0, max_tokens=max_tokens))
+    spec.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens))
     st = spec.spec.stats
     return {"k": k, "acceptance_length": round(st.acceptance_length, 3),
             "accept_rate_per_pos": [round(a / max(d, 1), 4) for a, d in
