@@ -14,7 +14,9 @@
 # head on the extended prompt set: records to /tmp in one call, training and bench.head_ab
 # against the shipped head in the next; TRAIN_ARGS e.g. "--init assets/... --epochs 6",
 # TRAIN_SECONDS caps the training; HEADS_REPS=0 leaves head_ab to a TRAIN_STAGE=ab call;
-# TRAIN_NAME_SPLIT=1 trains on no prompt sharing a documented name with a held-out one).
+# TRAIN_NAME_SPLIT=1 trains on no prompt sharing a documented name with a held-out one),
+# `bash bench/h200_session.sh hostprof` (bench.step_profile's burst under py-spy, staged as a
+# wheel; PROFILE_VARIANTS / PROFILE_CONC / PROFILE_TOKENS narrow it).
 # Results
 # land in $OUT/<part>.tgz.
 set -u
@@ -35,6 +37,19 @@ elif [ "$part" = steady ]; then  # where a step's time goes with streams replace
     --variants "${PROFILE_VARIANTS:-no_spec,eagle3_k0,eagle3_dynamic_k7}" > "$R/profile.log" 2>&1
   grep -o '"variant": "[a-z0-9_]*", "concurrency": [0-9]*, "steady": true, "tokens_per_s": [0-9.]*' \
     "$R/profile.log"
+elif [ "$part" = hostprof ]; then  # bench.step_profile's burst under py-spy, one process a variant
+  # (py-spy staged as a wheel: the step's host Python with the real device and tokenizer;
+  # the summary keeps the samples of the clean timed run, bench/step_profile.py's `work()`)
+  line=$(grep -n "toks = work()" bench/step_profile.py | cut -d: -f1)
+  for v in $(echo "${PROFILE_VARIANTS:-no_spec,eagle3_k5,eagle3_dynamic_k7}" | tr , ' '); do
+    timeout "${PROFILE_TIMEOUT:-150}" /tmp/site/bin/py-spy record -r 1000 --nonblocking --idle \
+      -f raw -o "$R/$v.raw" -- python3 -m bench.step_profile --model "$M" --out "$R/$v" \
+      --concurrency "${PROFILE_CONC:-64}" --tokens "${PROFILE_TOKENS:-512}" --variants "$v" \
+      > "$R/$v.log" 2>&1
+    python3 -m bench.pyspy_summary "$R/$v.raw" --under "step_profile.py:$line)" --by-function \
+      --json "$R/${v}_summary.json" > "$R/${v}_summary.txt" 2>&1
+    head -3 "$R/$v.log" | cut -c1-300; head -40 "$R/${v}_summary.txt"
+  done
 elif [ "$part" = ab ]; then  # admission beside the step in flight against the drain
   # (~45 s to load, then per concurrency each engine's captures and warm run: 5 engines at
   # 16/32/64 took 235 s; 4 at 32/64 did not finish in 165 s.)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import glob
 import importlib.util
 import os
+import random
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +129,20 @@ def load_weights(model: torch.nn.Module, hf_sd: dict[str, torch.Tensor]) -> None
             own[k].copy_(v)
 
 
+@functools.cache
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level BPE alphabet: the printable character standing for each byte (bytes
+    that print as themselves keep their character; the others take 256 onwards, in order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+            *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    out, extra = {chr(b): b for b in keep}, 0
+    for b in range(256):
+        if b not in keep:
+            out[chr(256 + extra)] = b
+            extra += 1
+    return out
+
+
 _DECODE_PROBE = "Hello , world ! It 's a test . Don 't stop ? Yes : no ; maybe - fine ."
 
 
@@ -148,6 +164,9 @@ class Tokenizer:
             except Exception:  # noqa: BLE001 - any oddity: keep transformers' decode
                 same = False
             self._fast_decode = fast.decode if same else None
+        # Token id -> bytes, for byte-level BPE tokenizers: built on the first decode
+        # (`_byte_table`); False where the fast tokenizer decodes otherwise.
+        self._bytes: list[bytes] | bool | None = None if self._fast_decode else False
 
     @classmethod
     def load(cls, ckpt: Checkpoint) -> Tokenizer:
@@ -163,9 +182,47 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=True))
 
     def decode(self, ids: list[int]) -> str:
+        table = self._bytes if self._bytes is not None else self._byte_table()
+        if table:
+            return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
         if self._fast_decode is not None:
             return self._fast_decode(ids, skip_special_tokens=True)
         return self.hf.decode(ids, skip_special_tokens=True)
+
+    def _byte_table(self) -> list[bytes] | bool:
+        """Each token id's bytes where the tokenizer decodes by byte-level BPE: the text of
+        ids is then their bytes joined and read as UTF-8, bad bytes replaced (as the fast
+        tokenizer's ByteLevel decoder does), about half the time of a call into it for the
+        few ids the detokenizer decodes per sequence and step. Kept only if it decodes
+        probe windows (every added token, seeded random ids) exactly as the tokenizer does;
+        False otherwise, and decoding goes through the tokenizer."""
+        self._bytes = False
+        fast = self.hf.backend_tokenizer
+        try:
+            if type(fast.decoder).__name__ != "ByteLevel":
+                return False
+            vocab = fast.get_vocab(with_added_tokens=True)
+            added = fast.get_added_tokens_decoder()
+        except Exception:  # noqa: BLE001 - an older tokenizers: keep its decode
+            return False
+        chars = _byte_level_chars()
+        table = [b""] * (max(vocab.values()) + 1)
+        for token, i in vocab.items():
+            if i in added and added[i].special:
+                continue  # skipped when decoding
+            try:
+                table[i] = bytes([chars[c] for c in token])
+            except KeyError:  # a token outside the byte alphabet decodes as its own text
+                table[i] = token.encode()
+        rng = random.Random(0)
+        probes = [[i] for i in added] + [[rng.randrange(len(table)) for _ in range(n % 8 + 1)]
+                                         for n in range(512)]
+        for ids in probes:
+            want = fast.decode(ids, skip_special_tokens=True)
+            if b"".join([table[i] for i in ids]).decode("utf-8", "replace") != want:
+                return False
+        self._bytes = table
+        return table
 
     def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of `messages` rendered with the model's chat template."""

@@ -97,3 +97,56 @@ def test_one_decode_per_call_on_short_windows(smol_engine):
     assert n >= 10
     assert len(calls) <= n * (Detokenizer.WINDOW + 1) / Detokenizer.WINDOW + 2
     assert len(calls) < 2 * n
+
+
+def test_byte_table_decodes_as_the_tokenizer(smol_engine):
+    """SmolLM2's tokenizer is byte-level BPE: `Tokenizer.decode` joins each id's bytes, and
+    gives what the fast tokenizer and transformers give (special tokens skipped, broken
+    characters replaced) on random windows and on text split anywhere."""
+    tok = smol_engine.tokenizer
+    table = tok._byte_table()
+    assert table and len(table) >= smol_engine.config.model.vocab_size
+    fast = tok.hf.backend_tokenizer
+    rng = random.Random(11)
+    special = list(tok.hf.all_special_ids)
+    windows = [[rng.randrange(len(table)) for _ in range(rng.randint(1, 10))]
+               for _ in range(3000)]
+    windows += [w + [s] + w for s in special for w in windows[:20]]
+    ids = tok.encode("".join(TEXTS))
+    windows += [ids[a : a + n] for a in range(len(ids)) for n in (1, 3, 7)]
+    for w in windows:
+        assert tok.decode(w) == fast.decode(w, skip_special_tokens=True), w
+    for w in windows[:300]:
+        assert tok.decode(w) == tok.hf.decode(w, skip_special_tokens=True), w
+
+
+def test_byte_table_refused_when_it_decodes_otherwise(smol_engine, monkeypatch):
+    """A table that decodes any probe differently is not used: a byte alphabet with two
+    bytes swapped is refused, and decoding goes through the tokenizer, unchanged."""
+    import engine.loader as loader
+
+    chars = dict(loader._byte_level_chars())
+    chars["a"], chars["e"] = chars["e"], chars["a"]
+    monkeypatch.setattr(loader, "_byte_level_chars", lambda: chars)
+    tok = loader.Tokenizer(smol_engine.tokenizer.hf)
+    assert tok._byte_table() is False and tok._bytes is False
+    ids = tok.encode("a plain sentence with a and e in it")
+    assert tok.decode(ids) == smol_engine.tokenizer.decode(ids) == \
+        tok.hf.decode(ids, skip_special_tokens=True)
+
+
+def test_no_byte_table_for_other_decoders():
+    """A tokenizer whose decoder is not byte-level (WordPiece here) keeps its own decode."""
+    from tokenizers import Tokenizer as Raw
+    from tokenizers import decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2, "##s": 3}
+    raw = Raw(models.WordPiece(vocab, unk_token="[UNK]"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    raw.decoder = decoders.WordPiece()
+    from engine.loader import Tokenizer
+
+    tok = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]"))
+    assert tok._byte_table() is False
+    assert tok.decode([1, 2, 3]) == "hello worlds"
