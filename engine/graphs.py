@@ -44,6 +44,7 @@ class HostStager:
         self.used = [False] * slots
         self.i = 0
         self._out: list[torch.Tensor | None] = [None] * slots  # pinned buffers for `fetch`
+        self._out_events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]
         self._out_i = 0
 
     def slot(self, n: int) -> tuple[torch.Tensor, int]:
@@ -79,7 +80,7 @@ class HostStager:
             buf = self._out[i] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
         dst = buf[:n]
         dst.copy_(t.reshape(-1), non_blocking=True)
-        ev = torch.cuda.Event()
+        ev = self._out_events[i]  # (its last fetch, `slots` fetches ago, was read)
         ev.record(torch.cuda.current_stream(t.device))
 
         def wait() -> list[int]:
@@ -272,8 +273,20 @@ class GraphSet:
         self.capturable = self.device.type == "cuda"
         self.pool = (pool or torch.cuda.graph_pool_handle()) if self.capturable else None
         self._stream: torch.cuda.Stream | None = None  # capture stream, made on first capture
+        self._view_cache: dict[tuple, tuple] = {}  # `_views`
+        self._out_cache: dict[tuple, tuple] = {}  # (bucket, rows) -> a graph's outputs cut
 
     def _views(self, b: int, q: int, long: bool):
+        """The bucket's static inputs as the graph's function takes them (ids, positions,
+        metadata, extras): views of fixed buffers, made once per bucket (each slice is a
+        torch call, several microseconds of the host's step)."""
+        key = (b, q, long)
+        got = self._view_cache.get(key)
+        if got is None:
+            got = self._view_cache[key] = self._make_views(b, q, long)
+        return got
+
+    def _make_views(self, b: int, q: int, long: bool):
         o, n = self.off, b * q
         buf = self.buf
         meta = AttentionMetadata(
@@ -431,9 +444,13 @@ class GraphSet:
         if g is None:
             ids, pos, meta, extras = self._views(b, q, long)
             out = self.fn(ids, pos, meta, *extras)
-        else:
-            g.replay()
-        return tuple(x[:rows] for x in out)
+            return tuple(x[:rows] for x in out)
+        g.replay()
+        # A graph's outputs are static buffers: their cuts to a row count are made once.
+        cut = self._out_cache.get((b, q, long, rows))
+        if cut is None:
+            cut = self._out_cache[(b, q, long, rows)] = tuple(x[:rows] for x in out)
+        return cut
 
 
 def graph_time_us(fn: Callable[[int], object], reps: int, iters: int = 10) -> float:

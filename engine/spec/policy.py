@@ -392,7 +392,7 @@ class KPolicy:
                 self.picks.append((0, "probe"))
             return 0
         kmax = self._kmax(batch_size, padded=True)
-        rates, (fixed, per) = [self._tokens(s) for s in seqs], self._cost(batch_size, False)
+        rates, (fixed, per) = self._batch_tokens(seqs), self._cost(batch_size, False)
         best_k = self._best_k(rates, per, BATCH_START_MARGIN, kmax, padded=True, fixed=fixed)
         why = "model"
         if best_k and self._losing(batch_size):
@@ -491,11 +491,12 @@ class KPolicy:
             return 0
         k = np.arange(1, kmax + 1, dtype=np.float64)
         total = np.zeros(kmax)
-        geo = [a for a in rates if not isinstance(a, np.ndarray)]
+        runs = self.spec.accept_model == "runs"  # else every rate is a float (`_tokens`)
+        geo = [a for a in rates if not isinstance(a, np.ndarray)] if runs else rates
         if geo:
             a = np.asarray(geo, dtype=np.float64)[None, :]
             total += ((1 - a ** (k[:, None] + 1)) / (1 - a)).sum(axis=1)
-        for curve in rates:
+        for curve in rates if runs else ():
             if isinstance(curve, np.ndarray):
                 total += curve[:kmax]
         cost = self._paid_costs(kmax) if padded else k
@@ -538,6 +539,14 @@ class KPolicy:
             tried[j] += 1.0
         for j in range(min(accepted, len(passed))):
             passed[j] += 1.0
+
+    def _batch_tokens(self, seqs: list[Sequence]) -> list:
+        """`_tokens` of every sequence of a fused batch (the geometric model's rates read in
+        one pass: at 64 streams this runs every step, on the host's critical path)."""
+        if self.spec.accept_model == "runs":
+            return [self._tokens(s) for s in seqs]
+        prior = self.prior
+        return [min(prior if a is None else a, 0.999) for a in [s.accept_rate for s in seqs]]
 
     def _tokens(self, seq: Sequence) -> np.ndarray | float:
         """What `_best_k` prices a sequence by: its acceptance rate (geometric), or with
