@@ -5,8 +5,10 @@ from __future__ import annotations
 import functools
 import glob
 import importlib.util
+import json
 import os
 import random
+import re
 from dataclasses import dataclass
 
 import torch
@@ -143,6 +145,25 @@ def _byte_level_chars() -> dict[str, int]:
     return out
 
 
+def _byte_level_decoder(state: bytes) -> bool | None:
+    """Whether a fast tokenizer's decoder (its JSON state) turns tokens into text as
+    byte-level BPE does: ByteLevel alone, or after byte fallback, fusing and "\u2581" read
+    as a space (as transformers builds it from a GGUF file in some versions). True when it
+    has byte fallback, False when not, None when it is not byte-level."""
+    d = json.loads(state)
+    parts = d.get("decoders", []) if d.get("type") == "Sequence" else [d]
+    if not parts or parts[-1].get("type") != "ByteLevel":
+        return None
+    for p in parts[:-1]:
+        kind = p.get("type")
+        if kind == "Replace" and p.get("pattern") == {"String": "\u2581"} and \
+                p.get("content") == " ":
+            continue
+        if kind not in ("ByteFallback", "Fuse"):
+            return None
+    return any(p.get("type") == "ByteFallback" for p in parts)
+
+
 _DECODE_PROBE = "Hello , world ! It 's a test . Don 't stop ? Yes : no ; maybe - fine ."
 
 
@@ -184,44 +205,55 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         table = self._bytes if self._bytes is not None else self._byte_table()
         if table:
-            return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+            try:
+                parts = [table[i] for i in ids]
+            except IndexError:  # an id past the tokenizer's vocabulary
+                parts = [None]
+            if None not in parts:
+                return b"".join(parts).decode("utf-8", "replace")
         if self._fast_decode is not None:
             return self._fast_decode(ids, skip_special_tokens=True)
         return self.hf.decode(ids, skip_special_tokens=True)
 
-    def _byte_table(self) -> list[bytes] | bool:
+    def _byte_table(self) -> list[bytes | None] | bool:
         """Each token id's bytes where the tokenizer decodes by byte-level BPE: the text of
         ids is then their bytes joined and read as UTF-8, bad bytes replaced (as the fast
         tokenizer's ByteLevel decoder does), about half the time of a call into it for the
-        few ids the detokenizer decodes per sequence and step. Kept only if it decodes
-        probe windows (every added token, seeded random ids) exactly as the tokenizer does;
-        False otherwise, and decoding goes through the tokenizer."""
+        few ids the detokenizer decodes per sequence and step. A token outside the byte
+        alphabet (or a byte-fallback token) has None: a window holding one is decoded by
+        the tokenizer. Kept only if the decoder is byte-level (`_byte_level_decoder`) and
+        the table decodes probe windows (every added token, seeded random ids) exactly as
+        the tokenizer does; False otherwise, and decoding goes through the tokenizer."""
         self._bytes = False
         fast = self.hf.backend_tokenizer
         try:
-            if type(fast.decoder).__name__ != "ByteLevel":
-                return False
+            fallback = _byte_level_decoder(fast.decoder.__getstate__())
             vocab = fast.get_vocab(with_added_tokens=True)
             added = fast.get_added_tokens_decoder()
         except Exception:  # noqa: BLE001 - an older tokenizers: keep its decode
             return False
+        if fallback is None:
+            return False
         chars = _byte_level_chars()
-        table = [b""] * (max(vocab.values()) + 1)
+        table: list[bytes | None] = [b""] * (max(vocab.values()) + 1)
         for token, i in vocab.items():
             if i in added and added[i].special:
                 continue  # skipped when decoding
+            if fallback and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+                table[i] = None
+                continue
             try:
                 table[i] = bytes([chars[c] for c in token])
-            except KeyError:  # a token outside the byte alphabet decodes as its own text
-                table[i] = token.encode()
+            except KeyError:
+                table[i] = None
         rng = random.Random(0)
         probes = [[i] for i in added] + [[rng.randrange(len(table)) for _ in range(n % 8 + 1)]
                                          for n in range(512)]
-        for ids in probes:
-            want = fast.decode(ids, skip_special_tokens=True)
-            if b"".join([table[i] for i in ids]).decode("utf-8", "replace") != want:
-                return False
         self._bytes = table
+        for ids in probes:
+            if self.decode(ids) != fast.decode(ids, skip_special_tokens=True):
+                self._bytes = False
+                return False
         return table
 
     def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

@@ -150,3 +150,43 @@ def test_no_byte_table_for_other_decoders():
     tok = Tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="[UNK]"))
     assert tok._byte_table() is False
     assert tok.decode([1, 2, 3]) == "hello worlds"
+
+
+def test_byte_level_decoders_recognized():
+    """ByteLevel alone, or the sequence transformers builds from a GGUF file in some versions
+    (byte fallback, fuse, "\u2581" as a space, then ByteLevel); anything else is not."""
+    from engine.loader import _byte_level_decoder
+
+    bl = '{"type":"ByteLevel","add_prefix_space":true,"trim_offsets":true,"use_regex":true}'
+    seq = ('{"type":"Sequence","decoders":[{"type":"ByteFallback"},{"type":"Fuse"},'
+           '{"type":"Replace","pattern":{"String":"\u2581"},"content":" "},' + bl + ']}')
+    assert _byte_level_decoder(bl.encode()) is False
+    assert _byte_level_decoder(seq.encode()) is True
+    assert _byte_level_decoder(('{"type":"Sequence","decoders":[{"type":"Fuse"},' + bl + ']}')
+                               .encode()) is False
+    for other in ('{"type":"Sequence","decoders":[{"type":"Strip","content":" ","start":1,'
+                  '"stop":0},' + bl + ']}',
+                  '{"type":"Sequence","decoders":[{"type":"Replace","pattern":{"String":"_"},'
+                  '"content":" "},' + bl + ']}',
+                  '{"type":"Sequence","decoders":[' + bl + ',{"type":"Fuse"}]}',
+                  '{"type":"Sequence","decoders":[]}',
+                  '{"type":"WordPiece","prefix":"##","cleanup":true}'):
+        assert _byte_level_decoder(other.encode()) is None, other
+
+
+def test_windows_outside_the_table_go_through_the_tokenizer(smol_engine):
+    """A token the table leaves out (None: outside the byte alphabet, or byte fallback) and
+    an id past the vocabulary: that window is decoded by the tokenizer, the others by the
+    table, all as the tokenizer decodes them."""
+    from engine.loader import Tokenizer
+
+    tok = Tokenizer(smol_engine.tokenizer.hf)
+    table = tok._byte_table()
+    fast = tok.hf.backend_tokenizer
+    ids = tok.encode("some words around the token left out of the table")
+    table[ids[3]] = None
+    calls = []
+    tok._fast_decode = lambda w, **kw: calls.append(list(w)) or fast.decode(w, **kw)
+    for w in (ids, ids[:3], ids[3:5], [ids[0], len(table) + 5, ids[1]]):
+        assert tok.decode(w) == fast.decode(w, skip_special_tokens=True), w
+    assert calls == [ids, ids[3:5], [ids[0], len(table) + 5, ids[1]]]
