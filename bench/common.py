@@ -167,6 +167,16 @@ def load_smol(args, spec=None, num_blocks: int = 1024):
     return _SMOL[key]
 
 
+def decode_path() -> str | None:
+    """How the loaded SmolLM2 engines' tokenizer decoded: "byte table" (`Tokenizer.decode`
+    joining token bytes), "tokenizer", or None before any decode (or engine)."""
+    for eng in _SMOL.values():
+        table = eng.tokenizer._bytes
+        if table is not None:
+            return "byte table" if table else "tokenizer"
+    return None
+
+
 def eagle(args, k: int, dynamic: bool, context: bool | None = None):
     """EAGLE-3 at K=k; `context`: drafts from the context too (default: --context-drafts,
     else SpecConfig's default)."""

@@ -38,6 +38,7 @@ from bench.common import (  # noqa: E402 - after the sys.path fix above
     _torch,
     acceptance,
     apply_settings,
+    decode_path,
     eagle,
     first_diff,
     free_memory,
@@ -1166,6 +1167,7 @@ def run(args) -> int:
             failed.append(num)
             print(res["error"], flush=True)
         res["seconds"] = rnd(time.perf_counter() - t0, 1)
+        res["environment"]["detokenizer"] = decode_path()
         free_memory()
         path = save(args.out, res, plot)
         status = "error" if "error" in res else res.get("skipped", "ok")
