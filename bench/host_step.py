@@ -4,7 +4,7 @@ machine (no GPU needed). The decode graphs' function returns a fixed hidden stat
 token per row; prefill still runs the small random model.
 
     python -m bench.host_step --out DIR [--concurrency 16,64] [--steps 300] [--profile]
-        [--spec-k0] [--spec-k 1,3]
+        [--spec-k0] [--spec-k 1,3] [--no-detok]
 
 Writes DIR/host_step.json: microseconds per step per concurrency (and with --profile the
 top functions by own time, under cProfile, which inflates the absolute numbers)."""
@@ -22,16 +22,21 @@ import sys
 import time
 from dataclasses import replace
 
-NOTE = ("model replaced by a trivial function: host work only; the tiny test model has no "
-        "tokenizer, so detokenizing (about 1.6 us a token with SmolLM2's) is not in these "
-        "numbers")
+NOTE = ("model replaced by a trivial function: host work only; the text is detokenized with "
+        "the embedded SmolLM2's tokenizer (the tiny model's ids are valid SmolLM2 ids), "
+        "unless --no-detok")
 
 
-def make_engine(concurrency: int, max_tokens: int, spec_k: int | None = None):
+SMOL_VOCAB = 49152
+
+
+def make_engine(concurrency: int, max_tokens: int, spec_k: int | None = None,
+                detok: bool = False):
     """No speculation (`spec_k` None); or an EAGLE-3 engine whose policy always drafts
     `spec_k` tokens, every draft accepted: K=0 is what a speculative engine pays per step
     when it has turned drafting off (the head's KV kept current), K>0 the host side of
-    steps that verify K drafts and emit K+1 tokens per sequence."""
+    steps that verify K drafts and emit K+1 tokens per sequence. `detok`: the engine
+    detokenizes with the embedded SmolLM2's tokenizer, as a served model does."""
     import torch
 
     from engine import Engine
@@ -39,11 +44,21 @@ def make_engine(concurrency: int, max_tokens: int, spec_k: int | None = None):
     from tests.helpers import tiny_engine
 
     blocks = concurrency * (max_tokens // 4 + 4) + 64
+    # With the tokenizer, SmolLM2's vocabulary size: the fake steps' ids then spread over
+    # its tokens (the tiny model's first few hundred ids are mostly byte tokens, whose broken
+    # characters make the detokenizer decode again and again).
     ref = tiny_engine(0, max_num_batched_tokens=4096, num_blocks=blocks,
-                      attention_backend="torch", max_position=max(512, max_tokens + 64))
+                      attention_backend="torch", max_position=max(512, max_tokens + 64),
+                      **({"vocab_size": SMOL_VOCAB} if detok else {}))
     vocab = ref.config.model.vocab_size
+    tok = None
+    if detok:
+        from engine import loader
+
+        tok = loader.Tokenizer.load(loader.resolve(None))
     if spec_k is None:
-        eng = Engine(replace(ref.config, attention_backend="triton"), weights_of=ref)
+        eng = Engine(replace(ref.config, attention_backend="triton"), weights_of=ref,
+                     tokenizer=tok)
         eng.runner.enable_graphs(max(concurrency, 1), (1,), ())
 
         def fake(ids, pos, meta, *extras):
@@ -56,7 +71,7 @@ def make_engine(concurrency: int, max_tokens: int, spec_k: int | None = None):
 
     cfg = replace(ref.config, attention_backend="triton",
                   spec=SpecConfig(method="eagle3", num_tokens=7, dynamic=True))
-    eng = Engine(cfg, weights_of=ref, draft_head=random_head(ref))
+    eng = Engine(cfg, weights_of=ref, draft_head=random_head(ref), tokenizer=tok)
     n = max(concurrency, 1)
     eng.runner.enable_graphs(n, range(1, 9), eng.spec.aux_layers)
     eng.spec.enable_graphs(n)
@@ -82,12 +97,13 @@ def make_engine(concurrency: int, max_tokens: int, spec_k: int | None = None):
     return eng
 
 
-def measure(concurrency: int, steps: int, profile: bool, spec_k: int | None = None) -> dict:
+def measure(concurrency: int, steps: int, profile: bool, spec_k: int | None = None,
+            detok: bool = True) -> dict:
     from engine.sequence import SamplingParams
 
     per_step = 1 + (spec_k or 0)  # tokens a sequence emits a step (every draft accepted)
     tokens = (2 * steps + 40) * per_step  # the timed steps and the profiled ones all decode
-    eng = make_engine(concurrency, tokens, spec_k)
+    eng = make_engine(concurrency, tokens, spec_k, detok)
     sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     for i in range(concurrency):
         eng.add_request([1 + i % 50, 2, 3, 4], sp)
@@ -124,6 +140,8 @@ def main(argv=None):
     ap.add_argument("--concurrency", default="16,64")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--no-detok", action="store_true",
+                    help="no tokenizer: leave detokenizing out of the host's step")
     ap.add_argument("--spec-k0", action="store_true",
                     help="also the EAGLE-3 engine with drafting off (the fused K=0 step)")
     ap.add_argument("--spec-k", default="",
@@ -135,7 +153,7 @@ def main(argv=None):
     ks = [None] + ([0] if args.spec_k0 else []) + [int(k) for k in args.spec_k.split(",") if k]
     for k in ks:
         for c in args.concurrency.split(","):
-            rows.append(measure(int(c), args.steps, args.profile, k))
+            rows.append(measure(int(c), args.steps, args.profile, k, not args.no_detok))
             r = rows[-1]
             print(f"{r['engine']}, {r['concurrency']} streams: {r['us_per_step']} us/step "
                   f"({r['us_per_token']} us/token)", flush=True)

@@ -203,17 +203,29 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=True))
 
     def decode(self, ids: list[int]) -> str:
-        table = self._bytes if self._bytes is not None else self._byte_table()
-        if table:
-            try:
-                parts = [table[i] for i in ids]
-            except IndexError:  # an id past the tokenizer's vocabulary
-                parts = [None]
-            if None not in parts:
-                return b"".join(parts).decode("utf-8", "replace")
+        text = self.decode_joined(ids)
+        if text is not None:
+            return text
         if self._fast_decode is not None:
             return self._fast_decode(ids, skip_special_tokens=True)
         return self.hf.decode(ids, skip_special_tokens=True)
+
+    def decode_joined(self, ids: list[int]) -> str | None:
+        """The text of ids from the byte table (`_byte_table`): their bytes joined, read as
+        UTF-8, bad bytes replaced. None without a table, or for an id it lacks (one outside
+        the byte alphabet, or past the vocabulary). Texts decoded so concatenate: where the
+        text of a holds no U+FFFD (its bytes are whole characters), the text of a + b is the
+        text of a then that of b (`Detokenizer` decodes only the new ids then)."""
+        table = self._bytes if self._bytes is not None else self._byte_table()
+        if not table:
+            return None
+        try:
+            parts = [table[i] for i in ids]
+        except IndexError:  # an id past the tokenizer's vocabulary
+            return None
+        if None in parts:
+            return None
+        return b"".join(parts).decode("utf-8", "replace")
 
     def _byte_table(self) -> list[bytes | None] | bool:
         """Each token id's bytes where the tokenizer decodes by byte-level BPE: the text of
@@ -274,7 +286,10 @@ class Detokenizer:
     SmolLM2's tokenizer on the development machine two decodes a token took 2.7 us a token;
     this takes 1.6 at one token a call and 0.9 at three (`Engine._emit` steps once for all
     the tokens a step emits unless a stop string needs them one by one; windows of 16
-    tokens: 2.0 and 0.9, their decodes dearer)."""
+    tokens: 2.0 and 0.9, their decodes dearer). With a byte-table tokenizer
+    (`Tokenizer.decode_joined`) and a window text of whole characters, a call decodes only
+    its new ids (`_step_joined`): one short decode a call, where a speculative step's K + 1
+    ids a call moved the window every call and took two."""
 
     WINDOW = 4
 
@@ -284,14 +299,27 @@ class Detokenizer:
         self.prefix = max(0, len(prompt_ids) - 4)
         self.read = len(prompt_ids)
         self._read_text: str | None = None  # ids[prefix:read] decoded, once known
+        # The tokenizer's byte-table decode (`Tokenizer.decode_joined`), if it has one...
+        self._joined = getattr(tokenizer, "decode_joined", None)
+        # ...and whether _read_text came from it with no U+FFFD: its bytes are whole
+        # characters, so the window's text is _read_text then the new ids' text alone.
+        self._clean = False
 
     def step(self, ids: list[int]) -> str:
         """The text that ids (the request's whole id list, grown since the last call) add;
         "" while the last of them ends inside a character."""
         if self._read_text is None:
-            self._read_text = self.tok.decode(ids[self.prefix : self.read])
+            got = self._joined(ids[self.prefix : self.read]) if self._joined else None
+            self._clean = got is not None and "\ufffd" not in got
+            self._read_text = got if got is not None else \
+                self.tok.decode(ids[self.prefix : self.read])
         before = self._read_text
         end = len(ids)
+        if self._clean:
+            new = self._joined(ids[self.read : end])
+            if new is not None:
+                return self._step_joined(ids, before, new)
+        self._clean = False
         text = self.tok.decode(ids[self.prefix : end])
         # Several new ids whose last ends inside a character: the text up to the last id
         # that ends a character goes out now, as it would have one id at a time (a request
@@ -307,3 +335,24 @@ class Detokenizer:
             self._read_text = text
         self.read = end
         return text[len(before) :]
+
+    def _step_joined(self, ids: list[int], before: str, new: str) -> str:
+        """`step` where the window's text is `before` (whole characters) then `new`, the
+        new ids' text from the byte table: what `step` gives, from one decode of the new
+        ids instead of the window's (two when the window moved, as it does every call
+        that brings more than WINDOW ids)."""
+        end = len(ids)
+        while new.endswith("\ufffd") and end - 1 > self.read:
+            end -= 1
+            new = self._joined(ids[self.read : end])
+        if not new or new.endswith("\ufffd"):
+            return ""
+        if end - self.prefix > self.WINDOW:
+            # The moved window ids[read:end] decodes to `new`, as it would alone.
+            self.prefix, self._read_text = self.read, new
+            self._clean = "\ufffd" not in new
+        else:
+            self._read_text = before + new
+            self._clean = "\ufffd" not in new
+        self.read = end
+        return new

@@ -190,3 +190,75 @@ def test_windows_outside_the_table_go_through_the_tokenizer(smol_engine):
     for w in (ids, ids[:3], ids[3:5], [ids[0], len(table) + 5, ids[1]]):
         assert tok.decode(w) == fast.decode(w, skip_special_tokens=True), w
     assert calls == [ids, ids[3:5], [ids[0], len(table) + 5, ids[1]]]
+
+
+class Generic:
+    """A tokenizer without the byte-table decode: the detokenizer's generic path."""
+
+    def __init__(self, tok, calls=None):
+        self.tok, self.calls = tok, calls
+
+    def decode(self, ids):
+        if self.calls is not None:
+            self.calls.append(len(ids))
+        return self.tok.decode(ids)
+
+
+def test_joined_path_gives_the_generic_deltas(smol_engine):
+    """With the byte table the detokenizer decodes only new ids; call by call it gives what
+    the generic path gives, on text, on random ids with broken characters, and across a
+    token the table lacks (that call and the next go the generic way)."""
+    tok = smol_engine.tokenizer
+    assert tok._byte_table()
+    rng = random.Random(3)
+    vocab = smol_engine.config.model.vocab_size
+    cases = [tok.encode(t) for t in TEXTS]
+    for _ in range(30):
+        cases.append([rng.randrange(0, 256) if rng.random() < 0.3 else rng.randrange(256, vocab)
+                      for _ in range(48)])
+    ufffd = tok.encode("a \ufffd b")  # a real U+FFFD in the text: never "clean"
+    cases.append(cases[0][:10] + ufffd + cases[0][10:])
+    for ids in cases:
+        prompt, out = ids[:6], ids[6:]
+        for chunks in ([1] * len(out), [4] * (len(out) // 4) + [len(out) % 4],
+                       chunking(rng, len(out))):
+            chunks = [c for c in chunks if c]
+            assert stream(tok, prompt, out, chunks) == stream(Generic(tok), prompt, out, chunks)
+    from engine.loader import Tokenizer
+
+    lacking = Tokenizer(tok.hf)
+    ids = cases[0]
+    lacking._byte_table()[ids[12]] = None
+    for chunks in ([1] * (len(ids) - 6), [3] * ((len(ids) - 6) // 3) + [(len(ids) - 6) % 3]):
+        chunks = [c for c in chunks if c]
+        assert stream(lacking, ids[:6], ids[6:], chunks) == \
+            stream(Generic(tok), ids[:6], ids[6:], chunks)
+
+
+def test_one_short_decode_per_call_with_the_byte_table(smol_engine):
+    """Four ids a call (a K=3 step): the generic path decodes twice a call (the window moves
+    every call), the byte table once, and only the new ids."""
+    tok = smol_engine.tokenizer
+    ids = tok.encode("Counting decodes over a plain English sentence of some length here, "
+                     "then another clause, and one more after it to make the stream long." * 2)
+    calls: list[int] = []
+
+    class Joined(Generic):
+        def decode_joined(self, w):
+            calls.append(len(w))
+            return self.tok.decode_joined(w)
+
+    for kind, counted in ((Generic(tok, calls), True), (Joined(tok), False)):
+        calls.clear()
+        d, cur = Detokenizer(kind, ids[:6]), list(ids[:6])
+        steps = 0
+        for i in range(6, len(ids) - 3, 4):
+            cur.extend(ids[i : i + 4])
+            d.step(cur)
+            steps += 1
+        assert steps >= 8
+        if counted:
+            assert len(calls) >= 2 * steps - 1
+        else:
+            assert len(calls) == steps + 1  # the first call's window, then one a call
+            assert max(calls[1:]) == 4
