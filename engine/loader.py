@@ -261,11 +261,14 @@ class Tokenizer:
         rng = random.Random(0)
         probes = [[i] for i in added] + [[rng.randrange(len(table)) for _ in range(n % 8 + 1)]
                                          for n in range(512)]
-        self._bytes = table
         for ids in probes:
-            if self.decode(ids) != fast.decode(ids, skip_special_tokens=True):
-                self._bytes = False
+            parts = [table[i] for i in ids]
+            if None not in parts and b"".join(parts).decode("utf-8", "replace") != \
+                    fast.decode(ids, skip_special_tokens=True):
                 return False
+        # Published only once checked (until then a decode in another thread goes through
+        # the tokenizer).
+        self._bytes = table
         return table
 
     def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
