@@ -174,7 +174,7 @@ def build(n: int | None = None, seed: int = 0, eval_frac: float = 0.05,
     unchanged."""
     train, held = _split(n, seed, eval_frac, extended, path)
     if name_split:
-        bench_held = _split(None, 0, 0.05, False, path)[1]  # what `build()` holds out
+        bench_held = build(path=path)[1]  # what the benchmarks' `build()` holds out
         seen = set().union(*(mentions(p) for p in held + bench_held))
         train = [p for p in train if not mentions(p) & seen]
     return train, held

@@ -353,9 +353,8 @@ class Detokenizer:
         if end - self.prefix > self.WINDOW:
             # The moved window ids[read:end] decodes to `new`, as it would alone.
             self.prefix, self._read_text = self.read, new
-            self._clean = "\ufffd" not in new
         else:
             self._read_text = before + new
-            self._clean = "\ufffd" not in new
+        self._clean = "\ufffd" not in new
         self.read = end
         return new
