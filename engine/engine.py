@@ -690,12 +690,35 @@ class Engine:
         detok = self._detok.get(seq.request_id)
         p, ids = seq.params, seq.token_ids
         # What stops a request, worked out once per call (a step at 64 streams emits up to
-        # 64 x (K+1) tokens, one Python pass each): the ids that stop it, and its length limit.
+        # 64 x (K+1) tokens): the ids that stop it, and its length limit.
         eos = () if p.ignore_eos else self.eos_ids
         limit = seq.length_limit(self.config.max_model_len)
-        # Text token by token only where a stop string may end the request mid-way; otherwise
-        # one detokenizer step for all the tokens kept (a decode per call, not per token).
-        per_token = detok is not None and bool(p.stop)
+        if p.stop:
+            emitted, reason = self._emit_each(seq, tokens, detok, eos, limit)
+        else:
+            # No stop string: where the tokens stop follows from the ids and the length alone,
+            # without a Python pass per token, and the text takes one detokenizer step.
+            emitted, reason = _cut(tokens, eos, p.stop_token_ids, limit - len(ids), seq.hold)
+            ids.extend(emitted)
+            if detok and emitted:
+                seq.text += detok.step(ids)
+        self.stats.generated_tokens += len(emitted)
+        done = reason is not None and reason != "handoff"
+        keep = len(seq.text) - (0 if done or not p.stop else stop_prefix_len(seq))
+        text, seq.num_emitted_chars = seq.text[seq.num_emitted_chars : keep], keep
+        return RequestOutput(seq.request_id, emitted, text, prompt_tokens=seq.num_prompt_tokens,
+                             completion_tokens=seq.num_output_tokens,
+                             cached_tokens=seq.num_cached_tokens,
+                             accepted_tokens=seq.num_accepted), reason
+
+    @staticmethod
+    def _emit_each(seq: Sequence, tokens: list[int], detok, eos, limit: int
+                   ) -> tuple[list[int], str | None]:
+        """`_emit`'s token-by-token pass for a request with stop strings: the text grows token
+        by token where a stop string may end the request mid-way (with a detokenizer),
+        otherwise in one step after the pass."""
+        p, ids = seq.params, seq.token_ids
+        per_token = detok is not None
         emitted, reason = [], None
         for tok in tokens:
             ids.append(tok)
@@ -706,23 +729,14 @@ class Engine:
                 reason = "stop"
             elif len(ids) >= limit:
                 reason = "length"
-            if p.stop and cut_at_stop(seq):
+            if cut_at_stop(seq):
                 reason = "stop"
             if reason:
                 break
             if seq.hold:
                 reason = "handoff"
                 break
-        if detok and not per_token and emitted:
-            seq.text += detok.step(ids)
-        self.stats.generated_tokens += len(emitted)
-        done = reason is not None and reason != "handoff"
-        keep = len(seq.text) - (0 if done or not p.stop else stop_prefix_len(seq))
-        text, seq.num_emitted_chars = seq.text[seq.num_emitted_chars : keep], keep
-        return RequestOutput(seq.request_id, emitted, text, prompt_tokens=seq.num_prompt_tokens,
-                             completion_tokens=seq.num_output_tokens,
-                             cached_tokens=seq.num_cached_tokens,
-                             accepted_tokens=seq.num_accepted), reason
+        return emitted, reason
 
     def _finished_output(self, seq: Sequence) -> RequestOutput:
         """Report a request the scheduler had to stop (the KV cache cannot hold it)."""
@@ -862,6 +876,30 @@ class Engine:
                     yield out
                     if out.finished:
                         return
+
+
+def _cut(tokens: list[int], eos, stop_ids: tuple[int, ...], room: int, hold: bool
+         ) -> tuple[list[int], str | None]:
+    """The tokens a request without stop strings keeps of `tokens`, and why it stops: at the
+    first stop id ("stop", the id kept), at the token that fills its `room` (tokens left
+    before its length limit: "length"; a stop id there wins), or after the first token when
+    it is held for a hand-off ("handoff", unless that token stopped it). What `_emit_each`
+    decides token by token."""
+    n = len(tokens)
+    if not n:
+        return tokens, None
+    end, reason = n, None
+    if (eos and not eos.isdisjoint(tokens)) or (stop_ids and not set(stop_ids).isdisjoint(tokens)):
+        end = next(j for j, t in enumerate(tokens) if t in eos or t in stop_ids) + 1
+        reason = "stop"
+    at = max(room, 1)  # the token that reaches the limit (the first one if already there)
+    if at < end:
+        end, reason = at, "length"
+    elif at == end and reason is None:
+        reason = "length"
+    if hold and not (reason and end == 1):
+        end, reason = 1, "handoff"
+    return (tokens if end == n else tokens[:end]), reason
 
 
 def _unfinished(batch: Batch) -> list[int]:
