@@ -38,7 +38,8 @@ class HostStager:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.size = size
-        self.host = [torch.empty(size, dtype=torch.int64, pin_memory=self.cuda)
+        # Zeroed, never uninitialized: `GraphSet._fill` leaves parts of a slot as they were.
+        self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=self.cuda)
                      for _ in range(slots)]
         self.events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]
         self.used = [False] * slots
@@ -51,7 +52,7 @@ class HostStager:
         """A pinned host buffer of at least n elements that no pending copy still reads."""
         if n > self.size:  # grow every slot; rare (a larger prefill chunk than seen before)
             self.size = max(n, 2 * self.size)
-            self.host = [torch.empty(self.size, dtype=torch.int64, pin_memory=self.cuda)
+            self.host = [torch.zeros(self.size, dtype=torch.int64, pin_memory=self.cuda)
                          for _ in self.host]
             self.used = [False] * len(self.host)
         i = self.i
@@ -311,19 +312,26 @@ class GraphSet:
         h = host.numpy()
         real, rows = inp.num_seqs, inp.num_tokens
         n = b * q
-        h[o["ids"]: o["ids"] + n] = 0
         h[o["ids"]: o["ids"] + rows] = inp.ids
-        h[o["pos"]: o["pos"] + n] = 0
         h[o["pos"]: o["pos"] + rows] = inp.pos
-        h[o["slots"]: o["slots"] + n] = -1
         h[o["slots"]: o["slots"] + rows] = inp.slots
-        h[o["starts"]: o["starts"] + b + 1] = rows
+        if rows < n:  # padding rows (a full bucket, the common case at 64 streams, has none)
+            h[o["ids"] + rows: o["ids"] + n] = 0
+            h[o["pos"] + rows: o["pos"] + n] = 0
+            h[o["slots"] + rows: o["slots"] + n] = -1
         h[o["starts"]: o["starts"] + real + 1] = inp.starts
-        h[o["lens"]: o["lens"] + b] = 0
         h[o["lens"]: o["lens"] + real] = inp.lens
+        if real < b:
+            h[o["starts"] + real + 1: o["starts"] + b + 1] = rows
+            h[o["lens"] + real: o["lens"] + b] = 0
+        # The real sequences' entries, and zeros for padded sequences. A real row's entries
+        # past its own table keep what this ring slot last held there (a block id, or the
+        # zeros the slot was made with): no kernel reads past a sequence's context, so
+        # zeroing 64 x max_blocks entries a step (as this did) bought nothing.
         tab = h[o["tables"]: o["tables"] + b * self.max_blocks].reshape(b, self.max_blocks)
-        tab[:] = 0
         tab[:real, : inp.tables.shape[1]] = inp.tables
+        if real < b:
+            tab[real:] = 0
         self.stager.copy(i, host[:n_used], self.buf[:n_used])
 
     def supports(self, inp: PackedInputs) -> bool:
