@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
-from engine.attention.triton_backend import next_pow2, triton, triton_available
+from engine.attention.triton_backend import FastLaunch, next_pow2, triton, triton_available
 from engine.graphs import GraphSet, PackedInputs, table_array
 from engine.sequence import Sequence
 from engine.spec.lookup import lookup, store_tokens
@@ -105,10 +105,11 @@ def continue_inputs(out: tuple, pq: int, pb: int, sel: torch.Tensor | None,
     drafts = out[2] if has_drafts else out[1]  # (a stand-in of the same dtype: not read)
     w = min(drafts.shape[1], q - 1) if has_drafts else 0
     tables = meta.block_tables
-    _continue_kernel[(b,)](out[0], out[1], drafts, sel if sel is not None else state, state,
-                           tables, ids, pos, meta.slot_mapping, meta.seq_lens, b, pq,
-                           drafts.stride(0), tables.stride(0), block_size, q, w,
-                           HAS_SEL=sel is not None, Q=next_pow2(q, 1), num_warps=1)
+    has_sel, qp = sel is not None, next_pow2(q, 1)
+    _continue_launch((ids.device.index, has_sel, qp, tables.dtype, meta.seq_lens.dtype), (b,),
+                     (out[0], out[1], drafts, sel if has_sel else state, state, tables, ids,
+                      pos, meta.slot_mapping, meta.seq_lens, b, pq, drafts.stride(0),
+                      tables.stride(0), block_size, q, w, has_sel, qp), num_warps=1)
 
 
 def compile_continuation_variants(query_levels, block_size: int, device) -> None:
@@ -177,6 +178,13 @@ if triton_available():
         tl.store(POS + j * q + r, p, mask=real)
         tl.store(SLOTS + j * q + r, slot, mask=real)
         tl.store(LENS + j, lo + q)
+
+    # Launched from Python every overlapped step: past the first launch of each variant,
+    # without Triton's per-call binding (its variant follows from the device and constexprs
+    # only where the JIT leaves every pointer's alignment alone).
+    _continue_launch = FastLaunch(_continue_kernel) \
+        if "do_not_specialize_on_alignment" in _NO_SPECIALIZE else \
+        (lambda key, grid, args, **options: _continue_kernel[grid](*args, **options))
 
 
 def levels(n: int) -> tuple[int, ...]:

@@ -76,3 +76,40 @@ def test_chain_positions_kernel_equals_the_torch_ops():
     p, slots, lens = chain_positions(k, start, has_q, tables, 4, 2, kernel=True)
     assert p.tolist() == [11, 0, 31, 0, 8] and lens.tolist() == [12, 1, 32, 0, 9]
     assert slots.tolist() == [7 * 4 + 3, -1, 4 * 4 + 3, -1, 13 * 4 + 0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_kernel_launched_past_the_jit_writes_the_same():
+    """On the GPU, launches after a variant's first skip Triton's binding (`FastLaunch`) and
+    still write what the torch ops write, step after step with new values."""
+    from engine.attention.triton_backend import FastLaunch
+    from engine.spec import fused
+
+    dev, pq, q, pb, bs, max_blocks = "cuda", 4, 4, 6, 16, 9
+    fast = getattr(fused._continue_launch, "fast", 0)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        out = (torch.randint(0, 1000, (pb * pq,), generator=g),
+               torch.randint(0, pq, (pb,), generator=g),
+               torch.randint(0, 1000, (pb, q - 1), generator=g))
+        state = torch.cat([torch.randint(0, 40, (pb,), generator=g),
+                           torch.randint(0, q, (pb,), generator=g)])
+        tables = torch.randint(1, 500, (pb, max_blocks), generator=g)
+        want = (torch.zeros(pb * q, dtype=torch.int64), torch.zeros(pb * q, dtype=torch.int64),
+                SimpleNamespace(block_tables=tables, slot_mapping=torch.zeros(pb * q).long(),
+                                seq_lens=torch.zeros(pb).long()))
+        got = tuple(x.to(dev) for x in want[:2]) + (SimpleNamespace(
+            block_tables=tables.to(dev), slot_mapping=want[2].slot_mapping.to(dev),
+            seq_lens=want[2].seq_lens.to(dev)),)
+        prev = SimpleNamespace(q=pq, seqs=[None] * pb, out=out)
+        continuation(prev, state, pb, q, bs)(*want)
+        continue_inputs(tuple(x.to(dev) for x in out), pq, pb, None, state.to(dev), pb, q, bs,
+                        *got)
+        torch.cuda.synchronize()
+        for x, y in ((got[0], want[0]), (got[1], want[1]),
+                     (got[2].slot_mapping, want[2].slot_mapping),
+                     (got[2].seq_lens, want[2].seq_lens)):
+            assert torch.equal(x.cpu(), y)
+    if isinstance(fused._continue_launch, FastLaunch):  # (Triton without it: the JIT's)
+        assert fused._continue_launch.fast >= fast + 2
