@@ -104,6 +104,7 @@ class FastLaunch:
         self.fn = fn
         self.compiled: dict = {}
         self.fast = 0  # launches that skipped the JIT's binding
+        self.why: str | None = None  # why the last launch did not (None: it did, or first)
         try:
             from triton import knobs
             from triton.runtime import driver
@@ -117,16 +118,22 @@ class FastLaunch:
         constexprs and the dtypes that may vary."""
         k = self.compiled.get(key)
         kn = self._knobs
-        if k is not None and kn.launch_enter_hook is None and kn.launch_exit_hook is None:
-            stream = self._driver.active.get_current_stream(key[0])
-            g = tuple(grid) + (1, 1)
-            k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, None, None, None,
-                  *args)
-            self.fast += 1
-            return
+        if k is not None:
+            if kn.launch_enter_hook is None and kn.launch_exit_hook is None:
+                stream = self._driver.active.get_current_stream(key[0])
+                g = tuple(grid) + (1, 1)
+                k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, None, None,
+                      None, *args)
+                self.fast += 1
+                return
+            self.why = "launch hooks set"
         k = self.fn[grid](*args, **options)
-        if kn is not None and hasattr(k, "run") and hasattr(k, "packed_metadata"):
+        if kn is None:
+            self.why = "no triton.knobs"
+        elif hasattr(k, "run") and hasattr(k, "packed_metadata"):
             self.compiled[key] = k
+        else:
+            self.why = f"the JIT returned {type(k).__name__}"
 
 
 if triton is not None:
