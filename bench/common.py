@@ -109,6 +109,8 @@ def environment(args) -> dict:
             env[name] = __import__(name).__version__
         except Exception as e:  # noqa: BLE001 - a missing library is a fact to record
             env[name] = f"not importable: {e}"
+    # The CPUs the host thread was kept on, and each allowed CPU's probe (engine/affinity.py)
+    env["host_cpus"] = getattr(args, "host_cpus", None)
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name()
         env["gpu_count"] = torch.cuda.device_count()

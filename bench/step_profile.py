@@ -213,6 +213,9 @@ def main(argv=None) -> int:
                         "lengths uniform in [tokens/2, 3*tokens/2]")
     p.add_argument("--llama8b", action="store_true",
                    help="also break down an eager 8B-shape decode forward by op and shape")
+    p.add_argument("--quiet-cpus", type=int, default=4, metavar="N",
+                   help="on a GPU, keep the host thread on the N quietest CPUs "
+                        "(engine/affinity.py; 0: leave the affinity alone)")
     args = p.parse_args(argv)
     from bench.common import held_out_messages, hold_at_k
     from engine import Engine, SamplingParams
@@ -220,6 +223,10 @@ def main(argv=None) -> int:
 
     os.makedirs(args.out, exist_ok=True)
     cuda = args.device.startswith("cuda")
+    if cuda and args.quiet_cpus:
+        from engine.affinity import pin_quiet_cpus
+
+        print("host CPUs:", json.dumps(pin_quiet_cpus(args.quiet_cpus)), flush=True)
     dt = torch.bfloat16 if cuda else torch.float32
     conc = [int(c) for c in args.concurrency.split(",")]
     if args.model:

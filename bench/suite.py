@@ -1074,6 +1074,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-drafts", choices=("on", "off"), default=None,
                    help="EAGLE-3 drafts from the context too (SpecConfig.context_drafts; "
                         "default: its default). Figure 1 runs both.")
+    p.add_argument("--quiet-cpus", type=int, default=4, metavar="N",
+                   help="on a GPU, keep the host thread on the N quietest CPUs, timed at start "
+                        "(engine/affinity.py; 0: leave the affinity alone)")
     p.add_argument("--accept-model", choices=("geometric", "runs"), default="geometric",
                    help="how dynamic K predicts a K-draft step's tokens (SpecConfig)")
     g = p.add_argument_group("figure 1 (single stream)")
@@ -1154,6 +1157,13 @@ def run(args) -> int:
         return 2
     log(f"figures {nums} on {args.device} ({args.dtype}) -> {args.out}"
         + (f", settings {settings}" if settings else ""))
+    if is_cuda(args) and args.quiet_cpus:
+        # (GPU runs only: a CPU run may share its process with others, tests among them.)
+        from engine.affinity import pin_quiet_cpus
+
+        args.host_cpus = pin_quiet_cpus(args.quiet_cpus)
+        log(f"host thread on CPUs {args.host_cpus['pinned']} "
+            f"(probe us per CPU {args.host_cpus.get('probe_us')})")
     failed = []
     for num in nums:
         name, fn, plot = FIGURES[num]

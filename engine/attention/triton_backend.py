@@ -90,6 +90,11 @@ def pdl_args(t: torch.Tensor, always: bool = False) -> dict:
     return {"USE_PDL": False} if always else {}
 
 
+def _no_hooks(hook) -> bool:
+    """A Triton launch hook slot holding nothing to call: None, or an empty `HookChain`."""
+    return hook is None or (hasattr(hook, "calls") and not hook.calls)
+
+
 class FastLaunch:
     """Launches of a Triton kernel that runs outside CUDA graphs on the host's critical path
     and specializes on none of its int or pointer arguments, so that its compiled variant
@@ -97,8 +102,9 @@ class FastLaunch:
     through Triton's JIT (argument binding, specialization, compiling); later ones call that
     compiled variant's launcher directly. Triton's binding alone cost the fused step's
     continuation launch ~50 us of the host's step at 64 streams on the H200 (py-spy).
-    Falls back to the JIT's launch when launch hooks are set (a profiler) or the launcher's
-    calling convention is not the one this was written for (Triton 3.3+)."""
+    Falls back to the JIT's launch when launch hooks are set (a profiler; Triton 3.6 keeps
+    an empty hook chain there otherwise) or the launcher's calling convention is not the
+    one this was written for (Triton 3.3+)."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
@@ -119,7 +125,7 @@ class FastLaunch:
         k = self.compiled.get(key)
         kn = self._knobs
         if k is not None:
-            if kn.launch_enter_hook is None and kn.launch_exit_hook is None:
+            if _no_hooks(kn.launch_enter_hook) and _no_hooks(kn.launch_exit_hook):
                 stream = self._driver.active.get_current_stream(key[0])
                 g = tuple(grid) + (1, 1)
                 k.run(g[0], g[1], g[2], stream, k.function, k.packed_metadata, None, None,
