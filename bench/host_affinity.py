@@ -79,18 +79,20 @@ def probe(cpus: list[int] | None) -> dict:
     return json.loads(got.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--runs", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--max-single", type=int, default=8,
+                    help="single CPUs probed alone, spread over the allowed ones")
+    args = ap.parse_args(argv)
     nodes, gpus = numa_nodes(), gpu_local_cpus()
     sets = {"unpinned": None, **{f"numa {n}": c for n, c in nodes.items()}}
     for i, g in enumerate(gpus):
         if g["local_cpus"]:
             sets[f"gpu {i} local"] = g["local_cpus"]
-    sets.update({f"cpu {c}": [c] for c in sorted(os.sched_getaffinity(0))[:: max(
-        1, len(os.sched_getaffinity(0)) // 8)]})
+    allowed = sorted(os.sched_getaffinity(0))
+    sets.update({f"cpu {c}": [c] for c in allowed[:: max(1, len(allowed) // args.max_single)]})
     rows = {}
     for _ in range(args.runs):  # interleaved, so drift spreads over every set
         for name, cpus in sets.items():
@@ -102,7 +104,8 @@ def main() -> None:
            "gpus": gpus, "probes": rows}
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
