@@ -187,12 +187,22 @@ if triton_available():
         (lambda key, grid, args, **options: _continue_kernel[grid](*args, **options))
 
 
-def levels(n: int) -> tuple[int, ...]:
-    """1, 2, 4, ... below n, then n: the padded sizes graphs are captured for."""
+# From this size on, the fused step's levels grow by 2 instead of doubling (None: they double
+# up to K). With K=7 the levels are then 1, 2, 4, 6, 8 verify rows and 1, 2, 4, 6, 7 drafts,
+# so dynamic K's K=5 runs a graph of 6 rows and 6 drafts instead of K=7's 8 and 7: on the
+# H200 figure 3's fixed K=5 engine (levels 1, 2, 4, 6 / 1, 2, 4, 5) beat dynamic K at 1-32
+# streams in every process of 2026-12-03, while dynamic K's steps there were mostly K=7's.
+# A ~45% larger set of graphs to capture. `bench.suite --set engine.spec.fused.DENSE_FROM=4`.
+DENSE_FROM: int | None = None
+
+
+def levels(n: int, dense_from: int | None = None) -> tuple[int, ...]:
+    """1, 2, 4, ... below n, then n: the padded sizes graphs are captured for; from
+    `dense_from` on, every second size (1, 2, 4, 6, 8 for n = 8 from 4)."""
     out, x = [], 1
     while x < n:
         out.append(x)
-        x *= 2
+        x = x * 2 if dense_from is None or x < dense_from else x + 2
     return (*out, n)
 
 
@@ -241,8 +251,8 @@ class FusedSteps:
         self.aux_layers, self.cfg = aux_layers, cfg
         self.max_batch, self.pool = max_batch, pool
         k = cfg.spec.num_tokens
-        self.query_levels = levels(k + 1)
-        self.draft_levels = (0, *levels(k))
+        self.query_levels = levels(k + 1, DENSE_FROM)
+        self.draft_levels = (0, *levels(k, DENSE_FROM))
         # Padding rows may reach K positions past a sequence's last block: a few spare
         # block-table columns (zeros) keep those reads in bounds.
         self.max_blocks = cfg.max_blocks_per_seq + -(-(k + 1) // cfg.block_size)

@@ -386,3 +386,26 @@ def test_head_store_kv_writes_what_a_full_step_writes(backend):
     assert full.abs().sum() > 0
     assert torch.equal(full, only)
     assert full[:, 2, 0].abs().sum() == 0  # slot 8: no row wrote it
+
+
+@CPU_ONLY
+def test_dense_levels_fused_steps_are_lossless(monkeypatch):
+    """With `fused.DENSE_FROM` = 4 the fused step's graphs are captured at 6 verify rows and
+    6 drafts too, and a dynamic K=7 engine drafting with a head that is sometimes right still
+    reproduces plain decoding."""
+    from engine.spec import fused
+
+    monkeypatch.setattr(fused, "DENSE_FROM", 4)
+    base = tiny_engine(0, max_num_batched_tokens=64)
+    head = random_head(base)
+    prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 2 for i in range(3)]
+    sp = SamplingParams(temperature=0, max_tokens=40)
+    ref = [c.token_ids for c in base.generate(prompts, sp)]
+    top = max(set(sum(ref, [])), key=sum(ref, []).count)
+    with torch.no_grad():
+        head.d2t.copy_(top - torch.arange(head.d2t.numel()))
+    eng = fast_engine(base, head, num_tokens=7, dynamic=False)
+    assert eng.spec.fused.query_levels == (1, 2, 4, 6, 8)
+    assert eng.spec.fused.draft_levels == (0, 1, 2, 4, 6, 7)
+    assert [c.token_ids for c in eng.generate(prompts, sp)] == ref
+    assert eng.spec.fused_runs > 0

@@ -691,3 +691,18 @@ def test_a_losing_verdict_reads_recent_drafting_steps_only():
     assert costs.measured_gain(1) < 1.0 and costs.measured_gain(1, LOSING_FRESH) is None
     assert pol.choose_batch(seqs, 1) > 0 and pol.batch_why["model"] == 1
     assert pol.choose(seqs[0], batch_size=1) > 0
+
+
+def test_dense_levels_give_k5_its_own_price():
+    """`fused.DENSE_FROM`: levels grow by 2 past 4, so with K=7 a K=5 step runs 6 verify rows
+    and 6 chain steps, priced below K=7 and a candidate of the batch's pick."""
+    from engine.spec.fused import levels
+
+    assert levels(8) == (1, 2, 4, 8) and levels(7) == (1, 2, 4, 7)
+    assert levels(8, 4) == (1, 2, 4, 6, 8) and levels(7, 4) == (1, 2, 4, 6, 7)
+    assert levels(6, 4) == (1, 2, 4, 6) and levels(3, 4) == (1, 2, 3)
+    pol = KPolicy(SpecConfig(num_tokens=7, verify_token_budget=0))
+    pol.levels = (levels(8, 4), (0, *levels(7, 4)))
+    assert [pol.paid(k) for k in range(8)] == [0, 1, 2.5, 3.5, 4.5, 5.5, 6.5, 7]
+    assert any(pol._best_k([a] * 4, c, kmax=7, padded=True) == 5
+               for a in np.linspace(0.3, 0.98, 35) for c in (0.02, 0.05, 0.1, 0.2))
