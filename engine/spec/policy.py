@@ -55,6 +55,16 @@ FIT_SWITCHES = False
 SWITCH_MARK = " switch"  # appended to a trace row's `how` where the step switched K
 
 
+# What the measured-win override (WIN_FLOOR) drafts at: "model", the step-cost model's best
+# K above 0 (K=1 wherever deeper ones price worse: at 2 streams on the H200 95-111 of ~236
+# fused burst steps a process); "measured", the K whose graph level measured the most
+# tokens per second at the batch's bucket lately (`StepCosts.best_level`). There the
+# level-1 steps those picks ran emitted 3.4 tokens/ms against 4.1-4.2 for levels 3.5-7
+# (`fig3_f89e385_pinned_trace.json`), though deep levels ran where drafts landed more often.
+# `bench.suite --set engine.spec.policy.WIN_PICK=measured`.
+WIN_PICK = "model"
+
+
 def switched(how: str) -> bool:
     """Whether a `StepCosts.trace` row's `how` marks a step that switched K."""
     return how.endswith(SWITCH_MARK)
@@ -127,6 +137,8 @@ class StepCosts:
         # RATE_WINDOW steady steps (per sequence: a bucket spans batch sizes, and in a burst's
         # tail the plain probes ran at the larger ones, the drafting steps at the smaller)
         self._rates: dict[tuple[int, bool], deque] = {}
+        # (bucket, drafts per sequence) -> the same for steady drafting steps of each level
+        self._level_rates: dict[tuple[int, float], deque] = {}
         self._last: tuple[int, bool] | None = None  # (bucket, plain?) of the last step seen
         # When a list: every step offered to the model, (batch size, drafts per sequence,
         # seconds, tokens, how the step ran, timed?) - for benchmarks reading what it saw.
@@ -153,8 +165,10 @@ class StepCosts:
         if not steady:
             return
         if tokens is not None and seconds > 0:
-            _window(self._rates, kind, (self._n, tokens / batch_size, seconds),
-                    self.RATE_WINDOW)
+            sample = (self._n, tokens / batch_size, seconds)
+            _window(self._rates, kind, sample, self.RATE_WINDOW)
+            if drafts_per_seq:
+                _window(self._level_rates, (b, drafts_per_seq), sample, self.RATE_WINDOW)
         if drafts_per_seq == 0:
             self.plain[b] = _low(_window(self._plain, b, seconds))
         else:
@@ -229,6 +243,22 @@ class StepCosts:
             gain = rates[0] / rates[1]
         self._gains[(b, ages[0])] = (self._n, gain)
         return gain
+
+    def best_level(self, batch_size: int) -> float | None:
+        """The drafting level (drafts per sequence) whose steady steps of the last STALE at
+        this batch size's bucket emitted the most tokens per second per sequence (`_rate`),
+        among levels with MIN_RATE_SAMPLES such steps; None without any."""
+        b = _bucket(batch_size)
+        best, level = None, None
+        for (lb, lvl), w in self._level_rates.items():
+            if lb != b:
+                continue
+            recent = [(tok, sec) for n, tok, sec in w if self._n - n <= self.STALE]
+            if len(recent) >= self.MIN_RATE_SAMPLES:
+                r = _rate(recent)
+                if best is None or r > best:
+                    best, level = r, lvl
+        return level
 
     def knows_plain(self, batch_size: int) -> bool:
         return _bucket(batch_size) in self.plain
@@ -398,8 +428,11 @@ class KPolicy:
         if best_k and self._losing(batch_size):
             best_k, why = 0, "losing"
         elif best_k == 0 and kmax and self._winning(batch_size):
-            # the model's best K that drafts (K=1 where every deeper one prices worse)
-            best_k, why = self._best_k(rates, per, 0.0, kmax, True, fixed), "winning"
+            # the model's best K that drafts (K=1 where every deeper one prices worse), or
+            # the K of the level that measured best (WIN_PICK)
+            best_k = (WIN_PICK == "measured" and self._measured_k(batch_size, kmax)) or \
+                self._best_k(rates, per, 0.0, kmax, True, fixed)
+            why = "winning"
         if best_k == 0:
             # (Rarer than a lone sequence's probe: a batch probe breaks the host-packed K=0
             # continuation for every stream, twice.)
@@ -412,6 +445,16 @@ class KPolicy:
         if self.picks is not None:
             self.picks.append((best_k, why))
         return best_k
+
+    def _measured_k(self, batch_size: int, kmax: int) -> int | None:
+        """The deepest K up to kmax that the fused step runs at the level that measured the
+        most tokens per second at this batch size (`StepCosts.best_level`; K's level is
+        `paid(K)`); None without a measured level or a K at or below it."""
+        level = self.costs.best_level(batch_size)
+        if level is None:
+            return None
+        fits = [k for k in range(1, kmax + 1) if self.paid(k) <= level + 1e-9]
+        return fits[-1] if fits else None
 
     def _kmax(self, batch_size: int, padded: bool = False) -> int:
         """The deepest K dynamic K may take at this batch size: batch * (K + 1) verified

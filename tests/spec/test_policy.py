@@ -706,3 +706,31 @@ def test_dense_levels_give_k5_its_own_price():
     assert [pol.paid(k) for k in range(8)] == [0, 1, 2.5, 3.5, 4.5, 5.5, 6.5, 7]
     assert any(pol._best_k([a] * 4, c, kmax=7, padded=True) == 5
                for a in np.linspace(0.3, 0.98, 35) for c in (0.02, 0.05, 0.1, 0.2))
+
+
+def test_measured_win_drafts_at_the_best_measured_level(monkeypatch):
+    """WIN_PICK = "measured": where the measured win overrules the model's K=0, the batch
+    drafts at the K of the level whose steps emitted the most tokens per second at its bucket
+    (the deepest K of that level), not at the model's K=1; "model" keeps K=1."""
+    from engine.spec import policy
+    from engine.spec.policy import StepCosts
+
+    costs = StepCosts()
+    for _ in range(3):
+        costs.record(4, 0, 1e-3, tokens=4)  # plain: 1 token a sequence per ms
+    for _ in range(3):
+        costs.record(4, 1.0, 1.4e-3, tokens=7)  # level 1: 1.25 a sequence per ms
+    for _ in range(3):
+        costs.record(4, 3.5, 2e-3, tokens=12)  # level 3.5: 1.5
+    for _ in range(3):
+        costs.record(4, 7.0, 3e-3, tokens=14)  # level 7: 1.17
+    assert costs.best_level(4) == 3.5 and costs.best_level(3) == 3.5
+    assert costs.best_level(8) is None  # another bucket
+    pol = KPolicy(SpecConfig(num_tokens=7))
+    pol.costs, pol.levels = costs, ((1, 2, 4, 8), (0, 1, 2, 4, 7))
+    assert pol._measured_k(4, 7) == 3 and pol._measured_k(4, 2) == 2
+    seqs = [seq_with_rate(0.3) for _ in range(4)]
+    pol.begin_propose(PROBE_LEN + 1, batch_size=4)
+    assert pol.choose_batch(seqs, 4) == 1 and pol.batch_why["winning"] == 1
+    monkeypatch.setattr(policy, "WIN_PICK", "measured")
+    assert pol.choose_batch(seqs, 4) == 3 and pol.batch_why["winning"] == 2
