@@ -16,7 +16,9 @@
 # TRAIN_SECONDS caps the training; HEADS_REPS=0 leaves head_ab to a TRAIN_STAGE=ab call;
 # TRAIN_NAME_SPLIT=1 trains on no prompt sharing a documented name with a held-out one),
 # `bash bench/h200_session.sh hostprof` (bench.step_profile's burst under py-spy, staged as a
-# wheel; PROFILE_VARIANTS / PROFILE_CONC / PROFILE_TOKENS narrow it).
+# wheel; PROFILE_VARIANTS / PROFILE_CONC / PROFILE_TOKENS narrow it), `SET_B="module.NAME=VALUE
+# ..." bash bench/h200_session.sh setab` (figure 3 in two processes, the second with those
+# settings).
 # Results
 # land in $OUT/<part>.tgz.
 set -u
@@ -91,6 +93,17 @@ elif [ "$part" = train ]; then  # a new EAGLE-3 head: TRAIN_STAGE=data (records 
       --reps "${HEADS_REPS:-2}" --out "$R/head_ab.json" > "$R/head_ab.log" 2>&1
     grep '\[bench' "$R/head_ab.log" | tail -3
   fi
+elif [ "$part" = setab ]; then  # figure 3 twice, as it is and with SET_B's --set values
+  # (SET_B: space-separated module.NAME=VALUE, e.g. "engine.spec.fused.DENSE_FROM=4"; each
+  # process writes to its own folder; ~150 s a process)
+  sets=""
+  for x in ${SET_B:?SET_B names the settings of the second process}; do sets="$sets --set $x"; done
+  for v in a b; do
+    extra=""; [ "$v" = b ] && extra="$sets"
+    timeout "${BENCH_TIMEOUT:-250}" python3 -m bench.suite --model "$M" --figures 3 --out "$R/$v" \
+      --fig3-trace $extra > "$R/$v.log" 2>&1
+    grep "figure 3 goals" "$R/$v.log" | cut -c1-300
+  done
 elif [ "$part" = cluster ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} \
     > "$R/gpu_tests.log" 2>&1
