@@ -63,6 +63,11 @@ SWITCH_MARK = " switch"  # appended to a trace row's `how` where the step switch
 # (`fig3_f89e385_pinned_trace.json`), though deep levels ran where drafts landed more often.
 # `bench.suite --set engine.spec.policy.WIN_PICK=measured`.
 WIN_PICK = "model"
+# One K for every fused batch instead of the step-cost model's pick (None: the model), the
+# measured-loss check (GAIN_FLOOR) and the probes kept. In nine figure 3 processes on the
+# H200 (2026-12-03) fixed K=5 engines ran at or above dynamic K at 1-32 streams in every
+# burst and at 4-64 in every steady run. `bench.suite --set engine.spec.policy.BATCH_K=5`.
+BATCH_K: int | None = None
 
 
 def switched(how: str) -> bool:
@@ -422,6 +427,11 @@ class KPolicy:
                 self.picks.append((0, "probe"))
             return 0
         kmax = self._kmax(batch_size, padded=True)
+        if BATCH_K is not None:  # one K for every fused batch, the measured checks kept
+            best_k, why = min(BATCH_K, kmax), "fixed"
+            if best_k and self._losing(batch_size):
+                best_k, why = 0, "losing"
+            return self._picked(best_k, why, batch_size, kmax)
         rates, (fixed, per) = self._batch_tokens(seqs), self._cost(batch_size, False)
         best_k = self._best_k(rates, per, BATCH_START_MARGIN, kmax, padded=True, fixed=fixed)
         why = "model"
@@ -433,6 +443,11 @@ class KPolicy:
             best_k = (WIN_PICK == "measured" and self._measured_k(batch_size, kmax)) or \
                 self._best_k(rates, per, 0.0, kmax, True, fixed)
             why = "winning"
+        return self._picked(best_k, why, batch_size, kmax)
+
+    def _picked(self, best_k: int, why: str, batch_size: int, kmax: int) -> int:
+        """A fused batch's K as chosen, after the retry a batch held at K=0 makes now and
+        then; counted by reason."""
         if best_k == 0:
             # (Rarer than a lone sequence's probe: a batch probe breaks the host-packed K=0
             # continuation for every stream, twice.)

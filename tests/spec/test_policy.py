@@ -734,3 +734,27 @@ def test_measured_win_drafts_at_the_best_measured_level(monkeypatch):
     assert pol.choose_batch(seqs, 4) == 1 and pol.batch_why["winning"] == 1
     monkeypatch.setattr(policy, "WIN_PICK", "measured")
     assert pol.choose_batch(seqs, 4) == 3 and pol.batch_why["winning"] == 2
+
+
+def test_batch_k_holds_one_k_but_keeps_the_measured_loss_check(monkeypatch):
+    """BATCH_K: every fused batch drafts that K (capped by the verify budget) whatever the
+    model says, plain probes still run plain, and drafting measured slower than plain puts
+    the batch at K=0."""
+    from engine.spec import policy
+    from engine.spec.policy import StepCosts
+
+    monkeypatch.setattr(policy, "BATCH_K", 5)
+    pol = KPolicy(SpecConfig(num_tokens=7, verify_token_budget=0))
+    seqs = [seq_with_rate(0.05) for _ in range(4)]  # the model alone would say K=0
+    pol.begin_propose(PROBE_LEN + 1, batch_size=4)
+    assert pol.choose_batch(seqs, 4) == 5 and pol.batch_why["fixed"] == 1
+    pol.begin_propose(0, batch_size=4)  # a plain probe
+    assert pol.choose_batch(seqs, 4) == 0
+    costs = StepCosts()
+    for _ in range(3):
+        costs.record(4, 0, 1e-3, tokens=4)
+    for _ in range(3):
+        costs.record(4, 5.0, 3e-3, tokens=8)  # drafting: 2/3 of plain's tokens/s
+    pol.costs = costs
+    pol.begin_propose(PROBE_LEN + 1, batch_size=4)
+    assert pol.choose_batch(seqs, 4) == 0 and pol.batch_why["losing"] == 1
