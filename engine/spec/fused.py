@@ -190,8 +190,9 @@ if triton_available():
 # From this size on, the fused step's levels grow by 2 instead of doubling (None: they double
 # up to K). With K=7 the levels are then 1, 2, 4, 6, 8 verify rows and 1, 2, 4, 6, 7 drafts,
 # so dynamic K's K=5 runs a graph of 6 rows and 6 drafts instead of K=7's 8 and 7: on the
-# H200 figure 3's fixed K=5 engine (levels 1, 2, 4, 6 / 1, 2, 4, 5) beat dynamic K at 1-32
-# streams in every process of 2026-12-03, while dynamic K's steps there were mostly K=7's.
+# H200 figure 3's fixed K=5 engine (levels 1, 2, 4, 6 / 1, 2, 4, 5) ran ahead of dynamic K
+# in 48 of 54 bursts at 1-32 streams (nine processes, 2026-12-03), while dynamic K's steps
+# there were mostly K=7's.
 # A ~45% larger set of graphs to capture. `bench.suite --set engine.spec.fused.DENSE_FROM=4`.
 DENSE_FROM: int | None = None
 
