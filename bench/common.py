@@ -191,6 +191,28 @@ def eagle(args, k: int, dynamic: bool, context: bool | None = None):
                       accept_model=getattr(args, "accept_model", "geometric"), **extra)
 
 
+def spec_fields(text: str | None) -> dict:
+    """"field=value,field=value" as SpecConfig fields (values Python literals, else strings),
+    checked against SpecConfig: an unknown field or a refused value raises ValueError."""
+    import ast
+    from dataclasses import fields, replace
+
+    from engine.config import SpecConfig
+
+    out = {}
+    for item in filter(None, (x.strip() for x in (text or "").split(","))):
+        name, sep, raw = item.partition("=")
+        name = name.strip()
+        if not sep or name not in {f.name for f in fields(SpecConfig)}:
+            raise ValueError(f"{item!r} is not SpecConfig field=value")
+        try:
+            out[name] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            out[name] = raw.strip()
+    replace(SpecConfig(num_tokens=16), **out)  # refused values raise here
+    return out
+
+
 def ngram(k: int):
     from engine.config import SpecConfig
 

@@ -94,7 +94,7 @@ elif [ "$part" = train ]; then  # a new EAGLE-3 head: TRAIN_STAGE=data (records 
     grep '\[bench' "$R/head_ab.log" | tail -3
   fi
 elif [ "$part" = setab ]; then  # figure 3 twice, as it is and with SET_B's --set values
-  # (SET_B: space-separated module.NAME=VALUE, e.g. "engine.spec.fused.DENSE_FROM=4"; each
+  # (SET_B: space-separated module.NAME=VALUE, e.g. "engine.spec.policy.WIN_FLOOR=1.2"; each
   # process writes to its own folder; ~150 s a process)
   sets=""
   for x in ${SET_B:?SET_B names the settings of the second process}; do sets="$sets --set $x"; done

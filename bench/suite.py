@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:  # `python bench/suite.py` and the `tandem` entry point
@@ -57,6 +57,7 @@ from bench.common import (  # noqa: E402 - after the sys.path fix above
     rnd,
     save,
     spec_counts,
+    spec_fields,
     start_trace,
     step_costs,
     step_paths,
@@ -518,6 +519,10 @@ def fig_concurrency(args, res: dict) -> None:
     dyn = f"eagle3_dynamic_k{args.dynamic_k}"
     variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False),
                 dyn: eagle(args, args.dynamic_k, True)}
+    candidate = spec_fields(args.fig3_candidate)
+    if candidate:  # dynamic K with some SpecConfig fields changed, in turns with the rest
+        variants[f"{dyn}_candidate"] = replace(variants[dyn], **candidate)
+        res["config"]["candidate"] = candidate
     table: dict[str, list[dict]] = {name: [] for name in variants}
     res["runs"] = table
     traces: dict[str, list] = {}  # --fig3-trace
@@ -631,6 +636,9 @@ def fig_concurrency(args, res: dict) -> None:
         low = min(r[vs] for r in table[dyn])
         goals[f"dynamic_at_least_0.97x_no_spec_everywhere_{measure}"] = low >= 0.97
         goals[f"dynamic_min_ratio_{measure}"] = low
+        if candidate:
+            goals[f"candidate_min_ratio_{measure}"] = min(
+                r[vs] for r in table[f"{dyn}_candidate"])
     if args.fig3_trace:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "fig3_trace.json")
@@ -1096,6 +1104,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     g.add_argument("--fig3-tokens", type=int, default=128)
     g.add_argument("--fig3-reps", type=int, default=3)
+    g.add_argument("--fig3-candidate", default=None, metavar="FIELD=VALUE,...",
+                   help="a fourth variant: dynamic K with these SpecConfig fields changed "
+                        "(e.g. batch_k=5,dense_levels_from=4), taking turns with the others; "
+                        "its ratios beside dynamic K's, goals candidate_min_ratio_*")
     g.add_argument("--fig3-trace", action="store_true",
                    help="write fig3_trace.json: each dynamic-K window's steps as the cost "
                         "model saw them (batch size, drafts per sequence, ms, tokens, path, "
@@ -1154,6 +1166,11 @@ def run(args) -> int:
         settings = apply_settings(args.set)
     except (ValueError, ImportError, AttributeError) as e:
         print(f"error: --set: {e}", file=sys.stderr)
+        return 2
+    try:
+        spec_fields(args.fig3_candidate)
+    except ValueError as e:
+        print(f"error: --fig3-candidate: {e}", file=sys.stderr)
         return 2
     log(f"figures {nums} on {args.device} ({args.dtype}) -> {args.out}"
         + (f", settings {settings}" if settings else ""))

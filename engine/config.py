@@ -157,6 +157,19 @@ class SpecConfig:
     # cost it prices K by (1 + K * c, c measured at the K it ran) misses how a verify of
     # several hundred tokens leaves the memory-bound regime.
     verify_token_budget: int = 384
+    # Dynamic K's fused steps, three choices off by default (bench/README.md, *Dynamic K
+    # against fixed K=5*: in nine figure 3 processes on the H200 fixed K=5 ran ahead of
+    # dynamic K in 48 of 54 bursts at 1-32 streams). `batch_k`: every fused batch drafts
+    # this K (the measured-loss check and the probes kept) instead of the step-cost model's
+    # pick. `dense_levels_from`: the fused step's graph levels grow by 2 from this size on
+    # instead of doubling (with K=7 from 4: 1, 2, 4, 6, 8 verify rows and 1, 2, 4, 6, 7
+    # drafts, so K=5 runs 6 rows and 6 drafts, not K=7's graph; ~45% more graphs, and at 64
+    # streams the verify budget then admits K=5 where it held K<=3). `win_pick`: what the
+    # measured-win override drafts at, "model" (the model's best K above 0) or "measured"
+    # (the K of the level that measured the most tokens/s at the batch's bucket).
+    batch_k: int | None = None
+    dense_levels_from: int | None = None
+    win_pick: str = "model"
 
     def __post_init__(self) -> None:
         if self.accept_model not in ("geometric", "runs"):
@@ -173,6 +186,13 @@ class SpecConfig:
                              f"{self.context_min_n}")
         if self.verify_token_budget < 0:
             raise ValueError(f"verify_token_budget must be >= 0, got {self.verify_token_budget}")
+        if self.batch_k is not None and not 0 <= self.batch_k <= self.num_tokens:
+            raise ValueError(f"batch_k must be in 0..num_tokens ({self.num_tokens}), got "
+                             f"{self.batch_k}")
+        if self.dense_levels_from is not None and self.dense_levels_from < 2:
+            raise ValueError(f"dense_levels_from must be >= 2, got {self.dense_levels_from}")
+        if self.win_pick not in ("model", "measured"):
+            raise ValueError(f"win_pick must be 'model' or 'measured', got {self.win_pick!r}")
 
     @property
     def num_draft_layers(self) -> int:

@@ -187,16 +187,6 @@ if triton_available():
         (lambda key, grid, args, **options: _continue_kernel[grid](*args, **options))
 
 
-# From this size on, the fused step's levels grow by 2 instead of doubling (None: they double
-# up to K). With K=7 the levels are then 1, 2, 4, 6, 8 verify rows and 1, 2, 4, 6, 7 drafts,
-# so dynamic K's K=5 runs a graph of 6 rows and 6 drafts instead of K=7's 8 and 7: on the
-# H200 figure 3's fixed K=5 engine (levels 1, 2, 4, 6 / 1, 2, 4, 5) ran ahead of dynamic K
-# in 48 of 54 bursts at 1-32 streams (nine processes, 2026-12-03), while dynamic K's steps
-# there were mostly K=7's.
-# A ~45% larger set of graphs to capture. `bench.suite --set engine.spec.fused.DENSE_FROM=4`.
-DENSE_FROM: int | None = None
-
-
 def levels(n: int, dense_from: int | None = None) -> tuple[int, ...]:
     """1, 2, 4, ... below n, then n: the padded sizes graphs are captured for; from
     `dense_from` on, every second size (1, 2, 4, 6, 8 for n = 8 from 4)."""
@@ -252,8 +242,9 @@ class FusedSteps:
         self.aux_layers, self.cfg = aux_layers, cfg
         self.max_batch, self.pool = max_batch, pool
         k = cfg.spec.num_tokens
-        self.query_levels = levels(k + 1, DENSE_FROM)
-        self.draft_levels = (0, *levels(k, DENSE_FROM))
+        dense = cfg.spec.dense_levels_from  # (SpecConfig: off by default)
+        self.query_levels = levels(k + 1, dense)
+        self.draft_levels = (0, *levels(k, dense))
         # Padding rows may reach K positions past a sequence's last block: a few spare
         # block-table columns (zeros) keep those reads in bounds.
         self.max_blocks = cfg.max_blocks_per_seq + -(-(k + 1) // cfg.block_size)

@@ -55,22 +55,6 @@ FIT_SWITCHES = False
 SWITCH_MARK = " switch"  # appended to a trace row's `how` where the step switched K
 
 
-# What the measured-win override (WIN_FLOOR) drafts at: "model", the step-cost model's best
-# K above 0 (K=1 wherever deeper ones price worse: at 2 streams on the H200 95-111 of ~236
-# fused burst steps a process); "measured", the K whose graph level measured the most
-# tokens per second at the batch's bucket lately (`StepCosts.best_level`). There the
-# level-1 steps those picks ran emitted 3.4 tokens/ms against 4.1-4.2 for levels 3.5-7
-# (`fig3_f89e385_pinned_trace.json`), though deep levels ran where drafts landed more often.
-# `bench.suite --set engine.spec.policy.WIN_PICK=measured`.
-WIN_PICK = "model"
-# One K for every fused batch instead of the step-cost model's pick (None: the model), the
-# measured-loss check (GAIN_FLOOR) and the probes kept. In nine figure 3 processes on the
-# H200 (2026-12-03) dynamic K beat fixed K=5 in 6 of 54 bursts at 1-32 streams (by 0.013 at
-# most; fixed K=5 was ahead by up to 0.16) and in 1 of 45 steady runs at 4-64 streams.
-# `bench.suite --set engine.spec.policy.BATCH_K=5`.
-BATCH_K: int | None = None
-
-
 def switched(how: str) -> bool:
     """Whether a `StepCosts.trace` row's `how` marks a step that switched K."""
     return how.endswith(SWITCH_MARK)
@@ -428,8 +412,8 @@ class KPolicy:
                 self.picks.append((0, "probe"))
             return 0
         kmax = self._kmax(batch_size, padded=True)
-        if BATCH_K is not None:  # one K for every fused batch, the measured checks kept
-            best_k, why = min(BATCH_K, kmax), "fixed"
+        if self.spec.batch_k is not None:  # one K for every fused batch (SpecConfig)
+            best_k, why = min(self.spec.batch_k, kmax), "fixed"
             if best_k and self._losing(batch_size):
                 best_k, why = 0, "losing"
             return self._picked(best_k, why, batch_size, kmax)
@@ -440,8 +424,11 @@ class KPolicy:
             best_k, why = 0, "losing"
         elif best_k == 0 and kmax and self._winning(batch_size):
             # the model's best K that drafts (K=1 where every deeper one prices worse), or
-            # the K of the level that measured best (WIN_PICK)
-            best_k = (WIN_PICK == "measured" and self._measured_k(batch_size, kmax)) or \
+            # the K of the level that measured best (SpecConfig.win_pick: at 2 streams on
+            # the H200 the model's K=1 took 95-111 of ~236 burst steps, and those steps
+            # emitted 3.4 tokens/ms against 4.1-4.2 for levels 3.5-7, bench/README.md)
+            best_k = (self.spec.win_pick == "measured" and
+                      self._measured_k(batch_size, kmax)) or \
                 self._best_k(rates, per, 0.0, kmax, True, fixed)
             why = "winning"
         return self._picked(best_k, why, batch_size, kmax)

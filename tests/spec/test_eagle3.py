@@ -389,13 +389,10 @@ def test_head_store_kv_writes_what_a_full_step_writes(backend):
 
 
 @CPU_ONLY
-def test_dense_levels_fused_steps_are_lossless(monkeypatch):
-    """With `fused.DENSE_FROM` = 4 the fused step's graphs are captured at 6 verify rows and
-    6 drafts too, and a dynamic K=7 engine drafting with a head that is sometimes right still
-    reproduces plain decoding."""
-    from engine.spec import fused
-
-    monkeypatch.setattr(fused, "DENSE_FROM", 4)
+def test_dense_levels_fused_steps_are_lossless():
+    """With `SpecConfig.dense_levels_from` = 4 the fused step's graphs are captured at 6
+    verify rows and 6 drafts too, and a K=7 engine drafting with a head that is sometimes
+    right (K capped near each request's end) still reproduces plain decoding."""
     base = tiny_engine(0, max_num_batched_tokens=64)
     head = random_head(base)
     prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 2 for i in range(3)]
@@ -404,7 +401,7 @@ def test_dense_levels_fused_steps_are_lossless(monkeypatch):
     top = max(set(sum(ref, [])), key=sum(ref, []).count)
     with torch.no_grad():
         head.d2t.copy_(top - torch.arange(head.d2t.numel()))
-    eng = fast_engine(base, head, num_tokens=7, dynamic=False)
+    eng = fast_engine(base, head, num_tokens=7, dynamic=False, dense_levels_from=4)
     assert eng.spec.fused.query_levels == (1, 2, 4, 6, 8)
     assert eng.spec.fused.draft_levels == (0, 1, 2, 4, 6, 7)
     assert [c.token_ids for c in eng.generate(prompts, sp)] == ref

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from engine.config import SpecConfig
 from engine.sequence import SamplingParams, Sequence
@@ -694,8 +695,8 @@ def test_a_losing_verdict_reads_recent_drafting_steps_only():
 
 
 def test_dense_levels_give_k5_its_own_price():
-    """`fused.DENSE_FROM`: levels grow by 2 past 4, so with K=7 a K=5 step runs 6 verify rows
-    and 6 chain steps, priced below K=7 and a candidate of the batch's pick."""
+    """`SpecConfig.dense_levels_from`: levels grow by 2 past 4, so with K=7 a K=5 step runs 6
+    verify rows and 6 chain steps, priced below K=7 and a candidate of the batch's pick."""
     from engine.spec.fused import levels
 
     assert levels(8) == (1, 2, 4, 8) and levels(7) == (1, 2, 4, 7)
@@ -708,11 +709,10 @@ def test_dense_levels_give_k5_its_own_price():
                for a in np.linspace(0.3, 0.98, 35) for c in (0.02, 0.05, 0.1, 0.2))
 
 
-def test_measured_win_drafts_at_the_best_measured_level(monkeypatch):
-    """WIN_PICK = "measured": where the measured win overrules the model's K=0, the batch
+def test_measured_win_drafts_at_the_best_measured_level():
+    """win_pick "measured": where the measured win overrules the model's K=0, the batch
     drafts at the K of the level whose steps emitted the most tokens per second at its bucket
     (the deepest K of that level), not at the model's K=1; "model" keeps K=1."""
-    from engine.spec import policy
     from engine.spec.policy import StepCosts
 
     costs = StepCosts()
@@ -726,25 +726,24 @@ def test_measured_win_drafts_at_the_best_measured_level(monkeypatch):
         costs.record(4, 7.0, 3e-3, tokens=14)  # level 7: 1.17
     assert costs.best_level(4) == 3.5 and costs.best_level(3) == 3.5
     assert costs.best_level(8) is None  # another bucket
-    pol = KPolicy(SpecConfig(num_tokens=7))
-    pol.costs, pol.levels = costs, ((1, 2, 4, 8), (0, 1, 2, 4, 7))
-    assert pol._measured_k(4, 7) == 3 and pol._measured_k(4, 2) == 2
     seqs = [seq_with_rate(0.3) for _ in range(4)]
-    pol.begin_propose(PROBE_LEN + 1, batch_size=4)
-    assert pol.choose_batch(seqs, 4) == 1 and pol.batch_why["winning"] == 1
-    monkeypatch.setattr(policy, "WIN_PICK", "measured")
-    assert pol.choose_batch(seqs, 4) == 3 and pol.batch_why["winning"] == 2
+    for pick, want in (("model", 1), ("measured", 3)):
+        pol = KPolicy(SpecConfig(num_tokens=7, win_pick=pick))
+        pol.costs, pol.levels = costs, ((1, 2, 4, 8), (0, 1, 2, 4, 7))
+        assert pol._measured_k(4, 7) == 3 and pol._measured_k(4, 2) == 2
+        pol.begin_propose(PROBE_LEN + 1, batch_size=4)
+        assert pol.choose_batch(seqs, 4) == want and pol.batch_why["winning"] == 1
+    with pytest.raises(ValueError, match="win_pick"):
+        SpecConfig(win_pick="best")
 
 
-def test_batch_k_holds_one_k_but_keeps_the_measured_loss_check(monkeypatch):
-    """BATCH_K: every fused batch drafts that K (capped by the verify budget) whatever the
+def test_batch_k_holds_one_k_but_keeps_the_measured_loss_check():
+    """batch_k: every fused batch drafts that K (capped by the verify budget) whatever the
     model says, plain probes still run plain, and drafting measured slower than plain puts
     the batch at K=0."""
-    from engine.spec import policy
     from engine.spec.policy import StepCosts
 
-    monkeypatch.setattr(policy, "BATCH_K", 5)
-    pol = KPolicy(SpecConfig(num_tokens=7, verify_token_budget=0))
+    pol = KPolicy(SpecConfig(num_tokens=7, verify_token_budget=0, batch_k=5))
     seqs = [seq_with_rate(0.05) for _ in range(4)]  # the model alone would say K=0
     pol.begin_propose(PROBE_LEN + 1, batch_size=4)
     assert pol.choose_batch(seqs, 4) == 5 and pol.batch_why["fixed"] == 1
@@ -758,3 +757,8 @@ def test_batch_k_holds_one_k_but_keeps_the_measured_loss_check(monkeypatch):
     pol.costs = costs
     pol.begin_propose(PROBE_LEN + 1, batch_size=4)
     assert pol.choose_batch(seqs, 4) == 0 and pol.batch_why["losing"] == 1
+    for bad in (-1, 8):
+        with pytest.raises(ValueError, match="batch_k"):
+            SpecConfig(num_tokens=7, batch_k=bad)
+    with pytest.raises(ValueError, match="dense_levels_from"):
+        SpecConfig(dense_levels_from=1)
