@@ -5,6 +5,7 @@ run's steps grouped by drafts per sequence (count, median ms, tokens per ms).
 
     python -m bench.trace_replay TRACE.json [--match "c=2 burst"] [--every 10] [--json OUT]
         [--fig3 fig3_concurrency.json]
+    python -m bench.trace_replay TRACE.json --levels --match "dynamic_k7 c=2 burst"
 
 The traces hold every step the model was offered in the order the engine ran them (one
 engine per variant, its runs one after another), so the replay feeds all of them to one
@@ -68,6 +69,30 @@ def replay(trace: dict, match: str = "", every: int = 10, walls: dict | None = N
     return out
 
 
+def levels_table(trace: dict, match: str = "") -> dict:
+    """The steps of every run whose key contains `match`, pooled by (full batch or tail,
+    drafts per sequence): steps, mean ms, tokens a step and tokens per ms. A step runs at the
+    full batch when its batch size is the run's concurrency (the key's "c=N"); the tail is
+    every step after the first stream finished. Untimed steps are left out."""
+    pooled: dict[tuple[str, str], list] = defaultdict(list)
+    for key, steps in trace.items():
+        if match not in key:
+            continue
+        conc = next((int(w[2:]) for w in key.split() if w.startswith("c=")), None)
+        for batch, drafts, ms, tokens, _, _ in steps:
+            if drafts is not None:
+                part = "full" if batch == conc else "tail"
+                pooled[(part, f"{drafts:g}")].append((ms, tokens or 0))
+    out = {}
+    for (part, level), xs in sorted(pooled.items(), key=lambda kv: (kv[0][0],
+                                                                     float(kv[0][1]))):
+        ms, tok = sum(m for m, _ in xs), sum(t for _, t in xs)
+        out.setdefault(part, {})[level] = {
+            "steps": len(xs), "mean_ms": round(ms / len(xs), 3),
+            "tokens_per_step": round(tok / len(xs), 2), "tokens_per_ms": round(tok / ms, 2)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace")
@@ -82,10 +107,23 @@ def main(argv: list[str] | None = None) -> int:
                         "1,2.5,3.5,5.5,7 for K=1..7 on graphs of 1, 2, 4, 8 verify rows and "
                         "0, 1, 2, 4, 7 chain steps): others replay as switches of K, for "
                         "traces recorded before the engine marked them")
+    p.add_argument("--levels", action="store_true",
+                   help="instead: the matching runs' steps pooled by full batch or tail and "
+                        "drafts per sequence (steps, mean ms, tokens a step, tokens per ms)")
     args = p.parse_args(argv)
     pure = None if args.pure is None else {float(x) for x in args.pure.split(",")}
     with open(args.trace) as f:
         trace = json.load(f)
+    if args.levels:
+        table = levels_table(trace, args.match)
+        for part, rows in table.items():
+            for level, g in rows.items():
+                print(f"{part} drafts/seq {level:>5}: {g['steps']:4d} steps, {g['mean_ms']:.3f} "
+                      f"ms, {g['tokens_per_step']} tokens a step, {g['tokens_per_ms']} tok/ms")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(table, f, indent=1)
+        return 0
     walls = None
     if args.fig3:
         with open(args.fig3) as f:

@@ -64,3 +64,18 @@ def test_switches_of_k_replay_as_the_engine_marks_them_or_by_pure_levels():
         assert (last["fixed"], last["per_draft"]) == (clean["fixed"], clean["per_draft"])
     last = replay({"r": plain + k1 + k7 + dear}, every=1)[0]["readings"][-1]
     assert last["per_draft"] != clean["per_draft"]
+
+
+def test_levels_table_pools_matching_runs_by_full_batch_and_tail(capsys):
+    from bench.trace_replay import levels_table
+
+    trace = _trace()
+    trace["v c=2 burst 1"] = trace["v c=2 burst 1"] + [(1, 1.0, 0.6, 2, "overlapped", True)]
+    trace["v c=2 steady 0"] = [(2, 7.0, 9.0, 1, "overlapped", True)]  # not matched
+    got = levels_table(trace, "burst")
+    assert got["full"]["0"] == {"steps": 12, "mean_ms": 0.5, "tokens_per_step": 2.0,
+                                "tokens_per_ms": 4.0}
+    assert got["full"]["7"]["steps"] == 6 and got["full"]["7"]["tokens_per_ms"] == 8.0
+    assert got["tail"] == {"1": {"steps": 1, "mean_ms": 0.6, "tokens_per_step": 2.0,
+                                 "tokens_per_ms": 3.33}}
+    assert "untimed" not in got["full"]
