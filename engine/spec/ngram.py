@@ -51,9 +51,18 @@ class NgramDrafter(Drafter):
 
 def ngram_search(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 2) -> list[int]:
     """Stateless prompt lookup over the whole sequence (see NgramDrafter)."""
-    length = len(token_ids)
-    if k <= 0 or length < min_n + 1:
+    if k <= 0:
         return []
+    n, end = ngram_match(token_ids, max_n, min_n)
+    return continue_copy(token_ids, end, k) if n else []
+
+
+def ngram_match(token_ids: list[int], max_n: int = 4, min_n: int = 2) -> tuple[int, int]:
+    """(n, end): the longest suffix of min_n..max_n tokens with an earlier copy, and where
+    the latest such copy ends (what follows it starts at `end`); (0, 0) without a match."""
+    length = len(token_ids)
+    if length < min_n + 1:
+        return 0, 0
     arr = np.fromiter(token_ids, dtype=np.int64, count=length)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         # Candidate starts s = 0 .. L-1-n, so every candidate ends at e = s+n <= L-1: never the
@@ -65,8 +74,8 @@ def ngram_search(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 2) -
             hit &= arr[j : span + j] == arr[span + j]
         starts = np.flatnonzero(hit)
         if starts.size:
-            return continue_copy(token_ids, int(starts[-1]) + n, k)
-    return []
+            return n, int(starts[-1]) + n
+    return 0, 0
 
 
 # Off: a copy ends where it reaches the present (the rule before loops were continued), for

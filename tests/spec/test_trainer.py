@@ -142,3 +142,48 @@ def test_data_only_without_a_records_file_is_refused(capsys):
 
     assert run(SimpleNamespace(data_only=True, records=None)) == 2
     assert "--data-only needs --records" in capsys.readouterr().out
+
+
+def test_vocab_extension_keeps_trained_rows_and_the_fit_moves_only_new_ones():
+    """`extend_vocab` adds the records' most frequent missing tokens (sorted ids, capped at
+    the size asked) and keeps every trained row; `fit_lm_head` with train_ids fits those
+    rows alone (the others bit-equal), lowers the loss, and the extended head serves: greedy
+    output with it equals plain decoding."""
+    from cluster.train_eagle3 import extend_vocab, fit_lm_head
+
+    prompts = [f"vocab prompt {i} of {w}" for i, w in enumerate("abcdefghijklmn")]
+    eng, recs, held = _distilled(prompts, 12, 24)
+    small = draft_vocab(recs, 16, 256)
+    head, _ = train(eng, recs, held, small, unroll=2, epochs=1, lr=3e-3, batch_size=4,
+                    log_every=100)
+    big = extend_vocab(head, eng.model, recs, 40)
+    ids = big.draft_to_target.cpu()
+    assert big.cfg.draft_vocab_size == len(ids) == 40
+    assert torch.equal(ids, ids.sort().values) and torch.isin(small, ids).all()
+    counts = torch.zeros(256, dtype=torch.int64)
+    for r in recs:
+        counts += torch.bincount(r.ids[r.prompt_len :], minlength=256)
+    added = ids[~torch.isin(ids, small)]
+    outside = torch.ones(256, dtype=torch.bool)
+    outside[ids] = False
+    outside[small] = False
+    assert counts[added].min() >= counts[outside].max()  # the most frequent were taken
+    pos = {int(t): i for i, t in enumerate(ids)}
+    old_rows = torch.stack([big.lm_head.weight[pos[int(t)]] for t in small]).clone()
+    assert torch.equal(old_rows, head.lm_head.weight.detach())
+    assert torch.equal(big.midlayer.mlp.down_proj.weight, head.midlayer.mlp.down_proj.weight)
+    assert extend_vocab(head, eng.model, recs, 10).cfg.draft_vocab_size == 16  # never smaller
+    info = fit_lm_head(big, eng.model, recs, unroll=2, epochs=3, lr=1e-2, batch_size=64,
+                       train_ids=added)
+    fit = info["lm_head_fit"]
+    assert info["fit_positions"] > 0 and fit[-1]["loss"] < fit[0]["loss"]
+    after = torch.stack([big.lm_head.weight[pos[int(t)]] for t in small])
+    assert torch.equal(after, old_rows)
+    assert not torch.equal(big.lm_head.weight[pos[int(added[0])]],
+                           eng.model.lm_head.weight[int(added[0])])
+    spec = Engine(replace(eng.config, spec=SpecConfig(num_tokens=3, dynamic=False)),
+                  weights_of=eng, draft_head=big)
+    sp = SamplingParams(temperature=0, max_tokens=20)
+    ids_in = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    assert [c.token_ids for c in spec.generate(ids_in, sp)] == \
+        [c.token_ids for c in eng.generate(ids_in, sp)]

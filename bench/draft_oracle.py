@@ -1,0 +1,181 @@
+"""Which drafts a greedy step should verify: the EAGLE-3 head's, the context's, or both.
+
+The target's greedy answer is fixed, so every rule for picking drafts can be replayed on it
+without the engine: the answers and their features are generated once (`self_distill`),
+the head's chain is run teacher-forced from every position (`ttt_forward`, which the
+engine's paged drafting is pinned to), the context lookup (`ngram.ngram_match`) from every
+position, and each rule walks the answer step by step: a step at position n verifies the
+chosen K drafts, accepts the longest prefix that equals the answer and moves on by that
+plus the target's own token. Tokens per step is acceptance length as `SpecStats` counts it.
+
+    python -m bench.draft_oracle --out bench/results/profile/draft_oracle.json [--k 5,7]
+
+Rules: `head` (the head alone), `context_min{m}` (the context's copy where a suffix of at
+least m tokens matches, else the head: what `SpecConfig.context_drafts` does with
+`context_min_n` = m), `both_min{m}` (both chains verified in one step, the longer accepted
+kept: a two-branch tree's upper bound, 1 + 2K verify rows), `confident{p}_min{m}` (as
+context_min{m}, but where the two first drafts differ the head's is kept when its
+probability is at least p). CPU (fp32) or GPU (bf16); writes one JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from functools import partial
+
+from bench.common import (
+    command_line,
+    environment,
+    log,
+    model_arguments,
+    model_defaults,
+    save_json,
+    torch_dtype,
+)
+
+
+def head_chains(head, target, rec, k: int):
+    """Per position t of the record: the head's k chained drafts from t (teacher-forced:
+    drafts that are right feed the next step as the engine's own drafts would) as target
+    ids [L, k] (row t predicts ids[t+2 .. t+k+1]), and the first draft's probability [L]."""
+    import torch
+
+    from cluster.train_eagle3 import ttt_forward
+
+    dev = next(head.parameters()).device
+    ids = rec.ids.to(dev)
+    aux = rec.aux.to(dev, next(head.parameters()).dtype)[None]
+    with torch.no_grad():
+        outs = ttt_forward(head, target.embed_tokens, aux, ids[1:][None], k)
+        preds, p0 = [], None
+        for j, out in enumerate(outs):
+            lp = head.logits(out[0]).softmax(-1)
+            best = lp.argmax(-1)
+            preds.append(head.draft_to_target[best])
+            if j == 0:
+                p0 = lp.gather(-1, best[:, None])[:, 0]
+    return torch.stack(preds, 1).cpu().tolist(), p0.float().cpu().tolist()
+
+
+def lead(drafts, answer, n: int) -> int:
+    """How many of `drafts` (for positions n, n+1, ...) equal the answer there."""
+    a = 0
+    for d in drafts:
+        if n + a >= len(answer) or answer[n + a] != d:
+            break
+        a += 1
+    return a
+
+
+def walk(answer, start: int, pick) -> list[int]:
+    """Tokens emitted per step from position `start` (tokens before it known) to the end:
+    `pick(n)` is how many drafts the step at n gets accepted."""
+    n, steps = start, []
+    while n < len(answer):
+        got = min(pick(n) + 1, len(answer) - n)
+        steps.append(got)
+        n += got
+    return steps
+
+
+def replay(answer, prompt_len: int, chains, p0, k: int, min_ns, confidences, max_n: int):
+    """Every rule's steps on one answer (ids = prompt + answer)."""
+    from engine.spec import ngram
+
+    ctx = {}
+    for n in range(prompt_len + 1, len(answer)):
+        m, end = ngram.ngram_match(answer[:n], max_n, 1)
+        ctx[n] = (m, ngram.continue_copy(answer[:n], end, k) if m else [])
+
+    def head_acc(n):
+        return lead(chains[n - 2][:k], answer, n)
+
+    def ctx_acc(n):
+        return lead(ctx[n][1], answer, n)
+
+    def context(n, m):
+        return ctx_acc(n) if ctx[n][0] >= m else head_acc(n)
+
+    def both(n, m):
+        return max(head_acc(n), ctx_acc(n)) if ctx[n][0] >= m else head_acc(n)
+
+    def confident(n, m, p):
+        if ctx[n][0] >= m and (ctx[n][1][0] == chains[n - 2][0] or p0[n - 2] < p):
+            return ctx_acc(n)
+        return head_acc(n)
+
+    rules = {"head": head_acc}
+    for m in min_ns:
+        rules[f"context_min{m}"] = partial(context, m=m)
+        rules[f"both_min{m}"] = partial(both, m=m)
+        for p in confidences:
+            rules[f"confident{p}_min{m}"] = partial(confident, m=m, p=p)
+    start = prompt_len + 1  # after the prefill the target's first token is known
+    return {name: walk(answer, start, f) for name, f in rules.items()}
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_arguments(p)
+    p.add_argument("--k", default="5,7", help="comma list of draft counts")
+    p.add_argument("--tokens", type=int, default=256)
+    p.add_argument("--fig1-prompts", type=int, default=4)
+    p.add_argument("--other-prompts", type=int, default=12)
+    p.add_argument("--min-n", default="2,3,4", help="comma list of context_min_n values")
+    p.add_argument("--confidence", default="0.5,0.8,0.95",
+                   help="comma list of head first-draft probabilities for confident*")
+    p.add_argument("--out", default="bench/results/profile/draft_oracle.json")
+    args = p.parse_args(argv)
+
+    from dataclasses import replace
+
+    from cluster import prompt_sets
+    from cluster.train_eagle3 import self_distill
+    from engine import Engine
+    from engine.config import SpecConfig
+
+    model_defaults(args)
+    base = Engine.from_pretrained(args.model, device=args.device, dtype=torch_dtype(args),
+                                  enable_prefix_caching=False)
+    ks = [int(x) for x in args.k.split(",")]
+    spec = Engine(replace(base.config, spec=SpecConfig(num_tokens=max(ks), head=args.head)),
+                  weights_of=base)
+    head, max_n = spec.spec.head.eval(), spec.config.spec.ngram_max
+    layers = head.cfg.aux_layer_ids
+    _, held_out = prompt_sets.build()
+    n1, n2 = args.fig1_prompts, args.other_prompts
+    sets = {"fig1": (held_out[:n1], True), "other": (held_out[n1 : n1 + n2], False)}
+    min_ns = [int(x) for x in args.min_n.split(",")]
+    confs = [float(x) for x in args.confidence.split(",") if x]
+    res = {"name": "draft_oracle", "command": command_line(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "environment": environment(args),
+           "max_tokens": args.tokens, "ngram_max": max_n, "sets": {}}
+    for name, (prompts, ignore_eos) in sets.items():
+        t0 = time.perf_counter()
+        recs = self_distill(base, prompts, args.tokens, layers, torch_dtype(args),
+                            desc=name, ignore_eos=ignore_eos)
+        out = {"num_prompts": len(prompts), "ignore_eos": ignore_eos,
+               "answer_tokens": [len(r.ids) - r.prompt_len for r in recs], "k": {}}
+        for k in ks:
+            per_rule: dict[str, list] = {}
+            for r in recs:
+                chains, p0 = head_chains(head, base.model, r, k)
+                steps = replay(r.ids.tolist(), r.prompt_len, chains, p0, k, min_ns, confs,
+                               max_n)
+                for rule, s in steps.items():
+                    per_rule.setdefault(rule, []).append(s)
+            out["k"][k] = {rule: {"acceptance_length": round(sum(map(sum, s)) /
+                                                             max(sum(map(len, s)), 1), 3),
+                                  "per_prompt": [round(sum(x) / max(len(x), 1), 3) for x in s],
+                                  "steps": sum(map(len, s))}
+                           for rule, s in per_rule.items()}
+            log(f"{name} K={k}: " + ", ".join(f"{rule} {v['acceptance_length']}"
+                                              for rule, v in out["k"][k].items()))
+        out["seconds"] = round(time.perf_counter() - t0, 1)
+        res["sets"][name] = out
+    return {"path": save_json(args.out, res), **res}
+
+
+if __name__ == "__main__":
+    main()
