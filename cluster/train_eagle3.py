@@ -438,11 +438,31 @@ def run(args) -> int:
     init = None
     if args.init:
         init = load_head(args.init, m, _head_backend(engine.config.block_size), device=device)
+    if args.lm_head_only and init is None:
+        print("error: --lm-head-only fits the LM head of an --init head")
+        return 2
+    added = None
+    if init is not None and args.draft_vocab > init.cfg.draft_vocab_size:
+        before = init.draft_to_target.cpu()
+        init = extend_vocab(init, engine.model, tr, args.draft_vocab)
+        after = init.draft_to_target.cpu()
+        added = after[~torch.isin(after, before)]
+        print(f"draft vocabulary {len(before)} -> {len(after)}")
     vocab_ids = init.draft_to_target.cpu() if init is not None else \
         draft_vocab(tr, args.draft_vocab, m.vocab_size)
-    head, info = train(engine, tr, ev, vocab_ids, unroll=args.unroll, epochs=args.epochs,
-                       lr=args.lr, batch_size=args.batch_size, log_every=args.log_every,
-                       init=init, max_seconds=args.max_seconds)
+    if args.lm_head_only:
+        head = init.to(torch.float32)
+        info = fit_lm_head(head, engine.model, tr, unroll=min(args.unroll, 3),
+                           epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
+                           train_ids=added)
+        ev_acc = evaluate(head, engine.model, ev, args.unroll, device, torch.float32)
+        info["eval_acc_per_step"] = [round(a, 4) for a in ev_acc]
+        info["eval_expected_acceptance"] = round(expected_acceptance(ev_acc), 3)
+        head = head.eval()
+    else:
+        head, info = train(engine, tr, ev, vocab_ids, unroll=args.unroll, epochs=args.epochs,
+                           lr=args.lr, batch_size=args.batch_size, log_every=args.log_every,
+                           init=init, max_seconds=args.max_seconds)
     recipe = {
         "command": "tandem " + " ".join(args.argv), "target": m.name, "device": device,
         "prompts": {"train": len(train_p), "held_out": len(eval_p), "set": args.prompt_set,
@@ -452,7 +472,8 @@ def run(args) -> int:
         "init": args.init, "records": args.records,
         "responses": f"target greedy, max {args.max_tokens} tokens",
         "train_tokens": int(sum(len(r.ids) - r.prompt_len for r in tr)),
-        "draft_vocab_size": len(vocab_ids), "unroll": args.unroll, "epochs": args.epochs,
+        "draft_vocab_size": len(vocab_ids), "lm_head_only": args.lm_head_only,
+        "unroll": args.unroll, "epochs": args.epochs,
         "lr": args.lr, "batch_size": args.batch_size, "data_seconds": round(t_data, 1),
         **info, "date": time.strftime("%Y-%m-%d"),
     }
@@ -503,5 +524,11 @@ def add_parser(sub) -> None:
     p.add_argument("--data-only", action="store_true",
                    help="stop after writing --records (train in a later run)")
     p.add_argument("--init", default=None,
-                   help="continue training from this head folder (its draft vocabulary)")
+                   help="continue training from this head folder (its draft vocabulary, "
+                        "grown to --draft-vocab ids where that is larger: the records' most "
+                        "frequent tokens it lacks, its trained rows kept)")
+    p.add_argument("--lm-head-only", action="store_true",
+                   help="with --init: fit only the LM head on the head's frozen body "
+                        "(the rows --draft-vocab added, or every row), a linear fit cheap "
+                        "enough for a CPU; --epochs, --lr and --batch-size (use ~4096) apply")
     p.set_defaults(fn=run)

@@ -167,8 +167,7 @@ class _MidLayer(nn.Module):
         # once `SpecRunner.enable_graphs` hands it over, one row before.
         h, hd = c.hidden_size, c.head_dim
         shapes = [((c.num_heads + 2 * c.num_kv_heads) * hd, 2 * h), (h, c.num_heads * hd),
-                  (2 * c.intermediate_size, h), (h, c.intermediate_size),
-                  (c.draft_vocab_size, h)]
+                  (2 * c.intermediate_size, h), (h, c.intermediate_size)]
         self.prologue_rows = frozenset(range(1, ops.LINEAR_MAX_ROWS + 1)) \
             if self.fused and ops.prologue_suits(shapes) else frozenset()
         self._merged: tuple | None = None  # (source key, qkv weight, gate_up weight)
@@ -256,6 +255,10 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool)
                              if cfg.draft_vocab_size == cfg.vocab_size
                              else torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        # The LM head takes the layer's prologue GEMV (the norm folded in) where its weight
+        # is as small as the layer's projections; a larger draft vocabulary goes through
+        # torch's linear, the layer keeping its GEMVs either way.
+        self.lm_prologue = ops.prologue_suits([(cfg.draft_vocab_size, cfg.hidden_size)])
 
     def set_vocab(self, target_ids: torch.Tensor) -> None:
         """Draft vocabulary = these target ids, in this order (d2t as offsets, t2d as a mask)."""
@@ -294,7 +297,8 @@ class Eagle3Head(nn.Module):
         """The head's argmax as target token ids, on the device. On the fused path at the
         layer's GEMV row counts: the norm folded into the LM head's GEMV, then one launch for
         the argmax and the id map (bf16 logits: their fp32 casts order alike)."""
-        if out.shape[0] in self.midlayer.prologue_rows:  # (empty off the fused path)
+        if self.lm_prologue and out.shape[0] in self.midlayer.prologue_rows:  # (empty off
+            # the fused path)
             logits = ops.prologue_linear(out.contiguous(), self.lm_head.weight,
                                          norm_weight=self.norm.weight, eps=self.norm.eps)
             return ops.argmax_rows(logits, self.d2t)
