@@ -16,6 +16,14 @@ least m tokens matches, else the head: what `SpecConfig.context_drafts` does wit
 kept: a two-branch tree's upper bound, 1 + 2K verify rows), `confident{p}_min{m}` (as
 context_min{m}, but where the two first drafts differ the head's is kept when its
 probability is at least p). CPU (fp32) or GPU (bf16); writes one JSON.
+
+`--costs FILE` (a `bench.fused_costs` JSON; its batch-1 row) also prices the steps: a step
+verifying K drafts runs the fused graph of the verify level above K and the draft level at or
+above the next step's K, the device microseconds measured there, and speed is relative to its
+plain decode step. For the shipped rule (context from `--rule-min-n`, else the head) it
+gives every fixed K and the best any dynamic-K policy could do with foresight (a shortest
+path over (position, K): the bound on what choosing K can buy with this head and these costs),
+under the measured prices and three cheaper ones (`what_if`).
 """
 
 from __future__ import annotations
@@ -115,6 +123,76 @@ def replay(answer, prompt_len: int, chains, p0, k: int, min_ns, confidences, max
     return {name: walk(answer, start, f) for name, f in rules.items()}
 
 
+def step_prices(path: str) -> tuple[float, dict]:
+    """(plain decode us, {(q, d): fused step us}) from a `bench.fused_costs` JSON's batch-1
+    row."""
+    import json
+
+    with open(path) as f:
+        row = next(r for r in json.load(f)["rows"] if r["batch"] == 1)
+    return row["plain_decode_us"], {(c["q"], c["drafts"]): c["device_us"] for c in row["fused"]}
+
+
+def rule_accepts(answer, prompt_len: int, chains, k: int, min_n: int, max_n: int) -> dict:
+    """{position n: drafts of the k-long chain the shipped rule verifies there (the
+    context's copy where a suffix of at least min_n tokens matches, else the head's) that
+    the answer accepts}. A K-chain for K < k is its prefix: min(K, this) of it pass."""
+    from engine.spec import ngram
+
+    out = {}
+    for n in range(prompt_len + 1, len(answer)):
+        m, end = ngram.ngram_match(answer[:n], max_n, min_n)
+        drafts = ngram.continue_copy(answer[:n], end, k) if m else chains[n - 2][:k]
+        out[n] = lead(drafts, answer, n)
+    return out
+
+
+def what_if(prices) -> dict:
+    """The measured step prices and three cheaper worlds: verify rows free (each step at
+    its draft level's one-row price), drafts free (each at its verify level's no-draft
+    price), and everything a step costs beyond a plain decode halved."""
+    plain, cost = prices
+    return {"measured": prices,
+            "verify_rows_free": (plain, {(q, d): cost[(1, d)] for q, d in cost}),
+            "drafts_free": (plain, {(q, d): cost[(q, 0)] for q, d in cost}),
+            "overhead_halved": (plain, {k: plain + 0.5 * (v - plain) for k, v in cost.items()})}
+
+
+def timing(answers, prices, kmax: int) -> dict:
+    """Speed relative to plain decoding (tokens x plain step / time) of the answers
+    [(length, start, accepts)] pooled, per fixed K and for the best K sequence chosen with
+    foresight. A step verifying k drafts and drafting k2 for the next costs the fused
+    graph of the verify level above k and the draft level at or above k2."""
+    plain, cost = prices
+    qs = sorted({q for q, _ in cost})
+    ds = sorted({d for _, d in cost})
+
+    def price(k, k2):
+        return cost[(next(x for x in qs if x > k), next(x for x in ds if x >= k2))]
+
+    tokens = sum(end - start for end, start, _ in answers)
+    out = {"plain_us": plain, "fixed_k": {}}
+    for k in range(kmax + 1):
+        t = 0.0
+        for end, start, acc in answers:
+            n = start
+            while n < end:
+                t += price(k, k)
+                n += 1 + min(k, acc[n])
+        out["fixed_k"][k] = round(tokens * plain / t, 3)
+    t_best = 0.0
+    for end, start, acc in answers:
+        # best[n][k]: the least time from position n, k drafts (made the step before) to
+        # verify there, to the answer's end. The first step's drafts come with the prefill.
+        best = {end + j: [0.0] * (kmax + 1) for j in range(kmax + 1)}
+        for n in range(end - 1, start - 1, -1):
+            best[n] = [min(price(k, k2) + best[n + 1 + min(k, acc[n])][k2]
+                           for k2 in range(kmax + 1)) for k in range(kmax + 1)]
+        t_best += min(best[start])
+    out["foresight_bound"] = round(tokens * plain / t_best, 3)
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_arguments(p)
@@ -125,6 +203,10 @@ def main(argv=None) -> dict:
     p.add_argument("--min-n", default="2,3,4", help="comma list of context_min_n values")
     p.add_argument("--confidence", default="0.5,0.8,0.95",
                    help="comma list of head first-draft probabilities for confident*")
+    p.add_argument("--costs", default="bench/results/profile/fused_costs_bd70aca/fused_costs.json",
+                   help="bench.fused_costs JSON to price steps with ('' for none)")
+    p.add_argument("--rule-min-n", type=int, default=3,
+                   help="context_min_n of the rule --costs prices")
     p.add_argument("--out", default="bench/results/profile/draft_oracle.json")
     args = p.parse_args(argv)
 
@@ -148,6 +230,7 @@ def main(argv=None) -> dict:
     sets = {"fig1": (held_out[:n1], True), "other": (held_out[n1 : n1 + n2], False)}
     min_ns = [int(x) for x in args.min_n.split(",")]
     confs = [float(x) for x in args.confidence.split(",") if x]
+    prices = step_prices(args.costs) if args.costs else None
     res = {"name": "draft_oracle", "command": command_line(),
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "environment": environment(args),
            "max_tokens": args.tokens, "ngram_max": max_n, "sets": {}}
@@ -157,6 +240,21 @@ def main(argv=None) -> dict:
                             desc=name, ignore_eos=ignore_eos)
         out = {"num_prompts": len(prompts), "ignore_eos": ignore_eos,
                "answer_tokens": [len(r.ids) - r.prompt_len for r in recs], "k": {}}
+        if prices is not None:
+            kmax = max(ks)
+            answers = []
+            for r in recs:
+                chains, _ = head_chains(head, base.model, r, kmax)
+                ids = r.ids.tolist()
+                answers.append((len(ids), r.prompt_len + 1,
+                                rule_accepts(ids, r.prompt_len, chains, kmax, args.rule_min_n,
+                                             max_n)))
+            out["priced"] = {"rule": f"context_min{args.rule_min_n}", "costs": args.costs,
+                             **{what: timing(answers, c, kmax)
+                                for what, c in what_if(prices).items()}}
+            log(f"{name} priced: " + ", ".join(
+                f"{w} fixed K best {max(v['fixed_k'].values())} bound {v['foresight_bound']}"
+                for w, v in out["priced"].items() if isinstance(v, dict)))
         for k in ks:
             per_rule: dict[str, list] = {}
             for r in recs:
