@@ -18,7 +18,8 @@
 # `bash bench/h200_session.sh hostprof` (bench.step_profile's burst under py-spy, staged as a
 # wheel; PROFILE_VARIANTS / PROFILE_CONC / PROFILE_TOKENS narrow it), `SET_B="module.NAME=VALUE
 # ..." bash bench/h200_session.sh setab` (figure 3 in two processes, the second with those
-# settings).
+# settings), `bash bench/h200_session.sh oracle` (bench.draft_oracle in bf16: figure 1's answers
+# replayed under each draft rule and priced; ORACLE_ARGS more arguments).
 # Results
 # land in $OUT/<part>.tgz.
 set -u
@@ -104,6 +105,10 @@ elif [ "$part" = setab ]; then  # figure 3 twice, as it is and with SET_B's --se
       --fig3-trace $extra > "$R/$v.log" 2>&1
     grep "figure 3 goals" "$R/$v.log" | cut -c1-300
   done
+elif [ "$part" = oracle ]; then  # bench.draft_oracle on the GPU's own (bf16) answers
+  timeout "${ORACLE_TIMEOUT:-200}" python3 -m bench.draft_oracle --model "$M" \
+    --out "$R/draft_oracle.json" ${ORACLE_ARGS:-} > "$R/oracle.log" 2>&1
+  grep '\[bench' "$R/oracle.log" | tail -8
 elif [ "$part" = cluster ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} \
     > "$R/gpu_tests.log" 2>&1
