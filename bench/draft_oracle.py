@@ -158,6 +158,42 @@ def what_if(prices) -> dict:
             "overhead_halved": (plain, {k: plain + 0.5 * (v - plain) for k, v in cost.items()})}
 
 
+def geometric_rule(end: int, start: int, acc, price, plain: float, kmax: int) -> float:
+    """Time over one answer of dynamic K's model rule (`policy.DynamicK.choose` at one
+    stream, without its measured-win and losing overrides) given the prices exactly: the
+    sequence's acceptance rate a (accepted over tried drafts, each sum decayed by
+    ACCEPT_DECAY a verify; the prior until the first), K maximizing (1 - a^(K+1)) / (1 - a)
+    over the step's price relative to a plain decode, drafting only past MARGIN and each
+    deeper K past MARGIN of the best shallower, a one-draft probe every PROBE_EVERY idle
+    steps. Its drafts are made a step ahead: the K verified at n was chosen at the step
+    before."""
+    from engine.spec import policy
+
+    a_acc = a_tried = 0.0
+    rate, idle = 0.6, 0
+    n, t, k = start, 0.0, 0
+    while n < end:
+        a = min(rate, 0.999)
+        best_k, best, need = 0, 1.0, policy.MARGIN
+        for kk in range(1, kmax + 1):
+            gain = (1 - a ** (kk + 1)) / (1 - a) / (price(kk, kk) / plain)
+            if gain > best * need:
+                best_k, best, need = kk, gain, policy.MARGIN
+        if best_k == 0:
+            idle += 1
+            if idle % policy.PROBE_EVERY == 0:
+                best_k = 1
+        t += price(k, best_k)
+        got = min(k, acc[n])
+        if k:
+            a_acc = policy.ACCEPT_DECAY * a_acc + got
+            a_tried = policy.ACCEPT_DECAY * a_tried + got + (1 if got < k else 0)
+            rate = a_acc / a_tried
+        n += 1 + got
+        k = best_k
+    return t
+
+
 def timing(answers, prices, kmax: int) -> dict:
     """Speed relative to plain decoding (tokens x plain step / time) of the answers
     [(length, start, accepts)] pooled, per fixed K and for the best K sequence chosen with
@@ -180,6 +216,10 @@ def timing(answers, prices, kmax: int) -> dict:
                 t += price(k, k)
                 n += 1 + min(k, acc[n])
         out["fixed_k"][k] = round(tokens * plain / t, 3)
+    t = 0.0
+    for end, start, acc in answers:
+        t += geometric_rule(end, start, acc, price, plain, kmax)
+    out["geometric_rule"] = round(tokens * plain / t, 3)
     t_best = 0.0
     for end, start, acc in answers:
         # best[n][k]: the least time from position n, k drafts (made the step before) to
@@ -253,7 +293,8 @@ def main(argv=None) -> dict:
                              **{what: timing(answers, c, kmax)
                                 for what, c in what_if(prices).items()}}
             log(f"{name} priced: " + ", ".join(
-                f"{w} fixed K best {max(v['fixed_k'].values())} bound {v['foresight_bound']}"
+                f"{w} fixed K best {max(v['fixed_k'].values())} geometric rule "
+                f"{v['geometric_rule']} bound {v['foresight_bound']}"
                 for w, v in out["priced"].items() if isinstance(v, dict)))
         for k in ks:
             per_rule: dict[str, list] = {}
