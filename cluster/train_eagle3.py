@@ -406,6 +406,9 @@ def run(args) -> int:
     if args.data_only and not args.records:
         print("error: --data-only needs --records FILE to write the records to")
         return 2
+    if args.lm_head_only and not args.init:
+        print("error: --lm-head-only fits the LM head of an --init head")
+        return 2
     torch.manual_seed(args.seed)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     engine = Engine.from_pretrained(args.model, device=device, dtype=torch.float32,
@@ -438,9 +441,6 @@ def run(args) -> int:
     init = None
     if args.init:
         init = load_head(args.init, m, _head_backend(engine.config.block_size), device=device)
-    if args.lm_head_only and init is None:
-        print("error: --lm-head-only fits the LM head of an --init head")
-        return 2
     added = None
     if init is not None and args.draft_vocab > init.cfg.draft_vocab_size:
         before = init.draft_to_target.cpu()

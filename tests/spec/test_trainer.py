@@ -142,6 +142,10 @@ def test_data_only_without_a_records_file_is_refused(capsys):
 
     assert run(SimpleNamespace(data_only=True, records=None)) == 2
     assert "--data-only needs --records" in capsys.readouterr().out
+    # --lm-head-only fits an existing head: refused before any self-distillation
+    assert run(SimpleNamespace(data_only=False, records=None, lm_head_only=True,
+                               init=None)) == 2
+    assert "--lm-head-only fits the LM head of an --init head" in capsys.readouterr().out
 
 
 def test_vocab_extension_keeps_trained_rows_and_the_fit_moves_only_new_ones():
