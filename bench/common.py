@@ -153,6 +153,16 @@ def torch_dtype(args):
     return getattr(_torch(), args.dtype)
 
 
+def replay_engine(args):
+    """The target engine of an acceptance replay (`model_arguments`' model, device and
+    dtype, their defaults filled in), every position computed: no prefix caching."""
+    from engine import Engine
+
+    model_defaults(args)
+    return Engine.from_pretrained(args.model, device=args.device, dtype=torch_dtype(args),
+                                  enable_prefix_caching=False)
+
+
 _SMOL: dict = {}
 
 

@@ -20,9 +20,8 @@ from bench.common import (
     held_out_messages,
     log,
     model_arguments,
-    model_defaults,
+    replay_engine,
     save_json,
-    torch_dtype,
 )
 
 
@@ -41,9 +40,7 @@ def main(argv=None) -> dict:
     from engine import Engine, SamplingParams
     from engine.config import SpecConfig
 
-    model_defaults(args)
-    base = Engine.from_pretrained(args.model, device=args.device, dtype=torch_dtype(args),
-                                  enable_prefix_caching=False)
+    base = replay_engine(args)
     sets = {"fig1": (held_out_messages(args.fig1_prompts, 0), True),
             "other": (held_out_messages(args.other_prompts, args.fig1_prompts), False)}
     res = {"name": "context_acceptance", "command": command_line(),

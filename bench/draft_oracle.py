@@ -37,7 +37,7 @@ from bench.common import (
     environment,
     log,
     model_arguments,
-    model_defaults,
+    replay_engine,
     save_json,
     torch_dtype,
 )
@@ -257,9 +257,7 @@ def main(argv=None) -> dict:
     from engine import Engine
     from engine.config import SpecConfig
 
-    model_defaults(args)
-    base = Engine.from_pretrained(args.model, device=args.device, dtype=torch_dtype(args),
-                                  enable_prefix_caching=False)
+    base = replay_engine(args)
     ks = [int(x) for x in args.k.split(",")]
     spec = Engine(replace(base.config, spec=SpecConfig(num_tokens=max(ks), head=args.head)),
                   weights_of=base)
