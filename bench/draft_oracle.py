@@ -87,20 +87,28 @@ def walk(answer, start: int, pick) -> list[int]:
     return steps
 
 
-def replay(answer, prompt_len: int, chains, p0, k: int, min_ns, confidences, max_n: int):
-    """Every rule's steps on one answer (ids = prompt + answer)."""
+def context_copies(answer, prompt_len: int, k: int, max_n: int) -> dict:
+    """{position n: (m, drafts)}: the longest suffix of at most max_n tokens before n with an
+    earlier copy (m tokens; 0: none) and the k tokens the copy drafts there. A rule of
+    context_min_n = m' copies where m >= m' (the lookup tries the longest suffix first)."""
     from engine.spec import ngram
 
     ctx = {}
     for n in range(prompt_len + 1, len(answer)):
         m, end = ngram.ngram_match(answer[:n], max_n, 1)
         ctx[n] = (m, ngram.continue_copy(answer[:n], end, k) if m else [])
+    return ctx
+
+
+def replay(answer, prompt_len: int, chains, p0, ctx: dict, k: int, min_ns, confidences):
+    """Every rule's steps on one answer (ids = prompt + answer) at K = k: `chains` and `ctx`
+    (`context_copies`) may hold longer drafts, of which the first k count."""
 
     def head_acc(n):
         return lead(chains[n - 2][:k], answer, n)
 
     def ctx_acc(n):
-        return lead(ctx[n][1], answer, n)
+        return lead(ctx[n][1][:k], answer, n)
 
     def context(n, m):
         return ctx_acc(n) if ctx[n][0] >= m else head_acc(n)
@@ -133,18 +141,12 @@ def step_prices(path: str) -> tuple[float, dict]:
     return row["plain_decode_us"], {(c["q"], c["drafts"]): c["device_us"] for c in row["fused"]}
 
 
-def rule_accepts(answer, prompt_len: int, chains, k: int, min_n: int, max_n: int) -> dict:
+def rule_accepts(answer, chains, ctx: dict, k: int, min_n: int) -> dict:
     """{position n: drafts of the k-long chain the shipped rule verifies there (the
     context's copy where a suffix of at least min_n tokens matches, else the head's) that
     the answer accepts}. A K-chain for K < k is its prefix: min(K, this) of it pass."""
-    from engine.spec import ngram
-
-    out = {}
-    for n in range(prompt_len + 1, len(answer)):
-        m, end = ngram.ngram_match(answer[:n], max_n, min_n)
-        drafts = ngram.continue_copy(answer[:n], end, k) if m else chains[n - 2][:k]
-        out[n] = lead(drafts, answer, n)
-    return out
+    return {n: lead(d[:k] if m >= min_n else chains[n - 2][:k], answer, n)
+            for n, (m, d) in ctx.items()}
 
 
 def what_if(prices) -> dict:
@@ -278,15 +280,18 @@ def main(argv=None) -> dict:
                             desc=name, ignore_eos=ignore_eos)
         out = {"num_prompts": len(prompts), "ignore_eos": ignore_eos,
                "answer_tokens": [len(r.ids) - r.prompt_len for r in recs], "k": {}}
+        kmax = max(ks)
+        # Per answer once, at the longest K: a shorter chain or copy is its prefix.
+        reps = []
+        for r in recs:
+            chains, p0 = head_chains(head, base.model, r, kmax)
+            ids = r.ids.tolist()
+            reps.append((ids, r.prompt_len, chains, p0,
+                         context_copies(ids, r.prompt_len, kmax, max_n)))
         if prices is not None:
-            kmax = max(ks)
-            answers = []
-            for r in recs:
-                chains, _ = head_chains(head, base.model, r, kmax)
-                ids = r.ids.tolist()
-                answers.append((len(ids), r.prompt_len + 1,
-                                rule_accepts(ids, r.prompt_len, chains, kmax, args.rule_min_n,
-                                             max_n)))
+            answers = [(len(ids), plen + 1, rule_accepts(ids, chains, ctx, kmax,
+                                                         args.rule_min_n))
+                       for ids, plen, chains, _, ctx in reps]
             out["priced"] = {"rule": f"context_min{args.rule_min_n}", "costs": args.costs,
                              **{what: timing(answers, c, kmax)
                                 for what, c in what_if(prices).items()}}
@@ -296,10 +301,8 @@ def main(argv=None) -> dict:
                 for w, v in out["priced"].items() if isinstance(v, dict)))
         for k in ks:
             per_rule: dict[str, list] = {}
-            for r in recs:
-                chains, p0 = head_chains(head, base.model, r, k)
-                steps = replay(r.ids.tolist(), r.prompt_len, chains, p0, k, min_ns, confs,
-                               max_n)
+            for ids, plen, chains, p0, ctx in reps:
+                steps = replay(ids, plen, chains, p0, ctx, k, min_ns, confs)
                 for rule, s in steps.items():
                     per_rule.setdefault(rule, []).append(s)
             out["k"][k] = {rule: {"acceptance_length": round(sum(map(sum, s)) /
