@@ -67,13 +67,23 @@ def self_distill(engine: Engine, prompts: list[str], max_tokens: int, layers: tu
     return records
 
 
-def draft_vocab(records: list[Record], size: int, vocab: int) -> torch.Tensor:
-    """Target ids of the `size` most frequent response tokens (ties: lower id), sorted."""
+def response_counts(records: list[Record], vocab: int) -> torch.Tensor:
+    """How often each target id occurs in the records' responses [vocab]."""
     counts = torch.zeros(vocab, dtype=torch.int64)
     for r in records:
         counts += torch.bincount(r.ids[r.prompt_len :], minlength=vocab)
-    counts = counts.float() + torch.arange(vocab, 0, -1) * 1e-9  # deterministic ties
-    return torch.topk(counts, size).indices.sort().values
+    return counts
+
+
+def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` ids of the highest counts, most frequent first (ties: lower id)."""
+    ranked = counts.float() + torch.arange(len(counts), 0, -1) * 1e-9  # deterministic ties
+    return torch.topk(ranked, size).indices
+
+
+def draft_vocab(records: list[Record], size: int, vocab: int) -> torch.Tensor:
+    """Target ids of the `size` most frequent response tokens (ties: lower id), sorted."""
+    return most_frequent(response_counts(records, vocab), size).sort().values
 
 
 def ttt_forward(head: Eagle3Head, embed: torch.nn.Embedding, aux: torch.Tensor,
@@ -192,13 +202,9 @@ def extend_vocab(head: Eagle3Head, target, records: list[Record], size: int) -> 
     distinct tokens; ties: lower id). Its own rows are kept; a new id's row starts as the
     target's LM head row (as a fresh head's do), to be fitted by `fit_lm_head`."""
     old = head.draft_to_target.cpu()
-    vocab = head.cfg.vocab_size
-    counts = torch.zeros(vocab, dtype=torch.int64)
-    for r in records:
-        counts += torch.bincount(r.ids[r.prompt_len :], minlength=vocab)
+    counts = response_counts(records, head.cfg.vocab_size)
     counts[old] = -1
-    extra = min(max(size - len(old), 0), int((counts > 0).sum()))
-    new = torch.topk(counts.float() + torch.arange(vocab, 0, -1) * 1e-9, extra).indices
+    new = most_frequent(counts, min(max(size - len(old), 0), int((counts > 0).sum())))
     ids = torch.cat([old, new])
     order = ids.argsort()
     dev = head.lm_head.weight.device

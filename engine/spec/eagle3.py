@@ -297,8 +297,8 @@ class Eagle3Head(nn.Module):
         """The head's argmax as target token ids, on the device. On the fused path at the
         layer's GEMV row counts: the norm folded into the LM head's GEMV, then one launch for
         the argmax and the id map (bf16 logits: their fp32 casts order alike)."""
-        if self.lm_prologue and out.shape[0] in self.midlayer.prologue_rows:  # (empty off
-            # the fused path)
+        # (prologue_rows is empty off the fused path)
+        if self.lm_prologue and out.shape[0] in self.midlayer.prologue_rows:
             logits = ops.prologue_linear(out.contiguous(), self.lm_head.weight,
                                          norm_weight=self.norm.weight, eps=self.norm.eps)
             return ops.argmax_rows(logits, self.d2t)
