@@ -14,6 +14,7 @@
 # head on the extended prompt set: records to /tmp in one call, training and bench.head_ab
 # against the shipped head in the next; TRAIN_ARGS e.g. "--init assets/... --epochs 6",
 # TRAIN_SECONDS caps the training; HEADS_REPS=0 leaves head_ab to a TRAIN_STAGE=ab call;
+# TRAIN_IGNORE_EOS=1 self-distils every answer past EOS to its full length, as figure 1 runs;
 # TRAIN_NAME_SPLIT=1 trains on no prompt sharing a documented name with a held-out one),
 # `bash bench/h200_session.sh hostprof` (bench.step_profile's burst under py-spy, staged as a
 # wheel; PROFILE_VARIANTS / PROFILE_CONC / PROFILE_TOKENS narrow it), `SET_B="module.NAME=VALUE
@@ -75,14 +76,14 @@ elif [ "$part" = train ]; then  # a new EAGLE-3 head: TRAIN_STAGE=data (records 
   if [ "$stage" = data ]; then
     timeout "${TRAIN_TIMEOUT:-560}" python3 -m cluster.cli train-eagle3 --model "$M" \
       --prompt-set "${TRAIN_SET:-extended}" ${TRAIN_PROMPTS:+--num-prompts $TRAIN_PROMPTS} \
-      ${TRAIN_NAME_SPLIT:+--name-split} --records "$REC" --data-only --out /tmp/head_unused \
+      ${TRAIN_NAME_SPLIT:+--name-split} ${TRAIN_IGNORE_EOS:+--ignore-eos} --records "$REC" --data-only --out /tmp/head_unused \
       > "$R/train_data.log" 2>&1
     tail -2 "$R/train_data.log"
   fi
   if [ "$stage" = fit ]; then  # TRAIN_SECONDS caps the training itself (--max-seconds)
     timeout "${TRAIN_TIMEOUT:-400}" python3 -m cluster.cli train-eagle3 --model "$M" \
       --prompt-set "${TRAIN_SET:-extended}" ${TRAIN_PROMPTS:+--num-prompts $TRAIN_PROMPTS} \
-      ${TRAIN_NAME_SPLIT:+--name-split} --records "$REC" \
+      ${TRAIN_NAME_SPLIT:+--name-split} ${TRAIN_IGNORE_EOS:+--ignore-eos} --records "$REC" \
       ${TRAIN_SECONDS:+--max-seconds $TRAIN_SECONDS} ${TRAIN_ARGS:-} \
       --out "$R/head" > "$R/train.log" 2>&1
     grep -o '"eval_expected_acceptance": [0-9.]*' "$R/train.log" | tail -3

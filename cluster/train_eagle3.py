@@ -432,12 +432,16 @@ def run(args) -> int:
                                                                        len(eval_p)]}
     if args.name_split:  # records made without it hold other prompts
         key["name_split"] = True
+    if args.ignore_eos:  # records made without it stop at the answers' ends
+        key["ignore_eos"] = True
     if args.records and os.path.exists(args.records):
         tr, ev = load_records(args.records, key)
         print(f"records: {len(tr)} + {len(ev)} from {args.records}")
     else:
-        tr = self_distill(engine, train_p, args.max_tokens, layers, store)
-        ev = self_distill(engine, eval_p, args.max_tokens, layers, store, desc="held-out")
+        tr = self_distill(engine, train_p, args.max_tokens, layers, store,
+                          ignore_eos=args.ignore_eos)
+        ev = self_distill(engine, eval_p, args.max_tokens, layers, store, desc="held-out",
+                          ignore_eos=args.ignore_eos)
         if args.records:
             save_records(args.records, key, tr, ev)
     t_data = time.perf_counter() - t0
@@ -476,7 +480,8 @@ def run(args) -> int:
                     "source": "assets/prompt_sets.json.gz (cluster/prompt_sets.py: stdlib "
                               "docs + templated chat/code/JSON)"},
         "init": args.init, "records": args.records,
-        "responses": f"target greedy, max {args.max_tokens} tokens",
+        "responses": f"target greedy, max {args.max_tokens} tokens"
+                     + (", EOS ignored" if args.ignore_eos else ""),
         "train_tokens": int(sum(len(r.ids) - r.prompt_len for r in tr)),
         "draft_vocab_size": len(vocab_ids), "lm_head_only": args.lm_head_only,
         "unroll": args.unroll, "epochs": args.epochs,
@@ -524,6 +529,10 @@ def add_parser(sub) -> None:
                    help="train on no prompt that shares a documented name with a held-out "
                         "prompt (this set's or the benchmarks'): held-out acceptance then "
                         "measures names the head never saw")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="self-distil every answer to --max-tokens, past the target's end of "
+                        "turn (what benchmarks that ignore EOS, figure 1's, generate); the "
+                        "part before EOS is the same answer as without it")
     p.add_argument("--records", default=None,
                    help="a file for the self-distilled records: loaded when it exists (and "
                         "was made from the same prompts, model and length), else written")
