@@ -319,6 +319,12 @@ def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, e
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (
         1 + math.cos(math.pi * min(s / max(plan[0], 1), 1.0))))
     history = []
+    if init is not None:  # where the continued head starts, on these held-out records
+        ev = evaluate(head, target, eval_records, unroll, cfg.device, torch.float32)
+        history.append({"step": 0, "epoch": 0, "loss": None,
+                        "eval_acc_per_step": [round(a, 4) for a in ev],
+                        "eval_expected_acceptance": round(expected_acceptance(ev), 3)})
+        tqdm.write(json.dumps(history[-1]))
     g = torch.Generator().manual_seed(0)
     bar = tqdm(total=asked, desc="train", unit="step")
     step = 0

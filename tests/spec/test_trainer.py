@@ -96,7 +96,11 @@ def test_records_round_trip_and_training_continues_from_a_head(tmp_path):
     # above a fresh head's after its first step
     fresh, info3 = train(eng, tr, ev, vocab, unroll=3, epochs=1, lr=1e-4, batch_size=4,
                          log_every=1)
-    trained, cont, new = info["history"][-1], info2["history"][0], info3["history"][0]
+    trained, start, cont = info["history"][-1], info2["history"][0], info2["history"][1]
+    new = info3["history"][0]
+    # a continued run's history opens with the head it was given, before any step
+    assert start["step"] == 0 and start["loss"] is None and new["step"] == 1
+    assert start["eval_acc_per_step"] == trained["eval_acc_per_step"]
     assert all(abs(a - b) < 0.02 for a, b in zip(cont["eval_acc_per_step"],
                                                  trained["eval_acc_per_step"]))
     assert cont["eval_expected_acceptance"] > new["eval_expected_acceptance"]
