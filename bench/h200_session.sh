@@ -15,7 +15,10 @@
 # against the shipped head in the next; TRAIN_ARGS e.g. "--init assets/... --epochs 6",
 # TRAIN_SECONDS caps the training; HEADS_REPS=0 leaves head_ab to a TRAIN_STAGE=ab call;
 # TRAIN_IGNORE_EOS=1 self-distils every answer past EOS to its full length, as figure 1 runs;
-# TRAIN_NAME_SPLIT=1 trains on no prompt sharing a documented name with a held-out one),
+# TRAIN_NAME_SPLIT=1 trains on no prompt sharing a documented name with a held-out one;
+# TRAIN_DETACH=1 starts the fit in the background and returns, for trainings longer than one
+# call: `bash bench/h200_session.sh trainwait` in the calls right after waits for it, then
+# TRAIN_STAGE=ab runs head_ab),
 # `bash bench/h200_session.sh hostprof` (bench.step_profile's burst under py-spy, staged as a
 # wheel; PROFILE_VARIANTS / PROFILE_CONC / PROFILE_TOKENS narrow it), `SET_B="module.NAME=VALUE
 # ..." bash bench/h200_session.sh setab` (figure 3 in two processes, the second with those
@@ -27,6 +30,7 @@ set -u
 part=${1:-bench}
 M=${MODEL:-/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 R=/tmp/results/$part
+[ "$part" = trainwait ] && R=/tmp/results/train  # what it waits for is the training's
 mkdir -p "$R"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
 export RAY_USAGE_STATS_ENABLED=0
@@ -81,20 +85,38 @@ elif [ "$part" = train ]; then  # a new EAGLE-3 head: TRAIN_STAGE=data (records 
     tail -2 "$R/train_data.log"
   fi
   if [ "$stage" = fit ]; then  # TRAIN_SECONDS caps the training itself (--max-seconds)
-    timeout "${TRAIN_TIMEOUT:-400}" python3 -m cluster.cli train-eagle3 --model "$M" \
-      --prompt-set "${TRAIN_SET:-extended}" ${TRAIN_PROMPTS:+--num-prompts $TRAIN_PROMPTS} \
-      ${TRAIN_NAME_SPLIT:+--name-split} ${TRAIN_IGNORE_EOS:+--ignore-eos} --records "$REC" \
-      ${TRAIN_SECONDS:+--max-seconds $TRAIN_SECONDS} ${TRAIN_ARGS:-} \
-      --out "$R/head" > "$R/train.log" 2>&1
-    grep -o '"eval_expected_acceptance": [0-9.]*' "$R/train.log" | tail -3
-    grep -A3 '"k": 5' "$R/train.log" | tr -d ' \n'; echo
+    fit=(python3 -m cluster.cli train-eagle3 --model "$M" --prompt-set "${TRAIN_SET:-extended}"
+         ${TRAIN_PROMPTS:+--num-prompts $TRAIN_PROMPTS} ${TRAIN_NAME_SPLIT:+--name-split}
+         ${TRAIN_IGNORE_EOS:+--ignore-eos} --records "$REC"
+         ${TRAIN_SECONDS:+--max-seconds $TRAIN_SECONDS} ${TRAIN_ARGS:-} --out "$R/head")
+    if [ -n "${TRAIN_DETACH:-}" ]; then
+      # in its own process session, so it outlives this call while the machine stays held:
+      # the next calls must follow at once (`trainwait`), or the machine goes back with it
+      rm -f "$R/train.done"
+      printf '%q ' timeout "${TRAIN_TIMEOUT:-1500}" "${fit[@]}" > /tmp/train_fit.sh
+      printf '> %q 2>&1; touch %q\n' "$R/train.log" "$R/train.done" >> /tmp/train_fit.sh
+      setsid nohup bash /tmp/train_fit.sh > /dev/null 2>&1 < /dev/null &
+      echo "training detached (pid $!): bash bench/h200_session.sh trainwait"
+    else
+      timeout "${TRAIN_TIMEOUT:-400}" "${fit[@]}" > "$R/train.log" 2>&1
+      grep -o '"eval_expected_acceptance": [0-9.]*' "$R/train.log" | tail -3
+      grep -A3 '"k": 5' "$R/train.log" | tr -d ' \n'; echo
+    fi
   fi
-  if [ "$stage" = ab ] || { [ "$stage" = fit ] && [ "${HEADS_REPS:-2}" != 0 ]; }; then
+  if [ "$stage" = ab ] || { [ "$stage" = fit ] && [ -z "${TRAIN_DETACH:-}" ] \
+       && [ "${HEADS_REPS:-2}" != 0 ]; }; then
     # figure 1 with the shipped head and the new one in turns (bench.head_ab)
     timeout "${HEADS_TIMEOUT:-150}" python3 -m bench.head_ab --model "$M" --other "$R/head" \
       --reps "${HEADS_REPS:-2}" --out "$R/head_ab.json" > "$R/head_ab.log" 2>&1
     grep '\[bench' "$R/head_ab.log" | tail -3
   fi
+elif [ "$part" = trainwait ]; then  # a TRAIN_DETACH=1 fit: wait for it, WAIT_SECONDS at most
+  end=$((SECONDS + ${WAIT_SECONDS:-540}))
+  while [ ! -e "$R/train.done" ] && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
+  tr '\r' '\n' < "$R/train.log" | grep -o '"step": [0-9]*\|"eval_expected_acceptance": [0-9.]*' \
+    | paste - - | tail -4
+  tr '\r' '\n' < "$R/train.log" | grep '^train:' | tail -1 | cut -c1-120
+  if [ -e "$R/train.done" ]; then echo "training done"; else echo "still training"; fi
 elif [ "$part" = setab ]; then  # figure 3 twice, as it is and with SET_B's --set values
   # (SET_B: space-separated module.NAME=VALUE, e.g. "engine.spec.policy.WIN_FLOOR=1.2"; each
   # process writes to its own folder; ~150 s a process)
