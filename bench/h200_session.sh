@@ -23,7 +23,9 @@
 # wheel; PROFILE_VARIANTS / PROFILE_CONC / PROFILE_TOKENS narrow it), `SET_B="module.NAME=VALUE
 # ..." bash bench/h200_session.sh setab` (figure 3 in two processes, the second with those
 # settings), `bash bench/h200_session.sh oracle` (bench.draft_oracle in bf16: figure 1's answers
-# replayed under each draft rule and priced; ORACLE_ARGS more arguments).
+# replayed under each draft rule and priced; ORACLE_ARGS more arguments), `bash
+# bench/h200_session.sh specab` (bench.spec_ab: figure 1 under SpecConfig variants in turns;
+# SPEC_VARIANTS, SPECAB_REPS, SPECAB_TRACES=1).
 # Results
 # land in $OUT/<part>.tgz.
 set -u
@@ -70,6 +72,13 @@ elif [ "$part" = loops ]; then  # figure 1's context variants, copies continued 
   timeout "${LOOPS_TIMEOUT:-300}" python3 -m bench.loop_copies --model "$M" --reps "${LOOPS_REPS:-2}" \
     --out "$R/loop_copies.json" > "$R/loop_copies.log" 2>&1
   grep '\[bench' "$R/loop_copies.log" | tail -16
+elif [ "$part" = specab ]; then  # figure 1 under SpecConfig variants, in turns (bench.spec_ab)
+  # SPEC_VARIANTS: space-separated NAME:FIELD=VALUE,... (default: bench.spec_ab's four)
+  vs=""
+  for v in ${SPEC_VARIANTS:-}; do vs="$vs --variant $v"; done
+  timeout "${SPECAB_TIMEOUT:-240}" python3 -m bench.spec_ab --model "$M" --reps "${SPECAB_REPS:-3}" \
+    $vs ${SPECAB_TRACES:+--traces} --out "$R/spec_ab.json" > "$R/spec_ab.log" 2>&1
+  grep '\[bench' "$R/spec_ab.log" | tail -3
 elif [ "$part" = policy ]; then  # figure 1's dynamic K under its rules before and after, in turns
   timeout "${POLICY_TIMEOUT:-300}" python3 -m bench.policy_ab --model "$M" --reps "${POLICY_REPS:-3}" \
     ${POLICY_TRACES:+--traces} --out "$R/policy_ab.json" > "$R/policy_ab.log" 2>&1

@@ -3,6 +3,7 @@ K's steps, and variants taking turns with their settings (the GPU runs are not i
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 from bench.turns import take_turns, trace_summary
@@ -110,10 +111,11 @@ def test_turn_scripts_start_with_no_spec_and_name_real_settings():
     import bench.head_ab
     import bench.loop_copies
     import bench.policy_ab
+    import bench.spec_ab
 
     args = SimpleNamespace(head=None, other="/heads/new", accept_model="geometric",
-                           context_drafts=None)
-    for mod in (bench.loop_copies, bench.policy_ab, bench.head_ab):
+                           context_drafts=None, variant=None)
+    for mod in (bench.loop_copies, bench.policy_ab, bench.head_ab, bench.spec_ab):
         variants = mod.variants(args)
         first = next(iter(variants.values()))
         assert first[0] is None, mod.__name__
@@ -124,3 +126,31 @@ def test_turn_scripts_start_with_no_spec_and_name_real_settings():
     heads = {n: v[0].head for n, v in bench.head_ab.variants(args).items() if v[0]}
     assert {h for n, h in heads.items() if n.startswith("other")} == {"/heads/new"}
     assert {h for n, h in heads.items() if n.startswith("shipped")} == {None}
+
+
+def test_spec_ab_variants_change_only_the_fields_they_name():
+    """bench.spec_ab: each variant is figure 1's dynamic K7 + context with the named SpecConfig
+    fields changed; a field SpecConfig lacks, a refused value, a repeated name or a missing
+    NAME: are refused before any model loads."""
+    import pytest
+
+    from bench.spec_ab import DEFAULT_VARIANTS, main, parse_variant, variants
+
+    args = SimpleNamespace(head=None, accept_model="geometric", context_drafts=None,
+                           variant=["dyn5:num_tokens=5", "fixed:dynamic=False", "same:"])
+    got = variants(args)
+    assert list(got) == ["no_spec", "dyn5", "fixed", "same"]
+    same = got["same"][0]
+    assert (same.num_tokens, same.dynamic, same.context_drafts) == (7, True, True)
+    assert got["dyn5"][0] == replace(same, num_tokens=5)
+    assert got["fixed"][0] == replace(same, dynamic=False)
+    args.variant = None
+    assert len(variants(args)) == 1 + len(DEFAULT_VARIANTS)
+    assert variants(args)["dynamic_k7_dense4_context"][0].dense_levels_from == 4
+    for bad in ("nocolon", ":num_tokens=5", "no_spec:", "x:not_a_field=1", "x:num_tokens=99"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
+    with pytest.raises(ValueError, match="twice"):
+        variants(SimpleNamespace(**{**vars(args), "variant": ["a:", "a:"]}))
+    with pytest.raises(SystemExit):
+        main(["--variant", "x:batch_k=9"])
