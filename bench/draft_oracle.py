@@ -149,12 +149,33 @@ def rule_accepts(answer, chains, ctx: dict, k: int, min_n: int) -> dict:
             for n, (m, d) in ctx.items()}
 
 
+def every_level(cost: dict) -> dict:
+    """The fused-step prices {(q, d): us} at every q and d inside the measured grid, linear
+    between the measured levels (first along d at each measured q, then along q): the
+    graphs an engine would have with a level for every K (fixed K=5's own q=6, d=5 where
+    a K=7 table has only q=8, d=7)."""
+    qs = sorted({q for q, _ in cost})
+    ds = sorted({d for _, d in cost})
+
+    def between(x, xs, at):
+        hi = next(i for i, v in enumerate(xs) if v >= x)
+        if xs[hi] == x:
+            return at(xs[hi])
+        lo = hi - 1
+        w = (x - xs[lo]) / (xs[hi] - xs[lo])
+        return (1 - w) * at(xs[lo]) + w * at(xs[hi])
+
+    return {(q, d): between(q, qs, lambda qq: between(d, ds, lambda dd: cost[(qq, dd)]))
+            for q in range(qs[0], qs[-1] + 1) for d in range(ds[0], ds[-1] + 1)}
+
+
 def what_if(prices) -> dict:
     """The measured step prices and three cheaper worlds: verify rows free (each step at
     its draft level's one-row price), drafts free (each at its verify level's no-draft
-    price), and everything a step costs beyond a plain decode halved."""
+    price), and everything a step costs beyond a plain decode halved; and the measured
+    prices at every level (`every_level`: each K its own graph, as a fixed-K engine has)."""
     plain, cost = prices
-    return {"measured": prices,
+    return {"measured": prices, "every_level": (plain, every_level(cost)),
             "verify_rows_free": (plain, {(q, d): cost[(1, d)] for q, d in cost}),
             "drafts_free": (plain, {(q, d): cost[(q, 0)] for q, d in cost}),
             "overhead_halved": (plain, {k: plain + 0.5 * (v - plain) for k, v in cost.items()})}

@@ -52,6 +52,31 @@ def test_foresight_bound_is_the_best_k_sequence_and_fixed_k_is_priced_by_level()
     assert got["fixed_k"][0] == round(1.0 / cost[(1, 0)], 3)
 
 
+def test_every_level_interpolates_between_the_measured_graphs():
+    """Prices at levels the table lacks lie on the lines between measured ones; measured
+    levels keep their price; a linear table comes back whole."""
+    from bench.draft_oracle import every_level
+
+    def lin(q, d):
+        return 600.0 + 45.0 * q + 30.0 * d
+
+    grid = {(q, d): lin(q, d) for q in (1, 2, 4, 8) for d in (0, 1, 2, 4, 7)}
+    full = every_level(grid)
+    assert set(full) == {(q, d) for q in range(1, 9) for d in range(8)}
+    assert all(abs(full[k] - lin(*k)) < 1e-9 for k in full)
+    bent = {**grid, (8, 7): grid[(8, 7)] + 80.0}
+    got = every_level(bent)
+    assert got[(8, 7)] == bent[(8, 7)] and got[(4, 4)] == bent[(4, 4)]
+    # (6, 5): halfway from q=4 to q=8, and 1/3 of the way from d=4 to d=7 at each
+    at8 = bent[(8, 4)] + (bent[(8, 7)] - bent[(8, 4)]) / 3
+    at4 = bent[(4, 4)] + (bent[(4, 7)] - bent[(4, 4)]) / 3
+    assert abs(got[(6, 5)] - (at4 + at8) / 2) < 1e-9
+    # a fixed K=5 step now costs less than a K=7 step
+    r = timing([(20, 1, {n: 5 for n in range(1, 20)})], (600.0, got), 7)
+    assert r["fixed_k"][5] > timing([(20, 1, {n: 5 for n in range(1, 20)})],
+                                    (600.0, bent), 7)["fixed_k"][5]
+
+
 def test_main_on_the_embedded_model(tmp_path):
     """The whole replay on the embedded SmolLM2 and the shipped head, two short answers."""
     from bench.draft_oracle import main
