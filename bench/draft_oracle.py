@@ -165,8 +165,11 @@ def every_level(cost: dict) -> dict:
         w = (x - xs[lo]) / (xs[hi] - xs[lo])
         return (1 - w) * at(xs[lo]) + w * at(xs[hi])
 
-    return {(q, d): between(q, qs, lambda qq: between(d, ds, lambda dd: cost[(qq, dd)]))
-            for q in range(qs[0], qs[-1] + 1) for d in range(ds[0], ds[-1] + 1)}
+    def at(q, d):
+        return between(q, qs, lambda qq: between(d, ds, lambda dd: cost[(qq, dd)]))
+
+    return {(q, d): at(q, d) for q in range(qs[0], qs[-1] + 1)
+            for d in range(ds[0], ds[-1] + 1)}
 
 
 def what_if(prices) -> dict:
