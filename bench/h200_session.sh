@@ -73,7 +73,7 @@ elif [ "$part" = loops ]; then  # figure 1's context variants, copies continued 
     --out "$R/loop_copies.json" > "$R/loop_copies.log" 2>&1
   grep '\[bench' "$R/loop_copies.log" | tail -16
 elif [ "$part" = specab ]; then  # figure 1 under SpecConfig variants, in turns (bench.spec_ab)
-  # SPEC_VARIANTS: space-separated NAME:FIELD=VALUE,... (default: bench.spec_ab's four)
+  # SPEC_VARIANTS: space-separated NAME:FIELD=VALUE,... (default: bench.spec_ab's DEFAULT_VARIANTS)
   vs=""
   for v in ${SPEC_VARIANTS:-}; do vs="$vs --variant $v"; done
   timeout "${SPECAB_TIMEOUT:-240}" python3 -m bench.spec_ab --model "$M" --reps "${SPECAB_REPS:-3}" \

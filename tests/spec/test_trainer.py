@@ -64,6 +64,23 @@ def test_trainer_runs_end_to_end_and_learns(tmp_path):
     assert spec.generate(ids, sp)[0].token_ids == eng.generate(ids, sp)[0].token_ids
 
 
+def test_ignore_eos_runs_answers_past_the_end_of_turn():
+    """`self_distill(ignore_eos=True)` writes every answer to max_tokens; without it an answer
+    stops at EOS; before EOS both are the same answer."""
+    prompts = ["one prompt about eos", "another prompt about eos"]
+    eng, recs, _ = _distilled(prompts, 2, 20)
+    layers = Eagle3Config.for_target(eng.config.model, 1).aux_layer_ids
+    first = recs[0].ids[recs[0].prompt_len:].tolist()
+    eng.eos_ids = {first[3]}  # the target's 4th greedy token now ends its turn
+    stop = self_distill(eng, prompts, 20, layers, torch.float32, desc=None)
+    past = self_distill(eng, prompts, 20, layers, torch.float32, desc=None, ignore_eos=True)
+    cut = stop[0].ids[stop[0].prompt_len:].tolist()
+    assert cut == first[: first.index(first[3]) + 1] and len(cut) <= 4
+    assert [len(r.ids) - r.prompt_len for r in past] == [20, 20]
+    assert past[0].ids.tolist() == recs[0].ids.tolist()
+    assert all(len(r.aux) == len(r.ids) - 1 for r in stop + past)
+
+
 def test_records_round_trip_and_training_continues_from_a_head(tmp_path):
     """Self-distilled records saved apart from training load back equal (and refuse a file
     made from other prompts); a head trained further (`init`) keeps its draft vocabulary
