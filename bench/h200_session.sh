@@ -27,7 +27,7 @@
 # bench/h200_session.sh specab` (bench.spec_ab: figure 1 under SpecConfig variants in turns;
 # SPEC_VARIANTS, SPECAB_REPS, SPECAB_TRACES=1).
 # Results
-# land in $OUT/<part>.tgz.
+# land in $OUT/<part>.tgz (over 16 MB: in 15 MB parts, <part>.tgz.00, .01, ...).
 set -u
 part=${1:-bench}
 M=${MODEL:-/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf}
@@ -155,3 +155,9 @@ else
   tail -40 "$R/bench.log"
 fi
 tar czf "$OUT/$part.tgz" -C "$R" .
+# A file over 16 MiB does not come back from the device machine: cut it into parts
+# (here: cat PART.tgz.?? > PART.tgz).
+if [ "$(stat -c %s "$OUT/$part.tgz")" -gt 16000000 ]; then
+  split -b 15000000 -d "$OUT/$part.tgz" "$OUT/$part.tgz." && rm "$OUT/$part.tgz"
+  ls "$OUT"
+fi
