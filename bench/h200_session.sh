@@ -25,7 +25,7 @@
 # settings), `bash bench/h200_session.sh oracle` (bench.draft_oracle in bf16: figure 1's answers
 # replayed under each draft rule and priced; ORACLE_ARGS more arguments), `bash
 # bench/h200_session.sh specab` (bench.spec_ab: figure 1 under SpecConfig variants in turns;
-# SPEC_VARIANTS, SPECAB_REPS, SPECAB_TRACES=1).
+# SPEC_VARIANTS, SPECAB_REPS, SPECAB_TRACES=1, SPECAB_ARGS e.g. "--head DIR").
 # Results
 # land in $OUT/<part>.tgz (over 16 MB: in 15 MB parts, <part>.tgz.00, .01, ...).
 set -u
@@ -77,7 +77,7 @@ elif [ "$part" = specab ]; then  # figure 1 under SpecConfig variants, in turns 
   vs=""
   for v in ${SPEC_VARIANTS:-}; do vs="$vs --variant $v"; done
   timeout "${SPECAB_TIMEOUT:-240}" python3 -m bench.spec_ab --model "$M" --reps "${SPECAB_REPS:-3}" \
-    $vs ${SPECAB_TRACES:+--traces} --out "$R/spec_ab.json" > "$R/spec_ab.log" 2>&1
+    $vs ${SPECAB_TRACES:+--traces} ${SPECAB_ARGS:-} --out "$R/spec_ab.json" > "$R/spec_ab.log" 2>&1
   grep '\[bench' "$R/spec_ab.log" | tail -3
 elif [ "$part" = policy ]; then  # figure 1's dynamic K under its rules before and after, in turns
   timeout "${POLICY_TIMEOUT:-300}" python3 -m bench.policy_ab --model "$M" --reps "${POLICY_REPS:-3}" \
