@@ -150,6 +150,8 @@ def run_hf(args, model, prompts: list[list[int]], n: int, **kw) -> dict:
 
 
 def fig_single_stream(args, res: dict) -> None:
+    from engine.config import SpecConfig
+
     n = args.fig1_tokens
     msgs = held_out_messages(args.fig1_prompts, args.prompt_offset)
     res["config"] = {"prompts": len(msgs), "max_tokens": n, "ignore_eos": True,
@@ -175,6 +177,12 @@ def fig_single_stream(args, res: dict) -> None:
                 "eagle3_k7_context": eagle(args, 7, False, True),
                 f"{dyn}_context": eagle(args, args.dynamic_k, True, True),
                 "ngram_k5": ngram(5)}
+    # What an engine runs without a SpecConfig of its own (dynamic K at most 5, context
+    # drafts), where --dynamic-k asks for another K
+    default = f"eagle3_dynamic_k{SpecConfig().num_tokens}_context"
+    if default not in variants:
+        variants[default] = eagle(args, SpecConfig().num_tokens, True, True)
+    res["config"]["engine_default"] = default
     runs: dict[str, dict] = {}
     res["tandem"] = runs
     for name, spec in variants.items():
