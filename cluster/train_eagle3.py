@@ -43,12 +43,12 @@ def self_distill(engine: Engine, prompts: list[str], max_tokens: int, layers: tu
                          "with enable_prefix_caching=False")
     caps: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
-    def capture(seq, lo, hidden, aux):
+    def capture(seq, lo, hidden, aux):  # the engine cast them, a step at a time
         if len(hidden):
-            caps.setdefault(seq.request_id, {})[lo] = (
-                torch.cat(aux, -1).to(store_dtype), hidden.to(store_dtype))
+            caps.setdefault(seq.request_id, {})[lo] = (aux, hidden)
 
     engine.capture, engine.capture_layers = capture, layers
+    engine.capture_dtype = store_dtype
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     msgs = [[{"role": "user", "content": p}] for p in prompts]
     records = []
@@ -63,7 +63,7 @@ def self_distill(engine: Engine, prompts: list[str], max_tokens: int, layers: tu
             hid = torch.cat([h for _, h in parts])[: len(ids) - 1]
             records.append(Record(ids, len(c.prompt_token_ids), aux, hid))
     finally:
-        engine.capture, engine.capture_layers = None, ()
+        engine.capture, engine.capture_layers, engine.capture_dtype = None, (), None
     return records
 
 

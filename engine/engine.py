@@ -84,9 +84,12 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.held: dict[str, Sequence] = {}  # prefill role: finished, blocks kept for transfer
         self.reserved: dict[str, Sequence] = {}  # decode role: blocks waiting for incoming KV
-        # Optional tap for trainers: capture(seq, lo, hidden, aux) sees every computed position.
+        # Optional tap for trainers: capture(seq, lo, hidden, aux) sees every computed position
+        # (aux: the inputs of capture_layers side by side, [n, len(capture_layers) * h]), cast
+        # to capture_dtype where set, once per step for the whole batch.
         self.capture = None
         self.capture_layers: tuple[int, ...] = ()
+        self.capture_dtype: torch.dtype | None = None
         self._generators: dict[str, torch.Generator] = {}
         self._detok: dict[str, loader.Detokenizer] = {}
         self.stats = EngineStats()
@@ -589,12 +592,16 @@ class Engine:
         # Spans to propose drafts from: none without speculation, or when the fused step
         # made the drafts.
         propose = drafts is None and self.spec is not None
+        if self.capture is not None:  # one concatenation and cast a step, not one a sequence
+            cap_h = fwd.hidden
+            cap_a = torch.cat(fwd.aux, -1) if fwd.aux else cap_h[:, :0]
+            if self.capture_dtype is not None:
+                cap_h, cap_a = cap_h.to(self.capture_dtype), cap_a.to(self.capture_dtype)
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             lo = seq.num_computed
             if self.capture is not None:
                 real = n - results.get(i, (0, None))[0]
-                self.capture(seq, lo, fwd.hidden[row : row + real],
-                             [a[row : row + real] for a in fwd.aux])
+                self.capture(seq, lo, cap_h[row : row + real], cap_a[row : row + real])
             if lo < seq.num_prompt_tokens:
                 self.stats.prefill_tokens += min(n, seq.num_prompt_tokens - lo)
             else:

@@ -122,7 +122,7 @@ def test_training_unroll_matches_paged_inference(nbr):
     eng.capture_layers = head.cfg.aux_layer_ids
 
     def capture(seq, lo, hidden, aux):
-        caps[lo] = torch.cat(aux, -1)
+        caps[lo] = aux
 
     eng.capture = capture
     eng.generate([ids], SamplingParams(temperature=0, max_tokens=1))
