@@ -23,7 +23,8 @@ above the next step's K, the device microseconds measured there, and speed is re
 plain decode step. For the shipped rule (context from `--rule-min-n`, else the head) it
 gives every fixed K and the best any dynamic-K policy could do with foresight (a shortest
 path over (position, K): the bound on what choosing K can buy with this head and these costs),
-under the measured prices and three cheaper ones (`what_if`).
+under the measured prices, the same prices at every K (`every_level`: each K its own graph)
+and three cheaper ones (`what_if`).
 """
 
 from __future__ import annotations

@@ -179,9 +179,10 @@ def fig_single_stream(args, res: dict) -> None:
                 "ngram_k5": ngram(5)}
     # What an engine runs without a SpecConfig of its own (dynamic K at most 5, context
     # drafts), where --dynamic-k asks for another K
-    default = f"eagle3_dynamic_k{SpecConfig().num_tokens}_context"
+    k_default = SpecConfig().num_tokens
+    default = f"eagle3_dynamic_k{k_default}_context"
     if default not in variants:
-        variants[default] = eagle(args, SpecConfig().num_tokens, True, True)
+        variants[default] = eagle(args, k_default, True, True)
     res["config"]["engine_default"] = default
     runs: dict[str, dict] = {}
     res["tandem"] = runs
