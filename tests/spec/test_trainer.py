@@ -196,6 +196,8 @@ def test_vocab_extension_keeps_trained_rows_and_the_fit_moves_only_new_ones():
     pos = {int(t): i for i, t in enumerate(ids)}
     old_rows = torch.stack([big.lm_head.weight[pos[int(t)]] for t in small]).clone()
     assert torch.equal(old_rows, head.lm_head.weight.detach())
+    new_rows = big.lm_head.weight[[pos[int(t)] for t in added]]
+    assert (new_rows == 0).all()  # a zero logit: the trained rows still decide the argmax
     assert torch.equal(big.midlayer.mlp.down_proj.weight, head.midlayer.mlp.down_proj.weight)
     assert extend_vocab(head, eng.model, recs, 10).cfg.draft_vocab_size == 16  # never smaller
     info = fit_lm_head(big, eng.model, recs, unroll=2, epochs=3, lr=1e-2, batch_size=64,
