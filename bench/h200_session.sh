@@ -18,7 +18,8 @@
 # TRAIN_NAME_SPLIT=1 trains on no prompt sharing a documented name with a held-out one;
 # TRAIN_DETACH=1 starts the fit in the background and returns, for trainings longer than one
 # call: `bash bench/h200_session.sh trainwait` in the calls right after waits for it, then
-# TRAIN_STAGE=ab runs head_ab),
+# TRAIN_STAGE=ab runs head_ab; the fit writes its head at every log, so what it archives
+# holds the head so far; TRAIN_RECORDS=none self-distils and fits in one process),
 # `bash bench/h200_session.sh hostprof` (bench.step_profile's burst under py-spy, staged as a
 # wheel; PROFILE_VARIANTS / PROFILE_CONC / PROFILE_TOKENS narrow it), `SET_B="module.NAME=VALUE
 # ..." bash bench/h200_session.sh setab` (figure 3 in two processes, the second with those
@@ -85,6 +86,10 @@ elif [ "$part" = policy ]; then  # figure 1's dynamic K under its rules before a
   grep '\[bench' "$R/policy_ab.log" | tail -20
 elif [ "$part" = train ]; then  # a new EAGLE-3 head: TRAIN_STAGE=data (records to /tmp), fit, ab
   REC=${TRAIN_RECORDS:-/tmp/records_${TRAIN_SET:-extended}.pt}
+  recs=(--records "$REC")
+  # TRAIN_RECORDS=none: self-distil and fit in one process, the records never written (the
+  # extended set's past EOS are ~12 GB, ~40 s to save and load back)
+  [ "$REC" = none ] && recs=()
   stage=${TRAIN_STAGE:-fit}
   if [ "$stage" = data ]; then
     timeout "${TRAIN_TIMEOUT:-560}" python3 -m cluster.cli train-eagle3 --model "$M" \
@@ -96,7 +101,7 @@ elif [ "$part" = train ]; then  # a new EAGLE-3 head: TRAIN_STAGE=data (records 
   if [ "$stage" = fit ]; then  # TRAIN_SECONDS caps the training itself (--max-seconds)
     fit=(python3 -m cluster.cli train-eagle3 --model "$M" --prompt-set "${TRAIN_SET:-extended}"
          ${TRAIN_PROMPTS:+--num-prompts $TRAIN_PROMPTS} ${TRAIN_NAME_SPLIT:+--name-split}
-         ${TRAIN_IGNORE_EOS:+--ignore-eos} --records "$REC"
+         ${TRAIN_IGNORE_EOS:+--ignore-eos} "${recs[@]}"
          ${TRAIN_SECONDS:+--max-seconds $TRAIN_SECONDS} ${TRAIN_ARGS:-} --out "$R/head")
     if [ -n "${TRAIN_DETACH:-}" ]; then
       # in its own process session, so it outlives this call while the machine stays held:

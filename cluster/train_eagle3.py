@@ -300,12 +300,14 @@ def _head_backend(block_size: int):
 
 def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, epochs=4,
           lr=1e-3, batch_size=16, log_every=50, aux_layers=None,
-          init: Eagle3Head | None = None,
-          max_seconds: float | None = None) -> tuple[Eagle3Head, dict]:
+          init: Eagle3Head | None = None, max_seconds: float | None = None,
+          checkpoint=None) -> tuple[Eagle3Head, dict]:
     """Train a head on the records (`init`: continue from this head, its draft vocabulary
     kept; vocab_ids is then ignored). `max_seconds`: fewer steps than `epochs` asks where
     they would not fit, planned from the pace of the first steps (held-out evaluations
-    included) and again at every log; the learning-rate schedule ends with the plan."""
+    included) and again at every log; the learning-rate schedule ends with the plan.
+    `checkpoint(head, entry)`: called after every logged held-out evaluation but the last,
+    with the head as it stands and the log entry, so a run cut short still leaves a head."""
     cfg = engine.config
     on_gpu = str(cfg.device).startswith("cuda")
     if on_gpu:
@@ -318,7 +320,8 @@ def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, e
     try:
         return _train(engine, train_records, eval_records, vocab_ids, unroll=unroll,
                       epochs=epochs, lr=lr, batch_size=batch_size, log_every=log_every,
-                      aux_layers=aux_layers, init=init, max_seconds=max_seconds)
+                      aux_layers=aux_layers, init=init, max_seconds=max_seconds,
+                      checkpoint=checkpoint)
     finally:
         if on_gpu:
             torch.set_float32_matmul_precision(precision)
@@ -330,7 +333,8 @@ def on_device(r: Record, device) -> Record:
 
 
 def _train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll, epochs, lr,
-           batch_size, log_every, aux_layers, init, max_seconds) -> tuple[Eagle3Head, dict]:
+           batch_size, log_every, aux_layers, init, max_seconds,
+           checkpoint=None) -> tuple[Eagle3Head, dict]:
     target = engine.model
     cfg = engine.config
     if init is not None:
@@ -392,6 +396,8 @@ def _train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll, ep
                                 "eval_acc_per_step": [round(a, 4) for a in ev],
                                 "eval_expected_acceptance": round(expected_acceptance(ev), 3)})
                 tqdm.write(json.dumps(history[-1]))
+                if checkpoint is not None and step < plan[0]:
+                    checkpoint(head, history[-1])
             if step >= plan[0]:
                 break
     bar.close()
@@ -516,10 +522,6 @@ def run(args) -> int:
         info["eval_acc_per_step"] = [round(a, 4) for a in ev_acc]
         info["eval_expected_acceptance"] = round(expected_acceptance(ev_acc), 3)
         head = head.eval()
-    else:
-        head, info = train(engine, tr, ev, vocab_ids, unroll=args.unroll, epochs=args.epochs,
-                           lr=args.lr, batch_size=args.batch_size, log_every=args.log_every,
-                           init=init, max_seconds=args.max_seconds)
     recipe = {
         "command": "tandem " + " ".join(args.argv), "target": m.name, "device": device,
         "prompts": {"train": len(train_p), "held_out": len(eval_p), "set": args.prompt_set,
@@ -533,8 +535,17 @@ def run(args) -> int:
         "draft_vocab_size": len(vocab_ids), "lm_head_only": args.lm_head_only,
         "unroll": args.unroll, "epochs": args.epochs,
         "lr": args.lr, "batch_size": args.batch_size, "data_seconds": round(t_data, 1),
-        **info, "date": time.strftime("%Y-%m-%d"),
+        "date": time.strftime("%Y-%m-%d"),
     }
+    if not args.lm_head_only:
+        def checkpoint(h, entry):  # the head so far, marked unfinished, replaced at the end
+            save_head(h, args.out, dtype=torch.bfloat16)
+            _write(args.out, {**recipe, "unfinished": True, "checkpoint": entry})
+
+        head, info = train(engine, tr, ev, vocab_ids, unroll=args.unroll, epochs=args.epochs,
+                           lr=args.lr, batch_size=args.batch_size, log_every=args.log_every,
+                           init=init, max_seconds=args.max_seconds, checkpoint=checkpoint)
+    recipe.update(info)
     save_head(head, args.out, dtype=torch.bfloat16)
     _write(args.out, recipe)  # the head is safe before the (slower) acceptance runs
     acc = [engine_acceptance(engine, head, eval_p[: args.eval_prompts], k, args.max_tokens)

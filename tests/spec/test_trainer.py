@@ -102,8 +102,13 @@ def test_records_round_trip_and_training_continues_from_a_head(tmp_path):
     with pytest.raises(ValueError, match="holds records of"):
         load_records(path, {**key, "max_tokens": 32})
     vocab = draft_vocab(recs, 64, 256)
+    saved = []  # (step, the head's LM head then): what a checkpoint callback is given
     first, info = train(eng, tr, ev, vocab, unroll=3, epochs=30, lr=3e-3, batch_size=4,
-                        log_every=2)
+                        log_every=2, checkpoint=lambda h, e: saved.append(
+                            (e["step"], h.lm_head.weight.detach().clone())))
+    # a checkpoint at every logged evaluation but the last (the caller saves that head)
+    assert [s for s, _ in saved] == [h["step"] for h in info["history"][:-1]]
+    assert len(saved) > 2 and not torch.equal(saved[0][1], saved[-1][1])
     d2t = first.d2t.clone()
     other = torch.arange(64) * 3  # a vocabulary `init` must ignore
     again, info2 = train(eng, tr, ev, other, unroll=3, epochs=1, lr=1e-4, batch_size=4,
