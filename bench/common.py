@@ -131,6 +131,30 @@ def header(args, name: str, num: int) -> dict:
             "environment": environment(args)}
 
 
+def head_summary(folder: str) -> dict:
+    """Which EAGLE-3 head a figure ran: its folder, draft vocabulary, a hash of its weights
+    and, where its training.json says, when and how well it trained."""
+    import hashlib
+
+    out = {"folder": folder}
+    with open(os.path.join(folder, "config.json")) as f:
+        out["draft_vocab_size"] = json.load(f).get("draft_vocab_size")
+    h = hashlib.sha256()
+    with open(os.path.join(folder, "model.safetensors"), "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    out["weights_sha256"] = h.hexdigest()[:16]
+    path = os.path.join(folder, "training.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            t = json.load(f)
+        last = (t.get("history") or [{}])[-1]
+        out["trained"] = {"date": t.get("date"), "steps": t.get("steps"),
+                          "unfinished": t.get("unfinished", False),
+                          "eval_expected_acceptance": last.get("eval_expected_acceptance")}
+    return out
+
+
 def rnd(x, n: int = 3):
     return None if x is None else round(float(x), n)
 

@@ -42,6 +42,7 @@ from bench.common import (  # noqa: E402 - after the sys.path fix above
     eagle,
     first_diff,
     free_memory,
+    head_summary,
     header,
     held_out_messages,
     host_probe_us,
@@ -67,6 +68,7 @@ from bench.common import (  # noqa: E402 - after the sys.path fix above
     torch_dtype,
 )
 from bench.fig5 import fig_itl_disagg, plot_itl  # noqa: E402
+from engine.loader import shipped_head  # noqa: E402
 
 # Figure 5 lives in bench/fig5.py, the helpers every figure shares in bench/common.py.
 
@@ -162,6 +164,7 @@ def fig_single_stream(args, res: dict) -> None:
     log("fig 1: loading SmolLM2 + EAGLE-3 head")
     base = load_smol(args, spec=eagle(args, 5, False))
     res["config"]["model"] = base.config.model.name
+    res["config"]["eagle3_head"] = head_summary(args.head or shipped_head(base.config.model))
     res["config"]["attention_backend"] = base.config.backend_name
     res["config"]["cuda_graphs"] = base.config.use_cuda_graphs
     res["config"]["prologue_rows"] = sorted(base.model.prologue_rows) \
@@ -522,6 +525,7 @@ def fig_concurrency(args, res: dict) -> None:
                      "prompts": "held-out split of cluster/prompt_sets.py, cycled"}
     log("fig 3: loading SmolLM2 + EAGLE-3 head")
     base = load_smol(args, spec=eagle(args, 5, False))
+    res["config"]["eagle3_head"] = head_summary(args.head or shipped_head(base.config.model))
     msgs = held_out_messages(max(conc), args.prompt_offset)
     prompts = [base.encode_prompt(m) for m in msgs]
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
