@@ -125,6 +125,10 @@ elif [ "$part" = train ]; then  # a new EAGLE-3 head: TRAIN_STAGE=data (records 
     grep '\[bench' "$R/head_ab.log" | tail -3
   fi
 elif [ "$part" = trainwait ]; then  # a TRAIN_DETACH=1 fit: wait for it, WAIT_SECONDS at most
+  if [ ! -e "$R/train.log" ]; then  # the machine went back (30 s idle): /tmp went with it
+    echo "no training on this machine: a fresh one (the last was given back between calls)"
+    exit 3
+  fi
   end=$((SECONDS + ${WAIT_SECONDS:-540}))
   while [ ! -e "$R/train.done" ] && [ "$SECONDS" -lt "$end" ]; do sleep 5; done
   tr '\r' '\n' < "$R/train.log" | grep -o '"step": [0-9]*\|"eval_expected_acceptance": [0-9.]*' \
