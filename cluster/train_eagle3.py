@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine import Engine, SamplingParams
+from engine import Engine, SamplingParams, ops
 from engine.spec.eagle3 import Eagle3Config, Eagle3Head, load_head, save_head
 
 
@@ -464,6 +464,13 @@ def run(args) -> int:
     if args.lm_head_only and not args.init:
         print("error: --lm-head-only fits the LM head of an --init head")
         return 2
+    bad = _bad_numbers(args)
+    if bad:  # before the model loads and the target answers for minutes
+        print(f"error: {bad}")
+        return 2
+    if args.init and not os.path.isfile(os.path.join(args.init, "config.json")):
+        print(f"error: --init {args.init}: no EAGLE-3 head there (config.json missing)")
+        return 2
     torch.manual_seed(args.seed)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # On a GPU a KV pool for 256 answers of up to DISTIL_SEQ_TOKENS, not 85% of the GPU: the
@@ -513,6 +520,10 @@ def run(args) -> int:
         print(f"draft vocabulary {len(before)} -> {len(after)}")
     vocab_ids = init.draft_to_target.cpu() if init is not None else \
         draft_vocab(tr, args.draft_vocab, m.vocab_size)
+    if len(vocab_ids) * m.hidden_size > ops.LINEAR_MAX_WEIGHT:
+        print(f"note: a draft LM head of {len(vocab_ids)} x {m.hidden_size} is larger than "
+              f"the fused GEMV takes (ops.LINEAR_MAX_WEIGHT = {ops.LINEAR_MAX_WEIGHT}): "
+              "drafting will run it through torch's linear, a launch or more a draft")
     if args.lm_head_only:
         head = init.to(torch.float32)
         info = fit_lm_head(head, engine.model, tr, unroll=min(args.unroll, 3),
@@ -554,6 +565,25 @@ def run(args) -> int:
     _write(args.out, recipe)
     print(json.dumps({"held_out_engine_acceptance": acc}, indent=2))
     return 0
+
+
+def _bad_numbers(args) -> str | None:
+    """What is wrong with the CLI's counts and rates, if anything (None: nothing)."""
+    positive = {"--draft-vocab": "draft_vocab", "--max-tokens": "max_tokens",
+                "--unroll": "unroll", "--epochs": "epochs", "--batch-size": "batch_size",
+                "--log-every": "log_every", "--lr": "lr"}
+    for flag, name in positive.items():
+        v = getattr(args, name, None)
+        if v is not None and not v > 0:
+            return f"{flag} must be positive, got {v}"
+    for flag, name in {"--max-seconds": "max_seconds", "--num-prompts": "num_prompts"}.items():
+        v = getattr(args, name, None)
+        if v is not None and not v > 0:
+            return f"{flag} must be positive where given, got {v}"
+    v = getattr(args, "eval_prompts", None)
+    if v is not None and v < 0:
+        return f"--eval-prompts must be 0 or more, got {v}"
+    return None
 
 
 def _write(folder: str, recipe: dict) -> None:

@@ -219,3 +219,23 @@ def test_vocab_extension_keeps_trained_rows_and_the_fit_moves_only_new_ones():
     ids_in = [[5, 6, 7, 8, 9], [40, 41, 42]]
     assert [c.token_ids for c in spec.generate(ids_in, sp)] == \
         [c.token_ids for c in eng.generate(ids_in, sp)]
+
+
+def test_bad_numbers_and_a_missing_head_are_refused_before_the_model_loads(capsys, tmp_path):
+    """Counts and rates out of range, and an --init folder with no head, end the CLI with a
+    clear error (exit 2) before anything loads."""
+    from types import SimpleNamespace
+
+    from cluster.train_eagle3 import run
+
+    ok = dict(data_only=False, records=None, lm_head_only=False, init=None, draft_vocab=4096,
+              max_tokens=256, unroll=5, epochs=4, batch_size=16, log_every=100, lr=1e-3,
+              max_seconds=None, num_prompts=None, eval_prompts=32)
+    for field, value, text in [("draft_vocab", 0, "--draft-vocab must be positive"),
+                               ("lr", -1e-3, "--lr must be positive"),
+                               ("batch_size", 0, "--batch-size must be positive"),
+                               ("max_seconds", 0.0, "--max-seconds must be positive"),
+                               ("eval_prompts", -1, "--eval-prompts must be 0 or more"),
+                               ("init", str(tmp_path), "no EAGLE-3 head there")]:
+        assert run(SimpleNamespace(**{**ok, field: value})) == 2
+        assert text in capsys.readouterr().out
