@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine import Engine, SamplingParams, ops
+from engine import Engine, EngineConfig, SamplingParams, ops
 from engine.spec.eagle3 import Eagle3Config, Eagle3Head, load_head, save_head
 
 
@@ -197,7 +197,7 @@ def expected_acceptance(accs: list[float]) -> float:
     return out
 
 
-def extend_vocab(head: Eagle3Head, target, records: list[Record], size: int) -> Eagle3Head:
+def extend_vocab(head: Eagle3Head, records: list[Record], size: int) -> Eagle3Head:
     """A copy of `head` whose draft vocabulary also holds the most frequent response tokens
     of `records` that it lacks, up to `size` ids in all (fewer where the records hold fewer
     distinct tokens; ties: lower id). Its own rows are kept; a new id's row starts at zero,
@@ -283,6 +283,7 @@ def fit_lm_head(head: Eagle3Head, target, records: list[Record], *, unroll: int 
     return {"lm_head_fit": history, "fit_positions": len(y_all), "fit_unroll": unroll}
 
 
+DISTIL_SEQS = 256  # answers self-distilled side by side
 DISTIL_SEQ_TOKENS = 1280  # a prompt and its answer, at most, in the KV pool of self-distillation
 PLAN_AFTER = 20  # steps timed before a time budget (`max_seconds`) plans the rest
 POSTFIX_EVERY = 20  # steps between the progress bar's loss readings
@@ -473,13 +474,14 @@ def run(args) -> int:
         return 2
     torch.manual_seed(args.seed)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    # On a GPU a KV pool for 256 answers of up to DISTIL_SEQ_TOKENS, not 85% of the GPU: the
-    # training that follows keeps the records on the device (~10 GB for the extended set).
+    # On a GPU a KV pool for DISTIL_SEQS answers of up to DISTIL_SEQ_TOKENS, not 85% of the
+    # GPU: the training that follows keeps the records on the device (~10 GB for the
+    # extended set).
+    pool = DISTIL_SEQS * -(-DISTIL_SEQ_TOKENS // EngineConfig.block_size)
     engine = Engine.from_pretrained(args.model, device=device, dtype=torch.float32,
-                                    enable_prefix_caching=False, max_num_seqs=256,
+                                    enable_prefix_caching=False, max_num_seqs=DISTIL_SEQS,
                                     max_num_batched_tokens=8192,
-                                    num_blocks=256 * -(-DISTIL_SEQ_TOKENS // 16)
-                                    if device.startswith("cuda") else None)
+                                    num_blocks=pool if device.startswith("cuda") else None)
     extended = args.prompt_set == "extended"
     train_p, eval_p = prompt_sets.build(args.num_prompts, seed=args.seed, extended=extended,
                                         name_split=args.name_split)
@@ -514,7 +516,7 @@ def run(args) -> int:
     added = None
     if init is not None and args.draft_vocab > init.cfg.draft_vocab_size:
         before = init.draft_to_target.cpu()
-        init = extend_vocab(init, engine.model, tr, args.draft_vocab)
+        init = extend_vocab(init, tr, args.draft_vocab)
         after = init.draft_to_target.cpu()
         added = after[~torch.isin(after, before)]
         print(f"draft vocabulary {len(before)} -> {len(after)}")

@@ -186,7 +186,7 @@ def test_vocab_extension_keeps_trained_rows_and_the_fit_moves_only_new_ones():
     small = draft_vocab(recs, 16, 256)
     head, _ = train(eng, recs, held, small, unroll=2, epochs=1, lr=3e-3, batch_size=4,
                     log_every=100)
-    big = extend_vocab(head, eng.model, recs, 40)
+    big = extend_vocab(head, recs, 40)
     ids = big.draft_to_target.cpu()
     assert big.cfg.draft_vocab_size == len(ids) == 40
     assert torch.equal(ids, ids.sort().values) and torch.isin(small, ids).all()
@@ -204,7 +204,7 @@ def test_vocab_extension_keeps_trained_rows_and_the_fit_moves_only_new_ones():
     new_rows = big.lm_head.weight[[pos[int(t)] for t in added]]
     assert (new_rows == 0).all()  # a zero logit: the trained rows still decide the argmax
     assert torch.equal(big.midlayer.mlp.down_proj.weight, head.midlayer.mlp.down_proj.weight)
-    assert extend_vocab(head, eng.model, recs, 10).cfg.draft_vocab_size == 16  # never smaller
+    assert extend_vocab(head, recs, 10).cfg.draft_vocab_size == 16  # never smaller
     info = fit_lm_head(big, eng.model, recs, unroll=2, epochs=3, lr=1e-2, batch_size=64,
                        train_ids=added)
     fit = info["lm_head_fit"]
