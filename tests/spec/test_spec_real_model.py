@@ -15,12 +15,11 @@ from tests.helpers import compare_with_ties
 NEW_TOKENS = 64
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # Measured on CPU fp32: tokens per target forward of the shipped head at K=5 on the first 8
-# held-out prompts of cluster/prompt_sets.py (never trained on), 64 tokens, stopping at EOS:
-# 2.717 on the kept prompt sets (assets/prompt_sets.json.gz, as the H200 builds them). When the
-# head shipped the sets were built from this machine's Python and its first 8 differed: 2.861
-# there (the head before it, trained on the base set alone: 2.586). The floor leaves a margin
-# for numerics across machines.
-ACCEPTANCE_FLOOR_K5 = 2.6
+# held-out prompts of the kept prompt sets (assets/prompt_sets.json.gz, never trained on), 64
+# tokens, stopping at EOS: 3.145 for the 7168-id head of 2026-12-04 (the 4096-id head before
+# it: 2.717; the one before that, trained on the base set alone: 2.586). The floor leaves a
+# margin for numerics across machines.
+ACCEPTANCE_FLOOR_K5 = 3.0
 RUNS = [("eagle3", 1), ("eagle3", 3), ("eagle3", 5), ("ngram", 5)]
 
 
