@@ -536,6 +536,8 @@ def fig_concurrency(args, res: dict) -> None:
     if candidate:  # dynamic K with some SpecConfig fields changed, in turns with the rest
         variants[f"{dyn}_candidate"] = replace(variants[dyn], **candidate)
         res["config"]["candidate"] = candidate
+        if candidate.get("head"):  # a second head in turns with the first (head A/B at c streams)
+            res["config"]["candidate_eagle3_head"] = head_summary(candidate["head"])
     table: dict[str, list[dict]] = {name: [] for name in variants}
     res["runs"] = table
     traces: dict[str, list] = {}  # --fig3-trace
@@ -1119,8 +1121,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fig3-reps", type=int, default=3)
     g.add_argument("--fig3-candidate", default=None, metavar="FIELD=VALUE,...",
                    help="a fourth variant: dynamic K with these SpecConfig fields changed "
-                        "(e.g. batch_k=5,dense_levels_from=4), taking turns with the others; "
-                        "its ratios beside dynamic K's, goals candidate_min_ratio_*")
+                        "(e.g. batch_k=5,dense_levels_from=4; head=DIR: another EAGLE-3 "
+                        "head), taking turns with the others; its ratios beside dynamic K's, "
+                        "goals candidate_min_ratio_*")
     g.add_argument("--fig3-trace", action="store_true",
                    help="write fig3_trace.json: each dynamic-K window's steps as the cost "
                         "model saw them (batch size, drafts per sequence, ms, tokens, path, "

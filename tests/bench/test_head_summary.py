@@ -22,3 +22,16 @@ def test_head_summary_names_the_shipped_head_and_tells_heads_apart(tmp_path):
     (other / "training.json").unlink()
     t = head_summary(str(other))
     assert t["weights_sha256"] != s["weights_sha256"] and "trained" not in t
+
+
+def test_a_second_head_is_a_figure_3_candidate():
+    """`--fig3-candidate head=DIR` runs dynamic K with another head in turns with the first
+    (a head A/B at every concurrency): the path passes through as a string field."""
+    import pytest
+
+    from bench.common import spec_fields
+
+    assert spec_fields("head=/tmp/heads/old") == {"head": "/tmp/heads/old"}
+    assert spec_fields("head=/tmp/h, batch_k=5") == {"head": "/tmp/h", "batch_k": 5}
+    with pytest.raises(ValueError, match="not SpecConfig"):
+        spec_fields("heads=/tmp/h")
