@@ -32,16 +32,41 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def engine_settings(args) -> tuple[str, str, object]:
+    """(device, dtype name, SpecConfig or None) from the model arguments, checked before any
+    weights load: a bad value raises ValueError with one line that names the flag."""
+    import torch
+
+    from engine.config import SpecConfig
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+        raise ValueError(f"--device: {device!r} is not cpu, cuda or cuda:N")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device here (use --device cpu)")
+    dtype = DTYPES[args.dtype] if args.dtype else ("bfloat16" if device == "cuda" else "float32")
+    if args.spec_head and args.spec != "eagle3":
+        raise ValueError("--spec-head needs --spec eagle3")
+    if args.spec_head and not os.path.isfile(os.path.join(args.spec_head, "config.json")):
+        raise ValueError(f"--spec-head: no EAGLE-3 head in {args.spec_head!r} "
+                         "(want a folder with config.json and model.safetensors)")
+    try:
+        spec = None if args.spec == "none" else SpecConfig(
+            method=args.spec, head=args.spec_head, num_tokens=args.spec_tokens)
+    except ValueError as e:  # SpecConfig's own range checks, e.g. num_tokens in 0..16
+        raise ValueError(f"--spec-tokens: {e}") from None
+    return device, dtype, spec
+
+
 def build_engine(args):
     import torch
 
     from engine import Engine
-    from engine.config import SpecConfig
+    from engine.loader import resolve
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = DTYPES[args.dtype] if args.dtype else ("bfloat16" if device == "cuda" else "float32")
-    spec = None if args.spec == "none" else SpecConfig(method=args.spec, head=args.spec_head,
-                                                         num_tokens=args.spec_tokens)
+    device, dtype, spec = engine_settings(args)
+    if args.model is not None:
+        resolve(args.model)  # FileNotFoundError with the path, before anything loads
     return Engine.from_pretrained(args.model, device=device, dtype=getattr(torch, dtype),
                                   spec=spec)
 
@@ -55,11 +80,20 @@ def cmd_generate(args) -> int:
     except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print("loading model…", file=sys.stderr, flush=True)
-    engine = build_engine(args)
     prompt = [{"role": "user", "content": args.chat}] if args.chat else args.prompt
     if not prompt:
         print("error: give a prompt or --chat", file=sys.stderr)
+        return 2
+    try:
+        engine_settings(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("loading model…", file=sys.stderr, flush=True)
+    try:
+        engine = build_engine(args)
+    except FileNotFoundError as e:  # --model or the head's weights
+        print(f"error: {e}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     first = None
@@ -94,12 +128,20 @@ def cmd_serve(args) -> int:
     import asyncio
     import threading
 
-    from cluster.config import apply_overrides, engine_kwargs, load_config
+    from cluster.config import ConfigError, apply_overrides, engine_kwargs, load_config
     from engine.metrics import Metrics
     from router.server import GenerationService, start_server
 
     sets = list(args.set) + (["mode=colocated"] if args.colocated else [])
-    cfg = apply_overrides(load_config(args.config), sets)
+    try:
+        cfg = apply_overrides(load_config(args.config), sets)
+        if cfg.mode == "colocated" and cfg.model.path is not None:
+            from engine.loader import resolve
+
+            resolve(cfg.model.path)  # here, not on some other node: check before loading
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     host, port = cfg.router.host, args.port if args.port is not None else cfg.router.port
     print(f"starting {cfg.mode} serving…", file=sys.stderr, flush=True)
     if cfg.mode == "colocated":

@@ -1,0 +1,61 @@
+"""`tandem generate`: a bad flag value or path ends with exit 2 and one line naming it,
+before (or instead of) loading any weights; never a traceback."""
+
+import pytest
+
+from cluster.cli import main
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--spec", "eagle3", "--spec-tokens", "99"], "--spec-tokens: num_tokens must be in 0..16"),
+    (["--spec", "eagle3", "--spec-tokens", "-1"], "--spec-tokens"),
+    (["--spec", "eagle3", "--spec-head", "/nonexistent/head"], "--spec-head: no EAGLE-3 head"),
+    (["--spec-head", "assets/eagle3-smollm2-135m-instruct"], "--spec-head needs --spec eagle3"),
+    (["--device", "tpu"], "--device: 'tpu' is not cpu, cuda or cuda:N"),
+    (["--model", "/nonexistent/model"], "no model at '/nonexistent/model'"),
+    (["--max-tokens", "0"], "max_tokens must be > 0"),
+])
+def test_generate_refuses_bad_flags_in_one_line(argv, says, capsys, monkeypatch):
+    import engine
+
+    def no_load(*a, **k):
+        raise AssertionError("weights loaded for a refused command")
+
+    monkeypatch.setattr(engine.Engine, "from_pretrained", no_load)
+    assert main(["generate", "--device", "cpu", *argv, "hello"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_generate_without_a_prompt_refuses_before_loading(capsys, monkeypatch):
+    import engine
+
+    monkeypatch.setattr(engine.Engine, "from_pretrained",
+                        lambda *a, **k: pytest.fail("weights loaded without a prompt"))
+    assert main(["generate", "--device", "cpu"]) == 2
+    assert "give a prompt or --chat" in capsys.readouterr().err
+
+
+def test_cuda_asked_for_without_cuda_is_refused(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["generate", "--device", "cuda", "hello"]) == 2
+    assert "no CUDA device here" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--colocated", "--set", "decode.replicas=-1"], "decode.replicas must be >= 1"),
+    (["--set", "nonsense"], "is not of the form section.key=value"),
+    (["--config", "/nonexistent/tandem.yaml"], "/nonexistent/tandem.yaml"),
+    (["--colocated", "--set", "model.path=/nonexistent/model"], "no model at"),
+])
+def test_serve_refuses_a_bad_config_in_one_line(argv, says, capsys, monkeypatch):
+    import engine
+
+    monkeypatch.setattr(engine.Engine, "from_pretrained",
+                        lambda *a, **k: pytest.fail("weights loaded for a refused config"))
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err
