@@ -131,9 +131,21 @@ def header(args, name: str, num: int) -> dict:
             "environment": environment(args)}
 
 
+_HEAD_SUMMARIES: dict[tuple, dict] = {}
+
+
 def head_summary(folder: str) -> dict:
     """Which EAGLE-3 head a figure ran: its folder, draft vocabulary, a hash of its weights
-    and, where its training.json says, when and how well it trained."""
+    and, where its training.json says, when and how well it trained. Hashed once per process
+    while the weights file is unchanged (figures 1 and 3 in one run name the same head)."""
+    st = os.stat(os.path.join(folder, "model.safetensors"))
+    key = (os.path.abspath(folder), st.st_mtime_ns, st.st_size)
+    if key not in _HEAD_SUMMARIES:
+        _HEAD_SUMMARIES[key] = _head_summary(folder)
+    return dict(_HEAD_SUMMARIES[key])
+
+
+def _head_summary(folder: str) -> dict:
     import hashlib
 
     out = {"folder": folder}
