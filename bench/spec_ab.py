@@ -1,9 +1,9 @@
 """Figure 1's single-stream runs under SpecConfig variants named on the command line, taking
 turns in one process (`bench.turns`) beside no-spec: each `--variant NAME:FIELD=VALUE,...`
 changes those fields of dynamic K with context drafts at K=7 (figure 1's default variant).
-Without --variant: fixed K=5, dynamic K at most 5 (SpecConfig's own default) and at most 7,
-at most 7 with the dense graph levels, and every batch at K=5 with dynamic K's measured-loss
-fallback (`batch_k`), all with context drafts. Per run: tok/s,
+Without --variant: fixed K=5 and K=7, dynamic K at most 5 (SpecConfig's own default) and at
+most 7, and at most 7 with the dense graph levels, all with context drafts (fixed K=7 ran
+best on figure 1 with the 7168-id head; `batch_k=5` ran worst with the head before). Per run: tok/s,
 acceptance, token identity with no-spec (and with --traces the dynamic runs' K picks).
 
     python -m bench.spec_ab --model M --reps 3 --variant k5:dynamic=False,num_tokens=5 \\
@@ -23,7 +23,7 @@ DEFAULT_VARIANTS = (
     "dynamic_k5_context:num_tokens=5",
     "dynamic_k7_context:",
     "dynamic_k7_dense4_context:dense_levels_from=4",
-    "dynamic_k5_batch5_context:num_tokens=5,batch_k=5",
+    "k7_context:dynamic=False,num_tokens=7",
 )
 
 
