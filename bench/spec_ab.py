@@ -3,8 +3,9 @@ turns in one process (`bench.turns`) beside no-spec: each `--variant NAME:FIELD=
 changes those fields of dynamic K with context drafts at K=7 (figure 1's default variant).
 Without --variant: fixed K=5 and K=7, dynamic K at most 5 (SpecConfig's own default) and at
 most 7, and at most 7 with the dense graph levels, all with context drafts (fixed K=7 ran
-best on figure 1 with the 7168-id head; `batch_k=5` ran worst with the head before). Per run: tok/s,
-acceptance, token identity with no-spec (and with --traces the dynamic runs' K picks).
+best on figure 1 with the 7168-id head; `batch_k=5` ran worst with the head before). Per
+run: tok/s, acceptance, token identity with no-spec (and with --traces the dynamic runs' K
+picks).
 
     python -m bench.spec_ab --model M --reps 3 --variant k5:dynamic=False,num_tokens=5 \\
         --out bench/results/profile/spec_ab.json

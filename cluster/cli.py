@@ -44,7 +44,7 @@ def engine_settings(args) -> tuple[str, str, object]:
         raise ValueError(f"--device: {device!r} is not cpu, cuda or cuda:N")
     if device != "cpu" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device here (use --device cpu)")
-    dtype = DTYPES[args.dtype] if args.dtype else ("bfloat16" if device == "cuda" else "float32")
+    dtype = DTYPES[args.dtype] if args.dtype else ("float32" if device == "cpu" else "bfloat16")
     if args.spec_head and args.spec != "eagle3":
         raise ValueError("--spec-head needs --spec eagle3")
     if args.spec_head and not os.path.isfile(os.path.join(args.spec_head, "config.json")):
@@ -58,13 +58,15 @@ def engine_settings(args) -> tuple[str, str, object]:
     return device, dtype, spec
 
 
-def build_engine(args):
+def build_engine(args, settings: tuple | None = None):
+    """The engine the model arguments ask for (`settings`: `engine_settings(args)` already
+    checked)."""
     import torch
 
     from engine import Engine
     from engine.loader import resolve
 
-    device, dtype, spec = engine_settings(args)
+    device, dtype, spec = settings or engine_settings(args)
     if args.model is not None:
         resolve(args.model)  # FileNotFoundError with the path, before anything loads
     return Engine.from_pretrained(args.model, device=device, dtype=getattr(torch, dtype),
@@ -85,13 +87,13 @@ def cmd_generate(args) -> int:
         print("error: give a prompt or --chat", file=sys.stderr)
         return 2
     try:
-        engine_settings(args)
+        settings = engine_settings(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print("loading model…", file=sys.stderr, flush=True)
     try:
-        engine = build_engine(args)
+        engine = build_engine(args, settings)
     except FileNotFoundError as e:  # --model or the head's weights
         print(f"error: {e}", file=sys.stderr)
         return 2
