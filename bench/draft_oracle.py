@@ -221,6 +221,46 @@ def geometric_rule(end: int, start: int, acc, price, plain: float, kmax: int) ->
     return t
 
 
+def live_rule(answers, price, levels: tuple, kmax: int, plain: float) -> tuple[float, dict]:
+    """Time over the answers [(end, start, accepts)] of the engine's own dynamic K for fused
+    steps at one stream (`policy.KPolicy`: `begin_propose` and `choose_batch` with its plain
+    and draft probes, retries and measured overrides, `update`, and `StepCosts.record` fed
+    each step's exact price), in the overlapped pipeline's order: step t's next K is chosen
+    at its launch, before step t-1's result is read (a two-step lag), and verified at step
+    t+1. One policy across the answers, as one engine serves them; each answer a fresh
+    sequence. Returns (microseconds, the picks' counts by (K, why))."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from engine.config import SpecConfig
+    from engine.spec import policy
+
+    pol = policy.KPolicy(SpecConfig(num_tokens=kmax))
+    pol.levels = levels
+    pol.picks = []
+    t_us, step = 0.0, 0
+    for end, start, acc in answers:
+        seq = SimpleNamespace(accept_rate=None, accept_counts=None, accept_runs=None,
+                              idle_steps=0, params=SimpleNamespace(greedy=True, seed=None))
+        n, kcur, pending = start, 0, None  # pending: step t-1's (k, got, us, tokens, kn)
+        while n < end:
+            pol.begin_propose(step, 1)
+            want = pol.choose_batch([seq], 1)
+            if pending is not None:  # step t-1's result, read after step t's launch
+                k, got, us, tokens, kn = pending
+                pol.update(seq, k, got)
+                pol.costs.record(1, pol.paid(k, kn), us * 1e-6, tokens, "fused",
+                                 pol.paid(k) != pol.paid(kn))
+            kn = max(0, min(want, end - n - kcur - 2))  # what the answer may still emit
+            us = price(kcur, kn)
+            got = min(kcur, acc[n])
+            pending = (kcur, got, us, 1 + got, kn)
+            t_us += us
+            n += 1 + got
+            kcur, step = kn, step + 1
+    return t_us, dict(Counter(f"{k}:{why}" for k, why in pol.picks))
+
+
 def timing(answers, prices, kmax: int) -> dict:
     """Speed relative to plain decoding (tokens x plain step / time) of the answers
     [(length, start, accepts)] pooled, per fixed K and for the best K sequence chosen with
@@ -247,6 +287,9 @@ def timing(answers, prices, kmax: int) -> dict:
     for end, start, acc in answers:
         t += geometric_rule(end, start, acc, price, plain, kmax)
     out["geometric_rule"] = round(tokens * plain / t, 3)
+    t, picks = live_rule(answers, price, (tuple(qs), tuple(ds)), kmax, plain)
+    out["live_rule"] = round(tokens * plain / t, 3)
+    out["live_picks"] = dict(sorted(picks.items()))
     t_best = 0.0
     for end, start, acc in answers:
         # best[n][k]: the least time from position n, k drafts (made the step before) to

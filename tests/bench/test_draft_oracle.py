@@ -94,3 +94,30 @@ def test_main_on_the_embedded_model(tmp_path):
         priced = s["priced"]["measured"]
         assert priced["foresight_bound"] >= max(priced["fixed_k"].values()) > 0.5
     assert res["sets"]["fig1"]["answer_tokens"] == [24]  # EOS ignored there
+
+
+def test_the_live_policy_follows_the_answers_acceptance():
+    """`live_rule` drives the engine's own dynamic K (`KPolicy.choose_batch`, its probes and
+    measured overrides, fed each step's exact price) over the replayed answers: where every
+    draft lands it drafts the deepest K nearly always and runs near fixed K's speed; where
+    none does it settles at K=0 and runs near plain decoding, probes and retries aside."""
+    from bench.draft_oracle import live_rule, step_prices
+
+    plain, cost = step_prices("bench/results/profile/fused_costs_bd70aca/fused_costs.json")
+    qs, ds = sorted({q for q, _ in cost}), sorted({d for _, d in cost})
+
+    def price(k, k2):
+        return cost[(next(x for x in qs if x > k), next(x for x in ds if x >= k2))]
+
+    end = 600
+    good = [(end, 1, {n: 7 for n in range(1, end)})]
+    got = timing(good, (plain, cost), 7)
+    assert got["live_rule"] > 0.93 * got["fixed_k"][7] and got["fixed_k"][7] > 2.5
+    _, picks = live_rule(good, price, (tuple(qs), tuple(ds)), 7, plain)
+    deep = sum(v for k, v in picks.items() if k.startswith("7:"))
+    assert deep > 0.8 * sum(picks.values())
+    bad = [(end, 1, {n: 0 for n in range(1, end)})]
+    got = timing(bad, (plain, cost), 7)
+    assert 0.85 < got["live_rule"] <= got["fixed_k"][0] + 1e-9
+    _, picks = live_rule(bad, price, (tuple(qs), tuple(ds)), 7, plain)
+    assert sum(v for k, v in picks.items() if k.startswith("0:")) > 0.7 * sum(picks.values())
