@@ -221,21 +221,23 @@ def geometric_rule(end: int, start: int, acc, price, plain: float, kmax: int) ->
     return t
 
 
-def live_rule(answers, price, levels: tuple, kmax: int, plain: float) -> tuple[float, dict]:
+def live_rule(answers, price, levels: tuple, kmax: int, plain: float,
+              spec=None) -> tuple[float, dict]:
     """Time over the answers [(end, start, accepts)] of the engine's own dynamic K for fused
     steps at one stream (`policy.KPolicy`: `begin_propose` and `choose_batch` with its plain
     and draft probes, retries and measured overrides, `update`, and `StepCosts.record` fed
     each step's exact price), in the overlapped pipeline's order: step t's next K is chosen
     at its launch, before step t-1's result is read (a two-step lag), and verified at step
     t+1. One policy across the answers, as one engine serves them; each answer a fresh
-    sequence. Returns (microseconds, the picks' counts by (K, why))."""
+    sequence. `spec`: the SpecConfig to run (default: SpecConfig's own at K=kmax). Returns
+    (microseconds, the picks' counts by (K, why))."""
     from collections import Counter
     from types import SimpleNamespace
 
     from engine.config import SpecConfig
     from engine.spec import policy
 
-    pol = policy.KPolicy(SpecConfig(num_tokens=kmax))
+    pol = policy.KPolicy(spec or SpecConfig(num_tokens=kmax))
     pol.levels = levels
     pol.picks = []
     t_us, step = 0.0, 0
