@@ -1,6 +1,8 @@
 """Figure 1's single-stream runs under SpecConfig variants named on the command line, taking
 turns in one process (`bench.turns`) beside no-spec: each `--variant NAME:FIELD=VALUE,...`
-changes those fields of dynamic K with context drafts at K=7 (figure 1's default variant).
+changes those fields of dynamic K with context drafts at K=7 (figure 1's default variant);
+a FIELD with a dot sets that module constant for the variant's turns
+(`engine.spec.policy.MARGIN=0.9`).
 Without --variant: fixed K=5 and K=7, dynamic K at most 5 (SpecConfig's own default) and at
 most 7, and at most 7 with the dense graph levels, all with context drafts (fixed K=7 ran
 best on figure 1 with the 7168-id head; `batch_k=5` ran worst with the head before). Per
@@ -28,24 +30,46 @@ DEFAULT_VARIANTS = (
 )
 
 
-def parse_variant(text: str) -> tuple[str, dict]:
-    """'NAME:FIELD=VALUE,...' as (NAME, SpecConfig fields); a bad name or field raises
-    ValueError."""
+def parse_variant(text: str) -> tuple[str, dict, dict]:
+    """'NAME:FIELD=VALUE,...' as (NAME, SpecConfig fields, module settings): a FIELD with a
+    dot is a module constant ('engine.spec.policy.MARGIN=0.9', set before each of the
+    variant's turns and put back after, `bench.turns`), any other a SpecConfig field. A bad
+    name, field or module constant raises ValueError."""
+    import ast
+
+    from bench.common import setting
+
     name, sep, rest = text.partition(":")
     name = name.strip()
     if not sep or not name or name == "no_spec":
         raise ValueError(f"{text!r} is not NAME:FIELD=VALUE,... (NAME not 'no_spec')")
-    return name, spec_fields(rest)
+    fields, settings = [], {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        if "." not in key:
+            fields.append(item)
+            continue
+        if not eq:
+            raise ValueError(f"{item!r} is not module.NAME=VALUE")
+        try:
+            setting(key)
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"{item!r}: {e}") from None
+        try:
+            settings[key.strip()] = ast.literal_eval(raw.strip())
+        except (ValueError, SyntaxError):
+            settings[key.strip()] = raw.strip()
+    return name, spec_fields(",".join(fields)), settings
 
 
 def variants(args) -> dict:
     base = eagle(args, 7, True, True)
     out = {"no_spec": (None, {})}
     for text in args.variant or DEFAULT_VARIANTS:
-        name, fields = parse_variant(text)
+        name, fields, settings = parse_variant(text)
         if name in out:
             raise ValueError(f"variant {name!r} named twice")
-        out[name] = (replace(base, **fields), {})
+        out[name] = (replace(base, **fields), settings)
     return out
 
 
@@ -53,7 +77,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     turn_arguments(p, "bench/results/profile/spec_ab.json", reps=3)
     p.add_argument("--variant", action="append", default=None, metavar="NAME:FIELD=VALUE,...",
-                   help="a SpecConfig variant of dynamic K7 + context (repeatable)")
+                   help="a variant of dynamic K7 + context: SpecConfig fields, and module "
+                        "constants as module.NAME=VALUE (repeatable)")
     p.add_argument("--traces", action="store_true",
                    help="keep every dynamic run's steps and K picks (trace, picks)")
     args = p.parse_args(argv)

@@ -154,3 +154,12 @@ def test_spec_ab_variants_change_only_the_fields_they_name():
         variants(SimpleNamespace(**{**vars(args), "variant": ["a:", "a:"]}))
     with pytest.raises(SystemExit):
         main(["--variant", "x:batch_k=9"])
+    # A dotted field is a module constant set for the variant's turns, beside its fields.
+    name, fields, sets = parse_variant("m90:engine.spec.policy.MARGIN=0.9,batch_k=7")
+    assert (name, fields, sets) == ("m90", {"batch_k": 7}, {"engine.spec.policy.MARGIN": 0.9})
+    args.variant = ["m90:engine.spec.policy.MARGIN=0.9"]
+    assert variants(args)["m90"] == (same, {"engine.spec.policy.MARGIN": 0.9})
+    for bad in ("x:engine.spec.policy.NO_SUCH=1", "x:no.such.module.NAME=1",
+                "x:engine.spec.policy.MARGIN"):
+        with pytest.raises(ValueError):
+            parse_variant(bad)
