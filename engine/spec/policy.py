@@ -16,6 +16,16 @@ BATCH_PROBE_EVERY = 32  # a whole fused batch at K=0 drafts one token this often
 SMALL_BATCH = 8  # ...or, at this many sequences or fewer, every PROBE_EVERY steps
 PLAIN_PROBE_EVERY = 64  # every this many steps, PROBE_LEN steps without drafts time a plain step
 PROBE_LEN = 4  # steps a probe lasts: its first ones are transitions, the rest get timed
+# Where drafting measured at least PROBE_RELAX_GAIN times plain decoding's tokens/s (the
+# measured gain, `StepCosts.measured_gain`), plain probes come PROBE_RELAX times further
+# apart: each probe step gives up most of a drafting step's tokens, and far from the
+# break-even a fresher plain time changes no K. With the 7168-id head's answers, dynamic K
+# at one stream replayed at the H200's step prices (`bench.draft_oracle.live_rule`, bf16
+# / float32 answers, figure 1 and 12 other prompts) read +1.6 / +2.8 / +2.5 / +0.1% with
+# 1.5 and 4 (no probes at all: +3.0 / +3.0 / +1.1 / +0.1%). The gain needs fresh plain
+# samples (`StepCosts.STALE`): where they age out it reads None and probes tighten again.
+PROBE_RELAX_GAIN = 1.5
+PROBE_RELAX = 4
 MARGIN = 1.02  # a deeper K must beat the best shallower one by this factor
 # A fused batch leaves K=0 only for a predicted win of this factor: at 64 streams on the H200
 # a batch drafting on marginal predicted wins (K=1 at c ~ 0.5) ran 0.83x no-spec where one
@@ -355,7 +365,12 @@ class KPolicy:
         self.plain_probe = self.draft_probe = False
         if not self.spec.dynamic or self.spec.num_tokens == 0:
             return
-        every = PLAIN_PROBE_EVERY if self.costs.knows_plain(batch_size) else 4 * PROBE_LEN
+        known = self.costs.knows_plain(batch_size)
+        every = PLAIN_PROBE_EVERY if known else 4 * PROBE_LEN
+        if known and PROBE_RELAX > 1:
+            gain = self.costs.measured_gain(batch_size)
+            if gain is not None and gain >= PROBE_RELAX_GAIN:
+                every *= PROBE_RELAX
         self.plain_probe = step % every < PROBE_LEN
         self.draft_probe = every // 2 <= step % every < every // 2 + PROBE_LEN
 

@@ -762,3 +762,28 @@ def test_batch_k_holds_one_k_but_keeps_the_measured_loss_check():
             SpecConfig(num_tokens=7, batch_k=bad)
     with pytest.raises(ValueError, match="dense_levels_from"):
         SpecConfig(dense_levels_from=1)
+
+
+def test_plain_probes_space_out_where_drafting_wins_by_far():
+    """Where drafting measured PROBE_RELAX_GAIN times plain decoding's tokens/s or more,
+    plain probes come PROBE_RELAX times further apart; near the break-even they keep
+    PLAIN_PROBE_EVERY."""
+    from engine.spec import policy
+
+    def probe_steps(draft_tokens):
+        pol = KPolicy(SpecConfig(num_tokens=5))
+        for _ in range(3):
+            pol.costs.record(1, 0, 1e-3, tokens=1)  # plain: 1000 tokens/s
+        for _ in range(3):
+            pol.costs.record(1, 3.0, 1.5e-3, tokens=draft_tokens)
+        out = []
+        for step in range(4 * policy.PLAIN_PROBE_EVERY * policy.PROBE_RELAX):
+            pol.begin_propose(step, batch_size=1)
+            out.append(pol.plain_probe)
+        return sum(out), pol.costs.measured_gain(1)
+
+    far, gain = probe_steps(4)  # 2667 tokens/s
+    assert gain >= policy.PROBE_RELAX_GAIN
+    near, gain = probe_steps(2)  # 1333 tokens/s
+    assert gain < policy.PROBE_RELAX_GAIN
+    assert near == 4 * policy.PROBE_RELAX * PROBE_LEN and far == 4 * PROBE_LEN
