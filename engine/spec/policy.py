@@ -367,12 +367,21 @@ class KPolicy:
             return
         known = self.costs.knows_plain(batch_size)
         every = PLAIN_PROBE_EVERY if known else 4 * PROBE_LEN
+        if not self._probing(step, every):
+            return
         if known and PROBE_RELAX > 1:
+            # (Read only where the unrelaxed schedule probes: the relaxed one's probes are a
+            # subset of those steps, and the gain costs host time every step at 64 streams.)
             gain = self.costs.measured_gain(batch_size)
             if gain is not None and gain >= PROBE_RELAX_GAIN:
                 every *= PROBE_RELAX
+        self._probing(step, every)
+
+    def _probing(self, step: int, every: int) -> bool:
+        """Set this step's probe flags for probes every `every` steps; whether either is."""
         self.plain_probe = step % every < PROBE_LEN
         self.draft_probe = every // 2 <= step % every < every // 2 + PROBE_LEN
+        return self.plain_probe or self.draft_probe
 
     def choose(self, seq: Sequence, batch_size: int) -> int:
         kmax = self.spec.num_tokens
