@@ -243,7 +243,10 @@ def cmd_status(args) -> int:
         with Client(args.address, timeout=5, retries=0) as c:
             info = c.model_info()
     except (grpc.RpcError, TandemError) as e:
-        print(f"{args.address}: unreachable ({e})", file=sys.stderr)
+        # one line: an RpcError's str is the whole multi-line debug record
+        why = f"{e.code().name}: {e.details()}" if isinstance(e, grpc.RpcError) and \
+            hasattr(e, "code") else str(e)
+        print(f"{args.address}: unreachable ({why})", file=sys.stderr)
         return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
     print(f"{args.address}: {status}\n{info}")

@@ -59,3 +59,14 @@ def test_serve_refuses_a_bad_config_in_one_line(argv, says, capsys, monkeypatch)
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_status_of_no_server_says_so_in_one_line(capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["status", "--address", f"127.0.0.1:{port}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"127.0.0.1:{port}: unreachable (UNAVAILABLE") and "\n" not in err
