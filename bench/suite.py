@@ -532,12 +532,14 @@ def fig_concurrency(args, res: dict) -> None:
     dyn = f"eagle3_dynamic_k{args.dynamic_k}"
     variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False),
                 dyn: eagle(args, args.dynamic_k, True)}
-    candidate = spec_fields(args.fig3_candidate)
-    if candidate:  # dynamic K with some SpecConfig fields changed, in turns with the rest
-        variants[f"{dyn}_candidate"] = replace(variants[dyn], **candidate)
-        res["config"]["candidate"] = candidate
-        if candidate.get("head"):  # a second head in turns with the first (head A/B at c streams)
-            res["config"]["candidate_eagle3_head"] = head_summary(candidate["head"])
+    candidates = candidate_variants(dyn, args.fig3_candidate)
+    for name, fields in candidates.items():
+        # dynamic K with some SpecConfig fields changed, in turns with the rest
+        variants[name] = replace(variants[dyn], **fields)
+        key = name[len(dyn) + 1:]  # "candidate", "candidate2", ...
+        res["config"][key] = fields
+        if fields.get("head"):  # a second head in turns with the first (head A/B at c streams)
+            res["config"][f"{key}_eagle3_head"] = head_summary(fields["head"])
     table: dict[str, list[dict]] = {name: [] for name in variants}
     res["runs"] = table
     traces: dict[str, list] = {}  # --fig3-trace
@@ -651,9 +653,9 @@ def fig_concurrency(args, res: dict) -> None:
         low = min(r[vs] for r in table[dyn])
         goals[f"dynamic_at_least_0.97x_no_spec_everywhere_{measure}"] = low >= 0.97
         goals[f"dynamic_min_ratio_{measure}"] = low
-        if candidate:
-            goals[f"candidate_min_ratio_{measure}"] = min(
-                r[vs] for r in table[f"{dyn}_candidate"])
+        for name in candidates:
+            goals[f"{name[len(dyn) + 1:]}_min_ratio_{measure}"] = min(
+                r[vs] for r in table[name])
     if args.fig3_trace:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "fig3_trace.json")
@@ -665,6 +667,24 @@ def fig_concurrency(args, res: dict) -> None:
     res["goals"] = goals
     dyn_min = goals["dynamic_min_ratio_burst"]
     log(f"fig 3: fixed K=5 break-even {res['break_even_fixed_k5']}; dynamic min {dyn_min}")
+
+
+def candidate_variants(dyn: str, texts: list[str] | str | None) -> dict[str, dict]:
+    """Figure 3's candidates, one per `--fig3-candidate` ("field=value,..."): the SpecConfig
+    fields each changes on dynamic K, named `<dyn>_candidate`, `<dyn>_candidate2`, ... in the
+    order given. An empty text or a field twice over is refused (ValueError), as is a bad
+    field or value (`spec_fields`)."""
+    if texts is None:
+        return {}
+    out = {}
+    for i, text in enumerate([texts] if isinstance(texts, str) else texts):
+        fields = spec_fields(text)
+        if not fields:
+            raise ValueError(f"candidate {i + 1} changes no SpecConfig field: {text!r}")
+        if fields in out.values():
+            raise ValueError(f"candidate {i + 1} repeats an earlier one: {text!r}")
+        out[f"{dyn}_candidate" + (str(i + 1) if i else "")] = fields
+    return out
 
 
 def turns(names: list[str], rep: int) -> list[str]:
@@ -1119,11 +1139,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     g.add_argument("--fig3-tokens", type=int, default=128)
     g.add_argument("--fig3-reps", type=int, default=3)
-    g.add_argument("--fig3-candidate", default=None, metavar="FIELD=VALUE,...",
-                   help="a fourth variant: dynamic K with these SpecConfig fields changed "
-                        "(e.g. batch_k=5,dense_levels_from=4; head=DIR: another EAGLE-3 "
+    g.add_argument("--fig3-candidate", action="append", default=None,
+                   metavar="FIELD=VALUE,...",
+                   help="one more variant: dynamic K with these SpecConfig fields changed "
+                        "(e.g. num_tokens=5; dense_levels_from=4; head=DIR: another EAGLE-3 "
                         "head), taking turns with the others; its ratios beside dynamic K's, "
-                        "goals candidate_min_ratio_*")
+                        "goals candidate_min_ratio_*. Repeatable: the second is "
+                        "<dynamic>_candidate2 (goals candidate2_min_ratio_*), and so on")
     g.add_argument("--fig3-trace", action="store_true",
                    help="write fig3_trace.json: each dynamic-K window's steps as the cost "
                         "model saw them (batch size, drafts per sequence, ms, tokens, path, "
@@ -1184,7 +1206,7 @@ def run(args) -> int:
         print(f"error: --set: {e}", file=sys.stderr)
         return 2
     try:
-        spec_fields(args.fig3_candidate)
+        candidate_variants("dynamic", args.fig3_candidate)
     except ValueError as e:
         print(f"error: --fig3-candidate: {e}", file=sys.stderr)
         return 2

@@ -35,3 +35,29 @@ def test_a_second_head_is_a_figure_3_candidate():
     assert spec_fields("head=/tmp/h, batch_k=5") == {"head": "/tmp/h", "batch_k": 5}
     with pytest.raises(ValueError, match="not SpecConfig"):
         spec_fields("heads=/tmp/h")
+
+
+def test_figure_3_takes_several_candidates_in_order_and_refuses_bad_ones(capsys):
+    """`--fig3-candidate` repeats: each is one more dynamic-K variant in turns with the rest,
+    named in the order given (its goals keyed the same way); an empty, repeated or unknown
+    candidate is refused before any model loads."""
+    import pytest
+
+    from bench.suite import candidate_variants, main
+
+    dyn = "eagle3_dynamic_k7"
+    assert candidate_variants(dyn, None) == {}
+    assert candidate_variants(dyn, "num_tokens=5") == {f"{dyn}_candidate": {"num_tokens": 5}}
+    got = candidate_variants(dyn, ["num_tokens=5", "dense_levels_from=4", "head=/tmp/h"])
+    assert list(got) == [f"{dyn}_candidate", f"{dyn}_candidate2", f"{dyn}_candidate3"]
+    assert got[f"{dyn}_candidate2"] == {"dense_levels_from": 4}
+    assert got[f"{dyn}_candidate3"] == {"head": "/tmp/h"}
+    with pytest.raises(ValueError, match="changes no SpecConfig field"):
+        candidate_variants(dyn, ["num_tokens=5", " "])
+    with pytest.raises(ValueError, match="repeats an earlier one"):
+        candidate_variants(dyn, ["num_tokens=5", "num_tokens=5"])
+    with pytest.raises(ValueError, match="not SpecConfig"):
+        candidate_variants(dyn, ["num_tokens=5", "levels=4"])
+    assert main(["--device", "cpu", "--figures", "3", "--fig3-candidate", "num_tokens=5",
+                 "--fig3-candidate", "num_tokens=99"]) == 2
+    assert "error: --fig3-candidate: " in capsys.readouterr().err
