@@ -135,16 +135,22 @@ if triton_available():
         tl.store(Y + offs, _rms(x, w, eps, N).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _dual_rmsnorm_kernel(A, B, WA, WB, Y, stride_a, stride_b, stride_y, eps,
-                             N: tl.constexpr, BLOCK: tl.constexpr,
+    def _dual_rmsnorm_kernel(A, B, WA, WB, Y, IDS, stride_a, stride_b, stride_y, eps, rows_a,
+                             N: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
                              USE_PDL: tl.constexpr = False):
-        """Row t of [norm(a) | norm(b)]: program (t, 0) the first half, (t, 1) the second."""
+        """Row t of [norm(a) | norm(b)]: program (t, 0) the first half, (t, 1) the second.
+        GATHER: the first half's row is A's row IDS[t] (an embedding lookup), clamped into
+        A's rows_a rows."""
         row = tl.program_id(0)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if tl.program_id(1) == 0:
-            _rms_row(A + row * stride_a, WA, Y + row * stride_y, eps, N, BLOCK)
+            if GATHER:
+                src = tl.minimum(tl.maximum(tl.load(IDS + row), 0), rows_a - 1).to(tl.int64)
+            else:
+                src = row
+            _rms_row(A + src * stride_a, WA, Y + row * stride_y, eps, N, BLOCK)
         else:
             _rms_row(B + row * stride_b, WB, Y + row * stride_y + N, eps, N, BLOCK)
 
@@ -664,16 +670,19 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def dual_rmsnorm(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor,
-                 eps: float) -> torch.Tensor:
+                 eps: float, ids: torch.Tensor | None = None) -> torch.Tensor:
     """[norm(a) * wa | norm(b) * wb] ([T, 2n] from two [T, n]) in one launch, each half
-    rounded as `add_rmsnorm` rounds it."""
-    t, n = a.shape
-    assert b.shape == a.shape and a.stride(1) == 1 and b.stride(1) == 1
+    rounded as `add_rmsnorm` rounds it. ids ([T] token ids): the first half is norm(a[ids])
+    instead, a an embedding table, and the lookup costs no launch of its own."""
+    t, n = b.shape
+    assert a.shape[1] == n and a.stride(1) == 1 and b.stride(1) == 1
+    assert a.shape[0] == t if ids is None else ids.shape == (t,)
     y = torch.empty(t, 2 * n, dtype=a.dtype, device=a.device)
     if t:
-        _dual_rmsnorm_kernel[(t, 2)](a, b, wa, wb, y, a.stride(0), b.stride(0), y.stride(0),
-                                     eps, N=n, BLOCK=next_pow2(n, 1), num_warps=4,
-                                     **pdl_args(a))
+        _dual_rmsnorm_kernel[(t, 2)](a, b, wa, wb, y, ids if ids is not None else y,
+                                     a.stride(0), b.stride(0), y.stride(0), eps, a.shape[0],
+                                     N=n, BLOCK=next_pow2(n, 1), GATHER=ids is not None,
+                                     num_warps=4, **pdl_args(b))
     return y
 
 

@@ -182,15 +182,17 @@ class _MidLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-    def store_kv(self, embeds, hidden, positions, kv_cache, meta) -> None:
+    def store_kv(self, embeds, hidden, positions, kv_cache, meta, ids=None) -> None:
         """Only what a step leaves behind when its output is not needed: the layer's K and
-        V at these positions, computed exactly as `forward` computes them."""
+        V at these positions, computed exactly as `forward` computes them. ids (fused path):
+        embeds is the embedding table, the rows those of these tokens."""
         if self.fused:
             # The forward's own first launches (its k and v then round alike); q is rotated
             # too, and dropped.
             self._qkv_stored(self.merged_weights()[0], embeds, hidden, positions, kv_cache,
-                             meta)
+                             meta, ids)
             return
+        assert ids is None, "token ids in place of embeddings: the fused path's"
         attn, hn, en = self.self_attn, self.hidden_norm, self.input_layernorm
         x = torch.cat([en(embeds), hn(hidden)], dim=-1)
         k = attn.k_proj(x).view(-1, attn.nkv, attn.hd)
@@ -214,30 +216,36 @@ class _MidLayer(nn.Module):
     def _fold(self, x: torch.Tensor) -> bool:
         return x.shape[0] in self.prologue_rows
 
-    def _qkv_stored(self, qkv: Projection, embeds, hidden, positions, kv_cache, meta):
+    def _qkv_stored(self, qkv: Projection, embeds, hidden, positions, kv_cache, meta,
+                    ids=None):
         """The fused layer's first launches: x = [norm(embeds) | norm(hidden)], then q|k|v
-        as [T, heads, head_dim] with q and k rotated in place and k, v in the cache."""
+        as [T, heads, head_dim] with q and k rotated in place and k, v in the cache. ids:
+        embeds is the embedding table, and the rows are those of these tokens."""
         attn, hn, en = self.self_attn, self.hidden_norm, self.input_layernorm
-        x = ops.dual_rmsnorm(embeds, en.weight, hidden, hn.weight, en.eps)
+        x = ops.dual_rmsnorm(embeds, en.weight, hidden, hn.weight, en.eps, ids=ids)
         heads = project(qkv, x, self._fold(x)).view(-1, attn.nh + 2 * attn.nkv, attn.hd)
         ops.rope_store_(heads, attn.nh, attn.nkv, positions, attn.rotary.cos, attn.rotary.sin,
                         kv_cache, meta.slot_mapping)
         return x, heads
 
-    def _forward_fused(self, embeds, hidden, positions, kv_cache, meta):
+    def _forward_fused(self, embeds, hidden, positions, kv_cache, meta, ids=None,
+                       parts: bool = False):
         """The same math in the target layer's launches (`LlamaModel._forward_fused`): both
         input norms in one, one qkv projection, rotary + KV store in one, attention, o, then
         gate|up with the post-attention norm folded in and down with SiLU-and-mul folded in
-        (GEMVs at `prologue_rows` rows, cuBLAS with separate norm and SiLU kernels above)."""
+        (GEMVs at `prologue_rows` rows, cuBLAS with separate norm and SiLU kernels above).
+        ids: token ids, embeds the embedding table (`_qkv_stored`). parts: the output's two
+        terms (residual, mlp) unsummed, for a next launch that adds them in its prologue."""
         attn = self.self_attn
         qkv, gate_up = self.merged_weights()
-        x, heads = self._qkv_stored(qkv, embeds, hidden, positions, kv_cache, meta)
+        x, heads = self._qkv_stored(qkv, embeds, hidden, positions, kv_cache, meta, ids)
         residual = x[:, hidden.shape[1]:] if self.norm_before_residual else hidden
         o = attn.backend.attend(heads[:, : attn.nh], kv_cache, meta).reshape(-1, attn.nh * attn.hd)
         fold = self._fold(x)
         gu, h = norm_proj(gate_up, project(attn.o_proj, o, fold), self.post_attention_layernorm,
                           residual, fold)
-        return h + silu_proj(self.mlp.down_proj, gu, fold)
+        mlp = silu_proj(self.mlp.down_proj, gu, fold)
+        return (h, mlp) if parts else h + mlp
 
 
 class Eagle3Head(nn.Module):
@@ -278,16 +286,42 @@ class Eagle3Head(nn.Module):
         return self.fc(torch.cat(aux, dim=-1))
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                ids: torch.Tensor | None = None) -> torch.Tensor:
         """One draft step over a packed batch; returns the head's hidden state (pre-norm),
-        which is also what the next chained step takes as `hidden`."""
+        which is also what the next chained step takes as `hidden`. ids (the fused path
+        only): embeds is the embedding table and these tokens' rows are looked up inside
+        the layer's input norms, not by a launch of their own."""
+        if ids is not None:
+            assert self.midlayer.fused, "token ids in place of embeddings: the fused path's"
+            return self.midlayer._forward_fused(embeds, hidden, positions, kv_cache, meta, ids)
         return self.midlayer(embeds, hidden, positions, kv_cache, meta)
 
     def store_kv(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+                 kv_cache: torch.Tensor, meta: AttentionMetadata,
+                 ids: torch.Tensor | None = None) -> None:
         """The draft KV a step would store, without the rest of the step: for steps that
-        keep the head's KV current but draft nothing."""
-        self.midlayer.store_kv(embeds, hidden, positions, kv_cache, meta)
+        keep the head's KV current but draft nothing (ids: as `forward`)."""
+        self.midlayer.store_kv(embeds, hidden, positions, kv_cache, meta, ids)
+
+    def chain_step(self, table: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+                   positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained greedy draft step on the fused path, (hidden state, next tokens):
+        `forward(table[tokens], hidden, ...)` then `greedy_tokens` of it, the same numbers
+        in two launches fewer where the LM head is a prologue GEMV: the embedding lookup
+        happens inside the input norms, and the layer's last residual add inside the LM
+        head's prologue (which also writes the sum, the next step's hidden state)."""
+        mid = self.midlayer
+        assert mid.fused, "chain_step is the fused path's (Triton backend)"
+        h, mlp = mid._forward_fused(table, hidden, positions, kv_cache, meta, ids=tokens,
+                                    parts=True)
+        if self.lm_prologue and h.shape[0] in mid.prologue_rows:
+            logits, out = ops.prologue_linear(mlp, self.lm_head.weight, residual=h,
+                                              norm_weight=self.norm.weight, eps=self.norm.eps)
+            return out, ops.argmax_rows(logits, self.d2t)
+        out = h + mlp
+        return out, self.greedy_tokens(out)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [T, draft_vocab] in fp32."""

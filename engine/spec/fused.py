@@ -35,6 +35,12 @@ from engine.graphs import GraphSet, PackedInputs, table_array
 from engine.sequence import Sequence
 from engine.spec.lookup import lookup, store_tokens
 
+# The head's steps in the fused graph look their tokens' embeddings up inside their input
+# norms, and chained steps add the layer's last residual inside the LM head's prologue
+# (`Eagle3Head.chain_step`): the same numbers in two launches fewer a draft. Read when a
+# graph is captured; False: the separate launches (an A/B's baseline).
+FOLD_CHAIN = True
+
 
 @dataclass
 class FusedHandle:
@@ -298,10 +304,13 @@ class FusedSteps:
                     query_start=meta.query_start, seq_lens=meta.seq_lens,
                     block_tables=meta.block_tables, max_query_len=q,
                     max_seq_len=meta.max_seq_len)
+            # (the target's next tokens' embeddings: looked up inside the head's first launch)
+            emb, eids = ((model.embed_tokens.weight, am) if FOLD_CHAIN and head.midlayer.fused
+                         else (model.embed_tokens(am), None))
             if drafts == 0:  # nothing to draft: only the draft KV the next steps attend to
-                head.store_kv(model.embed_tokens(am), head.fuse(aux), pos, kv, hmeta)
+                head.store_kv(emb, head.fuse(aux), pos, kv, hmeta, eids)
                 return am, nacc
-            h = head(model.embed_tokens(am), head.fuse(aux), pos, kv, hmeta)
+            h = head(emb, head.fuse(aux), pos, kv, hmeta, eids)
             last = h.view(b, q, -1)[torch.arange(b, device=ids.device), nacc]
             t = head.greedy_tokens(last)
             out = [t]
@@ -334,13 +343,17 @@ def chain_steps(head, model, kv, block_size: int, tables, t, h, k, start, has_qu
     yields the next token. A sequence whose own k ends at step s stops writing KV (slot -1);
     padded sequences of a bucket (no queries) never write."""
     outs = []
+    fold = FOLD_CHAIN and head.midlayer.fused
     for s in range(1, steps + 1):
         p, slots, lens = chain_positions(k, start, has_queries, tables, block_size, s,
                                          head.midlayer.fused)
         m = AttentionMetadata(slot_mapping=slots, query_start=query_start, seq_lens=lens,
                               block_tables=tables, max_query_len=1, max_seq_len=max_seq_len)
-        h = head(model.embed_tokens(t), h, p, kv, m)
-        t = head.greedy_tokens(h)
+        if fold:
+            h, t = head.chain_step(model.embed_tokens.weight, t, h, p, kv, m)
+        else:
+            h = head(model.embed_tokens(t), h, p, kv, m)
+            t = head.greedy_tokens(h)
         outs.append(t)
     return outs
 

@@ -544,6 +544,28 @@ def test_dual_rmsnorm_is_two_norms_side_by_side(dtype):
     assert y.shape == (t, 2 * n) and torch.equal(y, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dual_rmsnorm_looks_up_embedding_rows(dtype):
+    """With token ids the first half reads the embedding table's rows inside the launch:
+    bit-equal to the norms of `table[ids]` (repeated ids too); an id outside the table is
+    clamped into it rather than read past its end."""
+    from engine import ops
+
+    g = torch.Generator().manual_seed(4)
+    vocab, t, n = 50, 6, 48
+    table = torch.randn(vocab, n, generator=g).to(dtype).to(DEV)
+    b = torch.randn(t, n, generator=g).to(dtype).to(DEV)
+    wa, wb = (torch.randn(n, generator=g).to(dtype).to(DEV) for _ in range(2))
+    ids = torch.tensor([3, 49, 0, 3, 17, 8], device=DEV)
+    y = ops.dual_rmsnorm(table, wa, b, wb, 1e-5, ids=ids)
+    assert torch.equal(y, ops.dual_rmsnorm(table[ids], wa, b, wb, 1e-5))
+    assert not torch.equal(y, ops.dual_rmsnorm(table[(ids + 1) % vocab], wa, b, wb, 1e-5))
+    wild = ops.dual_rmsnorm(table, wa, b, wb, 1e-5, ids=torch.tensor([-4, 50, 1, 2, 3, 99],
+                                                                      device=DEV))
+    assert torch.equal(wild, ops.dual_rmsnorm(table[torch.tensor([0, 49, 1, 2, 3, 49],
+                                                                 device=DEV)], wa, b, wb, 1e-5))
+
+
 @pytest.mark.parametrize("vocab", [37, 4096, 5000, 9000])
 def test_argmax_rows_takes_the_first_maximum_and_maps_ids(vocab, monkeypatch):
     """Row argmax: torch.argmax's index (the first of tied maxima, also when the tie spans

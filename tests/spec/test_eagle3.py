@@ -388,6 +388,83 @@ def test_head_store_kv_writes_what_a_full_step_writes(backend):
     assert full[:, 2, 0].abs().sum() == 0  # slot 8: no row wrote it
 
 
+@pytest.mark.parametrize("rows", [1, 3, 12])
+def test_chain_step_folds_lookup_and_residual_without_changing_a_number(rows):
+    """`Eagle3Head.chain_step` (the fused graph's chained draft step: the embedding lookup
+    inside the input norms, the last residual add inside the LM head's prologue) leaves the
+    same hidden state, tokens and draft KV as `forward(table[t])` + `greedy_tokens`, at
+    prologue-GEMV row counts (1, 3) and past them (12: the separate add)."""
+    from engine import ops
+    from engine.attention import AttentionMetadata, get_backend, triton_available
+
+    if not triton_available():
+        pytest.skip("needs triton")
+    base = tiny_engine(0)
+    src = random_head(base)
+    hc = src.cfg
+    head = Eagle3Head(hc, get_backend("triton")(hc.num_heads, hc.num_kv_heads, hc.head_dim, 4))
+    head.load_state_dict(src.state_dict())
+    head.eval()
+    assert head.midlayer.fused and head.lm_prologue
+    assert (rows in head.midlayer.prologue_rows) == (rows <= ops.LINEAR_MAX_ROWS)
+    table = base.model.embed_tokens.weight
+    g = torch.Generator().manual_seed(rows)
+    toks = torch.randint(0, table.shape[0], (rows,), generator=g)
+    hid = torch.randn(rows, hc.hidden_size, generator=g)
+    ctx = 6  # each row one sequence with 5 keys before its own
+    pos = torch.full((rows,), ctx - 1)
+    blocks = torch.arange(rows * 2).view(rows, 2)
+    meta = AttentionMetadata(slot_mapping=blocks[:, 1] * 4 + (ctx - 1) % 4,
+                             query_start=torch.arange(rows + 1), seq_lens=torch.full((rows,), ctx),
+                             block_tables=blocks, max_query_len=1, max_seq_len=ctx)
+    shape = (2, rows * 2, 4, hc.num_kv_heads, hc.head_dim)
+    kv = torch.randn(shape, generator=g)
+    kv0, kv_ref = kv.clone(), kv.clone()
+    with torch.inference_mode():
+        h_ref = head(table[toks], hid, pos, kv_ref, meta)
+        t_ref = head.greedy_tokens(h_ref)
+        h, t = head.chain_step(table, toks, hid, pos, kv, meta)
+    assert torch.equal(h, h_ref) and torch.equal(t, t_ref) and torch.equal(kv, kv_ref)
+    assert not torch.equal(kv, kv0)  # the step stored its draft KV
+    # A step that only keeps the draft KV current (K=0) looks its rows up the same way.
+    only, ref = kv0.clone(), kv0.clone()
+    with torch.inference_mode():
+        head.store_kv(table, hid, pos, only, meta, toks)
+        head.store_kv(table[toks], hid, pos, ref, meta)
+    assert torch.equal(only, ref) and torch.equal(only, kv)
+
+
+@CPU_ONLY
+def test_folded_chain_leaves_the_fused_steps_unchanged(monkeypatch):
+    """`fused.FOLD_CHAIN` on and off, step for step: the same tokens, KV progress, drafts and
+    acceptance, with the folded chain steps actually taken."""
+    from engine.spec import fused as fused_mod
+
+    base, head, prompts, sp, ref = looping_setup(3, 2, 24)
+    on = fast_engine(base, head, num_tokens=4, dynamic=False, overlap=False)
+    off = fast_engine(base, head, num_tokens=4, dynamic=False, overlap=False)
+    calls = []
+    real = Eagle3Head.chain_step
+    monkeypatch.setattr(Eagle3Head, "chain_step",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+    ids = [(on.add_request(p, sp), off.add_request(p, sp)) for p in prompts]
+    while on.has_unfinished() or off.has_unfinished():
+        for eng, fold in ((on, True), (off, False)):
+            monkeypatch.setattr(fused_mod, "FOLD_CHAIN", fold)
+            before = len(calls)
+            eng.step()
+            assert fold or len(calls) == before  # off: the separate launches only
+        for a, b in ids:
+            if a in on.seqs and b in off.seqs:
+                x, y = on.seqs[a], off.seqs[b]
+                assert (x.token_ids, x.num_computed, x.draft) == (y.token_ids, y.num_computed,
+                                                                   y.draft)
+    assert calls and on.spec.fused_runs > 0
+    assert on.spec.stats.accepted_per_pos == off.spec.stats.accepted_per_pos
+    for e in (on, off):
+        e.blocks.check_all_free()
+
+
 @CPU_ONLY
 def test_dense_levels_fused_steps_are_lossless():
     """With `SpecConfig.dense_levels_from` = 4 the fused step's graphs are captured at 6
