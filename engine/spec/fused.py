@@ -40,6 +40,11 @@ from engine.spec.lookup import lookup, store_tokens
 # (`Eagle3Head.chain_step`): the same numbers in two launches fewer a draft. Read when a
 # graph is captured; False: the separate launches (an A/B's baseline).
 FOLD_CHAIN = True
+# The verify's bookkeeping (accepted counts, the head's KV slots, where the chain starts, the
+# target's token after the accepted drafts, the rows the chain continues from) in one launch
+# (`accept`) instead of ~17 small torch kernels a step. Read when a graph is captured; False:
+# the torch kernels (an A/B's baseline).
+FUSED_ACCEPT = True
 
 
 @dataclass
@@ -283,6 +288,8 @@ class FusedSteps:
                 store_tokens(tokens, ids, meta.slot_mapping)
             hidden, aux = model(ids, pos, kv_cache, meta, aux_layers)
             am = model.greedy(hidden)
+            if FUSED_ACCEPT and head.midlayer.fused:
+                return fused_tail(am, aux, ids, pos, meta, kn_rows, b, q)
             if q == 1:
                 # Nothing to verify (every K=0 step of a dynamic batch): no draft accepted,
                 # and the head stores KV exactly where the target did. Eight small kernels
@@ -333,7 +340,68 @@ class FusedSteps:
                 d = torch.where(cols[None, :] < lens[:, None], got, d)
             return am, nacc, d
 
+        def fused_tail(am, aux, ids, pos, meta, kn_rows, b: int, q: int):
+            """The rest of `fn` from the target's argmax on, with the verify's bookkeeping
+            in one launch (`accept`): the same outputs."""
+            nacc, hslots, start, bonus, last_rows, live, qs = accept(
+                am, ids, meta.slot_mapping, pos, meta.seq_lens, b, q)
+            hmeta = meta if q == 1 else AttentionMetadata(
+                slot_mapping=hslots, query_start=meta.query_start, seq_lens=meta.seq_lens,
+                block_tables=meta.block_tables, max_query_len=q, max_seq_len=meta.max_seq_len)
+            emb, eids = ((model.embed_tokens.weight, am) if FOLD_CHAIN
+                         else (model.embed_tokens(am), None))
+            if drafts == 0:
+                head.store_kv(emb, head.fuse(aux), pos, kv, hmeta, eids)
+                return am, nacc
+            h = head(emb, head.fuse(aux), pos, kv, hmeta, eids)
+            last = h if q == 1 else h.index_select(0, last_rows)
+            t = head.greedy_tokens(last)
+            out = [t]
+            if drafts > 1:
+                out += chain_steps(head, model, kv, bs, meta.block_tables, t, last,
+                                   kn_rows.view(b, q)[:, 0], start, live, qs,
+                                   meta.max_seq_len, drafts - 1)
+            d = torch.stack(out, dim=1)
+            if tokens is not None:
+                lens, got = lookup(tokens, meta.block_tables, bs, start, bonus, live, drafts,
+                                   spec.ngram_max, spec.context_min_n,
+                                   kernel=ids.is_cuda and triton_available())
+                cols = torch.arange(drafts, device=ids.device)
+                d = torch.where(cols[None, :] < lens[:, None], got, d)
+            return am, nacc, d
+
         return fn
+
+
+def accept(am: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+           seq_lens: torch.Tensor, b: int, q: int, kernel: bool = True) -> tuple:
+    """A fused step's verify bookkeeping for its [b, q] grid (argmax `am`, token `ids`, KV
+    `slots`, positions `pos`, all [b * q]): per sequence the accepted drafts nacc (the
+    prefix where draft i+1 equals the argmax at row i, on rows that store KV), then (nacc,
+    the head's KV slots [b * q] (rows past the last accepted store nothing: -1), the chain's
+    start position pos[row 0] + nacc + 1, the target's token after the accepted drafts
+    am[nacc], that row's index in the step, live (seq_lens > 0), the chain's query starts
+    0..b). `kernel`: one Triton launch (needs Triton; under its interpreter off CUDA), else
+    the torch ops it replaces."""
+    dev = ids.device
+    if not kernel:
+        grid, ids2 = am.view(b, q), ids.view(b, q)
+        real = slots.view(b, q) >= 0
+        match = (ids2[:, 1:] == grid[:, :-1]) & real[:, 1:]
+        nacc = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+        keep = real & (torch.arange(q, device=dev)[None, :] <= nacc[:, None])
+        return (nacc, torch.where(keep.view(-1), slots, -1), pos.view(b, q)[:, 0] + nacc + 1,
+                grid.gather(1, nacc[:, None])[:, 0], torch.arange(b, device=dev) * q + nacc,
+                seq_lens > 0, torch.arange(b + 1, device=dev))
+    nacc, start, bonus, last = (torch.empty(b, dtype=torch.int64, device=dev)
+                                for _ in range(4))
+    hslots = torch.empty(b * q, dtype=torch.int64, device=dev)
+    live = torch.empty(b, dtype=torch.bool, device=dev)
+    qs = torch.empty(b + 1, dtype=torch.int64, device=dev)
+    _accept_kernel[(1,)](am, ids, slots, pos, seq_lens, nacc, hslots, start, bonus, last, live,
+                         qs, b, q, BLOCK_B=next_pow2(b + 1, 2), QP=next_pow2(q, 2),
+                         num_warps=4)
+    return nacc, hslots, start, bonus, last, live, qs
 
 
 def chain_steps(head, model, kv, block_size: int, tables, t, h, k, start, has_queries,
@@ -380,6 +448,35 @@ def chain_positions(k, start, has_queries, tables, block_size: int, s: int, kern
 
 
 if triton_available():
+
+    @triton.jit(do_not_specialize=["b", "q"])
+    def _accept_kernel(AM, IDS, SLOTS, POS, LENS, NACC, HSLOTS, START, BONUS, LAST, LIVE, QS,
+                       b, q, BLOCK_B: tl.constexpr, QP: tl.constexpr):
+        """`accept` for all b sequences in one program ([BLOCK_B, QP] tiles of the grid)."""
+        r = tl.arange(0, BLOCK_B)
+        c = tl.arange(0, QP)
+        rok = r < b
+        base = r[:, None] * q + c[None, :]
+        ok = rok[:, None] & (c[None, :] < q)
+        slots = tl.load(SLOTS + base, mask=ok, other=-1)
+        # column c holds draft c+1 against the argmax of row c (c < q - 1)
+        mok = rok[:, None] & (c[None, :] < q - 1)
+        nxt = tl.load(IDS + base + 1, mask=mok, other=0)
+        arg = tl.load(AM + base, mask=mok, other=0)
+        nslot = tl.load(SLOTS + base + 1, mask=mok, other=-1)
+        match = mok & (nxt == arg) & (nslot >= 0)
+        # the accepted count: the first column that does not match (column q - 1 never does)
+        nacc = tl.min(tl.where(match, QP, c[None, :]), 1).to(tl.int64)
+        keep = ok & (slots >= 0) & (c[None, :] <= nacc[:, None])
+        tl.store(HSLOTS + base, tl.where(keep, slots, -1), mask=ok)
+        rows = r.to(tl.int64) * q
+        p0 = tl.load(POS + rows, mask=rok, other=0)
+        tl.store(NACC + r, nacc, mask=rok)
+        tl.store(START + r, p0 + nacc + 1, mask=rok)
+        tl.store(BONUS + r, tl.load(AM + rows + nacc, mask=rok, other=0), mask=rok)
+        tl.store(LAST + r, rows + nacc, mask=rok)
+        tl.store(LIVE + r, tl.load(LENS + r, mask=rok, other=0) > 0, mask=rok)
+        tl.store(QS + r, r.to(tl.int64), mask=r <= b)
 
     @triton.jit
     def _chain_kernel(K, START, HASQ, TABLES, P, SLOTS, LENS, b, k_stride, s_stride, t_stride,

@@ -435,32 +435,37 @@ def test_chain_step_folds_lookup_and_residual_without_changing_a_number(rows):
 
 
 @CPU_ONLY
-def test_folded_chain_leaves_the_fused_steps_unchanged(monkeypatch):
-    """`fused.FOLD_CHAIN` on and off, step for step: the same tokens, KV progress, drafts and
-    acceptance, with the folded chain steps actually taken."""
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_folded_chain_leaves_the_fused_steps_unchanged(monkeypatch, dynamic):
+    """`fused.FOLD_CHAIN` and `fused.FUSED_ACCEPT` on and off, step for step: the same
+    tokens, KV progress, drafts and acceptance, with the folded chain steps and the one-launch
+    bookkeeping actually taken (dynamic K: steps at K=0 too)."""
     from engine.spec import fused as fused_mod
 
     base, head, prompts, sp, ref = looping_setup(3, 2, 24)
-    on = fast_engine(base, head, num_tokens=4, dynamic=False, overlap=False)
-    off = fast_engine(base, head, num_tokens=4, dynamic=False, overlap=False)
-    calls = []
-    real = Eagle3Head.chain_step
+    on = fast_engine(base, head, num_tokens=4, dynamic=dynamic, overlap=False)
+    off = fast_engine(base, head, num_tokens=4, dynamic=dynamic, overlap=False)
+    calls, accepts = [], []
+    real, real_accept = Eagle3Head.chain_step, fused_mod.accept
     monkeypatch.setattr(Eagle3Head, "chain_step",
                         lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(fused_mod, "accept", lambda *a: accepts.append(1) or real_accept(*a))
     ids = [(on.add_request(p, sp), off.add_request(p, sp)) for p in prompts]
     while on.has_unfinished() or off.has_unfinished():
         for eng, fold in ((on, True), (off, False)):
             monkeypatch.setattr(fused_mod, "FOLD_CHAIN", fold)
-            before = len(calls)
+            monkeypatch.setattr(fused_mod, "FUSED_ACCEPT", fold)
+            before = len(calls), len(accepts)
             eng.step()
-            assert fold or len(calls) == before  # off: the separate launches only
+            assert fold or (len(calls), len(accepts)) == before  # off: the torch kernels
         for a, b in ids:
             if a in on.seqs and b in off.seqs:
                 x, y = on.seqs[a], off.seqs[b]
                 assert (x.token_ids, x.num_computed, x.draft) == (y.token_ids, y.num_computed,
                                                                    y.draft)
-    assert calls and on.spec.fused_runs > 0
+    assert calls and accepts and on.spec.fused_runs > 0
     assert on.spec.stats.accepted_per_pos == off.spec.stats.accepted_per_pos
+    assert sum(on.spec.stats.accepted_per_pos) > 0
     for e in (on, off):
         e.blocks.check_all_free()
 

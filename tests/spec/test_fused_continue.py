@@ -113,3 +113,37 @@ def test_kernel_launched_past_the_jit_writes_the_same():
             assert torch.equal(x.cpu(), y)
     if isinstance(fused._continue_launch, FastLaunch):  # (Triton without it: the JIT's)
         assert fused._continue_launch.fast >= fast + 2
+
+
+@pytest.mark.parametrize("b,q", [(1, 1), (3, 1), (1, 8), (5, 4), (13, 6), (64, 8)])
+def test_accept_kernel_equals_the_torch_ops(b, q):
+    """The verify's bookkeeping in one launch (`fused.accept`) writes what the torch ops it
+    replaces write: accepted counts (none, some, all), the head's KV slots (rows past the
+    last accepted and rows that store nothing at -1), chain start, the target's token after
+    the accepted drafts, its row, live sequences (a padded bucket's empty ones too) and the
+    chain's query starts."""
+    from engine.spec.fused import accept
+
+    g = torch.Generator().manual_seed(b * 100 + q)
+    am = torch.randint(0, 6, (b * q,), generator=g)
+    ids = torch.randint(0, 6, (b * q,), generator=g)
+    grid, ids2 = am.view(b, q), ids.view(b, q)
+    want = torch.randint(0, q, (b,), generator=g)  # accepted drafts to plant per sequence
+    for i in range(b):
+        ids2[i, 1: want[i] + 1] = grid[i, : want[i]]
+    slots = torch.randint(0, 1000, (b * q,), generator=g)
+    lens = torch.randint(1, 50, (b,), generator=g).to(torch.int32)
+    if b > 2:
+        slots.view(b, q)[-1] = -1  # a padded sequence of the bucket: no KV, no queries
+        lens[-1] = 0
+        if q > 2:
+            slots.view(b, q)[0, q // 2:] = -1  # padding rows after the real ones
+    pos = torch.randint(0, 100, (b * q,), generator=g)
+    ref = accept(am, ids, slots, pos, lens, b, q, kernel=False)
+    got = accept(am, ids, slots, pos, lens, b, q, kernel=True)
+    for r, x in zip(ref, got):
+        assert r.dtype == x.dtype and torch.equal(r, x)
+    nacc = ref[0]
+    if q > 1:  # what was planted, where the rows store KV; some sequences accept something
+        assert nacc.max() > 0 and (nacc < q).all()
+    assert torch.equal(ref[6], torch.arange(b + 1))
