@@ -156,6 +156,7 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
 
 
 def main(argv=None) -> int:
+    from bench.common import apply_settings
     from engine import Engine
     from engine.config import SpecConfig
 
@@ -177,7 +178,14 @@ def main(argv=None) -> int:
     p.add_argument("--ab-fixed-k", default="",
                    help="K values (e.g. 1,2,5) at which held speculative engines also run "
                         "the A/B")
+    p.add_argument("--set", action="append", default=[], metavar="module.NAME=VALUE",
+                   help="set a module constant before the engine loads (repeatable), e.g. "
+                        "engine.spec.fused.FOLD_CHAIN=False")
     args = p.parse_args(argv)
+    try:
+        settings = apply_settings(args.set)  # before anything is captured
+    except (ValueError, ImportError, AttributeError) as e:
+        p.error(f"--set: {e}")
     fixed_k = [int(k) for k in args.ab_fixed_k.split(",") if k]
     admission = [a for a in args.ab_admission.split(",") if a]
     for a in admission:
@@ -222,7 +230,8 @@ def main(argv=None) -> int:
     res = {"command": "python -m bench.fused_costs " + " ".join(sys.argv[1:] if argv is None
                                                                else argv),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(),
-           "context": args.context, "k": args.k, "rows": rows, "steady_ab": ab}
+           "context": args.context, "k": args.k, "settings": settings, "rows": rows,
+           "steady_ab": ab}
     with open(os.path.join(args.out, "fused_costs.json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0
