@@ -23,10 +23,19 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def fill(gs, b: int, q: int, context: int, block_size: int, drafts: int) -> None:
+def long_variant(gs, b: int, context: int) -> bool:
+    """Whether the engine's own steps at this context take the bucket's split-KV graph
+    (`GraphSet.run`): past `long_context` keys, for batches few enough to split."""
+    from engine.attention.triton_backend import long_context
+
+    return context > long_context(gs.device) and gs._splits(b)
+
+
+def fill(gs, b: int, q: int, context: int, block_size: int, drafts: int,
+         long: bool = False) -> None:
     """Valid inputs in a captured bucket's static buffers: b sequences of `context` tokens
     whose last q rows are queried (KV stores skipped), blocks 1, 2, ... per sequence."""
-    ids, pos, meta, extras = gs._views(b, q, False)
+    ids, pos, meta, extras = gs._views(b, q, long)
     dev = ids.device
     nblk = -(-(context + 16) // block_size)
     ids.copy_(torch.randint(100, 20000, (b * q,), device=dev))
@@ -205,19 +214,23 @@ def main(argv=None) -> int:
     with torch.inference_mode():
         for b in [int(x) for x in args.batches.split(",") if x]:
             gs = plain.runner.graphs
-            gs.capture(b, 1)
-            fill(gs, b, 1, args.context, bs, 0)
-            dev, host = device_us(gs.graphs[(b, 1, False)][0])
-            row = {"batch": b, "plain_decode_us": dev, "plain_launch_host_us": host,
-                   "fused": []}
+            # the attention variant the engine's steps take at this context (split-KV past
+            # long_context keys, where the batch is few enough sequences)
+            long = long_variant(gs, b, args.context)
+            gs.capture(b, 1, long)
+            fill(gs, b, 1, args.context, bs, 0, long)
+            dev, host = device_us(gs.graphs[(b, 1, long)][0])
+            row = {"batch": b, "split_kv": long, "plain_decode_us": dev,
+                   "plain_launch_host_us": host, "fused": []}
             if b == 1:
-                kernels(gs.graphs[(b, 1, False)][0], os.path.join(args.out, "kernels_plain_b1.txt"))
+                kernels(gs.graphs[(b, 1, long)][0], os.path.join(args.out, "kernels_plain_b1.txt"))
             for q in fused.query_levels:
                 for d in fused.draft_levels:
                     fs = fused.set_for(d)
-                    fs.capture(b, q)
-                    fill(fs, b, q, args.context, bs, d)
-                    g = fs.graphs[(b, q, False)][0]
+                    flong = long_variant(fs, b, args.context)
+                    fs.capture(b, q, flong)
+                    fill(fs, b, q, args.context, bs, d, flong)
+                    g = fs.graphs[(b, q, flong)][0]
                     dev, host = device_us(g)
                     row["fused"].append({"q": q, "drafts": d, "device_us": dev,
                                          "launch_host_us": host})

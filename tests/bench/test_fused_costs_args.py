@@ -11,3 +11,19 @@ def test_fused_costs_refuses_bad_settings(item, msg, capsys):
     with pytest.raises(SystemExit) as e:
         main(["--model", "/nonexistent", "--set", item])
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_fused_costs_times_the_attention_variant_the_engine_runs():
+    """Past `long_context` keys the engine's steps take a bucket's split-KV graph where the
+    batch is few enough sequences; the cost table must time that graph, not the one-pass."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from bench.fused_costs import long_variant
+    from engine.attention.triton_backend import long_context
+
+    gs = SimpleNamespace(device=torch.device("cpu"), _splits=lambda b: b <= 4)
+    edge = long_context(gs.device)
+    assert long_variant(gs, 2, edge + 1) and not long_variant(gs, 2, edge)
+    assert not long_variant(gs, 8, edge + 1)
