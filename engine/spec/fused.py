@@ -36,9 +36,10 @@ from engine.sequence import Sequence
 from engine.spec.lookup import lookup, store_tokens
 
 # The head's steps in the fused graph look their tokens' embeddings up inside their input
-# norms, and chained steps add the layer's last residual inside the LM head's prologue
-# (`Eagle3Head.chain_step`): the same numbers in two launches fewer a draft. Read when a
-# graph is captured; False: the separate launches (an A/B's baseline).
+# norms, chained steps add the layer's last residual inside the LM head's prologue
+# (`Eagle3Head.chain_step`), and one launch gives every chained step's positions, KV slots
+# and lengths up front: the same numbers in three launches fewer a chained draft. Read when
+# a graph is captured; False: the separate launches (an A/B's baseline).
 FOLD_CHAIN = True
 # The verify's bookkeeping (accepted counts, the head's KV slots, where the chain starts, the
 # target's token after the accepted drafts, the rows the chain continues from) in one launch
@@ -412,9 +413,11 @@ def chain_steps(head, model, kv, block_size: int, tables, t, h, k, start, has_qu
     padded sequences of a bucket (no queries) never write."""
     outs = []
     fold = FOLD_CHAIN and head.midlayer.fused
+    if fold:  # every step's positions, slots and lengths in one launch up front
+        every = chain_positions(k, start, has_queries, tables, block_size, 1, True, steps)
     for s in range(1, steps + 1):
-        p, slots, lens = chain_positions(k, start, has_queries, tables, block_size, s,
-                                         head.midlayer.fused)
+        p, slots, lens = (x[s - 1] for x in every) if fold else chain_positions(
+            k, start, has_queries, tables, block_size, s, head.midlayer.fused)
         m = AttentionMetadata(slot_mapping=slots, query_start=query_start, seq_lens=lens,
                               block_tables=tables, max_query_len=1, max_seq_len=max_seq_len)
         if fold:
@@ -426,19 +429,25 @@ def chain_steps(head, model, kv, block_size: int, tables, t, h, k, start, has_qu
     return outs
 
 
-def chain_positions(k, start, has_queries, tables, block_size: int, s: int, kernel: bool):
+def chain_positions(k, start, has_queries, tables, block_size: int, s: int, kernel: bool,
+                    steps: int | None = None):
     """Chained draft step s's (positions, KV slots, context lengths), one row per sequence:
     position start + s - 1 where the sequence's own k goes past s (else 0, slot -1 and the
     context of a padded row). `kernel` (the head's fused path, so Triton is there): in one
-    Triton launch instead of about ten."""
+    Triton launch instead of about ten. steps: those of steps s .. s + steps - 1 at once,
+    each [steps, b] (one launch, a program per step)."""
     if kernel:
-        b = k.shape[0]
-        p = torch.empty(b, dtype=torch.int64, device=k.device)
+        b, n = k.shape[0], steps or 1
+        p = torch.empty(n, b, dtype=torch.int64, device=k.device)
         slots, lens = torch.empty_like(p), torch.empty_like(p)
-        _chain_kernel[(1,)](k, start, has_queries, tables, p, slots, lens, b, k.stride(0),
+        _chain_kernel[(n,)](k, start, has_queries, tables, p, slots, lens, b, k.stride(0),
                             start.stride(0), tables.stride(0), tables.shape[1], block_size, s,
                             BLOCK=next_pow2(b, 1), num_warps=1)
-        return p, slots, lens
+        return (p, slots, lens) if steps else (p[0], slots[0], lens[0])
+    if steps:
+        every = [chain_positions(k, start, has_queries, tables, block_size, s + i, False)
+                 for i in range(steps)]
+        return tuple(torch.stack(x) for x in zip(*every))
     valid = (k > s) & has_queries
     p = torch.where(valid, start + (s - 1), 0)
     col = (p // block_size).clamp(max=tables.shape[1] - 1)
@@ -480,17 +489,21 @@ if triton_available():
 
     @triton.jit
     def _chain_kernel(K, START, HASQ, TABLES, P, SLOTS, LENS, b, k_stride, s_stride, t_stride,
-                      width, bs, s, BLOCK: tl.constexpr):
-        """`chain_positions` for all b rows in one program."""
+                      width, bs, s0, BLOCK: tl.constexpr):
+        """`chain_positions` for all b rows in one program: program i does step s0 + i and
+        writes row i of [steps, b] outputs."""
+        i = tl.program_id(0)
+        step = s0 + i
+        out = i * b
         r = tl.arange(0, BLOCK)
         ok = r < b
         k = tl.load(K + r * k_stride, mask=ok, other=0)
         hq = tl.load(HASQ + r, mask=ok, other=0) != 0
-        valid = (k > s) & hq
+        valid = (k > step) & hq
         st = tl.load(START + r * s_stride, mask=ok, other=0)
-        p = tl.where(valid, st + (s - 1), 0).to(tl.int64)
+        p = tl.where(valid, st + (step - 1), 0).to(tl.int64)
         col = tl.minimum(p // bs, width - 1)
         blk = tl.load(TABLES + r * t_stride + col, mask=ok, other=0).to(tl.int64)
-        tl.store(P + r, p, mask=ok)
-        tl.store(SLOTS + r, tl.where(valid, blk * bs + p % bs, -1), mask=ok)
-        tl.store(LENS + r, tl.where(valid, p + 1, hq.to(tl.int64)), mask=ok)
+        tl.store(P + out + r, p, mask=ok)
+        tl.store(SLOTS + out + r, tl.where(valid, blk * bs + p % bs, -1), mask=ok)
+        tl.store(LENS + out + r, tl.where(valid, p + 1, hq.to(tl.int64)), mask=ok)

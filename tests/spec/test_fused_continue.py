@@ -76,6 +76,14 @@ def test_chain_positions_kernel_equals_the_torch_ops():
     p, slots, lens = chain_positions(k, start, has_q, tables, 4, 2, kernel=True)
     assert p.tolist() == [11, 0, 31, 0, 8] and lens.tolist() == [12, 1, 32, 0, 9]
     assert slots.tolist() == [7 * 4 + 3, -1, 4 * 4 + 3, -1, 13 * 4 + 0]
+    # Every step of a chain in one launch (a program per step): row i is step s + i.
+    for kernel in (True, False):
+        every = chain_positions(k, start, has_q, tables, 4, 1, kernel=kernel, steps=4)
+        assert all(x.shape == (4, 5) for x in every)
+        for i, s in enumerate((1, 2, 3, 4)):
+            for w, g in zip(chain_positions(k, start, has_q, tables, 4, s, kernel=False),
+                            every):
+                assert torch.equal(w, g[i]), (s, kernel)
 
 
 @pytest.mark.gpu
