@@ -388,8 +388,9 @@ def test_head_store_kv_writes_what_a_full_step_writes(backend):
     assert full[:, 2, 0].abs().sum() == 0  # slot 8: no row wrote it
 
 
-@pytest.mark.parametrize("rows", [1, 3, 12])
-def test_chain_step_folds_lookup_and_residual_without_changing_a_number(rows):
+@pytest.mark.parametrize("rows,dtype", [(1, torch.float32), (3, torch.float32),
+                                        (12, torch.float32), (3, torch.bfloat16)])
+def test_chain_step_folds_lookup_and_residual_without_changing_a_number(rows, dtype):
     """`Eagle3Head.chain_step` (the fused graph's chained draft step: the embedding lookup
     inside the input norms, the last residual add inside the LM head's prologue) leaves the
     same hidden state, tokens and draft KV as `forward(table[t])` + `greedy_tokens`, at
@@ -404,13 +405,13 @@ def test_chain_step_folds_lookup_and_residual_without_changing_a_number(rows):
     hc = src.cfg
     head = Eagle3Head(hc, get_backend("triton")(hc.num_heads, hc.num_kv_heads, hc.head_dim, 4))
     head.load_state_dict(src.state_dict())
-    head.eval()
+    head = head.to(dtype).eval()
     assert head.midlayer.fused and head.lm_prologue
     assert (rows in head.midlayer.prologue_rows) == (rows <= ops.LINEAR_MAX_ROWS)
-    table = base.model.embed_tokens.weight
+    table = base.model.embed_tokens.weight.to(dtype)
     g = torch.Generator().manual_seed(rows)
     toks = torch.randint(0, table.shape[0], (rows,), generator=g)
-    hid = torch.randn(rows, hc.hidden_size, generator=g)
+    hid = torch.randn(rows, hc.hidden_size, generator=g).to(dtype)
     ctx = 6  # each row one sequence with 5 keys before its own
     pos = torch.full((rows,), ctx - 1)
     blocks = torch.arange(rows * 2).view(rows, 2)
@@ -418,7 +419,7 @@ def test_chain_step_folds_lookup_and_residual_without_changing_a_number(rows):
                              query_start=torch.arange(rows + 1), seq_lens=torch.full((rows,), ctx),
                              block_tables=blocks, max_query_len=1, max_seq_len=ctx)
     shape = (2, rows * 2, 4, hc.num_kv_heads, hc.head_dim)
-    kv = torch.randn(shape, generator=g)
+    kv = torch.randn(shape, generator=g).to(dtype)
     kv0, kv_ref = kv.clone(), kv.clone()
     with torch.inference_mode():
         h_ref = head(table[toks], hid, pos, kv_ref, meta)
