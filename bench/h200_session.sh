@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What one H200 session runs once the model and wheels are staged under /tmp (see
-# bench/README.md): `bash bench/h200_session.sh cluster` (GPU tests + the two-GPU cluster),
+# bench/README.md): `bash bench/h200_session.sh cluster` (GPU tests + the two-GPU cluster;
+# `gputests`: the GPU tests alone, GPU_TESTS narrows them),
 # `bash bench/h200_session.sh bench` (the figures; FIG3_TRACE=1 adds figure 3's dynamic-K
 # step traces, BENCH_ARGS more arguments of bench.suite), `bash bench/h200_session.sh ucx` (the UCX
 # sweep, two GPUs; SWEEP_ONLY=a,b narrows it), `bash bench/h200_session.sh steady` (the step
@@ -150,6 +151,10 @@ elif [ "$part" = oracle ]; then  # bench.draft_oracle on the GPU's own (bf16) an
   timeout "${ORACLE_TIMEOUT:-200}" python3 -m bench.draft_oracle --model "$M" \
     --out "$R/draft_oracle.json" ${ORACLE_ARGS:-} > "$R/oracle.log" 2>&1
   grep '\[bench' "$R/oracle.log" | tail -8
+elif [ "$part" = gputests ]; then  # the GPU tests alone (no Ray, one GPU is enough)
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+    ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} > "$R/gpu_tests.log" 2>&1
+  tail -6 "$R/gpu_tests.log"
 elif [ "$part" = cluster ]; then
   timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} \
     > "$R/gpu_tests.log" 2>&1
