@@ -285,33 +285,33 @@ class FusedSteps:
         def fn(ids, pos, meta, kn_rows):
             b = meta.seq_lens.shape[0]
             q = ids.shape[0] // b
+            dev = ids.device
             if tokens is not None:
                 store_tokens(tokens, ids, meta.slot_mapping)
             hidden, aux = model(ids, pos, kv_cache, meta, aux_layers)
             am = model.greedy(hidden)
-            if FUSED_ACCEPT and head.midlayer.fused:
-                return fused_tail(am, aux, ids, pos, meta, kn_rows, b, q)
-            if q == 1:
+            one = FUSED_ACCEPT and head.midlayer.fused  # the bookkeeping in one launch
+            if one:
+                nacc, hslots, start, bonus, last_rows, live, qs = accept(
+                    am, ids, meta.slot_mapping, pos, meta.seq_lens, b, q)
+            elif q == 1:
                 # Nothing to verify (every K=0 step of a dynamic batch): no draft accepted,
                 # and the head stores KV exactly where the target did. Eight small kernels
                 # fewer than the general case below, which computes the same.
-                nacc = torch.zeros(b, dtype=torch.int64, device=ids.device)
-                hmeta = meta
+                nacc = torch.zeros(b, dtype=torch.int64, device=dev)
             else:
                 grid, ids2 = am.view(b, q), ids.view(b, q)
                 real = meta.slot_mapping.view(b, q) >= 0
                 match = (ids2[:, 1:] == grid[:, :-1]) & real[:, 1:]
                 nacc = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
-                # The head's first step: row i reads the target's next token (the argmax)
-                # and the fused features of row i; draft KV is stored for rows up to the last
-                # accepted.
-                rows = torch.arange(q, device=ids.device)
+                rows = torch.arange(q, device=dev)
                 keep = real & (rows[None, :] <= nacc[:, None])
-                hmeta = AttentionMetadata(
-                    slot_mapping=torch.where(keep.view(-1), meta.slot_mapping, -1),
-                    query_start=meta.query_start, seq_lens=meta.seq_lens,
-                    block_tables=meta.block_tables, max_query_len=q,
-                    max_seq_len=meta.max_seq_len)
+                hslots = torch.where(keep.view(-1), meta.slot_mapping, -1)
+            # The head's first step: row i reads the target's next token (the argmax) and the
+            # fused features of row i; draft KV is stored for rows up to the last accepted.
+            hmeta = meta if q == 1 else AttentionMetadata(
+                slot_mapping=hslots, query_start=meta.query_start, seq_lens=meta.seq_lens,
+                block_tables=meta.block_tables, max_query_len=q, max_seq_len=meta.max_seq_len)
             # (the target's next tokens' embeddings: looked up inside the head's first launch)
             emb, eids = ((model.embed_tokens.weight, am) if FOLD_CHAIN and head.midlayer.fused
                          else (model.embed_tokens(am), None))
@@ -319,55 +319,30 @@ class FusedSteps:
                 head.store_kv(emb, head.fuse(aux), pos, kv, hmeta, eids)
                 return am, nacc
             h = head(emb, head.fuse(aux), pos, kv, hmeta, eids)
-            last = h.view(b, q, -1)[torch.arange(b, device=ids.device), nacc]
+            if one:
+                last = h if q == 1 else h.index_select(0, last_rows)
+            else:
+                last = h.view(b, q, -1)[torch.arange(b, device=dev), nacc]
+                # where the chain starts (and the sequence's known tokens end), who is live
+                start, live = pos.view(b, q)[:, 0] + nacc + 1, meta.seq_lens > 0
             t = head.greedy_tokens(last)
             out = [t]
             if drafts > 1:
-                kn = kn_rows.view(b, q)[:, 0]
-                start = pos.view(b, q)[:, 0] + nacc + 1
-                out += chain_steps(head, model, kv, bs, meta.block_tables, t, last, kn, start,
-                                   meta.seq_lens > 0, torch.arange(b + 1, device=ids.device),
-                                   meta.max_seq_len, drafts - 1)
-            d = torch.stack(out, dim=1)
-            if tokens is not None:
-                # The sequence's tokens: positions up to the last accepted row are in the
-                # store now, then the target's token after them.
-                bonus = am if q == 1 else grid.gather(1, nacc[:, None])[:, 0]
-                known = pos.view(b, q)[:, 0] + nacc + 1
-                lens, got = lookup(tokens, meta.block_tables, bs, known, bonus,
-                                   meta.seq_lens > 0, drafts, spec.ngram_max, spec.context_min_n,
-                                   kernel=ids.is_cuda and triton_available())
-                cols = torch.arange(drafts, device=ids.device)
-                d = torch.where(cols[None, :] < lens[:, None], got, d)
-            return am, nacc, d
-
-        def fused_tail(am, aux, ids, pos, meta, kn_rows, b: int, q: int):
-            """The rest of `fn` from the target's argmax on, with the verify's bookkeeping
-            in one launch (`accept`): the same outputs."""
-            nacc, hslots, start, bonus, last_rows, live, qs = accept(
-                am, ids, meta.slot_mapping, pos, meta.seq_lens, b, q)
-            hmeta = meta if q == 1 else AttentionMetadata(
-                slot_mapping=hslots, query_start=meta.query_start, seq_lens=meta.seq_lens,
-                block_tables=meta.block_tables, max_query_len=q, max_seq_len=meta.max_seq_len)
-            emb, eids = ((model.embed_tokens.weight, am) if FOLD_CHAIN
-                         else (model.embed_tokens(am), None))
-            if drafts == 0:
-                head.store_kv(emb, head.fuse(aux), pos, kv, hmeta, eids)
-                return am, nacc
-            h = head(emb, head.fuse(aux), pos, kv, hmeta, eids)
-            last = h if q == 1 else h.index_select(0, last_rows)
-            t = head.greedy_tokens(last)
-            out = [t]
-            if drafts > 1:
+                if not one:
+                    qs = torch.arange(b + 1, device=dev)
                 out += chain_steps(head, model, kv, bs, meta.block_tables, t, last,
                                    kn_rows.view(b, q)[:, 0], start, live, qs,
                                    meta.max_seq_len, drafts - 1)
             d = torch.stack(out, dim=1)
             if tokens is not None:
+                # The sequence's tokens: positions up to the last accepted row are in the
+                # store now, then the target's token after them.
+                if not one:
+                    bonus = am if q == 1 else grid.gather(1, nacc[:, None])[:, 0]
                 lens, got = lookup(tokens, meta.block_tables, bs, start, bonus, live, drafts,
                                    spec.ngram_max, spec.context_min_n,
                                    kernel=ids.is_cuda and triton_available())
-                cols = torch.arange(drafts, device=ids.device)
+                cols = torch.arange(drafts, device=dev)
                 d = torch.where(cols[None, :] < lens[:, None], got, d)
             return am, nacc, d
 
