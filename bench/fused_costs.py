@@ -23,14 +23,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def long_variant(gs, b: int, context: int) -> bool:
-    """Whether the engine's own steps at this context take the bucket's split-KV graph
-    (`GraphSet.run`): past `long_context` keys, for batches few enough to split."""
-    from engine.attention.triton_backend import long_context
-
-    return context > long_context(gs.device) and gs._splits(b)
-
-
 def fill(gs, b: int, q: int, context: int, block_size: int, drafts: int,
          long: bool = False) -> None:
     """Valid inputs in a captured bucket's static buffers: b sequences of `context` tokens
@@ -216,7 +208,7 @@ def main(argv=None) -> int:
             gs = plain.runner.graphs
             # the attention variant the engine's steps take at this context (split-KV past
             # long_context keys, where the batch is few enough sequences)
-            long = long_variant(gs, b, args.context)
+            long = gs.long_variant(b, args.context)
             gs.capture(b, 1, long)
             fill(gs, b, 1, args.context, bs, 0, long)
             dev, host = device_us(gs.graphs[(b, 1, long)][0])
@@ -227,7 +219,7 @@ def main(argv=None) -> int:
             for q in fused.query_levels:
                 for d in fused.draft_levels:
                     fs = fused.set_for(d)
-                    flong = long_variant(fs, b, args.context)
+                    flong = fs.long_variant(b, args.context)
                     fs.capture(b, q, flong)
                     fill(fs, b, q, args.context, bs, d, flong)
                     g = fs.graphs[(b, q, flong)][0]

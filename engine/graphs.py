@@ -392,6 +392,11 @@ class GraphSet:
     def _splits(self, b: int) -> bool:
         return self.long_max_batch is None or b <= self.long_max_batch
 
+    def long_variant(self, b: int, max_len: int) -> bool:
+        """Whether bucket b with contexts up to max_len keys runs its split-KV graph: past
+        `long_context` keys, for buckets few enough sequences to split."""
+        return max_len > long_context(self.device) and self._splits(b)
+
     def capture(self, b: int, q: int, long: bool = False) -> None:
         """Capture (off CUDA: register for eager runs) the graph of one bucket."""
         GraphSet.captures += 1
@@ -437,8 +442,7 @@ class GraphSet:
         (views of the bucket's static buffers) before the replay."""
         q = self._query_level(inp.max_query_len)
         b = bucket_for(inp.num_seqs, self.buckets)
-        # The split-KV attention variant.
-        long = int(inp.lens.max()) > long_context(self.device) and self._splits(b)
+        long = self.long_variant(b, int(inp.lens.max()))  # the split-KV attention variant
         if (b, q, long) not in self.graphs:
             self.capture(b, q, long)
         self._fill(inp, b, q)
