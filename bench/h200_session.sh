@@ -151,17 +151,17 @@ elif [ "$part" = oracle ]; then  # bench.draft_oracle on the GPU's own (bf16) an
   timeout "${ORACLE_TIMEOUT:-200}" python3 -m bench.draft_oracle --model "$M" \
     --out "$R/draft_oracle.json" ${ORACLE_ARGS:-} > "$R/oracle.log" 2>&1
   grep '\[bench' "$R/oracle.log" | tail -8
-elif [ "$part" = gputests ]; then  # the GPU tests alone (no Ray, one GPU is enough)
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider \
+elif [ "$part" = gputests ] || [ "$part" = cluster ]; then  # GPU tests (+ the two-GPU cluster)
+  # (gputests: the tests alone, no Ray, one GPU is enough; a longer default limit)
+  limit=150; [ "$part" = gputests ] && limit=240
+  timeout "${TEST_TIMEOUT:-$limit}" python3 -m pytest -q -m gpu -p no:cacheprovider \
     ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} > "$R/gpu_tests.log" 2>&1
   tail -6 "$R/gpu_tests.log"
-elif [ "$part" = cluster ]; then
-  timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -m gpu ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} \
-    > "$R/gpu_tests.log" 2>&1
-  tail -3 "$R/gpu_tests.log"
-  TANDEM_RAY_LOGS=1 timeout "${CLUSTER_TIMEOUT:-240}" python3 bench/cluster_gpu.py --model "$M" --out "$R/cluster_two_gpu.json" \
-    > "$R/cluster.log" 2>&1
-  tail -25 "$R/cluster.log"
+  if [ "$part" = cluster ]; then
+    TANDEM_RAY_LOGS=1 timeout "${CLUSTER_TIMEOUT:-240}" python3 bench/cluster_gpu.py --model "$M" \
+      --out "$R/cluster_two_gpu.json" > "$R/cluster.log" 2>&1
+    tail -25 "$R/cluster.log"
+  fi
 else
   timeout "${BENCH_TIMEOUT:-540}" python3 -m bench.suite --model "$M" \
     --figures "${FIGS:-1,2,3,4}" --out "$R" ${FIG3_TRACE:+--fig3-trace} ${BENCH_ARGS:-} \
