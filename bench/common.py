@@ -394,23 +394,29 @@ def setting(path: str):
     return mod, name
 
 
-def apply_settings(items: list[str]) -> dict:
-    """Set module constants from "module.NAME=VALUE" strings (VALUE a Python literal, else a
-    string) for an A/B process; only names the module already has. Returns what was set."""
+def parse_setting(item: str) -> tuple[str, object]:
+    """("module.NAME", VALUE) of a "module.NAME=VALUE" string (VALUE a Python literal, else a
+    string), checked against the module (`setting`) but not set."""
     import ast
 
+    path, sep, raw = item.partition("=")
+    if not sep:
+        raise ValueError(f"{item!r} is not module.NAME=VALUE")
+    setting(path)
+    try:
+        return path.strip(), ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        return path.strip(), raw.strip()
+
+
+def apply_settings(items: list[str]) -> dict:
+    """Set module constants from "module.NAME=VALUE" strings (`parse_setting`) for an A/B
+    process; only names the module already has. Returns what was set."""
     done = {}
     for item in items:
-        path, sep, raw = item.partition("=")
-        if not sep:
-            raise ValueError(f"{item!r} is not module.NAME=VALUE")
-        mod, name = setting(path)
-        try:
-            value = ast.literal_eval(raw.strip())
-        except (ValueError, SyntaxError):
-            value = raw.strip()
-        setattr(mod, name, value)
-        done[path.strip()] = value
+        path, value = parse_setting(item)
+        setattr(*setting(path), value)
+        done[path] = value
     return done
 
 

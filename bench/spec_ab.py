@@ -35,9 +35,7 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
     dot is a module constant ('engine.spec.policy.MARGIN=0.9', set before each of the
     variant's turns and put back after, `bench.turns`), any other a SpecConfig field. A bad
     name, field or module constant raises ValueError."""
-    import ast
-
-    from bench.common import setting
+    from bench.common import parse_setting
 
     name, sep, rest = text.partition(":")
     name = name.strip()
@@ -45,20 +43,14 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
         raise ValueError(f"{text!r} is not NAME:FIELD=VALUE,... (NAME not 'no_spec')")
     fields, settings = [], {}
     for item in filter(None, (x.strip() for x in rest.split(","))):
-        key, eq, raw = item.partition("=")
-        if "." not in key:
+        if "." not in item.partition("=")[0]:
             fields.append(item)
             continue
-        if not eq:
-            raise ValueError(f"{item!r} is not module.NAME=VALUE")
         try:
-            setting(key)
+            key, value = parse_setting(item)
         except (ImportError, AttributeError) as e:
             raise ValueError(f"{item!r}: {e}") from None
-        try:
-            settings[key.strip()] = ast.literal_eval(raw.strip())
-        except (ValueError, SyntaxError):
-            settings[key.strip()] = raw.strip()
+        settings[key] = value
     return name, spec_fields(",".join(fields)), settings
 
 
