@@ -316,12 +316,17 @@ class Eagle3Head(nn.Module):
         assert mid.fused, "chain_step is the fused path's (Triton backend)"
         h, mlp = mid._forward_fused(table, hidden, positions, kv_cache, meta, ids=tokens,
                                     parts=True)
-        if self.lm_prologue and h.shape[0] in mid.prologue_rows:
+        if self._lm_gemv(h.shape[0]):
             logits, out = ops.prologue_linear(mlp, self.lm_head.weight, residual=h,
                                               norm_weight=self.norm.weight, eps=self.norm.eps)
             return out, ops.argmax_rows(logits, self.d2t)
         out = h + mlp
         return out, self.greedy_tokens(out)
+
+    def _lm_gemv(self, rows: int) -> bool:
+        """Whether the LM head runs as the layer's prologue GEMV (final norm folded in) at
+        this row count (never off the fused path, where prologue_rows is empty)."""
+        return self.lm_prologue and rows in self.midlayer.prologue_rows
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [T, draft_vocab] in fp32."""
@@ -331,8 +336,7 @@ class Eagle3Head(nn.Module):
         """The head's argmax as target token ids, on the device. On the fused path at the
         layer's GEMV row counts: the norm folded into the LM head's GEMV, then one launch for
         the argmax and the id map (bf16 logits: their fp32 casts order alike)."""
-        # (prologue_rows is empty off the fused path)
-        if self.lm_prologue and out.shape[0] in self.midlayer.prologue_rows:
+        if self._lm_gemv(out.shape[0]):
             logits = ops.prologue_linear(out.contiguous(), self.lm_head.weight,
                                          norm_weight=self.norm.weight, eps=self.norm.eps)
             return ops.argmax_rows(logits, self.d2t)
