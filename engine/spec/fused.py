@@ -300,13 +300,7 @@ class FusedSteps:
                 # fewer than the general case below, which computes the same.
                 nacc = torch.zeros(b, dtype=torch.int64, device=dev)
             else:
-                grid, ids2 = am.view(b, q), ids.view(b, q)
-                real = meta.slot_mapping.view(b, q) >= 0
-                match = (ids2[:, 1:] == grid[:, :-1]) & real[:, 1:]
-                nacc = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
-                rows = torch.arange(q, device=dev)
-                keep = real & (rows[None, :] <= nacc[:, None])
-                hslots = torch.where(keep.view(-1), meta.slot_mapping, -1)
+                nacc, hslots = accepted(am, ids, meta.slot_mapping, b, q)
             # The head's first step: row i reads the target's next token (the argmax) and the
             # fused features of row i; draft KV is stored for rows up to the last accepted.
             hmeta = meta if q == 1 else AttentionMetadata(
@@ -338,7 +332,7 @@ class FusedSteps:
                 # The sequence's tokens: positions up to the last accepted row are in the
                 # store now, then the target's token after them.
                 if not one:
-                    bonus = am if q == 1 else grid.gather(1, nacc[:, None])[:, 0]
+                    bonus = am if q == 1 else am.view(b, q).gather(1, nacc[:, None])[:, 0]
                 lens, got = lookup(tokens, meta.block_tables, bs, start, bonus, live, drafts,
                                    spec.ngram_max, spec.context_min_n,
                                    kernel=ids.is_cuda and triton_available())
@@ -347,6 +341,18 @@ class FusedSteps:
             return am, nacc, d
 
         return fn
+
+
+def accepted(am: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, b: int, q: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`accept`'s first two outputs in torch ops: each sequence's accepted drafts and the
+    head's KV slots (-1 past the last accepted row)."""
+    grid, ids2 = am.view(b, q), ids.view(b, q)
+    real = slots.view(b, q) >= 0
+    match = (ids2[:, 1:] == grid[:, :-1]) & real[:, 1:]
+    nacc = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    keep = real & (torch.arange(q, device=ids.device)[None, :] <= nacc[:, None])
+    return nacc, torch.where(keep.view(-1), slots, -1)
 
 
 def accept(am: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
@@ -361,14 +367,11 @@ def accept(am: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, pos: torch.
     the torch ops it replaces."""
     dev = ids.device
     if not kernel:
-        grid, ids2 = am.view(b, q), ids.view(b, q)
-        real = slots.view(b, q) >= 0
-        match = (ids2[:, 1:] == grid[:, :-1]) & real[:, 1:]
-        nacc = match.to(torch.int64).cumprod(dim=1).sum(dim=1)
-        keep = real & (torch.arange(q, device=dev)[None, :] <= nacc[:, None])
-        return (nacc, torch.where(keep.view(-1), slots, -1), pos.view(b, q)[:, 0] + nacc + 1,
-                grid.gather(1, nacc[:, None])[:, 0], torch.arange(b, device=dev) * q + nacc,
-                seq_lens > 0, torch.arange(b + 1, device=dev))
+        nacc, hslots = accepted(am, ids, slots, b, q)
+        return (nacc, hslots, pos.view(b, q)[:, 0] + nacc + 1,
+                am.view(b, q).gather(1, nacc[:, None])[:, 0],
+                torch.arange(b, device=dev) * q + nacc, seq_lens > 0,
+                torch.arange(b + 1, device=dev))
     nacc, start, bonus, last = (torch.empty(b, dtype=torch.int64, device=dev)
                                 for _ in range(4))
     hslots = torch.empty(b * q, dtype=torch.int64, device=dev)
