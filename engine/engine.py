@@ -613,8 +613,9 @@ class Engine:
                 row += n
                 continue
             k, res = results[i]
-            if k:
-                self._record_verify(seq, k, res)
+            if k and res.num_verified != 0:
+                self._record_verify(seq, k if res.num_verified is None else res.num_verified,
+                                    res)
             seq.draft, seq.draft_q = [], None
             out, reason = self._emit(seq, res.tokens)
             outs.append(out)
@@ -659,12 +660,14 @@ class Engine:
         update = self.spec.policy.update if self.spec is not None else None
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             k, res = results[i]
-            if k:
-                seq.num_drafted += k
+            # (drafts sent: k; verified: fewer where the device cut them, `fused.CUT_PROB`)
+            v = k if res.num_verified is None else res.num_verified
+            if v:
+                seq.num_drafted += v
                 seq.num_accepted += res.num_accepted
                 seq.num_verify_steps += 1
-                record(k, res)
-                update(seq, k, res.num_accepted)
+                record(v, res)
+                update(seq, v, res.num_accepted)
             seq.draft_q = None
             out, reason = emit(seq, res.tokens)
             outs.append(out)

@@ -164,9 +164,11 @@ if triton_available():
         return tl.max(x, 0), tl.argmax(x, 0, tie_break_left=True).to(tl.int64) + start
 
     @triton.jit
-    def _argmax_kernel(X, OFF, OUT, stride_x, V: tl.constexpr, BLOCK: tl.constexpr,
-                       HAS_OFF: tl.constexpr, USE_PDL: tl.constexpr = False):
-        """OUT[t] = the first index of row t's largest value (+ OFF[index])."""
+    def _argmax_kernel(X, OFF, OUT, PROB, stride_x, V: tl.constexpr, BLOCK: tl.constexpr,
+                       HAS_OFF: tl.constexpr, HAS_PROB: tl.constexpr = False,
+                       USE_PDL: tl.constexpr = False):
+        """OUT[t] = the first index of row t's largest value (+ OFF[index]); HAS_PROB: PROB[t]
+        = that value's softmax probability over the row, 1 / sum(exp(x - max))."""
         row = tl.program_id(0)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
@@ -178,6 +180,14 @@ if triton_available():
             take = m > best  # strictly: an equal value later in the row loses
             idx = tl.where(take, i, idx)
             best = tl.where(take, m, best)
+        if HAS_PROB:
+            total = tl.full([], 0.0, tl.float32)
+            for v0 in range(0, V, BLOCK):
+                offs = v0 + tl.arange(0, BLOCK)
+                x = tl.load(X + row * stride_x + offs, mask=offs < V,
+                            other=float("-inf")).to(tl.float32)
+                total += tl.sum(tl.exp(x - best), 0)
+            tl.store(PROB + row, 1.0 / total)
         if HAS_OFF:
             idx += tl.load(OFF + idx)
         tl.store(OUT + row, idx)
@@ -229,13 +239,13 @@ if triton_available():
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit(do_not_specialize=["M"])  # the row count varies by the step
-    def _prologue_linear_kernel(X, R, NW, W, B, Y, RES_OUT, M, eps, stride_x, stride_r,
+    def _prologue_linear_kernel(X, R, NW, W, B, Y, RES_OUT, LIVE, M, eps, stride_x, stride_r,
                                 stride_w, stride_y, N: tl.constexpr, K: tl.constexpr,
                                 PRO: tl.constexpr, HAS_RES: tl.constexpr,
-                                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                PREC: tl.constexpr, ROWS_FIRST: tl.constexpr,
-                                USE_PDL: tl.constexpr):
+                                HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, PREC: tl.constexpr,
+                                ROWS_FIRST: tl.constexpr, USE_PDL: tl.constexpr):
         """Y[M, N] = a(X) @ W[N, K].T (+ B), the activation a() computed per K tile in the
         prologue and rounded where the separate kernels round:
         PRO 0: a(x) = x;
@@ -245,7 +255,11 @@ if triton_available():
         Weight tiles load one iteration ahead; the first before the programmatic-launch wait
         (USE_PDL), so it overlaps the kernel before, whose outputs only X and R are.
         ROWS_FIRST: the grid's first axis walks the row blocks, so the programs reading one
-        weight tile run side by side (the tile comes from HBM once, for the others from L2)."""
+        weight tile run side by side (the tile comes from HBM once, for the others from L2).
+        HAS_LIVE (one-row programs): a row whose LIVE entry (its KV slot) is negative is dead,
+        a padding row whose output nothing reads; its program loads neither weights nor
+        activations and writes zeros (the sum to RES_OUT too). LIVE must be written before
+        the launch before this one (it is read ahead of the programmatic-launch wait)."""
         if ROWS_FIRST:
             pid_m = tl.program_id(0)
             pid_n = tl.program_id(1)
@@ -256,10 +270,15 @@ if triton_available():
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk0 = tl.arange(0, BLOCK_K)
         m_ok = rm < M
+        if HAS_LIVE:  # one row a program (BLOCK_M == 1): a dead row reads nothing
+            m_ok = m_ok & (tl.load(LIVE + rm, mask=m_ok, other=-1) >= 0)
         n_ok = rn < N
+        w_ok = n_ok
+        if HAS_LIVE:
+            w_ok = n_ok & ((rn * 0 + tl.sum(m_ok.to(tl.int32), 0)) > 0)
         dt = X.dtype.element_ty
         w = tl.load(W + rn[:, None] * stride_w + rk0[None, :],
-                    mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
+                    mask=w_ok[:, None] & (rk0 < K)[None, :], other=0.0)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -273,8 +292,9 @@ if triton_available():
                 if HAS_RES:
                     r = tl.load(R + rm[:, None] * stride_r + rk[None, :], mask=ok, other=0.0)
                     x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-                    if pid_n == 0:
-                        tl.store(RES_OUT + rm[:, None] * K + rk[None, :], x, mask=ok)
+                    if pid_n == 0:  # (a dead row's: zeros)
+                        tl.store(RES_OUT + rm[:, None] * K + rk[None, :], x,
+                                 mask=(rm < M)[:, None] & (rk < K)[None, :])
                 xf = x.to(tl.float32)
                 ss += tl.sum(xf * xf, 1)
             rstd = tl.math.rsqrt(ss / K + eps)
@@ -302,7 +322,7 @@ if triton_available():
             cur = w
             nk = rk + BLOCK_K  # the next tile's weights (masked off past K: no traffic)
             w = tl.load(W + rn[:, None] * stride_w + nk[None, :],
-                        mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
+                        mask=w_ok[:, None] & (nk < K)[None, :], other=0.0)
             if BLOCK_M == 1:  # a GEMV: products summed along K
                 acc += tl.sum(a.to(tl.float32) * cur.to(tl.float32), 1)[None, :]
             else:
@@ -310,7 +330,7 @@ if triton_available():
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+                 mask=(rm < M)[:, None] & n_ok[None, :])
 
 
 if triton_available():
@@ -686,21 +706,25 @@ def dual_rmsnorm(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.T
     return y
 
 
-def argmax_rows(x: torch.Tensor, offsets: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_rows(x: torch.Tensor, offsets: torch.Tensor | None = None,
+                prob: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's argmax (the first of equal maxima, as torch.argmax; NaN counts as the
     largest, so a row of garbage, say a graph bucket's padding row, still gives an index
     inside the row), plus offsets[argmax]
     when given (a draft-to-target id map), in one launch (rows wider than ARGMAX_SPLIT
-    without offsets: two): [T] int64."""
+    without offsets: two): [T] int64. prob ([T] fp32, one launch): also each row's softmax
+    probability of its argmax, written there."""
     t, v = x.shape
     assert x.stride(1) == 1
     out = torch.empty(t, dtype=torch.int64, device=x.device)
-    if t and offsets is None and v > ARGMAX_SPLIT:
+    if t and offsets is None and prob is None and v > ARGMAX_SPLIT:
         return _argmax_split(x, out)
     if t:
+        assert prob is None or (prob.shape == (t,) and prob.dtype == torch.float32)
         block = min(next_pow2(v, 1), 4096)
-        _argmax_kernel[(t,)](x, offsets if offsets is not None else out, out, x.stride(0),
-                             V=v, BLOCK=block, HAS_OFF=offsets is not None,
+        _argmax_kernel[(t,)](x, offsets if offsets is not None else out, out,
+                             prob if prob is not None else x, x.stride(0), V=v, BLOCK=block,
+                             HAS_OFF=offsets is not None, HAS_PROB=prob is not None,
                              num_warps=8 if block >= 2048 else 4, **pdl_args(x))
     return out
 
@@ -838,6 +862,10 @@ ROWS_FIRST = True
 # so the layers keep it; the LM head's 49152 x 576 takes LOGITS_DOT_TILES (17.4 / 18.0 us at
 # 1 / 8 rows against the GEMV's 19.9 / 116: its 56 MB do not stay in L2 for the next row).
 DOT_TILES: tuple[int, int, int] | None = None
+# The target's folded projections skip the rows that store no KV (`prologue_linear`'s live):
+# a graph bucket's padding rows and a verify step's rows past its sequence's drafts, which
+# the device may cut short (`engine.spec.fused.CUT_PROB`). False: every row computed (A/B).
+SKIP_DEAD_ROWS = True
 LOGITS_DOT_TILES = (64, 128, 4)
 DOT_MAX_ROWS = 16
 
@@ -882,14 +910,19 @@ def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
 def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                     residual: torch.Tensor | None = None, silu: bool = False,
-                    dot: tuple[int, int, int] | None = None):
+                    dot: tuple[int, int, int] | None = None, live: torch.Tensor | None = None):
     """One launch for what takes two: `linear(rmsnorm(x + residual))` (norm_weight given;
     returns (y, x + residual), or y without a residual), `linear(silu_mul(x))` (silu), or a
     plain `linear(x)`. weight is nn.Linear's [N, K]; each activation rounds exactly where
     `add_rmsnorm` / `silu_mul` round, so only the GEMM's summation order differs from the
     separate kernels. dot: 16-row tensor-core tiles (BLOCK_N, BLOCK_K, warps) for up to
-    DOT_MAX_ROWS rows instead of the GEMV (see DOT_TILES)."""
+    DOT_MAX_ROWS rows instead of the GEMV (see DOT_TILES). live: per row an integer (the
+    row's KV slot) that is negative where the row is dead (padding, or verify rows past a
+    sequence's drafts): dead rows read nothing and come out as zeros (and the bias); the
+    others are computed exactly as without it. It must be written before the launch before
+    this one (a graph's static input is)."""
     m = x.shape[0]
+    assert live is None or live.shape[0] >= m, "a live entry for every row"
     n, k = weight.shape
     pro = 1 if norm_weight is not None else 2 if silu else 0
     assert x.shape[1] == (2 * k if silu else k) and x.stride(1) == 1 and weight.stride(1) == 1
@@ -903,9 +936,10 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         _prologue_linear_kernel[grid[::-1] if ROWS_FIRST else grid](
             x, r, norm_weight if norm_weight is not None else weight,
             weight, bias if bias is not None else weight, y,
-            res_out if res_out is not None else y, m, eps, x.stride(0), r.stride(0),
-            weight.stride(0), y.stride(0), N=n, K=k, PRO=pro, HAS_RES=residual is not None,
-            HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            res_out if res_out is not None else y, live if live is not None else y, m, eps,
+            x.stride(0), r.stride(0), weight.stride(0), y.stride(0), N=n, K=k, PRO=pro,
+            HAS_RES=residual is not None, HAS_BIAS=bias is not None,
+            HAS_LIVE=live is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             PREC="ieee" if x.dtype == torch.float32 else "tf32", ROWS_FIRST=ROWS_FIRST,
             num_warps=warps, **pdl_args(x, always=True))
     return y if residual is None else (y, res_out)

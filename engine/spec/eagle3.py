@@ -305,13 +305,14 @@ class Eagle3Head(nn.Module):
         self.midlayer.store_kv(embeds, hidden, positions, kv_cache, meta, ids)
 
     def chain_step(self, table: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
-                   positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                   prob: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One chained greedy draft step on the fused path, (hidden state, next tokens):
         `forward(table[tokens], hidden, ...)` then `greedy_tokens` of it, the same numbers
         in two launches fewer where the LM head is a prologue GEMV: the embedding lookup
         happens inside the input norms, and the layer's last residual add inside the LM
-        head's prologue (which also writes the sum, the next step's hidden state)."""
+        head's prologue (which also writes the sum, the next step's hidden state). prob:
+        where the drafts' probabilities go (`greedy_tokens`)."""
         mid = self.midlayer
         assert mid.fused, "chain_step is the fused path's (Triton backend)"
         h, mlp = mid._forward_fused(table, hidden, positions, kv_cache, meta, ids=tokens,
@@ -319,9 +320,9 @@ class Eagle3Head(nn.Module):
         if self._lm_gemv(h.shape[0]):
             logits, out = ops.prologue_linear(mlp, self.lm_head.weight, residual=h,
                                               norm_weight=self.norm.weight, eps=self.norm.eps)
-            return out, ops.argmax_rows(logits, self.d2t)
+            return out, ops.argmax_rows(logits, self.d2t, prob)
         out = h + mlp
-        return out, self.greedy_tokens(out)
+        return out, self.greedy_tokens(out, prob)
 
     def _lm_gemv(self, rows: int) -> bool:
         """Whether the LM head runs as the layer's prologue GEMV (final norm folded in) at
@@ -332,15 +333,20 @@ class Eagle3Head(nn.Module):
         """Draft-vocabulary logits [T, draft_vocab] in fp32."""
         return self.lm_head(self.norm(out)).float()
 
-    def greedy_tokens(self, out: torch.Tensor) -> torch.Tensor:
+    def greedy_tokens(self, out: torch.Tensor, prob: torch.Tensor | None = None
+                      ) -> torch.Tensor:
         """The head's argmax as target token ids, on the device. On the fused path at the
         layer's GEMV row counts: the norm folded into the LM head's GEMV, then one launch for
-        the argmax and the id map (bf16 logits: their fp32 casts order alike)."""
+        the argmax and the id map (bf16 logits: their fp32 casts order alike). prob ([T]
+        fp32): also each draft's probability under the head, written there."""
         if self._lm_gemv(out.shape[0]):
             logits = ops.prologue_linear(out.contiguous(), self.lm_head.weight,
                                          norm_weight=self.norm.weight, eps=self.norm.eps)
-            return ops.argmax_rows(logits, self.d2t)
-        d = self.logits(out).argmax(dim=-1)
+            return ops.argmax_rows(logits, self.d2t, prob)
+        lg = self.logits(out)
+        d = lg.argmax(dim=-1)
+        if prob is not None:
+            prob.copy_(lg.softmax(dim=-1).gather(1, d[:, None])[:, 0])
         return d + self.d2t[d]
 
     def full_vocab_logits(self, out: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,14 @@ FOLD_CHAIN = True
 # (`accept`) instead of ~17 small torch kernels a step. Read when a graph is captured; False:
 # the torch kernels (an A/B's baseline).
 FUSED_ACCEPT = True
+# The device cuts each sequence's verify short where the head's drafts turn unlikely: draft
+# j is verified only while the product of the head's probabilities of drafts 1..j (the
+# context's copied drafts count as 1) stays at least CUT_PROB; the rows past it store no KV
+# and the target's projections skip them (`ops.SKIP_DEAD_ROWS`). Any subset of the drafts
+# verified leaves the output as it was: only which drafts get the chance changes. Replayed
+# on the H200's step prices (K=7, figure 1's prompts) 0.02-0.05 took ~8 rows to ~6 and kept
+# ~99% of the accepted drafts. Read when a graph is captured; 0: verify every draft.
+CUT_PROB = 0.03
 
 
 @dataclass
@@ -61,6 +69,7 @@ class FusedHandle:
     flat: torch.Tensor
     fetch: object  # () -> list[int], waits for the copy
     continuable: bool = True  # blocks exist for the step after it
+    tried: bool = False  # the copy holds each sequence's drafts verified (after nacc)
 
     def protect(self) -> None:
         """Own copies of the outputs the next step's continuation reads: before other graphs
@@ -86,9 +95,12 @@ def continuation(prev: FusedHandle, state: torch.Tensor, b: int, q: int, block_s
             continue_inputs(prev.out, pq, pb, sel, state, b, q, block_size, ids, pos, meta)
             return
         grid = rows(prev.out[0][: pb * pq].view(pb, pq))
-        nacc = rows(prev.out[1][:pb])
+        counts = prev.out[1]
+        nacc = rows((counts[0] if counts.dim() == 2 else counts)[:pb])
         lo = state[:b] + nacc + 1
         kc = state[b:]
+        if len(prev.out) > 3:  # cut where the drafts' probability falls below CUT_PROB
+            kc = torch.minimum(kc, rows(kept_drafts(prev.out, pb)))
         r = torch.arange(q, device=ids.device)
         new_ids = torch.zeros(b, q, dtype=ids.dtype, device=ids.device)
         new_ids[:, 0] = grid.gather(1, nacc[:, None])[:, 0]
@@ -118,10 +130,33 @@ def continue_inputs(out: tuple, pq: int, pb: int, sel: torch.Tensor | None,
     w = min(drafts.shape[1], q - 1) if has_drafts else 0
     tables = meta.block_tables
     has_sel, qp = sel is not None, next_pow2(q, 1)
-    _continue_launch((ids.device.index, has_sel, qp, tables.dtype, meta.seq_lens.dtype), (b,),
+    has_cut = has_drafts and len(out) > 3
+    has_ctx = has_cut and len(out) > 4
+    pd = out[3] if has_cut else state  # (stand-ins: not read)
+    ctx = out[4] if has_ctx else state
+    _continue_launch((ids.device.index, has_sel, qp, tables.dtype, meta.seq_lens.dtype,
+                      has_cut, has_ctx), (b,),
                      (out[0], out[1], drafts, sel if has_sel else state, state, tables, ids,
-                      pos, meta.slot_mapping, meta.seq_lens, b, pq, drafts.stride(0),
-                      tables.stride(0), block_size, q, w, has_sel, qp), num_warps=1)
+                      pos, meta.slot_mapping, meta.seq_lens, pd, ctx, b, pq, drafts.stride(0),
+                      tables.stride(0), pd.stride(0), block_size, q, w, _log_cut(), has_sel,
+                      qp, has_cut, has_ctx), num_warps=1)
+
+
+def _log_cut() -> float:
+    return float(np.log(CUT_PROB)) if CUT_PROB > 0 else -1e30
+
+
+def kept_drafts(out: tuple, pb: int) -> torch.Tensor:
+    """Per sequence of a step's outputs `out` (am, nacc, drafts, probabilities [drafts, b],
+    context copy lengths if any), how many leading drafts the next step verifies: while the
+    product of their probabilities (a copied draft's: 1) stays at least CUT_PROB. The torch
+    ops of the continuation kernel's cut."""
+    pd = out[3][:, :pb].float()
+    lp = pd.clamp(min=0).log()
+    cols = torch.arange(pd.shape[0], device=pd.device)[:, None]
+    if len(out) > 4:
+        lp = torch.where(cols < out[4][None, :pb], 0.0, lp)
+    return (lp.cumsum(dim=0) >= _log_cut()).sum(dim=0)
 
 
 def compile_continuation_variants(query_levels, block_size: int, device) -> None:
@@ -130,13 +165,17 @@ def compile_continuation_variants(query_levels, block_size: int, device) -> None
     if not (torch.device(device).type == "cuda" and triton_available()):
         return
     i64 = {"dtype": torch.int64, "device": device}
+    f32 = {"dtype": torch.float32, "device": device}
     for q in query_levels:
         for sel in (None, torch.zeros(1, **i64)):
-            out = (torch.zeros(q, **i64), torch.zeros(1, **i64),
-                   torch.zeros(1, max(q - 1, 1), **i64))
-            meta = _Meta(torch.ones(1, 4, **i64), torch.zeros(q, **i64), torch.zeros(1, **i64))
-            continue_inputs(out, 1, 1, sel, torch.zeros(2, **i64), 1, q, block_size,
-                            torch.zeros(q, **i64), torch.zeros(q, **i64), meta)
+            for extra in ((), (torch.ones(max(q - 1, 1), 1, **f32),),
+                          (torch.ones(max(q - 1, 1), 1, **f32), torch.zeros(1, **i64))):
+                out = (torch.zeros(q, **i64), torch.zeros(1, **i64),
+                       torch.zeros(1, max(q - 1, 1), **i64), *extra)
+                meta = _Meta(torch.ones(1, 4, **i64), torch.zeros(q, **i64),
+                             torch.zeros(1, **i64))
+                continue_inputs(out, 1, 1, sel, torch.zeros(2, **i64), 1, q, block_size,
+                                torch.zeros(q, **i64), torch.zeros(q, **i64), meta)
 
 
 @dataclass
@@ -158,17 +197,22 @@ if triton_available():
     # Every integer (batch, row counts, strides, draft width) and pointer (slices of a staging
     # ring, at varying offsets) changes from step to step; specialized on their values or
     # alignment, the kernel compiled anew mid-run (stalls of 0.5-1 s on the H200).
-    _INTS = ["b", "pq", "d_stride", "t_stride", "bs", "q", "w"]
-    _PTRS = ["GRID", "NACC", "DRAFTS", "SEL", "STATE", "TABLES", "IDS", "POS", "SLOTS", "LENS"]
+    _INTS = ["b", "pq", "d_stride", "t_stride", "p_stride", "bs", "q", "w"]
+    _PTRS = ["GRID", "NACC", "DRAFTS", "SEL", "STATE", "TABLES", "IDS", "POS", "SLOTS", "LENS",
+             "PD", "CTX"]
     _jit_params = inspect.signature(triton.jit).parameters
     _NO_SPECIALIZE = {k: v for k, v in (("do_not_specialize", _INTS),
                                         ("do_not_specialize_on_alignment", _INTS + _PTRS))
                       if k in _jit_params}
 
     @triton.jit(**_NO_SPECIALIZE)
-    def _continue_kernel(GRID, NACC, DRAFTS, SEL, STATE, TABLES, IDS, POS, SLOTS, LENS, b, pq,
-                         d_stride, t_stride, bs, q, w, HAS_SEL: tl.constexpr, Q: tl.constexpr):
-        """Program j: sequence j of the step, row SEL[j] of the previous one."""
+    def _continue_kernel(GRID, NACC, DRAFTS, SEL, STATE, TABLES, IDS, POS, SLOTS, LENS, PD, CTX,
+                         b, pq, d_stride, t_stride, p_stride, bs, q, w, log_cut,
+                         HAS_SEL: tl.constexpr, Q: tl.constexpr, HAS_CUT: tl.constexpr,
+                         HAS_CTX: tl.constexpr):
+        """Program j: sequence j of the step, row SEL[j] of the previous one. HAS_CUT: its
+        drafts end where the cumulative log-probability of the head's drafts (PD [drafts,
+        p_stride]; the first CTX[src] copied from the context count 0) falls below log_cut."""
         j = tl.program_id(0)
         if HAS_SEL:
             src = tl.load(SEL + j).to(tl.int64)
@@ -178,6 +222,14 @@ if triton_available():
         kc = tl.load(STATE + b + j)
         lo = tl.load(STATE + j) + n + 1
         r = tl.arange(0, Q)
+        if HAS_CUT:
+            c = r - 1  # row r holds draft column r - 1
+            has = (r >= 1) & (r <= w)
+            lp = tl.log(tl.maximum(tl.load(PD + c * p_stride + src, mask=has, other=1.0), 0.0))
+            if HAS_CTX:
+                lp = tl.where(c < tl.load(CTX + src), 0.0, lp)
+            cum = tl.cumsum(tl.where(has, lp, 0.0), 0)
+            kc = tl.minimum(kc, tl.sum((has & (cum >= log_cut)).to(kc.dtype), 0))
         real = r < q
         first = tl.load(GRID + src * pq + n)
         d = tl.load(DRAFTS + src * d_stride + (r - 1), mask=(r >= 1) & (r <= w) & (r <= kc),
@@ -282,6 +334,8 @@ class FusedSteps:
         kv, bs = kv_cache[self.cfg.model.num_layers], self.cfg.block_size
         tokens, spec = self.tokens, self.cfg.spec
 
+        cut = CUT_PROB > 0
+
         def fn(ids, pos, meta, kn_rows):
             b = meta.seq_lens.shape[0]
             q = ids.shape[0] // b
@@ -291,9 +345,10 @@ class FusedSteps:
             hidden, aux = model(ids, pos, kv_cache, meta, aux_layers)
             am = model.greedy(hidden)
             one = FUSED_ACCEPT and head.midlayer.fused  # the bookkeeping in one launch
+            tried = cut and q > 1  # each sequence's drafts verified too: nacc [2, b]
             if one:
                 nacc, hslots, start, bonus, last_rows, live, qs = accept(
-                    am, ids, meta.slot_mapping, pos, meta.seq_lens, b, q)
+                    am, ids, meta.slot_mapping, pos, meta.seq_lens, b, q, tried=tried)
             elif q == 1:
                 # Nothing to verify (every K=0 step of a dynamic batch): no draft accepted,
                 # and the head stores KV exactly where the target did. Eight small kernels
@@ -301,6 +356,9 @@ class FusedSteps:
                 nacc = torch.zeros(b, dtype=torch.int64, device=dev)
             else:
                 nacc, hslots = accepted(am, ids, meta.slot_mapping, b, q)
+                if tried:
+                    nacc = torch.stack([nacc, verified(meta.slot_mapping, b, q)])
+            counts, nacc = nacc, (nacc[0] if nacc.dim() == 2 else nacc)
             # The head's first step: row i reads the target's next token (the argmax) and the
             # fused features of row i; draft KV is stored for rows up to the last accepted.
             hmeta = meta if q == 1 else AttentionMetadata(
@@ -311,7 +369,7 @@ class FusedSteps:
                          else (model.embed_tokens(am), None))
             if drafts == 0:  # nothing to draft: only the draft KV the next steps attend to
                 head.store_kv(emb, head.fuse(aux), pos, kv, hmeta, eids)
-                return am, nacc
+                return am, counts
             h = head(emb, head.fuse(aux), pos, kv, hmeta, eids)
             if one:
                 last = h if q == 1 else h.index_select(0, last_rows)
@@ -319,15 +377,19 @@ class FusedSteps:
                 last = h.view(b, q, -1)[torch.arange(b, device=dev), nacc]
                 # where the chain starts (and the sequence's known tokens end), who is live
                 start, live = pos.view(b, q)[:, 0] + nacc + 1, meta.seq_lens > 0
-            t = head.greedy_tokens(last)
+            # the drafts' probabilities under the head, draft by draft: where the next
+            # step's verify is cut (`continuation`)
+            pd = torch.empty(drafts, b, dtype=torch.float32, device=dev) if cut else None
+            t = head.greedy_tokens(last, pd[0] if cut else None)
             out = [t]
             if drafts > 1:
                 if not one:
                     qs = torch.arange(b + 1, device=dev)
                 out += chain_steps(head, model, kv, bs, meta.block_tables, t, last,
                                    kn_rows.view(b, q)[:, 0], start, live, qs,
-                                   meta.max_seq_len, drafts - 1)
+                                   meta.max_seq_len, drafts - 1, pd)
             d = torch.stack(out, dim=1)
+            lens = None
             if tokens is not None:
                 # The sequence's tokens: positions up to the last accepted row are in the
                 # store now, then the target's token after them.
@@ -338,7 +400,9 @@ class FusedSteps:
                                    kernel=ids.is_cuda and triton_available())
                 cols = torch.arange(drafts, device=dev)
                 d = torch.where(cols[None, :] < lens[:, None], got, d)
-            return am, nacc, d
+            if not cut:
+                return am, counts, d
+            return (am, counts, d, pd) if lens is None else (am, counts, d, pd, lens)
 
         return fn
 
@@ -355,8 +419,14 @@ def accepted(am: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, b: int, q
     return nacc, torch.where(keep.view(-1), slots, -1)
 
 
+def verified(slots: torch.Tensor, b: int, q: int) -> torch.Tensor:
+    """Drafts each sequence of a [b, q] grid verifies: its rows that store KV, less one."""
+    return (slots.view(b, q) >= 0).sum(dim=1) - 1
+
+
 def accept(am: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
-           seq_lens: torch.Tensor, b: int, q: int, kernel: bool = True) -> tuple:
+           seq_lens: torch.Tensor, b: int, q: int, kernel: bool = True,
+           tried: bool = False) -> tuple:
     """A fused step's verify bookkeeping for its [b, q] grid (argmax `am`, token `ids`, KV
     `slots`, positions `pos`, all [b * q]): per sequence the accepted drafts nacc (the
     prefix where draft i+1 equals the argmax at row i, on rows that store KV), then (nacc,
@@ -364,31 +434,34 @@ def accept(am: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, pos: torch.
     start position pos[row 0] + nacc + 1, the target's token after the accepted drafts
     am[nacc], that row's index in the step, live (seq_lens > 0), the chain's query starts
     0..b). `kernel`: one Triton launch (needs Triton; under its interpreter off CUDA), else
-    the torch ops it replaces."""
+    the torch ops it replaces. tried: nacc is [2, b], the counts then each sequence's drafts
+    verified (`verified`; two rows, so that a graph's outputs cut to its rows keep both)."""
     dev = ids.device
     if not kernel:
         nacc, hslots = accepted(am, ids, slots, b, q)
-        return (nacc, hslots, pos.view(b, q)[:, 0] + nacc + 1,
+        return (torch.stack([nacc, verified(slots, b, q)]) if tried else nacc, hslots,
+                pos.view(b, q)[:, 0] + nacc + 1,
                 am.view(b, q).gather(1, nacc[:, None])[:, 0],
                 torch.arange(b, device=dev) * q + nacc, seq_lens > 0,
                 torch.arange(b + 1, device=dev))
-    nacc, start, bonus, last = (torch.empty(b, dtype=torch.int64, device=dev)
-                                for _ in range(4))
+    nacc = torch.empty((2, b) if tried else (b,), dtype=torch.int64, device=dev)
+    start, bonus, last = (torch.empty(b, dtype=torch.int64, device=dev) for _ in range(3))
     hslots = torch.empty(b * q, dtype=torch.int64, device=dev)
     live = torch.empty(b, dtype=torch.bool, device=dev)
     qs = torch.empty(b + 1, dtype=torch.int64, device=dev)
     _accept_kernel[(1,)](am, ids, slots, pos, seq_lens, nacc, hslots, start, bonus, last, live,
                          qs, b, q, BLOCK_B=next_pow2(b + 1, 2), QP=next_pow2(q, 2),
-                         num_warps=4)
+                         TRIED=tried, num_warps=4)
     return nacc, hslots, start, bonus, last, live, qs
 
 
 def chain_steps(head, model, kv, block_size: int, tables, t, h, k, start, has_queries,
-                query_start, max_seq_len: int, steps: int) -> list[torch.Tensor]:
+                query_start, max_seq_len: int, steps: int, probs=None) -> list[torch.Tensor]:
     """`steps` chained greedy draft steps, one row per sequence, on the device: step s
     (1-based) embeds token t at position start + s - 1 with the previous step's state, and
     yields the next token. A sequence whose own k ends at step s stops writing KV (slot -1);
-    padded sequences of a bucket (no queries) never write."""
+    padded sequences of a bucket (no queries) never write. probs ([steps + 1, b]): step s
+    writes its drafts' probabilities to probs[s]."""
     outs = []
     fold = FOLD_CHAIN and head.midlayer.fused
     if fold:  # every step's positions, slots and lengths in one launch up front
@@ -398,11 +471,12 @@ def chain_steps(head, model, kv, block_size: int, tables, t, h, k, start, has_qu
             k, start, has_queries, tables, block_size, s, head.midlayer.fused)
         m = AttentionMetadata(slot_mapping=slots, query_start=query_start, seq_lens=lens,
                               block_tables=tables, max_query_len=1, max_seq_len=max_seq_len)
+        pr = None if probs is None else probs[s]
         if fold:
-            h, t = head.chain_step(model.embed_tokens.weight, t, h, p, kv, m)
+            h, t = head.chain_step(model.embed_tokens.weight, t, h, p, kv, m, pr)
         else:
             h = head(model.embed_tokens(t), h, p, kv, m)
-            t = head.greedy_tokens(h)
+            t = head.greedy_tokens(h, pr)
         outs.append(t)
     return outs
 
@@ -438,8 +512,9 @@ if triton_available():
 
     @triton.jit(do_not_specialize=["b", "q"])
     def _accept_kernel(AM, IDS, SLOTS, POS, LENS, NACC, HSLOTS, START, BONUS, LAST, LIVE, QS,
-                       b, q, BLOCK_B: tl.constexpr, QP: tl.constexpr):
-        """`accept` for all b sequences in one program ([BLOCK_B, QP] tiles of the grid)."""
+                       b, q, BLOCK_B: tl.constexpr, QP: tl.constexpr, TRIED: tl.constexpr):
+        """`accept` for all b sequences in one program ([BLOCK_B, QP] tiles of the grid);
+        TRIED: NACC[b + i] = sequence i's drafts verified."""
         r = tl.arange(0, BLOCK_B)
         c = tl.arange(0, QP)
         rok = r < b
@@ -459,6 +534,8 @@ if triton_available():
         rows = r.to(tl.int64) * q
         p0 = tl.load(POS + rows, mask=rok, other=0)
         tl.store(NACC + r, nacc, mask=rok)
+        if TRIED:
+            tl.store(NACC + b + r, tl.sum((ok & (slots >= 0)).to(tl.int64), 1) - 1, mask=rok)
         tl.store(START + r, p0 + nacc + 1, mask=rok)
         tl.store(BONUS + r, tl.load(AM + rows + nacc, mask=rok, other=0), mask=rok)
         tl.store(LAST + r, rows + nacc, mask=rok)

@@ -302,27 +302,36 @@ class SpecRunner:
         # Outputs live in the graph pool, which the next replay overwrites: the host reads a
         # copy, and a continuation reads this step's outputs before its own replay. A step
         # that verified and drafted nothing (K=0) accepted nothing: only its tokens are read.
+        # Where the device may cut the verify short (`fused.CUT_PROB`), the drafts each
+        # sequence verified follow the accepted counts.
+        counts = out[1]
+        tried = counts.dim() == 2  # [accepted, verified] per sequence
         if q == 1 and len(out) == 2:
             flat = out[0]
         else:
-            flat = torch.cat([out[0], out[1][:b]] + ([out[2][:b].reshape(-1)] if len(out) > 2
-                                                      else []))
-        return FusedHandle(seqs, kcur, kn, q, out, flat, self.stager.fetch(flat))
+            flat = torch.cat([out[0]] +
+                             ([counts[0, :b], counts[1, :b]] if tried else [counts[:b]]) +
+                             ([out[2][:b].reshape(-1)] if len(out) > 2 else []))
+        return FusedHandle(seqs, kcur, kn, q, out, flat, self.stager.fetch(flat),
+                           tried=tried)
 
     def fused_finish(self, h: FusedHandle):
         """Wait for a launched fused step; ({entry: (k, VerifyResult)}, {entry: drafts})."""
         flat = h.fetch()
         b, q, kcur, kn = len(h.seqs), h.q, h.kcur, h.kn
         grid = flat[: b * q]
+        head = b * q + (2 * b if h.tried else b)  # where the drafts start
         if len(flat) == b * q:  # a K=0 step: its tokens only (`_launch`)
             nacc, width = [0] * b, 0
         else:
-            nacc, width = flat[b * q : b * q + b], (len(flat) - b * q - b) // b
+            nacc, width = flat[b * q : b * q + b], (len(flat) - head) // b
+        # drafts verified: fewer than sent where the device cut them (`fused.CUT_PROB`)
+        tried = flat[b * q + b : head] if h.tried else [None] * b
         results, drafts = {}, {}
         for j in range(b):
             n = nacc[j]
-            results[j] = (kcur[j], VerifyResult(grid[j * q : j * q + n + 1], n))
-            d0 = b * q + b + j * width
+            results[j] = (kcur[j], VerifyResult(grid[j * q : j * q + n + 1], n, tried[j]))
+            d0 = head + j * width
             drafts[j] = flat[d0 : d0 + kn[j]]
         return results, drafts
 

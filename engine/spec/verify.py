@@ -22,6 +22,8 @@ class VerifyResult:
 
     tokens: list[int]
     num_accepted: int
+    # drafts verified, where fewer than were sent (the fused step's device cut): None, all
+    num_verified: int | None = None
 
 
 def verify_greedy(draft: Sequence[int], target_argmax: Sequence[int]) -> VerifyResult:

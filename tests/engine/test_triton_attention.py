@@ -247,6 +247,38 @@ def test_prologue_linear_rows_are_batch_invariant(dtype, dot, monkeypatch):
     assert len({ops.linear_tiles(m, n, k) for m in range(1, 9)}) == 1
 
 
+@pytest.mark.parametrize("dot", [None, (32, 256, 4)], ids=["gemv", "dot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prologue_linear_dead_rows_read_nothing_and_live_rows_are_unchanged(dtype, dot,
+                                                                           monkeypatch):
+    """`live` (KV slots; negative: a padding or cut verify row): live rows equal the launch
+    without it bit for bit, dead rows come out as zeros (the residual sum too), for the
+    norm, SiLU and plain prologues, one GEMV program a row or 16-row tensor-core blocks
+    (these still read the weights while any row of theirs lives)."""
+    from engine import ops
+
+    monkeypatch.setattr(ops, "DOT_TILES", dot)
+    g = torch.Generator().manual_seed(4)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
+    n, k, m = (96, 1100, 8) if DEV == "cuda" else (16, 48, 5)
+    x, r, w, nw, gu = rnd(m, k), rnd(m, k), rnd(n, k) / 7, rnd(k), rnd(m, 2 * k)
+    slots = torch.tensor([3, 9, -1, 4, -1, -1, 7, -1][:m], device=DEV)
+    dead = slots < 0
+    # What a dead row computes: the launch without `live` on inputs whose dead rows are zero
+    # (a GEMV program then writes exact zeros; live rows are independent of the others).
+    x0, r0, gu0 = (t.masked_fill(dead[:, None], 0) for t in (x, r, gu))
+    y0, s0 = ops.prologue_linear(x0, w, norm_weight=nw, eps=1e-5, residual=r0)
+    y, s = ops.prologue_linear(x, w, norm_weight=nw, eps=1e-5, residual=r, live=slots)
+    z0, z = ops.prologue_linear(gu0, w, silu=True), ops.prologue_linear(gu, w, silu=True,
+                                                                        live=slots)
+    p0, p = ops.prologue_linear(x0, w), ops.prologue_linear(x, w, live=slots)
+    for a, b in ((y0, y), (s0, s), (z0, z), (p0, p)):
+        assert torch.equal(a, b)
+        assert dot is not None or not b[dead].any()
+    with pytest.raises(AssertionError):
+        ops.prologue_linear(x, w, live=slots[:2])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemv_rows_equals_the_gemm_and_rows_are_batch_invariant(dtype):
     """`ops.gemv_rows` (large projections at up to 8 rows): the GEMM's result to rounding,

@@ -247,10 +247,14 @@ def fast_engine(base: Engine, head: Eagle3Head, max_batch: int = 8, num_blocks=N
 
 
 @CPU_ONLY
-def test_fused_step_equals_the_step_by_step_path(k=3):
+def test_fused_step_equals_the_step_by_step_path(monkeypatch, k=3):
     """Verify + head + draft chain as one graph (engine/spec/fused.py): in lockstep with the
     step-by-step path, every step leaves the same tokens, KV progress and next drafts, for
-    sequences whose drafts are accepted partly, fully or not at all."""
+    sequences whose drafts are accepted partly, fully or not at all (every draft verified:
+    the step-by-step path has no device cut)."""
+    from engine.spec import fused as fused_mod
+
+    monkeypatch.setattr(fused_mod, "CUT_PROB", 0.0)
     base = tiny_engine(0, max_num_batched_tokens=64)
     head = random_head(base)
     prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 2 for i in range(3)]
@@ -450,7 +454,8 @@ def test_folded_chain_leaves_the_fused_steps_unchanged(monkeypatch, dynamic):
     real, real_accept = Eagle3Head.chain_step, fused_mod.accept
     monkeypatch.setattr(Eagle3Head, "chain_step",
                         lambda self, *a: calls.append(1) or real(self, *a))
-    monkeypatch.setattr(fused_mod, "accept", lambda *a: accepts.append(1) or real_accept(*a))
+    monkeypatch.setattr(fused_mod, "accept",
+                        lambda *a, **kw: accepts.append(1) or real_accept(*a, **kw))
     ids = [(on.add_request(p, sp), off.add_request(p, sp)) for p in prompts]
     while on.has_unfinished() or off.has_unfinished():
         for eng, fold in ((on, True), (off, False)):
@@ -469,6 +474,33 @@ def test_folded_chain_leaves_the_fused_steps_unchanged(monkeypatch, dynamic):
     assert sum(on.spec.stats.accepted_per_pos) > 0
     for e in (on, off):
         e.blocks.check_all_free()
+
+
+@CPU_ONLY
+def test_device_cut_verifies_fewer_drafts_and_stays_lossless(monkeypatch):
+    """`fused.CUT_PROB`: the overlapped fused step verifies a sequence's drafts only while
+    the product of the head's probabilities holds, so fixed K=4 steps verify 1-3 drafts
+    too; output still equals plain decoding, stats count the drafts verified (none were
+    accepted past the cut), and every block comes back."""
+    from engine.spec import fused as fused_mod
+
+    base, head, prompts, sp, ref = looping_setup(3, 2, 24)
+    top = max(set(sum(ref, [])), key=sum(ref, []).count)
+    with torch.no_grad():  # right whenever the target repeats its favourite token
+        head.d2t.copy_(top - torch.arange(head.d2t.numel()))
+    hist = {}
+    for cut in (0.0, 0.01):
+        monkeypatch.setattr(fused_mod, "CUT_PROB", cut)
+        eng = fast_engine(base, head, num_tokens=4, dynamic=False, context_drafts=False)
+        assert [c.token_ids for c in eng.generate(prompts, sp)] == ref
+        st = eng.spec.stats
+        hist[cut] = st.drafted_hist
+        assert eng.spec.overlapped_runs > 0 and sum(st.accepted_per_pos) > 0
+        assert all(a <= d for a, d in zip(st.accepted_per_pos, st.drafted_per_pos))
+        eng.blocks.check_all_free()
+    # without the cut only the ends of requests verify fewer than 4 drafts
+    assert sum(hist[0.01][1:4]) > 2 * sum(hist[0.0][1:4])
+    assert hist[0.01][4] < hist[0.0][4] / 2
 
 
 @CPU_ONLY

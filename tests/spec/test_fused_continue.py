@@ -22,14 +22,20 @@ def buffers(rows: int, seqs: int, max_blocks: int):
     return torch.full((rows,), 9, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64), meta
 
 
-@pytest.mark.parametrize("pq,q,with_drafts,keep", [
-    (1, 1, False, None),  # K=0 after K=0
-    (4, 1, True, None),  # back to K=0 after drafting
-    (1, 4, True, None),  # drafting after K=0
-    (4, 8, True, [0, 2, 3]),  # deeper, two of five rows dropped
-    (8, 4, True, [4, 1]),  # shallower, reordered subset
+@pytest.mark.parametrize("pq,q,with_drafts,keep,cut", [
+    (1, 1, False, None, None),  # K=0 after K=0
+    (4, 1, True, None, None),  # back to K=0 after drafting
+    (1, 4, True, None, None),  # drafting after K=0
+    (4, 8, True, [0, 2, 3], None),  # deeper, two of five rows dropped
+    (8, 4, True, [4, 1], None),  # shallower, reordered subset
+    (4, 8, True, None, "head"),  # drafts cut where their probability falls (CUT_PROB)
+    (8, 8, True, [4, 1, 0], "context"),  # and the context's copies never cut
 ])
-def test_kernel_writes_what_the_torch_continuation_writes(pq, q, with_drafts, keep):
+def test_kernel_writes_what_the_torch_continuation_writes(pq, q, with_drafts, keep, cut,
+                                                          monkeypatch):
+    from engine.spec import fused
+
+    monkeypatch.setattr(fused, "CUT_PROB", 0.3)
     g = torch.Generator().manual_seed(pq * 10 + q)
     pb, bs, max_blocks, width = 5, 4, 12, 7
     rows = list(range(pb)) if keep is None else keep
@@ -39,9 +45,20 @@ def test_kernel_writes_what_the_torch_continuation_writes(pq, q, with_drafts, ke
     out = (grid, nacc)
     if with_drafts:
         out += (torch.randint(0, 1000, (pb + 2, width), generator=g),)
+    if cut:  # per draft column the head's probabilities [width, bucket], one of them 0
+        pd = torch.rand(width, pb + 2, generator=g) ** 0.3
+        pd[2, rows[0]] = 0.0  # the first row's third draft: cut there (or at its copy's end)
+        out += (pd,)
+        if cut == "context":
+            ctx = torch.randint(0, width + 1, (pb + 2,), generator=g)
+            ctx[rows[0]] = 4  # copied past the zero: its cut comes later, here
+            pd[5, rows[0]] = 0.0
+            out += (ctx,)
     prev = SimpleNamespace(q=pq, seqs=[None] * pb, out=out)
     computed = torch.randint(0, 20, (b,), generator=g)
     kc = torch.randint(0, q, (b,), generator=g)
+    if cut:
+        kc[0] = q - 1  # some sequence that sends all its drafts
     state = torch.cat([computed, kc])
     sel = None if keep is None else torch.tensor(keep)
     tables = torch.randint(1, 100, (b, max_blocks), generator=g, dtype=torch.int32)
@@ -54,7 +71,21 @@ def test_kernel_writes_what_the_torch_continuation_writes(pq, q, with_drafts, ke
         assert torch.equal(x, y)
     assert torch.equal(got[2].slot_mapping, want[2].slot_mapping)
     assert torch.equal(got[2].seq_lens, want[2].seq_lens)
-    assert (want[2].slot_mapping[: b * q] >= 0).sum() == int((kc + 1).sum())
+    real = (want[2].slot_mapping[: b * q] >= 0).view(b, q).sum(dim=1)
+    if not cut:
+        assert torch.equal(real, kc + 1)
+        return
+    # the cut by hand: leading drafts while the product of their probabilities holds
+    for j, src in enumerate(rows):
+        p, keep_n = 1.0, 0
+        ctx = int(out[4][src]) if cut == "context" else 0
+        for c in range(min(width, q - 1)):
+            p *= 1.0 if c < ctx else float(out[3][c, src])
+            if p < 0.3:
+                break
+            keep_n += 1
+        assert int(real[j]) == 1 + min(int(kc[j]), keep_n), (j, src)
+    assert (real < kc + 1).any()  # something was cut
 
 
 def test_chain_positions_kernel_equals_the_torch_ops():
@@ -151,6 +182,13 @@ def test_accept_kernel_equals_the_torch_ops(b, q):
     got = accept(am, ids, slots, pos, lens, b, q, kernel=True)
     for r, x in zip(ref, got):
         assert r.dtype == x.dtype and torch.equal(r, x)
+    # with the drafts each sequence verified after the counts: its rows storing KV, less one
+    ref2 = accept(am, ids, slots, pos, lens, b, q, kernel=False, tried=True)
+    got2 = accept(am, ids, slots, pos, lens, b, q, kernel=True, tried=True)
+    for r, x in zip(ref2, got2):
+        assert r.dtype == x.dtype and torch.equal(r, x)
+    assert torch.equal(got2[0][0], got[0])
+    assert torch.equal(got2[0][1], (slots.view(b, q) >= 0).sum(dim=1) - 1)
     nacc = ref[0]
     if q > 1:  # what was planted, where the rows store KV; some sequences accept something
         assert nacc.max() > 0 and (nacc < q).all()
