@@ -61,8 +61,8 @@ def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks:
     no-spec variant's answers under the same settings, else the first variant's, and for
     dynamic K its steps by draft count and `why` each fused step got its K; with `traces`,
     every step as the cost model saw it and every pick, (K, why), in order), "answers": the
-    first variant's first answers and their prompts}. The settings are put back as they
-    were after."""
+    first variant's first answers and their prompts}. Each turn starts from the settings as
+    they were (only its own changed), and they are put back as they were after."""
     names = list(variants)
     saved = {p: getattr(*setting(p)) for v in variants.values() for p in v[1]}
     from bench.suite import run_single
@@ -80,7 +80,9 @@ def take_turns(args, base, prompts: list, variants: dict, reps: int, num_blocks:
             r = rep % len(names)
             for name in names[r:] + names[:r]:
                 spec, sets, *how = variants[name]
-                for path, value in sets.items():
+                # every setting any variant names as it was, then this variant's: a variant
+                # naming none runs at the defaults, not at the last turn's values
+                for path, value in {**saved, **sets}.items():
                     setattr(*setting(path), value)
                 eng = engines.get(name)
                 if eng is None:

@@ -864,8 +864,10 @@ ROWS_FIRST = True
 DOT_TILES: tuple[int, int, int] | None = None
 # The target's folded projections skip the rows that store no KV (`prologue_linear`'s live):
 # a graph bucket's padding rows and a verify step's rows past its sequence's drafts, which
-# the device may cut short (`engine.spec.fused.CUT_PROB`). False: every row computed (A/B).
-SKIP_DEAD_ROWS = True
+# the device may cut short (`engine.spec.fused.CUT_PROB`). Off: on the H200 the slot read
+# ahead of each GEMV cost more than the skipped rows saved (figure 1's fixed K=7 + context,
+# in turns: 2.367x no-spec without, 2.329x with it and no cut; spec_ab_852f923).
+SKIP_DEAD_ROWS = False
 LOGITS_DOT_TILES = (64, 128, 4)
 DOT_MAX_ROWS = 16
 

@@ -46,14 +46,16 @@ FOLD_CHAIN = True
 # (`accept`) instead of ~17 small torch kernels a step. Read when a graph is captured; False:
 # the torch kernels (an A/B's baseline).
 FUSED_ACCEPT = True
-# The device cuts each sequence's verify short where the head's drafts turn unlikely: draft
-# j is verified only while the product of the head's probabilities of drafts 1..j (the
-# context's copied drafts count as 1) stays at least CUT_PROB; the rows past it store no KV
-# and the target's projections skip them (`ops.SKIP_DEAD_ROWS`). Any subset of the drafts
-# verified leaves the output as it was: only which drafts get the chance changes. Replayed
-# on the H200's step prices (K=7, figure 1's prompts) 0.02-0.05 took ~8 rows to ~6 and kept
-# ~99% of the accepted drafts. Read when a graph is captured; 0: verify every draft.
-CUT_PROB = 0.03
+# A device cut of each sequence's verify: draft j is verified only while the product of the
+# head's probabilities of drafts 1..j (the context's copied drafts count as 1) stays at least
+# CUT_PROB; rows past it store no KV (and the target's projections may skip them,
+# `ops.SKIP_DEAD_ROWS`). Any subset of the drafts verified leaves the output as it was. A
+# replay priced as if cut rows cost nothing promised ~+10% at 0.02-0.05 (K=7, figure 1's
+# prompts on the CPU); on the H200 (bench/results/profile/spec_ab_852f923) cut rows saved no
+# step time (1142 us a K=7 step cut at 0.03 against 1134-1145 uncut) while acceptance fell
+# 4.74 -> 4.51, so it is off. Read when a graph is captured (whether the drafts'
+# probabilities are kept) and at each continuation; 0: verify every draft.
+CUT_PROB = 0.0
 
 
 @dataclass

@@ -22,9 +22,10 @@ def test_trace_summary_groups_steps_by_draft_count():
 
 
 def test_variants_take_turns_in_rotated_order_with_their_settings(monkeypatch):
-    """Each turn runs under its variant's settings, the order rotates each repetition, an
-    engine is built once per variant, answers are compared with the first variant's, and
-    the settings are back as they were after."""
+    """Each turn runs under its variant's settings (a variant naming none at the defaults,
+    whatever the turn before set), the order rotates each repetition, an engine is built
+    once per variant, answers are compared with the first variant's, and the settings are
+    back as they were after."""
     import bench.suite
     from engine.spec import policy
 
@@ -33,7 +34,7 @@ def test_variants_take_turns_in_rotated_order_with_their_settings(monkeypatch):
     def run_single(args, eng, prompts, n):
         seen.append((eng.name, policy.LOSING_FRESH))
         outs = [[1, 2]] * len(prompts) if eng.name != "c" else [[1, 2], [3]]
-        return {"tokens_per_s": {"a": 100.0, "b": 150.0, "c": 50.0}[eng.name],
+        return {"tokens_per_s": {"a": 100.0, "b": 150.0, "c": 50.0, "d": 80.0}[eng.name],
                 "acceptance_length": None, "_outs": outs}
 
     def with_config(spec, num_blocks):
@@ -45,17 +46,19 @@ def test_variants_take_turns_in_rotated_order_with_their_settings(monkeypatch):
     variants = {n: (SimpleNamespace(name=n, dynamic=False),
                     {"engine.spec.policy.LOSING_FRESH": v})
                 for n, v in (("a", 1), ("b", 2), ("c", 3))}
+    variants["d"] = (SimpleNamespace(name="d", dynamic=False), {})
     out = take_turns(SimpleNamespace(tokens=2), SimpleNamespace(with_config=with_config),
                      [[7], [8]], variants, reps=3, num_blocks=4)
     assert policy.LOSING_FRESH == before
-    assert built == ["a", "b", "c"]
-    assert seen == [("a", 1), ("b", 2), ("c", 3), ("b", 2), ("c", 3), ("a", 1),
-                    ("c", 3), ("a", 1), ("b", 2)]
-    assert [len(v) for v in out["runs"].values()] == [3, 3, 3]
+    assert built == ["a", "b", "c", "d"]
+    d = ("d", before)  # after c's turn too: the default, not c's 3
+    assert seen == [("a", 1), ("b", 2), ("c", 3), d, ("b", 2), ("c", 3), d, ("a", 1),
+                    ("c", 3), d, ("a", 1), ("b", 2)]
+    assert [len(v) for v in out["runs"].values()] == [3, 3, 3, 3]
     assert out["answers"] == {"prompts": [[7], [8]], "outputs": [[1, 2], [1, 2]]}
     assert [r["token_identical_to_no_spec"] for r in out["runs"]["c"]] == [1, 1, 1]
     assert "token_identical_to_no_spec" not in out["runs"]["a"][0]
-    assert out["best_vs_first"] == {"a": 1.0, "b": 1.5, "c": 0.5}
+    assert out["best_vs_first"] == {"a": 1.0, "b": 1.5, "c": 0.5, "d": 0.8}
     assert out["median_vs_first"]["b"] == 1.5
 
 
