@@ -256,10 +256,10 @@ if triton_available():
         (USE_PDL), so it overlaps the kernel before, whose outputs only X and R are.
         ROWS_FIRST: the grid's first axis walks the row blocks, so the programs reading one
         weight tile run side by side (the tile comes from HBM once, for the others from L2).
-        HAS_LIVE (one-row programs): a row whose LIVE entry (its KV slot) is negative is dead,
-        a padding row whose output nothing reads; its program loads neither weights nor
-        activations and writes zeros (the sum to RES_OUT too). LIVE must be written before
-        the launch before this one (it is read ahead of the programmatic-launch wait)."""
+        HAS_LIVE (one-row programs, BLOCK_M == 1): a row whose LIVE entry (its KV slot) is
+        negative is dead, a padding row whose output nothing reads; its programs write zeros
+        (to RES_OUT too) and exit, computing nothing. LIVE must be written before the launch
+        before this one (it is read ahead of the programmatic-launch wait)."""
         if ROWS_FIRST:
             pid_m = tl.program_id(0)
             pid_n = tl.program_id(1)
@@ -270,15 +270,22 @@ if triton_available():
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk0 = tl.arange(0, BLOCK_K)
         m_ok = rm < M
-        if HAS_LIVE:  # one row a program (BLOCK_M == 1): a dead row reads nothing
-            m_ok = m_ok & (tl.load(LIVE + rm, mask=m_ok, other=-1) >= 0)
         n_ok = rn < N
-        w_ok = n_ok
-        if HAS_LIVE:
-            w_ok = n_ok & ((rn * 0 + tl.sum(m_ok.to(tl.int32), 0)) > 0)
+        if HAS_LIVE:  # one row a program (BLOCK_M == 1): a dead row's writes zeros, exits
+            if tl.load(LIVE + pid_m) < 0:
+                if USE_PDL:  # (its outputs may be memory the kernel before still reads)
+                    tl.extra.cuda.gdc_wait()
+                tl.store(Y + pid_m * stride_y + rn, tl.zeros([BLOCK_N], Y.dtype.element_ty),
+                         mask=n_ok)
+                if PRO == 1 and HAS_RES and pid_n == 0:
+                    for k0 in range(0, K, BLOCK_K):
+                        rk = k0 + rk0
+                        tl.store(RES_OUT + pid_m * K + rk,
+                                 tl.zeros([BLOCK_K], RES_OUT.dtype.element_ty), mask=rk < K)
+                return
         dt = X.dtype.element_ty
         w = tl.load(W + rn[:, None] * stride_w + rk0[None, :],
-                    mask=w_ok[:, None] & (rk0 < K)[None, :], other=0.0)
+                    mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -292,9 +299,8 @@ if triton_available():
                 if HAS_RES:
                     r = tl.load(R + rm[:, None] * stride_r + rk[None, :], mask=ok, other=0.0)
                     x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-                    if pid_n == 0:  # (a dead row's: zeros)
-                        tl.store(RES_OUT + rm[:, None] * K + rk[None, :], x,
-                                 mask=(rm < M)[:, None] & (rk < K)[None, :])
+                    if pid_n == 0:
+                        tl.store(RES_OUT + rm[:, None] * K + rk[None, :], x, mask=ok)
                 xf = x.to(tl.float32)
                 ss += tl.sum(xf * xf, 1)
             rstd = tl.math.rsqrt(ss / K + eps)
@@ -322,7 +328,7 @@ if triton_available():
             cur = w
             nk = rk + BLOCK_K  # the next tile's weights (masked off past K: no traffic)
             w = tl.load(W + rn[:, None] * stride_w + nk[None, :],
-                        mask=w_ok[:, None] & (nk < K)[None, :], other=0.0)
+                        mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
             if BLOCK_M == 1:  # a GEMV: products summed along K
                 acc += tl.sum(a.to(tl.float32) * cur.to(tl.float32), 1)[None, :]
             else:
@@ -330,7 +336,7 @@ if triton_available():
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
-                 mask=(rm < M)[:, None] & n_ok[None, :])
+                 mask=m_ok[:, None] & n_ok[None, :])
 
 
 if triton_available():
@@ -920,9 +926,10 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     separate kernels. dot: 16-row tensor-core tiles (BLOCK_N, BLOCK_K, warps) for up to
     DOT_MAX_ROWS rows instead of the GEMV (see DOT_TILES). live: per row an integer (the
     row's KV slot) that is negative where the row is dead (padding, or verify rows past a
-    sequence's drafts): dead rows read nothing and come out as zeros (and the bias); the
-    others are computed exactly as without it. It must be written before the launch before
-    this one (a graph's static input is)."""
+    sequence's drafts): on the one-program-a-row GEMV, dead rows compute nothing and come
+    out as zeros (the residual sum too); the others are computed exactly as without it
+    (the 16-row tiles compute every row). It must be written before the launch before this
+    one (a graph's static input is)."""
     m = x.shape[0]
     assert live is None or live.shape[0] >= m, "a live entry for every row"
     n, k = weight.shape
@@ -941,7 +948,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             res_out if res_out is not None else y, live if live is not None else y, m, eps,
             x.stride(0), r.stride(0), weight.stride(0), y.stride(0), N=n, K=k, PRO=pro,
             HAS_RES=residual is not None, HAS_BIAS=bias is not None,
-            HAS_LIVE=live is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            HAS_LIVE=live is not None and bm == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             PREC="ieee" if x.dtype == torch.float32 else "tf32", ROWS_FIRST=ROWS_FIRST,
             num_warps=warps, **pdl_args(x, always=True))
     return y if residual is None else (y, res_out)
