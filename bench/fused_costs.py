@@ -24,15 +24,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def fill(gs, b: int, q: int, context: int, block_size: int, drafts: int,
-         long: bool = False) -> None:
+         long: bool = False, dead: bool = False) -> None:
     """Valid inputs in a captured bucket's static buffers: b sequences of `context` tokens
-    whose last q rows are queried (KV stores skipped), blocks 1, 2, ... per sequence."""
+    whose last q rows are queried, blocks 1, 2, ... per sequence, each row storing its KV at
+    its position (`dead`: no row stores KV, slot -1, so every row is dead to the projections
+    of `ops.SKIP_DEAD_ROWS`; how this filled every bucket until 05f9b80)."""
     ids, pos, meta, extras = gs._views(b, q, long)
     dev = ids.device
     nblk = -(-(context + 16) // block_size)
     ids.copy_(torch.randint(100, 20000, (b * q,), device=dev))
-    pos.copy_((torch.arange(q, device=dev) + context - q).repeat(b))
-    meta.slot_mapping.fill_(-1)
+    p = (torch.arange(q, device=dev) + context - q).repeat(b)
+    pos.copy_(p)
+    seq = torch.arange(b, device=dev).repeat_interleave(q)
+    meta.slot_mapping.copy_(torch.full_like(p, -1) if dead else
+                            (seq * nblk + p // block_size + 1) * block_size + p % block_size)
     meta.query_start.copy_(torch.arange(b + 1, device=dev) * q)
     meta.seq_lens.fill_(context)
     tab = torch.arange(b * nblk, device=dev).view(b, nblk) + 1
@@ -179,6 +184,9 @@ def main(argv=None) -> int:
     p.add_argument("--ab-fixed-k", default="",
                    help="K values (e.g. 1,2,5) at which held speculative engines also run "
                         "the A/B")
+    p.add_argument("--dead-rows", action="store_true",
+                   help="every row stores no KV (slot -1): with engine.ops.SKIP_DEAD_ROWS=True "
+                        "what a verify's cut rows cost (the default: every row stores KV)")
     p.add_argument("--set", action="append", default=[], metavar="module.NAME=VALUE",
                    help="set a module constant before the engine loads (repeatable), e.g. "
                         "engine.spec.fused.FOLD_CHAIN=False")
@@ -210,7 +218,7 @@ def main(argv=None) -> int:
             # long_context keys, where the batch is few enough sequences)
             long = gs.long_variant(b, args.context)
             gs.capture(b, 1, long)
-            fill(gs, b, 1, args.context, bs, 0, long)
+            fill(gs, b, 1, args.context, bs, 0, long, args.dead_rows)
             dev, host = device_us(gs.graphs[(b, 1, long)][0])
             row = {"batch": b, "split_kv": long, "plain_decode_us": dev,
                    "plain_launch_host_us": host, "fused": []}
@@ -221,7 +229,7 @@ def main(argv=None) -> int:
                     fs = fused.set_for(d)
                     flong = fs.long_variant(b, args.context)
                     fs.capture(b, q, flong)
-                    fill(fs, b, q, args.context, bs, d, flong)
+                    fill(fs, b, q, args.context, bs, d, flong, args.dead_rows)
                     g = fs.graphs[(b, q, flong)][0]
                     dev, host = device_us(g)
                     row["fused"].append({"q": q, "drafts": d, "device_us": dev,
@@ -235,7 +243,8 @@ def main(argv=None) -> int:
     res = {"command": "python -m bench.fused_costs " + " ".join(sys.argv[1:] if argv is None
                                                                else argv),
            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(),
-           "context": args.context, "k": args.k, "settings": settings, "rows": rows,
+           "context": args.context, "k": args.k, "settings": settings,
+           "dead_rows": args.dead_rows, "rows": rows,
            "steady_ab": ab}
     with open(os.path.join(args.out, "fused_costs.json"), "w") as f:
         json.dump(res, f, indent=1)
