@@ -53,8 +53,10 @@ FUSED_ACCEPT = True
 # replay priced as if cut rows cost nothing promised ~+10% at 0.02-0.05 (K=7, figure 1's
 # prompts on the CPU); on the H200 (bench/results/profile/spec_ab_852f923) cut rows saved no
 # step time (1142 us a K=7 step cut at 0.03 against 1134-1145 uncut) while acceptance fell
-# 4.74 -> 4.51, so it is off. Read when a graph is captured (whether the drafts'
-# probabilities are kept) and at each continuation; 0: verify every draft.
+# 4.74 -> 4.51, so it is off. That was with the dead rows' loads masked, which left their
+# cost; since 05f9b80 their programs exit (profile/dead_rows_05f9b80), not yet run live.
+# Read when a graph is captured (whether the drafts' probabilities are kept) and at each
+# continuation; 0: verify every draft.
 CUT_PROB = 0.0
 
 
