@@ -140,6 +140,28 @@ def test_fused_step_is_lossless_with_dynamic_k_fp32(random_smol):
     assert all(row[4].endswith("switch") for row in drafting if row[1] not in pure)
 
 
+def test_device_cut_with_dead_rows_skipped_is_lossless_fp32(random_smol, monkeypatch):
+    """`fused.CUT_PROB` with `ops.SKIP_DEAD_ROWS`: verify rows past the cut store no KV and
+    their GEMV programs exit; output still equals plain decoding, and the cut verified fewer
+    drafts than were sent where the run without it verified them all."""
+    from engine import ops
+    from engine.config import SpecConfig
+    from engine.spec import fused
+
+    ref = _greedy(random_smol)
+    hist = {}
+    for cut in (0.0, 0.5):
+        monkeypatch.setattr(fused, "CUT_PROB", cut)
+        monkeypatch.setattr(ops, "SKIP_DEAD_ROWS", cut > 0)
+        spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
+                                       spec=SpecConfig(num_tokens=4, dynamic=False))
+        assert _greedy(spec) == ref
+        assert spec.spec.overlapped_runs > 0
+        spec.blocks.check_all_free()
+        hist[cut] = spec.spec.stats.drafted_hist
+    assert sum(hist[0.5][1:4]) > sum(hist[0.0][1:4])
+
+
 def _staggered(eng, prompts, params, every=3) -> list[list[int]]:
     """Requests arriving one by one, one every `every` engine steps, while the others
     decode; their output tokens, in arrival order."""
