@@ -24,7 +24,9 @@ plain decode step. For the shipped rule (context from `--rule-min-n`, else the h
 gives every fixed K and the best any dynamic-K policy could do with foresight (a shortest
 path over (position, K): the bound on what choosing K can buy with this head and these costs),
 under the measured prices, the same prices at every K (`every_level`: each K its own graph)
-and three cheaper ones (`what_if`).
+and three cheaper ones (`what_if`). `--cut` prices fixed K at the largest `--k` under the
+device cut of the verify (`engine.spec.fused.CUT_PROB`: drafts verified while the product
+of the head's probabilities holds), rows past the drafts verified dead at `--dead-row-us`.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from bench.common import (
 def head_chains(head, target, rec, k: int):
     """Per position t of the record: the head's k chained drafts from t (teacher-forced:
     drafts that are right feed the next step as the engine's own drafts would) as target
-    ids [L, k] (row t predicts ids[t+2 .. t+k+1]), and the first draft's probability [L]."""
+    ids [L, k] (row t predicts ids[t+2 .. t+k+1]), and each draft's probability under the
+    head [L, k]."""
     import torch
 
     from cluster.train_eagle3 import ttt_forward
@@ -57,14 +60,14 @@ def head_chains(head, target, rec, k: int):
     aux = rec.aux.to(dev, next(head.parameters()).dtype)[None]
     with torch.no_grad():
         outs = ttt_forward(head, target.embed_tokens, aux, ids[1:][None], k)
-        preds, p0 = [], None
-        for j, out in enumerate(outs):
+        preds, probs = [], []
+        for out in outs:
             lp = head.logits(out[0]).softmax(-1)
             best = lp.argmax(-1)
             preds.append(head.draft_to_target[best])
-            if j == 0:
-                p0 = lp.gather(-1, best[:, None])[:, 0]
-    return torch.stack(preds, 1).cpu().tolist(), p0.float().cpu().tolist()
+            probs.append(lp.gather(-1, best[:, None])[:, 0])
+    return (torch.stack(preds, 1).cpu().tolist(),
+            torch.stack(probs, 1).float().cpu().tolist())
 
 
 def lead(drafts, answer, n: int) -> int:
@@ -101,9 +104,10 @@ def context_copies(answer, prompt_len: int, k: int, max_n: int) -> dict:
     return ctx
 
 
-def replay(answer, prompt_len: int, chains, p0, ctx: dict, k: int, min_ns, confidences):
+def replay(answer, prompt_len: int, chains, probs, ctx: dict, k: int, min_ns, confidences):
     """Every rule's steps on one answer (ids = prompt + answer) at K = k: `chains` and `ctx`
-    (`context_copies`) may hold longer drafts, of which the first k count."""
+    (`context_copies`) may hold longer drafts, of which the first k count; `probs` the
+    chains' drafts' probabilities (`head_chains`)."""
 
     def head_acc(n):
         return lead(chains[n - 2][:k], answer, n)
@@ -118,7 +122,7 @@ def replay(answer, prompt_len: int, chains, p0, ctx: dict, k: int, min_ns, confi
         return max(head_acc(n), ctx_acc(n)) if ctx[n][0] >= m else head_acc(n)
 
     def confident(n, m, p):
-        if ctx[n][0] >= m and (ctx[n][1][0] == chains[n - 2][0] or p0[n - 2] < p):
+        if ctx[n][0] >= m and (ctx[n][1][0] == chains[n - 2][0] or probs[n - 2][0] < p):
             return ctx_acc(n)
         return head_acc(n)
 
@@ -148,6 +152,51 @@ def rule_accepts(answer, chains, ctx: dict, k: int, min_n: int) -> dict:
     the answer accepts}. A K-chain for K < k is its prefix: min(K, this) of it pass."""
     return {n: lead(d[:k] if m >= min_n else chains[n - 2][:k], answer, n)
             for n, (m, d) in ctx.items()}
+
+
+def cut_accepts(answer, chains, probs, ctx: dict, k: int, min_n: int, cut: float) -> dict:
+    """{position n: (drafts accepted, drafts verified)} of the shipped rule at fixed K=k with
+    the device cut (`engine.spec.fused.CUT_PROB` = cut): the head's chain is verified only
+    while the product of its drafts' probabilities stays at least `cut`; a context copy
+    (suffix of at least min_n tokens) is never cut (its drafts count as probability 1)."""
+    out = {}
+    for n, (m, d) in ctx.items():
+        if m >= min_n:
+            out[n] = (lead(d[:k], answer, n), k)
+            continue
+        kept, p = 0, 1.0
+        for j in range(k):
+            p *= probs[n - 2][j]
+            if p < cut:
+                break
+            kept += 1
+        out[n] = (lead(chains[n - 2][:kept], answer, n), kept)
+    return out
+
+
+def cut_timing(answers, prices, kmax: int, dead_us: float) -> dict:
+    """Speed over plain decoding (as `timing`) of fixed K=kmax steps under the device cut:
+    answers [(end, start, {n: (accepted, verified)})] (`cut_accepts`). A step's graph keeps
+    its verify level's rows; of them, rows past the drafts verified are dead (their GEMV
+    programs exit, `ops.SKIP_DEAD_ROWS`) at dead_us each, the rest at the measured price of
+    that many rows (`every_level`); the chain always drafts kmax. Also the mean drafts
+    verified a step and the acceptance length."""
+    plain, cost = prices
+    full = every_level(cost)
+    qlev = next(x for x in sorted({q for q, _ in cost}) if x > kmax)
+    dlev = next(x for x in sorted({d for _, d in cost}) if x >= kmax)
+    t = steps = verified = tokens = 0
+    for end, start, acc in answers:
+        n = start
+        tokens += end - start
+        while n < end:
+            got, kept = acc[n]
+            t += full[(kept + 1, dlev)] + (qlev - kept - 1) * dead_us
+            steps += 1
+            verified += kept
+            n += 1 + min(got, kept)
+    return {"speed": round(tokens * plain / t, 3), "acceptance": round(tokens / steps, 3),
+            "verified": round(verified / steps, 2)}
 
 
 def every_level(cost: dict) -> dict:
@@ -315,10 +364,15 @@ def main(argv=None) -> dict:
     p.add_argument("--min-n", default="2,3,4", help="comma list of context_min_n values")
     p.add_argument("--confidence", default="0.5,0.8,0.95",
                    help="comma list of head first-draft probabilities for confident*")
-    p.add_argument("--costs", default="bench/results/profile/fused_costs_bd70aca/fused_costs.json",
+    p.add_argument("--costs", default="bench/results/profile/fused_costs_784d963/fused_costs.json",
                    help="bench.fused_costs JSON to price steps with ('' for none)")
     p.add_argument("--rule-min-n", type=int, default=3,
                    help="context_min_n of the rule --costs prices")
+    p.add_argument("--cut", default="0,0.005,0.01,0.02,0.03,0.05",
+                   help="comma list of CUT_PROB values to price at the largest --k")
+    p.add_argument("--dead-row-us", type=float, default=8.8,
+                   help="what a dead verify row costs (us; the H200 at 05f9b80: 8 dead rows "
+                        "+61 us over one, bench/results/profile/dead_rows_05f9b80)")
     p.add_argument("--out", default="bench/results/profile/draft_oracle.json")
     args = p.parse_args(argv)
 
@@ -354,9 +408,9 @@ def main(argv=None) -> dict:
         # Per answer once, at the longest K: a shorter chain or copy is its prefix.
         reps = []
         for r in recs:
-            chains, p0 = head_chains(head, base.model, r, kmax)
+            chains, probs = head_chains(head, base.model, r, kmax)
             ids = r.ids.tolist()
-            reps.append((ids, r.prompt_len, chains, p0,
+            reps.append((ids, r.prompt_len, chains, probs,
                          context_copies(ids, r.prompt_len, kmax, max_n)))
         if prices is not None:
             answers = [(len(ids), plen + 1, rule_accepts(ids, chains, ctx, kmax,
@@ -369,10 +423,22 @@ def main(argv=None) -> dict:
                 f"{w} fixed K best {max(v['fixed_k'].values())} geometric rule "
                 f"{v['geometric_rule']} bound {v['foresight_bound']}"
                 for w, v in out["priced"].items() if isinstance(v, dict)))
+            # the device cut at K=kmax, dead rows at --dead-row-us (0: no cut, rows past
+            # the drafts dead all the same)
+            out["priced"]["cut"] = {
+                "dead_row_us": args.dead_row_us, "k": kmax,
+                **{str(c): cut_timing([(len(ids), plen + 1, cut_accepts(
+                    ids, chains, probs, ctx, kmax, args.rule_min_n, c))
+                    for ids, plen, chains, probs, ctx in reps], prices, kmax,
+                    args.dead_row_us)
+                   for c in (float(x) for x in args.cut.split(",") if x)}}
+            log(f"{name} cut at K={kmax}: " + ", ".join(
+                f"{c} {v['speed']} ({v['verified']} verified)"
+                for c, v in out["priced"]["cut"].items() if isinstance(v, dict)))
         for k in ks:
             per_rule: dict[str, list] = {}
-            for ids, plen, chains, p0, ctx in reps:
-                steps = replay(ids, plen, chains, p0, ctx, k, min_ns, confs)
+            for ids, plen, chains, probs, ctx in reps:
+                steps = replay(ids, plen, chains, probs, ctx, k, min_ns, confs)
                 for rule, s in steps.items():
                     per_rule.setdefault(rule, []).append(s)
             out["k"][k] = {rule: {"acceptance_length": round(sum(map(sum, s)) /

@@ -77,6 +77,37 @@ def test_every_level_interpolates_between_the_measured_graphs():
                                     (600.0, bent), 7)["fixed_k"][5]
 
 
+def test_the_cut_verifies_while_the_heads_probability_holds_and_prices_dead_rows():
+    """`cut_accepts`: the head's chain is verified while the product of its drafts'
+    probabilities stays at least the cut, a context copy never cut; `cut_timing`: no cut
+    is fixed K's price, a cut step pays the live rows' price plus dead_us a dead row."""
+    from bench.draft_oracle import cut_accepts, cut_timing, every_level
+
+    answer = list(range(20))
+    chains = {n - 2: [n, n + 1, 99, n + 3] for n in range(1, 20)}  # two right, then wrong
+    probs = {n - 2: [0.9, 0.5, 0.5, 0.9] for n in range(1, 20)}
+    ctx = {n: (0, []) for n in range(2, 20)}
+    ctx[5] = (3, [5, 6, 7, 8])  # a copy, right throughout
+    got = cut_accepts(answer, chains, probs, ctx, 4, 3, 0.4)  # 0.9, 0.45 pass; 0.225 not
+    assert got[2] == (2, 2) and got[5] == (4, 4)
+    assert cut_accepts(answer, chains, probs, ctx, 4, 3, 0.0)[2] == (2, 4)
+    assert cut_accepts(answer, chains, probs, ctx, 4, 3, 0.95)[2] == (0, 0)
+
+    def lin(q, d):
+        return 600.0 + 45.0 * q + 30.0 * d
+
+    cost = {(q, d): lin(q, d) for q in (1, 2, 4, 8) for d in (0, 1, 2, 4, 7)}
+    full = every_level(cost)
+    every = [(10, 1, {n: (7, 7) for n in range(1, 10)})]
+    assert cut_timing(every, (600.0, cost), 7, 5.0)["speed"] == \
+        timing([(10, 1, {n: 7 for n in range(1, 10)})], (600.0, cost), 7)["fixed_k"][7]
+    two = [(4, 1, {1: (1, 2), 3: (0, 0)})]  # verified 2 (accepted 1), then none
+    t = full[(3, 7)] + 5 * 5.0 + full[(1, 7)] + 7 * 5.0
+    r = cut_timing(two, (600.0, cost), 7, 5.0)
+    assert r["speed"] == round(3 * 600.0 / t, 3) and r["verified"] == 1.0
+    assert r["acceptance"] == 1.5
+
+
 def test_main_on_the_embedded_model(tmp_path):
     """The whole replay on the embedded SmolLM2 and the shipped head, two short answers."""
     from bench.draft_oracle import main
@@ -93,6 +124,10 @@ def test_main_on_the_embedded_model(tmp_path):
             assert 1.0 <= r["acceptance_length"] <= 4.0 and r["steps"] >= 24 / 4 - 1
         priced = s["priced"]["measured"]
         assert priced["foresight_bound"] >= max(priced["fixed_k"].values()) > 0.5
+        cut = s["priced"]["cut"]
+        assert cut["k"] == 3 and {"0.0", "0.01", "0.05"} <= set(cut)
+        # a stricter cut verifies no more drafts
+        assert cut["0.0"]["verified"] >= cut["0.01"]["verified"] >= cut["0.05"]["verified"]
     assert res["sets"]["fig1"]["answer_tokens"] == [24]  # EOS ignored there
 
 
