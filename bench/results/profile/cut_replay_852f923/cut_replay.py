@@ -9,8 +9,6 @@ import time
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), *[".."] * 4)))
 import argparse
 
-import torch  # noqa: E402
-
 from bench import draft_oracle as do  # noqa: E402
 from bench.common import model_arguments, replay_engine, torch_dtype  # noqa: E402
 
@@ -24,7 +22,7 @@ args = p.parse_args()
 from dataclasses import replace  # noqa: E402
 
 from cluster import prompt_sets  # noqa: E402
-from cluster.train_eagle3 import self_distill, ttt_forward  # noqa: E402
+from cluster.train_eagle3 import self_distill  # noqa: E402
 from engine import Engine  # noqa: E402
 from engine.config import SpecConfig  # noqa: E402
 
@@ -46,18 +44,7 @@ lvl = do.every_level(cost)
 reps = []
 for r in recs:
     ids = r.ids.tolist()
-    dev = next(head.parameters()).device
-    aux = r.aux.to(dev, next(head.parameters()).dtype)[None]
-    with torch.no_grad():
-        outs = ttt_forward(head, base.model.embed_tokens, aux, r.ids.to(dev)[1:][None], K)
-        preds, probs = [], []
-        for out in outs:
-            lp = head.logits(out[0]).softmax(-1)
-            best = lp.argmax(-1)
-            preds.append(head.draft_to_target[best])
-            probs.append(lp.gather(-1, best[:, None])[:, 0])
-    chains = torch.stack(preds, 1).tolist()
-    pr = torch.stack(probs, 1).float().tolist()
+    chains, pr = do.head_chains(head, base.model, r, K)  # (its own copy of this at 852f923)
     ctx = do.context_copies(ids, r.prompt_len, K, max_n)
     reps.append((ids, r.prompt_len, chains, pr, ctx))
 res = {}
