@@ -35,14 +35,15 @@ def fill(gs, b: int, q: int, context: int, block_size: int, drafts: int,
     ids.copy_(torch.randint(100, 20000, (b * q,), device=dev))
     p = (torch.arange(q, device=dev) + context - q).repeat(b)
     pos.copy_(p)
-    seq = torch.arange(b, device=dev).repeat_interleave(q)
-    meta.slot_mapping.copy_(torch.full_like(p, -1) if dead else
-                            (seq * nblk + p // block_size + 1) * block_size + p % block_size)
     meta.query_start.copy_(torch.arange(b + 1, device=dev) * q)
     meta.seq_lens.fill_(context)
     tab = torch.arange(b * nblk, device=dev).view(b, nblk) + 1
     meta.block_tables.zero_()
     meta.block_tables[:, :nblk].copy_(tab)
+    # each row's slot in its sequence's blocks (the table's), or none
+    blk = tab.gather(1, p.view(b, q) // block_size).view(-1)
+    meta.slot_mapping.copy_(torch.full_like(p, -1) if dead else
+                            blk * block_size + p % block_size)
     for e in extras:  # the fused step's per-row draft counts
         e.zero_()
         e.view(b, q, -1)[:, 0] = drafts

@@ -613,9 +613,8 @@ class Engine:
                 row += n
                 continue
             k, res = results[i]
-            if k and res.num_verified != 0:
-                self._record_verify(seq, k if res.num_verified is None else res.num_verified,
-                                    res)
+            if res.verified(k):
+                self._record_verify(seq, res.verified(k), res)
             seq.draft, seq.draft_q = [], None
             out, reason = self._emit(seq, res.tokens)
             outs.append(out)
@@ -660,8 +659,7 @@ class Engine:
         update = self.spec.policy.update if self.spec is not None else None
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             k, res = results[i]
-            # (drafts sent: k; verified: fewer where the device cut them, `fused.CUT_PROB`)
-            v = k if res.num_verified is None else res.num_verified
+            v = res.verified(k)  # (fewer than k where the device cut them, `fused.CUT_PROB`)
             if v:
                 seq.num_drafted += v
                 seq.num_accepted += res.num_accepted

@@ -122,7 +122,7 @@ class LlamaModel(nn.Module):
         attention, o, gate_up, down, each one Triton launch."""
         fold = self.prologue_linears and h.shape[0] in self.prologue_rows
         # Rows that store no KV (a bucket's padding, verify rows past a sequence's drafts)
-        # feed nothing that is read: their GEMV programs skip their loads.
+        # feed nothing that is read: their GEMV programs write zeros and exit.
         live = meta.slot_mapping if fold and ops.SKIP_DEAD_ROWS else None
         taps, res = {}, None
         for i, layer in enumerate(self.layers):
@@ -272,7 +272,7 @@ class Projection(NamedTuple):
 
 def norm_proj(p, x, ln: RMSNorm, res, fold: bool, live=None):
     """(p(norm(x + res)), x + res); res None (the embedding): (p(norm(x)), x). live (folded
-    only): `ops.prologue_linear`'s, dead rows read nothing."""
+    only): `ops.prologue_linear`'s, dead rows computed as zeros."""
     if fold:
         if res is None:
             return ops.prologue_linear(x, p.weight, p.bias, norm_weight=ln.weight,

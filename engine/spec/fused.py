@@ -171,9 +171,12 @@ def compile_continuation_variants(query_levels, block_size: int, device) -> None
     i64 = {"dtype": torch.int64, "device": device}
     f32 = {"dtype": torch.float32, "device": device}
     for q in query_levels:
+        pd = torch.ones(max(q - 1, 1), 1, **f32)
+        # the cut's variants (drafts' probabilities, context copy lengths) only where the
+        # graphs captured now keep them (CUT_PROB > 0)
+        extras = [(), (pd,), (pd, torch.zeros(1, **i64))] if CUT_PROB > 0 else [()]
         for sel in (None, torch.zeros(1, **i64)):
-            for extra in ((), (torch.ones(max(q - 1, 1), 1, **f32),),
-                          (torch.ones(max(q - 1, 1), 1, **f32), torch.zeros(1, **i64))):
+            for extra in extras:
                 out = (torch.zeros(q, **i64), torch.zeros(1, **i64),
                        torch.zeros(1, max(q - 1, 1), **i64), *extra)
                 meta = _Meta(torch.ones(1, 4, **i64), torch.zeros(q, **i64),
