@@ -271,7 +271,13 @@ if triton_available():
         rk0 = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
+        dt = X.dtype.element_ty
+        w = tl.load(W + rn[:, None] * stride_w + rk0[None, :],
+                    mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
         if HAS_LIVE:  # one row a program (BLOCK_M == 1): a dead row's writes zeros, exits
+            # (read after the first weight tile's load is issued: the two latencies overlap;
+            # read first, it cost a live row one load's latency in every projection, ~7%
+            # of a K=7 verify step: spec_ab_036dc12)
             if tl.load(LIVE + pid_m) < 0:
                 if USE_PDL:  # (its outputs may be memory the kernel before still reads)
                     tl.extra.cuda.gdc_wait()
@@ -283,9 +289,6 @@ if triton_available():
                         tl.store(RES_OUT + pid_m * K + rk,
                                  tl.zeros([BLOCK_K], RES_OUT.dtype.element_ty), mask=rk < K)
                 return
-        dt = X.dtype.element_ty
-        w = tl.load(W + rn[:, None] * stride_w + rk0[None, :],
-                    mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
