@@ -245,7 +245,8 @@ if triton_available():
                                 HAS_BIAS: tl.constexpr, HAS_LIVE: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr, PREC: tl.constexpr,
-                                ROWS_FIRST: tl.constexpr, USE_PDL: tl.constexpr):
+                                ROWS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
+                                ASM_EXIT: tl.constexpr = False):
         """Y[M, N] = a(X) @ W[N, K].T (+ B), the activation a() computed per K tile in the
         prologue and rounded where the separate kernels round:
         PRO 0: a(x) = x;
@@ -275,23 +276,39 @@ if triton_available():
         w = tl.load(W + rn[:, None] * stride_w + rk0[None, :],
                     mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
         if HAS_LIVE:  # one row a program (BLOCK_M == 1): a dead row's writes zeros, exits
-            # (read after the first weight tile's load is issued: the two latencies overlap;
-            # read first, it cost a live row one load's latency in every projection, ~7%
-            # of a K=7 verify step: spec_ab_036dc12)
-            if tl.load(LIVE + pid_m) < 0:
-                if USE_PDL:  # (its outputs may be memory the kernel before still reads)
-                    tl.extra.cuda.gdc_wait()
-                tl.store(Y + pid_m * stride_y + rn, tl.zeros([BLOCK_N], Y.dtype.element_ty),
-                         mask=n_ok)
-                if PRO == 1 and HAS_RES and pid_n == 0:
-                    for k0 in range(0, K, BLOCK_K):
-                        rk = k0 + rk0
-                        tl.store(RES_OUT + pid_m * K + rk,
-                                 tl.zeros([BLOCK_K], RES_OUT.dtype.element_ty), mask=rk < K)
-                return
+            # (its KV slot read beside the first weight tile's load, before the wait)
+            dead = tl.load(LIVE + pid_m) < 0
+            if not ASM_EXIT:  # Triton's interpreter: an early return
+                if dead:
+                    tl.store(Y + pid_m * stride_y + rn,
+                             tl.zeros([BLOCK_N], Y.dtype.element_ty), mask=n_ok)
+                    if PRO == 1 and HAS_RES and pid_n == 0:
+                        for k0 in range(0, K, BLOCK_K):
+                            rk = k0 + rk0
+                            tl.store(RES_OUT + pid_m * K + rk,
+                                     tl.zeros([BLOCK_K], RES_OUT.dtype.element_ty),
+                                     mask=rk < K)
+                    return
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        if HAS_LIVE and ASM_EXIT:
+            # On the GPU the zeros are stores predicated on the row being dead and the exit
+            # one predicated PTX `exit`, so the live path has no branch: with an early return
+            # ptxas gave the norm-prologue variant 153 registers instead of 96 (three
+            # programs an SM instead of five; 8 live rows +15% a layer, a K=7 verify step
+            # -7%: bench/results/profile/live_rows_c05e680).
+            tl.store(Y + pid_m * stride_y + rn, tl.zeros([BLOCK_N], Y.dtype.element_ty),
+                     mask=n_ok & dead)
+            if PRO == 1 and HAS_RES:
+                for k0 in range(0, K, BLOCK_K):
+                    rk = k0 + rk0
+                    tl.store(RES_OUT + pid_m * K + rk,
+                             tl.zeros([BLOCK_K], RES_OUT.dtype.element_ty),
+                             mask=(rk < K) & dead & (pid_n == 0))
+            tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.s32 p, $1, 0; @p exit; mov.u32 $0, 0; }", "=r,r",
+                [dead.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if PRO == 1:  # the row's mean square first: one pass over x (+ r)
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -955,5 +972,6 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             HAS_RES=residual is not None, HAS_BIAS=bias is not None,
             HAS_LIVE=live is not None and bm == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             PREC="ieee" if x.dtype == torch.float32 else "tf32", ROWS_FIRST=ROWS_FIRST,
+            ASM_EXIT=x.is_cuda and torch.version.hip is None,
             num_warps=warps, **pdl_args(x, always=True))
     return y if residual is None else (y, res_out)

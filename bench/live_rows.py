@@ -1,0 +1,104 @@
+"""What `ops.prologue_linear`'s dead-row check (`live`) costs the rows it does not skip: a
+SmolLM2-shaped layer stack's four projections (qkv and gate_up after a norm, o, down after
+SiLU-and-mul), random bf16 weights, one CUDA graph of every layer's projections, PDL as
+configured, at 1..8 rows: without `live`, with every row live, and with one row live and the
+rest dead. Also each compiled variant's registers and spills. Timing only.
+
+    python -m bench.live_rows --out DIR [--rows 1,2,8] [--layers 30]
+
+Writes DIR/live_rows.json with the command, GPU, versions and date."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+SMOL = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+
+
+def compiled_variants(kernel) -> list[dict]:
+    """Registers, spills and shared memory of every compiled variant of a Triton kernel."""
+    out = []
+
+    def walk(obj, depth=0):
+        if depth > 4:
+            return
+        if hasattr(obj, "n_regs") and hasattr(obj, "metadata"):
+            md = obj.metadata
+            consts = getattr(md, "constants", None) or {}
+            out.append({"n_regs": obj.n_regs, "n_spills": obj.n_spills,
+                        "shared": getattr(md, "shared", None),
+                        "num_warps": getattr(md, "num_warps", None),
+                        "constants": {str(k): str(v) for k, v in dict(consts).items()}})
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v, depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v, depth + 1)
+
+    walk(getattr(kernel, "device_caches", {}))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=".")
+    p.add_argument("--rows", default="1,2,8")
+    p.add_argument("--layers", type=int, default=30)
+    args = p.parse_args(argv)
+    from engine import ops
+    from engine.graphs import graph_time_us
+
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    layers = [{name: torch.randn(n, k, device=dev, dtype=dt, generator=g) * 0.02
+               for name, (n, k) in SMOL.items()} for _ in range(args.layers)]
+    norms = [torch.ones(576, device=dev, dtype=dt) for _ in range(2)]
+    results = []
+    for m in [int(r) for r in args.rows.split(",")]:
+        x = torch.randn(m, 576, device=dev, dtype=dt, generator=g)
+        r = torch.randn(m, 576, device=dev, dtype=dt, generator=g)
+        gu = torch.randn(m, 2 * 1536, device=dev, dtype=dt, generator=g)
+        live_all = torch.arange(m, device=dev, dtype=torch.int64)
+        live_one = torch.full((m,), -1, device=dev, dtype=torch.int64)
+        live_one[0] = 0
+        cases = {"no_check": None, "all_live": live_all}
+        if m > 1:
+            cases["one_live"] = live_one
+        for case, live in cases.items():
+            def step(i, live=live, x=x, r=r, gu=gu):
+                w = layers[i % len(layers)]
+                ops.prologue_linear(x, w["qkv"], norm_weight=norms[0], eps=1e-5, residual=r,
+                                    live=live)
+                ops.prologue_linear(x, w["o"], live=live)
+                ops.prologue_linear(x, w["gate_up"], norm_weight=norms[1], eps=1e-5,
+                                    residual=r, live=live)
+                ops.prologue_linear(gu, w["down"], silu=True, live=live)
+            us = [round(graph_time_us(step, args.layers, iters=20), 2) for _ in range(3)]
+            results.append({"rows": m, "case": case, "us_per_layer": us,
+                            "best": min(us)})
+            print(f"[live_rows] rows {m} {case}: {min(us)} us a layer ({us})", flush=True)
+    out = {"command": " ".join([os.path.basename(sys.executable), "-m", "bench.live_rows"]
+                               + (argv if argv is not None else sys.argv[1:])),
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": __import__("triton").__version__,
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "layers": args.layers,
+           "results": results, "compiled": compiled_variants(ops._prologue_linear_kernel)}
+    for c in out["compiled"]:
+        print("[live_rows] variant", c["n_regs"], "regs", c["n_spills"], "spills",
+              {k: v for k, v in c["constants"].items() if "HAS_LIVE" in k or "PRO" in k
+               or "BLOCK" in k})
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "live_rows.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
