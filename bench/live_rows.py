@@ -2,9 +2,12 @@
 SmolLM2-shaped layer stack's four projections (qkv and gate_up after a norm, o, down after
 SiLU-and-mul), random bf16 weights, one CUDA graph of every layer's projections, PDL as
 configured, at 1..8 rows: without `live`, with every row live, and with one row live and the
-rest dead. Also each compiled variant's registers and spills. Timing only.
+rest dead. Also each compiled variant's registers and spills. With --tiles, the same layer
+stack with one projection's GEMV tiles changed at a time (the same tiles for 1..8 rows, as
+the engine needs them: a verify row must round as the one-row decode does). Timing only.
 
     python -m bench.live_rows --out DIR [--rows 1,2,8] [--layers 30]
+    python -m bench.live_rows --out DIR --tiles 8x1024w4,32x1024w4 [--rows 1,8]
 
 Writes DIR/live_rows.json with the command, GPU, versions and date."""
 
@@ -51,6 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=".")
     p.add_argument("--rows", default="1,2,8")
     p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--tiles", default="",
+                   help="GEMV tiles BNxBKwWARPS (comma-separated) tried on each projection")
     args = p.parse_args(argv)
     from engine import ops
     from engine.graphs import graph_time_us
@@ -68,10 +73,20 @@ def main(argv=None) -> int:
         live_all = torch.arange(m, device=dev, dtype=torch.int64)
         live_one = torch.full((m,), -1, device=dev, dtype=torch.int64)
         live_one[0] = 0
-        cases = {"no_check": None, "all_live": live_all}
+        cases = {"no_check": (None, {}), "all_live": (live_all, {})}
         if m > 1:
-            cases["one_live"] = live_one
-        for case, live in cases.items():
+            cases["one_live"] = (live_one, {})
+        if args.tiles:  # the baseline, then each projection under each tile
+            cases = {"default": (None, {})}
+            for name, (n, k) in SMOL.items():
+                for t in args.tiles.split(","):
+                    bn, rest = t.split("x")
+                    bk, w = rest.split("w")
+                    cases[f"{name}_{t}"] = (None, {(q, n, k): (1, int(bn), int(bk), int(w))
+                                                   for q in range(1, 9)})
+        for case, (live, tiles) in cases.items():
+            ops.LINEAR_TILES.clear()
+            ops.LINEAR_TILES.update(tiles)
             def step(i, live=live, x=x, r=r, gu=gu):
                 w = layers[i % len(layers)]
                 ops.prologue_linear(x, w["qkv"], norm_weight=norms[0], eps=1e-5, residual=r,
@@ -84,6 +99,7 @@ def main(argv=None) -> int:
             results.append({"rows": m, "case": case, "us_per_layer": us,
                             "best": min(us)})
             print(f"[live_rows] rows {m} {case}: {min(us)} us a layer ({us})", flush=True)
+        ops.LINEAR_TILES.clear()
     out = {"command": " ".join([os.path.basename(sys.executable), "-m", "bench.live_rows"]
                                + (argv if argv is not None else sys.argv[1:])),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
