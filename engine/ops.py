@@ -910,13 +910,13 @@ GEMV_WARPS = 4  # warps of a one-row GEMV program (every row count up to 8)
 
 def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
                  ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear. Up to 8
-    rows: one GEMV program per row and column block over narrow, long weight tiles (16 x
-    1024: 1.1-3.5 us for each SmolLM2 projection on the H200 under PDL); the rows' programs
-    read the same tiles, all but the first from L2. (Sharing each tile across rows inside
-    one program measured 1.5-2.5x slower in three designs; the last, at 20723cd, lost even
-    at one row: bench/results/profile/shared_rows_20723cd/.) Above: one tl.dot row block
-    per 16 rows.
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear. Up to 8 rows:
+    one GEMV program per row and column block over narrow, long weight tiles (16 or 8
+    (`gemv_block_n`) x 1024: 1.1-3.5 us for each SmolLM2 projection on the H200 under PDL); the
+    rows' programs read the same tiles, all but the first from L2. (Sharing each tile across
+    rows inside one program measured 1.5-2.5x slower in three designs; the last, at 20723cd,
+    lost even at one row: bench/results/profile/shared_rows_20723cd/.) Above: one tl.dot row
+    block per 16 rows.
 
     Up to 8 rows the tiles must not depend on the row count: each row is then computed by
     the same program, bit for bit, alone or beside others, so a verify step's rows round
@@ -933,8 +933,17 @@ def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
         bn, bk, warps = dot
         return 16, bn, min(bk, next_pow2(k, 16)), warps
     if m <= 8:
-        return 1, 16, min(1024, next_pow2(k, 16)), GEMV_WARPS
+        return 1, gemv_block_n(n, k), min(1024, next_pow2(k, 16)), GEMV_WARPS
     return 16, 32, min(128, next_pow2(k, 16)), 4
+
+
+def gemv_block_n(n: int, k: int) -> int:
+    """Columns of a GEMV program: 16, or 8 for a projection at least twice as long as it is
+    wide (SmolLM2's down, 576 x 1536), which has few column blocks for its long rows: twice
+    the programs there ran a SmolLM2-shaped layer stack's four projections 0.5 / 0.8 / 0.5 /
+    0.3 us a layer faster at 1 / 2 / 4 / 8 rows on the H200; 8 columns on the others lost
+    at one row (`bench.live_rows --tiles`, bench/results/profile/live_rows_e9012e4/)."""
+    return 8 if k >= 2 * n else 16
 
 
 def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
