@@ -75,10 +75,14 @@ def compile_variant(n: int, k: int, prologue: str, live: bool, arch: int = 90,
     if not hasattr(kern, "arg_names"):
         raise RuntimeError("the kernel is interpreted here (TRITON_INTERPRET=1): unset it")
     bm, bn, bk, warps = ops.linear_tiles(rows, n, k)
+    k_main, tail = 0, 0
+    if bm == 1:
+        bk, k_main, tail = ops.gemv_k_split(k, bk)
     pro = {"plain": 0, "norm": 1, "silu": 2}[prologue]
     consts = dict(N=n, K=k, PRO=pro, HAS_RES=pro == 1, HAS_BIAS=False,
                   HAS_LIVE=live and bm == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC="tf32",
-                  ROWS_FIRST=ops.ROWS_FIRST, USE_PDL=True, ASM_EXIT=True)
+                  ROWS_FIRST=ops.ROWS_FIRST, USE_PDL=True, ASM_EXIT=True, K_MAIN=k_main,
+                  TAIL=tail)
     sig = {name: "*bf16" for name in POINTERS}
     sig["LIVE"] = "*i64"
     sig.update({name: "i32" for name in INTS}, eps="fp32")
@@ -91,7 +95,7 @@ def compile_variant(n: int, k: int, prologue: str, live: bool, arch: int = 90,
                               options={"num_warps": warps})
     res = resources(compiled.asm["cubin"])
     per_sm = 65536 // max(1, res["registers"] * 32 * warps)
-    return {"tiles": [bm, bn, bk, warps], "live": live, **res,
+    return {"tiles": [bm, bn, bk, warps], "k_main": k_main, "tail": tail, "live": live, **res,
             "programs_per_sm_by_registers": per_sm}
 
 
@@ -99,9 +103,15 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H200)")
     p.add_argument("--projections", default=",".join(SMOL))
+    p.add_argument("--exact-k", action="store_true",
+                   help="K as power-of-two tiles plus a tail tile (engine.ops.EXACT_K)")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     import triton
+
+    from engine import ops
+
+    ops.EXACT_K = args.exact_k
 
     rows = []
     for name in args.projections.split(","):
@@ -110,7 +120,8 @@ def main(argv=None) -> list[dict]:
             r = {"projection": name, "n": n, "k": k, "prologue": prologue,
                  **compile_variant(n, k, prologue, live, args.arch)}
             rows.append(r)
-            print(f"[kernel_regs] {name:8s} live={live!s:5s} tiles {r['tiles']}: "
+            print(f"[kernel_regs] {name:8s} live={live!s:5s} tiles {r['tiles']} "
+                  f"tail {r['tail']}: "
                   f"{r['registers']} registers, {r['stack']} B stack, "
                   f"{r['programs_per_sm_by_registers']} programs an SM", flush=True)
     if args.out:
@@ -118,6 +129,7 @@ def main(argv=None) -> list[dict]:
             json.dump({"command": " ".join(["python", "-m", "bench.kernel_regs"]
                                            + (argv if argv is not None else sys.argv[1:])),
                        "triton": triton.__version__, "arch": args.arch,
+                       "exact_k": args.exact_k,
                        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "kernels": rows},
                       f, indent=1)
     return rows

@@ -8,6 +8,7 @@ the engine needs them: a verify row must round as the one-row decode does). Timi
 
     python -m bench.live_rows --out DIR [--rows 1,2,8] [--layers 30]
     python -m bench.live_rows --out DIR --tiles 8x1024w4,32x1024w4 [--rows 1,8]
+    python -m bench.live_rows --out DIR --rows 1,2,4,8 --exact-k
 
 Writes DIR/live_rows.json with the command, GPU, versions and date."""
 
@@ -54,6 +55,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=".")
     p.add_argument("--rows", default="1,2,8")
     p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--exact-k", action="store_true",
+                   help="also every case with engine.ops.EXACT_K (K in power-of-two tiles and "
+                        "a tail tile)")
     p.add_argument("--tiles", default="",
                    help="GEMV tiles BNxBKwWARPS (comma-separated) tried on each projection")
     args = p.parse_args(argv)
@@ -73,20 +77,23 @@ def main(argv=None) -> int:
         live_all = torch.arange(m, device=dev, dtype=torch.int64)
         live_one = torch.full((m,), -1, device=dev, dtype=torch.int64)
         live_one[0] = 0
-        cases = {"no_check": (None, {}), "all_live": (live_all, {})}
+        cases = {"no_check": (None, {}, False), "all_live": (live_all, {}, False)}
         if m > 1:
-            cases["one_live"] = (live_one, {})
+            cases["one_live"] = (live_one, {}, False)
+        if args.exact_k:  # the same with ops.EXACT_K (K = 576 as 512 + a 64-wide tail)
+            cases.update({f"exact_k_{c}": (lv, t, True) for c, (lv, t, _) in cases.items()})
         if args.tiles:  # the baseline, then each projection under each tile
-            cases = {"default": (None, {})}
+            cases = {"default": (None, {}, False)}
             for name, (n, k) in SMOL.items():
                 for t in args.tiles.split(","):
                     bn, rest = t.split("x")
                     bk, w = rest.split("w")
                     cases[f"{name}_{t}"] = (None, {(q, n, k): (1, int(bn), int(bk), int(w))
-                                                   for q in range(1, 9)})
-        for case, (live, tiles) in cases.items():
+                                                   for q in range(1, 9)}, False)
+        for case, (live, tiles, exact) in cases.items():
             ops.LINEAR_TILES.clear()
             ops.LINEAR_TILES.update(tiles)
+            ops.EXACT_K = exact
             def step(i, live=live, x=x, r=r, gu=gu):
                 w = layers[i % len(layers)]
                 ops.prologue_linear(x, w["qkv"], norm_weight=norms[0], eps=1e-5, residual=r,
@@ -100,6 +107,7 @@ def main(argv=None) -> int:
                             "best": min(us)})
             print(f"[live_rows] rows {m} {case}: {min(us)} us a layer ({us})", flush=True)
         ops.LINEAR_TILES.clear()
+        ops.EXACT_K = False
     out = {"command": " ".join([os.path.basename(sys.executable), "-m", "bench.live_rows"]
                                + (argv if argv is not None else sys.argv[1:])),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -238,6 +238,45 @@ if triton_available():
         if USE_PDL and not EARLY:
             tl.extra.cuda.gdc_launch_dependents()
 
+    @triton.jit
+    def _prologue_sumsq(X, R, RES_OUT, rm, m_ok, rk, stride_x, stride_r, pid_n,
+                        K: tl.constexpr, HAS_RES: tl.constexpr):
+        """Per row, the sum of squares of x (+ r) over the K columns rk; the sum x + r also
+        goes to RES_OUT (by the first column block)."""
+        ok = m_ok[:, None] & (rk < K)[None, :]
+        x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
+        if HAS_RES:
+            r = tl.load(R + rm[:, None] * stride_r + rk[None, :], mask=ok, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+            if pid_n == 0:
+                tl.store(RES_OUT + rm[:, None] * K + rk[None, :], x, mask=ok)
+        xf = x.to(tl.float32)
+        return tl.sum(xf * xf, 1)
+
+    @triton.jit
+    def _prologue_act(X, R, NW, rm, m_ok, rk, stride_x, stride_r, rstd, K: tl.constexpr,
+                      PRO: tl.constexpr, HAS_RES: tl.constexpr):
+        """`_prologue_linear_kernel`'s activation a() of rows rm over the K columns rk."""
+        dt = X.dtype.element_ty
+        k_ok = rk < K
+        ok = m_ok[:, None] & k_ok[None, :]
+        if PRO == 2:
+            g = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
+            u = tl.load(X + rm[:, None] * stride_x + K + rk[None, :], mask=ok, other=0.0)
+            gf = g.to(tl.float32)
+            sg = (gf / (1.0 + tl.exp(-gf))).to(dt)
+            a = (sg.to(tl.float32) * u.to(tl.float32)).to(dt)
+        else:
+            a = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
+            if PRO == 1:
+                if HAS_RES:
+                    r = tl.load(R + rm[:, None] * stride_r + rk[None, :], mask=ok, other=0.0)
+                    a = (a.to(tl.float32) + r.to(tl.float32)).to(dt)
+                h = (a.to(tl.float32) * rstd[:, None]).to(dt)
+                nw = tl.load(NW + rk, mask=k_ok, other=0.0)
+                a = (nw.to(tl.float32)[None, :] * h.to(tl.float32)).to(dt)
+        return a
+
     @triton.jit(do_not_specialize=["M"])  # the row count varies by the step
     def _prologue_linear_kernel(X, R, NW, W, B, Y, RES_OUT, LIVE, M, eps, stride_x, stride_r,
                                 stride_w, stride_y, N: tl.constexpr, K: tl.constexpr,
@@ -246,7 +285,8 @@ if triton_available():
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr, PREC: tl.constexpr,
                                 ROWS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
-                                ASM_EXIT: tl.constexpr = False):
+                                ASM_EXIT: tl.constexpr = False, K_MAIN: tl.constexpr = 0,
+                                TAIL: tl.constexpr = 0):
         """Y[M, N] = a(X) @ W[N, K].T (+ B), the activation a() computed per K tile in the
         prologue and rounded where the separate kernels round:
         PRO 0: a(x) = x;
@@ -260,7 +300,12 @@ if triton_available():
         HAS_LIVE (one-row programs, BLOCK_M == 1): a row whose LIVE entry (its KV slot) is
         negative is dead, a padding row whose output nothing reads; its programs write zeros
         (to RES_OUT too) and exit, computing nothing. LIVE must be written before the launch
-        before this one (it is read ahead of the programmatic-launch wait)."""
+        before this one (it is read ahead of the programmatic-launch wait).
+        K_MAIN / TAIL (`gemv_k_split`): the BLOCK_K tiles cover K_MAIN columns of K and one
+        tile of TAIL columns the rest, so a K that is no power of two (SmolLM2's 576 = 512 +
+        64) is read without the padding of one 1024-wide tile; both weight tiles load before
+        the wait. K_MAIN 0: BLOCK_K tiles over all of K, the last padded."""
+        KM: tl.constexpr = K if K_MAIN == 0 else K_MAIN
         if ROWS_FIRST:
             pid_m = tl.program_id(0)
             pid_n = tl.program_id(1)
@@ -272,9 +317,12 @@ if triton_available():
         rk0 = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
-        dt = X.dtype.element_ty
         w = tl.load(W + rn[:, None] * stride_w + rk0[None, :],
-                    mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
+                    mask=n_ok[:, None] & (rk0 < KM)[None, :], other=0.0)
+        if TAIL > 0:
+            rt = KM + tl.arange(0, TAIL)
+            wt = tl.load(W + rn[:, None] * stride_w + rt[None, :],
+                         mask=n_ok[:, None] & (rt < K)[None, :], other=0.0)
         if HAS_LIVE:  # one row a program (BLOCK_M == 1): a dead row's writes zeros, exits
             # (its KV slot read beside the first weight tile's load, before the wait)
             dead = tl.load(LIVE + pid_m) < 0
@@ -312,47 +360,33 @@ if triton_available():
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
         if PRO == 1:  # the row's mean square first: one pass over x (+ r)
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                rk = k0 + rk0
-                ok = m_ok[:, None] & (rk < K)[None, :]
-                x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
-                if HAS_RES:
-                    r = tl.load(R + rm[:, None] * stride_r + rk[None, :], mask=ok, other=0.0)
-                    x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
-                    if pid_n == 0:
-                        tl.store(RES_OUT + rm[:, None] * K + rk[None, :], x, mask=ok)
-                xf = x.to(tl.float32)
-                ss += tl.sum(xf * xf, 1)
+            for k0 in range(0, KM, BLOCK_K):
+                ss += _prologue_sumsq(X, R, RES_OUT, rm, m_ok, k0 + rk0, stride_x, stride_r,
+                                      pid_n, K, HAS_RES)
+            if TAIL > 0:
+                ss += _prologue_sumsq(X, R, RES_OUT, rm, m_ok, rt, stride_x, stride_r, pid_n,
+                                      K, HAS_RES)
             rstd = tl.math.rsqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, KM, BLOCK_K):
             rk = k0 + rk0
-            k_ok = rk < K
-            ok = m_ok[:, None] & k_ok[None, :]
-            if PRO == 2:
-                g = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
-                u = tl.load(X + rm[:, None] * stride_x + K + rk[None, :], mask=ok, other=0.0)
-                gf = g.to(tl.float32)
-                sg = (gf / (1.0 + tl.exp(-gf))).to(dt)
-                a = (sg.to(tl.float32) * u.to(tl.float32)).to(dt)
-            else:
-                a = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
-                if PRO == 1:
-                    if HAS_RES:
-                        r = tl.load(R + rm[:, None] * stride_r + rk[None, :], mask=ok,
-                                    other=0.0)
-                        a = (a.to(tl.float32) + r.to(tl.float32)).to(dt)
-                    h = (a.to(tl.float32) * rstd[:, None]).to(dt)
-                    nw = tl.load(NW + rk, mask=k_ok, other=0.0)
-                    a = (nw.to(tl.float32)[None, :] * h.to(tl.float32)).to(dt)
+            a = _prologue_act(X, R, NW, rm, m_ok, rk, stride_x, stride_r, rstd, K, PRO,
+                              HAS_RES)
             cur = w
             nk = rk + BLOCK_K  # the next tile's weights (masked off past K: no traffic)
             w = tl.load(W + rn[:, None] * stride_w + nk[None, :],
-                        mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
+                        mask=n_ok[:, None] & (nk < KM)[None, :], other=0.0)
             if BLOCK_M == 1:  # a GEMV: products summed along K
                 acc += tl.sum(a.to(tl.float32) * cur.to(tl.float32), 1)[None, :]
             else:
                 acc = tl.dot(a, tl.trans(cur), acc, input_precision=PREC)
+        if TAIL > 0:
+            a = _prologue_act(X, R, NW, rm, m_ok, rt, stride_x, stride_r, rstd, K, PRO,
+                              HAS_RES)
+            if BLOCK_M == 1:
+                acc += tl.sum(a.to(tl.float32) * wt.to(tl.float32), 1)[None, :]
+            else:
+                acc = tl.dot(a, tl.trans(wt), acc, input_precision=PREC)
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
@@ -937,6 +971,27 @@ def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
     return 16, 32, min(128, next_pow2(k, 16)), 4
 
 
+# A GEMV program reads K as BLOCK_K tiles plus one tail tile where K is no power of two
+# (`gemv_k_split`): SmolLM2's K = 576 as 512 + 64 instead of one 1024-wide tile 44% padding,
+# whose registers bound the programs an SM holds (qkv and gate_up 96 registers: five; the
+# 1536 gate_up programs of an 8-row verify then run in three waves). Off until measured on
+# the GPU (`bench.live_rows`, `bench.kernel_regs`).
+EXACT_K = False
+
+
+def gemv_k_split(k: int, block_k: int) -> tuple[int, int, int]:
+    """(BLOCK_K, K_MAIN, TAIL) of a GEMV program over K = k with tiles of at most block_k:
+    with `EXACT_K`, BLOCK_K tiles of the largest power of two <= k cover K_MAIN columns and
+    one tile of TAIL (a power of two >= 16, 0: none) the rest; without, (block_k, 0, 0): the
+    kernel's BLOCK_K tiles over all of K, the last padded. Depends on k only, never on the
+    row count."""
+    if not EXACT_K:
+        return block_k, 0, 0
+    b = min(block_k, 1 << (k.bit_length() - 1))
+    main = k // b * b
+    return b, main, (next_pow2(k - main, 16) if k > main else 0)
+
+
 def gemv_block_n(n: int, k: int) -> int:
     """Columns of a GEMV program: 16, or 8 for a projection at least twice as long as it is
     wide (SmolLM2's down, 576 x 1536), which has few column blocks for its long rows: twice
@@ -972,6 +1027,9 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         bm, bn, bk, warps = linear_tiles(m, n, k, dot)
         assert bm == 1 or bm >= 16, "row blocks are GEMVs (1) or tl.dot tiles (16+)"
         r = residual if residual is not None else x
+        k_main, tail = 0, 0
+        if bm == 1:
+            bk, k_main, tail = gemv_k_split(k, bk)
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
         _prologue_linear_kernel[grid[::-1] if ROWS_FIRST else grid](
             x, r, norm_weight if norm_weight is not None else weight,
@@ -981,6 +1039,6 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             HAS_RES=residual is not None, HAS_BIAS=bias is not None,
             HAS_LIVE=live is not None and bm == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             PREC="ieee" if x.dtype == torch.float32 else "tf32", ROWS_FIRST=ROWS_FIRST,
-            ASM_EXIT=x.is_cuda and torch.version.hip is None,
+            ASM_EXIT=x.is_cuda and torch.version.hip is None, K_MAIN=k_main, TAIL=tail,
             num_warps=warps, **pdl_args(x, always=True))
     return y if residual is None else (y, res_out)

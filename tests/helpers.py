@@ -12,8 +12,9 @@ TIE_EPS = 1e-4
 
 def tiny_engine(seed: int = 0, **cfg) -> Engine:
     """A 2-layer random Llama with small blocks, so tests cross block boundaries often."""
-    model_kw = {k: cfg.pop(k) for k in list(cfg) if k in ("vocab_size", "num_layers",
-                                                          "tie_word_embeddings", "max_position")}
+    model_kw = {k: cfg.pop(k) for k in list(cfg) if k in (
+        "vocab_size", "num_layers", "tie_word_embeddings", "max_position", "hidden_size",
+        "intermediate_size", "num_heads", "num_kv_heads")}
     cfg.setdefault("num_blocks", 256)
     cfg.setdefault("block_size", 4)
     eng = Engine(EngineConfig(model=tiny_config(**model_kw), **cfg))

@@ -120,6 +120,20 @@ def test_spec_with_graphs_is_lossless_fp32(random_smol):
     assert spec.spec.fused_runs > 0  # pure decode steps ran as one fused graph
 
 
+def test_exact_k_tiles_keep_spec_lossless_fp32(random_smol, monkeypatch):
+    """`ops.EXACT_K` (a GEMV reads K as power-of-two tiles plus a tail tile): speculation
+    through the CUDA graphs stays token-identical to the torch backend's greedy decode."""
+    from engine import ops
+    from engine.config import SpecConfig
+
+    monkeypatch.setattr(ops, "EXACT_K", True)
+    ref = _greedy(random_smol)
+    spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
+                                   spec=SpecConfig(num_tokens=7, dynamic=False))
+    assert _greedy(spec) == ref
+    assert spec.spec.fused_runs > 0
+
+
 def test_fused_step_is_lossless_with_dynamic_k_fp32(random_smol):
     from engine.config import SpecConfig
 

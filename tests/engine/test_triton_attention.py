@@ -185,16 +185,20 @@ def test_fused_ops_round_like_the_reference(dtype):
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, **tol)
 
 
+@pytest.mark.parametrize("exact_k", [False, True], ids=["padded", "exact_k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,k", [(1, 48), (3, 48), (8, 48), (17, 48), (5, 1100)])
-def test_prologue_linear_equals_its_two_kernels(dtype, rows, k):
+def test_prologue_linear_equals_its_two_kernels(dtype, rows, k, exact_k, monkeypatch):
     """norm + projection, SiLU-and-mul + projection and a plain projection in one launch, each
     against the separate kernel followed by the GEMM: the residual sum exactly, the outputs to
     fp32 rounding (the GEMM's summation order), in fp16 up to one rounding step. K = 1100
-    takes two weight tiles, the second partly masked."""
+    takes two weight tiles, the second partly masked; with `ops.EXACT_K` the GEMV takes
+    K = 48 as 32 + a 16-wide tail and 1100 as 1024 + a 128-wide tail."""
     import torch.nn.functional as F
 
     from engine import ops
+
+    monkeypatch.setattr(ops, "EXACT_K", exact_k)
 
     g = torch.Generator().manual_seed(rows)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
@@ -218,9 +222,10 @@ def test_prologue_linear_equals_its_two_kernels(dtype, rows, k):
         ops.prologue_linear(x, w, silu=True)
 
 
+@pytest.mark.parametrize("exact_k", [False, True], ids=["padded", "exact_k"])
 @pytest.mark.parametrize("dot", [None, (32, 256, 4)], ids=["gemv", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prologue_linear_rows_are_batch_invariant(dtype, dot, monkeypatch):
+def test_prologue_linear_rows_are_batch_invariant(dtype, dot, exact_k, monkeypatch):
     """Up to 8 rows, a row's output must not depend on how many rows share the launch: bit
     for bit, alone or in a batch of 2-8 (what keeps a verify step's logits equal to the
     one-row decode step's, and greedy speculation token-identical in bf16); with one GEMV
@@ -228,6 +233,7 @@ def test_prologue_linear_rows_are_batch_invariant(dtype, dot, monkeypatch):
     from engine import ops
 
     monkeypatch.setattr(ops, "DOT_TILES", dot)
+    monkeypatch.setattr(ops, "EXACT_K", exact_k)
 
     g = torch.Generator().manual_seed(3)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
@@ -247,9 +253,11 @@ def test_prologue_linear_rows_are_batch_invariant(dtype, dot, monkeypatch):
     assert len({ops.linear_tiles(m, n, k) for m in range(1, 9)}) == 1
 
 
+@pytest.mark.parametrize("exact_k", [False, True], ids=["padded", "exact_k"])
 @pytest.mark.parametrize("dot", [None, (32, 256, 4)], ids=["gemv", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prologue_linear_dead_rows_read_nothing_and_live_rows_are_unchanged(dtype, dot,
+                                                                           exact_k,
                                                                            monkeypatch):
     """`live` (KV slots; negative: a padding or cut verify row): on the one-program-a-row
     GEMV dead rows come out as zeros (the residual sum too) and live rows equal the launch
@@ -258,6 +266,7 @@ def test_prologue_linear_dead_rows_read_nothing_and_live_rows_are_unchanged(dtyp
     from engine import ops
 
     monkeypatch.setattr(ops, "DOT_TILES", dot)
+    monkeypatch.setattr(ops, "EXACT_K", exact_k)
     g = torch.Generator().manual_seed(4)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
     n, k, m = (96, 1100, 8) if DEV == "cuda" else (16, 48, 5)
@@ -368,16 +377,21 @@ def test_large_projections_take_our_kernels_on_a_gpu_only(monkeypatch):
     assert calls == ["gemv", "dot", "dot"]
 
 
+@pytest.mark.parametrize("exact_k", [False, True], ids=["padded", "exact_k"])
 @pytest.mark.parametrize("rows", [1, 6, 70])
-def test_prologue_forward_equals_the_fused_forward(rows):
+def test_prologue_forward_equals_the_fused_forward(rows, exact_k, monkeypatch):
     """The forward with norms folded into the projections (every row count up to 64 allowed
     here) against the fused forward without them, aux taps included; above that both take
-    the separate kernels."""
+    the separate kernels. With `ops.EXACT_K` too, on a shape whose K are no powers of two
+    (48 = 32 + a 16-wide tail, 96 = 64 + 32), as SmolLM2's 576 is not."""
     from engine import ops
     from engine.graphs import pack
     from tests.helpers import tiny_engine
 
-    eng = tiny_engine(num_blocks=64, device=DEV, attention_backend="triton")
+    monkeypatch.setattr(ops, "EXACT_K", exact_k)
+    shape = dict(hidden_size=48, intermediate_size=96, num_heads=3, num_kv_heads=1) \
+        if exact_k else {}
+    eng = tiny_engine(num_blocks=64, device=DEV, attention_backend="triton", **shape)
     assert eng.model.prologue_linears
     if DEV == "cpu":  # a GPU calibrates its own set when the engine captures its graphs
         assert eng.model.prologue_rows == frozenset(range(1, ops.LINEAR_MAX_ROWS + 1))
