@@ -924,11 +924,11 @@ ROWS_FIRST = True
 DOT_TILES: tuple[int, int, int] | None = None
 # The target's folded projections skip the rows that store no KV (`prologue_linear`'s live):
 # a graph bucket's padding rows and a verify step's rows past its sequence's drafts, which
-# the device may cut short (`engine.spec.fused.CUT_PROB`). Off until measured live: as
-# masked loads (852f923) it saved nothing and cost ~1.5% (figure 1's fixed K=7 + context in
-# turns: 2.367x no-spec without, 2.329x with it, no cut; spec_ab_852f923), since a one-row
-# program's time is not its loads; since 05f9b80 a dead row's programs exit at once (8 dead
-# verify rows +61 us over one row against +297 live: profile/dead_rows_05f9b80).
+# the device may cut short (`engine.spec.fused.CUT_PROB`). A dead row's programs write zeros
+# and exit (8 dead verify rows +61 us over one row against +297 live:
+# profile/dead_rows_05f9b80); since e9012e4 the check costs live rows <1% (it cost 7% of a
+# K=7 step as an early return, spec_ab_036dc12). Off: live on figure 1 it bought nothing
+# without the cut (2.287x no-spec against 2.304x, spec_ab_e9012e4), and the cut does not pay.
 SKIP_DEAD_ROWS = False
 LOGITS_DOT_TILES = (64, 128, 4)
 DOT_MAX_ROWS = 16

@@ -54,7 +54,9 @@ FUSED_ACCEPT = True
 # prompts on the CPU); on the H200 (bench/results/profile/spec_ab_852f923) cut rows saved no
 # step time (1142 us a K=7 step cut at 0.03 against 1134-1145 uncut) while acceptance fell
 # 4.74 -> 4.51, so it is off. That was with the dead rows' loads masked, which left their
-# cost; since 05f9b80 their programs exit (profile/dead_rows_05f9b80), not yet run live.
+# cost. With their programs exiting and the check free for live rows (e9012e4) it still
+# does not pay: fixed K=7 + context 2.305x no-spec at 0.01, 2.268x at 0.02, uncut 2.304x
+# (acceptance 4.69 / 4.55 / 4.74; bench/results/profile/spec_ab_e9012e4).
 # Read when a graph is captured (whether the drafts' probabilities are kept) and at each
 # continuation; 0: verify every draft.
 CUT_PROB = 0.0
