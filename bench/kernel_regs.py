@@ -78,6 +78,8 @@ def compile_variant(n: int, k: int, prologue: str, live: bool, arch: int = 90,
     k_main, tail = 0, 0
     if bm == 1:
         bk, k_main, tail = ops.gemv_k_split(k, bk)
+        if tail and ops.EXACT_K == "match":
+            warps = max(1, bk // 256)
     pro = {"plain": 0, "norm": 1, "silu": 2}[prologue]
     consts = dict(N=n, K=k, PRO=pro, HAS_RES=pro == 1, HAS_BIAS=False,
                   HAS_LIVE=live and bm == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC="tf32",
@@ -103,15 +105,16 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H200)")
     p.add_argument("--projections", default=",".join(SMOL))
-    p.add_argument("--exact-k", action="store_true",
-                   help="K as power-of-two tiles plus a tail tile (engine.ops.EXACT_K)")
+    p.add_argument("--exact-k", nargs="?", const="on", default="",
+                   help="K as power-of-two tiles plus a tail tile (engine.ops.EXACT_K); "
+                        "'match': with warps = BLOCK_K / 256 where K is split")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     import triton
 
     from engine import ops
 
-    ops.EXACT_K = args.exact_k
+    ops.EXACT_K = {"": False, "on": True, "match": "match"}[args.exact_k]
 
     rows = []
     for name in args.projections.split(","):
@@ -129,7 +132,7 @@ def main(argv=None) -> list[dict]:
             json.dump({"command": " ".join(["python", "-m", "bench.kernel_regs"]
                                            + (argv if argv is not None else sys.argv[1:])),
                        "triton": triton.__version__, "arch": args.arch,
-                       "exact_k": args.exact_k,
+                       "exact_k": ops.EXACT_K,
                        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "kernels": rows},
                       f, indent=1)
     return rows

@@ -80,8 +80,11 @@ def main(argv=None) -> int:
         cases = {"no_check": (None, {}, False), "all_live": (live_all, {}, False)}
         if m > 1:
             cases["one_live"] = (live_one, {}, False)
-        if args.exact_k:  # the same with ops.EXACT_K (K = 576 as 512 + a 64-wide tail)
-            cases.update({f"exact_k_{c}": (lv, t, True) for c, (lv, t, _) in cases.items()})
+        if args.exact_k:  # the same with ops.EXACT_K (K = 576 as 512 + a 64-wide tail),
+            # at the tiles' warps and at warps matched to the split tiles
+            base = dict(cases)
+            for mode, tag in ((True, "exact_k"), ("match", "exact_k_match")):
+                cases.update({f"{tag}_{c}": (lv, t, mode) for c, (lv, t, _) in base.items()})
         if args.tiles:  # the baseline, then each projection under each tile
             cases = {"default": (None, {}, False)}
             for name, (n, k) in SMOL.items():

@@ -975,8 +975,11 @@ def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
 # (`gemv_k_split`): SmolLM2's K = 576 as 512 + 64 instead of one 1024-wide tile 44% padding,
 # whose registers bound the programs an SM holds (qkv and gate_up 96 registers: five; the
 # 1536 gate_up programs of an 8-row verify then run in three waves). Off until measured on
-# the GPU (`bench.live_rows`, `bench.kernel_regs`).
-EXACT_K = False
+# the GPU (`bench.live_rows`, `bench.kernel_regs`). "match": also warps = BLOCK_K / 256 where
+# K is split, so that a 512-wide tile is laid out for loading as it is for the products (at
+# 4 warps Triton 3.6 moves the whole [16, 512] weight tile through shared memory between the
+# two; at 2 warps it does not: 128 registers x 64 threads, 8 programs an SM).
+EXACT_K: bool | str = False
 
 
 def gemv_k_split(k: int, block_k: int) -> tuple[int, int, int]:
@@ -1030,6 +1033,8 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         k_main, tail = 0, 0
         if bm == 1:
             bk, k_main, tail = gemv_k_split(k, bk)
+            if tail and EXACT_K == "match":
+                warps = max(1, bk // 256)
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
         _prologue_linear_kernel[grid[::-1] if ROWS_FIRST else grid](
             x, r, norm_weight if norm_weight is not None else weight,

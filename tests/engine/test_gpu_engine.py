@@ -120,13 +120,15 @@ def test_spec_with_graphs_is_lossless_fp32(random_smol):
     assert spec.spec.fused_runs > 0  # pure decode steps ran as one fused graph
 
 
-def test_exact_k_tiles_keep_spec_lossless_fp32(random_smol, monkeypatch):
-    """`ops.EXACT_K` (a GEMV reads K as power-of-two tiles plus a tail tile): speculation
-    through the CUDA graphs stays token-identical to the torch backend's greedy decode."""
+@pytest.mark.parametrize("mode", [True, "match"])
+def test_exact_k_tiles_keep_spec_lossless_fp32(random_smol, monkeypatch, mode):
+    """`ops.EXACT_K` (a GEMV reads K as power-of-two tiles plus a tail tile; "match": with
+    warps matched to the split tiles): speculation through the CUDA graphs stays
+    token-identical to the torch backend's greedy decode."""
     from engine import ops
     from engine.config import SpecConfig
 
-    monkeypatch.setattr(ops, "EXACT_K", True)
+    monkeypatch.setattr(ops, "EXACT_K", mode)
     ref = _greedy(random_smol)
     spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
                                    spec=SpecConfig(num_tokens=7, dynamic=False))

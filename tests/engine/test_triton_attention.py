@@ -185,7 +185,7 @@ def test_fused_ops_round_like_the_reference(dtype):
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, **tol)
 
 
-@pytest.mark.parametrize("exact_k", [False, True], ids=["padded", "exact_k"])
+@pytest.mark.parametrize("exact_k", [False, True, "match"], ids=["padded", "exact_k", "match"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,k", [(1, 48), (3, 48), (8, 48), (17, 48), (5, 1100)])
 def test_prologue_linear_equals_its_two_kernels(dtype, rows, k, exact_k, monkeypatch):
