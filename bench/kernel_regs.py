@@ -1,6 +1,6 @@
 """Registers and spills of the prologue GEMV (`ops._prologue_linear_kernel`) as ptxas builds
 it for a GPU architecture, without a GPU: each SmolLM2 projection's variant with the engine's
-own tiles (`ops.linear_tiles`), with and without the dead-row check (`live`), compiled by the
+own tiles (`ops.prologue_tiles`), with and without the dead-row check (`live`), compiled by the
 installed Triton for `cuda:<arch>` with 16-byte-divisible pointers and strides (what the
 launches specialize on) and read back with the wheel's `cuobjdump -res-usage`.
 
@@ -18,7 +18,6 @@ Writes JSON with the command, Triton version and date when --out is given."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import subprocess
@@ -74,12 +73,7 @@ def compile_variant(n: int, k: int, prologue: str, live: bool, arch: int = 90,
     kern = ops._prologue_linear_kernel
     if not hasattr(kern, "arg_names"):
         raise RuntimeError("the kernel is interpreted here (TRITON_INTERPRET=1): unset it")
-    bm, bn, bk, warps = ops.linear_tiles(rows, n, k)
-    k_main, tail = 0, 0
-    if bm == 1:
-        bk, k_main, tail = ops.gemv_k_split(k, bk)
-        if tail and ops.EXACT_K == "match":
-            warps = max(1, bk // 256)
+    bm, bn, bk, warps, k_main, tail = ops.prologue_tiles(rows, n, k)
     pro = {"plain": 0, "norm": 1, "silu": 2}[prologue]
     consts = dict(N=n, K=k, PRO=pro, HAS_RES=pro == 1, HAS_BIAS=False,
                   HAS_LIVE=live and bm == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC="tf32",
@@ -112,6 +106,7 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     import triton
 
+    from bench.common import save_json
     from engine import ops
 
     ops.EXACT_K = {"": False, "on": True, "match": "match"}[args.exact_k]
@@ -128,13 +123,11 @@ def main(argv=None) -> list[dict]:
                   f"{r['registers']} registers, {r['stack']} B stack, "
                   f"{r['programs_per_sm_by_registers']} programs an SM", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"command": " ".join(["python", "-m", "bench.kernel_regs"]
-                                           + (argv if argv is not None else sys.argv[1:])),
-                       "triton": triton.__version__, "arch": args.arch,
-                       "exact_k": ops.EXACT_K,
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "kernels": rows},
-                      f, indent=1)
+        save_json(args.out, {"command": " ".join(["python", "-m", "bench.kernel_regs"]
+                                                 + (argv if argv is not None else sys.argv[1:])),
+                             "triton": triton.__version__, "arch": args.arch,
+                             "exact_k": ops.EXACT_K,
+                             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "kernels": rows})
     return rows
 
 

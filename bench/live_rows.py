@@ -15,7 +15,6 @@ Writes DIR/live_rows.json with the command, GPU, versions and date."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -61,6 +60,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", default="",
                    help="GEMV tiles BNxBKwWARPS (comma-separated) tried on each projection")
     args = p.parse_args(argv)
+    from bench.common import save_json
     from engine import ops
     from engine.graphs import graph_time_us
 
@@ -121,9 +121,7 @@ def main(argv=None) -> int:
         print("[live_rows] variant", c["n_regs"], "regs", c["n_spills"], "spills",
               {k: v for k, v in c["constants"].items() if "HAS_LIVE" in k or "PRO" in k
                or "BLOCK" in k})
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "live_rows.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    save_json(os.path.join(args.out, "live_rows.json"), out)
     return 0
 
 

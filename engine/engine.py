@@ -613,8 +613,9 @@ class Engine:
                 row += n
                 continue
             k, res = results[i]
-            if res.verified(k):
-                self._record_verify(seq, res.verified(k), res)
+            v = res.verified(k)  # (fewer than k where the device cut them, `fused.CUT_PROB`)
+            if v:
+                self._record_verify(seq, v, res)
             seq.draft, seq.draft_q = [], None
             out, reason = self._emit(seq, res.tokens)
             outs.append(out)

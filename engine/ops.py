@@ -1004,6 +1004,20 @@ def gemv_block_n(n: int, k: int) -> int:
     return 8 if k >= 2 * n else 16
 
 
+def prologue_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
+                   ) -> tuple[int, int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, K_MAIN, TAIL) of `prologue_linear`'s launch over
+    m rows of an [n, k] weight: `linear_tiles`, then on the GEMV `gemv_k_split` (with
+    EXACT_K "match", warps = BLOCK_K / 256 where K is split)."""
+    bm, bn, bk, warps = linear_tiles(m, n, k, dot)
+    k_main, tail = 0, 0
+    if bm == 1:
+        bk, k_main, tail = gemv_k_split(k, bk)
+        if tail and EXACT_K == "match":
+            warps = max(1, bk // 256)
+    return bm, bn, bk, warps, k_main, tail
+
+
 def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                     residual: torch.Tensor | None = None, silu: bool = False,
@@ -1027,14 +1041,9 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
     if m:
-        bm, bn, bk, warps = linear_tiles(m, n, k, dot)
+        bm, bn, bk, warps, k_main, tail = prologue_tiles(m, n, k, dot)
         assert bm == 1 or bm >= 16, "row blocks are GEMVs (1) or tl.dot tiles (16+)"
         r = residual if residual is not None else x
-        k_main, tail = 0, 0
-        if bm == 1:
-            bk, k_main, tail = gemv_k_split(k, bk)
-            if tail and EXACT_K == "match":
-                warps = max(1, bk // 256)
         grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
         _prologue_linear_kernel[grid[::-1] if ROWS_FIRST else grid](
             x, r, norm_weight if norm_weight is not None else weight,
