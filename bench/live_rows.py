@@ -9,6 +9,7 @@ the engine needs them: a verify row must round as the one-row decode does). Timi
     python -m bench.live_rows --out DIR [--rows 1,2,8] [--layers 30]
     python -m bench.live_rows --out DIR --tiles 8x1024w4,32x1024w4 [--rows 1,8]
     python -m bench.live_rows --out DIR --rows 1,2,4,8 --exact-k
+    python -m bench.live_rows --out DIR --rows 1,2,4,8 --one-load
 
 Writes DIR/live_rows.json with the command, GPU, versions and date."""
 
@@ -57,6 +58,9 @@ def main(argv=None) -> int:
     p.add_argument("--exact-k", action="store_true",
                    help="also every case with engine.ops.EXACT_K (K in power-of-two tiles and "
                         "a tail tile)")
+    p.add_argument("--one-load", action="store_true",
+                   help="also every case with engine.ops.ONE_LOAD off (the norm prologue "
+                        "reading x twice)")
     p.add_argument("--tiles", default="",
                    help="GEMV tiles BNxBKwWARPS (comma-separated) tried on each projection")
     args = p.parse_args(argv)
@@ -85,6 +89,8 @@ def main(argv=None) -> int:
             base = dict(cases)
             for mode, tag in ((True, "exact_k"), ("match", "exact_k_match")):
                 cases.update({f"{tag}_{c}": (lv, t, mode) for c, (lv, t, _) in base.items()})
+        if args.one_load:  # the norm prologue reading x (+ r) twice, as before ONE_LOAD
+            cases.update({f"two_loads_{c}": (lv, t, e) for c, (lv, t, e) in list(cases.items())})
         if args.tiles:  # the baseline, then each projection under each tile
             cases = {"default": (None, {}, False)}
             for name, (n, k) in SMOL.items():
@@ -97,6 +103,7 @@ def main(argv=None) -> int:
             ops.LINEAR_TILES.clear()
             ops.LINEAR_TILES.update(tiles)
             ops.EXACT_K = exact
+            ops.ONE_LOAD = not case.startswith("two_loads_")
             def step(i, live=live, x=x, r=r, gu=gu):
                 w = layers[i % len(layers)]
                 ops.prologue_linear(x, w["qkv"], norm_weight=norms[0], eps=1e-5, residual=r,
@@ -111,6 +118,7 @@ def main(argv=None) -> int:
             print(f"[live_rows] rows {m} {case}: {min(us)} us a layer ({us})", flush=True)
         ops.LINEAR_TILES.clear()
         ops.EXACT_K = False
+        ops.ONE_LOAD = True
     out = {"command": " ".join([os.path.basename(sys.executable), "-m", "bench.live_rows"]
                                + (argv if argv is not None else sys.argv[1:])),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

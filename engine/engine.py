@@ -11,6 +11,7 @@ import torch
 
 from engine import loader
 from engine.attention import get_backend
+from engine.attention.triton_backend import draft_attention
 from engine.attention.triton_backend import long_context as _long_context
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -128,8 +129,9 @@ class Engine:
             return None
 
         def backend(hc):
-            return get_backend(cfg.backend_name)(hc.num_heads, hc.num_kv_heads, hc.head_dim,
-                                                 cfg.block_size)
+            kind = get_backend(cfg.backend_name)
+            kw = draft_attention(torch.device(cfg.device)) if kind.name == "triton" else {}
+            return kind(hc.num_heads, hc.num_kv_heads, hc.head_dim, cfg.block_size, **kw)
 
         if given is None:
             return load_head(spec.head or loader.shipped_head(m), m, backend, cfg.dtype,

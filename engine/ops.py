@@ -239,10 +239,10 @@ if triton_available():
             tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
-    def _prologue_sumsq(X, R, RES_OUT, rm, m_ok, rk, stride_x, stride_r, pid_n,
-                        K: tl.constexpr, HAS_RES: tl.constexpr):
-        """Per row, the sum of squares of x (+ r) over the K columns rk; the sum x + r also
-        goes to RES_OUT (by the first column block)."""
+    def _prologue_sum(X, R, RES_OUT, rm, m_ok, rk, stride_x, stride_r, pid_n,
+                      K: tl.constexpr, HAS_RES: tl.constexpr):
+        """x (+ r, rounded as `_add_rmsnorm_kernel` rounds it) over the K columns rk; the sum
+        also goes to RES_OUT (by the first column block)."""
         ok = m_ok[:, None] & (rk < K)[None, :]
         x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
         if HAS_RES:
@@ -250,8 +250,24 @@ if triton_available():
             x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
             if pid_n == 0:
                 tl.store(RES_OUT + rm[:, None] * K + rk[None, :], x, mask=ok)
-        xf = x.to(tl.float32)
+        return x
+
+    @triton.jit
+    def _prologue_sumsq(X, R, RES_OUT, rm, m_ok, rk, stride_x, stride_r, pid_n,
+                        K: tl.constexpr, HAS_RES: tl.constexpr):
+        """Per row, the sum of squares of x (+ r) over the K columns rk (`_prologue_sum`)."""
+        xf = _prologue_sum(X, R, RES_OUT, rm, m_ok, rk, stride_x, stride_r, pid_n, K,
+                           HAS_RES).to(tl.float32)
         return tl.sum(xf * xf, 1)
+
+    @triton.jit
+    def _prologue_norm(a, NW, rk, rstd, K: tl.constexpr):
+        """rmsnorm of the rows a (x + r already summed) over the K columns rk, times NW,
+        rounded as `_add_rmsnorm_kernel` rounds it."""
+        dt = a.dtype
+        h = (a.to(tl.float32) * rstd[:, None]).to(dt)
+        nw = tl.load(NW + rk, mask=rk < K, other=0.0)
+        return (nw.to(tl.float32)[None, :] * h.to(tl.float32)).to(dt)
 
     @triton.jit
     def _prologue_act(X, R, NW, rm, m_ok, rk, stride_x, stride_r, rstd, K: tl.constexpr,
@@ -272,9 +288,7 @@ if triton_available():
                 if HAS_RES:
                     r = tl.load(R + rm[:, None] * stride_r + rk[None, :], mask=ok, other=0.0)
                     a = (a.to(tl.float32) + r.to(tl.float32)).to(dt)
-                h = (a.to(tl.float32) * rstd[:, None]).to(dt)
-                nw = tl.load(NW + rk, mask=k_ok, other=0.0)
-                a = (nw.to(tl.float32)[None, :] * h.to(tl.float32)).to(dt)
+                a = _prologue_norm(a, NW, rk, rstd, K)
         return a
 
     @triton.jit(do_not_specialize=["M"])  # the row count varies by the step
@@ -286,7 +300,7 @@ if triton_available():
                                 BLOCK_K: tl.constexpr, PREC: tl.constexpr,
                                 ROWS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
                                 ASM_EXIT: tl.constexpr = False, K_MAIN: tl.constexpr = 0,
-                                TAIL: tl.constexpr = 0):
+                                TAIL: tl.constexpr = 0, ONE_LOAD: tl.constexpr = False):
         """Y[M, N] = a(X) @ W[N, K].T (+ B), the activation a() computed per K tile in the
         prologue and rounded where the separate kernels round:
         PRO 0: a(x) = x;
@@ -304,7 +318,10 @@ if triton_available():
         K_MAIN / TAIL (`gemv_k_split`): the BLOCK_K tiles cover K_MAIN columns of K and one
         tile of TAIL columns the rest, so a K that is no power of two (SmolLM2's 576 = 512 +
         64) is read without the padding of one 1024-wide tile; both weight tiles load before
-        the wait. K_MAIN 0: BLOCK_K tiles over all of K, the last padded."""
+        the wait. K_MAIN 0: BLOCK_K tiles over all of K, the last padded.
+        ONE_LOAD (PRO 1 where one BLOCK_K tile covers K): x (+ r) is read once, for its mean
+        square and for the products, not once for each (the same numbers, one round trip
+        to memory fewer before the products)."""
         KM: tl.constexpr = K if K_MAIN == 0 else K_MAIN
         if ROWS_FIRST:
             pid_m = tl.program_id(0)
@@ -358,7 +375,12 @@ if triton_available():
                 "{ .reg .pred p; setp.ne.s32 p, $1, 0; @p exit; mov.u32 $0, 0; }", "=r,r",
                 [dead.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
         rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if PRO == 1:  # the row's mean square first: one pass over x (+ r)
+        if ONE_LOAD:  # one tile: x (+ r) loaded once, kept for the products
+            xs = _prologue_sum(X, R, RES_OUT, rm, m_ok, rk0, stride_x, stride_r, pid_n, K,
+                               HAS_RES)
+            xsf = xs.to(tl.float32)
+            rstd = tl.math.rsqrt(tl.sum(xsf * xsf, 1) / K + eps)
+        elif PRO == 1:  # the row's mean square first: one pass over x (+ r)
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k0 in range(0, KM, BLOCK_K):
                 ss += _prologue_sumsq(X, R, RES_OUT, rm, m_ok, k0 + rk0, stride_x, stride_r,
@@ -368,25 +390,32 @@ if triton_available():
                                       K, HAS_RES)
             rstd = tl.math.rsqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, KM, BLOCK_K):
-            rk = k0 + rk0
-            a = _prologue_act(X, R, NW, rm, m_ok, rk, stride_x, stride_r, rstd, K, PRO,
-                              HAS_RES)
-            cur = w
-            nk = rk + BLOCK_K  # the next tile's weights (masked off past K: no traffic)
-            w = tl.load(W + rn[:, None] * stride_w + nk[None, :],
-                        mask=n_ok[:, None] & (nk < KM)[None, :], other=0.0)
-            if BLOCK_M == 1:  # a GEMV: products summed along K
-                acc += tl.sum(a.to(tl.float32) * cur.to(tl.float32), 1)[None, :]
-            else:
-                acc = tl.dot(a, tl.trans(cur), acc, input_precision=PREC)
-        if TAIL > 0:
-            a = _prologue_act(X, R, NW, rm, m_ok, rt, stride_x, stride_r, rstd, K, PRO,
-                              HAS_RES)
+        if ONE_LOAD:
+            a = _prologue_norm(xs, NW, rk0, rstd, K)
             if BLOCK_M == 1:
-                acc += tl.sum(a.to(tl.float32) * wt.to(tl.float32), 1)[None, :]
+                acc += tl.sum(a.to(tl.float32) * w.to(tl.float32), 1)[None, :]
             else:
-                acc = tl.dot(a, tl.trans(wt), acc, input_precision=PREC)
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+        else:
+            for k0 in range(0, KM, BLOCK_K):
+                rk = k0 + rk0
+                a = _prologue_act(X, R, NW, rm, m_ok, rk, stride_x, stride_r, rstd, K, PRO,
+                                  HAS_RES)
+                cur = w
+                nk = rk + BLOCK_K  # the next tile's weights (masked off past K: no traffic)
+                w = tl.load(W + rn[:, None] * stride_w + nk[None, :],
+                            mask=n_ok[:, None] & (nk < KM)[None, :], other=0.0)
+                if BLOCK_M == 1:  # a GEMV: products summed along K
+                    acc += tl.sum(a.to(tl.float32) * cur.to(tl.float32), 1)[None, :]
+                else:
+                    acc = tl.dot(a, tl.trans(cur), acc, input_precision=PREC)
+            if TAIL > 0:
+                a = _prologue_act(X, R, NW, rm, m_ok, rt, stride_x, stride_r, rstd, K, PRO,
+                                  HAS_RES)
+                if BLOCK_M == 1:
+                    acc += tl.sum(a.to(tl.float32) * wt.to(tl.float32), 1)[None, :]
+                else:
+                    acc = tl.dot(a, tl.trans(wt), acc, input_precision=PREC)
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
@@ -939,6 +968,9 @@ def prologue_suits(weights) -> bool:
     return all(n * k <= LINEAR_MAX_WEIGHT for n, k in weights)
 
 
+# A norm prologue whose K fits one tile reads x (+ r) once, for its mean square and for the
+# products (`_prologue_linear_kernel`'s ONE_LOAD): the same numbers.
+ONE_LOAD = True
 GEMV_WARPS = 4  # warps of a one-row GEMV program (every row count up to 8)
 
 
@@ -1054,5 +1086,6 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             HAS_LIVE=live is not None and bm == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             PREC="ieee" if x.dtype == torch.float32 else "tf32", ROWS_FIRST=ROWS_FIRST,
             ASM_EXIT=x.is_cuda and torch.version.hip is None, K_MAIN=k_main, TAIL=tail,
+            ONE_LOAD=ONE_LOAD and pro == 1 and not k_main and k <= bk,
             num_warps=warps, **pdl_args(x, always=True))
     return y if residual is None else (y, res_out)

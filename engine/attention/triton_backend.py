@@ -45,6 +45,20 @@ SPLIT_KEYS = 128
 INTERPRETER_SPLIT_KEYS = 1024
 
 
+# The draft head's attention (`draft_attention`): its numbers need match no other path's, so
+# it takes smaller tiles than the target's. A chained SmolLM2 draft step on the H200 took
+# 20.9 us with 64-key splits and 16-row tiles against 22.2 with the target's (320 keys;
+# `python -m bench.chain_costs`, bench/results/profile/chain_costs_*).
+DRAFT_SPLIT_KEYS = 64
+DRAFT_MIN_TILE = 16
+
+
+def draft_attention(device: torch.device) -> dict:
+    """`TritonAttention` keyword arguments for a draft head's layer on `device`."""
+    return {"split_keys": DRAFT_SPLIT_KEYS if device.type == "cuda" else None,
+            "min_tile": DRAFT_MIN_TILE}
+
+
 def long_context(device: torch.device) -> int:
     """Keys per split by default on `device`, and the context past which a batch of few
     sequences takes the split-KV path: CUDA graph buckets are captured once per side of it."""
@@ -351,7 +365,7 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 split_keys: int | None = None):
+                 split_keys: int | None = None, min_tile: int = 32):
         if triton is None:
             raise RuntimeError("the triton attention backend needs the `triton` package")
         super().__init__(num_heads, num_kv_heads, head_dim, block_size)
@@ -362,6 +376,10 @@ class TritonAttention(AttentionBackend):
         # on how many queries it brings (decode and verify reduce in the same order). None:
         # the device's `long_context`.
         self.split_keys = split_keys
+        # Fewest rows a program's tile holds (`tile_m`): 32 keeps the target's decode and
+        # verify rows rounding alike; the draft head, whose numbers no other path must
+        # match, takes 16 (`draft_attention`).
+        self.min_tile = min_tile
 
     def store_kv(self, k, v, kv_cache, meta: AttentionMetadata) -> None:
         t = k.shape[0]
@@ -388,7 +406,7 @@ class TritonAttention(AttentionBackend):
         share one tile shape and warp count: a row's softmax then reduces in the same order
         in both, and its output is the same bit for bit (greedy speculation stays
         token-identical to no speculation)."""
-        return min(64, max(32, next_pow2(max_query_len * self.group)))
+        return min(64, max(self.min_tile, next_pow2(max_query_len * self.group)))
 
     def max_split_seqs(self, device: torch.device) -> int:
         """The most sequences a batch may hold and still take the split-KV path."""

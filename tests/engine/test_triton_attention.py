@@ -222,6 +222,28 @@ def test_prologue_linear_equals_its_two_kernels(dtype, rows, k, exact_k, monkeyp
         ops.prologue_linear(x, w, silu=True)
 
 
+@pytest.mark.parametrize("dot", [None, (32, 256, 4)], ids=["gemv", "dot"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prologue_one_load_changes_no_number(dtype, dot, monkeypatch):
+    """`ops.ONE_LOAD` (a norm prologue whose K fits one tile reads x + r once, for the mean
+    square and for the products) gives the same outputs and residual sums, bit for bit, as
+    reading them twice; a K of two tiles is read as before."""
+    from engine import ops
+
+    monkeypatch.setattr(ops, "DOT_TILES", dot)
+    g = torch.Generator().manual_seed(5)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
+    for k, m in ((48, 1), (48, 3), (1100, 2)):
+        x, r, w, nw = rnd(m, k), rnd(m, k), rnd(40, k) / 7, rnd(k)
+        outs = []
+        for one in (True, False):
+            monkeypatch.setattr(ops, "ONE_LOAD", one)
+            outs.append(ops.prologue_linear(x, w, norm_weight=nw, eps=1e-5, residual=r)
+                        + (ops.prologue_linear(x, w, norm_weight=nw, eps=1e-5),))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), (k, m)
+
+
 @pytest.mark.parametrize("exact_k", [False, True], ids=["padded", "exact_k"])
 @pytest.mark.parametrize("dot", [None, (32, 256, 4)], ids=["gemv", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
