@@ -100,7 +100,7 @@ def main(argv=None) -> int:
                                   block_tables=tables, max_query_len=1,
                                   max_seq_len=target.max_position)))
 
-            def chain(_i):
+            def chain(_i, metas=metas):
                 t, h = tok0, hid0
                 for pos, m in metas:
                     h, t = head.chain_step(table, t, h, pos, kv, m)
