@@ -1,6 +1,6 @@
 """What each launch of a chained draft step costs: the shipped EAGLE-3 head (its own bf16
 weights from assets/, a random SmolLM2-shaped embedding table and draft KV), one sequence,
-`--steps` chained steps (`Eagle3Head.chain_step`, as the fused graph runs them) captured in
+`--steps` chained steps (`fused.chain_steps`, as the fused graph runs them) captured in
 one CUDA graph, at a few context lengths. Then the same chain with one launch taken out at a
 time (its output left as it was): what folding that launch into a neighbour could save at
 most. Timing only: the tokens are random and the skipped launches' outputs stale.
@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import os
 import time
+import types
 
 import torch
 
@@ -51,10 +52,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from bench.common import command_line, log, save_json
     from engine import ops
-    from engine.attention import AttentionMetadata, get_backend
+    from engine.attention import get_backend
     from engine.attention.triton_backend import draft_attention
     from engine.graphs import graph_time_us
     from engine.spec.eagle3 import load_head
+    from engine.spec.fused import chain_steps
 
     dev, dt, bs = "cuda", torch.bfloat16, args.block_size
     target = smol_target()
@@ -73,11 +75,11 @@ def main(argv=None) -> int:
     # stand-ins for a skipped launch's output
     x_dual = torch.randn(1, 1152, device=dev, dtype=dt, generator=g)
     attn_out = torch.randn(1, 9, 64, device=dev, dtype=dt, generator=g)
-    fixed_tok = tok0.clone()
 
     variants = {
         "full": [],
-        "no_argmax": [(ops, "argmax_rows", lambda x, off=None, prob=None: fixed_tok)],
+        # the argmax in a launch of its own, not folded into the LM head's GEMV
+        "argmax_launch": [(ops, "FUSED_ARGMAX", False)],
         "no_dual_norm": [(ops, "dual_rmsnorm", lambda *a, **k: x_dual)],
         "no_rope_store": [(ops, "rope_store_", lambda *a, **k: None)],
         "no_attention": [(backend, "attend", lambda q, kc, meta: attn_out)],
@@ -86,25 +88,17 @@ def main(argv=None) -> int:
         "target_attention": [(backend, "split_keys", None), (backend, "min_tile", 32)],
     }
     results = []
+    table_owner = types.SimpleNamespace(embed_tokens=types.SimpleNamespace(weight=table))
+    one = torch.ones(1, device=dev, dtype=torch.int64)
+    qs = torch.tensor([0, 1], device=dev, dtype=torch.int64)
     with torch.inference_mode():
         for ctx in [int(c) for c in args.contexts.split(",")]:
-            metas = []
-            for s in range(args.steps):
-                n = ctx + s
-                metas.append((torch.tensor([n - 1], device=dev),
-                              AttentionMetadata(
-                                  slot_mapping=torch.tensor([bs + n - 1], device=dev),
-                                  query_start=torch.tensor([0, 1], device=dev,
-                                                           dtype=torch.int32),
-                                  seq_lens=torch.tensor([n], device=dev, dtype=torch.int32),
-                                  block_tables=tables, max_query_len=1,
-                                  max_seq_len=target.max_position)))
+            start = torch.full((1,), ctx, device=dev, dtype=torch.int64)
 
-            def chain(_i, metas=metas):
-                t, h = tok0, hid0
-                for pos, m in metas:
-                    h, t = head.chain_step(table, t, h, pos, kv, m)
-                return t
+            def chain(_i, start=start):  # as the fused step runs its chained drafts
+                return chain_steps(head, table_owner, kv, bs, tables, tok0, hid0,
+                                   one * (args.steps + 1), start, one, qs,
+                                   target.max_position, args.steps)
 
             row = {"context": ctx, "steps": args.steps}
             for name, patches in variants.items():

@@ -8,6 +8,8 @@ store share one launch, `rope_store_`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from engine.attention.triton_backend import next_pow2, pdl_args, sm_count, triton, triton_available
@@ -135,19 +137,40 @@ if triton_available():
         tl.store(Y + offs, _rms(x, w, eps, N).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _dual_rmsnorm_kernel(A, B, WA, WB, Y, IDS, stride_a, stride_b, stride_y, eps, rows_a,
-                             N: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
+    def _key_index(key):
+        """The column an argmax key (`_argmax_key`) holds."""
+        return 4294967295 - (key & 4294967295)
+
+    @triton.jit
+    def _argmax_key(v, col):
+        """int64 keys ordered as (value, then the lower column first): the largest key of a
+        row is its first maximum, as torch.argmax finds it (NaN the largest value)."""
+        v = tl.where(v != v, float("inf"), v) + 0.0  # NaN largest; -0 as +0
+        bits = v.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits < 0, bits ^ 2147483647, bits)
+        return (ordered.to(tl.int64) << 32) | (4294967295 - col.to(tl.int64))
+
+    @triton.jit
+    def _dual_rmsnorm_kernel(A, B, WA, WB, Y, IDS, OFF, IDS_OUT, stride_a, stride_b, stride_y,
+                             eps, rows_a, N: tl.constexpr, BLOCK: tl.constexpr,
+                             GATHER: tl.constexpr, KEYS: tl.constexpr = False,
                              USE_PDL: tl.constexpr = False):
         """Row t of [norm(a) | norm(b)]: program (t, 0) the first half, (t, 1) the second.
         GATHER: the first half's row is A's row IDS[t] (an embedding lookup), clamped into
-        A's rows_a rows."""
+        A's rows_a rows. KEYS: IDS holds argmax keys (`prologue_linear(keys=)`) of draft
+        ids; the token is the key's column + OFF[column], also written to IDS_OUT[t]."""
         row = tl.program_id(0)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if tl.program_id(1) == 0:
             if GATHER:
-                src = tl.minimum(tl.maximum(tl.load(IDS + row), 0), rows_a - 1).to(tl.int64)
+                tok = tl.load(IDS + row)
+                if KEYS:
+                    col = _key_index(tok)
+                    tok = col + tl.load(OFF + col)
+                    tl.store(IDS_OUT + row, tok)
+                src = tl.minimum(tl.maximum(tok, 0), rows_a - 1).to(tl.int64)
             else:
                 src = row
             _rms_row(A + src * stride_a, WA, Y + row * stride_y, eps, N, BLOCK)
@@ -218,6 +241,19 @@ if triton_available():
         m = tl.load(PM + row * CHUNKS + c, mask=c < CHUNKS, other=float("-inf"))
         i = tl.argmax(m, 0, tie_break_left=True)  # the first chunk holding the maximum
         tl.store(OUT + row, tl.load(PI + row * CHUNKS + tl.minimum(i, CHUNKS - 1)))
+
+    @triton.jit
+    def _decode_keys_kernel(KEYS, OFF, OUT, n, BLOCK: tl.constexpr, HAS_OFF: tl.constexpr,
+                            USE_PDL: tl.constexpr = False):
+        r = tl.arange(0, BLOCK)
+        ok = r < n
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        col = _key_index(tl.load(KEYS + r, mask=ok, other=0))
+        if HAS_OFF:
+            col += tl.load(OFF + col, mask=ok, other=0)
+        tl.store(OUT + r, col, mask=ok)
 
     @triton.jit
     def _silu_mul_kernel(GU, Y, stride_g, N: tl.constexpr, BLOCK: tl.constexpr,
@@ -300,7 +336,8 @@ if triton_available():
                                 BLOCK_K: tl.constexpr, PREC: tl.constexpr,
                                 ROWS_FIRST: tl.constexpr, USE_PDL: tl.constexpr,
                                 ASM_EXIT: tl.constexpr = False, K_MAIN: tl.constexpr = 0,
-                                TAIL: tl.constexpr = 0, ONE_LOAD: tl.constexpr = False):
+                                TAIL: tl.constexpr = 0, ONE_LOAD: tl.constexpr = False,
+                                KEYS=None, ARGMAX: tl.constexpr = False):
         """Y[M, N] = a(X) @ W[N, K].T (+ B), the activation a() computed per K tile in the
         prologue and rounded where the separate kernels round:
         PRO 0: a(x) = x;
@@ -321,7 +358,10 @@ if triton_available():
         the wait. K_MAIN 0: BLOCK_K tiles over all of K, the last padded.
         ONE_LOAD (PRO 1 where one BLOCK_K tile covers K): x (+ r) is read once, for its mean
         square and for the products, not once for each (the same numbers, one round trip
-        to memory fewer before the products)."""
+        to memory fewer before the products).
+        ARGMAX: Y is not written; each program folds its columns' largest output (rounded to
+        Y's type) into KEYS[row] (`_argmax_key`, an atomic max), so KEYS, filled with
+        KEY_EMPTY before, ends holding each row's first maximum."""
         KM: tl.constexpr = K if K_MAIN == 0 else K_MAIN
         if ROWS_FIRST:
             pid_m = tl.program_id(0)
@@ -418,8 +458,16 @@ if triton_available():
                     acc = tl.dot(a, tl.trans(wt), acc, input_precision=PREC)
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        if ARGMAX:
+            v = tl.where(n_ok[None, :], acc.to(Y.dtype.element_ty).to(tl.float32),
+                         float("-inf"))
+            v = tl.where(v != v, float("inf"), v)
+            best = tl.max(v, 1)
+            col = pid_n * BLOCK_N + tl.argmax(v, 1, tie_break_left=True)
+            tl.atomic_max(KEYS + rm, _argmax_key(best, col), mask=m_ok)
+        else:
+            tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
 
 
 if triton_available():
@@ -779,20 +827,32 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 def dual_rmsnorm(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor,
-                 eps: float, ids: torch.Tensor | None = None) -> torch.Tensor:
+                 eps: float, ids=None) -> torch.Tensor:
     """[norm(a) * wa | norm(b) * wb] ([T, 2n] from two [T, n]) in one launch, each half
     rounded as `add_rmsnorm` rounds it. ids ([T] token ids): the first half is norm(a[ids])
-    instead, a an embedding table, and the lookup costs no launch of its own."""
+    instead, a an embedding table, and the lookup costs no launch of its own. ids may also
+    be `Keyed` argmax keys, decoded here (and the ids written to its `out`)."""
     t, n = b.shape
+    keyed = isinstance(ids, Keyed)
+    src = ids.keys if keyed else ids
     assert a.shape[1] == n and a.stride(1) == 1 and b.stride(1) == 1
-    assert a.shape[0] == t if ids is None else ids.shape == (t,)
+    assert a.shape[0] == t if src is None else src.shape == (t,)
     y = torch.empty(t, 2 * n, dtype=a.dtype, device=a.device)
     if t:
-        _dual_rmsnorm_kernel[(t, 2)](a, b, wa, wb, y, ids if ids is not None else y,
+        _dual_rmsnorm_kernel[(t, 2)](a, b, wa, wb, y, src if src is not None else y,
+                                     ids.offsets if keyed else y, ids.out if keyed else y,
                                      a.stride(0), b.stride(0), y.stride(0), eps, a.shape[0],
-                                     N=n, BLOCK=next_pow2(n, 1), GATHER=ids is not None,
-                                     num_warps=4, **pdl_args(b))
+                                     N=n, BLOCK=next_pow2(n, 1), GATHER=src is not None,
+                                     KEYS=keyed, num_warps=4, **pdl_args(b))
     return y
+
+
+class Keyed(NamedTuple):
+    """Token ids still packed as argmax keys (`prologue_linear(keys=)`): the id of row t is
+    the column keys[t] holds + offsets[column]; whoever decodes them writes them to out."""
+    keys: torch.Tensor
+    offsets: torch.Tensor
+    out: torch.Tensor
 
 
 def argmax_rows(x: torch.Tensor, offsets: torch.Tensor | None = None,
@@ -1053,7 +1113,8 @@ def prologue_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = No
 def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                     *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                     residual: torch.Tensor | None = None, silu: bool = False,
-                    dot: tuple[int, int, int] | None = None, live: torch.Tensor | None = None):
+                    dot: tuple[int, int, int] | None = None, live: torch.Tensor | None = None,
+                    keys: torch.Tensor | None = None):
     """One launch for what takes two: `linear(rmsnorm(x + residual))` (norm_weight given;
     returns (y, x + residual), or y without a residual), `linear(silu_mul(x))` (silu), or a
     plain `linear(x)`. weight is nn.Linear's [N, K]; each activation rounds exactly where
@@ -1064,13 +1125,16 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     sequence's drafts): on the one-program-a-row GEMV, dead rows compute nothing and come
     out as zeros (the residual sum too); the others are computed exactly as without it
     (the 16-row tiles compute every row). It must be written before the launch before this
-    one (a graph's static input is)."""
+    one (a graph's static input is). keys ([M] int64 filled with KEY_EMPTY): the output is
+    not written; each row's argmax goes into keys instead (`decode_keys`), and keys takes
+    y's place in what is returned."""
     m = x.shape[0]
     assert live is None or live.shape[0] >= m, "a live entry for every row"
+    assert keys is None or (keys.shape == (m,) and keys.dtype == torch.int64)
     n, k = weight.shape
     pro = 1 if norm_weight is not None else 2 if silu else 0
     assert x.shape[1] == (2 * k if silu else k) and x.stride(1) == 1 and weight.stride(1) == 1
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m if keys is None else 1, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
     if m:
         bm, bn, bk, warps, k_main, tail = prologue_tiles(m, n, k, dot)
@@ -1087,5 +1151,27 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             PREC="ieee" if x.dtype == torch.float32 else "tf32", ROWS_FIRST=ROWS_FIRST,
             ASM_EXIT=x.is_cuda and torch.version.hip is None, K_MAIN=k_main, TAIL=tail,
             ONE_LOAD=ONE_LOAD and pro == 1 and not k_main and k <= bk,
+            KEYS=keys if keys is not None else y, ARGMAX=keys is not None,
             num_warps=warps, **pdl_args(x, always=True))
+    if keys is not None:
+        y = keys
     return y if residual is None else (y, res_out)
+
+
+# A chained draft step's greedy argmax folded into its LM head's GEMV (`prologue_linear`'s
+# keys; `Eagle3Head.chain_step`): one launch fewer a draft.
+FUSED_ARGMAX = True
+# What an argmax key buffer starts from (`prologue_linear(keys=)`): below every key.
+KEY_EMPTY = -(1 << 63)
+
+
+def decode_keys(keys: torch.Tensor, offsets: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """The argmax each key of `prologue_linear(keys=)` holds, + offsets[argmax] when given
+    (a draft-to-target id map): [T] int64 (written to out when given), one launch."""
+    out = torch.empty_like(keys) if out is None else out
+    if keys.numel():
+        _decode_keys_kernel[(1,)](keys, offsets if offsets is not None else keys, out,
+                                  keys.numel(), BLOCK=next_pow2(keys.numel(), 1),
+                                  HAS_OFF=offsets is not None, num_warps=1, **pdl_args(keys))
+    return out

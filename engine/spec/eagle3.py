@@ -304,25 +304,40 @@ class Eagle3Head(nn.Module):
         keep the head's KV current but draft nothing (ids: as `forward`)."""
         self.midlayer.store_kv(embeds, hidden, positions, kv_cache, meta, ids)
 
-    def chain_step(self, table: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+    def chain_step(self, table: torch.Tensor, tokens, hidden: torch.Tensor,
                    positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                   prob: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   prob: torch.Tensor | None = None, keys: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """One chained greedy draft step on the fused path, (hidden state, next tokens):
         `forward(table[tokens], hidden, ...)` then `greedy_tokens` of it, the same numbers
         in two launches fewer where the LM head is a prologue GEMV: the embedding lookup
         happens inside the input norms, and the layer's last residual add inside the LM
         head's prologue (which also writes the sum, the next step's hidden state). prob:
-        where the drafts' probabilities go (`greedy_tokens`)."""
+        where the drafts' probabilities go (`greedy_tokens`). keys ([T] int64 filled with
+        `ops.KEY_EMPTY`; where `fuses_argmax`): the argmax is folded into the LM head's GEMV,
+        one launch fewer, and the tokens are left packed in keys, returned in their place
+        (as `ops.Keyed`, the next step's input norm decodes them). tokens may be `ops.Keyed`."""
         mid = self.midlayer
         assert mid.fused, "chain_step is the fused path's (Triton backend)"
         h, mlp = mid._forward_fused(table, hidden, positions, kv_cache, meta, ids=tokens,
                                     parts=True)
+        if keys is not None:
+            assert prob is None and self.fuses_argmax(h.shape[0])
+            _, out = ops.prologue_linear(mlp, self.lm_head.weight, residual=h,
+                                         norm_weight=self.norm.weight, eps=self.norm.eps,
+                                         keys=keys)
+            return out, keys
         if self._lm_gemv(h.shape[0]):
             logits, out = ops.prologue_linear(mlp, self.lm_head.weight, residual=h,
                                               norm_weight=self.norm.weight, eps=self.norm.eps)
             return out, ops.argmax_rows(logits, self.d2t, prob)
         out = h + mlp
         return out, self.greedy_tokens(out, prob)
+
+    def fuses_argmax(self, rows: int) -> bool:
+        """Whether `chain_step` can fold the greedy argmax into the LM head at this row
+        count (`ops.FUSED_ARGMAX`, the LM head a prologue GEMV)."""
+        return ops.FUSED_ARGMAX and self._lm_gemv(rows)
 
     def _lm_gemv(self, rows: int) -> bool:
         """Whether the LM head runs as the layer's prologue GEMV (final norm folded in) at

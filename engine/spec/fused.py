@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine import ops
 from engine.attention import AttentionMetadata
 from engine.attention.triton_backend import FastLaunch, next_pow2, triton, triton_available
 from engine.graphs import GraphSet, PackedInputs, table_array
@@ -473,37 +474,56 @@ def chain_steps(head, model, kv, block_size: int, tables, t, h, k, start, has_qu
     writes its drafts' probabilities to probs[s]."""
     outs = []
     fold = FOLD_CHAIN and head.midlayer.fused
+    # each step's argmax inside its LM head (`Eagle3Head.chain_step`'s keys): the next
+    # step's input norm decodes the tokens into ids, a last launch those of the last step
+    keyed = fold and probs is None and head.fuses_argmax(t.shape[0])
     if fold:  # every step's positions, slots and lengths in one launch up front
-        every = chain_positions(k, start, has_queries, tables, block_size, 1, True, steps)
+        every = chain_positions(k, start, has_queries, tables, block_size, 1, True, steps,
+                                keys=keyed)
+    if keyed:
+        ids = torch.empty(steps, t.shape[0], dtype=torch.int64, device=t.device)
     for s in range(1, steps + 1):
-        p, slots, lens = (x[s - 1] for x in every) if fold else chain_positions(
+        p, slots, lens = (x[s - 1] for x in every[:3]) if fold else chain_positions(
             k, start, has_queries, tables, block_size, s, head.midlayer.fused)
         m = AttentionMetadata(slot_mapping=slots, query_start=query_start, seq_lens=lens,
                               block_tables=tables, max_query_len=1, max_seq_len=max_seq_len)
         pr = None if probs is None else probs[s]
-        if fold:
+        if keyed:
+            h, keys = head.chain_step(model.embed_tokens.weight, t, h, p, kv, m,
+                                      keys=every[3][s - 1])
+            t = ops.Keyed(keys, head.d2t, ids[s - 1])
+        elif fold:
             h, t = head.chain_step(model.embed_tokens.weight, t, h, p, kv, m, pr)
+            outs.append(t)
         else:
             h = head(model.embed_tokens(t), h, p, kv, m)
             t = head.greedy_tokens(h, pr)
-        outs.append(t)
+            outs.append(t)
+    if keyed:
+        ops.decode_keys(t.keys, head.d2t, out=ids[steps - 1])
+        return list(ids.unbind(0))
     return outs
 
 
 def chain_positions(k, start, has_queries, tables, block_size: int, s: int, kernel: bool,
-                    steps: int | None = None):
+                    steps: int | None = None, keys: bool = False):
     """Chained draft step s's (positions, KV slots, context lengths), one row per sequence:
     position start + s - 1 where the sequence's own k goes past s (else 0, slot -1 and the
     context of a padded row). `kernel` (the head's fused path, so Triton is there): in one
     Triton launch instead of about ten. steps: those of steps s .. s + steps - 1 at once,
-    each [steps, b] (one launch, a program per step)."""
+    each [steps, b] (one launch, a program per step). keys (with kernel and steps): also a
+    fourth [steps, b], every entry `ops.KEY_EMPTY` (each step's argmax keys)."""
     if kernel:
         b, n = k.shape[0], steps or 1
         p = torch.empty(n, b, dtype=torch.int64, device=k.device)
         slots, lens = torch.empty_like(p), torch.empty_like(p)
-        _chain_kernel[(n,)](k, start, has_queries, tables, p, slots, lens, b, k.stride(0),
+        kk = torch.empty_like(p) if keys else p
+        _chain_kernel[(n,)](k, start, has_queries, tables, p, slots, lens, kk, b, k.stride(0),
                             start.stride(0), tables.stride(0), tables.shape[1], block_size, s,
-                            BLOCK=next_pow2(b, 1), num_warps=1)
+                            BLOCK=next_pow2(b, 1), KEYS_ON=keys, num_warps=1)
+        if keys:
+            assert steps, "keys come with every step's outputs"
+            return p, slots, lens, kk
         return (p, slots, lens) if steps else (p[0], slots[0], lens[0])
     if steps:
         every = [chain_positions(k, start, has_queries, tables, block_size, s + i, False)
@@ -552,10 +572,10 @@ if triton_available():
         tl.store(QS + r, r.to(tl.int64), mask=r <= b)
 
     @triton.jit
-    def _chain_kernel(K, START, HASQ, TABLES, P, SLOTS, LENS, b, k_stride, s_stride, t_stride,
-                      width, bs, s0, BLOCK: tl.constexpr):
+    def _chain_kernel(K, START, HASQ, TABLES, P, SLOTS, LENS, KEYS, b, k_stride, s_stride,
+                      t_stride, width, bs, s0, BLOCK: tl.constexpr, KEYS_ON: tl.constexpr):
         """`chain_positions` for all b rows in one program: program i does step s0 + i and
-        writes row i of [steps, b] outputs."""
+        writes row i of [steps, b] outputs (KEYS_ON: KEYS too, every entry KEY_EMPTY)."""
         i = tl.program_id(0)
         step = s0 + i
         out = i * b
@@ -571,3 +591,6 @@ if triton_available():
         tl.store(P + out + r, p, mask=ok)
         tl.store(SLOTS + out + r, tl.where(valid, blk * bs + p % bs, -1), mask=ok)
         tl.store(LENS + out + r, tl.where(valid, p + 1, hq.to(tl.int64)), mask=ok)
+        if KEYS_ON:
+            tl.store(KEYS + out + r, tl.full([BLOCK], -9223372036854775808, tl.int64),
+                     mask=ok)

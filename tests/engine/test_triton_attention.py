@@ -660,6 +660,52 @@ def test_argmax_rows_takes_the_first_maximum_and_maps_ids(vocab, monkeypatch):
     assert torch.equal(ops.argmax_rows(x, off), want + off[want])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [37, 7168])
+def test_prologue_linear_keys_hold_each_rows_first_maximum(vocab, dtype):
+    """`prologue_linear(keys=)` (the argmax folded into a GEMV, programs of 16 columns
+    meeting in an atomic max): `decode_keys` gives what `argmax_rows` finds in the logits
+    the same launch would write, ties (inside one program and across two) going to the
+    first column and NaN counting as largest; with the id map's offsets too, and with the
+    norm and residual prologue of a draft head's LM head (its sum still written)."""
+    from engine import ops
+
+    g = torch.Generator().manual_seed(vocab)
+    want = torch.randn(6, vocab, generator=g)
+    want[1, 3] = want[1, vocab - 1] = 9.0  # a tie across programs
+    want[2, vocab // 2] = want[2, vocab // 2 + 1] = 9.0  # inside one program
+    want[3] = -2.0  # every value equal
+    want[4] = 0.0
+    want[4, vocab - 2] = -0.0  # equal zeros: the first
+    # row i of x picks column i of w: the logits of row i are exactly want[i]
+    x = torch.eye(6, 8).to(dtype).to(DEV)
+    w = torch.zeros(vocab, 8)
+    w[:, :6] = want.T
+    w = w.to(dtype).to(DEV)
+    off = torch.randint(0, 1000, (vocab,), generator=g).to(DEV)
+
+    def keyed(*a, **kw):
+        keys = torch.full((a[0].shape[0],), ops.KEY_EMPTY, dtype=torch.int64, device=DEV)
+        out = ops.prologue_linear(*a, keys=keys, **kw)
+        return out if isinstance(out, tuple) else (out,)
+
+    (keys,) = keyed(x, w)
+    ref = ops.argmax_rows(ops.prologue_linear(x, w))
+    assert ref[1] == 3 and ref[2] == vocab // 2 and ref[3] == 0 and ref[4] == 0
+    assert torch.equal(ops.decode_keys(keys), ref)
+    assert torch.equal(ops.decode_keys(keys, off), ref + off[ref])
+    for lo, first in ((vocab // 2, vocab // 2), (0, 0)):  # NaN from the middle on; all NaN
+        nan = torch.zeros(vocab, 8)
+        nan[lo:, 0] = float("nan")
+        (keys,) = keyed(x[:1], nan.to(dtype).to(DEV))
+        assert ops.decode_keys(keys).tolist() == [first]
+    r, nw = torch.randn(6, 8, generator=g).to(dtype).to(DEV), torch.rand(8).to(dtype).to(DEV)
+    y, s = ops.prologue_linear(x, w, norm_weight=nw, eps=1e-5, residual=r)
+    keys, s2 = keyed(x, w, norm_weight=nw, eps=1e-5, residual=r)
+    assert torch.equal(ops.decode_keys(keys, off), ops.argmax_rows(y, off))
+    assert torch.equal(s, s2)
+
+
 def test_tuning_keeps_the_default_kernel_unless_another_wins_by_the_margin():
     """`ops.tune_large_linear` / `tune_gemv_silu` replace the one-row default only for a
     candidate at least TUNE_MARGIN faster alone (smaller lone wins lost inside a forward)."""

@@ -453,7 +453,7 @@ def test_folded_chain_leaves_the_fused_steps_unchanged(monkeypatch, dynamic):
     calls, accepts = [], []
     real, real_accept = Eagle3Head.chain_step, fused_mod.accept
     monkeypatch.setattr(Eagle3Head, "chain_step",
-                        lambda self, *a: calls.append(1) or real(self, *a))
+                        lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
     monkeypatch.setattr(fused_mod, "accept",
                         lambda *a, **kw: accepts.append(1) or real_accept(*a, **kw))
     ids = [(on.add_request(p, sp), off.add_request(p, sp)) for p in prompts]
@@ -470,6 +470,38 @@ def test_folded_chain_leaves_the_fused_steps_unchanged(monkeypatch, dynamic):
                 assert (x.token_ids, x.num_computed, x.draft) == (y.token_ids, y.num_computed,
                                                                    y.draft)
     assert calls and accepts and on.spec.fused_runs > 0
+    assert on.spec.stats.accepted_per_pos == off.spec.stats.accepted_per_pos
+    assert sum(on.spec.stats.accepted_per_pos) > 0
+    for e in (on, off):
+        e.blocks.check_all_free()
+
+
+@CPU_ONLY
+def test_fused_argmax_leaves_the_fused_steps_unchanged(monkeypatch):
+    """`ops.FUSED_ARGMAX` on and off, step for step (each chained draft's argmax folded into
+    its LM head's GEMV, the tokens decoded by the next step's input norm): the same tokens,
+    KV progress, drafts and acceptance, with the keys actually used."""
+    from engine import ops
+
+    base, head, prompts, sp, ref = looping_setup(3, 2, 24)
+    on = fast_engine(base, head, num_tokens=4, dynamic=False, overlap=False)
+    off = fast_engine(base, head, num_tokens=4, dynamic=False, overlap=False)
+    decoded = []
+    real = ops.decode_keys
+    monkeypatch.setattr(ops, "decode_keys", lambda *a, **kw: decoded.append(1) or real(*a, **kw))
+    ids = [(on.add_request(p, sp), off.add_request(p, sp)) for p in prompts]
+    while on.has_unfinished() or off.has_unfinished():
+        for eng, fused in ((on, True), (off, False)):
+            monkeypatch.setattr(ops, "FUSED_ARGMAX", fused)
+            before = len(decoded)
+            eng.step()
+            assert fused or len(decoded) == before
+        for a, b in ids:
+            if a in on.seqs and b in off.seqs:
+                x, y = on.seqs[a], off.seqs[b]
+                assert (x.token_ids, x.num_computed, x.draft) == (y.token_ids, y.num_computed,
+                                                                   y.draft)
+    assert decoded and on.spec.fused_runs > 0
     assert on.spec.stats.accepted_per_pos == off.spec.stats.accepted_per_pos
     assert sum(on.spec.stats.accepted_per_pos) > 0
     for e in (on, off):
