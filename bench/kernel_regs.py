@@ -78,9 +78,10 @@ def compile_variant(n: int, k: int, prologue: str, live: bool, arch: int = 90,
     consts = dict(N=n, K=k, PRO=pro, HAS_RES=pro == 1, HAS_BIAS=False,
                   HAS_LIVE=live and bm == 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PREC="tf32",
                   ROWS_FIRST=ops.ROWS_FIRST, USE_PDL=True, ASM_EXIT=True, K_MAIN=k_main,
-                  TAIL=tail)
+                  TAIL=tail, ONE_LOAD=ops.ONE_LOAD and pro == 1 and not k_main and k <= bk,
+                  ARGMAX=False)
     sig = {name: "*bf16" for name in POINTERS}
-    sig["LIVE"] = "*i64"
+    sig["LIVE"] = sig["KEYS"] = "*i64"
     sig.update({name: "i32" for name in INTS}, eps="fp32")
     sig.update({name: "constexpr" for name in consts})
     index = kern.arg_names.index
