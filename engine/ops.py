@@ -1059,8 +1059,19 @@ def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
         bn, bk, warps = dot
         return 16, bn, min(bk, next_pow2(k, 16)), warps
     if m <= 8:
+        if WIDE_GEMV and n >= 4 * k:
+            return 1, 8, min(1024, next_pow2(k, 16)), 2
         return 1, gemv_block_n(n, k), min(1024, next_pow2(k, 16)), GEMV_WARPS
     return 16, 32, min(128, next_pow2(k, 16)), 4
+
+
+# A GEMV at least four times as wide as long (SmolLM2's gate_up, 3072 x 576; its draft
+# head's LM head, 7168 x 576) takes programs of 8 columns and 2 warps, the same at every row
+# count: on the H200 a SmolLM2-shaped layer stack ran 17.28 against 18.33 us a layer at 8
+# rows with gate_up so, 8.52 against 8.46 at one (`bench.live_rows --tiles 8x1024w2`,
+# bench/results/profile/live_rows_f9ad0ec/). Off until the GPU tests and figure 1 in turns
+# have run with it (`engine.ops.WIDE_GEMV=True` as a `bench.spec_ab` variant setting).
+WIDE_GEMV = False
 
 
 # A GEMV program reads K as BLOCK_K tiles plus one tail tile where K is no power of two

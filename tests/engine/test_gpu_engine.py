@@ -136,6 +136,21 @@ def test_exact_k_tiles_keep_spec_lossless_fp32(random_smol, monkeypatch, mode):
     assert spec.spec.fused_runs > 0
 
 
+def test_wide_gemv_tiles_keep_spec_lossless_fp32(random_smol, monkeypatch):
+    """`ops.WIDE_GEMV` (8-column, 2-warp programs for gate_up and the draft LM head, at
+    every row count): speculation through the CUDA graphs stays token-identical to the torch
+    backend's greedy decode."""
+    from engine import ops
+    from engine.config import SpecConfig
+
+    monkeypatch.setattr(ops, "WIDE_GEMV", True)
+    ref = _greedy(random_smol)
+    spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
+                                   spec=SpecConfig(num_tokens=7, dynamic=False))
+    assert _greedy(spec) == ref
+    assert spec.spec.fused_runs > 0
+
+
 def test_fused_step_is_lossless_with_dynamic_k_fp32(random_smol):
     from engine.config import SpecConfig
 

@@ -222,6 +222,23 @@ def test_prologue_linear_equals_its_two_kernels(dtype, rows, k, exact_k, monkeyp
         ops.prologue_linear(x, w, silu=True)
 
 
+def test_wide_gemv_tiles_do_not_depend_on_the_row_count(monkeypatch):
+    """`ops.WIDE_GEMV` (off until measured live): a projection at least four times as wide
+    as long takes 8-column, 2-warp GEMV programs at every row count up to 8 (a verify row
+    still rounds as the one-row step does); narrower ones keep the default tiles; off, the
+    default everywhere."""
+    from engine import ops
+
+    monkeypatch.setattr(ops, "DOT_TILES", None)
+    monkeypatch.setattr(ops, "WIDE_GEMV", True)
+    assert {ops.linear_tiles(m, 3072, 576) for m in range(1, 9)} == {(1, 8, 1024, 2)}
+    assert {ops.linear_tiles(m, 960, 576) for m in range(1, 9)} == {(1, 16, 1024,
+                                                                      ops.GEMV_WARPS)}
+    monkeypatch.setattr(ops, "WIDE_GEMV", False)
+    assert {ops.linear_tiles(m, 3072, 576) for m in range(1, 9)} == {(1, 16, 1024,
+                                                                       ops.GEMV_WARPS)}
+
+
 @pytest.mark.parametrize("dot", [None, (32, 256, 4)], ids=["gemv", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prologue_one_load_changes_no_number(dtype, dot, monkeypatch):
