@@ -4,10 +4,12 @@ SiLU-and-mul), random bf16 weights, one CUDA graph of every layer's projections,
 configured, at 1..8 rows: without `live`, with every row live, and with one row live and the
 rest dead. Also each compiled variant's registers and spills. With --tiles, the same layer
 stack with one projection's GEMV tiles changed at a time (the same tiles for 1..8 rows, as
-the engine needs them: a verify row must round as the one-row decode does). Timing only.
+the engine needs them: a verify row must round as the one-row decode does); with --combos,
+several projections' tiles changed together. Timing only.
 
     python -m bench.live_rows --out DIR [--rows 1,2,8] [--layers 30]
     python -m bench.live_rows --out DIR --tiles 8x1024w4,32x1024w4 [--rows 1,8]
+    python -m bench.live_rows --out DIR --combos gate_up=8x1024w2+qkv=4x1024w1 [--rows 1,8]
     python -m bench.live_rows --out DIR --rows 1,2,4,8 --exact-k
     python -m bench.live_rows --out DIR --rows 1,2,4,8 --one-load
 
@@ -50,6 +52,18 @@ def compiled_variants(kernel) -> list[dict]:
     return out
 
 
+def tile_overrides(tiles: dict[str, str]) -> dict:
+    """`ops.LINEAR_TILES` entries giving each named projection ({"gate_up": "8x1024w2"}) its
+    GEMV tiles BNxBKwWARPS at every row count 1..8."""
+    out = {}
+    for name, t in tiles.items():
+        n, k = SMOL[name]
+        bn, rest = t.split("x")
+        bk, w = rest.split("w")
+        out.update({(q, n, k): (1, int(bn), int(bk), int(w)) for q in range(1, 9)})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=".")
@@ -61,6 +75,9 @@ def main(argv=None) -> int:
     p.add_argument("--one-load", action="store_true",
                    help="also every case with engine.ops.ONE_LOAD off (the norm prologue "
                         "reading x twice)")
+    p.add_argument("--combos", default="",
+                   help="tile sets applied together, comma-separated, each PROJ=BNxBKwW joined "
+                        "by '+', e.g. gate_up=8x1024w2+qkv=4x1024w1")
     p.add_argument("--tiles", default="",
                    help="GEMV tiles BNxBKwWARPS (comma-separated) tried on each projection")
     args = p.parse_args(argv)
@@ -91,14 +108,14 @@ def main(argv=None) -> int:
                 cases.update({f"{tag}_{c}": (lv, t, mode) for c, (lv, t, _) in base.items()})
         if args.one_load:  # the norm prologue reading x (+ r) twice, as before ONE_LOAD
             cases.update({f"two_loads_{c}": (lv, t, e) for c, (lv, t, e) in list(cases.items())})
-        if args.tiles:  # the baseline, then each projection under each tile
+        if args.tiles or args.combos:  # the baseline, then each projection under each tile
             cases = {"default": (None, {}, False)}
-            for name, (n, k) in SMOL.items():
-                for t in args.tiles.split(","):
-                    bn, rest = t.split("x")
-                    bk, w = rest.split("w")
-                    cases[f"{name}_{t}"] = (None, {(q, n, k): (1, int(bn), int(bk), int(w))
-                                                   for q in range(1, 9)}, False)
+            for name in SMOL:
+                for t in filter(None, args.tiles.split(",")):
+                    cases[f"{name}_{t}"] = (None, tile_overrides({name: t}), False)
+            for combo in filter(None, args.combos.split(",")):  # several projections at once
+                cases[combo] = (None, tile_overrides(dict(
+                    part.split("=") for part in combo.split("+"))), False)
         for case, (live, tiles, exact) in cases.items():
             ops.LINEAR_TILES.clear()
             ops.LINEAR_TILES.update(tiles)

@@ -1077,8 +1077,10 @@ WIDE_GEMV = False
 # A GEMV program reads K as BLOCK_K tiles plus one tail tile where K is no power of two
 # (`gemv_k_split`): SmolLM2's K = 576 as 512 + 64 instead of one 1024-wide tile 44% padding,
 # whose registers bound the programs an SM holds (qkv and gate_up 96 registers: five; the
-# 1536 gate_up programs of an 8-row verify then run in three waves). Off until measured on
-# the GPU (`bench.live_rows`, `bench.kernel_regs`). "match": also warps = BLOCK_K / 256 where
+# 1536 gate_up programs of an 8-row verify then run in three waves). Off: slower at every
+# row count on the H200 (8.54 / 18.30 us a SmolLM2 layer at 1 / 8 rows without, 9.96 / 24.46
+# with, 10.14 / 19.33 with "match"; bench/results/profile/live_rows_c932980/). "match": also
+# warps = BLOCK_K / 256 where
 # K is split, so that a 512-wide tile is laid out for loading as it is for the products (at
 # 4 warps Triton 3.6 moves the whole [16, 512] weight tile through shared memory between the
 # two; at 2 warps it does not: 128 registers x 64 threads, 8 programs an SM).
