@@ -120,30 +120,19 @@ def test_spec_with_graphs_is_lossless_fp32(random_smol):
     assert spec.spec.fused_runs > 0  # pure decode steps ran as one fused graph
 
 
-@pytest.mark.parametrize("mode", [True, "match"])
-def test_exact_k_tiles_keep_spec_lossless_fp32(random_smol, monkeypatch, mode):
-    """`ops.EXACT_K` (a GEMV reads K as power-of-two tiles plus a tail tile; "match": with
-    warps matched to the split tiles): speculation through the CUDA graphs stays
-    token-identical to the torch backend's greedy decode."""
+@pytest.mark.parametrize("name,value", [("EXACT_K", True), ("EXACT_K", "match"),
+                                        ("WIDE_GEMV", True)],
+                         ids=["exact_k", "exact_k_match", "wide_gemv"])
+def test_gemv_tile_switches_keep_spec_lossless_fp32(random_smol, monkeypatch, name, value):
+    """GEMV tile switches off by default: `ops.EXACT_K` (a GEMV reads K as power-of-two
+    tiles plus a tail tile; "match": with warps matched to the split tiles) and
+    `ops.WIDE_GEMV` (8-column, 2-warp programs for gate_up and the draft LM head). With each,
+    speculation through the CUDA graphs stays token-identical to the torch backend's greedy
+    decode."""
     from engine import ops
     from engine.config import SpecConfig
 
-    monkeypatch.setattr(ops, "EXACT_K", mode)
-    ref = _greedy(random_smol)
-    spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
-                                   spec=SpecConfig(num_tokens=7, dynamic=False))
-    assert _greedy(spec) == ref
-    assert spec.spec.fused_runs > 0
-
-
-def test_wide_gemv_tiles_keep_spec_lossless_fp32(random_smol, monkeypatch):
-    """`ops.WIDE_GEMV` (8-column, 2-warp programs for gate_up and the draft LM head, at
-    every row count): speculation through the CUDA graphs stays token-identical to the torch
-    backend's greedy decode."""
-    from engine import ops
-    from engine.config import SpecConfig
-
-    monkeypatch.setattr(ops, "WIDE_GEMV", True)
+    monkeypatch.setattr(ops, name, value)
     ref = _greedy(random_smol)
     spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
                                    spec=SpecConfig(num_tokens=7, dynamic=False))
