@@ -17,6 +17,7 @@
 # TRAIN_SECONDS caps the training; HEADS_REPS=0 leaves head_ab to a TRAIN_STAGE=ab call;
 # TRAIN_IGNORE_EOS=1 self-distils every answer past EOS to its full length, as figure 1 runs;
 # TRAIN_NAME_SPLIT=1 trains on no prompt sharing a documented name with a held-out one;
+# TRAIN_SAMPLED=T self-distils every training prompt once more, its answer sampled at T;
 # TRAIN_DETACH=1 starts the fit in the background and returns, for trainings longer than one
 # call: `bash bench/h200_session.sh trainwait` in the calls right after waits for it, then
 # TRAIN_STAGE=ab runs head_ab; the fit writes its head at every log, so what it archives
@@ -95,14 +96,15 @@ elif [ "$part" = train ]; then  # a new EAGLE-3 head: TRAIN_STAGE=data (records 
   if [ "$stage" = data ]; then
     timeout "${TRAIN_TIMEOUT:-560}" python3 -m cluster.cli train-eagle3 --model "$M" \
       --prompt-set "${TRAIN_SET:-extended}" ${TRAIN_PROMPTS:+--num-prompts $TRAIN_PROMPTS} \
-      ${TRAIN_NAME_SPLIT:+--name-split} ${TRAIN_IGNORE_EOS:+--ignore-eos} --records "$REC" --data-only --out /tmp/head_unused \
+      ${TRAIN_NAME_SPLIT:+--name-split} ${TRAIN_IGNORE_EOS:+--ignore-eos} ${TRAIN_SAMPLED:+--sampled $TRAIN_SAMPLED} \
+      --records "$REC" --data-only --out /tmp/head_unused \
       > "$R/train_data.log" 2>&1
     tail -2 "$R/train_data.log"
   fi
   if [ "$stage" = fit ]; then  # TRAIN_SECONDS caps the training itself (--max-seconds)
     fit=(python3 -m cluster.cli train-eagle3 --model "$M" --prompt-set "${TRAIN_SET:-extended}"
          ${TRAIN_PROMPTS:+--num-prompts $TRAIN_PROMPTS} ${TRAIN_NAME_SPLIT:+--name-split}
-         ${TRAIN_IGNORE_EOS:+--ignore-eos} "${recs[@]}"
+         ${TRAIN_IGNORE_EOS:+--ignore-eos} ${TRAIN_SAMPLED:+--sampled $TRAIN_SAMPLED} "${recs[@]}"
          ${TRAIN_SECONDS:+--max-seconds $TRAIN_SECONDS} ${TRAIN_ARGS:-} --out "$R/head")
     if [ -n "${TRAIN_DETACH:-}" ]; then
       # in its own process session, so it outlives this call while the machine stays held:

@@ -35,9 +35,13 @@ class Record:
 
 def self_distill(engine: Engine, prompts: list[str], max_tokens: int, layers: tuple[int, ...],
                  store_dtype: torch.dtype, desc: str = "self-distil",
-                 ignore_eos: bool = False) -> list[Record]:
+                 ignore_eos: bool = False, temperature: float = 0.0,
+                 seed: int | None = None) -> list[Record]:
     """Generate answers with the target and capture the features of every position
-    (`ignore_eos`: every answer runs to max_tokens, as figure 1's do)."""
+    (`ignore_eos`: every answer runs to max_tokens, as figure 1's do). temperature > 0:
+    answers sampled (seeded by `seed`) rather than greedy, other contexts for the same
+    prompts; the head still learns the target's own next-token law at every position (from
+    the captured hidden states), whichever token the answer went on with."""
     if engine.config.enable_prefix_caching:
         raise ValueError("self-distillation needs every position computed: build the engine "
                          "with enable_prefix_caching=False")
@@ -49,7 +53,8 @@ def self_distill(engine: Engine, prompts: list[str], max_tokens: int, layers: tu
 
     engine.capture, engine.capture_layers = capture, layers
     engine.capture_dtype = store_dtype
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                            ignore_eos=ignore_eos, seed=seed if temperature > 0 else None)
     msgs = [[{"role": "user", "content": p}] for p in prompts]
     records = []
     try:
@@ -496,12 +501,18 @@ def run(args) -> int:
         key["name_split"] = True
     if args.ignore_eos:  # records made without it stop at the answers' ends
         key["ignore_eos"] = True
+    if args.sampled:  # records made without it hold greedy answers only
+        key["sampled"] = args.sampled
     if args.records and os.path.exists(args.records):
         tr, ev = load_records(args.records, key)
         print(f"records: {len(tr)} + {len(ev)} from {args.records}")
     else:
         tr = self_distill(engine, train_p, args.max_tokens, layers, store,
                           ignore_eos=args.ignore_eos)
+        if args.sampled:  # each training prompt once more, its answer sampled
+            tr += self_distill(engine, train_p, args.max_tokens, layers, store,
+                               desc="self-distil, sampled", ignore_eos=args.ignore_eos,
+                               temperature=args.sampled, seed=args.seed)
         ev = self_distill(engine, eval_p, args.max_tokens, layers, store, desc="held-out",
                           ignore_eos=args.ignore_eos)
         if args.records:
@@ -543,6 +554,8 @@ def run(args) -> int:
                               "docs + templated chat/code/JSON)"},
         "init": args.init, "records": args.records,
         "responses": f"target greedy, max {args.max_tokens} tokens"
+                     + (f", and once more sampled at temperature {args.sampled}"
+                        if args.sampled else "")
                      + (", EOS ignored" if args.ignore_eos else ""),
         "train_tokens": int(sum(len(r.ids) - r.prompt_len for r in tr)),
         "draft_vocab_size": len(vocab_ids), "lm_head_only": args.lm_head_only,
@@ -585,6 +598,9 @@ def _bad_numbers(args) -> str | None:
     v = getattr(args, "eval_prompts", None)
     if v is not None and v < 0:
         return f"--eval-prompts must be 0 or more, got {v}"
+    v = getattr(args, "sampled", None)
+    if v is not None and not (math.isfinite(v) and v >= 0):
+        return f"--sampled must be a temperature >= 0, got {v}"
     return None
 
 
@@ -623,6 +639,11 @@ def add_parser(sub) -> None:
                    help="self-distil every answer to --max-tokens, past the target's end of "
                         "turn (what benchmarks that ignore EOS, figure 1's, generate); the "
                         "part before EOS is the same answer as without it")
+    p.add_argument("--sampled", type=float, default=0.0, metavar="T",
+                   help="also self-distil every training prompt once more with its answer "
+                        "sampled at temperature T (other contexts, the target's own "
+                        "next-token law as the label still; held-out answers stay greedy); "
+                        "twice the records and the time")
     p.add_argument("--records", default=None,
                    help="a file for the self-distilled records: loaded when it exists (and "
                         "was made from the same prompts, model and length), else written")

@@ -81,6 +81,33 @@ def test_ignore_eos_runs_answers_past_the_end_of_turn():
     assert all(len(r.aux) == len(r.ids) - 1 for r in stop + past)
 
 
+def test_sampled_answers_give_other_contexts_for_the_same_prompts():
+    """`self_distill(temperature=T, seed=s)` (`--sampled T`): the same prompts answered by
+    sampling, each record's features one per position as for greedy answers; the same seed
+    samples the same answers again, and they are not the greedy ones."""
+    prompts = [f"a prompt {i} to sample from" for i in range(4)]
+    eng, recs, _ = _distilled(prompts, 4, 16)
+    layers = Eagle3Config.for_target(eng.config.model, 1).aux_layer_ids
+    a = self_distill(eng, prompts, 16, layers, torch.float32, desc=None, temperature=1.0,
+                     seed=3)
+    b = self_distill(eng, prompts, 16, layers, torch.float32, desc=None, temperature=1.0,
+                     seed=3)
+    assert [r.ids.tolist() for r in a] == [r.ids.tolist() for r in b]
+    assert [r.prompt_len for r in a] == [r.prompt_len for r in recs]
+    assert any(x.ids.tolist() != y.ids.tolist() for x, y in zip(a, recs))
+    assert all(r.aux.shape[0] == r.hidden.shape[0] == len(r.ids) - 1 for r in a)
+
+
+def test_sampled_must_be_a_temperature():
+    from types import SimpleNamespace
+
+    from cluster.train_eagle3 import _bad_numbers
+
+    assert _bad_numbers(SimpleNamespace(sampled=0.7)) is None
+    assert "--sampled" in _bad_numbers(SimpleNamespace(sampled=-1.0))
+    assert "--sampled" in _bad_numbers(SimpleNamespace(sampled=float("nan")))
+
+
 def test_records_round_trip_and_training_continues_from_a_head(tmp_path):
     """Self-distilled records saved apart from training load back equal (and refuse a file
     made from other prompts); a head trained further (`init`) keeps its draft vocabulary
