@@ -144,9 +144,9 @@ if triton_available():
     @triton.jit
     def _argmax_key(v, col):
         """int64 keys ordered as (value, then the lower column first): the largest key of a
-        row is its first maximum, as torch.argmax finds it (NaN the largest value)."""
-        v = tl.where(v != v, float("inf"), v) + 0.0  # NaN largest; -0 as +0
-        bits = v.to(tl.int32, bitcast=True)
+        row is its first maximum, as torch.argmax finds it. v holds no NaN (the caller has
+        made NaN the largest value, +inf, before picking each program's maximum)."""
+        bits = (v + 0.0).to(tl.int32, bitcast=True)  # -0 as +0
         ordered = tl.where(bits < 0, bits ^ 2147483647, bits)
         return (ordered.to(tl.int64) << 32) | (4294967295 - col.to(tl.int64))
 
@@ -289,11 +289,9 @@ if triton_available():
         return x
 
     @triton.jit
-    def _prologue_sumsq(X, R, RES_OUT, rm, m_ok, rk, stride_x, stride_r, pid_n,
-                        K: tl.constexpr, HAS_RES: tl.constexpr):
-        """Per row, the sum of squares of x (+ r) over the K columns rk (`_prologue_sum`)."""
-        xf = _prologue_sum(X, R, RES_OUT, rm, m_ok, rk, stride_x, stride_r, pid_n, K,
-                           HAS_RES).to(tl.float32)
+    def _row_sumsq(x):
+        """Per row, the fp32 sum of squares of a tile."""
+        xf = x.to(tl.float32)
         return tl.sum(xf * xf, 1)
 
     @triton.jit
@@ -418,16 +416,15 @@ if triton_available():
         if ONE_LOAD:  # one tile: x (+ r) loaded once, kept for the products
             xs = _prologue_sum(X, R, RES_OUT, rm, m_ok, rk0, stride_x, stride_r, pid_n, K,
                                HAS_RES)
-            xsf = xs.to(tl.float32)
-            rstd = tl.math.rsqrt(tl.sum(xsf * xsf, 1) / K + eps)
+            rstd = tl.math.rsqrt(_row_sumsq(xs) / K + eps)
         elif PRO == 1:  # the row's mean square first: one pass over x (+ r)
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k0 in range(0, KM, BLOCK_K):
-                ss += _prologue_sumsq(X, R, RES_OUT, rm, m_ok, k0 + rk0, stride_x, stride_r,
-                                      pid_n, K, HAS_RES)
+                ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, k0 + rk0, stride_x,
+                                               stride_r, pid_n, K, HAS_RES))
             if TAIL > 0:
-                ss += _prologue_sumsq(X, R, RES_OUT, rm, m_ok, rt, stride_x, stride_r, pid_n,
-                                      K, HAS_RES)
+                ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, rt, stride_x,
+                                               stride_r, pid_n, K, HAS_RES))
             rstd = tl.math.rsqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if ONE_LOAD:
