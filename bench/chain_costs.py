@@ -16,30 +16,12 @@ import contextlib
 import os
 import time
 import types
+from unittest import mock
 
 import torch
 
 HEAD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
                     "eagle3-smollm2-135m-instruct")
-
-
-def smol_target():
-    from engine.config import ModelConfig, RopeConfig
-
-    return ModelConfig(name="SmolLM2-135M-shape", model_type="llama", vocab_size=49152,
-                       hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-                       num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                       rope=RopeConfig(theta=100000.0), max_position=8192, eos_token_ids=())
-
-
-@contextlib.contextmanager
-def patched(obj, name: str, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
 
 
 def main(argv=None) -> int:
@@ -57,9 +39,10 @@ def main(argv=None) -> int:
     from engine.graphs import graph_time_us
     from engine.spec.eagle3 import load_head
     from engine.spec.fused import chain_steps
+    from tests.engine.test_gpu_engine import smol_shape  # as gpu_smoke, linear_sweep
 
     dev, dt, bs = "cuda", torch.bfloat16, args.block_size
-    target = smol_target()
+    target = smol_shape()
     head = load_head(args.head, target,
                      lambda c: get_backend("triton")(c.num_heads, c.num_kv_heads, c.head_dim, bs,
                                                      **draft_attention(torch.device(dev))),
@@ -104,7 +87,7 @@ def main(argv=None) -> int:
             for name, patches in variants.items():
                 with contextlib.ExitStack() as stack:
                     for obj, attr, val in patches:
-                        stack.enter_context(patched(obj, attr, val))
+                        stack.enter_context(mock.patch.object(obj, attr, val))
                     us = graph_time_us(chain, reps=4, iters=20) / args.steps
                 row[name] = round(us, 2)
                 log(f"[chain_costs] context {ctx} {name}: {us:.2f} us a chained step")

@@ -98,29 +98,33 @@ def main(argv=None) -> int:
         live_all = torch.arange(m, device=dev, dtype=torch.int64)
         live_one = torch.full((m,), -1, device=dev, dtype=torch.int64)
         live_one[0] = 0
-        cases = {"no_check": (None, {}, False), "all_live": (live_all, {}, False)}
+        # case: (live, GEMV tile overrides, engine.ops constants set for it)
+        cases = {"no_check": (None, {}, {}), "all_live": (live_all, {}, {})}
         if m > 1:
-            cases["one_live"] = (live_one, {}, False)
+            cases["one_live"] = (live_one, {}, {})
         if args.exact_k:  # the same with ops.EXACT_K (K = 576 as 512 + a 64-wide tail),
             # at the tiles' warps and at warps matched to the split tiles
             base = dict(cases)
             for mode, tag in ((True, "exact_k"), ("match", "exact_k_match")):
-                cases.update({f"{tag}_{c}": (lv, t, mode) for c, (lv, t, _) in base.items()})
+                cases.update({f"{tag}_{c}": (lv, t, {**st, "EXACT_K": mode})
+                              for c, (lv, t, st) in base.items()})
         if args.one_load:  # the norm prologue reading x (+ r) twice, as before ONE_LOAD
-            cases.update({f"two_loads_{c}": (lv, t, e) for c, (lv, t, e) in list(cases.items())})
+            cases.update({f"two_loads_{c}": (lv, t, {**st, "ONE_LOAD": False})
+                          for c, (lv, t, st) in list(cases.items())})
         if args.tiles or args.combos:  # the baseline, then each projection under each tile
-            cases = {"default": (None, {}, False)}
+            cases = {"default": (None, {}, {})}
             for name in SMOL:
                 for t in filter(None, args.tiles.split(",")):
-                    cases[f"{name}_{t}"] = (None, tile_overrides({name: t}), False)
+                    cases[f"{name}_{t}"] = (None, tile_overrides({name: t}), {})
             for combo in filter(None, args.combos.split(",")):  # several projections at once
                 cases[combo] = (None, tile_overrides(dict(
-                    part.split("=") for part in combo.split("+"))), False)
-        for case, (live, tiles, exact) in cases.items():
+                    part.split("=") for part in combo.split("+"))), {})
+        for case, (live, tiles, settings) in cases.items():
             ops.LINEAR_TILES.clear()
             ops.LINEAR_TILES.update(tiles)
-            ops.EXACT_K = exact
-            ops.ONE_LOAD = not case.startswith("two_loads_")
+            saved = {name: getattr(ops, name) for name in settings}
+            for name, value in settings.items():
+                setattr(ops, name, value)
             def step(i, live=live, x=x, r=r, gu=gu):
                 w = layers[i % len(layers)]
                 ops.prologue_linear(x, w["qkv"], norm_weight=norms[0], eps=1e-5, residual=r,
@@ -129,13 +133,15 @@ def main(argv=None) -> int:
                 ops.prologue_linear(x, w["gate_up"], norm_weight=norms[1], eps=1e-5,
                                     residual=r, live=live)
                 ops.prologue_linear(gu, w["down"], silu=True, live=live)
-            us = [round(graph_time_us(step, args.layers, iters=20), 2) for _ in range(3)]
+            try:
+                us = [round(graph_time_us(step, args.layers, iters=20), 2) for _ in range(3)]
+            finally:
+                for name, value in saved.items():
+                    setattr(ops, name, value)
             results.append({"rows": m, "case": case, "us_per_layer": us,
                             "best": min(us)})
             print(f"[live_rows] rows {m} {case}: {min(us)} us a layer ({us})", flush=True)
         ops.LINEAR_TILES.clear()
-        ops.EXACT_K = False
-        ops.ONE_LOAD = True
     out = {"command": " ".join([os.path.basename(sys.executable), "-m", "bench.live_rows"]
                                + (argv if argv is not None else sys.argv[1:])),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
