@@ -63,6 +63,8 @@ def main(argv=None) -> int:
         "full": [],
         # the argmax in a launch of its own, not folded into the LM head's GEMV
         "argmax_launch": [(ops, "FUSED_ARGMAX", False)],
+        # the one-warp GEMV tiles of the draft's gate_up and LM head switched
+        f"wide_gemv_{'off' if ops.WIDE_GEMV else 'on'}": [(ops, "WIDE_GEMV", not ops.WIDE_GEMV)],
         "no_dual_norm": [(ops, "dual_rmsnorm", lambda *a, **k: x_dual)],
         "no_rope_store": [(ops, "rope_store_", lambda *a, **k: None)],
         "no_attention": [(backend, "attend", lambda q, kc, meta: attn_out)],

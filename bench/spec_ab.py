@@ -2,7 +2,9 @@
 turns in one process (`bench.turns`) beside no-spec: each `--variant NAME:FIELD=VALUE,...`
 changes those fields of dynamic K with context drafts at K=7 (figure 1's default variant);
 a FIELD with a dot sets that module constant for the variant's turns
-(`engine.spec.policy.MARGIN=0.9`).
+(`engine.spec.policy.MARGIN=0.9`). A variant named no_spec_* runs without speculation under
+its module constants (only): the token-identity baseline of the variants with the same
+constants (`bench.turns`).
 Without --variant: fixed K=5 and K=7, dynamic K at most 5 (SpecConfig's own default) and at
 most 7, and at most 7 with the dense graph levels, all with context drafts (fixed K=7 ran
 best on figure 1 with the 7168-id head; `batch_k=5` ran worst with the head before). Per
@@ -61,7 +63,12 @@ def variants(args) -> dict:
         name, fields, settings = parse_variant(text)
         if name in out:
             raise ValueError(f"variant {name!r} named twice")
-        out[name] = (replace(base, **fields), settings)
+        if name.startswith("no_spec_"):  # no-spec under module settings: their baseline
+            if fields:
+                raise ValueError(f"{text!r}: a no-spec variant takes module constants only")
+            out[name] = (None, settings)
+        else:
+            out[name] = (replace(base, **fields), settings)
     return out
 
 

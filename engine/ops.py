@@ -1056,19 +1056,27 @@ def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
         bn, bk, warps = dot
         return 16, bn, min(bk, next_pow2(k, 16)), warps
     if m <= 8:
+        bk = min(1024, next_pow2(k, 16))
         if WIDE_GEMV and n >= 4 * k:
-            return 1, 8, min(1024, next_pow2(k, 16)), 2
-        return 1, gemv_block_n(n, k), min(1024, next_pow2(k, 16)), GEMV_WARPS
+            return 1, 8, bk, 1
+        if MID_GEMV and 2 * n >= 3 * k and n < 4 * k:
+            return 1, 4, bk, 1
+        return 1, gemv_block_n(n, k), bk, GEMV_WARPS
     return 16, 32, min(128, next_pow2(k, 16)), 4
 
 
-# A GEMV at least four times as wide as long (SmolLM2's gate_up, 3072 x 576; its draft
-# head's LM head, 7168 x 576) takes programs of 8 columns and 2 warps, the same at every row
-# count: on the H200 a SmolLM2-shaped layer stack ran 17.28 against 18.33 us a layer at 8
-# rows with gate_up so, 8.52 against 8.46 at one (`bench.live_rows --tiles 8x1024w2`,
-# bench/results/profile/live_rows_f9ad0ec/). Off until the GPU tests and figure 1 in turns
-# have run with it (`engine.ops.WIDE_GEMV=True` as a `bench.spec_ab` variant setting).
+# One-warp GEMV programs for the projections wider than long, the same at every row count
+# up to 8 (a verify row still rounds as the one-row step does). WIDE_GEMV: at least four
+# times as wide as long (SmolLM2's gate_up, 3072 x 576; its draft head's gate_up and LM head,
+# 7168 x 576), 8 columns a program. MID_GEMV: 1.5-4 times (qkv, 960 x 576), 4 columns. On
+# the H200 a SmolLM2-shaped layer stack (`bench.live_rows --combos`,
+# bench/results/profile/live_rows_079057e/) ran 8.53 / 9.76 / 11.56 / 15.78 us a layer at
+# 1 / 2 / 4 / 8 rows with both against 8.44 / 10.23 / 12.90 / 18.28 with neither (gate_up
+# alone 8.70 / 10.40 / 12.14 / 16.00; 2 warps, the first try, 8.52 / 10.85 / 12.41 / 17.18;
+# qkv with 8 columns 8.93 / 10.33 / 11.89 / 15.26). A narrow program's few warps hold few
+# registers, so an SM runs more of them at once: an 8-row verify's programs fit in fewer waves.
 WIDE_GEMV = False
+MID_GEMV = False
 
 
 # A GEMV program reads K as BLOCK_K tiles plus one tail tile where K is no power of two

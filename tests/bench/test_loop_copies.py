@@ -166,3 +166,10 @@ def test_spec_ab_variants_change_only_the_fields_they_name():
                 "x:engine.spec.policy.MARGIN"):
         with pytest.raises(ValueError):
             parse_variant(bad)
+    # no_spec_*: no speculation under module constants, the baseline of variants sharing them
+    args.variant = ["no_spec_wide:engine.ops.WIDE_GEMV=True", "wide:engine.ops.WIDE_GEMV=True"]
+    got = variants(args)
+    assert got["no_spec_wide"] == (None, {"engine.ops.WIDE_GEMV": True})
+    assert got["wide"] == (same, {"engine.ops.WIDE_GEMV": True})
+    with pytest.raises(ValueError, match="module constants only"):
+        variants(SimpleNamespace(**{**vars(args), "variant": ["no_spec_x:num_tokens=5"]}))

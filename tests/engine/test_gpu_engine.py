@@ -120,19 +120,20 @@ def test_spec_with_graphs_is_lossless_fp32(random_smol):
     assert spec.spec.fused_runs > 0  # pure decode steps ran as one fused graph
 
 
-@pytest.mark.parametrize("name,value", [("EXACT_K", True), ("EXACT_K", "match"),
-                                        ("WIDE_GEMV", True)],
+@pytest.mark.parametrize("settings", [{"EXACT_K": True}, {"EXACT_K": "match"},
+                                      {"WIDE_GEMV": True, "MID_GEMV": True}],
                          ids=["exact_k", "exact_k_match", "wide_gemv"])
-def test_gemv_tile_switches_keep_spec_lossless_fp32(random_smol, monkeypatch, name, value):
-    """GEMV tile switches off by default: `ops.EXACT_K` (a GEMV reads K as power-of-two
-    tiles plus a tail tile; "match": with warps matched to the split tiles) and
-    `ops.WIDE_GEMV` (8-column, 2-warp programs for gate_up and the draft LM head). With each,
-    speculation through the CUDA graphs stays token-identical to the torch backend's greedy
-    decode."""
+def test_gemv_tile_switches_keep_spec_lossless_fp32(random_smol, monkeypatch, settings):
+    """GEMV tile switches: `ops.EXACT_K` (a GEMV reads K as power-of-two tiles plus a tail
+    tile; "match": with warps matched to the split tiles) and `ops.WIDE_GEMV` /
+    `ops.MID_GEMV` (one-warp, 8- and 4-column programs for gate_up, the draft LM head and
+    qkv). With each, speculation through the CUDA graphs stays token-identical to the torch
+    backend's greedy decode."""
     from engine import ops
     from engine.config import SpecConfig
 
-    monkeypatch.setattr(ops, name, value)
+    for name, value in settings.items():
+        monkeypatch.setattr(ops, name, value)
     ref = _greedy(random_smol)
     spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
                                    spec=SpecConfig(num_tokens=7, dynamic=False))

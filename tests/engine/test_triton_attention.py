@@ -223,20 +223,44 @@ def test_prologue_linear_equals_its_two_kernels(dtype, rows, k, exact_k, monkeyp
 
 
 def test_wide_gemv_tiles_do_not_depend_on_the_row_count(monkeypatch):
-    """`ops.WIDE_GEMV` (off until measured live): a projection at least four times as wide
-    as long takes 8-column, 2-warp GEMV programs at every row count up to 8 (a verify row
-    still rounds as the one-row step does); narrower ones keep the default tiles; off, the
-    default everywhere."""
+    """`ops.WIDE_GEMV` / `ops.MID_GEMV`: a projection at least four times as wide as long
+    takes 8-column, 1-warp GEMV programs, one 1.5-4 times as wide 4-column ones, at every row
+    count up to 8 (a verify row still rounds as the one-row step does); the others keep the
+    default tiles; each switch off, the default for its shapes."""
     from engine import ops
 
     monkeypatch.setattr(ops, "DOT_TILES", None)
-    monkeypatch.setattr(ops, "WIDE_GEMV", True)
-    assert {ops.linear_tiles(m, 3072, 576) for m in range(1, 9)} == {(1, 8, 1024, 2)}
-    assert {ops.linear_tiles(m, 960, 576) for m in range(1, 9)} == {(1, 16, 1024,
-                                                                      ops.GEMV_WARPS)}
-    monkeypatch.setattr(ops, "WIDE_GEMV", False)
-    assert {ops.linear_tiles(m, 3072, 576) for m in range(1, 9)} == {(1, 16, 1024,
-                                                                       ops.GEMV_WARPS)}
+    default = (1, 16, 1024, ops.GEMV_WARPS)
+    for wide, mid in [(True, True), (True, False), (False, True), (False, False)]:
+        monkeypatch.setattr(ops, "WIDE_GEMV", wide)
+        monkeypatch.setattr(ops, "MID_GEMV", mid)
+        tiles = {shape: {ops.linear_tiles(m, *shape) for m in range(1, 9)}
+                 for shape in [(3072, 576), (7168, 576), (960, 576), (864, 576), (576, 576),
+                               (576, 1536), (960, 1152)]}
+        assert tiles[(3072, 576)] == tiles[(7168, 576)] == {(1, 8, 1024, 1) if wide else default}
+        assert tiles[(960, 576)] == tiles[(864, 576)] == {(1, 4, 1024, 1) if mid else default}
+        assert tiles[(576, 576)] == tiles[(960, 1152)] == {default}
+        assert tiles[(576, 1536)] == {(1, 8, 1024, ops.GEMV_WARPS)}
+
+
+@pytest.mark.parametrize("tiles", [(8, 1), (4, 1)], ids=["8col", "4col"])
+@pytest.mark.parametrize("m", [1, 3, 8])
+def test_one_warp_gemv_tiles_match_the_reference(m, tiles, monkeypatch):
+    """The one-warp GEMV tiles of `ops.WIDE_GEMV` / `ops.MID_GEMV`, with the norm prologue,
+    against torch at 1..8 rows."""
+    from engine import ops
+
+    bn, warps = tiles
+    n, k = 96, 64
+    monkeypatch.setattr(ops, "DOT_TILES", None)
+    monkeypatch.setitem(ops.LINEAR_TILES, (m, n, k), (1, bn, 64, warps))
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) * 0.1
+    ln = torch.rand(k, generator=g) + 0.5
+    ref = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * ln) @ w.t()
+    torch.testing.assert_close(ops.prologue_linear(x, w, norm_weight=ln, eps=1e-5), ref,
+                               atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("dot", [None, (32, 256, 4)], ids=["gemv", "dot"])
