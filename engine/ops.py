@@ -1070,7 +1070,7 @@ def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
 # times as wide as long (SmolLM2's gate_up, 3072 x 576; its draft head's gate_up and LM head,
 # 7168 x 576), 8 columns a program. MID_GEMV: 1.5-4 times (qkv, 960 x 576), 4 columns. On
 # the H200 a SmolLM2-shaped layer stack (`bench.live_rows --combos`,
-# bench/results/profile/live_rows_0849b6f/) ran 8.53 / 9.76 / 11.56 / 15.78 us a layer at
+# bench/results/profile/live_rows_079057e/) ran 8.53 / 9.76 / 11.56 / 15.78 us a layer at
 # 1 / 2 / 4 / 8 rows with both against 8.44 / 10.23 / 12.90 / 18.28 with neither (gate_up
 # alone 8.70 / 10.40 / 12.14 / 16.00; 2 warps, the first try, 8.52 / 10.85 / 12.41 / 17.18;
 # qkv with 8 columns 8.93 / 10.33 / 11.89 / 15.26). A narrow program's few warps hold few
