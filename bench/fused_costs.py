@@ -163,7 +163,7 @@ def steady_ab(spec_eng, plain, concurrency: list[int], reps: int, tokens: int = 
 
 
 def main(argv=None) -> int:
-    from bench.common import apply_settings
+    from bench.common import apply_settings, save_json
     from engine import Engine
     from engine.config import SpecConfig
 
@@ -243,12 +243,11 @@ def main(argv=None) -> int:
             rows.append(row)
     res = {"command": "python -m bench.fused_costs " + " ".join(sys.argv[1:] if argv is None
                                                                else argv),
-           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "device": torch.cuda.get_device_name(),
+           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "device": torch.cuda.get_device_name(),
            "context": args.context, "k": args.k, "settings": settings,
            "dead_rows": args.dead_rows, "rows": rows,
            "steady_ab": ab}
-    with open(os.path.join(args.out, "fused_costs.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    save_json(os.path.join(args.out, "fused_costs.json"), res)
     return 0
 
 

@@ -537,10 +537,11 @@ def fig_concurrency(args, res: dict) -> None:
     variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False),
                 dyn: eagle(args, args.dynamic_k, True)}
     candidates = candidate_variants(dyn, args.fig3_candidate)
+    keys = {name: name[len(dyn) + 1:] for name in candidates}  # "candidate", "candidate2", ...
     for name, fields in candidates.items():
         # dynamic K with some SpecConfig fields changed, in turns with the rest
         variants[name] = replace(variants[dyn], **fields)
-        key = name[len(dyn) + 1:]  # "candidate", "candidate2", ...
+        key = keys[name]
         res["config"][key] = fields
         if fields.get("head"):  # a second head in turns with the first (head A/B at c streams)
             res["config"][f"{key}_eagle3_head"] = head_summary(fields["head"])
@@ -657,9 +658,8 @@ def fig_concurrency(args, res: dict) -> None:
         low = min(r[vs] for r in table[dyn])
         goals[f"dynamic_at_least_0.97x_no_spec_everywhere_{measure}"] = low >= 0.97
         goals[f"dynamic_min_ratio_{measure}"] = low
-        for name in candidates:
-            goals[f"{name[len(dyn) + 1:]}_min_ratio_{measure}"] = min(
-                r[vs] for r in table[name])
+        for name, key in keys.items():
+            goals[f"{key}_min_ratio_{measure}"] = min(r[vs] for r in table[name])
     if args.fig3_trace:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "fig3_trace.json")

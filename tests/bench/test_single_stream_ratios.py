@@ -1,0 +1,22 @@
+"""Figure 1's ratios and token identity (bench/suite.py `single_stream_ratios`): HF's
+baselines generate the first --fig1-hf-prompts prompts only, so their identity counts
+the streams both made."""
+
+
+def test_hf_baselines_on_fewer_prompts_count_only_the_streams_both_made():
+    from bench.suite import single_stream_ratios
+
+    res = {"tandem": {"no_spec": {"tokens_per_s": 100.0}, "eagle3_k7": {"tokens_per_s": 250.0}},
+           "hf": {"eager": {"tokens_per_s": 20.0}, "compiled": {"tokens_per_s": 50.0}}}
+    ref = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 1, 1]]
+    outs = {"no_spec": ref, "eagle3_k7": [[1, 2, 3], [4, 5, 0], [7, 8, 9], [1, 1, 1]],
+            "hf_eager": ref[:1], "hf_compiled": [[1, 2, 0]]}
+    single_stream_ratios(res, outs)
+    k7, eager, compiled = res["tandem"]["eagle3_k7"], res["hf"]["eager"], res["hf"]["compiled"]
+    assert (k7["streams"], k7["token_identical_to_no_spec"]) == (4, 3)
+    assert k7["first_divergence"][1] == 2 and k7["vs_tandem_no_spec"] == 2.5
+    assert (eager["streams"], eager["token_identical_to_no_spec"]) == (1, 1)
+    assert (compiled["streams"], compiled["token_identical_to_no_spec"]) == (1, 0)
+    assert k7["vs_hf_compiled"] == 5.0 and eager["vs_tandem_no_spec"] == 0.2
+    assert res["goals"]["best_eagle3_vs_no_spec"] == 2.5
+    assert res["goals"]["best_eagle3_at_least_2.5x_no_spec"] is True
