@@ -43,12 +43,13 @@ def trace_summary(trace: list) -> dict:
 
 
 def _reset_policy(eng) -> None:
-    """A new dynamic-K policy for the engine, keeping what its graphs set (`levels`)."""
+    """A new dynamic-K policy for the engine, keeping what its graphs set (`levels`,
+    `levels_at`)."""
     from engine.spec.policy import KPolicy
 
     old = eng.spec.policy
     new = KPolicy(old.spec, old.prior, old.knee)
-    new.levels = old.levels
+    new.levels, new.levels_at = old.levels, old.levels_at
     eng.spec.policy = new
 
 

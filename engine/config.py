@@ -167,8 +167,13 @@ class SpecConfig:
     # streams the verify budget then admits K=5 where it held K<=3). `win_pick`: what the
     # measured-win override drafts at, "model" (the model's best K above 0) or "measured"
     # (the K of the level that measured the most tokens/s at the batch's bucket).
+    # `dense_levels_min_batch`: the dense levels only for fused batches of at least this many
+    # sequences (0: every batch), the doubling ones below: on the H200 dense levels ran figure
+    # 3's 64 streams at 1.248 / 1.278 no-spec (burst / steady) against 1.163 / 1.131, and 4
+    # streams' burst at 1.036 against 1.191 (bench/README.md).
     batch_k: int | None = None
     dense_levels_from: int | None = None
+    dense_levels_min_batch: int = 0
     win_pick: str = "model"
 
     def __post_init__(self) -> None:
@@ -191,6 +196,10 @@ class SpecConfig:
                              f"{self.batch_k}")
         if self.dense_levels_from is not None and self.dense_levels_from < 2:
             raise ValueError(f"dense_levels_from must be >= 2, got {self.dense_levels_from}")
+        if self.dense_levels_min_batch < 0 or (self.dense_levels_min_batch
+                                               and self.dense_levels_from is None):
+            raise ValueError(f"dense_levels_min_batch must be >= 0 and needs dense_levels_from, "
+                             f"got {self.dense_levels_min_batch}")
         if self.win_pick not in ("model", "measured"):
             raise ValueError(f"win_pick must be 'model' or 'measured', got {self.win_pick!r}")
 

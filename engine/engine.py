@@ -463,7 +463,8 @@ class Engine:
         if self.spec.fused is not None and all(s.params.greedy for s in batch.seqs):
             pol = self.spec.policy
             k, kn = max(k for k, _ in results.values()), max(len(s.draft) for s in batch.seqs)
-            per_seq, switch = pol.paid(k, kn), pol.paid(k) != pol.paid(kn)
+            per_seq = pol.paid(k, kn, b)
+            switch = pol.paid(k, batch_size=b) != pol.paid(kn, batch_size=b)
         else:
             drafts = sum(k for k, _ in results.values()) + sum(len(s.draft) for s in batch.seqs)
             per_seq = drafts / (2 * b)

@@ -249,11 +249,15 @@ class GraphSet:
 
     def __init__(self, fn: Callable, device: str, max_batch: int, query_lens: Sequence[int],
                  max_blocks: int, extras: Sequence[tuple[int, torch.dtype]] = (),
-                 pool=None, buckets: Sequence[int] = BATCH_BUCKETS, pad_queries: bool = False):
+                 pool=None, buckets: Sequence[int] = BATCH_BUCKETS, pad_queries: bool = False,
+                 wants: Callable[[int, int, int], bool] | None = None):
         """`pad_queries`: a batch whose longest query falls between captured lengths replays
         the next longer one (prefill chunks); otherwise the longest query must be one of
-        `query_lens` exactly (decode, verify and draft steps)."""
+        `query_lens` exactly (decode, verify and draft steps). `wants(q, lo, hi)`: whether
+        batches of lo..hi sequences (a bucket's) may run queries of q, for the graphs
+        captured ahead (`pending`; None: all); any other is captured when first run."""
         self.fn, self.device = fn, torch.device(device)
+        self.wants = wants
         self.pad_queries = pad_queries
         self.buckets = tuple(b for b in buckets if b < max_batch) + (max_batch,)
         self.query_lens = tuple(sorted(set(query_lens)))
@@ -385,9 +389,11 @@ class GraphSet:
         buckets = self.buckets if batch_sizes is None else \
             {bucket_for(b, self.buckets) for b in batch_sizes} - {None}
         kinds = (False, True) if long_context else (False,)
+        lows = dict(zip(self.buckets, (1, *(x + 1 for x in self.buckets[:-1]))))
         return [(b, q, long) for long in kinds for b in sorted(buckets, reverse=True)
                 for q in reversed(self.query_lens)
-                if (b, q, long) not in self.graphs and (not long or self._splits(b))]
+                if (b, q, long) not in self.graphs and (not long or self._splits(b))
+                and (self.wants is None or self.wants(q, lows[b], b))]
 
     def _splits(self, b: int) -> bool:
         return self.long_max_batch is None or b <= self.long_max_batch

@@ -271,6 +271,28 @@ def levels(n: int, dense_from: int | None = None) -> tuple[int, ...]:
     return (*out, n)
 
 
+def level_sets(k: int, dense_from: int | None, dense_min: int
+               ) -> tuple[tuple[tuple[int, ...], tuple[int, ...]],
+                          tuple[tuple[int, ...], tuple[int, ...]]]:
+    """((query levels, draft levels) below dense_min sequences, the same from dense_min on)
+    of a fused step drafting up to k: doubling (`levels`), or from dense_from on every
+    second size (`SpecConfig.dense_levels_from`) for every batch (dense_min 0) or for
+    batches of dense_min sequences or more (`SpecConfig.dense_levels_min_batch`)."""
+    dense = (levels(k + 1, dense_from), (0, *levels(k, dense_from)))
+    if dense_from is None or dense_min <= 1:
+        return dense, dense
+    return (levels(k + 1), (0, *levels(k))), dense
+
+
+def level_wanted(small, large, dense_min: int, d: int, q: int, lo: int, hi: int) -> bool:
+    """Whether a batch of lo..hi sequences (a graph bucket's range) may run q verify rows in
+    the graph set of d drafts, the levels below dense_min sequences `small`, from it `large`
+    (`level_sets`): the graphs captured ahead of serving (any other is captured when first
+    run)."""
+    return ((lo < dense_min and q in small[0] and d in small[1])
+            or (hi >= dense_min and q in large[0] and d in large[1]))
+
+
 def pack_uniform(seqs, q: int, block_size: int) -> PackedInputs:
     """q rows per sequence: pending token, drafts, padding (KV slot -1, the last real position,
     context extended by the padding so causal offsets stay right)."""
@@ -316,20 +338,32 @@ class FusedSteps:
         self.aux_layers, self.cfg = aux_layers, cfg
         self.max_batch, self.pool = max_batch, pool
         k = cfg.spec.num_tokens
-        dense = cfg.spec.dense_levels_from  # (SpecConfig: off by default)
-        self.query_levels = levels(k + 1, dense)
-        self.draft_levels = (0, *levels(k, dense))
+        # (SpecConfig: dense levels off by default)
+        self.dense_min = cfg.spec.dense_levels_min_batch
+        self.small, self.large = level_sets(k, cfg.spec.dense_levels_from, self.dense_min)
+        self.query_levels = tuple(sorted({*self.small[0], *self.large[0]}))
+        self.draft_levels = tuple(sorted({*self.small[1], *self.large[1]}))
         # Padding rows may reach K positions past a sequence's last block: a few spare
         # block-table columns (zeros) keep those reads in bounds.
         self.max_blocks = cfg.max_blocks_per_seq + -(-(k + 1) // cfg.block_size)
         self.sets: dict[int, GraphSet] = {}
 
-    def set_for(self, drafts: int) -> GraphSet:
-        d = next(x for x in self.draft_levels if x >= drafts)
+    def levels_at(self, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(query levels, draft levels) a fused step of this many sequences runs."""
+        return self.large if batch >= self.dense_min else self.small
+
+    def set_for(self, drafts: int, batch: int | None = None) -> GraphSet:
+        """The graphs of the draft level for `drafts` next drafts at this batch size (None:
+        the smallest level of any batch size that holds them)."""
+        ds = self.draft_levels if batch is None else self.levels_at(batch)[1]
+        d = next(x for x in ds if x >= drafts)
         if d not in self.sets:
-            self.sets[d] = GraphSet(self._fn(d), self.cfg.device, self.max_batch,
-                                    self.query_levels, self.max_blocks,
-                                    extras=((1, torch.int64),), pool=self.pool)
+            small, large, dense_min = self.small, self.large, self.dense_min
+            self.sets[d] = GraphSet(
+                self._fn(d), self.cfg.device, self.max_batch, self.query_levels,
+                self.max_blocks, extras=((1, torch.int64),), pool=self.pool,
+                wants=None if small == large else
+                lambda q, lo, hi: level_wanted(small, large, dense_min, d, q, lo, hi))
         return self.sets[d]
 
     def all_sets(self) -> list[GraphSet]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter, deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -353,8 +354,11 @@ class KPolicy:
         self.batch_why: Counter = Counter()
         # When a list: (K, why) of every fused step's pick in order (for benchmarks)
         self.picks: list | None = None
-        # (query levels, draft levels) of the fused step's graphs, set by its runner
+        # (query levels, draft levels) of the fused step's graphs, set by its runner; where
+        # they depend on the batch size (`SpecConfig.dense_levels_min_batch`), `levels_at`
+        # gives them for a batch (and `levels` are the smallest batches')
         self.levels: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self.levels_at: Callable[[int], tuple[tuple[int, ...], tuple[int, ...]]] | None = None
         self._paid: dict[tuple, np.ndarray] = {}  # `_paid_costs`
 
     def begin_propose(self, step: int, batch_size: int) -> None:
@@ -442,7 +446,8 @@ class KPolicy:
                 best_k, why = 0, "losing"
             return self._picked(best_k, why, batch_size, kmax)
         rates, (fixed, per) = self._batch_tokens(seqs), self._cost(batch_size, False)
-        best_k = self._best_k(rates, per, BATCH_START_MARGIN, kmax, padded=True, fixed=fixed)
+        best_k = self._best_k(rates, per, BATCH_START_MARGIN, kmax, padded=True, fixed=fixed,
+                              batch_size=batch_size)
         why = "model"
         if best_k and self._losing(batch_size):
             best_k, why = 0, "losing"
@@ -453,7 +458,7 @@ class KPolicy:
             # emitted 3.4 tokens/ms against 4.1-4.2 for levels 3.5-7, bench/README.md)
             best_k = (self.spec.win_pick == "measured" and
                       self._measured_k(batch_size, kmax)) or \
-                self._best_k(rates, per, 0.0, kmax, True, fixed)
+                self._best_k(rates, per, 0.0, kmax, True, fixed, batch_size)
             why = "winning"
         return self._picked(best_k, why, batch_size, kmax)
 
@@ -480,7 +485,8 @@ class KPolicy:
         level = self.costs.best_level(batch_size)
         if level is None:
             return None
-        fits = [k for k in range(1, kmax + 1) if self.paid(k) <= level + 1e-9]
+        fits = [k for k in range(1, kmax + 1)
+                if self.paid(k, batch_size=batch_size) <= level + 1e-9]
         return fits[-1] if fits else None
 
     def _kmax(self, batch_size: int, padded: bool = False) -> int:
@@ -491,8 +497,9 @@ class KPolicy:
         if not budget:
             return kmax
         rows = budget // max(batch_size, 1)
-        if padded and self.levels is not None:
-            fits = [q - 1 for q in self.levels[0] if q <= rows]
+        levels = self._levels(batch_size)
+        if padded and levels is not None:
+            fits = [q - 1 for q in levels[0] if q <= rows]
             return min(kmax, fits[-1]) if fits else 0
         return max(0, min(kmax, rows - 1))
 
@@ -526,36 +533,45 @@ class KPolicy:
             return 0.0, per_token + self.spec.draft_step_cost
         return self.costs.fixed_cost(batch_size), per_token
 
-    def paid(self, k: int, kn: int | None = None) -> float:
-        """Drafts per sequence a fused step verifying k drafts and drafting kn more (default
-        k) pays for: the mean of its padded verify rows beyond the pending token and its
-        padded chain, as `StepCosts.record` is given them. The plain mean without levels."""
+    def _levels(self, batch_size: int | None):
+        """The fused step's (query levels, draft levels) at this batch size (None: `levels`)."""
+        if self.levels_at is not None and batch_size is not None:
+            return self.levels_at(batch_size)
+        return self.levels
+
+    def paid(self, k: int, kn: int | None = None, batch_size: int | None = None) -> float:
+        """Drafts per sequence a fused step of batch_size sequences verifying k drafts and
+        drafting kn more (default k) pays for: the mean of its padded verify rows beyond the
+        pending token and its padded chain, as `StepCosts.record` is given them. The plain
+        mean without levels."""
         kn = k if kn is None else kn
-        if self.levels is None:
+        levels = self._levels(batch_size)
+        if levels is None:
             return (k + kn) / 2
-        qs, ds = self.levels
+        qs, ds = levels
         q = next((x for x in qs if x > k), k + 1)
         d = next((x for x in ds if x >= kn), kn)
         return (q - 1 + d) / 2
 
-    def _paid_costs(self, kmax: int) -> np.ndarray:
+    def _paid_costs(self, kmax: int, batch_size: int | None = None) -> np.ndarray:
         """`paid` of K = 1..kmax, kept per (levels, kmax): `_best_k` prices every fused step's
         candidates by them."""
-        key = (self.levels, kmax)
+        key = (self._levels(batch_size), kmax)
         if key not in self._paid:
-            self._paid[key] = np.array([self.paid(k) for k in range(1, kmax + 1)],
-                                       dtype=np.float64)
+            self._paid[key] = np.array([self.paid(k, batch_size=batch_size)
+                                        for k in range(1, kmax + 1)], dtype=np.float64)
         return self._paid[key]
 
     def _best_k(self, rates: list, per_token: float, start: float = MARGIN,
-                kmax: int | None = None, padded: bool = False, fixed: float = 0.0) -> int:
+                kmax: int | None = None, padded: bool = False, fixed: float = 0.0,
+                batch_size: int | None = None) -> int:
         """argmax over K of the sequences' expected tokens per forward, over the step's cost
         1 + fixed + K c (fixed: what any drafting step adds; c: a draft's price): for a
         rate a, (1 - a^(K+1)) / (1 - a); a sequence given as an array (`_tokens`) brings
         its own per-K expectation. Drafting at all must beat plain decoding by `start`,
         each deeper K the best shallower one by MARGIN (no speculating for a rounding-error
         win); K at most kmax (default: SpecConfig.num_tokens); `padded`: K priced by the
-        fused graphs' padded sizes (`paid`)."""
+        fused graphs' padded sizes at batch_size (`paid`)."""
         kmax = self.spec.num_tokens if kmax is None else kmax
         if kmax == 0:
             return 0
@@ -569,7 +585,7 @@ class KPolicy:
         for curve in rates if runs else ():
             if isinstance(curve, np.ndarray):
                 total += curve[:kmax]
-        cost = self._paid_costs(kmax) if padded else k
+        cost = self._paid_costs(kmax, batch_size) if padded else k
         gains = total / (1 + fixed + cost * per_token)
         best_k, best, need = 0, float(len(rates)), start
         for i, gain in enumerate(gains.tolist()):

@@ -210,7 +210,7 @@ class SpecRunner:
         self.policy.begin_propose(step, len(seqs))
         want = self.policy.choose_batch(seqs, len(seqs))
         kn = self._ks_for(seqs, [len(s) + k + 1 for s, k in zip(seqs, kcur)], blocks, want)
-        q = next(x for x in f.query_levels if x > max(kcur))
+        q = next(x for x in f.levels_at(len(seqs))[0] if x > max(kcur))
         inp = pack_uniform(seqs, q, self.cfg.block_size)
         h = self._launch(seqs, kcur, [k or 0 for k in kn], q, inp, None)
         h.continuable = None not in kn  # the next step's pending tokens have their blocks
@@ -243,7 +243,7 @@ class SpecRunner:
         kn = self._ks_for(seqs, needs, blocks, want)
         if None in kn or max(len(s.block_table) for s in seqs) > f.max_blocks:
             return None
-        q = next(x for x in f.query_levels if x > max(kcur))
+        q = next(x for x in f.levels_at(len(seqs))[0] if x > max(kcur))
         b, bs = len(old), self.cfg.block_size
         tab = self._tables([s.block_table for s in seqs])
         sel = None if keep is None else self.stager.index(keep)
@@ -297,7 +297,7 @@ class SpecRunner:
         if cont:
             prepare = continuation(prev, dev[: 2 * c], c, q, self.cfg.block_size, sel)
         extras = (dev[-b * q:][:, None],) if drafting else ()
-        out = self.fused.set_for(max(kn)).run(inp, extras, prepare)
+        out = self.fused.set_for(max(kn), len(seqs)).run(inp, extras, prepare)
         self.fused_runs += 1
         # Outputs live in the graph pool, which the next replay overwrites: the host reads a
         # copy, and a continuation reads this step's outputs before its own replay. A step
@@ -372,7 +372,9 @@ class SpecRunner:
         if self.spec.fused_step and self.spec.num_tokens:
             self.fused = FusedSteps(model, head, self.kv_cache, self.aux_layers, self.cfg,
                                     max_batch, self.graphs.pool, self.tokens)
-            self.policy.levels = (self.fused.query_levels, self.fused.draft_levels)
+            self.policy.levels = self.fused.small
+            if self.fused.small != self.fused.large:
+                self.policy.levels_at = self.fused.levels_at
 
     def _chain_graph(self, steps: int) -> GraphSet:
         """One graph for `steps` chained greedy draft steps of every sequence in a bucket:

@@ -110,3 +110,28 @@ def test_many_arrivals_with_eagle3_head():
     assert [c.token_ids for c in eng.generate(prompts, params)] == ref
     assert runs[:2] == [4, 2]
     eng.blocks.check_all_free()
+
+
+def test_graphs_captured_ahead_are_those_a_buckets_batches_may_run():
+    """`GraphSet(wants=)`: `pending` lists only the (bucket, query length) graphs that
+    wants(q, lo, hi) admits for the bucket's batch sizes lo..hi (the fused step's dense
+    levels from a batch size: `fused.level_wanted`); without it, every one."""
+    from engine.graphs import GraphSet
+
+    calls = []
+
+    def wants(q, lo, hi):
+        calls.append((q, lo, hi))
+        return q != 6 or hi >= 8
+
+    def fn(ids, pos, meta):
+        return (ids,)
+
+    g = GraphSet(fn, "cpu", 16, (1, 6, 8), 4, buckets=(1, 2, 4, 8, 12), wants=wants)
+    keys = g.pending()
+    assert {(b, q) for b, q, _ in keys} == {(b, q) for b in (1, 2, 4, 8, 12, 16)
+                                            for q in (1, 6, 8) if q != 6 or b >= 8}
+    assert {(lo, hi) for _, lo, hi in calls} == {(1, 1), (2, 2), (3, 4), (5, 8), (9, 12),
+                                                 (13, 16)}
+    every = GraphSet(fn, "cpu", 16, (1, 6, 8), 4, buckets=(1, 2, 4, 8, 12))
+    assert len(every.pending()) == 6 * 3

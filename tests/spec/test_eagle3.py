@@ -536,6 +536,43 @@ def test_device_cut_verifies_fewer_drafts_and_stays_lossless(monkeypatch):
 
 
 @CPU_ONLY
+def test_dense_levels_from_a_batch_size_are_lossless():
+    """`SpecConfig.dense_levels_min_batch`: dense levels for fused batches of 3 or more
+    sequences, the doubling ones below. Requests of different lengths finish one by one, so
+    the batch crosses that size, and a step verifies drafts chosen at the other levels (here
+    every fused batch drafts the deepest K its verify budget admits at its own levels: K=3 at
+    4 sequences, K=5 at 3 (6 rows, a dense-only level), K=7 at 2 and 1); greedy output
+    still equals plain decoding."""
+    from engine.spec.fused import level_sets
+
+    base = tiny_engine(0, max_num_batched_tokens=64)
+    head = random_head(base)
+    prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 2 for i in range(4)]
+    sps = [SamplingParams(temperature=0, max_tokens=12 + 10 * i) for i in range(4)]
+    ref = [c.token_ids for c in base.generate(prompts, sps)]
+    top = max(set(sum(ref, [])), key=sum(ref, []).count)
+    with torch.no_grad():
+        head.d2t.copy_(top - torch.arange(head.d2t.numel()))
+    eng = fast_engine(base, head, num_tokens=7, dense_levels_from=4, dense_levels_min_batch=3,
+                      verify_token_budget=18)
+    f, pol = eng.spec.fused, eng.spec.policy
+    assert (f.small, f.large) == level_sets(7, 4, 3)
+    assert f.query_levels == (1, 2, 4, 6, 8) and f.draft_levels == (0, 1, 2, 4, 6, 7)
+    assert f.levels_at(2) == ((1, 2, 4, 8), (0, 1, 2, 4, 7)) == pol.levels
+    assert f.levels_at(3) == ((1, 2, 4, 6, 8), (0, 1, 2, 4, 6, 7))
+    assert pol.levels_at == f.levels_at
+    assert [pol._kmax(b, padded=True) for b in (4, 3, 2, 1)] == [3, 5, 7, 7]
+    pol.choose_batch = lambda seqs, b: pol._kmax(b, padded=True)  # not the timed model's pick
+    seen = []
+    real = f.set_for
+    f.set_for = lambda drafts, batch=None: seen.append((drafts, batch)) or real(drafts, batch)
+    assert [c.token_ids for c in eng.generate(prompts, sps)] == ref
+    assert eng.spec.fused_runs > 0
+    assert (5, 3) in seen and (3, 4) in seen and (7, 2) in seen  # both sides of 3 ran
+    eng.blocks.check_all_free()
+
+
+@CPU_ONLY
 def test_dense_levels_fused_steps_are_lossless():
     """With `SpecConfig.dense_levels_from` = 4 the fused step's graphs are captured at 6
     verify rows and 6 drafts too, and a K=7 engine drafting with a head that is sometimes

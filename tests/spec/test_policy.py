@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -707,6 +709,45 @@ def test_dense_levels_give_k5_its_own_price():
     assert [pol.paid(k) for k in range(8)] == [0, 1, 2.5, 3.5, 4.5, 5.5, 6.5, 7]
     assert any(pol._best_k([a] * 4, c, kmax=7, padded=True) == 5
                for a in np.linspace(0.3, 0.98, 35) for c in (0.02, 0.05, 0.1, 0.2))
+
+
+def test_dense_levels_from_a_batch_size_price_each_batch_by_its_own_graphs():
+    """`SpecConfig.dense_levels_min_batch`: below it a fused batch runs (and is priced by) the
+    doubling levels, from it on the dense ones; so with the 384-token verify budget 64
+    sequences may draft K=5 (6 rows) where the doubling levels hold them at K<=3, and 4
+    sequences price K=5 as K=7. Graphs captured ahead are those a bucket's batches may run."""
+    from engine.spec.fused import level_sets, level_wanted
+
+    small, large = level_sets(7, 4, 32)
+    assert small == ((1, 2, 4, 8), (0, 1, 2, 4, 7))
+    assert large == ((1, 2, 4, 6, 8), (0, 1, 2, 4, 6, 7))
+    assert level_sets(7, 4, 0) == (large, large) == level_sets(7, 4, 1)
+    assert level_sets(7, None, 0)[0] == level_sets(7, None, 0)[1] == small
+    # (draft level, verify rows, a bucket's batch sizes lo..hi): bucket 17..32 holds batches
+    # on both sides of 32, 33..48 only large ones, 1..16 only small ones
+    wanted = functools.partial(level_wanted, small, large, 32)
+    assert wanted(6, 6, 17, 32) and wanted(7, 8, 17, 32) and wanted(7, 8, 1, 16)
+    assert not wanted(6, 6, 1, 16) and not wanted(7, 6, 1, 16)  # 6 rows, 7 drafts: never
+    assert wanted(6, 8, 33, 48) and wanted(0, 6, 33, 48) and not wanted(0, 6, 1, 16)
+
+    pol = KPolicy(SpecConfig(num_tokens=7, dense_levels_from=4, dense_levels_min_batch=32))
+    pol.levels, pol.levels_at = small, (lambda b: large if b >= 32 else small)
+    assert pol._kmax(64, padded=True) == 5 and pol._kmax(48, padded=True) == 7
+    assert [pol.paid(k, batch_size=64) for k in range(8)] == [0, 1, 2.5, 3.5, 4.5, 5.5, 6.5, 7]
+    assert [pol.paid(k, batch_size=4) for k in range(8)] == [0, 1, 2.5, 3.5, 5.5, 7, 7, 7]
+    assert pol.paid(5) == 7  # no batch size: the smallest batches' levels
+    seqs = [seq_with_rate(0.9) for _ in range(64)]
+    pol.begin_propose(PROBE_LEN + 1, batch_size=64)
+    assert pol.choose_batch(seqs, 64) == 5
+    # without the dense levels 64 sequences stop at K=3
+    plain = KPolicy(SpecConfig(num_tokens=7))
+    plain.levels = small
+    plain.begin_propose(PROBE_LEN + 1, batch_size=64)
+    assert plain.choose_batch(seqs, 64) == 3
+    with pytest.raises(ValueError, match="dense_levels_min_batch"):
+        SpecConfig(dense_levels_min_batch=8)
+    with pytest.raises(ValueError, match="dense_levels_min_batch"):
+        SpecConfig(dense_levels_from=4, dense_levels_min_batch=-1)
 
 
 def test_measured_win_drafts_at_the_best_measured_level():
