@@ -312,11 +312,38 @@ def live_rule(answers, price, levels: tuple, kmax: int, plain: float,
     return t_us, dict(Counter(f"{k}:{why}" for k, why in pol.picks))
 
 
-def timing(answers, prices, kmax: int) -> dict:
+def live_variants(answers, price, levels: tuple, kmax: int, plain: float,
+                  variants: dict) -> dict:
+    """`live_rule` under each variant, name -> (SpecConfig fields, {"module.NAME": value}
+    set for its replay and put back after, `bench.spec_ab.parse_variant`): its speed over
+    plain decoding and its picks."""
+    from dataclasses import replace
+
+    from bench.common import setting
+    from engine.config import SpecConfig
+
+    tokens = sum(end - start for end, start, _ in answers)
+    out = {}
+    for name, (fields, sets) in variants.items():
+        saved = {path: getattr(*setting(path)) for path in sets}
+        try:
+            for path, value in sets.items():
+                setattr(*setting(path), value)
+            t, picks = live_rule(answers, price, levels, kmax, plain,
+                                 replace(SpecConfig(num_tokens=kmax), **fields))
+        finally:
+            for path, value in saved.items():
+                setattr(*setting(path), value)
+        out[name] = {"speed": round(tokens * plain / t, 3), "picks": dict(sorted(picks.items()))}
+    return out
+
+
+def timing(answers, prices, kmax: int, variants: dict | None = None) -> dict:
     """Speed relative to plain decoding (tokens x plain step / time) of the answers
     [(length, start, accepts)] pooled, per fixed K and for the best K sequence chosen with
     foresight. A step verifying k drafts and drafting k2 for the next costs the fused
-    graph of the verify level above k and the draft level at or above k2."""
+    graph of the verify level above k and the draft level at or above k2. `variants`: the
+    engine's dynamic K replayed under each too (`live_variants`)."""
     plain, cost = prices
     qs = sorted({q for q, _ in cost})
     ds = sorted({d for _, d in cost})
@@ -341,6 +368,9 @@ def timing(answers, prices, kmax: int) -> dict:
     t, picks = live_rule(answers, price, (tuple(qs), tuple(ds)), kmax, plain)
     out["live_rule"] = round(tokens * plain / t, 3)
     out["live_picks"] = dict(sorted(picks.items()))
+    if variants:
+        out["live_variants"] = live_variants(answers, price, (tuple(qs), tuple(ds)), kmax,
+                                             plain, variants)
     t_best = 0.0
     for end, start, acc in answers:
         # best[n][k]: the least time from position n, k drafts (made the step before) to
@@ -359,7 +389,8 @@ def main(argv=None) -> dict:
     model_arguments(p)
     p.add_argument("--k", default="5,7", help="comma list of draft counts")
     p.add_argument("--tokens", type=int, default=256)
-    p.add_argument("--fig1-prompts", type=int, default=4)
+    p.add_argument("--fig1-prompts", type=int, default=16,
+                   help="figure 1's prompts (its first held-out ones; 4 before 83efbc4)")
     p.add_argument("--other-prompts", type=int, default=12)
     p.add_argument("--min-n", default="2,3,4", help="comma list of context_min_n values")
     p.add_argument("--confidence", default="0.5,0.8,0.95",
@@ -373,8 +404,20 @@ def main(argv=None) -> dict:
     p.add_argument("--dead-row-us", type=float, default=8.8,
                    help="what a dead verify row costs (us; the H200 at 05f9b80: 8 dead rows "
                         "+61 us over one, bench/results/profile/dead_rows_05f9b80)")
+    p.add_argument("--live-variant", action="append", default=None,
+                   metavar="NAME:FIELD=VALUE,...",
+                   help="with --costs, replay the engine's dynamic K also under these "
+                        "SpecConfig fields and module constants (module.NAME=VALUE, as "
+                        "bench.spec_ab takes them; repeatable)")
     p.add_argument("--out", default="bench/results/profile/draft_oracle.json")
     args = p.parse_args(argv)
+    from bench.spec_ab import parse_variant
+
+    try:
+        variants = {name: (fields, sets) for name, fields, sets
+                    in map(parse_variant, args.live_variant or [])}
+    except ValueError as e:
+        p.error(str(e))
 
     from dataclasses import replace
 
@@ -417,12 +460,15 @@ def main(argv=None) -> dict:
                                                          args.rule_min_n))
                        for ids, plen, chains, _, ctx in reps]
             out["priced"] = {"rule": f"context_min{args.rule_min_n}", "costs": args.costs,
-                             **{what: timing(answers, c, kmax)
+                             **{what: timing(answers, c, kmax,
+                                             variants if what == "measured" else None)
                                 for what, c in what_if(prices).items()}}
             log(f"{name} priced: " + ", ".join(
                 f"{w} fixed K best {max(v['fixed_k'].values())} geometric rule "
                 f"{v['geometric_rule']} bound {v['foresight_bound']}"
                 for w, v in out["priced"].items() if isinstance(v, dict)))
+            for vname, v in out["priced"]["measured"].get("live_variants", {}).items():
+                log(f"{name} live rule {vname}: {v['speed']} {v['picks']}")
             # the device cut at K=kmax, dead rows at --dead-row-us (0: no cut, rows past
             # the drafts dead all the same)
             out["priced"]["cut"] = {

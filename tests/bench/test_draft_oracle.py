@@ -156,3 +156,34 @@ def test_the_live_policy_follows_the_answers_acceptance():
     assert 0.85 < got["live_rule"] <= got["fixed_k"][0] + 1e-9
     _, picks = live_rule(bad, price, (tuple(qs), tuple(ds)), 7, plain)
     assert sum(v for k, v in picks.items() if k.startswith("0:")) > 0.7 * sum(picks.values())
+
+
+def test_live_variants_replay_the_policy_under_fields_and_module_constants():
+    """`timing(variants=)`: the engine's dynamic K replayed under SpecConfig fields and module
+    constants (set for the replay only): a variant changing nothing reads the live rule's
+    speed; `batch_k=7` drafts K=7 wherever it is not probing, retrying or measured losing;
+    a bad variant is refused before any model loads."""
+    import pytest
+
+    from bench.draft_oracle import main, timing
+    from bench.spec_ab import parse_variant
+    from engine.spec import policy
+
+    def lin(q, d):
+        return 600.0 + 45.0 * q + 30.0 * d
+
+    cost = {(q, d): lin(q, d) for q in (1, 2, 4, 8) for d in (0, 1, 2, 4, 7)}
+    answers = [(300, 1, {n: (7 if (n // 40) % 2 else 1) for n in range(1, 300)})]
+    names = ["same:", "k7:batch_k=7", "m:engine.spec.policy.MARGIN=3.0"]
+    variants = {n: (f, s) for n, f, s in map(parse_variant, names)}
+    margin = policy.MARGIN
+    r = timing(answers, (600.0, cost), 7, variants)
+    assert policy.MARGIN == margin  # put back
+    lv = r["live_variants"]
+    assert lv["same"]["speed"] == r["live_rule"] and lv["same"]["picks"] == r["live_picks"]
+    assert {p.split(":")[1] for p in lv["k7"]["picks"]} <= {"fixed", "probe", "retry",
+                                                            "losing"}
+    assert lv["k7"]["picks"].get("7:fixed", 0) > 0
+    assert lv["m"]["picks"] != r["live_picks"]  # deeper K must win 3x: fewer deep picks
+    with pytest.raises(SystemExit):
+        main(["--live-variant", "x:no_such_field=1"])
