@@ -1045,7 +1045,8 @@ def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
     the same program, bit for bit, alone or beside others, so a verify step's rows round
     exactly as the one-row decode step does and greedy speculation stays token-identical to
     no speculation. (4 warps at 2-8 rows beside 8 at one row broke that: 0-1 of 4 streams
-    identical in figure 1.) `GEMV_WARPS` is the one setting for all of them: 4, which on the
+    identical in figure 1.) `GEMV_WARPS` is the setting for all of them (projections wider
+    than long take one warp at every row count instead: WIDE_GEMV, MID_GEMV): 4, which on the
     H200 ran the SmolLM2 decode forward in 0.604 / 0.651 / 0.763 / 0.939 ms at 1 / 2 / 4 / 8
     rows against 0.622 / 0.713 / 0.892 / 1.248 with 8
     (`bench/results/profile/linear_sweep_gemv_w4.json`, `linear_sweep_gemv_w8.json`)."""
