@@ -304,6 +304,13 @@ if triton_available():
         return (nw.to(tl.float32)[None, :] * h.to(tl.float32)).to(dt)
 
     @triton.jit
+    def _mac(acc, a, w, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+        """acc + a @ w.T: a GEMV's products summed along K (BLOCK_M 1), else tl.dot."""
+        if BLOCK_M == 1:
+            return acc + tl.sum(a.to(tl.float32) * w.to(tl.float32), 1)[None, :]
+        return tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+
+    @triton.jit
     def _prologue_act(X, R, NW, rm, m_ok, rk, stride_x, stride_r, rstd, K: tl.constexpr,
                       PRO: tl.constexpr, HAS_RES: tl.constexpr):
         """`_prologue_linear_kernel`'s activation a() of rows rm over the K columns rk."""
@@ -428,11 +435,7 @@ if triton_available():
             rstd = tl.math.rsqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if ONE_LOAD:
-            a = _prologue_norm(xs, NW, rk0, rstd, K)
-            if BLOCK_M == 1:
-                acc += tl.sum(a.to(tl.float32) * w.to(tl.float32), 1)[None, :]
-            else:
-                acc = tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+            acc = _mac(acc, _prologue_norm(xs, NW, rk0, rstd, K), w, BLOCK_M, PREC)
         else:
             for k0 in range(0, KM, BLOCK_K):
                 rk = k0 + rk0
@@ -442,17 +445,11 @@ if triton_available():
                 nk = rk + BLOCK_K  # the next tile's weights (masked off past K: no traffic)
                 w = tl.load(W + rn[:, None] * stride_w + nk[None, :],
                             mask=n_ok[:, None] & (nk < KM)[None, :], other=0.0)
-                if BLOCK_M == 1:  # a GEMV: products summed along K
-                    acc += tl.sum(a.to(tl.float32) * cur.to(tl.float32), 1)[None, :]
-                else:
-                    acc = tl.dot(a, tl.trans(cur), acc, input_precision=PREC)
+                acc = _mac(acc, a, cur, BLOCK_M, PREC)
             if TAIL > 0:
                 a = _prologue_act(X, R, NW, rm, m_ok, rt, stride_x, stride_r, rstd, K, PRO,
                                   HAS_RES)
-                if BLOCK_M == 1:
-                    acc += tl.sum(a.to(tl.float32) * wt.to(tl.float32), 1)[None, :]
-                else:
-                    acc = tl.dot(a, tl.trans(wt), acc, input_precision=PREC)
+                acc = _mac(acc, a, wt, BLOCK_M, PREC)
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ARGMAX:
