@@ -3,6 +3,7 @@ the environment record, ratios and rounding, graph pre-capture, random-weight en
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -392,6 +393,18 @@ def setting(path: str):
     if not hasattr(mod, name):
         raise AttributeError(f"{module} has no {name}")
     return mod, name
+
+
+@contextlib.contextmanager
+def module_settings(sets: dict):
+    """Module constants {"module.NAME": value} (`setting`) set for the block and put back as
+    they were after it."""
+    from unittest import mock
+
+    with contextlib.ExitStack() as stack:
+        for path, value in sets.items():
+            stack.enter_context(mock.patch.object(*setting(path), value))
+        yield
 
 
 def parse_setting(item: str) -> tuple[str, object]:

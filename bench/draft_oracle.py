@@ -319,21 +319,15 @@ def live_variants(answers, price, levels: tuple, kmax: int, plain: float,
     plain decoding and its picks."""
     from dataclasses import replace
 
-    from bench.common import setting
+    from bench.common import module_settings
     from engine.config import SpecConfig
 
     tokens = sum(end - start for end, start, _ in answers)
     out = {}
     for name, (fields, sets) in variants.items():
-        saved = {path: getattr(*setting(path)) for path in sets}
-        try:
-            for path, value in sets.items():
-                setattr(*setting(path), value)
+        with module_settings(sets):
             t, picks = live_rule(answers, price, levels, kmax, plain,
                                  replace(SpecConfig(num_tokens=kmax), **fields))
-        finally:
-            for path, value in saved.items():
-                setattr(*setting(path), value)
         out[name] = {"speed": round(tokens * plain / t, 3), "picks": dict(sorted(picks.items()))}
     return out
 

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiles", default="",
                    help="GEMV tiles BNxBKwWARPS (comma-separated) tried on each projection")
     args = p.parse_args(argv)
-    from bench.common import save_json
+    from bench.common import module_settings, save_json
     from engine import ops
     from engine.graphs import graph_time_us
 
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
         live_all = torch.arange(m, device=dev, dtype=torch.int64)
         live_one = torch.full((m,), -1, device=dev, dtype=torch.int64)
         live_one[0] = 0
-        # case: (live, GEMV tile overrides, engine.ops constants set for it)
+        # case: (live, GEMV tile overrides, module constants set for it)
         cases = {"no_check": (None, {}, {}), "all_live": (live_all, {}, {})}
         if m > 1:
             cases["one_live"] = (live_one, {}, {})
@@ -105,10 +105,10 @@ def main(argv=None) -> int:
             # at the tiles' warps and at warps matched to the split tiles
             base = dict(cases)
             for mode, tag in ((True, "exact_k"), ("match", "exact_k_match")):
-                cases.update({f"{tag}_{c}": (lv, t, {**st, "EXACT_K": mode})
+                cases.update({f"{tag}_{c}": (lv, t, {**st, "engine.ops.EXACT_K": mode})
                               for c, (lv, t, st) in base.items()})
         if args.one_load:  # the norm prologue reading x (+ r) twice, as before ONE_LOAD
-            cases.update({f"two_loads_{c}": (lv, t, {**st, "ONE_LOAD": False})
+            cases.update({f"two_loads_{c}": (lv, t, {**st, "engine.ops.ONE_LOAD": False})
                           for c, (lv, t, st) in list(cases.items())})
         if args.tiles or args.combos:  # the baseline, then each projection under each tile
             cases = {"default": (None, {}, {})}
@@ -121,9 +121,6 @@ def main(argv=None) -> int:
         for case, (live, tiles, settings) in cases.items():
             ops.LINEAR_TILES.clear()
             ops.LINEAR_TILES.update(tiles)
-            saved = {name: getattr(ops, name) for name in settings}
-            for name, value in settings.items():
-                setattr(ops, name, value)
             def step(i, live=live, x=x, r=r, gu=gu):
                 w = layers[i % len(layers)]
                 ops.prologue_linear(x, w["qkv"], norm_weight=norms[0], eps=1e-5, residual=r,
@@ -132,11 +129,8 @@ def main(argv=None) -> int:
                 ops.prologue_linear(x, w["gate_up"], norm_weight=norms[1], eps=1e-5,
                                     residual=r, live=live)
                 ops.prologue_linear(gu, w["down"], silu=True, live=live)
-            try:
+            with module_settings(settings):
                 us = [round(graph_time_us(step, args.layers, iters=20), 2) for _ in range(3)]
-            finally:
-                for name, value in saved.items():
-                    setattr(ops, name, value)
             results.append({"rows": m, "case": case, "us_per_layer": us,
                             "best": min(us)})
             print(f"[live_rows] rows {m} {case}: {min(us)} us a layer ({us})", flush=True)

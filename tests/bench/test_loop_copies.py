@@ -84,6 +84,28 @@ def test_a_reset_variant_starts_its_policy_afresh_each_turn(monkeypatch):
     assert policies[2].levels == ((1, 2, 4), (0, 1, 2, 3)) and policies[2].spec.num_tokens == 3
 
 
+def test_module_settings_hold_for_the_block_only():
+    """bench.common.module_settings: the constants are set inside the block and put back
+    after it, an exception included; an unknown name is refused."""
+    import pytest
+
+    from bench.common import module_settings
+    from engine import ops
+    from engine.spec import policy
+
+    before = (policy.MARGIN, ops.ONE_LOAD)
+    with module_settings({"engine.spec.policy.MARGIN": 3.0, "engine.ops.ONE_LOAD": False}):
+        assert (policy.MARGIN, ops.ONE_LOAD) == (3.0, False)
+    assert (policy.MARGIN, ops.ONE_LOAD) == before
+    with pytest.raises(RuntimeError):
+        with module_settings({"engine.spec.policy.MARGIN": 3.0}):
+            raise RuntimeError
+    assert policy.MARGIN == before[0]
+    with pytest.raises(AttributeError):
+        with module_settings({"engine.spec.policy.NO_SUCH": 1}):
+            pass
+
+
 def test_suite_settings_set_module_constants_and_refuse_unknown_names():
     import pytest
 
