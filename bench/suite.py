@@ -955,6 +955,8 @@ def fig_kv_transfer(args, res: dict) -> None:
     if ucx_rows:
         res["ucx_vs_peer_copy"] = {str(r["bytes"]): ratio(r["gb_s"], by.get(r["bytes"]))
                                    for r in ucx_rows}
+        res["ucx_messages_vs_peer_copy"] = {
+            str(r["bytes"]): ratio(r["messages_gb_s"], by.get(r["bytes"])) for r in ucx_rows}
     res["local_transport_vs_peer_copy"] = {
         str(r["bytes"]): ratio(r["gb_s"], by.get(r["bytes"])) for r in local}
     if ucx_rows:
@@ -1005,10 +1007,13 @@ def prefill_times(args, counts: list[int], reps: int) -> list[dict]:
 def ucx_transfer(args, sizes) -> dict:
     """UCX from GPU 0 (this process) to a receiver process holding its cache on GPU 1, with
     kvtransfer/bench.py's machinery. Per size: blocks 0..n-1 to the same ids (one run, as a
-    fresh prefill into a fresh reservation often is) by the direct path and by the staged path
-    (whole, and in 8 layer chunks); the row's headline is the path the transport picks by
-    itself (`wire.plan_direct`). At the largest size also scattered ids (random order on both
-    sides, as after much churn), which the transport stages."""
+    fresh prefill into a fresh reservation often is) by the pull path (the receiver copies
+    out of the sender's cache, mapped through CUDA IPC; UCX carries header and ack), and as
+    UCX messages by the direct path and the staged path (whole, and in 8 layer chunks); the
+    row's headline is the path the transport picks by itself (pull where the receiver offers
+    it, else `wire.plan_direct`), `messages_gb_s` the message path it would pick otherwise. At
+    the largest size also scattered ids (random order on both sides, as after much churn),
+    both ways."""
     try:
         import ucxx  # noqa: F401
     except Exception as e:  # noqa: BLE001
@@ -1033,37 +1038,41 @@ def ucx_transfer(args, sizes) -> dict:
             try:
                 ns = SimpleNamespace(blocks=blocks, chunks=[1, 8], direct=[True, False],
                                      checksum=False, progress="thread", reps=args.fig4_reps,
-                                     device="cuda:0", trace=True)
+                                     device="cuda:0", trace=True, ipc=False)
                 got = loop.run_until_complete(kvb.measure(ns, layout, address))
                 ids = list(range(blocks))
                 auto = wire.plan_direct(ids, ids, layout.num_layers, layer_block, None,
                                         wire.direct_min_bytes("cuda"))
-                pick = next(r for r in got if r["went_direct"] == (auto is not None))
+                messages = next(r for r in got if r["went_direct"] == (auto is not None))
+                ns.ipc, ns.direct, ns.chunks = None, [None], [1]
+                got += loop.run_until_complete(kvb.measure(ns, layout, address))
+                pick = got[-1] if got[-1]["path"] == "pull" else messages
                 best = max(got, key=lambda r: r["median_gb_s"])
                 rows.append({"bytes": blocks * layout.block_bytes, "gb_s": pick["median_gb_s"],
                              "median_ms": pick["median_ms"], "landed_ms": pick.get("landed_ms"),
-                             "path": "direct" if pick["went_direct"] else
-                             f"staged, {pick['chunks']} chunk(s)",
-                             "best_gb_s": best["median_gb_s"],
+                             "path": _path_label(pick), "best_gb_s": best["median_gb_s"],
+                             "messages_gb_s": messages["median_gb_s"],
+                             "messages_path": _path_label(messages),
                              "raw": [{k: v for k, v in r.items() if k != "traces"}
                                      for r in got],
-                             "traces": {("direct" if r["went_direct"] else
-                                         f"staged{r['chunks']}"): r["traces"][:3] for r in got}})
+                             "traces": {_path_label(r): r["traces"][:3] for r in got}})
                 if nbytes == max(sizes):
                     rng = random.Random(0)
                     ns.ids = (rng.sample(ids, blocks), rng.sample(ids, blocks))
-                    ns.direct = [None]
-                    got = loop.run_until_complete(kvb.measure(ns, layout, address))
-                    pick = max(got, key=lambda r: r["median_gb_s"])
+                    got = []
+                    for ipc in (False, None):
+                        ns.ipc = ipc
+                        got += loop.run_until_complete(kvb.measure(ns, layout, address))
+                    pick = got[-1]
                     scattered = {"bytes": pick["bytes"], "gb_s": pick["median_gb_s"],
-                                 "median_ms": pick["median_ms"], "chunks": pick["chunks"],
-                                 "went_direct": pick["went_direct"],
+                                 "median_ms": pick["median_ms"], "path": _path_label(pick),
+                                 "messages_gb_s": got[0]["median_gb_s"],
                                  "raw": [{k: v for k, v in r.items() if k != "traces"}
                                          for r in got]}
             finally:
                 kvb.stop_receiver(proc, pipe, layout)
             log(f"fig 4: UCX {nbytes >> 20} MiB: {rows[-1]['gb_s']} GB/s ({rows[-1]['path']}); "
-                f"best {rows[-1]['best_gb_s']}")
+                f"as messages {rows[-1]['messages_gb_s']} ({rows[-1]['messages_path']})")
         return {"rows": rows, "scattered_ids": scattered, "sender": "cuda:0",
                 "receiver": "cuda:1 (separate process)",
                 "direct_min_bytes": wire.direct_min_bytes("cuda")}
@@ -1071,14 +1080,25 @@ def ucx_transfer(args, sizes) -> dict:
         return {"error": traceback.format_exc()}
 
 
+def _path_label(row: dict) -> str:
+    """How a `kvtransfer.bench.measure` row's payload travelled, in the figure's words."""
+    if row["path"] == "staged":
+        return f"staged, {row['chunks']} chunk(s)"
+    return row["path"]
+
+
 def plot_kv(plt, res):
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, rows in (("peer copy", res.get("peer_copy")),
                       ("local transport", (res.get("local_transport") or {}).get("rows")),
-                      ("UCX", (res.get("ucx") or {}).get("rows"))):
+                      ("UCX link (its own pick)", (res.get("ucx") or {}).get("rows"))):
         if rows:
             ax.plot([r["bytes"] / 2**20 for r in rows], [r["gb_s"] for r in rows], "o-",
                     label=key)
+    ucx_rows = (res.get("ucx") or {}).get("rows") or []
+    if any("messages_gb_s" in r for r in ucx_rows):
+        ax.plot([r["bytes"] / 2**20 for r in ucx_rows], [r["messages_gb_s"] for r in ucx_rows],
+                "o--", label="UCX messages only")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("MiB per transfer")
     ax.set_ylabel("GB/s")

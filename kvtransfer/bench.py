@@ -30,7 +30,8 @@ RAW_CTRL, RAW_ACK = 8, 9
 
 
 def receiver_main(pipe: Pipe, layout: dict[str, Any], num_blocks: int, mode: str,
-                  return_kv: bool, progress: str = "thread", device: str = "cpu") -> None:
+                  return_kv: bool, progress: str = "thread", device: str = "cpu",
+                  ipc: bool | None = None) -> None:
     """Child process: a receiver that serves until the parent says stop."""
     from kvtransfer.ucx import UcxTransport
 
@@ -40,7 +41,7 @@ def receiver_main(pipe: Pipe, layout: dict[str, Any], num_blocks: int, mode: str
     async def serve() -> None:
         from kvtransfer import wire
 
-        async with UcxTransport(lay, kv, mode=mode, progress_mode=progress) as rx:
+        async with UcxTransport(lay, kv, mode=mode, progress_mode=progress, ipc=ipc) as rx:
             raw = asyncio.ensure_future(raw_server(rx._id, device))
             pipe.send(rx.address)
             await asyncio.get_running_loop().run_in_executor(None, pipe.recv)
@@ -56,15 +57,17 @@ def receiver_main(pipe: Pipe, layout: dict[str, Any], num_blocks: int, mode: str
 
 
 def spawn_receiver(layout: BlockLayout, num_blocks: int, mode: str = "worker",
-                   return_kv: bool = False, progress: str = "thread", device: str = "cpu"
+                   return_kv: bool = False, progress: str = "thread", device: str = "cpu",
+                   ipc: bool | None = None, target: Any = None
                    ) -> tuple[Any, Pipe, dict[str, Any]]:
     """Start a receiver in a fresh (spawned) process; return it, its pipe and its address.
-    Stop it with `stop_receiver`."""
+    Stop it with `stop_receiver`. `ipc` False: it offers no pull (UCX messages only);
+    `target`: a function to run instead of `receiver_main`, with its arguments."""
     ctx = mp.get_context("spawn")  # never fork a process that has loaded UCX / CUDA
     ours, theirs = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, daemon=True,
+    proc = ctx.Process(target=target or receiver_main, daemon=True,
                        args=(theirs, layout.to_dict(), num_blocks, mode, return_kv, progress,
-                             device))
+                             device, ipc))
     proc.start()
     if not ours.poll(60):
         proc.kill()
@@ -88,9 +91,10 @@ async def measure(args: argparse.Namespace, layout: BlockLayout,
     """`send_blocks` of blocks 0..args.blocks-1 to the same ids (or `args.ids`, optional:
     (src, dst) lists), once per entry of args.chunks and of `args.direct` (optional, default
     [None]: the transport's own choice; False staged, True direct): one warm-up, then args.reps
-    timed. With `args.trace` (optional) each row also carries every timed transfer's timeline
-    (`UcxConnection.last_trace`) and the median time until the receiver had it all
-    (`landed_ms`, its clock: the same host)."""
+    timed. `args.ipc` (optional, default None): False keeps a GPU transfer to UCX messages
+    where the receiver offers to pull it (`kvtransfer.ipc`). With `args.trace` (optional)
+    each row also carries every timed transfer's timeline (`UcxConnection.last_trace`) and
+    the median time until the receiver had it all (`landed_ms`, its clock: the same host)."""
     from kvtransfer.ucx import UcxTransport
 
     # Made on the device: a GiB of host randn costs seconds.
@@ -102,7 +106,8 @@ async def measure(args: argparse.Namespace, layout: BlockLayout,
     # A forced direct transfer has no chunks: once is enough.
     for chunks, direct in [(c, d) for d in directs for c in args.chunks[:1 if d else None]]:
         tx = UcxTransport(layout, num_chunks=chunks, checksum=args.checksum,
-                          progress_mode=args.progress, direct=direct)
+                          progress_mode=args.progress, direct=direct,
+                          ipc=getattr(args, "ipc", None))
         traces = []
         async with await tx.connect(address) as conn:
             conn.trace = trace
@@ -112,12 +117,12 @@ async def measure(args: argparse.Namespace, layout: BlockLayout,
                 secs.append((await conn.send_blocks(f"r{i}", kv, src, dst)).seconds)
                 if trace:
                     traces.append(conn.last_trace)
-            went_direct = conn.last_direct
+            went_direct, path = conn.last_direct, conn.last_path
         await tx.close()
         nbytes = len(src) * layout.block_bytes
         rows.append({"mode": address["mode"], "device": args.device,
-                     "progress": args.progress, "chunks": 0 if went_direct else chunks,
-                     "direct": direct, "went_direct": went_direct,
+                     "progress": args.progress, "chunks": chunks if path == "staged" else 0,
+                     "direct": direct, "went_direct": went_direct, "path": path,
                      "checksum": args.checksum, "bytes": nbytes,
                      "mib": round(nbytes / 2**20, 1),
                      "median_gb_s": round(nbytes / statistics.median(secs) / 1e9, 2),
@@ -227,10 +232,14 @@ def main(argv: list[str] | None = None) -> None:
                    default="thread")
     p.add_argument("--direct", choices=["auto", "on", "off"], nargs="+", default=["auto"],
                    help="payload path: the transport's choice, direct (no staging) or staged")
+    p.add_argument("--ipc", choices=["auto", "off"], default="auto",
+                   help="GPU caches on one host: let the receiver pull the blocks (auto) or "
+                        "keep to UCX messages (off)")
     p.add_argument("--trace", action="store_true", help="per-transfer timelines in the rows")
     p.add_argument("--raw", action="store_true", help="also the bare UCX baseline")
     args = p.parse_args(argv)
     args.direct = [{"auto": None, "on": True, "off": False}[d] for d in args.direct]
+    args.ipc = None if args.ipc == "auto" else False
     layout = BlockLayout("bench", args.dtype, 16, args.layers, args.kv_heads, args.head_dim, 1)
     proc, pipe, address = spawn_receiver(layout, args.blocks, args.mode, progress=args.progress,
                                          device=args.device)

@@ -10,7 +10,11 @@ Two ways to reach a receiver, both over the same tagged protocol (see `wire`):
 
 A request is: header (request id, dst ids, layer chunks or direct runs, extras spec) -> the
 payload -> extras blob -> optional crc32 trailer; then the receiver acks, and the sender returns
-on the ack. The payload takes one of two paths (`wire.plan_direct` picks, per request):
+on the ack. The payload takes one of three paths, per request:
+- pull (`ipc`): where both caches are on GPUs of one host and the receiver sees the sender's
+  GPU, no payload message at all: the header names the sender's blocks and the receiver copies
+  them out of the sender's cache (mapped once per link through CUDA IPC) on its own stream;
+otherwise `wire.plan_direct` picks:
 - staged: one message per layer chunk of blocks gathered into a staging buffer; the receiver
   scatters each chunk into its kv_cache as it lands;
 - direct: where the src and dst ids run in step (`wire.block_runs`) and the messages are large,
@@ -29,7 +33,7 @@ from typing import Any
 import torch
 import ucxx
 
-from kvtransfer import staging, wire
+from kvtransfer import ipc, staging, wire
 from kvtransfer.base import OnReceive, TransferError, Transport, check_block_ids
 from kvtransfer.layout import BlockLayout, LayoutMismatch, check_compatible
 from kvtransfer.ucx_send import UcxConnection
@@ -53,13 +57,17 @@ class UcxTransport(Transport):
                  host: str = "127.0.0.1", port: int = 0, num_chunks: int = 1,
                  checksum: bool = False,
                  timeout: float = 30.0, progress_mode: str = "thread",
-                 direct: bool | None = None):
+                 direct: bool | None = None, ipc: bool | None = None):
         super().__init__(layout, kv_cache, on_receive)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode, self.host, self.port = mode, host, port
         self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout
         self.direct = direct  # None: per request by message size; False: always staged
+        # None: pull through CUDA IPC wherever both ends can (as a receiver: offer it; as a
+        # sender: use it); False: UCX messages only.
+        self.ipc = ipc
+        self._imports: dict[tuple[int, int], torch.Tensor] = {}  # (link, export) -> peer cache
         self._progress_mode = progress_mode
         self._id = wire.new_id()
         self._listener: Any = None
@@ -124,7 +132,8 @@ class UcxTransport(Transport):
             raise LayoutMismatch(msg.get("error", "the receiver refused the handshake"))
         conn = UcxConnection(ep, link, self.layout, peer_layout, msg["num_blocks"], self.pool,
                              num_chunks=self.num_chunks, checksum=self.checksum,
-                             timeout=self.timeout, direct=self.direct)
+                             timeout=self.timeout, direct=self.direct,
+                             peer_gpus=msg.get("ipc_gpus", []) if self.ipc is not False else [])
         self._conns.append(conn)
         return conn
 
@@ -187,6 +196,8 @@ class UcxTransport(Transport):
             reply.update(ok=False, error=str(e))
             log.warning("kvtransfer: refused a sender: %s", e)
         if reply["ok"]:
+            if self.ipc is not False and self.kv_cache.is_cuda:
+                reply["ipc_gpus"] = ipc.visible_gpus()
             self._links[link] = ep
             self._spawn(self._serve(link, ep))
         await wire.send(ep, wire.encode(reply), wire.tag(link, 0, wire.HELLO_REPLY))
@@ -199,12 +210,14 @@ class UcxTransport(Transport):
                 break
             self._spawn(self._receive(link, ep, hdr))
         self._links.pop(link, None)
+        for key in [k for k in self._imports if k[0] == link]:
+            del self._imports[key]
 
     async def _receive(self, link: int, ep: Any, hdr: dict[str, Any]) -> None:
         stamps: dict[str, Any] | None = (
             {"header": time.perf_counter(), "landed": []} if hdr.get("trace") else None)
         seq, rid = hdr["seq"], hdr["request_id"]
-        kv, error, extras = self.kv_cache, None, {}
+        kv, error, extras, ipc_failed = self.kv_cache, None, {}, False
         try:
             blob = torch.empty(hdr["extras_nbytes"], dtype=torch.uint8)
             extra_recv = asyncio.ensure_future(ucxx.recv(
@@ -215,8 +228,14 @@ class UcxTransport(Transport):
                 check_block_ids(hdr["dst"], hdr["dst"], self.num_blocks, self.num_blocks)
             except ValueError as e:
                 error = str(e)
-            land = self._land_direct if hdr.get("direct") else self._land_chunks
-            error, sums = await land(link, hdr, error, stamps)
+            if hdr.get("pull"):
+                land = self._land_pull
+            else:
+                land = self._land_direct if hdr.get("direct") else self._land_chunks
+            try:
+                error, sums = await land(link, hdr, error, stamps)
+            except ipc.IpcUnavailable as e:  # the sender sends it again as UCX messages
+                error, sums, ipc_failed = f"ipc: {e}", [], True
             if extra_recv is not None:
                 await extra_recv
             if trailer is not None:
@@ -225,8 +244,9 @@ class UcxTransport(Transport):
             extras = wire.unpack_extras(hdr["extras"], blob, kv.device)
         except Exception as e:
             error = error or f"{type(e).__name__}: {e}"
-        self.inbox.put(rid, extras if error is None else TransferError(f"{rid}: {error}"))
-        reply: dict[str, Any] = {"ok": error is None, "error": error}
+        if not ipc_failed:
+            self.inbox.put(rid, extras if error is None else TransferError(f"{rid}: {error}"))
+        reply: dict[str, Any] = {"ok": error is None, "error": error, "ipc_failed": ipc_failed}
         if stamps is not None:
             stamps["ack"] = time.perf_counter()
             reply["t"] = stamps
@@ -303,3 +323,38 @@ class UcxTransport(Transport):
             stamps["landed"].append(time.perf_counter())
             stamps["scattered"] = stamps["synced"] = stamps["landed"][-1]
         return error, [wire.crc(v) for v in views] if hdr["checksum"] else []
+
+    async def _land_pull(self, link: int, hdr: dict[str, Any], error: str | None,
+                         stamps: dict[str, Any] | None) -> tuple[str | None, list[int]]:
+        """Pull path: copy the sender's blocks out of its cache (mapped through CUDA IPC on
+        the first request of the link) on the staging stream, after what the engine queued so
+        far (the dst blocks were free before the reservation). The sender waited for its own
+        writes before it sent the header, and holds its blocks until the ack."""
+        kv, pull = self.kv_cache, hdr["pull"]
+        key = (link, int(pull["export"]))
+        if key not in self._imports:
+            if pull.get("spec") is None:
+                raise ipc.IpcUnavailable("the sender's cache was never exported on this link")
+            self._imports[key] = ipc.open_export(pull["spec"])
+        src_kv = self._imports[key]
+        src, dst = [int(i) for i in pull["src"]], hdr["dst"]
+        if error is None:
+            try:
+                check_block_ids(src, dst, src_kv.shape[2], self.num_blocks)
+            except ValueError as e:
+                error = str(e)
+        if error is not None:
+            return error, []
+        runs = wire.block_runs(src, dst)
+        stream = staging.copy_stream(kv.device)
+        staging.after_current(stream)
+        ipc.pull(kv, src_kv, runs, stream)
+        done = staging.mark(stream)
+        if not done.query():  # off the loop: other transfers keep progressing meanwhile
+            await asyncio.get_running_loop().run_in_executor(None, done.synchronize)
+        if stamps is not None:
+            stamps["landed"].append(time.perf_counter())
+            stamps["scattered"] = stamps["synced"] = stamps["landed"][-1]
+        sums = ([wire.crc(v) for v in wire.direct_views(kv, [(d, k) for _, d, k in runs])]
+                if hdr["checksum"] else [])
+        return error, sums

@@ -1,4 +1,5 @@
-"""The sending half of a UCX link: gather blocks per layer chunk, send, wait for the ack."""
+"""The sending half of a UCX link: gather blocks per layer chunk (or name them, for a
+receiver that pulls them itself), send, wait for the ack."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kvtransfer import staging, wire
+from kvtransfer import ipc, staging, wire
 from kvtransfer.base import Connection, Extras, TransferError, TransferStats
 from kvtransfer.layout import BlockLayout
 
@@ -29,12 +30,17 @@ class UcxConnection(Connection):
     def __init__(self, ep: Any, link: int, layout: BlockLayout, peer_layout: BlockLayout,
                  peer_num_blocks: int, pool: staging.StagingPool, *, num_chunks: int = 1,
                  checksum: bool = False, timeout: float = 30.0, trace: bool = False,
-                 direct: bool | None = None):
+                 direct: bool | None = None, peer_gpus: Sequence[str] = ()):
         super().__init__(layout, peer_layout, peer_num_blocks)
         self._ep, self._link, self._seq, self._pool = ep, link, 0, pool
         self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout
         self.direct = direct
         self.last_direct = False  # whether the last `send_blocks` went direct
+        self.last_path = ""  # "pull", "direct" or "staged": how the last payload travelled
+        # GPUs the receiver sees and offers to pull from (CUDA IPC, `kvtransfer.ipc`); emptied
+        # when a pull fails to map, so the link keeps to UCX messages from then on.
+        self.peer_gpus = set(peer_gpus)
+        self._exports: dict[int, int] = {}  # data_ptr of an exported cache -> export id
         self.trace, self.last_trace = trace, None
         self._closed = False
 
@@ -44,28 +50,66 @@ class UcxConnection(Connection):
         if self._closed:
             raise TransferError("connection closed")
         self.check(kv_cache, src_block_ids, dst_block_ids, extras)
+        pull = bool(src_block_ids) and self._can_pull(kv_cache)
+        try:
+            return await self._send_blocks(request_id, kv_cache, src_block_ids, dst_block_ids,
+                                           extras, pull)
+        except _PullRefused as e:
+            log.warning("kvtransfer: the receiver cannot pull from this GPU (%s); sending "
+                        "UCX messages on this link from now on", e)
+            self.peer_gpus.clear()
+            return await self._send_blocks(request_id, kv_cache, src_block_ids, dst_block_ids,
+                                           extras, False)
+
+    def _can_pull(self, kv: torch.Tensor) -> bool:
+        return (kv.is_cuda and bool(self.peer_gpus) and kv.is_contiguous()
+                and ipc.gpu_uuid(kv.device.index) in self.peer_gpus)
+
+    def _pull_spec(self, kv: torch.Tensor, src: list[int]) -> dict[str, Any]:
+        """The header's pull field: the blocks, and the cache's export the first time."""
+        key = kv.data_ptr()
+        first = key not in self._exports
+        if first:
+            self._exports[key] = len(self._exports) + 1
+        return {"export": self._exports[key], "src": src,
+                "spec": ipc.export(kv) if first else None}
+
+    async def _send_blocks(self, request_id: str, kv_cache: torch.Tensor,
+                           src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+                           extras: Extras | None, pull: bool) -> TransferStats:
         self._seq += 1
         seq, n, t0 = self._seq, len(src_block_ids), time.perf_counter()
         stamps: dict[str, Any] | None = {"t0": t0, "ready": []} if self.trace else None
         num_layers = self.layout.num_layers
         src, dst = [int(i) for i in src_block_ids], [int(i) for i in dst_block_ids]
-        runs = wire.plan_direct(src, dst, num_layers, self.layout.block_bytes // (2 * num_layers),
-                                self.direct, wire.direct_min_bytes(kv_cache.device))
+        runs = None if pull else wire.plan_direct(
+            src, dst, num_layers, self.layout.block_bytes // (2 * num_layers), self.direct,
+            wire.direct_min_bytes(kv_cache.device))
         self.last_direct = runs is not None
-        chunks = wire.layer_chunks(num_layers, self.num_chunks) if n and not runs else []
+        self.last_path = "pull" if pull else "direct" if runs else "staged"
+        chunks = wire.layer_chunks(num_layers, self.num_chunks) if n and not (runs or pull) else []
         spec, blob = wire.pack_extras(extras or {})
         ack = asyncio.ensure_future(wire.recv_ctrl(self._tag(seq, wire.ACK)))
         hdr = {"op": "send", "seq": seq, "request_id": request_id, "dst": dst,
                "chunks": chunks, "direct": [[d, k] for _, d, k in runs] if runs else None,
                "extras": spec, "extras_nbytes": blob.numel(),
-               "checksum": self.checksum, "trace": self.trace}
+               "checksum": self.checksum, "trace": self.trace,
+               "pull": self._pull_spec(kv_cache, src) if pull else None}
         bufs: list[torch.Tensor] = []
         try:
+            if pull:  # the receiver reads the blocks once the header is in: write them first
+                await _wait_queued(kv_cache.device)
+                if stamps is not None:
+                    stamps["ready"].append(time.perf_counter())
             # Not awaited on its own: the header travels while the blocks are gathered, and
             # its completion is awaited with the chunks'.
             sends = [self._send(wire.encode(hdr), 0, wire.HEADER)]
             await asyncio.sleep(0)  # post it now, ahead of the payload
-            if runs:
+            if pull:
+                more, sums = [], ([wire.crc(v) for v in wire.direct_views(
+                    kv_cache, [(s, k) for s, _, k in wire.block_runs(src, dst)])]
+                    if self.checksum else [])
+            elif runs:
                 more, sums = await self._send_direct(seq, kv_cache, runs, stamps)
             else:
                 more, sums = await self._send_payload(seq, kv_cache, src, chunks, bufs, stamps)
@@ -90,6 +134,8 @@ class UcxConnection(Connection):
         t1 = time.perf_counter()
         if stamps is not None:
             self.last_trace = _trace_record(stamps, t1, reply.get("t"), len(chunks))
+        if reply.get("ipc_failed"):
+            raise _PullRefused(reply["error"])
         if not reply["ok"]:
             raise TransferError(f"{request_id}: the receiver failed it: {reply['error']}")
         return TransferStats(request_id, n, n * self.layout.block_bytes, blob.numel(), t1 - t0)
@@ -143,9 +189,7 @@ class UcxConnection(Connection):
         """Send every (layer, K/V, run) range straight from the cache: no staging copy. UCX
         reads the cache itself, so first wait for what the caller's stream has queued (the
         prefill that wrote these blocks); the caller holds the blocks until the ack."""
-        done = staging.queued(kv.device)
-        if done is not None:
-            done.synchronize()
+        await _wait_queued(kv.device)
         if stamps is not None:
             stamps["ready"].append(time.perf_counter())
         views = wire.direct_views(kv, [(s, k) for s, _, k in runs])
@@ -175,6 +219,18 @@ class UcxConnection(Connection):
         except Exception:  # the receiver is already gone: nothing to say goodbye to
             log.debug("kvtransfer: bye not delivered", exc_info=True)
         wire.drop(self._ep)
+
+
+class _PullRefused(Exception):
+    """The receiver could not map this sender's cache; the request must go as messages."""
+
+
+async def _wait_queued(device: torch.device) -> None:
+    """Wait until the device has run what the caller's stream queued so far (the prefill
+    that wrote the blocks), off the event loop when it has not yet."""
+    done = staging.queued(device)
+    if done is not None and not done.query():
+        await asyncio.get_running_loop().run_in_executor(None, done.synchronize)
 
 
 def _trace_record(stamps: dict[str, Any], t1: float, rx: dict[str, Any] | None,

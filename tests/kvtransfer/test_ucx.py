@@ -257,33 +257,41 @@ def test_connecting_to_a_closed_receiver_fails_fast(ucx_loop):
     ucx_loop.run(go(), timeout=60)
 
 
-@pytest.mark.parametrize("mode,device,direct", [
-    ("worker", "cpu", None), ("listener", "cpu", None), ("worker", "cpu", False),
-    pytest.param("worker", "cuda", True, marks=pytest.mark.gpu),
-    pytest.param("worker", "cuda", False, marks=pytest.mark.gpu)])
-def test_two_processes(ucx_loop, mode, device, direct, capsys):
+@pytest.mark.parametrize("mode,device,direct,ipc", [
+    ("worker", "cpu", None, None), ("listener", "cpu", None, None),
+    ("worker", "cpu", False, None),
+    pytest.param("worker", "cuda", True, False, marks=pytest.mark.gpu),
+    pytest.param("worker", "cuda", False, False, marks=pytest.mark.gpu),
+    pytest.param("worker", "cuda", None, None, marks=pytest.mark.gpu)])
+def test_two_processes(ucx_loop, mode, device, direct, ipc, capsys):
     """A receiver in a spawned process: shared memory (worker) or TCP (listener) for real;
     on a GPU, CUDA tensors straight from one process's memory to the other's. The big
     request's messages are 2 MiB per layer and K/V: direct by default on the host (staged on
-    a GPU, where direct starts at 16 MiB: forced there), staged when told."""
+    a GPU, where direct starts at 16 MiB: forced there), staged when told. GPU caches of one
+    host go by pull (the receiver copies out of the sender's cache) unless `ipc=False`; the
+    pull runs with checksums on both sides."""
     layout = tiny_layout(head_dim=64)  # 48 KiB per block
     src = random_kv(layout, num_blocks=512, seed=7).to(device)
-    proc, pipe, address = spawn_receiver(layout, 512, mode, return_kv=True, device=device)
+    proc, pipe, address = spawn_receiver(layout, 512, mode, return_kv=True, device=device,
+                                         ipc=ipc)
     big = list(range(256))
+    pulls = device == "cuda" and ipc is not False
 
     async def go():
-        tx = UcxTransport(layout, direct=direct)
+        tx = UcxTransport(layout, direct=direct, ipc=ipc, checksum=pulls)
         conn = await tx.connect(address)
+        assert bool(conn.peer_gpus) == pulls
         await conn.send_blocks("warm", src, big, big)
         stats = await conn.send_blocks("big", src, big, [b + 256 for b in big])
-        went_direct = conn.last_direct
+        went_direct, path = conn.last_direct, conn.last_path
         await conn.send_blocks("a", src, [9, 8, 7], [0, 1, 2], sample_extras())
         assert conn.last_direct == (direct is True)  # 8 KiB messages: staged unless forced
+        assert conn.last_path == ("pull" if pulls else "direct" if direct else "staged")
         await tx.close()
-        return stats, went_direct
+        return stats, went_direct, path
 
     try:
-        stats, went_direct = ucx_loop.run(go(), timeout=60)
+        stats, went_direct, path = ucx_loop.run(go(), timeout=60)
     finally:
         dst = stop_receiver(proc, pipe, layout)
     assert dst is not None and proc.exitcode == 0
@@ -292,9 +300,10 @@ def test_two_processes(ucx_loop, mode, device, direct, capsys):
     assert torch.equal(dst[:, :, 3:256], src[:, :, 3:256])
     assert torch.equal(dst[:, :, 256:], src[:, :, :256])
     assert stats.bytes == 256 * layout.block_bytes
-    assert went_direct == (direct is not False)
+    assert went_direct == (direct is not False and not pulls)
+    assert path == ("pull" if pulls else "direct" if direct is not False else "staged")
     with capsys.disabled():
-        print(f"\n[kvtransfer] ucx {mode} {device} direct={direct}, 2 processes: "
+        print(f"\n[kvtransfer] ucx {mode} {device} {path}, 2 processes: "
               f"{stats.bytes / 2**20:.1f} MiB in {stats.seconds * 1e3:.1f} ms = "
               f"{stats.bytes_per_s / 1e9:.2f} GB/s")
 
