@@ -10,7 +10,11 @@ buffer). UCX still carries the handshake, the header, the extras and the ack.
 
 The receiver must see the sender's GPU (matched by UUID: the two processes may number their
 devices differently); a process pinned to one GPU (`CUDA_VISIBLE_DEVICES`) does not, and its
-senders keep to UCX messages.
+senders keep to UCX messages. Anything that fails on the way (mapping, copying) is reported to
+the sender, which sends that request again as messages and keeps to them on that link.
+
+Host caches pull only within one process, and only with `HOST_PULL` on (off: `LocalTransport`
+is the in-process path); it lets the protocol run on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import torch
 
 from kvtransfer.layout import BLOCKS_DIM, dtype_from_name, dtype_name
 
+HOST_PULL = False
+
 
 class IpcUnavailable(RuntimeError):
-    """This process cannot map the peer's cache (GPU not visible, handle refused)."""
+    """This process cannot read the peer's cache (GPU not visible, handle refused)."""
 
 
 def gpu_uuid(index: int) -> str:
@@ -39,15 +45,34 @@ def visible_gpus() -> list[str]:
     return [gpu_uuid(i) for i in range(torch.cuda.device_count())]
 
 
+def domain(kv: torch.Tensor) -> str:
+    """Where a cache lives, as a receiver names what it can read: a GPU's UUID, or this
+    process for a host tensor."""
+    return gpu_uuid(kv.device.index) if kv.is_cuda else f"host:{os.getpid()}"
+
+
+def readable(kv: torch.Tensor) -> list[str]:
+    """The domains a receiver holding `kv` offers to pull from: the GPUs it sees, for a CUDA
+    cache; this process, for a host cache with `HOST_PULL` on; else none."""
+    if kv.is_cuda:
+        return visible_gpus()
+    return [domain(kv)] if HOST_PULL else []
+
+
 # Tensors this process exported, by IPC handle: a receiver in the same process maps nothing
 # (CUDA refuses to open a handle in the process that made it) and reads the tensor itself.
 _exported: dict[str, torch.Tensor] = {}
 
 
 def export(kv: torch.Tensor) -> dict[str, Any]:
-    """A JSON-able description of `kv` that another process on this host can map."""
-    if not kv.is_cuda or not kv.is_contiguous():
-        raise ValueError("only a contiguous CUDA tensor can be exported")
+    """A JSON-able description of `kv` that another process on this host can map (a CUDA
+    tensor) or this process can find again (a host tensor)."""
+    if not kv.is_contiguous():
+        raise ValueError("only a contiguous cache can be exported")
+    if not kv.is_cuda:
+        key = f"host:{kv.data_ptr()}"
+        _exported[key] = kv
+        return {"pid": os.getpid(), "handle": key}
     storage = kv.untyped_storage()
     (device, handle, size, offset, ref_handle, ref_offset, event_handle,
      event_sync) = storage._share_cuda_()
@@ -78,11 +103,12 @@ def open_export(spec: dict[str, Any]) -> torch.Tensor:
             bytes.fromhex(spec["ref_handle"]), spec["ref_offset"],
             bytes.fromhex(spec["event_handle"]) if spec["event_handle"] else b"",
             spec["event_sync"])
-    except RuntimeError as e:
-        raise IpcUnavailable(f"could not map the peer's cache: {e}") from None
-    dtype = dtype_from_name(spec["dtype"])
-    out = torch.empty(0, dtype=dtype, device=f"cuda:{device}")
-    return out.set_(storage, spec["storage_offset"], spec["shape"], spec["stride"])
+        dtype = dtype_from_name(spec["dtype"])
+        out = torch.empty(0, dtype=dtype, device=f"cuda:{device}")
+        return out.set_(storage, spec["storage_offset"], spec["shape"], spec["stride"])
+    except Exception as e:  # whatever CUDA or torch refuses: the sender falls back
+        raise IpcUnavailable(f"could not map the peer's cache: {type(e).__name__}: {e}"
+                             ) from None
 
 
 # ---- the copies --------------------------------------------------------------------------------

@@ -133,7 +133,7 @@ class UcxTransport(Transport):
         conn = UcxConnection(ep, link, self.layout, peer_layout, msg["num_blocks"], self.pool,
                              num_chunks=self.num_chunks, checksum=self.checksum,
                              timeout=self.timeout, direct=self.direct,
-                             peer_gpus=msg.get("ipc_gpus", []) if self.ipc is not False else [])
+                             pull_from=msg.get("pull_from", []) if self.ipc is not False else [])
         self._conns.append(conn)
         return conn
 
@@ -196,8 +196,8 @@ class UcxTransport(Transport):
             reply.update(ok=False, error=str(e))
             log.warning("kvtransfer: refused a sender: %s", e)
         if reply["ok"]:
-            if self.ipc is not False and self.kv_cache.is_cuda:
-                reply["ipc_gpus"] = ipc.visible_gpus()
+            if self.ipc is not False:
+                reply["pull_from"] = ipc.readable(self.kv_cache)
             self._links[link] = ep
             self._spawn(self._serve(link, ep))
         await wire.send(ep, wire.encode(reply), wire.tag(link, 0, wire.HELLO_REPLY))
@@ -348,9 +348,12 @@ class UcxTransport(Transport):
         runs = wire.block_runs(src, dst)
         stream = staging.copy_stream(kv.device)
         staging.after_current(stream)
-        ipc.pull(kv, src_kv, runs, stream)
+        try:
+            ipc.pull(kv, src_kv, runs, stream)
+        except Exception as e:  # the sender sends the request again as messages
+            raise ipc.IpcUnavailable(f"copy failed: {type(e).__name__}: {e}") from e
         done = staging.mark(stream)
-        if not done.query():  # off the loop: other transfers keep progressing meanwhile
+        if done is not None and not done.query():  # off the loop: the others progress
             await asyncio.get_running_loop().run_in_executor(None, done.synchronize)
         if stamps is not None:
             stamps["landed"].append(time.perf_counter())

@@ -30,17 +30,17 @@ class UcxConnection(Connection):
     def __init__(self, ep: Any, link: int, layout: BlockLayout, peer_layout: BlockLayout,
                  peer_num_blocks: int, pool: staging.StagingPool, *, num_chunks: int = 1,
                  checksum: bool = False, timeout: float = 30.0, trace: bool = False,
-                 direct: bool | None = None, peer_gpus: Sequence[str] = ()):
+                 direct: bool | None = None, pull_from: Sequence[str] = ()):
         super().__init__(layout, peer_layout, peer_num_blocks)
         self._ep, self._link, self._seq, self._pool = ep, link, 0, pool
         self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout
         self.direct = direct
         self.last_direct = False  # whether the last `send_blocks` went direct
         self.last_path = ""  # "pull", "direct" or "staged": how the last payload travelled
-        # GPUs the receiver sees and offers to pull from (CUDA IPC, `kvtransfer.ipc`); emptied
-        # when a pull fails to map, so the link keeps to UCX messages from then on.
-        self.peer_gpus = set(peer_gpus)
-        self._exports: dict[int, int] = {}  # data_ptr of an exported cache -> export id
+        # Where the receiver offers to pull from (`kvtransfer.ipc.readable`: the GPUs it sees);
+        # emptied when a pull fails, so the link keeps to UCX messages from then on.
+        self.pull_from = set(pull_from)
+        self._exports: dict[tuple[int, int], int] = {}  # (data_ptr, numel) -> export id
         self.trace, self.last_trace = trace, None
         self._closed = False
 
@@ -50,33 +50,39 @@ class UcxConnection(Connection):
         if self._closed:
             raise TransferError("connection closed")
         self.check(kv_cache, src_block_ids, dst_block_ids, extras)
-        pull = bool(src_block_ids) and self._can_pull(kv_cache)
+        pull = self._pull_spec(kv_cache, src_block_ids) if src_block_ids else None
         try:
             return await self._send_blocks(request_id, kv_cache, src_block_ids, dst_block_ids,
                                            extras, pull)
         except _PullRefused as e:
-            log.warning("kvtransfer: the receiver cannot pull from this GPU (%s); sending "
-                        "UCX messages on this link from now on", e)
-            self.peer_gpus.clear()
+            self._no_pull(f"the receiver could not pull ({e})")
             return await self._send_blocks(request_id, kv_cache, src_block_ids, dst_block_ids,
-                                           extras, False)
+                                           extras, None)
 
-    def _can_pull(self, kv: torch.Tensor) -> bool:
-        return (kv.is_cuda and bool(self.peer_gpus) and kv.is_contiguous()
-                and ipc.gpu_uuid(kv.device.index) in self.peer_gpus)
+    def _no_pull(self, why: str) -> None:
+        log.warning("kvtransfer: %s; sending UCX messages on this link from now on", why)
+        self.pull_from.clear()
 
-    def _pull_spec(self, kv: torch.Tensor, src: list[int]) -> dict[str, Any]:
-        """The header's pull field: the blocks, and the cache's export the first time."""
-        key = kv.data_ptr()
-        first = key not in self._exports
-        if first:
+    def _pull_spec(self, kv: torch.Tensor, src: Sequence[int]) -> dict[str, Any] | None:
+        """The header's pull field (the blocks, and the cache's export the first time), or
+        None where the receiver cannot pull from this cache."""
+        if not self.pull_from or not kv.is_contiguous() or ipc.domain(kv) not in self.pull_from:
+            return None
+        key = (kv.data_ptr(), kv.numel())
+        spec = None
+        if key not in self._exports:
+            try:
+                spec = ipc.export(kv)
+            except Exception as e:  # noqa: BLE001 - whatever torch refuses: send messages
+                self._no_pull(f"could not export the cache ({type(e).__name__}: {e})")
+                return None
             self._exports[key] = len(self._exports) + 1
-        return {"export": self._exports[key], "src": src,
-                "spec": ipc.export(kv) if first else None}
+        return {"export": self._exports[key], "src": [int(i) for i in src], "spec": spec}
 
     async def _send_blocks(self, request_id: str, kv_cache: torch.Tensor,
                            src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-                           extras: Extras | None, pull: bool) -> TransferStats:
+                           extras: Extras | None, pull: dict[str, Any] | None
+                           ) -> TransferStats:
         self._seq += 1
         seq, n, t0 = self._seq, len(src_block_ids), time.perf_counter()
         stamps: dict[str, Any] | None = {"t0": t0, "ready": []} if self.trace else None
@@ -94,7 +100,7 @@ class UcxConnection(Connection):
                "chunks": chunks, "direct": [[d, k] for _, d, k in runs] if runs else None,
                "extras": spec, "extras_nbytes": blob.numel(),
                "checksum": self.checksum, "trace": self.trace,
-               "pull": self._pull_spec(kv_cache, src) if pull else None}
+               "pull": pull}
         bufs: list[torch.Tensor] = []
         try:
             if pull:  # the receiver reads the blocks once the header is in: write them first

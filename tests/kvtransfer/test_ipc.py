@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 import pytest
@@ -55,8 +56,10 @@ def test_pull_refuses_mismatched_caches():
 
 
 def test_export_and_open_refuse_what_they_cannot_share():
-    with pytest.raises(ValueError, match="CUDA"):
-        ipc.export(torch.zeros(4))
+    with pytest.raises(ValueError, match="contiguous"):
+        ipc.export(torch.zeros(4, 4).t())
+    host = torch.zeros(4)
+    assert ipc.open_export(ipc.export(host)) is host  # a host cache: within its process only
     spec = {"pid": os.getpid() + 1, "uuid": "GPU-not-on-this-host", "handle": "00"}
     with pytest.raises(ipc.IpcUnavailable, match="not visible"):
         ipc.open_export(spec)
@@ -95,12 +98,12 @@ def test_a_refused_pull_falls_back_to_messages(ucx_loop):
     async def go():
         tx = UcxTransport(layout)
         conn = await tx.connect(address)
-        offered = bool(conn.peer_gpus)
+        offered = bool(conn.pull_from)
         await conn.send_blocks("first", src, [1, 2, 3], [10, 11, 12], sample_extras())
         first = conn.last_path
         await conn.send_blocks("second", src, [4], [13])
         await tx.close()
-        return offered, first, conn.last_path, conn.peer_gpus
+        return offered, first, conn.last_path, conn.pull_from
 
     try:
         offered, first, second, gpus = ucx_loop.run(go(), timeout=60)
@@ -111,39 +114,111 @@ def test_a_refused_pull_falls_back_to_messages(ucx_loop):
     assert torch.equal(dst[:, :, 10:14], src.cpu()[:, :, 1:5])
 
 
-@pytest.mark.gpu
-@cuda
-def test_pull_in_one_process_and_bad_ids(ucx_loop):
-    """Sender and receiver in one process (no IPC mapping: the receiver reads the exported
-    tensor itself): blocks land by pull; a request whose src ids run past the sender's cache
-    fails at the receiver with a clear error, and the link still works after."""
-    pytest.importorskip("ucxx")
+@pytest.fixture
+def host_pull(monkeypatch):
+    """Host caches may pull within one process: the protocol runs without a GPU."""
+    monkeypatch.setattr(ipc, "HOST_PULL", True)
+
+
+def _pair(layout, dst, **kw):
     from kvtransfer.ucx import UcxTransport
 
+    return UcxTransport(layout, dst), UcxTransport(layout, **kw)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
+def test_pull_in_one_process_and_bad_ids(ucx_loop, host_pull, device):
+    """Sender and receiver in one process (no IPC mapping: the receiver reads the exported
+    tensor itself): blocks land by pull, with extras and checksums; a request whose src ids
+    run past the sender's cache fails at the receiver with a clear error, and the link still
+    works after; concurrent requests share the one export."""
+    pytest.importorskip("ucxx")
     layout = tiny_layout("bfloat16")
-    src = random_kv(layout, num_blocks=16, seed=4).cuda()
-    dst = random_kv(layout, num_blocks=64, seed=5).cuda()
+    src = random_kv(layout, num_blocks=16, seed=4).to(device)
+    dst = random_kv(layout, num_blocks=64, seed=5).to(device)
 
     async def go():
-        async with UcxTransport(layout, dst) as rx:
-            tx = UcxTransport(layout, checksum=True)
+        rx, tx = _pair(layout, dst, checksum=True)
+        async with rx:
             conn = await tx.connect(rx.address)
             await conn.send_blocks("a", src, [0, 1, 2, 7], [40, 41, 42, 5], sample_extras())
             path = conn.last_path
             extras = await rx.recv_blocks("a", timeout=10)
-            conn.peer_num_blocks = 64
             conn.check = lambda *a: None  # let a bad src id reach the receiver
             with pytest.raises(TransferError, match="src block ids out of range"):
                 await conn.send_blocks("bad", src, [15, 16], [0, 1])
             with pytest.raises(TransferError, match="out of range"):
                 await rx.recv_blocks("bad", timeout=10)
+            await asyncio.gather(*[conn.send_blocks(f"c{i}", src, [8 + i], [20 + i])
+                                   for i in range(4)])
             await conn.send_blocks("b", src, [3], [6])
+            paths = conn.last_path, len(conn._exports)
             await tx.close()
-            return path, extras
+            return path, extras, paths
 
-    path, extras = ucx_loop.run(go(), timeout=60)
-    torch.cuda.synchronize()
-    assert path == "pull"
+    path, extras, (last, exports) = ucx_loop.run(go(), timeout=60)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert path == last == "pull" and exports == 1
     assert torch.equal(extras["draft_tokens"], sample_extras()["draft_tokens"])
     assert torch.equal(dst[:, :, 40:43], src[:, :, 0:3])
     assert torch.equal(dst[:, :, 5:7], src[:, :, [7, 3]])
+    assert torch.equal(dst[:, :, 20:24], src[:, :, 8:12])
+
+
+@pytest.mark.parametrize("fail", ["map", "copy", "export"])
+def test_a_failed_pull_lands_as_messages(ucx_loop, host_pull, monkeypatch, fail):
+    """The receiver cannot map the cache, or the copy fails, or the sender cannot export it:
+    the request still lands (sent as UCX messages, never reported failed to the receiver's
+    inbox) and the link keeps to messages."""
+    pytest.importorskip("ucxx")
+    layout = tiny_layout()
+    src, dst = random_kv(layout, seed=3), random_kv(layout, seed=4)
+
+    def boom(*a, **k):
+        raise (RuntimeError if fail != "map" else ipc.IpcUnavailable)(f"{fail} refused")
+
+    monkeypatch.setattr(ipc, {"map": "open_export", "copy": "pull", "export": "export"}[fail],
+                        boom)
+    got = []
+
+    async def go():
+        from kvtransfer.ucx import UcxTransport
+
+        rx = UcxTransport(layout, dst, on_receive=lambda rid, r: got.append((rid, r)))
+        tx = UcxTransport(layout)
+        async with rx:
+            conn = await tx.connect(rx.address)
+            offered = bool(conn.pull_from)
+            await conn.send_blocks("first", src, [1, 2, 3], [10, 11, 12], sample_extras())
+            first = conn.last_path
+            await conn.send_blocks("second", src, [4], [13])
+            await tx.close()
+            return offered, first, conn.last_path, conn.pull_from
+
+    offered, first, second, left = ucx_loop.run(go(), timeout=60)
+    assert offered and not left
+    assert first == second == "staged"
+    assert [rid for rid, _ in got] == ["first", "second"]
+    assert all(isinstance(r, dict) for _, r in got)
+    assert torch.equal(dst[:, :, 10:14], src[:, :, 1:5])
+
+
+def test_no_pull_without_an_offer(ucx_loop, monkeypatch):
+    """A host receiver offers nothing by default, and a sender told `ipc=False` ignores any
+    offer: both keep to messages."""
+    pytest.importorskip("ucxx")
+    layout = tiny_layout()
+    src, dst = random_kv(layout, seed=3), random_kv(layout, seed=4)
+
+    async def go(**kw):
+        rx, tx = _pair(layout, dst, **kw)
+        async with rx:
+            conn = await tx.connect(rx.address)
+            await conn.send_blocks("x", src, [1], [2])
+            await tx.close()
+            return conn.pull_from, conn.last_path
+
+    assert ucx_loop.run(go(), timeout=60) == (set(), "staged")
+    monkeypatch.setattr(ipc, "HOST_PULL", True)
+    assert ucx_loop.run(go(ipc=False), timeout=60) == (set(), "staged")

@@ -280,7 +280,7 @@ def test_two_processes(ucx_loop, mode, device, direct, ipc, capsys):
     async def go():
         tx = UcxTransport(layout, direct=direct, ipc=ipc, checksum=pulls)
         conn = await tx.connect(address)
-        assert bool(conn.peer_gpus) == pulls
+        assert bool(conn.pull_from) == pulls
         await conn.send_blocks("warm", src, big, big)
         stats = await conn.send_blocks("big", src, big, [b + 256 for b in big])
         went_direct, path = conn.last_direct, conn.last_path
