@@ -4,7 +4,8 @@
 # `gputests`: the GPU tests alone, GPU_TESTS narrows them),
 # `bash bench/h200_session.sh bench` (the figures; FIG3_TRACE=1 adds figure 3's dynamic-K
 # step traces, BENCH_ARGS more arguments of bench.suite), `bash bench/h200_session.sh ucx` (the UCX
-# sweep, two GPUs; SWEEP_ONLY=a,b narrows it), `bash bench/h200_session.sh steady` (the step
+# sweep, two GPUs; SWEEP_ONLY=a,b narrows it), `bash bench/h200_session.sh pull` (one GPU: the
+# kvtransfer GPU tests and the pull path against UCX messages and a copy; PULL_BLOCKS), `bash bench/h200_session.sh steady` (the step
 # profile under figure 3's steady load, PROFILE_CONC / PROFILE_VARIANTS narrow it),
 # `bash bench/h200_session.sh ab` (the interleaved steady A/B: no-spec, K=0, dynamic, and both
 # with admission taking the drain; AB_CONC / AB_ADMISSION / AB_REPS narrow it, AB_ADMISSION=
@@ -40,7 +41,23 @@ mkdir -p "$R"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
 export RAY_USAGE_STATS_ENABLED=0
 nvidia-smi -L > "$R/gpus.txt"
-if [ "$part" = ucx ]; then  # two GPUs: figure 4's transfer under many UCX settings
+if [ "$part" = pull ]; then  # one GPU: the pull path's tests, and its transfer beside UCX
+  # messages and a same-device copy, sender and receiver processes on the one GPU (a proxy
+  # for figure 4, which needs two)
+  timeout 300 python3 -m pytest -q -m gpu tests/kvtransfer -p no:cacheprovider \
+    > "$R/gputests.log" 2>&1
+  tail -5 "$R/gputests.log"
+  for blocks in ${PULL_BLOCKS:-8 128 512}; do  # 16 MiB, 256 MiB, 1 GiB of 8B-shaped KV
+    for ipc in auto off; do
+      timeout 120 python3 -m kvtransfer.bench --device cuda --layers 32 --kv-heads 8 \
+        --head-dim 128 --dtype bfloat16 --blocks "$blocks" --chunks 1 --direct auto \
+        --ipc "$ipc" --raw --trace --reps 10 --copy > "$R/bench_${blocks}_$ipc.jsonl" \
+        2> "$R/bench_${blocks}_$ipc.err"
+      python3 -c "import json,sys; [print({k: v for k, v in json.loads(l).items() if k not in
+        ('traces', 'ms')}) for l in open(sys.argv[1])]" "$R/bench_${blocks}_$ipc.jsonl"
+    done
+  done
+elif [ "$part" = ucx ]; then  # two GPUs: figure 4's transfer under many UCX settings
   timeout "${SWEEP_TIMEOUT:-200}" python3 -m bench.ucx_sweep --out "$R" --budget "${SWEEP_BUDGET:-185}" \
     ${SWEEP_ONLY:+--only "$SWEEP_ONLY"} > "$R/sweep.log" 2>&1
   tail -15 "$R/sweep.log"

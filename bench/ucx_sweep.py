@@ -343,7 +343,7 @@ def child_ucx(spec: dict[str, Any], partial: Any = None) -> dict[str, Any]:
     # The receiver process starts (imports, CUDA, UCX) while this one does the same.
     with ThreadPoolExecutor(1) as pool:
         started = pool.submit(kvb.spawn_receiver, layout, max(blocks.values()), "worker",
-                              progress=progress, device=rx_dev)
+                              progress=progress, device=rx_dev, ipc=False)
         versions = child_versions()
         import torch
 
@@ -356,10 +356,11 @@ def child_ucx(spec: dict[str, Any], partial: Any = None) -> dict[str, Any]:
     loop = asyncio.new_event_loop()  # ucxx binds to the first loop that uses it: keep one
     try:
         for s in sizes:
-            # The staged path (gather, chunks, scatter), whose settings this sweep explores.
+            # The staged path (gather, chunks, scatter), whose settings this sweep explores
+            # (UCX messages: the receiver offers no pull, `kvtransfer.ipc`).
             ns = SimpleNamespace(blocks=blocks[s], chunks=spec["chunks"], checksum=False,
                                  progress=progress, reps=spec["reps"], device=tx_dev,
-                                 trace=True, direct=[False])
+                                 trace=True, direct=[False], ipc=False)
             for row in loop.run_until_complete(kvb.measure(ns, layout, address)):
                 traces = row.pop("traces", [])
                 row["phases_ms"] = phase_summary(traces)

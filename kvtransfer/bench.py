@@ -216,6 +216,25 @@ async def measure_raw(address: dict[str, Any], device: str, sizes: list[int],
     return rows
 
 
+def measure_copy(device: str, nbytes: int, reps: int) -> dict[str, Any]:
+    """The baseline beside a transfer on one host: one plain copy of `nbytes` within
+    `device`'s memory (a device-to-device copy on a GPU, a memcpy on the host)."""
+    a = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
+    secs = []
+    for i in range(reps + 1):
+        sync()
+        t0 = time.perf_counter()
+        b.copy_(a)
+        sync()
+        if i:
+            secs.append(time.perf_counter() - t0)
+    med = statistics.median(secs)
+    return {"copy": device, "bytes": nbytes, "median_ms": round(med * 1e3, 3),
+            "gb_s": round(nbytes / med / 1e9, 2)}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=["worker", "listener"], default="worker")
@@ -237,6 +256,8 @@ def main(argv: list[str] | None = None) -> None:
                         "keep to UCX messages (off)")
     p.add_argument("--trace", action="store_true", help="per-transfer timelines in the rows")
     p.add_argument("--raw", action="store_true", help="also the bare UCX baseline")
+    p.add_argument("--copy", action="store_true",
+                   help="also a plain copy of the same bytes within --device")
     args = p.parse_args(argv)
     args.direct = [{"auto": None, "on": True, "off": False}[d] for d in args.direct]
     args.ipc = None if args.ipc == "auto" else False
@@ -249,6 +270,9 @@ def main(argv: list[str] | None = None) -> None:
             if args.raw:
                 rows += await measure_raw(address, args.device,
                                           [args.blocks * layout.block_bytes], [1], args.reps)
+            if args.copy:
+                rows.append(measure_copy(args.device, args.blocks * layout.block_bytes,
+                                         args.reps))
             return rows
 
         for row in asyncio.run(go()):

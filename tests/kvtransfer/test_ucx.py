@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from kvtransfer import LayoutMismatch, TransferError
+from kvtransfer import BlockLayout, LayoutMismatch, TransferError
 from tests.kvtransfer.conftest import random_kv, sample_extras, tiny_layout
 
 pytest.importorskip("ucxx", reason="ucxx-cu12 is not installed: UCX transport untested")
@@ -324,3 +324,20 @@ def test_raw_baseline_between_processes(ucx_loop):
     assert all(0 < r["landed_ms"] and 0 < r["sent_ms"] <= r["acked_ms"] for r in rows + again)
     assert proc.exitcode == 0
 
+
+
+def test_bench_command_rows(capsys):
+    """`python -m kvtransfer.bench`: one JSON row per transfer setting, then the bare UCX
+    and the plain-copy baselines of the same bytes."""
+    import json
+
+    from kvtransfer import bench
+
+    bench.main(["--blocks", "2", "--layers", "2", "--chunks", "1", "--reps", "2", "--raw",
+                "--copy", "--ipc", "off"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    layout = BlockLayout("bench", "float32", 16, 2, 3, 64, 1)  # bench's default heads
+    nbytes = 2 * layout.block_bytes
+    assert [r.get("path") for r in rows] == ["staged", None, None]
+    assert rows[0]["bytes"] == rows[1]["bytes"] == rows[2]["bytes"] == nbytes
+    assert rows[2]["copy"] == "cpu" and rows[2]["gb_s"] > 0
