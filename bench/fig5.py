@@ -318,7 +318,7 @@ def _prefill_loop(pipe, pre, w: Workload, lt, conn) -> None:
     def stats_of(st, t_first: float, checksum=None) -> dict:
         return {"blocks": st.num_blocks, "bytes": st.bytes, "seconds": st.seconds,
                 "first_token_at": t_first, "sent_at": time.perf_counter(),
-                "src_checksum": checksum}
+                "src_checksum": checksum, "path": st.path}
 
     check = w.check_kv
 
@@ -456,6 +456,9 @@ def transfer_summary(rows: list[dict]) -> dict:
            "median_ms": rnd(statistics.median(secs) * 1e3),
            "max_ms": rnd(max(secs) * 1e3),
            "gb_s_overall": rnd(total_b / total_s / 1e9, 2) if total_s else None}
+    paths = [r["path"] for r in rows if r.get("path")]
+    if paths:  # how the blocks travelled (kvtransfer's pull, direct or staged path)
+        out["paths"] = {p: paths.count(p) for p in sorted(set(paths))}
     checked = [r["kv_identical"] for r in rows if r.get("kv_identical") is not None]
     out["kv_identical"] = f"{sum(checked)}/{len(checked)}" if checked else "not checked"
     if rows[0].get("first_token_to_admit_ms") is not None:
@@ -513,7 +516,7 @@ def run_disaggregated_process(args, pp: PrefillProcess, ucx: UcxLoop, rx, dec, w
                                   "gb_s": rnd(st["bytes"] / max(st["seconds"], 1e-9) / 1e9, 2),
                                   "first_token_to_admit_ms": rnd(
                                       (t - st["first_token_at"]) * 1e3),
-                                  "kv_identical": same})
+                                  "kv_identical": same, "path": st.get("path")})
         if dec.has_unfinished():
             w.record(dec.step(), time.perf_counter())
             steps += 1

@@ -39,6 +39,7 @@ class TransferStats:
     bytes: int  # KV payload: num_blocks * layout.block_bytes
     extras_bytes: int
     seconds: float
+    path: str = ""  # how the blocks travelled, where the transport has several ways
 
     @property
     def bytes_per_s(self) -> float:

@@ -92,7 +92,7 @@ class UcxConnection(Connection):
             src, dst, num_layers, self.layout.block_bytes // (2 * num_layers), self.direct,
             wire.direct_min_bytes(kv_cache.device))
         self.last_direct = runs is not None
-        self.last_path = "pull" if pull else "direct" if runs else "staged"
+        self.last_path = path = "pull" if pull else "direct" if runs else "staged"
         chunks = wire.layer_chunks(num_layers, self.num_chunks) if n and not (runs or pull) else []
         spec, blob = wire.pack_extras(extras or {})
         ack = asyncio.ensure_future(wire.recv_ctrl(self._tag(seq, wire.ACK)))
@@ -144,7 +144,8 @@ class UcxConnection(Connection):
             raise _PullRefused(reply["error"])
         if not reply["ok"]:
             raise TransferError(f"{request_id}: the receiver failed it: {reply['error']}")
-        return TransferStats(request_id, n, n * self.layout.block_bytes, blob.numel(), t1 - t0)
+        return TransferStats(request_id, n, n * self.layout.block_bytes, blob.numel(), t1 - t0,
+                             path)
 
     async def _send_payload(self, seq: int, kv: torch.Tensor, src: Sequence[int],
                             chunks: list[tuple[int, int]], bufs: list[torch.Tensor],

@@ -326,16 +326,19 @@ def test_raw_baseline_between_processes(ucx_loop):
 
 
 
-def test_bench_command_rows(capsys):
-    """`python -m kvtransfer.bench`: one JSON row per transfer setting, then the bare UCX
-    and the plain-copy baselines of the same bytes."""
+def test_bench_command_rows():
+    """`python -m kvtransfer.bench` (its own process: ucxx binds to one event loop per
+    process): one JSON row per transfer setting, then the bare UCX and the plain-copy
+    baselines of the same bytes."""
     import json
+    import subprocess
+    import sys
 
-    from kvtransfer import bench
-
-    bench.main(["--blocks", "2", "--layers", "2", "--chunks", "1", "--reps", "2", "--raw",
-                "--copy", "--ipc", "off"])
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    done = subprocess.run([sys.executable, "-m", "kvtransfer.bench", "--blocks", "2",
+                           "--layers", "2", "--chunks", "1", "--reps", "2", "--raw", "--copy",
+                           "--ipc", "off"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
     layout = BlockLayout("bench", "float32", 16, 2, 3, 64, 1)  # bench's default heads
     nbytes = 2 * layout.block_bytes
     assert [r.get("path") for r in rows] == ["staged", None, None]
