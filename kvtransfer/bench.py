@@ -131,7 +131,8 @@ async def measure(args: argparse.Namespace, layout: BlockLayout,
                      "ms": [round(x * 1e3, 3) for x in secs]})
         if trace:
             rows[-1]["traces"] = traces
-            landed = [t["rx"]["synced"] for t in traces if t.get("rx")]
+            # An early-acked pull (`UcxTransport`) acks before its copy is done: no "synced".
+            landed = [t["rx"]["synced"] for t in traces if (t.get("rx") or {}).get("synced")]
             if landed:
                 rows[-1]["landed_ms"] = round(statistics.median(landed) * 1e3, 3)
     return rows

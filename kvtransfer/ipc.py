@@ -111,6 +111,41 @@ def open_export(spec: dict[str, Any]) -> torch.Tensor:
                              ) from None
 
 
+# ---- events: the sender learns a pull is done without waiting for a message ----------------
+
+def new_event(device: torch.device) -> torch.cuda.Event:
+    """An event another process can open (`open_event`), created on `device`."""
+    ev = torch.cuda.Event(interprocess=True)
+    with torch.cuda.device(device):
+        ev.record(torch.cuda.current_stream(device))
+    return ev
+
+
+_local_events: dict[str, torch.cuda.Event] = {}  # handles given out by this process
+
+
+def event_handle(ev: torch.cuda.Event) -> str:
+    handle = bytes(ev.ipc_handle()).hex()
+    _local_events[handle] = ev
+    return handle
+
+
+def open_event(uuid: str, handle: str) -> torch.cuda.Event:
+    """Open an event of the GPU `uuid` made by `new_event` in another process (or this
+    one); `IpcUnavailable` where it cannot."""
+    if handle in _local_events:
+        return _local_events[handle]
+    try:
+        device = visible_gpus().index(uuid)
+    except ValueError:
+        raise IpcUnavailable(f"GPU {uuid} is not visible to this process") from None
+    try:
+        return torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(handle))
+    except Exception as e:
+        raise IpcUnavailable(f"could not open the peer's event: {type(e).__name__}: {e}"
+                             ) from None
+
+
 # ---- the copies --------------------------------------------------------------------------------
 
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: direction from the (unified) addresses

@@ -40,6 +40,9 @@ from kvtransfer.ucx_send import UcxConnection
 
 log = logging.getLogger(__name__)
 MODES = ("worker", "listener")
+# Early-ack events per link, reused in turn: a sender waiting on one whose newer record is
+# still pending waits longer, never shorter (records follow each other on one stream).
+EARLY_ACK_EVENTS = 8
 
 
 class UcxTransport(Transport):
@@ -68,6 +71,7 @@ class UcxTransport(Transport):
         # sender: use it); False: UCX messages only.
         self.ipc = ipc
         self._imports: dict[tuple[int, int], torch.Tensor] = {}  # (link, export) -> peer cache
+        self._events: dict[int, list[torch.cuda.Event]] = {}  # link -> early-ack events
         self._progress_mode = progress_mode
         self._id = wire.new_id()
         self._listener: Any = None
@@ -134,6 +138,8 @@ class UcxTransport(Transport):
                              num_chunks=self.num_chunks, checksum=self.checksum,
                              timeout=self.timeout, direct=self.direct,
                              pull_from=msg.get("pull_from", []) if self.ipc is not False else [])
+        if conn.pull_from and msg.get("probe_event"):
+            conn.offer_early_ack(msg["gpu"], msg["probe_event"])
         self._conns.append(conn)
         return conn
 
@@ -198,6 +204,11 @@ class UcxTransport(Transport):
         if reply["ok"]:
             if self.ipc is not False:
                 reply["pull_from"] = ipc.readable(self.kv_cache)
+                if reply["pull_from"] and self.kv_cache.is_cuda:
+                    # A sender that can open this event may take the ack of a pull as soon as
+                    # the copy is queued, and wait on an event for its end (`EARLY_ACK_EVENTS`).
+                    probe = self._link_event(link, 0)
+                    reply.update(gpu=ipc.domain(self.kv_cache), probe_event=ipc.event_handle(probe))
             self._links[link] = ep
             self._spawn(self._serve(link, ep))
         await wire.send(ep, wire.encode(reply), wire.tag(link, 0, wire.HELLO_REPLY))
@@ -212,6 +223,7 @@ class UcxTransport(Transport):
         self._links.pop(link, None)
         for key in [k for k in self._imports if k[0] == link]:
             del self._imports[key]
+        self._events.pop(link, None)
 
     async def _receive(self, link: int, ep: Any, hdr: dict[str, Any]) -> None:
         stamps: dict[str, Any] | None = (
@@ -247,6 +259,8 @@ class UcxTransport(Transport):
         if not ipc_failed:
             self.inbox.put(rid, extras if error is None else TransferError(f"{rid}: {error}"))
         reply: dict[str, Any] = {"ok": error is None, "error": error, "ipc_failed": ipc_failed}
+        if hdr.get("acked"):  # an early ack already went out (`_land_pull`)
+            return
         if stamps is not None:
             stamps["ack"] = time.perf_counter()
             reply["t"] = stamps
@@ -352,6 +366,19 @@ class UcxTransport(Transport):
             ipc.pull(kv, src_kv, runs, stream)
         except Exception as e:  # the sender sends the request again as messages
             raise ipc.IpcUnavailable(f"copy failed: {type(e).__name__}: {e}") from e
+        if hdr.get("early_ack") and not hdr["checksum"] and stream is not None:
+            # The ack travels while the copy runs; the sender waits on this event for its end
+            # (recorded after it on the staging stream, so it also covers earlier requests').
+            ev = self._link_event(link, hdr["seq"])
+            ev.record(stream)
+            reply: dict[str, Any] = {"ok": True, "error": None, "ipc_failed": False,
+                                     "event": ipc.event_handle(ev)}
+            if stamps is not None:
+                stamps["ack"] = time.perf_counter()
+                reply["t"] = stamps
+            hdr["acked"] = True
+            await wire.send(self._links[link], wire.encode(reply),
+                            wire.tag(link, hdr["seq"], wire.ACK))
         done = staging.mark(stream)
         if done is not None and not done.query():  # off the loop: the others progress
             await asyncio.get_running_loop().run_in_executor(None, done.synchronize)
@@ -361,3 +388,11 @@ class UcxTransport(Transport):
         sums = ([wire.crc(v) for v in wire.direct_views(kv, [(d, k) for _, d, k in runs])]
                 if hdr["checksum"] else [])
         return error, sums
+
+    def _link_event(self, link: int, seq: int) -> torch.cuda.Event:
+        """One of a link's early-ack events, in turn (made on first use)."""
+        events = self._events.setdefault(link, [])
+        i = seq % EARLY_ACK_EVENTS
+        while len(events) <= i:
+            events.append(ipc.new_event(self.kv_cache.device))
+        return events[i]

@@ -41,6 +41,10 @@ class UcxConnection(Connection):
         # emptied when a pull fails, so the link keeps to UCX messages from then on.
         self.pull_from = set(pull_from)
         self._exports: dict[tuple[int, int], int] = {}  # (data_ptr, numel) -> export id
+        # The receiver's GPU, where this process can open its events: pulls are acked as soon
+        # as the copy is queued, and the sender waits on the receiver's event for its end.
+        self.early_ack_gpu: str | None = None
+        self._events: dict[str, torch.cuda.Event] = {}  # handle -> opened receiver event
         self.trace, self.last_trace = trace, None
         self._closed = False
 
@@ -58,6 +62,23 @@ class UcxConnection(Connection):
             self._no_pull(f"the receiver could not pull ({e})")
             return await self._send_blocks(request_id, kv_cache, src_block_ids, dst_block_ids,
                                            extras, None)
+
+    def offer_early_ack(self, gpu: str, probe_event: str) -> None:
+        """Take the receiver's early acks if this process can open its events (tried on the
+        handshake's probe event); without checksums only (those compare after the copy)."""
+        try:
+            self._events[probe_event] = ipc.open_event(gpu, probe_event)
+        except ipc.IpcUnavailable as e:
+            log.info("kvtransfer: no early acks on this link: %s", e)
+            return
+        self.early_ack_gpu = gpu
+
+    async def _wait_event(self, handle: str) -> None:
+        ev = self._events.get(handle)
+        if ev is None:
+            ev = self._events[handle] = ipc.open_event(self.early_ack_gpu, handle)
+        if not ev.query():
+            await asyncio.get_running_loop().run_in_executor(None, ev.synchronize)
 
     def _no_pull(self, why: str) -> None:
         log.warning("kvtransfer: %s; sending UCX messages on this link from now on", why)
@@ -100,7 +121,8 @@ class UcxConnection(Connection):
                "chunks": chunks, "direct": [[d, k] for _, d, k in runs] if runs else None,
                "extras": spec, "extras_nbytes": blob.numel(),
                "checksum": self.checksum, "trace": self.trace,
-               "pull": pull}
+               "pull": pull,
+               "early_ack": bool(pull) and self.early_ack_gpu is not None and not self.checksum}
         bufs: list[torch.Tensor] = []
         try:
             if pull:  # the receiver reads the blocks once the header is in: write them first
@@ -131,6 +153,8 @@ class UcxConnection(Connection):
             for buf in bufs:  # sent: UCX no longer reads them
                 self._pool.give(buf)
             reply = await asyncio.wait_for(ack, self.timeout)
+            if reply.get("event"):  # an early ack: the receiver's copy may still run
+                await asyncio.wait_for(self._wait_event(reply["event"]), self.timeout)
         except asyncio.TimeoutError:
             raise TransferError(f"{request_id}: no ack within {self.timeout}s") from None
         except Exception as e:  # UCX errors: the link broke; the lease must end all the same

@@ -222,3 +222,36 @@ def test_no_pull_without_an_offer(ucx_loop, monkeypatch):
     assert ucx_loop.run(go(), timeout=60) == (set(), "staged")
     monkeypatch.setattr(ipc, "HOST_PULL", True)
     assert ucx_loop.run(go(ipc=False), timeout=60) == (set(), "staged")
+
+
+@pytest.mark.gpu
+@cuda
+def test_early_ack_returns_only_once_the_copy_is_done(ucx_loop):
+    """Without checksums a pull is acked as soon as its copy is queued; `send_blocks` must
+    still return only once the blocks are in (it waits on the receiver's event): each check
+    right after it sees every block."""
+    pytest.importorskip("ucxx")
+    layout = tiny_layout("bfloat16", num_layers=8, num_kv_heads=8, head_dim=128)  # 512 KiB
+    src = random_kv(layout, num_blocks=256, seed=6).cuda()
+    dst = torch.zeros_like(src)
+
+    async def go():
+        rx, tx = _pair(layout, dst)
+        async with rx:
+            conn = await tx.connect(rx.address)
+            early = conn.early_ack_gpu is not None
+            same = []
+            for i in range(5):
+                lo = 0 if i % 2 else 128
+                await conn.send_blocks(f"r{i}", src, list(range(lo, lo + 128)),
+                                       list(range(128 - lo, 256 - lo)))
+                same.append(torch.equal(dst[:, :, 128 - lo:256 - lo], src[:, :, lo:lo + 128]))
+                dst.zero_()
+                torch.cuda.synchronize()
+            path = conn.last_path
+            await tx.close()
+            return early, path, same
+
+    early, path, same = ucx_loop.run(go(), timeout=60)
+    assert early and path == "pull"
+    assert same == [True] * 5

@@ -257,19 +257,20 @@ def test_connecting_to_a_closed_receiver_fails_fast(ucx_loop):
     ucx_loop.run(go(), timeout=60)
 
 
-@pytest.mark.parametrize("mode,device,direct,ipc", [
-    ("worker", "cpu", None, None), ("listener", "cpu", None, None),
-    ("worker", "cpu", False, None),
-    pytest.param("worker", "cuda", True, False, marks=pytest.mark.gpu),
-    pytest.param("worker", "cuda", False, False, marks=pytest.mark.gpu),
-    pytest.param("worker", "cuda", None, None, marks=pytest.mark.gpu)])
-def test_two_processes(ucx_loop, mode, device, direct, ipc, capsys):
+@pytest.mark.parametrize("mode,device,direct,ipc,checksum", [
+    ("worker", "cpu", None, None, False), ("listener", "cpu", None, None, False),
+    ("worker", "cpu", False, None, False),
+    pytest.param("worker", "cuda", True, False, False, marks=pytest.mark.gpu),
+    pytest.param("worker", "cuda", False, False, False, marks=pytest.mark.gpu),
+    pytest.param("worker", "cuda", None, None, True, marks=pytest.mark.gpu),
+    pytest.param("worker", "cuda", None, None, False, marks=pytest.mark.gpu)])
+def test_two_processes(ucx_loop, mode, device, direct, ipc, checksum, capsys):
     """A receiver in a spawned process: shared memory (worker) or TCP (listener) for real;
     on a GPU, CUDA tensors straight from one process's memory to the other's. The big
     request's messages are 2 MiB per layer and K/V: direct by default on the host (staged on
     a GPU, where direct starts at 16 MiB: forced there), staged when told. GPU caches of one
-    host go by pull (the receiver copies out of the sender's cache) unless `ipc=False`; the
-    pull runs with checksums on both sides."""
+    host go by pull (the receiver copies out of the sender's cache) unless `ipc=False`: with
+    checksums on both sides, or acked early (the sender waits on the receiver's event)."""
     layout = tiny_layout(head_dim=64)  # 48 KiB per block
     src = random_kv(layout, num_blocks=512, seed=7).to(device)
     proc, pipe, address = spawn_receiver(layout, 512, mode, return_kv=True, device=device,
@@ -278,9 +279,10 @@ def test_two_processes(ucx_loop, mode, device, direct, ipc, capsys):
     pulls = device == "cuda" and ipc is not False
 
     async def go():
-        tx = UcxTransport(layout, direct=direct, ipc=ipc, checksum=pulls)
+        tx = UcxTransport(layout, direct=direct, ipc=ipc, checksum=checksum)
         conn = await tx.connect(address)
         assert bool(conn.pull_from) == pulls
+        assert (conn.early_ack_gpu is not None) == pulls
         await conn.send_blocks("warm", src, big, big)
         stats = await conn.send_blocks("big", src, big, [b + 256 for b in big])
         went_direct, path = conn.last_direct, conn.last_path
