@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -61,7 +62,8 @@ def readable(kv: torch.Tensor) -> list[str]:
 
 # Tensors this process exported, by IPC handle: a receiver in the same process maps nothing
 # (CUDA refuses to open a handle in the process that made it) and reads the tensor itself.
-_exported: dict[str, torch.Tensor] = {}
+# Weak: an engine's cache is not kept alive for a link that may never use it again.
+_exported: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
 
 def export(kv: torch.Tensor) -> dict[str, Any]:
@@ -121,7 +123,8 @@ def new_event(device: torch.device) -> torch.cuda.Event:
     return ev
 
 
-_local_events: dict[str, torch.cuda.Event] = {}  # handles given out by this process
+# Handles given out by this process: opened here, they are the events themselves.
+_local_events: weakref.WeakValueDictionary[str, torch.cuda.Event] = weakref.WeakValueDictionary()
 
 
 def event_handle(ev: torch.cuda.Event) -> str:
