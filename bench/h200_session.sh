@@ -5,7 +5,8 @@
 # `bash bench/h200_session.sh bench` (the figures; FIG3_TRACE=1 adds figure 3's dynamic-K
 # step traces, BENCH_ARGS more arguments of bench.suite), `bash bench/h200_session.sh ucx` (the UCX
 # sweep, two GPUs; SWEEP_ONLY=a,b narrows it), `bash bench/h200_session.sh pull` (one GPU: the
-# kvtransfer GPU tests and the pull path against UCX messages and a copy; PULL_BLOCKS), `bash bench/h200_session.sh steady` (the step
+# kvtransfer GPU tests and the pull path against UCX messages and a copy; PULL_BLOCKS,
+# PULL_PROGRESS), `bash bench/h200_session.sh steady` (the step
 # profile under figure 3's steady load, PROFILE_CONC / PROFILE_VARIANTS narrow it),
 # `bash bench/h200_session.sh ab` (the interleaved steady A/B: no-spec, K=0, dynamic, and both
 # with admission taking the drain; AB_CONC / AB_ADMISSION / AB_REPS narrow it, AB_ADMISSION=
@@ -47,15 +48,20 @@ if [ "$part" = pull ]; then  # one GPU: the pull path's tests, and its transfer 
   timeout 300 python3 -m pytest -q -m gpu tests/kvtransfer -p no:cacheprovider \
     > "$R/gputests.log" 2>&1
   tail -5 "$R/gputests.log"
+  # PULL_PROGRESS: ucxx progress modes to compare (thread-polling: ~130 against ~330 us a
+  # round trip between two host processes, for a core spinning in each)
+  for progress in ${PULL_PROGRESS:-thread}; do
   for blocks in ${PULL_BLOCKS:-8 128 512}; do  # 16 MiB, 256 MiB, 1 GiB of 8B-shaped KV
     for ipc in auto off; do
+      f="$R/bench_${progress}_${blocks}_$ipc"
       timeout 120 python3 -m kvtransfer.bench --device cuda --layers 32 --kv-heads 8 \
         --head-dim 128 --dtype bfloat16 --blocks "$blocks" --chunks 1 --direct auto \
-        --ipc "$ipc" --raw --trace --reps 10 --copy > "$R/bench_${blocks}_$ipc.jsonl" \
-        2> "$R/bench_${blocks}_$ipc.err"
+        --ipc "$ipc" --raw --trace --reps 10 --copy --progress "$progress" > "$f.jsonl" \
+        2> "$f.err"
       python3 -c "import json,sys; [print({k: v for k, v in json.loads(l).items() if k not in
-        ('traces', 'ms')}) for l in open(sys.argv[1])]" "$R/bench_${blocks}_$ipc.jsonl"
+        ('traces', 'ms')}) for l in open(sys.argv[1])]" "$f.jsonl"
     done
+  done
   done
 elif [ "$part" = ucx ]; then  # two GPUs: figure 4's transfer under many UCX settings
   timeout "${SWEEP_TIMEOUT:-200}" python3 -m bench.ucx_sweep --out "$R" --budget "${SWEEP_BUDGET:-185}" \
