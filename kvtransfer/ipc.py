@@ -177,6 +177,19 @@ def _cudart() -> Any:
     return _cudart_lib[0]
 
 
+_peers: set[tuple[int, int]] = set()
+
+
+def _peer_access(a: torch.device, b: torch.device) -> None:
+    """Peer access between two devices, both ways, so the copy engines move the bytes over
+    NVLink rather than through host memory: torch enables it on a first copy between them."""
+    key = (a.index, b.index)
+    if key not in _peers:
+        for x, y in ((a, b), (b, a)):
+            torch.empty(1, device=x).copy_(torch.empty(1, device=y))
+        _peers.add(key)
+
+
 def pull(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
          stream: torch.cuda.Stream | None) -> int:
     """Queue on `stream` (a stream of `dst`'s device; None on the host, where the copies are
@@ -196,6 +209,8 @@ def pull(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
         for s, d, k in runs:
             dst[:, :, d:d + k].copy_(src[:, :, s:s + k])
         return len(runs)
+    if src.device != dst.device:
+        _peer_access(dst.device, src.device)
     lib = _cudart() if max(dpitch, spitch) < MAX_PITCH else None
     calls = 0
     with torch.cuda.device(dst.device):
