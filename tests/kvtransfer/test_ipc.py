@@ -81,6 +81,18 @@ def _refusing_receiver(*args):
     bench.receiver_main(*args)
 
 
+async def _first_and_second(tx, address, src):
+    """Two requests on one link: (pull offered, first's path, second's path, what the link
+    still pulls from)."""
+    conn = await tx.connect(address)
+    offered = bool(conn.pull_from)
+    await conn.send_blocks("first", src, [1, 2, 3], [10, 11, 12], sample_extras())
+    first = conn.last_path
+    await conn.send_blocks("second", src, [4], [13])
+    await tx.close()
+    return offered, first, conn.last_path, conn.pull_from
+
+
 @pytest.mark.gpu
 @cuda
 def test_a_refused_pull_falls_back_to_messages(ucx_loop):
@@ -95,18 +107,9 @@ def test_a_refused_pull_falls_back_to_messages(ucx_loop):
     proc, pipe, address = spawn_receiver(layout, 64, return_kv=True, device="cuda",
                                          target=_refusing_receiver)
 
-    async def go():
-        tx = UcxTransport(layout)
-        conn = await tx.connect(address)
-        offered = bool(conn.pull_from)
-        await conn.send_blocks("first", src, [1, 2, 3], [10, 11, 12], sample_extras())
-        first = conn.last_path
-        await conn.send_blocks("second", src, [4], [13])
-        await tx.close()
-        return offered, first, conn.last_path, conn.pull_from
-
     try:
-        offered, first, second, gpus = ucx_loop.run(go(), timeout=60)
+        offered, first, second, gpus = ucx_loop.run(
+            _first_and_second(UcxTransport(layout), address, src), timeout=60)
     finally:
         dst = stop_receiver(proc, pipe, layout)
     assert offered and not gpus
@@ -186,15 +189,8 @@ def test_a_failed_pull_lands_as_messages(ucx_loop, host_pull, monkeypatch, fail)
         from kvtransfer.ucx import UcxTransport
 
         rx = UcxTransport(layout, dst, on_receive=lambda rid, r: got.append((rid, r)))
-        tx = UcxTransport(layout)
         async with rx:
-            conn = await tx.connect(rx.address)
-            offered = bool(conn.pull_from)
-            await conn.send_blocks("first", src, [1, 2, 3], [10, 11, 12], sample_extras())
-            first = conn.last_path
-            await conn.send_blocks("second", src, [4], [13])
-            await tx.close()
-            return offered, first, conn.last_path, conn.pull_from
+            return await _first_and_second(UcxTransport(layout), rx.address, src)
 
     offered, first, second, left = ucx_loop.run(go(), timeout=60)
     assert offered and not left
