@@ -104,6 +104,11 @@ class Metrics:
         self.kv_seconds = self._metric(Histogram, "tandem_kv_transfer_seconds",
                                        "Duration of one successful KV-cache transfer.",
                                        buckets=TRANSFER_BUCKETS)
+        self.kv_transfers = self._metric(
+            Counter, "tandem_kv_transfers_total",
+            "Successful KV-cache transfers by how the blocks travelled: pull (the receiver "
+            "copied them out of this GPU's cache), direct or staged (UCX messages), local "
+            "(one process).", ("path",))
 
     def _gauges(self) -> None:
         g = Gauge
@@ -147,13 +152,15 @@ class Metrics:
         self.observe_spec(_delta(drafted_per_pos, seen_d), _delta(accepted_per_pos, seen_a))
         self._spec_seen = (list(drafted_per_pos), list(accepted_per_pos))
 
-    def observe_transfer(self, nbytes: int, seconds: float, ok: bool) -> None:
-        """One KV transfer: bytes and duration when it succeeded, a failure otherwise."""
+    def observe_transfer(self, nbytes: int, seconds: float, ok: bool, path: str = "") -> None:
+        """One KV transfer: bytes, duration and path (`TransferStats.path`) when it
+        succeeded, a failure otherwise."""
         if not ok:
             self.kv_failures.inc()
             return
         self.kv_bytes.inc(nbytes)
         self.kv_seconds.observe(seconds)
+        self.kv_transfers.labels(self.role, path or "unknown").inc()
 
     def set_engine_gauges(self, queue_depth: int, running: int, blocks_used: int,
                           blocks_total: int, acceptance_length: float | None = None) -> None:

@@ -90,7 +90,7 @@ class LocalConnection(Connection):
         peer.inbox.put(request_id, got)
         return TransferStats(request_id, n, n * self.layout.block_bytes,
                              sum(t.numel() * t.element_size() for t in got.values()),
-                             time.perf_counter() - t0)
+                             time.perf_counter() - t0, "local")
 
     async def close(self) -> None:
         self._receiver = None

@@ -67,7 +67,7 @@ class PrefillNode:
         except BaseException:
             self.metrics.observe_transfer(0, 0.0, ok=False)
             raise
-        self.metrics.observe_transfer(stats.bytes, stats.seconds, ok=True)
+        self.metrics.observe_transfer(stats.bytes, stats.seconds, ok=True, path=stats.path)
         self.transferred_bytes += stats.bytes
         return h
 

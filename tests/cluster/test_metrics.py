@@ -121,13 +121,16 @@ def test_engine_steps_are_counted_by_path():
 
 def test_observe_transfer_counts_bytes_or_failures():
     m = Metrics("prefill")
-    m.observe_transfer(1000, 0.002, ok=True)
-    m.observe_transfer(500, 0.004, ok=True)
+    m.observe_transfer(1000, 0.002, ok=True, path="pull")
+    m.observe_transfer(500, 0.004, ok=True, path="staged")
+    m.observe_transfer(200, 0.001, ok=True, path="pull")
     m.observe_transfer(700, 1.0, ok=False)
-    assert value(m, "tandem_kv_transfer_bytes_total") == 1500
+    assert value(m, "tandem_kv_transfer_bytes_total") == 1700
+    assert value(m, "tandem_kv_transfers_total", path="pull") == 2
+    assert value(m, "tandem_kv_transfers_total", path="staged") == 1
     assert value(m, "tandem_kv_transfer_failures_total") == 1
-    assert value(m, "tandem_kv_transfer_seconds_count") == 2
-    assert value(m, "tandem_kv_transfer_seconds_sum") == pytest.approx(0.006)
+    assert value(m, "tandem_kv_transfer_seconds_count") == 3
+    assert value(m, "tandem_kv_transfer_seconds_sum") == pytest.approx(0.007)
 
 
 def test_set_engine_gauges():
