@@ -29,9 +29,10 @@ class Cluster:
 def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = None, *,
           prefill_replicas: int = 1, decode_replicas: int = 1, transport: str = "ucx",
           address: str | None = None, prefill_gpus: float = 0.0, decode_gpus: float = 0.0,
-          metrics: bool = True) -> Cluster:
+          metrics: bool = True, transport_kwargs: dict | None = None) -> Cluster:
     """Connect to (or start) Ray, place the actors, and return the router's backend.
-    `engine_kwargs` configure prefill engines, `decode_kwargs` (default: the same) decode."""
+    `engine_kwargs` configure prefill engines, `decode_kwargs` (default: the same) decode;
+    `transport_kwargs` every actor's `kvtransfer` transport (`TransferSection`)."""
     import ray
 
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -47,8 +48,10 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
                                         max_concurrency=1000)
     D = ray.remote(DecodeNode).options(num_gpus=decode_gpus, num_cpus=0, max_concurrency=1000)
     port = 0 if metrics else None  # each node serves /metrics on a free port (see info())
-    prefills = [P.remote(model, engine_kwargs, transport, port) for _ in range(prefill_replicas)]
-    decodes = [D.remote(model, decode_kwargs or engine_kwargs, transport, port)
+    tkw = transport_kwargs or {}
+    prefills = [P.remote(model, engine_kwargs, transport, port, tkw)
+                for _ in range(prefill_replicas)]
+    decodes = [D.remote(model, decode_kwargs or engine_kwargs, transport, port, tkw)
                for _ in range(decode_replicas)]
     infos = ray.get([a.info.remote() for a in prefills + decodes])  # waits for the models
     from engine import loader
@@ -61,12 +64,13 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
                    [i["metrics_port"] for i in infos])
 
 
-def start_from_config(cfg, transport: str = "ucx") -> Cluster:
+def start_from_config(cfg) -> Cluster:
     """The cluster a `ClusterConfig` (cluster/config.py) describes, in disaggregated mode."""
     from cluster.config import engine_kwargs
 
     return start(cfg.model.path, engine_kwargs(cfg, "prefill"), engine_kwargs(cfg, "decode"),
                  prefill_replicas=cfg.prefill.replicas, decode_replicas=cfg.decode.replicas,
-                 transport=transport, address=cfg.ray_address,
+                 transport=cfg.transfer.transport, address=cfg.ray_address,
                  prefill_gpus=cfg.prefill.num_gpus, decode_gpus=cfg.decode.num_gpus,
-                 metrics=cfg.metrics.enabled)
+                 metrics=cfg.metrics.enabled,
+                 transport_kwargs=cfg.transfer.transport_kwargs())

@@ -20,7 +20,7 @@ class DecodeNode:
     """Plain class; cluster/launcher.py runs it as a Ray actor."""
 
     def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
-                 metrics_port: int | None = None):
+                 metrics_port: int | None = None, transport_kwargs: dict | None = None):
         self.engine = Engine.from_pretrained(model, **engine_kwargs)
         self.engine.prepare_to_serve()  # graphs captured, objects frozen, compiles logged
         self.metrics, self.metrics_port = serve_metrics("decode", metrics_port)
@@ -28,7 +28,8 @@ class DecodeNode:
         self.loop.on_step = self.metrics.engine_step
         self.loop.start()
         self.layout = BlockLayout.from_engine_config(self.engine.config)
-        self.transport = make_transport(transport, self.layout, self.engine.kv_cache)
+        self.transport = make_transport(transport, self.layout, self.engine.kv_cache,
+                                        **(transport_kwargs or {}))
         self._started = False
 
     async def address(self) -> dict:

@@ -19,7 +19,7 @@ class PrefillNode:
     """Plain class; cluster/launcher.py runs it as a Ray actor."""
 
     def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
-                 metrics_port: int | None = None):
+                 metrics_port: int | None = None, transport_kwargs: dict | None = None):
         self.engine = Engine.from_pretrained(model, **engine_kwargs)
         self.engine.prepare_to_serve()  # graphs captured, objects frozen, compiles logged
         self.metrics, self.metrics_port = serve_metrics("prefill", metrics_port)
@@ -27,7 +27,8 @@ class PrefillNode:
         self.loop.on_step = self.metrics.engine_step
         self.loop.start()
         self.layout = BlockLayout.from_engine_config(self.engine.config)
-        self.transport = make_transport(transport, self.layout)
+        self.transport = make_transport(transport, self.layout,
+                                        **(transport_kwargs or {}))
         self._conns: dict[str, object] = {}
         self._active: set[str] = set()  # requests inside prefill()
         self._cancelled: set[str] = set()

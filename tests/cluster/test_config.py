@@ -102,6 +102,9 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
     ({"speculation": {"num_tokens": 17}}, "speculation.num_tokens"),
     ({"router": {"port": 70000}}, "router.port"),
     ({"mode": "mixed"}, "mode"),
+    ({"transfer": {"transport": "tcp"}}, "transfer.transport"),
+    ({"transfer": {"progress_mode": "polling"}}, "transfer.progress_mode"),
+    ({"transfer": {"timeout_s": 0}}, "transfer.timeout_s"),
     ({"decode": 3}, "'decode'"),
 ])
 def test_bad_values_name_the_field(d, field):
@@ -143,6 +146,21 @@ def test_overrides_parse_values_as_yaml():
 def test_bad_overrides(item, message):
     with pytest.raises(ConfigError, match=message):
         apply_overrides(ClusterConfig(), [item])
+
+
+def test_transfer_section_gives_the_transport_its_kwargs():
+    pytest.importorskip("ucxx")
+    from kvtransfer.ucx import UcxTransport
+    from tests.kvtransfer.conftest import tiny_layout
+
+    assert ClusterConfig().transfer.transport_kwargs() == {
+        "ipc": None, "progress_mode": "thread", "checksum": False, "timeout": 30.0}
+    cfg = apply_overrides(ClusterConfig(), ["transfer.pull=false", "transfer.checksum=true",
+                                            "transfer.transport=ucx-tcp"])
+    kw = cfg.transfer.transport_kwargs()
+    assert kw["ipc"] is False and kw["checksum"] is True and cfg.transfer.transport == "ucx-tcp"
+    t = UcxTransport(tiny_layout(), **kw)  # every key is one the transport takes
+    assert (t.ipc, t.checksum, t.timeout) == (False, True, 30.0)
 
 
 def test_load_config_overrides_dict_merges_into_file(tmp_path):

@@ -39,8 +39,11 @@ def cluster():
     import ray
 
     from cluster import launcher
+    from cluster.config import TransferSection
 
-    c = launcher.start(None, ENGINE_KW, transport="ucx")
+    # Checksums on: the transfer section's keywords reach the actors' transports.
+    c = launcher.start(None, ENGINE_KW, transport="ucx",
+                       transport_kwargs=TransferSection(checksum=True).transport_kwargs())
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     server, port = asyncio.run_coroutine_threadsafe(
@@ -133,4 +136,5 @@ def test_node_metrics_endpoints_parse_and_move(cluster):
     prefill, decode = values
     assert prefill["tandem_kv_transfer_bytes_total"] > 0
     assert prefill["tandem_kv_transfer_seconds_count"] > 0
+    assert prefill["tandem_kv_transfers_total"] > 0  # by path: UCX messages on the CPU
     assert decode["tandem_kv_blocks_total"] > 0 and decode["tandem_spec_acceptance_length"] >= 1
