@@ -19,6 +19,10 @@ One JSON, `<out>/ucx_sweep.json`, is rewritten after every configuration: the co
 date, GPUs, versions, every number, each child's log tail and UCX's protocol choices
 (`UCX_PROTO_INFO=y` in the default configuration).
 
+Beside each configuration's staged rows, its pull rows (`pull`: GPU caches, the receiver
+copies out of the sender's cache through CUDA IPC, UCX carrying header and ack; the summary
+lists them apart, per size against the peer copy, with the header's and the ack's times).
+
 Phases of one transfer (ms since `send_blocks` began, medians over the timed repetitions; the
 receiver's stamps use the same monotonic clock, one host): `path` telescopes to the total:
 gather (first chunk gathered and its send posted) + first_chunk (until the receiver has chunk 0:
@@ -196,6 +200,17 @@ def phase_summary(traces: list[dict[str, Any]]) -> dict[str, float] | None:
     return {k: round(_med([r[k] for r in rows]) * 1e3, 3) for k in rows[0]}
 
 
+def pull_phases(traces: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Medians (ms since `send_blocks` began) of a pull's milestones: the header in at the
+    receiver, its ack sent (early: once the copy is queued), the ack in at the sender (after
+    which it waited on the receiver's event) and the total."""
+    rows = [{"header_in": t["rx"]["header"], "rx_ack": t["rx"]["ack"], "total": t["acked"]}
+            for t in traces if (t.get("rx") or {}).get("ack") is not None]
+    if not rows:
+        return None
+    return {k: round(_med([r[k] for r in rows]) * 1e3, 3) for k in rows[0]}
+
+
 def best_rows(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Per size: the chunk count with the highest median GB/s."""
     out: dict[int, dict[str, Any]] = {}
@@ -271,6 +286,13 @@ def summarize(results: list[dict[str, Any]], baseline: dict[str, Any] | None) ->
         by_config[r["name"]] = {
             "best": entry,
             "score_vs_default": score(r["rows"], ref["rows"]) if ref else None}
+        pulls = [p for p in r.get("pull") or [] if p.get("path") == "pull"]
+        if pulls:
+            by_config[r["name"]]["pull"] = {
+                str(p["bytes"]): {"gb_s": p["median_gb_s"], "median_ms": p["median_ms"],
+                                  "vs_peer": round(p["median_gb_s"] / peer[p["bytes"]], 3)
+                                  if peer.get(p["bytes"]) else None,
+                                  "phases_ms": p.get("phases_ms")} for p in pulls}
     top = max((int(b) for b in best), default=None)
     goal = None
     if top is not None:
@@ -342,8 +364,9 @@ def child_ucx(spec: dict[str, Any], partial: Any = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     # The receiver process starts (imports, CUDA, UCX) while this one does the same.
     with ThreadPoolExecutor(1) as pool:
+        # The receiver offers to pull (`kvtransfer.ipc`); the staged rows' sender declines.
         started = pool.submit(kvb.spawn_receiver, layout, max(blocks.values()), "worker",
-                              progress=progress, device=rx_dev, ipc=False)
+                              progress=progress, device=rx_dev)
         versions = child_versions()
         import torch
 
@@ -352,7 +375,7 @@ def child_ucx(spec: dict[str, Any], partial: Any = None) -> dict[str, Any]:
             torch.empty(1, device=tx_dev)  # the context, before the clock starts
         proc, pipe, address = started.result()
     out: dict[str, Any] = {"versions": versions, "startup_s": round(time.perf_counter() - t0, 2),
-                           "rows": [], "raw": []}
+                           "rows": [], "raw": [], "pull": []}
     loop = asyncio.new_event_loop()  # ucxx binds to the first loop that uses it: keep one
     try:
         for s in sizes:
@@ -373,6 +396,16 @@ def child_ucx(spec: dict[str, Any], partial: Any = None) -> dict[str, Any]:
                 print(f"[sweep child] {s >> 10} KiB chunks={row['chunks']}: "
                       f"{row['median_gb_s']} GB/s {row['median_ms']} ms "
                       f"phases={row['phases_ms']}", flush=True)
+            # The pull path (GPU caches: the receiver copies out of the sender's cache, UCX
+            # carrying header and ack) under the same setting: its control latency.
+            ns.ipc, ns.direct, ns.chunks = None, [None], [1]
+            for row in loop.run_until_complete(kvb.measure(ns, layout, address)):
+                row["phases_ms"] = pull_phases(row.pop("traces", []))
+                out["pull"].append(row)
+                if partial is not None:
+                    partial(out)
+                print(f"[sweep child] {s >> 10} KiB {row['path']}: {row['median_gb_s']} GB/s "
+                      f"{row['median_ms']} ms phases={row['phases_ms']}", flush=True)
         try:
             out["raw"] = loop.run_until_complete(asyncio.wait_for(kvb.measure_raw(
                 address, tx_dev, sizes, spec["raw_pieces"], spec["reps"]), RAW_TIMEOUT_S))
@@ -524,11 +557,13 @@ def print_summary(doc: dict[str, Any]) -> None:
     peer = s.get("peer_gb_s", {})
     print(f"[sweep] peer copy GB/s: {peer}", flush=True)
     for r in doc["configs"]:
-        best = (s.get("by_config", {}).get(r["name"]) or {}).get("best", {})
+        mine = s.get("by_config", {}).get(r["name"]) or {}
         cells = " ".join(f"{int(b) >> 20}MiB={v['gb_s']}({v['vs_peer']}x,c{v['chunks']})"
-                         for b, v in best.items())
-        print(f"[sweep] {r['name']:<22} {r['status']:<8} {r.get('seconds', 0):6.1f}s {cells}",
-              flush=True)
+                         for b, v in mine.get("best", {}).items())
+        pulls = " ".join(f"{int(b) >> 20}MiB={v['gb_s']}({v['vs_peer']}x)"
+                         for b, v in mine.get("pull", {}).items())
+        print(f"[sweep] {r['name']:<22} {r['status']:<8} {r.get('seconds', 0):6.1f}s {cells}"
+              + (f" | pull {pulls}" if pulls else ""), flush=True)
     print(f"[sweep] best: {json.dumps(s.get('best'))}", flush=True)
     print(f"[sweep] goal: {json.dumps(s.get('goal'))}", flush=True)
 

@@ -13,6 +13,7 @@ from bench.ucx_sweep import (
     parse_config,
     phase_summary,
     proto_lines,
+    pull_phases,
     score,
     select,
     summarize,
@@ -127,6 +128,30 @@ def test_summarize_picks_best_per_size_and_judges_the_goal():
         ((20 / 10) * (320 / 200)) ** 0.5, abs=1e-3)
     assert "dead" not in s["by_config"]
     assert not summarize(results[:1], baseline)["goal"]["met"]  # 200 / 400 = 0.5
+    assert "pull" not in s["by_config"]["default"]  # no pull rows measured
+
+
+def test_summarize_reports_pull_rows_apart():
+    """Pull rows (`kvtransfer.ipc`) stand beside the UCX-message rows, per size against the
+    peer copy, and never enter the message paths' best or score; a row that fell back to
+    messages is not a pull row."""
+    pull = [{"bytes": 1024 * MIB, "path": "pull", "median_gb_s": 340.0, "median_ms": 3.158,
+             "phases_ms": {"header_in": 0.4, "rx_ack": 0.45, "total": 3.158}},
+            {"bytes": 16 * MIB, "path": "staged", "median_gb_s": 9.0, "median_ms": 1.9}]
+    results = [{"name": "default", "status": "ok", "rows": DEFAULT, "pull": pull}]
+    baseline = {"peer_copy": [{"bytes": 1024 * MIB, "gb_s": 400.0}]}
+    s = summarize(results, baseline)
+    got = s["by_config"]["default"]["pull"]
+    assert list(got) == [str(1024 * MIB)]
+    assert got[str(1024 * MIB)]["vs_peer"] == 0.85
+    assert s["best"][str(1024 * MIB)]["gb_s"] == 200.0  # the message paths' best only
+
+
+def test_pull_phases_are_medians_in_ms():
+    traces = [{"acked": 0.0031 + i * 1e-4, "rx": {"header": 0.0004, "ack": 0.0005}}
+              for i in range(3)] + [{"acked": 1.0, "rx": None}]
+    assert pull_phases(traces) == {"header_in": 0.4, "rx_ack": 0.5, "total": 3.2}
+    assert pull_phases([]) is None
 
 
 def test_proto_lines_keeps_gpu_tables_first_once():
