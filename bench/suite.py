@@ -1004,7 +1004,7 @@ def prefill_times(args, counts: list[int], reps: int) -> list[dict]:
     return rows
 
 
-def ucx_transfer(args, sizes) -> dict:
+def ucx_transfer(args, sizes, devices: tuple[str, str] = ("cuda:0", "cuda:1")) -> dict:
     """UCX from GPU 0 (this process) to a receiver process holding its cache on GPU 1, with
     kvtransfer/bench.py's machinery. Per size: blocks 0..n-1 to the same ids (one run, as a
     fresh prefill into a fresh reservation often is) by the pull path (the receiver copies
@@ -1013,7 +1013,7 @@ def ucx_transfer(args, sizes) -> dict:
     row's headline is the path the transport picks by itself (pull where the receiver offers
     it, else `wire.plan_direct`), `messages_gb_s` the message path it would pick otherwise. At
     the largest size also scattered ids (random order on both sides, as after much churn),
-    both ways."""
+    both ways. `devices`: (sender, receiver); host ones check the plumbing on any machine."""
     try:
         import ucxx  # noqa: F401
     except Exception as e:  # noqa: BLE001
@@ -1034,15 +1034,15 @@ def ucx_transfer(args, sizes) -> dict:
         for nbytes in sizes:
             blocks = max(1, nbytes // layout.block_bytes)
             proc, pipe, address = kvb.spawn_receiver(layout, blocks, "worker",
-                                                     device="cuda:1")
+                                                     device=devices[1])
             try:
                 ns = SimpleNamespace(blocks=blocks, chunks=[1, 8], direct=[True, False],
                                      checksum=False, progress="thread", reps=args.fig4_reps,
-                                     device="cuda:0", trace=True, ipc=False)
+                                     device=devices[0], trace=True, ipc=False)
                 got = loop.run_until_complete(kvb.measure(ns, layout, address))
                 ids = list(range(blocks))
                 auto = wire.plan_direct(ids, ids, layout.num_layers, layer_block, None,
-                                        wire.direct_min_bytes("cuda"))
+                                        wire.direct_min_bytes(devices[0]))
                 messages = next(r for r in got if r["went_direct"] == (auto is not None))
                 ns.ipc, ns.direct, ns.chunks = None, [None], [1]
                 got += loop.run_until_complete(kvb.measure(ns, layout, address))
@@ -1073,9 +1073,9 @@ def ucx_transfer(args, sizes) -> dict:
                 kvb.stop_receiver(proc, pipe, layout)
             log(f"fig 4: UCX {nbytes >> 20} MiB: {rows[-1]['gb_s']} GB/s ({rows[-1]['path']}); "
                 f"as messages {rows[-1]['messages_gb_s']} ({rows[-1]['messages_path']})")
-        return {"rows": rows, "scattered_ids": scattered, "sender": "cuda:0",
-                "receiver": "cuda:1 (separate process)",
-                "direct_min_bytes": wire.direct_min_bytes("cuda")}
+        return {"rows": rows, "scattered_ids": scattered, "sender": devices[0],
+                "receiver": f"{devices[1]} (separate process)",
+                "direct_min_bytes": wire.direct_min_bytes(devices[0])}
     except Exception:  # noqa: BLE001
         return {"error": traceback.format_exc()}
 
