@@ -366,6 +366,7 @@ class UcxTransport(Transport):
             ipc.pull(kv, src_kv, runs, stream)
         except Exception as e:  # the sender sends the request again as messages
             raise ipc.IpcUnavailable(f"copy failed: {type(e).__name__}: {e}") from e
+        early: asyncio.Future | None = None  # the early ack's send
         if hdr.get("early_ack") and not hdr["checksum"] and stream is not None:
             # The ack travels while the copy runs; the sender waits on this event for its end
             # (recorded after it on the staging stream, so it also covers earlier requests').
@@ -377,11 +378,17 @@ class UcxTransport(Transport):
                 stamps["ack"] = time.perf_counter()
                 reply["t"] = stamps
             hdr["acked"] = True
-            await wire.send(self._links[link], wire.encode(reply),
-                            wire.tag(link, hdr["seq"], wire.ACK))
+            # Not awaited yet: the copy's end is waited for meanwhile.
+            early = asyncio.ensure_future(wire.send(self._links[link], wire.encode(reply),
+                                                    wire.tag(link, hdr["seq"], wire.ACK)))
         done = staging.mark(stream)
         if done is not None and not done.query():  # off the loop: the others progress
             await asyncio.get_running_loop().run_in_executor(None, done.synchronize)
+        if early is not None:
+            try:
+                await early
+            except Exception:  # the sender is gone; its lease will expire on its own
+                log.warning("kvtransfer: could not ack %s", hdr["request_id"], exc_info=True)
         if stamps is not None:
             stamps["landed"].append(time.perf_counter())
             stamps["scattered"] = stamps["synced"] = stamps["landed"][-1]
