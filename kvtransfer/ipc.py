@@ -66,12 +66,13 @@ def readable(kv: torch.Tensor) -> list[str]:
 _exported: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
 
-def export(kv: torch.Tensor) -> dict[str, Any]:
+def export(kv: torch.Tensor, same_process: bool = False) -> dict[str, Any]:
     """A JSON-able description of `kv` that another process on this host can map (a CUDA
-    tensor) or this process can find again (a host tensor)."""
+    tensor) or this process can find again (a host tensor, or any tensor for a receiver in
+    this process: no CUDA IPC handle, whose reference count no one would ever release)."""
     if not kv.is_contiguous():
         raise ValueError("only a contiguous cache can be exported")
-    if not kv.is_cuda:
+    if same_process or not kv.is_cuda:
         key = f"host:{kv.data_ptr()}"
         _exported[key] = kv
         return {"pid": os.getpid(), "handle": key}

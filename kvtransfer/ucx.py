@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Any
 
@@ -137,7 +138,8 @@ class UcxTransport(Transport):
         conn = UcxConnection(ep, link, self.layout, peer_layout, msg["num_blocks"], self.pool,
                              num_chunks=self.num_chunks, checksum=self.checksum,
                              timeout=self.timeout, direct=self.direct,
-                             pull_from=msg.get("pull_from", []) if self.ipc is not False else [])
+                             pull_from=msg.get("pull_from", []) if self.ipc is not False else [],
+                             peer_pid=msg.get("pid"))
         if conn.pull_from and msg.get("probe_event"):
             conn.offer_early_ack(msg["gpu"], msg["probe_event"])
         self._conns.append(conn)
@@ -204,6 +206,7 @@ class UcxTransport(Transport):
         if reply["ok"]:
             if self.ipc is not False:
                 reply["pull_from"] = ipc.readable(self.kv_cache)
+                reply["pid"] = os.getpid()  # a sender in this process exports by reference
                 if reply["pull_from"] and self.kv_cache.is_cuda:
                     # A sender that can open this event may take the ack of a pull as soon as
                     # the copy is queued, and wait on an event for its end (`EARLY_ACK_EVENTS`).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -30,7 +31,8 @@ class UcxConnection(Connection):
     def __init__(self, ep: Any, link: int, layout: BlockLayout, peer_layout: BlockLayout,
                  peer_num_blocks: int, pool: staging.StagingPool, *, num_chunks: int = 1,
                  checksum: bool = False, timeout: float = 30.0, trace: bool = False,
-                 direct: bool | None = None, pull_from: Sequence[str] = ()):
+                 direct: bool | None = None, pull_from: Sequence[str] = (),
+                 peer_pid: int | None = None):
         super().__init__(layout, peer_layout, peer_num_blocks)
         self._ep, self._link, self._seq, self._pool = ep, link, 0, pool
         self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout
@@ -40,6 +42,7 @@ class UcxConnection(Connection):
         # Where the receiver offers to pull from (`kvtransfer.ipc.readable`: the GPUs it sees);
         # emptied when a pull fails, so the link keeps to UCX messages from then on.
         self.pull_from = set(pull_from)
+        self._same_process = peer_pid == os.getpid()
         self._exports: dict[tuple[int, int], int] = {}  # (data_ptr, numel) -> export id
         # The receiver's GPU, where this process can open its events: pulls are acked as soon
         # as the copy is queued, and the sender waits on the receiver's event for its end.
@@ -93,7 +96,7 @@ class UcxConnection(Connection):
         spec = None
         if key not in self._exports:
             try:
-                spec = ipc.export(kv)
+                spec = ipc.export(kv, same_process=self._same_process)
             except Exception as e:  # noqa: BLE001 - whatever torch refuses: send messages
                 self._no_pull(f"could not export the cache ({type(e).__name__}: {e})")
                 return None

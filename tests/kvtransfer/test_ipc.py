@@ -155,6 +155,7 @@ def test_pull_in_one_process_and_bad_ids(ucx_loop, host_pull, device):
             await asyncio.gather(*[conn.send_blocks(f"c{i}", src, [8 + i], [20 + i])
                                    for i in range(4)])
             await conn.send_blocks("b", src, [3], [6])
+            assert conn._same_process  # exported by reference: no CUDA IPC handle
             paths = conn.last_path, len(conn._exports)
             await tx.close()
             return path, extras, paths
@@ -162,6 +163,8 @@ def test_pull_in_one_process_and_bad_ids(ucx_loop, host_pull, device):
     path, extras, (last, exports) = ucx_loop.run(go(), timeout=60)
     if device == "cuda":
         torch.cuda.synchronize()
+        spec = ipc.export(src, same_process=True)
+        assert "uuid" not in spec and ipc.open_export(spec) is src
     assert path == last == "pull" and exports == 1
     assert torch.equal(extras["draft_tokens"], sample_extras()["draft_tokens"])
     assert torch.equal(dst[:, :, 40:43], src[:, :, 0:3])
