@@ -56,7 +56,10 @@ def readable(kv: torch.Tensor) -> list[str]:
     """The domains a receiver holding `kv` offers to pull from: the GPUs it sees, for a CUDA
     cache; this process, for a host cache with `HOST_PULL` on; else none."""
     if kv.is_cuda:
-        return visible_gpus()
+        try:
+            return visible_gpus()
+        except Exception:  # noqa: BLE001 - no offer; the handshake must not fail on it
+            return []
     return [domain(kv)] if HOST_PULL else []
 
 
