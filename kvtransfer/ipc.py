@@ -201,8 +201,10 @@ def pull(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
     `runs`. Both caches are contiguous `[layers, 2, blocks, ...]`, so one run is a 2-D copy:
     `layers * 2` rows of `k` blocks, each cache with its own row pitch. Returns how many copy
     calls it queued."""
-    if dst.shape[:BLOCKS_DIM] != src.shape[:BLOCKS_DIM] or dst.dtype != src.dtype:
-        raise ValueError(f"cache shapes differ: {tuple(src.shape)} vs {tuple(dst.shape)}")
+    if (dst.shape[:BLOCKS_DIM] != src.shape[:BLOCKS_DIM]
+            or dst.shape[BLOCKS_DIM + 1:] != src.shape[BLOCKS_DIM + 1:] or dst.dtype != src.dtype):
+        raise ValueError(f"cache shapes differ: {tuple(src.shape)} {src.dtype} vs "
+                         f"{tuple(dst.shape)} {dst.dtype}")
     rows = dst.shape[0] * dst.shape[1]
     block = dst.stride(BLOCKS_DIM) * dst.element_size()
     dpitch = dst.stride(1) * dst.element_size()

@@ -51,8 +51,9 @@ def test_pull_copies_each_run_across_pitches(device, monkeypatch):
 def test_pull_refuses_mismatched_caches():
     layout = tiny_layout()
     src = random_kv(layout, num_blocks=8)
-    with pytest.raises(ValueError, match="shapes differ"):
-        ipc.pull(random_kv(tiny_layout(num_layers=4), num_blocks=8), src, [(0, 0, 1)], None)
+    for other in (tiny_layout(num_layers=4), tiny_layout(head_dim=16), tiny_layout("bfloat16")):
+        with pytest.raises(ValueError, match="shapes differ"):
+            ipc.pull(random_kv(other, num_blocks=8), src, [(0, 0, 1)], None)
 
 
 def test_export_and_open_refuse_what_they_cannot_share():
