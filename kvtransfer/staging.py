@@ -13,6 +13,9 @@ for other streams of the device.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import queue
 import threading
 from collections.abc import Sequence
 
@@ -74,6 +77,49 @@ def queued(device: torch.device | str) -> torch.cuda.Event | None:
     through the staging stream; None on the host."""
     device = torch.device(device)
     return mark(torch.cuda.current_stream(device)) if device.type == "cuda" else None
+
+
+class _Waiters:
+    """Daemon threads that wait on CUDA events for the transports, apart from the loop's
+    default executor: a wait that never ends (an event of a peer that died mid-copy) holds
+    one of these, neither a thread the rest of the process needs nor its exit (an executor's
+    threads are joined at exit)."""
+
+    def __init__(self, size: int = 8):
+        self.size = size
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def submit(self, fn) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((fn, fut))
+        with self._lock:
+            if len(self._threads) < self.size:
+                t = threading.Thread(target=self._work, daemon=True,
+                                     name=f"kvtransfer-wait-{len(self._threads)}")
+                t.start()
+                self._threads.append(t)
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            fn, fut = self._jobs.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting coroutine
+                fut.set_exception(e)
+
+
+_WAITERS = _Waiters()
+
+
+async def wait_event(event: torch.cuda.Event | None) -> None:
+    """Until `event` (None: nothing to wait for) has completed, without blocking the loop."""
+    if event is not None and not event.query():
+        await asyncio.wrap_future(_WAITERS.submit(event.synchronize))
 
 
 def gather(kv: torch.Tensor, layers: tuple[int, int], ids: torch.Tensor,

@@ -333,9 +333,7 @@ class UcxTransport(Transport):
                                 wire.tag(link, seq, wire.CHUNK + i))
             self.pool.give(scratch)
             return error, []
-        free = staging.queued(kv.device)
-        if free is not None and not free.query():  # off the loop: the engine may share it
-            await asyncio.get_running_loop().run_in_executor(None, free.synchronize)
+        await staging.wait_event(staging.queued(kv.device))  # off the loop: the engine may share it
         views = wire.direct_views(kv, runs)
         recvs = [ucxx.recv(wire.as_buffer(v), wire.tag(link, seq, wire.CHUNK + i))
                  for i, v in enumerate(views)]
@@ -393,9 +391,7 @@ class UcxTransport(Transport):
             # Not awaited yet: the copy's end is waited for meanwhile.
             early = asyncio.ensure_future(wire.send(self._links[link], wire.encode(reply),
                                                     wire.tag(link, hdr["seq"], wire.ACK)))
-        done = staging.mark(stream)
-        if done is not None and not done.query():  # off the loop: the others progress
-            await asyncio.get_running_loop().run_in_executor(None, done.synchronize)
+        await staging.wait_event(staging.mark(stream))  # off the loop: the others progress
         if early is not None:
             try:
                 await early

@@ -80,8 +80,7 @@ class UcxConnection(Connection):
         ev = self._events.get(handle)
         if ev is None:
             ev = self._events[handle] = ipc.open_event(self.early_ack_gpu, handle)
-        if not ev.query():
-            await asyncio.get_running_loop().run_in_executor(None, ev.synchronize)
+        await staging.wait_event(ev)
 
     def _no_pull(self, why: str) -> None:
         log.warning("kvtransfer: %s; sending UCX messages on this link from now on", why)
@@ -262,9 +261,7 @@ class _PullRefused(Exception):
 async def _wait_queued(device: torch.device) -> None:
     """Wait until the device has run what the caller's stream queued so far (the prefill
     that wrote the blocks), off the event loop when it has not yet."""
-    done = staging.queued(device)
-    if done is not None and not done.query():
-        await asyncio.get_running_loop().run_in_executor(None, done.synchronize)
+    await staging.wait_event(staging.queued(device))
 
 
 def _trace_record(stamps: dict[str, Any], t1: float, rx: dict[str, Any] | None,

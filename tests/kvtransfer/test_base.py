@@ -215,3 +215,45 @@ def test_block_copy_kernel_equals_index_select_and_index_copy(dtype):
         assert torch.equal(dst, want) and not torch.equal(dst, kv)
     finally:
         staging.COPY_TILE = old
+
+
+class _SlowEvent:
+    """Duck-typed CUDA event: completes `after` seconds into its synchronize()."""
+
+    def __init__(self, after: float = 0.0, fail: bool = False):
+        self.after, self.fail, self.done, self.thread = after, fail, after == 0, None
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        import time
+
+        self.thread = threading.current_thread()
+        time.sleep(self.after)
+        if self.fail:
+            raise RuntimeError("device lost")
+        self.done = True
+
+
+def test_wait_event_waits_off_the_loop_on_a_daemon_thread():
+    async def go():
+        slow, ticks = _SlowEvent(0.05), []
+
+        async def tick():  # the loop keeps running while the event is waited for
+            while not slow.done:
+                ticks.append(1)
+                await asyncio.sleep(0.005)
+
+        await asyncio.gather(staging.wait_event(slow), tick())
+        return slow, len(ticks)
+
+    slow, ticks = asyncio.run(go())
+    assert slow.done and ticks >= 3
+    assert slow.thread.daemon and slow.thread.name.startswith("kvtransfer-wait")
+    done = _SlowEvent()
+    asyncio.run(staging.wait_event(done))
+    assert done.thread is None  # already complete: no thread asked
+    asyncio.run(staging.wait_event(None))
+    with pytest.raises(RuntimeError, match="device lost"):
+        asyncio.run(staging.wait_event(_SlowEvent(0.01, fail=True)))
