@@ -103,7 +103,8 @@ def main() -> int:
     [t.join(600) for t in ts]
     wall = time.perf_counter() - t1
     stats = ray.get([a.stats.remote() for a in c.prefills + c.decodes])
-    moved = ray.get(c.prefills[0].__ray_call__.remote(lambda n: n.transferred_bytes))
+    moved, paths = ray.get(c.prefills[0].__ray_call__.remote(
+        lambda n: (n.transferred_bytes, n.transfer_paths)))
     asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
     c.shutdown()
     ray.shutdown()
@@ -120,6 +121,7 @@ def main() -> int:
         "tokens_per_s_per_stream": [round(len(g) / s, 1) for g, s in zip(got, secs)],
         "aggregate_tokens_per_s": round(sum(map(len, got)) / wall, 1),
         "kv_bytes_transferred": moved,
+        "kv_transfer_paths": paths,  # pull only where an actor sees the other's GPU
         "blocks_all_free_after": all(s["blocks_free"] == s["blocks_total"] for s in stats),
         "node_stats": stats,
     })

@@ -34,6 +34,7 @@ class PrefillNode:
         self._cancelled: set[str] = set()
         self._sending: dict[str, asyncio.Future] = {}
         self.transferred_bytes = 0
+        self.transfer_paths: dict[str, int] = {}  # TransferStats.path -> transfers
 
     async def prefill(self, rid: str, ids: list[int], params: SamplingParams,
                       spec_cap: int | None, decode_address: dict, dst_blocks: list[int]
@@ -70,6 +71,7 @@ class PrefillNode:
             raise
         self.metrics.observe_transfer(stats.bytes, stats.seconds, ok=True, path=stats.path)
         self.transferred_bytes += stats.bytes
+        self.transfer_paths[stats.path] = self.transfer_paths.get(stats.path, 0) + 1
         return h
 
     async def cancel(self, rid: str) -> None:

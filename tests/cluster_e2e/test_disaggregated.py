@@ -74,7 +74,10 @@ def test_disaggregated_greedy_equals_colocated(cluster, smol_engine, chat_ids):
     assert got == want
     stats = ray.get([a.stats.remote() for a in c.prefills + c.decodes])
     assert all(s["blocks_free"] == s["blocks_total"] for s in stats)
-    assert ray.get(c.prefills[0].__ray_call__.remote(lambda n: n.transferred_bytes)) > 0
+    moved, paths = ray.get(c.prefills[0].__ray_call__.remote(
+        lambda n: (n.transferred_bytes, n.transfer_paths)))
+    assert moved > 0 and sum(paths.values()) >= len(prompts)
+    assert set(paths) <= {"staged", "direct"}  # host caches in two processes: UCX messages
 
 
 def test_bad_request_and_cancel_leave_nothing_behind(cluster, chat_ids):
