@@ -37,7 +37,6 @@ class UcxConnection(Connection):
         self._ep, self._link, self._seq, self._pool = ep, link, 0, pool
         self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout
         self.direct = direct
-        self.last_direct = False  # whether the last `send_blocks` went direct
         self.last_path = ""  # "pull", "direct" or "staged": how the last payload travelled
         # Where the receiver offers to pull from (`kvtransfer.ipc.readable`: the GPUs it sees);
         # emptied when a pull fails, so the link keeps to UCX messages from then on.
@@ -65,6 +64,11 @@ class UcxConnection(Connection):
             self._no_pull(f"the receiver could not pull ({e})")
             return await self._send_blocks(request_id, kv_cache, src_block_ids, dst_block_ids,
                                            extras, None)
+
+    @property
+    def last_direct(self) -> bool:
+        """Whether the last `send_blocks` went direct."""
+        return self.last_path == "direct"
 
     def offer_early_ack(self, gpu: str, probe_event: str) -> None:
         """Take the receiver's early acks if this process can open its events (tried on the
@@ -114,7 +118,6 @@ class UcxConnection(Connection):
         runs = None if pull else wire.plan_direct(
             src, dst, num_layers, self.layout.block_bytes // (2 * num_layers), self.direct,
             wire.direct_min_bytes(kv_cache.device))
-        self.last_direct = runs is not None
         self.last_path = path = "pull" if pull else "direct" if runs else "staged"
         chunks = wire.layer_chunks(num_layers, self.num_chunks) if n and not (runs or pull) else []
         spec, blob = wire.pack_extras(extras or {})
