@@ -122,6 +122,12 @@ async def wait_event(event: torch.cuda.Event | None) -> None:
         await asyncio.wrap_future(_WAITERS.submit(event.synchronize))
 
 
+async def wait_queued(device: torch.device | str) -> None:
+    """Until the device has run what its current stream queued so far (`queued`), without
+    blocking the loop: the writes a transfer reads, or the reads of blocks it overwrites."""
+    await wait_event(queued(device))
+
+
 def gather(kv: torch.Tensor, layers: tuple[int, int], ids: torch.Tensor,
            out: torch.Tensor) -> torch.Tensor:
     """Copy blocks `ids` of layers [lo, hi) into `out`, as `[layers, 2, n, block...]`."""

@@ -333,7 +333,7 @@ class UcxTransport(Transport):
                                 wire.tag(link, seq, wire.CHUNK + i))
             self.pool.give(scratch)
             return error, []
-        await staging.wait_event(staging.queued(kv.device))  # off the loop: the engine may share it
+        await staging.wait_queued(kv.device)  # queued engine work may still touch the blocks
         views = wire.direct_views(kv, runs)
         recvs = [ucxx.recv(wire.as_buffer(v), wire.tag(link, seq, wire.CHUNK + i))
                  for i, v in enumerate(views)]

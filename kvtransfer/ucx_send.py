@@ -131,7 +131,7 @@ class UcxConnection(Connection):
         bufs: list[torch.Tensor] = []
         try:
             if pull:  # the receiver reads the blocks once the header is in: write them first
-                await _wait_queued(kv_cache.device)
+                await staging.wait_queued(kv_cache.device)
                 if stamps is not None:
                     stamps["ready"].append(time.perf_counter())
             # Not awaited on its own: the header travels while the blocks are gathered, and
@@ -225,7 +225,7 @@ class UcxConnection(Connection):
         """Send every (layer, K/V, run) range straight from the cache: no staging copy. UCX
         reads the cache itself, so first wait for what the caller's stream has queued (the
         prefill that wrote these blocks); the caller holds the blocks until the ack."""
-        await _wait_queued(kv.device)
+        await staging.wait_queued(kv.device)
         if stamps is not None:
             stamps["ready"].append(time.perf_counter())
         views = wire.direct_views(kv, [(s, k) for s, _, k in runs])
@@ -259,12 +259,6 @@ class UcxConnection(Connection):
 
 class _PullRefused(Exception):
     """The receiver could not map this sender's cache; the request must go as messages."""
-
-
-async def _wait_queued(device: torch.device) -> None:
-    """Wait until the device has run what the caller's stream queued so far (the prefill
-    that wrote the blocks), off the event loop when it has not yet."""
-    await staging.wait_event(staging.queued(device))
 
 
 def _trace_record(stamps: dict[str, Any], t1: float, rx: dict[str, Any] | None,
