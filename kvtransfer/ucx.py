@@ -265,14 +265,10 @@ class UcxTransport(Transport):
             error = error or f"{type(e).__name__}: {e}"
         if not ipc_failed:
             self.inbox.put(rid, extras if error is None else TransferError(f"{rid}: {error}"))
-        reply: dict[str, Any] = {"ok": error is None, "error": error, "ipc_failed": ipc_failed}
         if hdr.get("acked"):  # an early ack already went out (`_land_pull`)
             return
-        if stamps is not None:
-            stamps["ack"] = time.perf_counter()
-            reply["t"] = stamps
         try:
-            await wire.send(ep, wire.encode(reply), wire.tag(link, seq, wire.ACK))
+            await self._ack(ep, link, seq, error, stamps, ipc_failed=ipc_failed)
         except Exception:  # the sender is gone; its lease will expire on its own
             log.warning("kvtransfer: could not ack %s", rid, exc_info=True)
 
@@ -382,15 +378,10 @@ class UcxTransport(Transport):
                 log.warning("kvtransfer: no early ack for %s", hdr["request_id"], exc_info=True)
         if handle is not None:
             # The ack travels while the copy runs; the sender waits on the event for its end.
-            reply: dict[str, Any] = {"ok": True, "error": None, "ipc_failed": False,
-                                     "event": handle}
-            if stamps is not None:
-                stamps["ack"] = time.perf_counter()
-                reply["t"] = stamps
-            hdr["acked"] = True
             # Not awaited yet: the copy's end is waited for meanwhile.
-            early = asyncio.ensure_future(wire.send(self._links[link], wire.encode(reply),
-                                                    wire.tag(link, hdr["seq"], wire.ACK)))
+            hdr["acked"] = True
+            early = asyncio.ensure_future(self._ack(self._links[link], link, hdr["seq"], None,
+                                                    stamps, event=handle))
         await staging.wait_event(staging.mark(stream))  # off the loop: the others progress
         if early is not None:
             try:
@@ -403,6 +394,17 @@ class UcxTransport(Transport):
         sums = ([wire.crc(v) for v in wire.direct_views(kv, [(d, k) for _, d, k in runs])]
                 if hdr["checksum"] else [])
         return error, sums
+
+    async def _ack(self, ep: Any, link: int, seq: int, error: str | None,
+                   stamps: dict[str, Any] | None, **more: Any) -> None:
+        """A request's ack: ok or the error, the receiver's stamps when traced, and `more`
+        (`ipc_failed`, an early ack's `event`)."""
+        reply: dict[str, Any] = {"ok": error is None, "error": error, "ipc_failed": False,
+                                 **more}
+        if stamps is not None:
+            stamps["ack"] = time.perf_counter()
+            reply["t"] = stamps
+        await wire.send(ep, wire.encode(reply), wire.tag(link, seq, wire.ACK))
 
     def _link_event(self, link: int, seq: int) -> torch.cuda.Event:
         """One of a link's early-ack events, in turn (made on first use)."""
