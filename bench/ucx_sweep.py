@@ -192,23 +192,25 @@ def trace_path(t: dict[str, Any]) -> dict[str, float] | None:
     return {**path, **diag}
 
 
-def phase_summary(traces: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Median of each phase over transfers, in ms."""
-    rows = [p for p in map(trace_path, traces) if p]
+def _medians_ms(rows: list[dict[str, float]]) -> dict[str, float] | None:
+    """Median of each key over rows of seconds, in ms; None without rows."""
     if not rows:
         return None
     return {k: round(_med([r[k] for r in rows]) * 1e3, 3) for k in rows[0]}
+
+
+def phase_summary(traces: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Median of each phase over transfers, in ms."""
+    return _medians_ms([p for p in map(trace_path, traces) if p])
 
 
 def pull_phases(traces: list[dict[str, Any]]) -> dict[str, float] | None:
     """Medians (ms since `send_blocks` began) of a pull's milestones: the header in at the
     receiver, its ack sent (early: once the copy is queued), the ack in at the sender (after
     which it waited on the receiver's event) and the total."""
-    rows = [{"header_in": t["rx"]["header"], "rx_ack": t["rx"]["ack"], "total": t["acked"]}
-            for t in traces if (t.get("rx") or {}).get("ack") is not None]
-    if not rows:
-        return None
-    return {k: round(_med([r[k] for r in rows]) * 1e3, 3) for k in rows[0]}
+    return _medians_ms([{"header_in": t["rx"]["header"], "rx_ack": t["rx"]["ack"],
+                         "total": t["acked"]}
+                        for t in traces if (t.get("rx") or {}).get("ack") is not None])
 
 
 def best_rows(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
