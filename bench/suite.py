@@ -871,25 +871,15 @@ def sync_devices(*devices) -> None:
 
 def peer_copy(src_dev, dst_dev, sizes, reps: int) -> list[dict]:
     """Plain tensor copy src_dev -> dst_dev (peer-to-peer between GPUs), wall time with both
-    devices synchronized, median of reps after 2 warm-ups."""
-    torch = _torch()
+    devices synchronized, median of reps after 2 warm-ups (`kvtransfer.bench.copy_seconds`)."""
+    from kvtransfer.bench import copy_seconds
+
     rows = []
     for nbytes in sizes:
-        src = torch.empty(nbytes, dtype=torch.uint8, device=src_dev)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
-        secs = []
-        for i in range(reps + 2):
-            sync_devices(src_dev, dst_dev)
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            sync_devices(src_dev, dst_dev)
-            if i >= 2:
-                secs.append(time.perf_counter() - t0)
-        med = statistics.median(secs)
+        med = copy_seconds(src_dev, dst_dev, nbytes, reps)
         rows.append({"bytes": nbytes, "median_ms": rnd(med * 1e3, 3),
                      "gb_s": rnd(nbytes / med / 1e9, 1)})
         log(f"fig 4: peer copy {nbytes / 2**20:.0f} MiB: {rows[-1]['gb_s']} GB/s")
-        src = dst = None
     return rows
 
 

@@ -217,21 +217,34 @@ async def measure_raw(address: dict[str, Any], device: str, sizes: list[int],
     return rows
 
 
+def copy_seconds(src_dev: str, dst_dev: str, nbytes: int, reps: int,
+                 warmup: int = 2) -> float:
+    """Median wall time of one plain copy of `nbytes` from `src_dev` to `dst_dev` (a peer
+    copy between GPUs, a device copy within one, a memcpy on the host), both devices
+    synchronized around it, after `warmup` untimed copies: what a transfer compares with."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=src_dev)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=dst_dev)
+    cuda = [torch.device(d) for d in {src_dev, dst_dev} if torch.device(d).type == "cuda"]
+
+    def sync() -> None:
+        for d in cuda:
+            torch.cuda.synchronize(d)
+
+    secs = []
+    for i in range(reps + warmup):
+        sync()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync()
+        if i >= warmup:
+            secs.append(time.perf_counter() - t0)
+    return statistics.median(secs)
+
+
 def measure_copy(device: str, nbytes: int, reps: int) -> dict[str, Any]:
     """The baseline beside a transfer on one host: one plain copy of `nbytes` within
     `device`'s memory (a device-to-device copy on a GPU, a memcpy on the host)."""
-    a = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    b = torch.empty_like(a)
-    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
-    secs = []
-    for i in range(reps + 1):
-        sync()
-        t0 = time.perf_counter()
-        b.copy_(a)
-        sync()
-        if i:
-            secs.append(time.perf_counter() - t0)
-    med = statistics.median(secs)
+    med = copy_seconds(device, device, nbytes, reps)
     return {"copy": device, "bytes": nbytes, "median_ms": round(med * 1e3, 3),
             "gb_s": round(nbytes / med / 1e9, 2)}
 
