@@ -76,7 +76,7 @@ def export(kv: torch.Tensor, same_process: bool = False) -> dict[str, Any]:
     if not kv.is_contiguous():
         raise ValueError("only a contiguous cache can be exported")
     if same_process or not kv.is_cuda:
-        key = f"host:{kv.data_ptr()}"
+        key = f"ref:{kv.data_ptr()}"  # found again by reference, in this process
         _exported[key] = kv
         return {"pid": os.getpid(), "handle": key}
     storage = kv.untyped_storage()
