@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from kvtransfer import staging
 from kvtransfer.layout import BLOCKS_DIM, dtype_from_name, dtype_name
 
 HOST_PULL = False
@@ -119,6 +120,21 @@ def open_export(spec: dict[str, Any]) -> torch.Tensor:
 
 # ---- events: the sender learns a pull is done without waiting for a message ----------------
 
+# IPC events per link and direction, reused in turn (`pooled_event`): a peer that waits on one
+# whose newer record is already queued waits longer, never shorter, as long as every record
+# of the pool goes to one stream (the device's staging stream, or the receiver's).
+EVENTS_PER_LINK = 8
+
+
+def pooled_event(pool: list[torch.cuda.Event], seq: int, device: torch.device
+                 ) -> torch.cuda.Event:
+    """Event `seq % EVENTS_PER_LINK` of `pool` (made on first use, on `device`)."""
+    i = seq % EVENTS_PER_LINK
+    while len(pool) <= i:
+        pool.append(new_event(device))
+    return pool[i]
+
+
 def new_event(device: torch.device) -> torch.cuda.Event:
     """An event another process can open (`open_event`), created on `device`."""
     ev = torch.cuda.Event(interprocess=True)
@@ -194,13 +210,24 @@ def _peer_access(a: torch.device, b: torch.device) -> None:
         _peers.add(key)
 
 
+ENGINES = ("dst", "src")
+
+
 def pull(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
-         stream: torch.cuda.Stream | None) -> int:
+         stream: torch.cuda.Stream | None, engine: str = "dst") -> int:
     """Queue on `stream` (a stream of `dst`'s device; None on the host, where the copies are
     synchronous) the copies `dst[:, :, d:d+k] = src[:, :, s:s+k]` for each (s, d, k) in
     `runs`. Both caches are contiguous `[layers, 2, blocks, ...]`, so one run is a 2-D copy:
     `layers * 2` rows of `k` blocks, each cache with its own row pitch. Returns how many copy
-    calls it queued."""
+    calls it queued.
+
+    `engine`: whose copy engines move the bytes when the caches sit on two GPUs. "dst" (the
+    receiver's GPU reads the peer's memory) runs the copies on `stream` itself; "src" (the
+    sender's GPU writes into the receiver's, as `Tensor.copy_` between two devices does) runs
+    them on this process's staging stream of `src`'s device, fenced both ways by events, so
+    `stream` still orders them: after what it had queued, before what it queues next."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if (dst.shape[:BLOCKS_DIM] != src.shape[:BLOCKS_DIM]
             or dst.shape[BLOCKS_DIM + 1:] != src.shape[BLOCKS_DIM + 1:] or dst.dtype != src.dtype):
         raise ValueError(f"cache shapes differ: {tuple(src.shape)} {src.dtype} vs "
@@ -215,22 +242,36 @@ def pull(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
         for s, d, k in runs:
             dst[:, :, d:d + k].copy_(src[:, :, s:s + k])
         return len(runs)
+    on = stream
     if src.device != dst.device:
         _peer_access(dst.device, src.device)
+        if engine == "src":
+            on = staging.copy_stream(src.device)
+            on.wait_event(staging.mark(stream))
+    calls = _queue_copies(dst, src, runs, on, rows, block, dpitch, spitch)
+    if on is not stream:
+        stream.wait_event(staging.mark(on))
+    return calls
+
+
+def _queue_copies(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
+                  on: torch.cuda.Stream, rows: int, block: int, dpitch: int, spitch: int
+                  ) -> int:
+    """`pull`'s copies on the stream `on` (of either cache's device)."""
     lib = _cudart() if max(dpitch, spitch) < MAX_PITCH else None
     calls = 0
-    with torch.cuda.device(dst.device):
+    with torch.cuda.device(on.device):
         for s, d, k in runs:
             if lib is not None:
                 err = lib.cudaMemcpy2DAsync(
                     dst.data_ptr() + d * block, dpitch, src.data_ptr() + s * block, spitch,
-                    k * block, rows, _MEMCPY_DEFAULT, stream.cuda_stream)
+                    k * block, rows, _MEMCPY_DEFAULT, on.cuda_stream)
                 if err == 0:
                     calls += 1
                     continue
                 lib.cudaGetLastError()  # clear it, or torch's next launch check reports it
             # No runtime found or the 2-D copy refused: one copy per (layer, K/V) row.
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(on):
                 for layer in range(dst.shape[0]):
                     for j in (0, 1):
                         dst[layer, j, d:d + k].copy_(src[layer, j, s:s + k], non_blocking=True)

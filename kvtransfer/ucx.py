@@ -36,14 +36,12 @@ import ucxx
 
 from kvtransfer import ipc, staging, wire
 from kvtransfer.base import OnReceive, TransferError, Transport, check_block_ids
+from kvtransfer.ipc import ENGINES as PULL_ENGINES  # `ipc` names an argument below
 from kvtransfer.layout import BlockLayout, LayoutMismatch, check_compatible
 from kvtransfer.ucx_send import UcxConnection
 
 log = logging.getLogger(__name__)
 MODES = ("worker", "listener")
-# Early-ack events per link, reused in turn: a sender waiting on one whose newer record is
-# still pending waits longer, never shorter (records follow each other on one stream).
-EARLY_ACK_EVENTS = 8
 
 
 class UcxTransport(Transport):
@@ -61,7 +59,8 @@ class UcxTransport(Transport):
                  host: str = "127.0.0.1", port: int = 0, num_chunks: int = 1,
                  checksum: bool = False,
                  timeout: float = 30.0, progress_mode: str = "thread",
-                 direct: bool | None = None, ipc: bool | None = None):
+                 direct: bool | None = None, ipc: bool | None = None,
+                 pull_engine: str = "dst"):
         super().__init__(layout, kv_cache, on_receive)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -71,8 +70,15 @@ class UcxTransport(Transport):
         # None: pull through CUDA IPC wherever both ends can (as a receiver: offer it; as a
         # sender: use it); False: UCX messages only.
         self.ipc = ipc
+        # Whose copy engines move a pull between two GPUs (`kvtransfer.ipc.pull`): as a
+        # receiver, its default; as a sender, what it asks the receiver for.
+        if pull_engine not in PULL_ENGINES:
+            raise ValueError(f"pull_engine must be one of {PULL_ENGINES}, got {pull_engine!r}")
+        self.pull_engine = pull_engine
         self._imports: dict[tuple[int, int], torch.Tensor] = {}  # (link, export) -> peer cache
         self._events: dict[int, list[torch.cuda.Event]] = {}  # link -> early-ack events
+        # (link, handle) -> a sender's opened "blocks written" event (`_land_pull`)
+        self._peer_events: dict[tuple[int, str], torch.cuda.Event] = {}
         self._progress_mode = progress_mode
         self._id = wire.new_id()
         self._listener: Any = None
@@ -139,7 +145,7 @@ class UcxTransport(Transport):
                              num_chunks=self.num_chunks, checksum=self.checksum,
                              timeout=self.timeout, direct=self.direct,
                              pull_from=msg.get("pull_from", []) if self.ipc is not False else [],
-                             peer_pid=msg.get("pid"))
+                             peer_pid=msg.get("pid"), pull_engine=self.pull_engine)
         if conn.pull_from and msg.get("probe_event"):
             conn.offer_early_ack(msg["gpu"], msg["probe_event"])
         self._conns.append(conn)
@@ -209,7 +215,7 @@ class UcxTransport(Transport):
                 reply["pid"] = os.getpid()  # a sender in this process exports by reference
                 if reply["pull_from"] and self.kv_cache.is_cuda:
                     # A sender that can open this event may take the ack of a pull as soon as
-                    # the copy is queued, and wait on an event for its end (`EARLY_ACK_EVENTS`).
+                    # the copy is queued, and wait on an event for its end (`ipc.EVENTS_PER_LINK`).
                     try:
                         probe = ipc.event_handle(self._link_event(link, 0))
                         reply.update(gpu=ipc.domain(self.kv_cache), probe_event=probe)
@@ -231,6 +237,8 @@ class UcxTransport(Transport):
         for key in [k for k in self._imports if k[0] == link]:
             del self._imports[key]
         self._events.pop(link, None)
+        for key in [k for k in self._peer_events if k[0] == link]:
+            del self._peer_events[key]
 
     async def _receive(self, link: int, ep: Any, hdr: dict[str, Any]) -> None:
         stamps: dict[str, Any] | None = (
@@ -343,8 +351,9 @@ class UcxTransport(Transport):
                          stamps: dict[str, Any] | None) -> tuple[str | None, list[int]]:
         """Pull path: copy the sender's blocks out of its cache (mapped through CUDA IPC on
         the first request of the link) on the staging stream, after what the engine queued so
-        far (the dst blocks were free before the reservation). The sender waited for its own
-        writes before it sent the header, and holds its blocks until the ack."""
+        far (the dst blocks were free before the reservation) and, on a GPU, after the sender's
+        "ready" event (its writes of the blocks; a sender without one waited for them before
+        it sent the header). The sender holds its blocks until the ack."""
         kv, pull = self.kv_cache, hdr["pull"]
         key = (link, int(pull["export"]))
         if key not in self._imports:
@@ -363,8 +372,13 @@ class UcxTransport(Transport):
         runs = wire.block_runs(src, dst)
         stream = staging.copy_stream(kv.device)
         staging.after_current(stream)
+        if pull.get("ready") and stream is not None:
+            # The sender did not wait for its own writes: its event marks them, and the copy
+            # waits for it on the GPU (a failure to open it: the sender sends messages).
+            stream.wait_event(self._peer_event(link, pull["gpu"], pull["ready"]))
         try:
-            ipc.pull(kv, src_kv, runs, stream)
+            engine = pull.get("engine") or self.pull_engine
+            ipc.pull(kv, src_kv, runs, stream, engine if engine in ipc.ENGINES else "dst")
         except Exception as e:  # the sender sends the request again as messages
             raise ipc.IpcUnavailable(f"copy failed: {type(e).__name__}: {e}") from e
         early: asyncio.Future | None = None  # the early ack's send
@@ -408,8 +422,11 @@ class UcxTransport(Transport):
 
     def _link_event(self, link: int, seq: int) -> torch.cuda.Event:
         """One of a link's early-ack events, in turn (made on first use)."""
-        events = self._events.setdefault(link, [])
-        i = seq % EARLY_ACK_EVENTS
-        while len(events) <= i:
-            events.append(ipc.new_event(self.kv_cache.device))
-        return events[i]
+        return ipc.pooled_event(self._events.setdefault(link, []), seq, self.kv_cache.device)
+
+    def _peer_event(self, link: int, gpu: str, handle: str) -> torch.cuda.Event:
+        """A sender's event (opened once per link and handle); `IpcUnavailable` if it can't."""
+        key = (link, handle)
+        if key not in self._peer_events:
+            self._peer_events[key] = ipc.open_event(gpu, handle)
+        return self._peer_events[key]

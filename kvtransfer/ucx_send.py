@@ -32,7 +32,7 @@ class UcxConnection(Connection):
                  peer_num_blocks: int, pool: staging.StagingPool, *, num_chunks: int = 1,
                  checksum: bool = False, timeout: float = 30.0, trace: bool = False,
                  direct: bool | None = None, pull_from: Sequence[str] = (),
-                 peer_pid: int | None = None):
+                 peer_pid: int | None = None, pull_engine: str = "dst"):
         super().__init__(layout, peer_layout, peer_num_blocks)
         self._ep, self._link, self._seq, self._pool = ep, link, 0, pool
         self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout
@@ -41,12 +41,16 @@ class UcxConnection(Connection):
         # Where the receiver offers to pull from (`kvtransfer.ipc.readable`: the GPUs it sees);
         # emptied when a pull fails, so the link keeps to UCX messages from then on.
         self.pull_from = set(pull_from)
+        self.pull_engine = pull_engine  # asked of the receiver (`kvtransfer.ipc.pull`)
         self._same_process = peer_pid == os.getpid()
         self._exports: dict[tuple[int, int], int] = {}  # (data_ptr, numel) -> export id
         # The receiver's GPU, where this process can open its events: pulls are acked as soon
         # as the copy is queued, and the sender waits on the receiver's event for its end.
         self.early_ack_gpu: str | None = None
         self._events: dict[str, torch.cuda.Event] = {}  # handle -> opened receiver event
+        # device index -> this link's "blocks written" events (`_ready_event`); None: this
+        # process could not make one, so a pull waits for the writes on the host
+        self._ready: dict[int, list[torch.cuda.Event]] | None = {}
         self.trace, self.last_trace = trace, None
         self._closed = False
 
@@ -86,6 +90,24 @@ class UcxConnection(Connection):
             ev = self._events[handle] = ipc.open_event(self.early_ack_gpu, handle)
         await staging.wait_event(ev)
 
+    def _ready_event(self, kv: torch.Tensor, seq: int) -> str | None:
+        """The handle of an IPC event recorded after what this thread's stream has queued so
+        far (the writes of the blocks), on the staging stream: the receiver's copy waits for
+        it on the GPU, so the header need not wait for it on the host. None where this
+        process cannot make one."""
+        if self._ready is None:
+            return None
+        try:
+            stream = staging.copy_stream(kv.device)
+            staging.after_current(stream)
+            ev = ipc.pooled_event(self._ready.setdefault(kv.device.index, []), seq, kv.device)
+            ev.record(stream)
+            return ipc.event_handle(ev)
+        except Exception as e:  # noqa: BLE001 - the host waits for the writes instead
+            log.info("kvtransfer: no ready events on this link: %s: %s", type(e).__name__, e)
+            self._ready = None
+            return None
+
     def _no_pull(self, why: str) -> None:
         log.warning("kvtransfer: %s; sending UCX messages on this link from now on", why)
         self.pull_from.clear()
@@ -104,7 +126,8 @@ class UcxConnection(Connection):
                 self._no_pull(f"could not export the cache ({type(e).__name__}: {e})")
                 return None
             self._exports[key] = len(self._exports) + 1
-        return {"export": self._exports[key], "src": [int(i) for i in src], "spec": spec}
+        return {"export": self._exports[key], "src": [int(i) for i in src], "spec": spec,
+                "engine": self.pull_engine}
 
     async def _send_blocks(self, request_id: str, kv_cache: torch.Tensor,
                            src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
@@ -119,6 +142,10 @@ class UcxConnection(Connection):
             src, dst, num_layers, self.layout.block_bytes // (2 * num_layers), self.direct,
             wire.direct_min_bytes(kv_cache.device))
         self.last_path = path = "pull" if pull else "direct" if runs else "staged"
+        if pull and kv_cache.is_cuda:
+            ready = self._ready_event(kv_cache, seq)
+            if ready is not None:
+                pull = {**pull, "ready": ready, "gpu": ipc.domain(kv_cache)}
         chunks = wire.layer_chunks(num_layers, self.num_chunks) if n and not (runs or pull) else []
         spec, blob = wire.pack_extras(extras or {})
         ack = asyncio.ensure_future(wire.recv_ctrl(self._tag(seq, wire.ACK)))
@@ -130,8 +157,10 @@ class UcxConnection(Connection):
                "early_ack": bool(pull) and self.early_ack_gpu is not None and not self.checksum}
         bufs: list[torch.Tensor] = []
         try:
-            if pull:  # the receiver reads the blocks once the header is in: write them first
-                await staging.wait_queued(kv_cache.device)
+            if pull:  # the receiver reads the blocks once the header is in (GPU caches:
+                # after the ready event), so they must be written by then
+                if not pull.get("ready"):
+                    await staging.wait_queued(kv_cache.device)
                 if stamps is not None:
                     stamps["ready"].append(time.perf_counter())
             # Not awaited on its own: the header travels while the blocks are gathered, and

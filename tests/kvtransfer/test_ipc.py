@@ -48,6 +48,46 @@ def test_pull_copies_each_run_across_pitches(device, monkeypatch):
         assert torch.equal(dst2, want)
 
 
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("engine", ["dst", "src"])
+def test_pull_between_two_gpus_on_either_copy_engine(engine):
+    """The sender's cache on GPU 1, the receiver's on GPU 0: either GPU's copy engines move
+    the runs, and the receiver's stream still orders them (a write it queued before lands
+    first; what it queues after sees the copied blocks)."""
+    layout = tiny_layout("bfloat16")
+    src = random_kv(layout, num_blocks=40, seed=1).to("cuda:1")
+    dst = random_kv(layout, num_blocks=64, seed=2).to("cuda:0")
+    runs = [(3, 60, 3), (9, 0, 1), (30, 7, 2)]
+    want = _reference(dst.cpu(), src.cpu(), runs)
+    stream = torch.cuda.Stream(device="cuda:0")
+    stream.wait_stream(torch.cuda.current_stream("cuda:0"))
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(50_000_000)  # the copies must wait for this, then overwrite it
+        dst[:, :, 60:63].fill_(7)
+    assert ipc.pull(dst, src, runs, stream, engine) == len(runs)
+    with torch.cuda.stream(stream):
+        after = dst[:, :, 60:63].clone()
+    stream.synchronize()
+    assert torch.equal(dst.cpu(), want)
+    assert torch.equal(after.cpu(), want[:, :, 60:63])
+
+
+def test_pull_refuses_an_unknown_copy_engine():
+    layout = tiny_layout()
+    kv = random_kv(layout, num_blocks=8)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        ipc.pull(kv.clone(), kv, [(0, 0, 1)], None, "both")
+    pytest.importorskip("ucxx")
+    from kvtransfer.ucx import UcxTransport
+
+    with pytest.raises(ValueError, match="pull_engine must be one of"):
+        UcxTransport(layout, pull_engine="both")
+
+
 def test_pull_refuses_mismatched_caches():
     layout = tiny_layout()
     src = random_kv(layout, num_blocks=8)
@@ -173,6 +213,33 @@ def test_pull_in_one_process_and_bad_ids(ucx_loop, host_pull, device):
     assert torch.equal(dst[:, :, 20:24], src[:, :, 8:12])
 
 
+@pytest.mark.parametrize("asked", [None, "src"])
+def test_the_sender_asks_for_a_copy_engine(ucx_loop, host_pull, monkeypatch, asked):
+    """The receiver copies on its own default engine unless the sender asks for one."""
+    pytest.importorskip("ucxx")
+    layout = tiny_layout()
+    src, dst = random_kv(layout, seed=3), random_kv(layout, seed=4)
+    used, real = [], ipc.pull
+
+    def spy(dst_kv, src_kv, runs, stream, engine="dst"):
+        used.append(engine)
+        return real(dst_kv, src_kv, runs, stream, engine)
+
+    monkeypatch.setattr(ipc, "pull", spy)
+
+    async def go():
+        rx, tx = _pair(layout, dst, **({"pull_engine": asked} if asked else {}))
+        async with rx:
+            conn = await tx.connect(rx.address)
+            await conn.send_blocks("x", src, [1, 2], [5, 6])
+            await tx.close()
+            return conn.last_path
+
+    assert ucx_loop.run(go(), timeout=60) == "pull"
+    assert used == [asked or "dst"]
+    assert torch.equal(dst[:, :, 5:7], src[:, :, 1:3])
+
+
 @pytest.mark.parametrize("fail", ["map", "copy", "export"])
 def test_a_failed_pull_lands_as_messages(ucx_loop, host_pull, monkeypatch, fail):
     """The receiver cannot map the cache, or the copy fails, or the sender cannot export it:
@@ -255,3 +322,39 @@ def test_early_ack_returns_only_once_the_copy_is_done(ucx_loop):
     early, path, same = ucx_loop.run(go(), timeout=60)
     assert early and path == "pull"
     assert same == [True] * 5
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_pull_waits_on_the_gpu_for_the_senders_writes(ucx_loop):
+    """The sender's writes of the blocks are still queued behind a long kernel when it sends:
+    it does not wait for them on the host (the header goes at once), and the receiver's copy
+    (in its own process) waits for them on the GPU, through the sender's ready event."""
+    pytest.importorskip("ucxx")
+    from kvtransfer.bench import spawn_receiver, stop_receiver
+    from kvtransfer.ucx import UcxTransport
+
+    layout = tiny_layout(head_dim=64)
+    src = random_kv(layout, num_blocks=64, seed=8).cuda()
+    new = random_kv(layout, num_blocks=8, seed=9).cuda()
+    proc, pipe, address = spawn_receiver(layout, 64, return_kv=True, device="cuda")
+
+    async def go():
+        tx = UcxTransport(layout)
+        conn = await tx.connect(address)
+        await conn.send_blocks("warm", src, [0], [0])
+        conn.trace = True
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s on the current stream of this thread
+        src[:, :, 8:16].copy_(new)  # queued behind it
+        await conn.send_blocks("x", src, list(range(8, 16)), list(range(20, 28)))
+        trace, path, pools = conn.last_trace, conn.last_path, conn._ready
+        await tx.close()
+        return trace, path, pools
+
+    try:
+        trace, path, pools = ucx_loop.run(go(), timeout=60)
+    finally:
+        dst = stop_receiver(proc, pipe, layout)
+    assert path == "pull" and pools and all(pools.values())
+    assert trace["ready"][0] < 0.1 < trace["acked"]  # no host wait before the header
+    assert torch.equal(dst[:, :, 20:28], new.cpu())
