@@ -930,6 +930,7 @@ def fig_kv_transfer(args, res: dict) -> None:
 
     sizes = [16 << 20, 64 << 20, 256 << 20, 1 << 30]
     res["config"] = {"sizes_bytes": sizes, "reps": args.fig4_reps,
+                     "ucx_progress": args.fig4_progress,
                      "peer_access_0_to_1": torch.cuda.can_device_access_peer(0, 1)}
     res["peer_copy"] = peer = peer_copy("cuda:0", "cuda:1", sizes, args.fig4_reps)
     # Llama-3.1-8B layout: 2 MiB per 16-token block in bf16.
@@ -1003,7 +1004,11 @@ def ucx_transfer(args, sizes, devices: tuple[str, str] = ("cuda:0", "cuda:1")) -
     row's headline is the path the transport picks by itself (pull where the receiver offers
     it, else `wire.plan_direct`), `messages_gb_s` the message path it would pick otherwise. At
     the largest size also scattered ids (random order on both sides, as after much churn),
-    both ways. `devices`: (sender, receiver); host ones check the plumbing on any machine."""
+    both ways. Where the two caches sit on two GPUs, each pull row is measured with either
+    GPU's copy engines (`kvtransfer.ipc.pull`); the headline keeps the transport's default.
+    `args.fig4_progress`: ucxx's progress mode (process-wide: the first transport of this
+    process decides; the receivers' too). `devices`: (sender, receiver); host ones check
+    the plumbing on any machine."""
     try:
         import ucxx  # noqa: F401
     except Exception as e:  # noqa: BLE001
@@ -1014,9 +1019,13 @@ def ucx_transfer(args, sizes, devices: tuple[str, str] = ("cuda:0", "cuda:1")) -
         from types import SimpleNamespace
 
         from kvtransfer import bench as kvb
-        from kvtransfer import wire
+        from kvtransfer import ipc, wire
         from kvtransfer.layout import BlockLayout
 
+        progress = getattr(args, "fig4_progress", "thread")
+        default_engine = ipc.DEFAULT_ENGINE
+        engines = [default_engine] + ([e for e in ipc.ENGINES if e != default_engine]
+                                      if devices[0] != devices[1] else [])
         rows, scattered = [], None
         loop = asyncio.new_event_loop()  # ucxx binds to the first loop that uses it: keep one
         layout = BlockLayout("bench", "bfloat16", 16, 32, 8, 128, 0)
@@ -1024,10 +1033,10 @@ def ucx_transfer(args, sizes, devices: tuple[str, str] = ("cuda:0", "cuda:1")) -
         for nbytes in sizes:
             blocks = max(1, nbytes // layout.block_bytes)
             proc, pipe, address = kvb.spawn_receiver(layout, blocks, "worker",
-                                                     device=devices[1])
+                                                     device=devices[1], progress=progress)
             try:
                 ns = SimpleNamespace(blocks=blocks, chunks=[1, 8], direct=[True, False],
-                                     checksum=False, progress="thread", reps=args.fig4_reps,
+                                     checksum=False, progress=progress, reps=args.fig4_reps,
                                      device=devices[0], trace=True, ipc=False)
                 got = loop.run_until_complete(kvb.measure(ns, layout, address))
                 ids = list(range(blocks))
@@ -1035,14 +1044,22 @@ def ucx_transfer(args, sizes, devices: tuple[str, str] = ("cuda:0", "cuda:1")) -
                                         wire.direct_min_bytes(devices[0]))
                 messages = next(r for r in got if r["went_direct"] == (auto is not None))
                 ns.ipc, ns.direct, ns.chunks = None, [None], [1]
-                got += loop.run_until_complete(kvb.measure(ns, layout, address))
-                pick = got[-1] if got[-1]["path"] == "pull" else messages
+                own = len(got)
+                for engine in engines:  # the default first: it is the transport's own pick
+                    ns.pull_engine = engine
+                    got += loop.run_until_complete(kvb.measure(ns, layout, address))
+                    if got[-1]["path"] != "pull":
+                        break  # no pull offered: once is enough
+                pick = got[own] if got[own]["path"] == "pull" else messages
+                ns.pull_engine = default_engine
                 best = max(got, key=lambda r: r["median_gb_s"])
                 rows.append({"bytes": blocks * layout.block_bytes, "gb_s": pick["median_gb_s"],
                              "median_ms": pick["median_ms"], "landed_ms": pick.get("landed_ms"),
                              "path": _path_label(pick), "best_gb_s": best["median_gb_s"],
                              "messages_gb_s": messages["median_gb_s"],
                              "messages_path": _path_label(messages),
+                             "pull_gb_s": {r["pull_engine"]: r["median_gb_s"]
+                                           for r in got if r["path"] == "pull"},
                              "raw": [{k: v for k, v in r.items() if k != "traces"}
                                      for r in got],
                              "traces": {_path_label(r): r["traces"][:3] for r in got}})
@@ -1050,8 +1067,8 @@ def ucx_transfer(args, sizes, devices: tuple[str, str] = ("cuda:0", "cuda:1")) -
                     rng = random.Random(0)
                     ns.ids = (rng.sample(ids, blocks), rng.sample(ids, blocks))
                     got = []
-                    for ipc in (False, None):
-                        ns.ipc = ipc
+                    for offer in (False, None):
+                        ns.ipc = offer
                         got += loop.run_until_complete(kvb.measure(ns, layout, address))
                     pick = got[-1]
                     scattered = {"bytes": pick["bytes"], "gb_s": pick["median_gb_s"],
@@ -1065,7 +1082,8 @@ def ucx_transfer(args, sizes, devices: tuple[str, str] = ("cuda:0", "cuda:1")) -
                 f"as messages {rows[-1]['messages_gb_s']} ({rows[-1]['messages_path']})")
         return {"rows": rows, "scattered_ids": scattered, "sender": devices[0],
                 "receiver": f"{devices[1]} (separate process)",
-                "direct_min_bytes": wire.direct_min_bytes(devices[0])}
+                "direct_min_bytes": wire.direct_min_bytes(devices[0]),
+                "progress": progress, "pull_engine": default_engine}
     except Exception:  # noqa: BLE001
         return {"error": traceback.format_exc()}
 
@@ -1074,6 +1092,8 @@ def _path_label(row: dict) -> str:
     """How a `kvtransfer.bench.measure` row's payload travelled, in the figure's words."""
     if row["path"] == "staged":
         return f"staged, {row['chunks']} chunk(s)"
+    if row["path"] == "pull" and row.get("pull_engine", "dst") != "dst":
+        return f"pull ({row['pull_engine']} engine)"
     return row["path"]
 
 
@@ -1170,6 +1190,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "timed)")
     g = p.add_argument_group("figure 4 (KV transfer)")
     g.add_argument("--fig4-reps", type=int, default=10)
+    g.add_argument("--fig4-progress", default="thread", choices=("thread", "thread-polling"),
+                   help="ucxx progress mode of the UCX rows (this process and the receivers)")
     g = p.add_argument_group("figure 5 (ITL, colocated vs disaggregated)")
     g.add_argument("--fig5-model", default="llama8b", choices=("llama8b", "tiny"),
                    help="random-weight model shape (tiny: a CPU smoke test)")

@@ -22,6 +22,7 @@ SPEC_METHODS = ("eagle3", "ngram", "none")
 MODES = ("disaggregated", "colocated")
 TRANSPORTS = ("ucx", "ucx-tcp")
 PROGRESS_MODES = ("thread", "thread-polling")
+PULL_ENGINES = ("dst", "src")  # kvtransfer.ipc.ENGINES (not imported: config loads no torch)
 ENGINE_ROLES = ("prefill", "decode", "colocated")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -169,6 +170,9 @@ class TransferSection(_Section):
     # GPU, e.g. num_gpus 0.5 each): it copies the blocks out itself (CUDA IPC), UCX carrying
     # only the control messages. Actors pinned to a GPU each keep to UCX messages.
     pull: bool = True
+    # whose copy engines move a pull between two GPUs: dst (the decode GPU reads the prefill
+    # GPU's memory) or src (the prefill GPU writes, as a peer copy does)
+    pull_engine: str = "dst"
     # ucxx progress: thread idles at ~0 CPU; thread-polling spins a core per actor for lower
     # latency (a round trip ~130 against ~330 us between two host processes)
     progress_mode: str = "thread"
@@ -178,11 +182,13 @@ class TransferSection(_Section):
     def _validate(self) -> None:
         _choice("transport", self.transport, TRANSPORTS)
         _choice("progress_mode", self.progress_mode, PROGRESS_MODES)
+        _choice("pull_engine", self.pull_engine, PULL_ENGINES)
         _require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
 
     def transport_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `kvtransfer.factory.make_transport` beside the kind."""
-        return {"ipc": None if self.pull else False, "progress_mode": self.progress_mode,
+        return {"ipc": None if self.pull else False, "pull_engine": self.pull_engine,
+                "progress_mode": self.progress_mode,
                 "checksum": self.checksum, "timeout": self.timeout_s}
 
 

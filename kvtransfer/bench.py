@@ -92,9 +92,11 @@ async def measure(args: argparse.Namespace, layout: BlockLayout,
     (src, dst) lists), once per entry of args.chunks and of `args.direct` (optional, default
     [None]: the transport's own choice; False staged, True direct): one warm-up, then args.reps
     timed. `args.ipc` (optional, default None): False keeps a GPU transfer to UCX messages
-    where the receiver offers to pull it (`kvtransfer.ipc`). With `args.trace` (optional)
+    where the receiver offers to pull it (`kvtransfer.ipc`); `args.pull_engine` (optional,
+    default "dst"): whose copy engines a pull asks for. With `args.trace` (optional)
     each row also carries every timed transfer's timeline (`UcxConnection.last_trace`) and
     the median time until the receiver had it all (`landed_ms`, its clock: the same host)."""
+    from kvtransfer import ipc
     from kvtransfer.ucx import UcxTransport
 
     # Made on the device: a GiB of host randn costs seconds.
@@ -107,7 +109,8 @@ async def measure(args: argparse.Namespace, layout: BlockLayout,
     for chunks, direct in [(c, d) for d in directs for c in args.chunks[:1 if d else None]]:
         tx = UcxTransport(layout, num_chunks=chunks, checksum=args.checksum,
                           progress_mode=args.progress, direct=direct,
-                          ipc=getattr(args, "ipc", None))
+                          ipc=getattr(args, "ipc", None),
+                          pull_engine=getattr(args, "pull_engine", None) or ipc.DEFAULT_ENGINE)
         traces = []
         async with await tx.connect(address) as conn:
             conn.trace = trace
@@ -124,6 +127,7 @@ async def measure(args: argparse.Namespace, layout: BlockLayout,
                      "progress": args.progress, "chunks": chunks if path == "staged" else 0,
                      "direct": direct, "went_direct": went_direct, "path": path,
                      "checksum": args.checksum, "bytes": nbytes,
+                     "pull_engine": tx.pull_engine if path == "pull" else None,
                      "mib": round(nbytes / 2**20, 1),
                      "median_gb_s": round(nbytes / statistics.median(secs) / 1e9, 2),
                      "best_gb_s": round(nbytes / min(secs) / 1e9, 2),

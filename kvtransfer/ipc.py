@@ -211,10 +211,11 @@ def _peer_access(a: torch.device, b: torch.device) -> None:
 
 
 ENGINES = ("dst", "src")
+DEFAULT_ENGINE = "dst"  # a receiver's own choice (`UcxTransport(pull_engine=...)`)
 
 
 def pull(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
-         stream: torch.cuda.Stream | None, engine: str = "dst") -> int:
+         stream: torch.cuda.Stream | None, engine: str = DEFAULT_ENGINE) -> int:
     """Queue on `stream` (a stream of `dst`'s device; None on the host, where the copies are
     synchronous) the copies `dst[:, :, d:d+k] = src[:, :, s:s+k]` for each (s, d, k) in
     `runs`. Both caches are contiguous `[layers, 2, blocks, ...]`, so one run is a 2-D copy:

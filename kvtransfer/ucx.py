@@ -36,7 +36,8 @@ import ucxx
 
 from kvtransfer import ipc, staging, wire
 from kvtransfer.base import OnReceive, TransferError, Transport, check_block_ids
-from kvtransfer.ipc import ENGINES as PULL_ENGINES  # `ipc` names an argument below
+from kvtransfer.ipc import DEFAULT_ENGINE  # `ipc` names an argument below
+from kvtransfer.ipc import ENGINES as PULL_ENGINES
 from kvtransfer.layout import BlockLayout, LayoutMismatch, check_compatible
 from kvtransfer.ucx_send import UcxConnection
 
@@ -60,7 +61,7 @@ class UcxTransport(Transport):
                  checksum: bool = False,
                  timeout: float = 30.0, progress_mode: str = "thread",
                  direct: bool | None = None, ipc: bool | None = None,
-                 pull_engine: str = "dst"):
+                 pull_engine: str = DEFAULT_ENGINE):
         super().__init__(layout, kv_cache, on_receive)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -378,7 +379,8 @@ class UcxTransport(Transport):
             stream.wait_event(self._peer_event(link, pull["gpu"], pull["ready"]))
         try:
             engine = pull.get("engine") or self.pull_engine
-            ipc.pull(kv, src_kv, runs, stream, engine if engine in ipc.ENGINES else "dst")
+            ipc.pull(kv, src_kv, runs, stream,
+                     engine if engine in ipc.ENGINES else ipc.DEFAULT_ENGINE)
         except Exception as e:  # the sender sends the request again as messages
             raise ipc.IpcUnavailable(f"copy failed: {type(e).__name__}: {e}") from e
         early: asyncio.Future | None = None  # the early ack's send

@@ -32,7 +32,7 @@ class UcxConnection(Connection):
                  peer_num_blocks: int, pool: staging.StagingPool, *, num_chunks: int = 1,
                  checksum: bool = False, timeout: float = 30.0, trace: bool = False,
                  direct: bool | None = None, pull_from: Sequence[str] = (),
-                 peer_pid: int | None = None, pull_engine: str = "dst"):
+                 peer_pid: int | None = None, pull_engine: str = ipc.DEFAULT_ENGINE):
         super().__init__(layout, peer_layout, peer_num_blocks)
         self._ep, self._link, self._seq, self._pool = ep, link, 0, pool
         self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout

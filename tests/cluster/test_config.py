@@ -150,17 +150,25 @@ def test_bad_overrides(item, message):
 
 def test_transfer_section_gives_the_transport_its_kwargs():
     pytest.importorskip("ucxx")
+    from cluster.config import PULL_ENGINES
+    from kvtransfer import ipc
     from kvtransfer.ucx import UcxTransport
     from tests.kvtransfer.conftest import tiny_layout
 
     assert ClusterConfig().transfer.transport_kwargs() == {
-        "ipc": None, "progress_mode": "thread", "checksum": False, "timeout": 30.0}
+        "ipc": None, "pull_engine": "dst", "progress_mode": "thread", "checksum": False,
+        "timeout": 30.0}
+    assert PULL_ENGINES == ipc.ENGINES
+    assert ClusterConfig().transfer.pull_engine == ipc.DEFAULT_ENGINE
     cfg = apply_overrides(ClusterConfig(), ["transfer.pull=false", "transfer.checksum=true",
-                                            "transfer.transport=ucx-tcp"])
+                                            "transfer.transport=ucx-tcp",
+                                            "transfer.pull_engine=src"])
     kw = cfg.transfer.transport_kwargs()
     assert kw["ipc"] is False and kw["checksum"] is True and cfg.transfer.transport == "ucx-tcp"
     t = UcxTransport(tiny_layout(), **kw)  # every key is one the transport takes
-    assert (t.ipc, t.checksum, t.timeout) == (False, True, 30.0)
+    assert (t.ipc, t.checksum, t.timeout, t.pull_engine) == (False, True, 30.0, "src")
+    with pytest.raises(ConfigError, match="pull_engine"):
+        apply_overrides(ClusterConfig(), ["transfer.pull_engine=both"])
 
 
 def test_load_config_overrides_dict_merges_into_file(tmp_path):
