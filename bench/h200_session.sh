@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What one H200 session runs once the model and wheels are staged under /tmp (see
-# bench/README.md): `bash bench/h200_session.sh cluster` (GPU tests + the two-GPU cluster;
+# bench/README.md): `bash bench/h200_session.sh cluster` (GPU tests + the two-GPU cluster,
+# CLUSTER_ARGS e.g. "--set transfer.pull_across_gpus=true";
 # `gputests`: the GPU tests alone, GPU_TESTS narrows them),
 # `bash bench/h200_session.sh bench` (the figures; FIG3_TRACE=1 adds figure 3's dynamic-K
 # step traces, BENCH_ARGS more arguments of bench.suite), `bash bench/h200_session.sh ucx` (the UCX
@@ -184,7 +185,7 @@ elif [ "$part" = gputests ] || [ "$part" = cluster ]; then  # GPU tests (+ the t
   tail -6 "$R/gpu_tests.log"
   if [ "$part" = cluster ]; then
     TANDEM_RAY_LOGS=1 timeout "${CLUSTER_TIMEOUT:-240}" python3 bench/cluster_gpu.py --model "$M" \
-      --out "$R/cluster_two_gpu.json" > "$R/cluster.log" 2>&1
+      --out "$R/cluster_two_gpu.json" ${CLUSTER_ARGS:-} > "$R/cluster.log" 2>&1
     tail -25 "$R/cluster.log"
   fi
 else

@@ -168,11 +168,16 @@ class TransferSection(_Section):
     transport: str = "ucx"
     # GPU caches on one host where the decode actor sees the prefill actor's GPU (both on one
     # GPU, e.g. num_gpus 0.5 each): it copies the blocks out itself (CUDA IPC), UCX carrying
-    # only the control messages. Actors pinned to a GPU each keep to UCX messages.
+    # only the control messages. Actors pinned to a GPU each keep to UCX messages (see
+    # pull_across_gpus).
     pull: bool = True
     # whose copy engines move a pull between two GPUs: dst (the decode GPU reads the prefill
     # GPU's memory) or src (the prefill GPU writes, as a peer copy does)
     pull_engine: str = "dst"
+    # GPU actors see every GPU of their node (Ray leaves CUDA_VISIBLE_DEVICES alone) and run
+    # on their own by index, so a pull reaches actors on different GPUs; false: Ray pins each
+    # to its own GPUs and those transfers go as UCX messages
+    pull_across_gpus: bool = False
     # ucxx progress: thread idles at ~0 CPU; thread-polling spins a core per actor for lower
     # latency (a round trip ~130 against ~330 us between two host processes)
     progress_mode: str = "thread"
@@ -183,6 +188,8 @@ class TransferSection(_Section):
         _choice("transport", self.transport, TRANSPORTS)
         _choice("progress_mode", self.progress_mode, PROGRESS_MODES)
         _choice("pull_engine", self.pull_engine, PULL_ENGINES)
+        _require(self.pull or not self.pull_across_gpus,
+                 "pull_across_gpus needs pull: true (it only serves the pull path)")
         _require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
 
     def transport_kwargs(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from decode_node.node import DecodeNode
 from engine.prompt import PromptEncoder
-from prefill_node.node import PrefillNode
+from prefill_node.node import NOSET_ENV, PrefillNode
 from router.disagg import DisaggBackend
 
 
@@ -29,10 +29,12 @@ class Cluster:
 def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = None, *,
           prefill_replicas: int = 1, decode_replicas: int = 1, transport: str = "ucx",
           address: str | None = None, prefill_gpus: float = 0.0, decode_gpus: float = 0.0,
-          metrics: bool = True, transport_kwargs: dict | None = None) -> Cluster:
+          metrics: bool = True, transport_kwargs: dict | None = None,
+          pull_across_gpus: bool = False) -> Cluster:
     """Connect to (or start) Ray, place the actors, and return the router's backend.
     `engine_kwargs` configure prefill engines, `decode_kwargs` (default: the same) decode;
-    `transport_kwargs` every actor's `kvtransfer` transport (`TransferSection`)."""
+    `transport_kwargs` every actor's `kvtransfer` transport (`TransferSection`);
+    `pull_across_gpus`: GPU actors see every GPU of their node (`actor_options`)."""
     import ray
 
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -44,9 +46,8 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
             ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2),
                      include_dashboard=False,
                      log_to_driver=os.environ.get("TANDEM_RAY_LOGS") == "1")
-    P = ray.remote(PrefillNode).options(num_gpus=prefill_gpus, num_cpus=0,
-                                        max_concurrency=1000)
-    D = ray.remote(DecodeNode).options(num_gpus=decode_gpus, num_cpus=0, max_concurrency=1000)
+    P = ray.remote(PrefillNode).options(**actor_options(prefill_gpus, pull_across_gpus))
+    D = ray.remote(DecodeNode).options(**actor_options(decode_gpus, pull_across_gpus))
     port = 0 if metrics else None  # each node serves /metrics on a free port (see info())
     tkw = transport_kwargs or {}
     prefills = [P.remote(model, engine_kwargs, transport, port, tkw)
@@ -64,6 +65,17 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
                    [i["metrics_port"] for i in infos])
 
 
+def actor_options(num_gpus: float, pull_across_gpus: bool = False) -> dict:
+    """Ray options of a node actor. With `pull_across_gpus`, a GPU actor keeps every GPU of
+    its node visible (Ray leaves CUDA_VISIBLE_DEVICES alone) and runs on its own by index
+    (`prefill_node.node.node_device`), so a decode actor can pull a prefill actor's blocks
+    from its GPU (CUDA IPC, `kvtransfer.ipc`); otherwise Ray pins it to its own GPUs."""
+    opts: dict = {"num_gpus": num_gpus, "num_cpus": 0, "max_concurrency": 1000}
+    if pull_across_gpus and num_gpus > 0:
+        opts["runtime_env"] = {"env_vars": {NOSET_ENV: "1"}}
+    return opts
+
+
 def start_from_config(cfg) -> Cluster:
     """The cluster a `ClusterConfig` (cluster/config.py) describes, in disaggregated mode."""
     from cluster.config import engine_kwargs
@@ -73,4 +85,5 @@ def start_from_config(cfg) -> Cluster:
                  transport=cfg.transfer.transport, address=cfg.ray_address,
                  prefill_gpus=cfg.prefill.num_gpus, decode_gpus=cfg.decode.num_gpus,
                  metrics=cfg.metrics.enabled,
-                 transport_kwargs=cfg.transfer.transport_kwargs())
+                 transport_kwargs=cfg.transfer.transport_kwargs(),
+                 pull_across_gpus=cfg.transfer.pull_across_gpus)

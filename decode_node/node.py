@@ -11,7 +11,7 @@ from engine.loop import EngineLoop
 from engine.output import RequestOutput
 from kvtransfer.factory import make_transport
 from kvtransfer.layout import BlockLayout
-from prefill_node.node import _engine_stats, node_info, serve_metrics
+from prefill_node.node import _engine_stats, _on_own_gpu, node_info, serve_metrics
 
 RECV_TIMEOUT_S = 60.0
 
@@ -21,7 +21,7 @@ class DecodeNode:
 
     def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
                  metrics_port: int | None = None, transport_kwargs: dict | None = None):
-        self.engine = Engine.from_pretrained(model, **engine_kwargs)
+        self.engine = Engine.from_pretrained(model, **_on_own_gpu(engine_kwargs))
         self.engine.prepare_to_serve()  # graphs captured, objects frozen, compiles logged
         self.metrics, self.metrics_port = serve_metrics("decode", metrics_port)
         self.loop = EngineLoop(self.engine)

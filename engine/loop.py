@@ -83,14 +83,17 @@ class EngineLoop:
 
     def _run(self) -> None:
         eng = self.engine
-        while not self._stop.is_set():
-            self._drain(block=not eng.has_unfinished())
-            if not eng.has_unfinished():
-                continue
-            for out in eng.step():
-                self._send(out.request_id, out)
-            if self.on_step is not None:
-                self.on_step(eng)
+        # The engine's GPU is this thread's current device for everything it calls (a process
+        # may see several GPUs: Triton launches and graph replays follow the current device).
+        with eng._on_device():
+            while not self._stop.is_set():
+                self._drain(block=not eng.has_unfinished())
+                if not eng.has_unfinished():
+                    continue
+                for out in eng.step():
+                    self._send(out.request_id, out)
+                if self.on_step is not None:
+                    self.on_step(eng)
 
     def _drain(self, block: bool) -> None:
         try:

@@ -14,13 +14,56 @@ from engine.output import RequestOutput
 from kvtransfer.factory import make_transport
 from kvtransfer.layout import BlockLayout
 
+# Set (to "1") by the launcher for GPU actors with `transfer.pull_across_gpus`: Ray then leaves
+# CUDA_VISIBLE_DEVICES as the node had it, so an actor sees every GPU of its node (a decode
+# actor can map a prefill actor's cache on another GPU) and runs on its own by index.
+NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def gpu_index(gpu_id: int | str, visible: str | None) -> int:
+    """Where Ray's GPU id `gpu_id` is in this process's CUDA numbering: its place in
+    `CUDA_VISIBLE_DEVICES` when the node set one (Ray's ids are then its entries), else the
+    id itself."""
+    gid = str(gpu_id).strip()
+    if not visible:
+        return int(gid)
+    listed = [v.strip() for v in visible.split(",") if v.strip()]
+    if gid not in listed:
+        raise RuntimeError(f"Ray gave this actor GPU {gid}, which CUDA_VISIBLE_DEVICES="
+                           f"{visible!r} does not list")
+    return listed.index(gid)
+
+
+def node_device(device: str | None) -> str | None:
+    """The device this actor's engine runs on: with every GPU of the node visible (`NOSET_ENV`),
+    "cuda" becomes the GPU Ray gave this actor, by index, and it is made this thread's
+    current device; any other device as it is."""
+    import os
+
+    if device != "cuda" or os.environ.get(NOSET_ENV) != "1":
+        return device
+    import ray
+    import torch
+
+    ids = sorted(ray.get_gpu_ids(), key=str)
+    if not ids:
+        return device
+    index = gpu_index(ids[0], os.environ.get("CUDA_VISIBLE_DEVICES"))
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+def _on_own_gpu(engine_kwargs: dict) -> dict:
+    return {**engine_kwargs, "device": node_device(engine_kwargs.get("device"))} \
+        if "device" in engine_kwargs else engine_kwargs
+
 
 class PrefillNode:
     """Plain class; cluster/launcher.py runs it as a Ray actor."""
 
     def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
                  metrics_port: int | None = None, transport_kwargs: dict | None = None):
-        self.engine = Engine.from_pretrained(model, **engine_kwargs)
+        self.engine = Engine.from_pretrained(model, **_on_own_gpu(engine_kwargs))
         self.engine.prepare_to_serve()  # graphs captured, objects frozen, compiles logged
         self.metrics, self.metrics_port = serve_metrics("prefill", metrics_port)
         self.loop = EngineLoop(self.engine)
@@ -130,6 +173,7 @@ def placement(e: Engine) -> dict:
            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
            "cuda_graphs": e.config.use_cuda_graphs}
     if dev.startswith("cuda"):
+        out["visible_gpus"] = torch.cuda.device_count()
         out["gpu"] = torch.cuda.get_device_name(dev)
         out["gpu_uuid"] = str(torch.cuda.get_device_properties(dev).uuid)
     return out
