@@ -1,0 +1,91 @@
+{{- define "tandem.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tandem.labels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "tandem.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* The tandem config the router reads: the user's, with the cluster's own settings. */}}
+{{- define "tandem.config" -}}
+{{- $cfg := deepCopy (.Values.config | default dict) -}}
+{{- $_ := set $cfg "ray_address" "auto" -}}
+{{- $router := deepCopy (get $cfg "router" | default dict) -}}
+{{- $_ := set $router "host" "0.0.0.0" -}}
+{{- $_ := set $router "port" (int .Values.router.port) -}}
+{{- $_ := set $cfg "router" $router -}}
+{{- $metrics := deepCopy (get $cfg "metrics" | default dict) -}}
+{{- $_ := set $metrics "host" "0.0.0.0" -}}
+{{- $_ := set $metrics "port_base" (int .Values.metrics.portBase) -}}
+{{- $_ := set $cfg "metrics" $metrics -}}
+{{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* Fails the render when the config books more GPUs than the GPU workers have. */}}
+{{- define "tandem.checkGpus" -}}
+{{- $cfg := .Values.config | default dict -}}
+{{- $roles := list "decode" -}}
+{{- if ne (get $cfg "mode" | default "disaggregated") "colocated" -}}
+{{- $roles = list "prefill" "decode" -}}
+{{- end -}}
+{{- $need := 0.0 -}}
+{{- range $role := $roles -}}
+{{- $sec := get $cfg $role | default dict -}}
+{{- $need = addf $need (mulf (get $sec "replicas" | default 1) (get $sec "num_gpus" | default 0)) -}}
+{{- end -}}
+{{- $have := mulf .Values.gpuWorkers.replicas .Values.gpuWorkers.gpusPerPod -}}
+{{- if gt $need $have -}}
+{{- fail (printf "config books %v GPUs (replicas x num_gpus of %s), the GPU workers have %v (gpuWorkers.replicas x gpusPerPod)" $need (join ", " $roles) $have) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tandem.volumes" -}}
+- name: config
+  configMap:
+    name: {{ include "tandem.fullname" . }}-config
+- name: shm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.shmSize }}
+{{- if .Values.models.persistentVolumeClaim }}
+- name: models
+  persistentVolumeClaim:
+    claimName: {{ .Values.models.persistentVolumeClaim }}
+    readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.mounts" -}}
+- name: config
+  mountPath: /etc/tandem
+  readOnly: true
+- name: shm
+  mountPath: /dev/shm
+{{- if .Values.models.persistentVolumeClaim }}
+- name: models
+  mountPath: {{ .Values.models.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "tandem.env" -}}
+- name: UCX_WARN_UNUSED_ENV_VARS
+  value: "n"
+- name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
