@@ -163,6 +163,8 @@ def cmd_serve(args) -> int:
             if p is not None:
                 print(f"{name} metrics on http://127.0.0.1:{p}/metrics", file=sys.stderr)
     metrics = Metrics("router") if cfg.metrics.enabled else None
+    if cfg.mode != "colocated":
+        backend.metrics = metrics  # streams moved off dead workers
     if metrics is not None:
         _, mport = metrics.serve(cfg.metrics.host, cfg.metrics_ports()["router"])
         print(f"metrics on http://{cfg.metrics.host}:{mport}/metrics", file=sys.stderr)

@@ -72,9 +72,14 @@ class RouterSection(_Section):
     port: int = 50051  # 0: pick a free port
     max_concurrent_requests: int = 256
     request_timeout_s: float = 600.0
+    # a stream whose prefill or decode actor dies moves to live (or restarted) actors and goes
+    # on where it stopped, at most this many times (0: the stream fails with the worker)
+    resume_attempts: int = 3
 
     def _validate(self) -> None:
         _port("port", self.port)
+        _require(self.resume_attempts >= 0,
+                 f"resume_attempts must be >= 0, got {self.resume_attempts}")
         _require(self.max_concurrent_requests >= 1,
                  f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
         _require(self.request_timeout_s > 0,
@@ -101,9 +106,13 @@ class RoleSection(_Section):
     # in flight and joins the next, instead of draining the pipeline
     # (`EngineConfig.admit_in_flight`).
     admit_in_flight: bool = True
+    # Ray restarts a replica that died (its model loads again) this many times over the
+    # cluster's life; -1: always, 0: never (its streams then move to the other replicas)
+    max_restarts: int = -1
 
     def _validate(self) -> None:
         _require(self.replicas >= 1, f"replicas must be >= 1, got {self.replicas}")
+        _require(self.max_restarts >= -1, f"max_restarts must be >= -1, got {self.max_restarts}")
         _require(self.admission_delay_steps >= 0,
                  f"admission_delay_steps must be >= 0, got {self.admission_delay_steps}")
         _choice("device", self.device, DEVICES)

@@ -11,12 +11,12 @@ from engine.loop import EngineLoop
 from engine.output import RequestOutput
 from kvtransfer.factory import make_transport
 from kvtransfer.layout import BlockLayout
-from prefill_node.node import _engine_stats, _on_own_gpu, node_info, serve_metrics
+from prefill_node.node import Liveness, _engine_stats, _on_own_gpu, node_info, serve_metrics
 
 RECV_TIMEOUT_S = 60.0
 
 
-class DecodeNode:
+class DecodeNode(Liveness):
     """Plain class; cluster/launcher.py runs it as a Ray actor."""
 
     def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
@@ -61,3 +61,4 @@ class DecodeNode:
 
     async def info(self) -> dict:
         return node_info(self)
+

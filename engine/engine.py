@@ -174,25 +174,50 @@ class Engine:
 
     def add_request(self, prompt: str | list[int] | list[dict],
                     params: SamplingParams | None = None, request_id: str | None = None,
-                    hold: bool = False, max_draft: int | None = None) -> str:
+                    hold: bool = False, max_draft: int | None = None,
+                    resume: tuple[int, int] | None = None) -> str:
         """Queue a request; returns its id. Bad input raises InvalidRequestError.
 
         max_draft caps this request's draft tokens per step (0: no speculation).
         hold=True is the prefill role: after the first token the request stops with
-        `handoff=True` and keeps its KV blocks until `release()` (see `export_handoff`)."""
+        `handoff=True` and keeps its KV blocks until `release()` (see `export_handoff`).
+        resume=(n, chars) continues a request that already generated the last `n` ids of
+        `prompt` and streamed the first `chars` characters of their text (a stream moved off a
+        worker that died): they count as output (max_tokens, usage), their text is rebuilt,
+        so stop strings and held-back text carry on as if nothing had happened."""
         params = params or SamplingParams()
         if request_id is not None and (request_id in self.seqs or request_id in self.held):
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         seq = Sequence(self.encode_prompt(prompt), params, request_id)
         seq.hold, seq.max_draft = hold, max_draft
+        detok = self._resume(seq, *resume) if resume is not None else None
         seq.arrival_step = self.stats.steps
         self.seqs[seq.request_id] = seq
         if not params.greedy:
             self._generators[seq.request_id] = new_generator(params.seed, self.config.device)
         if self.tokenizer is not None:
-            self._detok[seq.request_id] = loader.Detokenizer(self.tokenizer, seq.token_ids)
+            self._detok[seq.request_id] = detok or loader.Detokenizer(self.tokenizer,
+                                                                       seq.token_ids)
         self.scheduler.add(seq)
         return seq.request_id
+
+    def _resume(self, seq: Sequence, num_output: int, emitted_chars: int
+                ) -> loader.Detokenizer | None:
+        """`add_request(resume=...)`: the last `num_output` ids are output already made;
+        returns the request's detokenizer, past them (None without a tokenizer)."""
+        if not 0 < num_output < len(seq.token_ids) or emitted_chars < 0:
+            raise InvalidRequestError(f"resume: {num_output} output tokens of "
+                                      f"{len(seq.token_ids)}, {emitted_chars} characters")
+        if num_output >= seq.params.max_tokens:
+            raise InvalidRequestError(f"resume: {num_output} output tokens already reach "
+                                      f"max_tokens={seq.params.max_tokens}")
+        seq.num_prompt_tokens = len(seq.token_ids) - num_output
+        detok = None
+        if self.tokenizer is not None:
+            detok = loader.Detokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens])
+            seq.text = detok.step(seq.token_ids)
+        seq.num_emitted_chars = min(emitted_chars, len(seq.text))
+        return detok
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; its KV blocks are free when this returns."""

@@ -41,17 +41,19 @@ class EngineLoop:
 
     async def generate(self, rid: str, ids: list[int] | None, params: SamplingParams | None,
                        spec_cap: int | None = None, hold: bool = False,
-                       handoff=None) -> AsyncIterator[RequestOutput]:
+                       handoff=None, resume: tuple[int, int] | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as the engine produces them, until it finishes (or, with
         hold=True, until its first token is out and its KV is held for a hand-off). `handoff`
-        instead admits a request prefilled elsewhere. Closing the iterator early cancels the
-        request and frees its blocks."""
+        instead admits a request prefilled elsewhere; `resume` continues a moved one
+        (`Engine.add_request`). Closing the iterator early cancels the request and frees its
+        blocks."""
         q: asyncio.Queue = asyncio.Queue()
         self.subs[rid] = (asyncio.get_running_loop(), q)
         if handoff is not None:
             self.inbox.put(("call", lambda eng: eng.admit(handoff), None, rid))
         else:
-            self.inbox.put(("add", rid, ids, params, spec_cap, hold))
+            self.inbox.put(("add", rid, ids, params, spec_cap, hold, resume))
         done, pending = False, None
         try:
             while True:
@@ -110,9 +112,10 @@ class EngineLoop:
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "add":
-            _, rid, ids, params, cap, hold = msg
+            _, rid, ids, params, cap, hold, resume = msg
             try:
-                self.engine.add_request(ids, params, request_id=rid, hold=hold, max_draft=cap)
+                self.engine.add_request(ids, params, request_id=rid, hold=hold, max_draft=cap,
+                                        resume=resume)
             except Exception as e:  # reaches the caller as its error, never kills the loop
                 self._send(rid, e)
         elif kind == "abort":

@@ -90,6 +90,10 @@ class Metrics:
             "model_k0 (the model drafts nothing), losing (drafting measured slower than plain "
             "decoding), winning (drafting measured faster where the model said K=0), probe (a "
             "plain step timed), retry (a batch at K=0 drafting one token).", ("reason",))
+        self.resumes = self._metric(
+            c, "tandem_stream_resumes_total",
+            "Streams moved to other (or restarted) workers after one died mid-request; they "
+            "went on where they stopped.")
         self.engine_steps = self._metric(
             c, "tandem_engine_steps_total",
             "Engine steps by path: overlapped (a one-graph decode step launched before the "

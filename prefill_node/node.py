@@ -58,7 +58,20 @@ def _on_own_gpu(engine_kwargs: dict) -> dict:
         if "device" in engine_kwargs else engine_kwargs
 
 
-class PrefillNode:
+class Liveness:
+    """What the router asks a node actor to learn whether it still lives."""
+
+    async def ping(self) -> bool:
+        """Alive (answered at once, whatever the engine is doing)."""
+        return True
+
+    async def watch(self) -> None:
+        """Never returns while this actor lives: the router keeps one call pending per actor,
+        which fails the moment the actor dies."""
+        await asyncio.Event().wait()
+
+
+class PrefillNode(Liveness):
     """Plain class; cluster/launcher.py runs it as a Ray actor."""
 
     def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
@@ -80,14 +93,17 @@ class PrefillNode:
         self.transfer_paths: dict[str, int] = {}  # TransferStats.path -> transfers
 
     async def prefill(self, rid: str, ids: list[int], params: SamplingParams,
-                      spec_cap: int | None, decode_address: dict, dst_blocks: list[int]
+                      spec_cap: int | None, decode_address: dict, dst_blocks: list[int],
+                      resume: tuple[int, int] | None = None
                       ) -> AsyncIterator[RequestOutput | Handoff]:
         """Prefill and yield the first output at once (TTFT does not wait for the transfer);
         then ship the KV and yield the hand-off. Nothing more when the request already
-        finished at its first token."""
+        finished at its first token. `resume`: a stream moved here after a worker died
+        (`Engine.add_request`)."""
         self._active.add(rid)
         try:
-            outs = [o async for o in self.loop.generate(rid, ids, params, spec_cap, hold=True)]
+            outs = [o async for o in self.loop.generate(rid, ids, params, spec_cap, hold=True,
+                                                        resume=resume)]
             yield outs[-1]
             if not outs[-1].handoff or rid in self._cancelled:
                 return

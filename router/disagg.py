@@ -1,24 +1,49 @@
 """Disaggregated backend: prefill on one actor, KV over UCX, decode on another, tokens
-streamed back. Routing: prefix-cache affinity for prefill, least loaded decode."""
+streamed back. Routing: prefix-cache affinity for prefill, least loaded decode.
+
+A stream outlives the workers it runs on: when a prefill or decode actor dies mid-request, the
+request moves to live (or restarted) actors and continues where it stopped. The tokens already
+streamed become the new prompt's tail, marked as output (`Engine.add_request(resume=...)`), so
+the stream goes on with the same tokens (greedy), the same text, stop strings and usage; the
+client sees a pause, not an error. Ray restarts a dead actor (`max_restarts`); while it
+reloads, requests go to the others, or wait for it when it was the only one."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import logging
 from collections.abc import AsyncIterator
+
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from engine.block_manager import block_hash
 from engine.prompt import PromptEncoder
 
+log = logging.getLogger("tandem.router")
+PROBE_TIMEOUT_S = 5.0  # a live actor answers `ping` at once, whatever its engine is doing
+REVIVE_TIMEOUT_S = 300.0  # how long a moved stream waits for Ray to restart a role's last actor
+REVIVE_POLL_S = 0.5  # between pings of a restarting actor (it refuses calls until it is back)
+
 
 class DisaggBackend:
-    """Orchestrates one request across a prefill actor and a decode actor (Ray handles)."""
+    """Orchestrates one request across a prefill actor and a decode actor (Ray handles).
+    `resume_attempts`: how many times one stream may move after a worker died (0: never)."""
 
-    def __init__(self, prefills: list, decodes: list, encoder: PromptEncoder, info: dict):
+    def __init__(self, prefills: list, decodes: list, encoder: PromptEncoder, info: dict,
+                 resume_attempts: int = 3):
         self.prefills, self.decodes, self.encoder, self._info = prefills, decodes, encoder, info
+        self.resume_attempts = resume_attempts
         self.load = {id(d): 0 for d in decodes}
         self._rr = itertools.count()
         self._addr: dict[int, dict] = {}
+        # Actors found dead -> an event set once they are back (they leave this map) or are
+        # gone for good (no restarts left: they stay, so waiters wake and calls fail fast).
+        self._down: dict[int, asyncio.Event] = {}
+        self._watches: dict[int, asyncio.Future] = {}  # decode actor -> its pending `watch`
+        self.resumes = 0  # streams moved off a worker that died
+        self.metrics = None  # the router's Metrics, for tandem_stream_resumes_total
 
     def encode(self, prompt) -> list[int]:
         return self.encoder(prompt)
@@ -28,18 +53,59 @@ class DisaggBackend:
 
     def pick_prefill(self, ids: list[int]):
         """Same first block → same prefill actor, so its prefix cache serves the repeat."""
+        pool = self._live(self.prefills)
         bs = self.encoder.block_size
         if len(ids) <= bs:
-            return self.prefills[next(self._rr) % len(self.prefills)]
+            return pool[next(self._rr) % len(pool)]
         key = int.from_bytes(block_hash(b"", ids[:bs])[:4], "little")
-        return self.prefills[key % len(self.prefills)]
+        return pool[key % len(pool)]
 
     def pick_decode(self):
-        return min(self.decodes, key=lambda d: self.load[id(d)])
+        return min(self._live(self.decodes), key=lambda d: self.load[id(d)])
+
+    def _live(self, actors: list) -> list:
+        """The actors not found dead; all of them when none is left (calls then wait for Ray
+        to restart one)."""
+        return [a for a in actors if id(a) not in self._down] or actors
 
     async def generate(self, rid: str, ids: list[int], params, spec_cap=None
                        ) -> AsyncIterator:
-        p, d = self.pick_prefill(ids), self.pick_decode()
+        made: list[int] = []  # tokens streamed so far, across attempts
+        chars = 0  # characters of text streamed so far
+        accepted = cached = 0  # usage of the attempts before this one
+        for attempt in itertools.count():
+            arid = rid if attempt == 0 else f"{rid}#{attempt}"  # the old one may linger
+            resume = (len(made), chars) if made else None
+            if attempt:  # a role whose every actor died waits for Ray to restart one
+                await self._some_alive(self.prefills)
+                await self._some_alive(self.decodes)
+            p, d = self.pick_prefill(ids), self.pick_decode()
+            last = None
+            try:
+                async for out in self._attempt(arid, ids + made, params, spec_cap, p, d, resume):
+                    made += out.token_ids
+                    chars += len(out.text)
+                    last = out
+                    if attempt:
+                        out = dataclasses.replace(out, request_id=rid, cached_tokens=cached,
+                                                  accepted_tokens=accepted + out.accepted_tokens)
+                    yield out
+                return
+            except Exception as e:
+                if attempt >= self.resume_attempts or not await self._lost(p, d, e):
+                    raise
+                if last is not None:
+                    accepted += last.accepted_tokens
+                    cached = cached if attempt else last.cached_tokens
+                self.resumes += 1
+                if self.metrics is not None:
+                    self.metrics.resumes.inc()
+                log.warning("request %s: a worker died (%s: %s); moving it with %d tokens "
+                            "streamed", rid, type(e).__name__, e, len(made))
+
+    async def _attempt(self, rid: str, ids: list[int], params, spec_cap, p, d,
+                       resume: tuple[int, int] | None) -> AsyncIterator:
+        """One try at a request on prefill actor `p` and decode actor `d`."""
         self.load[id(d)] += 1
         finished = False
         try:
@@ -47,14 +113,16 @@ class DisaggBackend:
                 self._addr[id(d)] = await d.address.remote()
             dst = await d.reserve.remote(rid, len(ids))
             steps = p.prefill.options(num_returns="streaming").remote(
-                rid, ids, params, spec_cap, self._addr[id(d)], dst)
+                rid, ids, params, spec_cap, self._addr[id(d)], dst, resume)
             first = await (await steps.__anext__())
             yield first  # before the KV moves: TTFT is prefill time only
             if first.finished:  # done at its first token: no KV will come
                 finished = True
                 d.cancel.remote(rid)
                 return
-            handoff = await (await steps.__anext__())
+            # The decode actor may die while the KV moves: then the transfer would only fail
+            # at its timeout. Its watch fails at once.
+            handoff = await self._unless_dead(d, self._next(steps))
             async for ref in d.generate.options(num_returns="streaming").remote(handoff):
                 out = await ref
                 yield out
@@ -65,10 +133,82 @@ class DisaggBackend:
                 asyncio.ensure_future(self._cancel(p, d, rid))
 
     @staticmethod
+    async def _next(steps):
+        return await (await steps.__anext__())
+
+    async def _unless_dead(self, actor, coro):
+        """`coro`'s result, or RayActorError as soon as `actor` dies."""
+        task = asyncio.ensure_future(coro)
+        watch = self._watches.get(id(actor))
+        if watch is None or watch.done():
+            watch = self._watches[id(actor)] = asyncio.ensure_future(self._await(
+                actor.watch.remote()))
+            # Its failure is read here, or by nobody when no request was waiting on it.
+            watch.add_done_callback(lambda f: f.cancelled() or f.exception())
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            watch.result()  # raises: the actor died
+        return task.result()
+
+    @staticmethod
+    async def _await(ref):
+        return await ref
+
+    async def _lost(self, p, d, error: Exception) -> bool:
+        """Whether the attempt failed because one of its actors died (or is restarting): each
+        one that does not answer a ping in time is marked down until it answers again."""
+        down = [a for a, alive in zip((p, d), await asyncio.gather(self._alive(p),
+                                                                   self._alive(d))) if not alive]
+        for a in down:
+            if id(a) not in self._down:
+                self._down[id(a)] = asyncio.Event()
+                self._addr.pop(id(a), None)  # a restarted decode actor has a new address
+                asyncio.ensure_future(self._back(a))
+        return bool(down) or isinstance(error, RayActorError)
+
+    async def _some_alive(self, actors: list) -> None:
+        """Until one of `actors` is not marked down (at most `REVIVE_TIMEOUT_S`; then the
+        calls go to them anyway, and fail if they are still gone)."""
+        events = [self._down.get(id(a)) for a in actors]
+        if all(events):
+            waits = [asyncio.ensure_future(e.wait()) for e in events]
+            await asyncio.wait(waits, timeout=REVIVE_TIMEOUT_S,
+                               return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+
+    @staticmethod
+    async def _alive(actor) -> bool:
+        try:
+            await asyncio.wait_for(actor.ping.remote(), PROBE_TIMEOUT_S)
+            return True
+        except (RayActorError, asyncio.TimeoutError):
+            return False
+
+    async def _back(self, actor) -> None:
+        """Clear `actor`'s down mark once it answers again (Ray restarted it: until then it
+        refuses calls as unavailable); a permanently dead one stays marked."""
+        while True:
+            try:
+                await actor.ping.remote()
+                break
+            except ActorUnavailableError:  # restarting
+                await asyncio.sleep(REVIVE_POLL_S)
+            except RayActorError:
+                log.error("a worker died for good (no restarts left): %s", actor)
+                self._down[id(actor)].set()
+                return
+        self._addr.pop(id(actor), None)
+        self._down.pop(id(actor)).set()
+
+    @staticmethod
     async def _cancel(p, d, rid: str) -> None:
         """Prefill first: once it returns no transfer can still land in the decode side's
-        reserved blocks, so freeing them cannot corrupt a later request."""
-        try:
-            await p.cancel.remote(rid)
-        finally:
-            await d.cancel.remote(rid)
+        reserved blocks, so freeing them cannot corrupt a later request. A dead actor has
+        nothing left to free."""
+        for actor in (p, d):
+            try:
+                await actor.cancel.remote(rid)
+            except RayActorError:
+                pass

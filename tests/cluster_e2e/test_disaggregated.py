@@ -141,3 +141,65 @@ def test_node_metrics_endpoints_parse_and_move(cluster):
     assert prefill["tandem_kv_transfer_seconds_count"] > 0
     assert prefill["tandem_kv_transfers_total"] > 0  # by path: UCX messages on the CPU
     assert decode["tandem_kv_blocks_total"] > 0 and decode["tandem_spec_acceptance_length"] >= 1
+
+
+# Last in this file: it kills (and Ray restarts) the module cluster's decode actor.
+def test_a_stream_goes_on_when_its_decode_actor_dies(cluster, smol_engine, chat_ids):
+    """Kill the decode actor mid-stream: Ray restarts it, the router moves the request (a new
+    prefill, the tokens streamed so far its output) and the stream goes on. The client gets
+    every token and character of the uninterrupted greedy output once, and one request's
+    usage; nothing is left on either actor."""
+    import os
+
+    import ray
+
+    c, target = cluster
+    prompt, n = chat_ids[3], 64
+    want = smol_engine.with_config(enable_prefix_caching=False).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+    pid = lambda: ray.get(c.decodes[0].__ray_call__.remote(lambda node: os.getpid()))
+    before, resumes = pid(), c.backend.resumes
+    tokens, text, last, killed_at = [], "", None, None
+    with Client(target, retries=0, timeout=300) as cl:
+        for chunk in cl.generate(token_ids=prompt, temperature=0, max_tokens=n,
+                                 ignore_eos=True):
+            if killed_at is None and len(tokens) + len(chunk.token_ids) >= 8:
+                killed_at = len(tokens) + len(chunk.token_ids)
+                ray.kill(c.decodes[0], no_restart=False)
+            tokens += chunk.token_ids
+            text += chunk.text
+            last = chunk
+    assert killed_at is not None and killed_at < n
+    assert tokens == want.token_ids and text == want.text
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), n)
+    assert c.backend.resumes == resumes + 1 and pid() != before  # restarted, moved once
+    stats = settled_stats(c)
+    assert all(s["blocks_free"] == s["blocks_total"] for s in stats), stats
+    assert all(s["held"] == 0 and s["reserved"] == 0 and s["running"] == 0 for s in stats)
+
+
+def test_a_request_waits_out_its_prefill_actors_restart(cluster, smol_engine, chat_ids):
+    """The only prefill actor dies just before a request arrives: the request waits for Ray
+    to restart it and is served, token for token as colocated."""
+    import ray
+
+    c, target = cluster
+    prompt = chat_ids[4]
+    want = smol_engine.with_config(enable_prefix_caching=False).generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+    resumes = c.backend.resumes
+    ray.kill(c.prefills[0], no_restart=False)
+    for _ in range(100):  # until it refuses calls: the request must find it restarting
+        try:
+            ray.get(c.prefills[0].ping.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            break
+        threading.Event().wait(0.1)
+    else:
+        pytest.fail("the killed prefill actor kept answering")
+    with Client(target, retries=0, timeout=300) as cl:
+        got = cl.complete(token_ids=prompt, temperature=0, max_tokens=12)
+    assert list(got.token_ids) == want.token_ids and got.text == want.text
+    assert c.backend.resumes == resumes + 1
+    stats = settled_stats(c)
+    assert all(s["blocks_free"] == s["blocks_total"] for s in stats), stats
