@@ -37,6 +37,20 @@ def sample_extras() -> dict[str, torch.Tensor]:
             "empty": torch.empty(0, 4)}
 
 
+def run_then_stop(loop, coro: Coroutine[Any, Any, Any], receiver: tuple, layout: BlockLayout,
+                  timeout: float = 60) -> tuple[Any, torch.Tensor | None]:
+    """Run `coro` on the UCX loop, then stop the receiver process (`kvtransfer.bench`'s
+    (process, pipe) of `spawn_receiver`) whatever happened: (its result, the receiver's kv
+    when it was asked to return it)."""
+    from kvtransfer.bench import stop_receiver
+
+    try:
+        out = loop.run(coro, timeout=timeout)
+    finally:
+        dst = stop_receiver(*receiver, layout)
+    return out, dst
+
+
 @pytest.fixture(scope="session")
 def ucx_loop() -> Iterator[LoopThread]:
     pytest.importorskip("ucxx", reason="ucxx-cu12 is not installed: UCX transport untested")

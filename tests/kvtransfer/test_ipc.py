@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtransfer import TransferError, ipc
-from tests.kvtransfer.conftest import random_kv, sample_extras, tiny_layout
+from tests.kvtransfer.conftest import random_kv, run_then_stop, sample_extras, tiny_layout
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -140,7 +140,7 @@ def test_a_refused_pull_falls_back_to_messages(ucx_loop):
     """The receiver offers a pull but cannot map the sender's cache: the first request still
     lands (sent again as UCX messages, not reported failed), and the link keeps to messages."""
     pytest.importorskip("ucxx")
-    from kvtransfer.bench import spawn_receiver, stop_receiver
+    from kvtransfer.bench import spawn_receiver
     from kvtransfer.ucx import UcxTransport
 
     layout = tiny_layout()
@@ -148,11 +148,8 @@ def test_a_refused_pull_falls_back_to_messages(ucx_loop):
     proc, pipe, address = spawn_receiver(layout, 64, return_kv=True, device="cuda",
                                          target=_refusing_receiver)
 
-    try:
-        offered, first, second, gpus = ucx_loop.run(
-            _first_and_second(UcxTransport(layout), address, src), timeout=60)
-    finally:
-        dst = stop_receiver(proc, pipe, layout)
+    (offered, first, second, gpus), dst = run_then_stop(
+        ucx_loop, _first_and_second(UcxTransport(layout), address, src), (proc, pipe), layout)
     assert offered and not gpus
     assert first == second == "staged"
     assert torch.equal(dst[:, :, 10:14], src.cpu()[:, :, 1:5])
@@ -331,7 +328,7 @@ def test_a_pull_waits_on_the_gpu_for_the_senders_writes(ucx_loop):
     it does not wait for them on the host (the header goes at once), and the receiver's copy
     (in its own process) waits for them on the GPU, through the sender's ready event."""
     pytest.importorskip("ucxx")
-    from kvtransfer.bench import spawn_receiver, stop_receiver
+    from kvtransfer.bench import spawn_receiver
     from kvtransfer.ucx import UcxTransport
 
     layout = tiny_layout(head_dim=64)
@@ -351,10 +348,7 @@ def test_a_pull_waits_on_the_gpu_for_the_senders_writes(ucx_loop):
         await tx.close()
         return trace, path, pools
 
-    try:
-        trace, path, pools = ucx_loop.run(go(), timeout=60)
-    finally:
-        dst = stop_receiver(proc, pipe, layout)
+    (trace, path, pools), dst = run_then_stop(ucx_loop, go(), (proc, pipe), layout)
     assert path == "pull" and pools and all(pools.values())
     assert trace["ready"][0] < 0.1 < trace["acked"]  # no host wait before the header
     assert torch.equal(dst[:, :, 20:28], new.cpu())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvtransfer import BlockLayout, LayoutMismatch, TransferError
-from tests.kvtransfer.conftest import random_kv, sample_extras, tiny_layout
+from tests.kvtransfer.conftest import random_kv, run_then_stop, sample_extras, tiny_layout
 
 pytest.importorskip("ucxx", reason="ucxx-cu12 is not installed: UCX transport untested")
 
@@ -292,10 +292,7 @@ def test_two_processes(ucx_loop, mode, device, direct, ipc, checksum, capsys):
         await tx.close()
         return stats, went_direct, path
 
-    try:
-        stats, went_direct, path = ucx_loop.run(go(), timeout=60)
-    finally:
-        dst = stop_receiver(proc, pipe, layout)
+    (stats, went_direct, path), dst = run_then_stop(ucx_loop, go(), (proc, pipe), layout)
     assert dst is not None and proc.exitcode == 0
     src = src.cpu()
     assert torch.equal(dst[:, :, [0, 1, 2]], src[:, :, [9, 8, 7]])
