@@ -47,8 +47,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench/results/cluster_two_gpu.json")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="more config overrides, e.g. transfer.pull_across_gpus=true (the "
-                         "decode actor then pulls the prefill actor's blocks across GPUs)")
+                    help="more config overrides, e.g. transfer.ipc_across_gpus=true (the KV "
+                         "then moves between the actors' GPUs by CUDA IPC, push or pull)")
     args = ap.parse_args()
     sets = [f"model.dtype={args.dtype}", "metrics.port_base=0"] + args.set
     if "gpu" in args.config:
@@ -125,7 +125,7 @@ def main() -> int:
         "aggregate_tokens_per_s": round(sum(map(len, got)) / wall, 1),
         "kv_bytes_transferred": moved,
         "kv_transfer_paths": paths,  # pull only where an actor sees the other's GPU
-        "pull_across_gpus": cfg.transfer.pull_across_gpus,
+        "ipc_across_gpus": cfg.transfer.ipc_across_gpus,
         "blocks_all_free_after": all(s["blocks_free"] == s["blocks_total"] for s in stats),
         "node_stats": stats,
     })

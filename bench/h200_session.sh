@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # What one H200 session runs once the model and wheels are staged under /tmp (see
 # bench/README.md): `bash bench/h200_session.sh cluster` (GPU tests + the two-GPU cluster,
-# CLUSTER_ARGS e.g. "--set transfer.pull_across_gpus=true";
+# CLUSTER_ARGS e.g. "--set transfer.ipc_across_gpus=true";
 # `gputests`: the GPU tests alone, GPU_TESTS narrows them),
 # `bash bench/h200_session.sh bench` (the figures; FIG3_TRACE=1 adds figure 3's dynamic-K
 # step traces, BENCH_ARGS more arguments of bench.suite), `bash bench/h200_session.sh ucx` (the UCX
 # sweep, two GPUs; SWEEP_ONLY=a,b narrows it), `bash bench/h200_session.sh pull` (one GPU: the
-# kvtransfer GPU tests and the pull path against UCX messages and a copy; PULL_BLOCKS,
+# kvtransfer GPU tests and the push and pull paths against UCX messages and a copy; PULL_BLOCKS,
 # PULL_PROGRESS), `bash bench/h200_session.sh steady` (the step
 # profile under figure 3's steady load, PROFILE_CONC / PROFILE_VARIANTS narrow it),
 # `bash bench/h200_session.sh ab` (the interleaved steady A/B: no-spec, K=0, dynamic, and both
@@ -53,12 +53,13 @@ if [ "$part" = pull ]; then  # one GPU: the pull path's tests, and its transfer 
   # round trip between two host processes, for a core spinning in each)
   for progress in ${PULL_PROGRESS:-thread}; do
   for blocks in ${PULL_BLOCKS:-8 128 512}; do  # 16 MiB, 256 MiB, 1 GiB of 8B-shaped KV
-    for ipc in auto off; do
-      f="$R/bench_${progress}_${blocks}_$ipc"
+    for path in push pull off; do  # push: the sender copies; pull: the receiver; off: UCX
+      f="$R/bench_${progress}_${blocks}_$path"
+      ipc=auto; push=auto; [ "$path" = off ] && ipc=off; [ "$path" = pull ] && push=off
       timeout 120 python3 -m kvtransfer.bench --device cuda --layers 32 --kv-heads 8 \
         --head-dim 128 --dtype bfloat16 --blocks "$blocks" --chunks 1 --direct auto \
-        --ipc "$ipc" --raw --trace --reps 10 --copy --progress "$progress" > "$f.jsonl" \
-        2> "$f.err"
+        --ipc "$ipc" --push "$push" --raw --trace --reps 10 --copy --progress "$progress" \
+        > "$f.jsonl" 2> "$f.err"
       python3 -c "import json,sys; [print({k: v for k, v in json.loads(l).items() if k not in
         ('traces', 'ms')}) for l in open(sys.argv[1])]" "$f.jsonl"
     done

@@ -998,14 +998,15 @@ def prefill_times(args, counts: list[int], reps: int) -> list[dict]:
 def ucx_transfer(args, sizes, devices: tuple[str, str] = ("cuda:0", "cuda:1")) -> dict:
     """UCX from GPU 0 (this process) to a receiver process holding its cache on GPU 1, with
     kvtransfer/bench.py's machinery. Per size: blocks 0..n-1 to the same ids (one run, as a
-    fresh prefill into a fresh reservation often is) by the pull path (the receiver copies
-    out of the sender's cache, mapped through CUDA IPC; UCX carries header and ack), and as
-    UCX messages by the direct path and the staged path (whole, and in 8 layer chunks); the
-    row's headline is the path the transport picks by itself (pull where the receiver offers
-    it, else `wire.plan_direct`), `messages_gb_s` the message path it would pick otherwise. At
-    the largest size also scattered ids (random order on both sides, as after much churn),
-    both ways. Where the two caches sit on two GPUs, each pull row is measured with either
-    GPU's copy engines (`kvtransfer.ipc.pull`); the headline keeps the transport's default.
+    fresh prefill into a fresh reservation often is) by the push path (the sender copies into
+    the receiver's cache, mapped through CUDA IPC; UCX carries header and ack), by the pull
+    path (the receiver copies out of the sender's cache), and as UCX messages by the direct
+    path and the staged path (whole, and in 8 layer chunks); the row's headline is the path
+    the transport picks by itself (push where the receiver offers its cache, else pull where
+    it offers to, else `wire.plan_direct`), `messages_gb_s` the message path it would pick
+    otherwise. At the largest size also scattered ids (random order on both sides, as after
+    much churn), each way. Where the two caches sit on two GPUs, the pull is measured with
+    either GPU's copy engines (`kvtransfer.ipc.pull`, `pull_gb_s`).
     `args.fig4_progress`: ucxx's progress mode (process-wide: the first transport of this
     process decides; the receivers' too). `devices`: (sender, receiver); host ones check
     the plumbing on any machine."""
@@ -1043,15 +1044,21 @@ def ucx_transfer(args, sizes, devices: tuple[str, str] = ("cuda:0", "cuda:1")) -
                 auto = wire.plan_direct(ids, ids, layout.num_layers, layer_block, None,
                                         wire.direct_min_bytes(devices[0]))
                 messages = next(r for r in got if r["went_direct"] == (auto is not None))
-                ns.ipc, ns.direct, ns.chunks = None, [None], [1]
+                # The transport's own pick (push where the receiver offers its cache), then
+                # the pull on each copy engine (the sender declining the push).
+                ns.ipc, ns.direct, ns.chunks, ns.push = None, [None], [1], None
                 own = len(got)
-                for engine in engines:  # the default first: it is the transport's own pick
+                got += loop.run_until_complete(kvb.measure(ns, layout, address))
+                ns.push = False
+                for engine in engines if got[own]["path"] in ("push", "pull") else []:
+                    if got[own]["path"] == "pull" and engine == default_engine:
+                        continue  # no push offered: the pick was this pull already
                     ns.pull_engine = engine
                     got += loop.run_until_complete(kvb.measure(ns, layout, address))
                     if got[-1]["path"] != "pull":
                         break  # no pull offered: once is enough
-                pick = got[own] if got[own]["path"] == "pull" else messages
-                ns.pull_engine = default_engine
+                pick = got[own] if got[own]["path"] in ("push", "pull") else messages
+                ns.pull_engine, ns.push = default_engine, None
                 best = max(got, key=lambda r: r["median_gb_s"])
                 rows.append({"bytes": blocks * layout.block_bytes, "gb_s": pick["median_gb_s"],
                              "median_ms": pick["median_ms"], "landed_ms": pick.get("landed_ms"),
@@ -1060,6 +1067,8 @@ def ucx_transfer(args, sizes, devices: tuple[str, str] = ("cuda:0", "cuda:1")) -
                              "messages_path": _path_label(messages),
                              "pull_gb_s": {r["pull_engine"]: r["median_gb_s"]
                                            for r in got if r["path"] == "pull"},
+                             "push_gb_s": next((r["median_gb_s"] for r in got
+                                                if r["path"] == "push"), None),
                              "raw": [{k: v for k, v in r.items() if k != "traces"}
                                      for r in got],
                              "traces": {_path_label(r): r["traces"][:3] for r in got}})

@@ -288,13 +288,14 @@ def summarize(results: list[dict[str, Any]], baseline: dict[str, Any] | None) ->
         by_config[r["name"]] = {
             "best": entry,
             "score_vs_default": score(r["rows"], ref["rows"]) if ref else None}
-        pulls = [p for p in r.get("pull") or [] if p.get("path") == "pull"]
-        if pulls:
-            by_config[r["name"]]["pull"] = {
-                str(p["bytes"]): {"gb_s": p["median_gb_s"], "median_ms": p["median_ms"],
-                                  "vs_peer": round(p["median_gb_s"] / peer[p["bytes"]], 3)
-                                  if peer.get(p["bytes"]) else None,
-                                  "phases_ms": p.get("phases_ms")} for p in pulls}
+        for kind in ("push", "pull"):  # the IPC rows, by the path they took
+            mine = [p for p in r.get("pull") or [] if p.get("path") == kind]
+            if mine:
+                by_config[r["name"]][kind] = {
+                    str(p["bytes"]): {"gb_s": p["median_gb_s"], "median_ms": p["median_ms"],
+                                      "vs_peer": round(p["median_gb_s"] / peer[p["bytes"]], 3)
+                                      if peer.get(p["bytes"]) else None,
+                                      "phases_ms": p.get("phases_ms")} for p in mine}
     top = max((int(b) for b in best), default=None)
     goal = None
     if top is not None:
@@ -398,16 +399,19 @@ def child_ucx(spec: dict[str, Any], partial: Any = None) -> dict[str, Any]:
                 print(f"[sweep child] {s >> 10} KiB chunks={row['chunks']}: "
                       f"{row['median_gb_s']} GB/s {row['median_ms']} ms "
                       f"phases={row['phases_ms']}", flush=True)
-            # The pull path (GPU caches: the receiver copies out of the sender's cache, UCX
-            # carrying header and ack) under the same setting: its control latency.
+            # The IPC paths (GPU caches: the sender copies into the receiver's cache, or the
+            # receiver out of the sender's; UCX carries header and ack) under the same
+            # setting: their control latency. Rows in "pull", each with the path it took.
             ns.ipc, ns.direct, ns.chunks = None, [None], [1]
-            for row in loop.run_until_complete(kvb.measure(ns, layout, address)):
-                row["phases_ms"] = pull_phases(row.pop("traces", []))
-                out["pull"].append(row)
-                if partial is not None:
-                    partial(out)
-                print(f"[sweep child] {s >> 10} KiB {row['path']}: {row['median_gb_s']} GB/s "
-                      f"{row['median_ms']} ms phases={row['phases_ms']}", flush=True)
+            for ns.push in (None, False):
+                for row in loop.run_until_complete(kvb.measure(ns, layout, address)):
+                    row["phases_ms"] = pull_phases(row.pop("traces", []))
+                    out["pull"].append(row)
+                    if partial is not None:
+                        partial(out)
+                    print(f"[sweep child] {s >> 10} KiB {row['path']}: {row['median_gb_s']} "
+                          f"GB/s {row['median_ms']} ms phases={row['phases_ms']}", flush=True)
+            ns.push = None
         try:
             out["raw"] = loop.run_until_complete(asyncio.wait_for(kvb.measure_raw(
                 address, tx_dev, sizes, spec["raw_pieces"], spec["reps"]), RAW_TIMEOUT_S))
@@ -562,10 +566,11 @@ def print_summary(doc: dict[str, Any]) -> None:
         mine = s.get("by_config", {}).get(r["name"]) or {}
         cells = " ".join(f"{int(b) >> 20}MiB={v['gb_s']}({v['vs_peer']}x,c{v['chunks']})"
                          for b, v in mine.get("best", {}).items())
-        pulls = " ".join(f"{int(b) >> 20}MiB={v['gb_s']}({v['vs_peer']}x)"
-                         for b, v in mine.get("pull", {}).items())
+        ipc = "".join(f" | {kind} " + " ".join(f"{int(b) >> 20}MiB={v['gb_s']}({v['vs_peer']}x)"
+                                               for b, v in mine[kind].items())
+                      for kind in ("push", "pull") if mine.get(kind))
         print(f"[sweep] {r['name']:<22} {r['status']:<8} {r.get('seconds', 0):6.1f}s {cells}"
-              + (f" | pull {pulls}" if pulls else ""), flush=True)
+              + ipc, flush=True)
     print(f"[sweep] best: {json.dumps(s.get('best'))}", flush=True)
     print(f"[sweep] goal: {json.dumps(s.get('goal'))}", flush=True)
 

@@ -175,18 +175,21 @@ class TransferSection(_Section):
     # ucx: worker addresses (shared memory or NVLink on one host, RDMA/TCP between hosts);
     # ucx-tcp: listeners (TCP connection setup)
     transport: str = "ucx"
-    # GPU caches on one host where the decode actor sees the prefill actor's GPU (both on one
-    # GPU, e.g. num_gpus 0.5 each): it copies the blocks out itself (CUDA IPC), UCX carrying
-    # only the control messages. Actors pinned to a GPU each keep to UCX messages (see
-    # pull_across_gpus).
+    # GPU caches on one host where the prefill actor sees the decode actor's GPU (both on one
+    # GPU, e.g. num_gpus 0.5 each, or ipc_across_gpus): it copies the blocks into the decode
+    # cache itself (CUDA IPC), UCX carrying only the control messages; no message before the
+    # copy starts. Actors pinned to a GPU each keep to UCX messages.
+    push: bool = True
+    # the other way round, where push is off or only the decode actor sees the other's GPU:
+    # it copies the blocks out of the prefill cache once the header is in
     pull: bool = True
     # whose copy engines move a pull between two GPUs: dst (the decode GPU reads the prefill
     # GPU's memory) or src (the prefill GPU writes, as a peer copy does)
     pull_engine: str = "dst"
     # GPU actors see every GPU of their node (Ray leaves CUDA_VISIBLE_DEVICES alone) and run
-    # on their own by index, so a pull reaches actors on different GPUs; false: Ray pins each
-    # to its own GPUs and those transfers go as UCX messages
-    pull_across_gpus: bool = False
+    # on their own by index, so push and pull reach actors on different GPUs; false: Ray pins
+    # each to its own GPUs and those transfers go as UCX messages
+    ipc_across_gpus: bool = False
     # ucxx progress: thread idles at ~0 CPU; thread-polling spins a core per actor for lower
     # latency (a round trip ~130 against ~330 us between two host processes)
     progress_mode: str = "thread"
@@ -197,13 +200,15 @@ class TransferSection(_Section):
         _choice("transport", self.transport, TRANSPORTS)
         _choice("progress_mode", self.progress_mode, PROGRESS_MODES)
         _choice("pull_engine", self.pull_engine, PULL_ENGINES)
-        _require(self.pull or not self.pull_across_gpus,
-                 "pull_across_gpus needs pull: true (it only serves the pull path)")
+        _require(self.pull or self.push or not self.ipc_across_gpus,
+                 "ipc_across_gpus needs pull or push: true (it only serves those paths)")
         _require(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
 
     def transport_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `kvtransfer.factory.make_transport` beside the kind."""
-        return {"ipc": None if self.pull else False, "pull_engine": self.pull_engine,
+        return {"ipc": None if self.pull or self.push else False,
+                "pull": None if self.pull else False, "push": None if self.push else False,
+                "pull_engine": self.pull_engine,
                 "progress_mode": self.progress_mode,
                 "checksum": self.checksum, "timeout": self.timeout_s}
 

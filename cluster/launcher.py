@@ -30,12 +30,12 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
           prefill_replicas: int = 1, decode_replicas: int = 1, transport: str = "ucx",
           address: str | None = None, prefill_gpus: float = 0.0, decode_gpus: float = 0.0,
           metrics: bool = True, transport_kwargs: dict | None = None,
-          pull_across_gpus: bool = False, prefill_restarts: int = -1,
+          ipc_across_gpus: bool = False, prefill_restarts: int = -1,
           decode_restarts: int = -1, resume_attempts: int = 3) -> Cluster:
     """Connect to (or start) Ray, place the actors, and return the router's backend.
     `engine_kwargs` configure prefill engines, `decode_kwargs` (default: the same) decode;
     `transport_kwargs` every actor's `kvtransfer` transport (`TransferSection`);
-    `pull_across_gpus`: GPU actors see every GPU of their node (`actor_options`);
+    `ipc_across_gpus`: GPU actors see every GPU of their node (`actor_options`);
     `*_restarts`: Ray restarts of a dead actor (-1: always); `resume_attempts`: moves of one
     stream after a worker died (`DisaggBackend`)."""
     import ray
@@ -49,9 +49,9 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
             ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2),
                      include_dashboard=False,
                      log_to_driver=os.environ.get("TANDEM_RAY_LOGS") == "1")
-    P = ray.remote(PrefillNode).options(**actor_options(prefill_gpus, pull_across_gpus,
+    P = ray.remote(PrefillNode).options(**actor_options(prefill_gpus, ipc_across_gpus,
                                                         prefill_restarts))
-    D = ray.remote(DecodeNode).options(**actor_options(decode_gpus, pull_across_gpus,
+    D = ray.remote(DecodeNode).options(**actor_options(decode_gpus, ipc_across_gpus,
                                                        decode_restarts))
     port = 0 if metrics else None  # each node serves /metrics on a free port (see info())
     tkw = transport_kwargs or {}
@@ -70,16 +70,16 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
                    decodes, [i["metrics_port"] for i in infos])
 
 
-def actor_options(num_gpus: float, pull_across_gpus: bool = False,
+def actor_options(num_gpus: float, ipc_across_gpus: bool = False,
                   max_restarts: int = -1) -> dict:
-    """Ray options of a node actor. With `pull_across_gpus`, a GPU actor keeps every GPU of
+    """Ray options of a node actor. With `ipc_across_gpus`, a GPU actor keeps every GPU of
     its node visible (Ray leaves CUDA_VISIBLE_DEVICES alone) and runs on its own by index
-    (`prefill_node.node.node_device`), so a decode actor can pull a prefill actor's blocks
-    from its GPU (CUDA IPC, `kvtransfer.ipc`); otherwise Ray pins it to its own GPUs.
+    (`prefill_node.node.node_device`), so the KV can move between their GPUs by CUDA IPC
+    (`kvtransfer.ipc`: push or pull); otherwise Ray pins it to its own GPUs.
     `max_restarts`: how often Ray brings a dead one back (-1: always)."""
     opts: dict = {"num_gpus": num_gpus, "num_cpus": 0, "max_concurrency": 1000,
                   "max_restarts": max_restarts}
-    if pull_across_gpus and num_gpus > 0:
+    if ipc_across_gpus and num_gpus > 0:
         opts["runtime_env"] = {"env_vars": {NOSET_ENV: "1"}}
     return opts
 
@@ -94,7 +94,7 @@ def start_from_config(cfg) -> Cluster:
                  prefill_gpus=cfg.prefill.num_gpus, decode_gpus=cfg.decode.num_gpus,
                  metrics=cfg.metrics.enabled,
                  transport_kwargs=cfg.transfer.transport_kwargs(),
-                 pull_across_gpus=cfg.transfer.pull_across_gpus,
+                 ipc_across_gpus=cfg.transfer.ipc_across_gpus,
                  prefill_restarts=cfg.prefill.max_restarts,
                  decode_restarts=cfg.decode.max_restarts,
                  resume_attempts=cfg.router.resume_attempts)

@@ -110,9 +110,9 @@ class Metrics:
                                        buckets=TRANSFER_BUCKETS)
         self.kv_transfers = self._metric(
             Counter, "tandem_kv_transfers_total",
-            "Successful KV-cache transfers by how the blocks travelled: pull (the receiver "
-            "copied them out of this GPU's cache), direct or staged (UCX messages), local "
-            "(one process).", ("path",))
+            "Successful KV-cache transfers by how the blocks travelled: push (this GPU copied "
+            "them into the receiver's cache), pull (the receiver copied them out of this GPU's "
+            "cache), direct or staged (UCX messages), local (one process).", ("path",))
 
     def _gauges(self) -> None:
         g = Gauge

@@ -92,10 +92,12 @@ async def measure(args: argparse.Namespace, layout: BlockLayout,
     (src, dst) lists), once per entry of args.chunks and of `args.direct` (optional, default
     [None]: the transport's own choice; False staged, True direct): one warm-up, then args.reps
     timed. `args.ipc` (optional, default None): False keeps a GPU transfer to UCX messages
-    where the receiver offers to pull it (`kvtransfer.ipc`); `args.pull_engine` (optional,
-    default "dst"): whose copy engines a pull asks for. With `args.trace` (optional)
-    each row also carries every timed transfer's timeline (`UcxConnection.last_trace`) and
-    the median time until the receiver had it all (`landed_ms`, its clock: the same host)."""
+    where the receiver offers to pull it (`kvtransfer.ipc`); `args.push` (optional, default
+    None) False declines the receiver's offer to push into its cache (then it pulls);
+    `args.pull_engine` (optional, default "dst"): whose copy engines a pull asks for. With
+    `args.trace` (optional) each row also carries every timed transfer's timeline
+    (`UcxConnection.last_trace`) and the median time until the receiver had it all
+    (`landed_ms`, its clock: the same host)."""
     from kvtransfer import ipc
     from kvtransfer.ucx import UcxTransport
 
@@ -110,7 +112,8 @@ async def measure(args: argparse.Namespace, layout: BlockLayout,
         tx = UcxTransport(layout, num_chunks=chunks, checksum=args.checksum,
                           progress_mode=args.progress, direct=direct,
                           ipc=getattr(args, "ipc", None),
-                          pull_engine=getattr(args, "pull_engine", None) or ipc.DEFAULT_ENGINE)
+                          pull_engine=getattr(args, "pull_engine", None) or ipc.DEFAULT_ENGINE,
+                          push=getattr(args, "push", None))
         traces = []
         async with await tx.connect(address) as conn:
             conn.trace = trace
@@ -270,8 +273,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--direct", choices=["auto", "on", "off"], nargs="+", default=["auto"],
                    help="payload path: the transport's choice, direct (no staging) or staged")
     p.add_argument("--ipc", choices=["auto", "off"], default="auto",
-                   help="GPU caches on one host: let the receiver pull the blocks (auto) or "
-                        "keep to UCX messages (off)")
+                   help="GPU caches on one host: copy the blocks through CUDA IPC (auto: push "
+                        "or pull) or keep to UCX messages (off)")
+    p.add_argument("--push", choices=["auto", "off"], default="auto",
+                   help="with --ipc auto: the sender writes into the receiver's cache (auto) "
+                        "or the receiver pulls from the sender's (off)")
     p.add_argument("--trace", action="store_true", help="per-transfer timelines in the rows")
     p.add_argument("--raw", action="store_true", help="also the bare UCX baseline")
     p.add_argument("--copy", action="store_true",
@@ -279,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     args.direct = [{"auto": None, "on": True, "off": False}[d] for d in args.direct]
     args.ipc = None if args.ipc == "auto" else False
+    args.push = None if args.push == "auto" else False
     layout = BlockLayout("bench", args.dtype, 16, args.layers, args.kv_heads, args.head_dim, 1)
     proc, pipe, address = spawn_receiver(layout, args.blocks, args.mode, progress=args.progress,
                                          device=args.device)

@@ -1,19 +1,22 @@
-"""Same-host GPU to GPU: the receiver copies the blocks out of the sender's cache itself.
+"""Same-host GPU to GPU: one end copies the blocks between the two caches itself.
 
 UCX tagged messages pay a rendezvous per message and a progress-thread hop per completion; on
 two H200s a 1 GiB transfer of 64 messages took 5.8 ms where one peer copy takes 2.8 (figure 4).
-When both caches are CUDA tensors on one host, the sender can instead export its cache once
-(a CUDA IPC handle of the allocation, as `torch.multiprocessing` shares tensors), and the
-receiver maps it and queues the copies on its own staging stream: one `cudaMemcpy2DAsync` per
-run of consecutive blocks, all layers and K/V at once (copy engines, no SMs, no staging
-buffer). UCX still carries the handshake, the header, the extras and the ack.
+When both caches are CUDA tensors on one host, one end can instead export its cache once (a
+CUDA IPC handle of the allocation, as `torch.multiprocessing` shares tensors) and the other map
+it and queue the copies on its own stream: one `cudaMemcpy2DAsync` per run of consecutive
+blocks, all layers and K/V at once (copy engines, no SMs, no staging buffer). Push: the
+receiver exports its cache at the handshake and the sender copies into it right after its
+writes, with no message before the copy starts. Pull: the sender exports its cache and the
+receiver copies out of it once the header is in. UCX still carries the handshake, the
+header, the extras and the ack.
 
-The receiver must see the sender's GPU (matched by UUID: the two processes may number their
-devices differently); a process pinned to one GPU (`CUDA_VISIBLE_DEVICES`) does not, and its
-senders keep to UCX messages. Anything that fails on the way (mapping, copying) is reported to
-the sender, which sends that request again as messages and keeps to them on that link.
+The end that copies must see the other's GPU (matched by UUID: the two processes may number
+their devices differently); a process pinned to one GPU (`CUDA_VISIBLE_DEVICES`) does not,
+and its transfers keep to UCX messages. Anything that fails on the way (mapping, copying,
+opening an event) sends that request again as messages, and the link keeps to them.
 
-Host caches pull only within one process, and only with `HOST_PULL` on (off: `LocalTransport`
+Host caches copy only within one process, and only with `HOST_PULL` on (off: `LocalTransport`
 is the in-process path); it lets the protocol run on a machine without a GPU.
 """
 
@@ -229,6 +232,20 @@ def pull(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
     `stream` still orders them: after what it had queued, before what it queues next."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "src" and dst.is_cuda and src.is_cuda and src.device != dst.device:
+        on = staging.copy_stream(src.device)
+        on.wait_event(staging.mark(stream))
+        calls = copy_runs(dst, src, runs, on)
+        stream.wait_event(staging.mark(on))
+        return calls
+    return copy_runs(dst, src, runs, stream)
+
+
+def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
+              stream: torch.cuda.Stream | None) -> int:
+    """Queue on `stream` (a stream of either cache's device: that GPU's copy engines run the
+    copies; None on the host, where they are synchronous) `dst[:, :, d:d+k] = src[:, :,
+    s:s+k]` for each (s, d, k) in `runs`, one 2-D copy a run; returns the copy calls."""
     if (dst.shape[:BLOCKS_DIM] != src.shape[:BLOCKS_DIM]
             or dst.shape[BLOCKS_DIM + 1:] != src.shape[BLOCKS_DIM + 1:] or dst.dtype != src.dtype):
         raise ValueError(f"cache shapes differ: {tuple(src.shape)} {src.dtype} vs "
@@ -239,40 +256,31 @@ def pull(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
     spitch = src.stride(1) * src.element_size()
     if not dst.is_contiguous() or not src.is_contiguous():
         raise ValueError("both caches must be contiguous")
+    # The copies below work on raw addresses: a run past either cache would write anywhere.
+    if any(s < 0 or d < 0 or k < 1 or s + k > src.shape[BLOCKS_DIM] or
+           d + k > dst.shape[BLOCKS_DIM] for s, d, k in runs):
+        raise ValueError(f"block runs out of range: {runs} for {src.shape[BLOCKS_DIM]} -> "
+                         f"{dst.shape[BLOCKS_DIM]} blocks")
     if not dst.is_cuda:
         for s, d, k in runs:
             dst[:, :, d:d + k].copy_(src[:, :, s:s + k])
         return len(runs)
-    on = stream
     if src.device != dst.device:
         _peer_access(dst.device, src.device)
-        if engine == "src":
-            on = staging.copy_stream(src.device)
-            on.wait_event(staging.mark(stream))
-    calls = _queue_copies(dst, src, runs, on, rows, block, dpitch, spitch)
-    if on is not stream:
-        stream.wait_event(staging.mark(on))
-    return calls
-
-
-def _queue_copies(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
-                  on: torch.cuda.Stream, rows: int, block: int, dpitch: int, spitch: int
-                  ) -> int:
-    """`pull`'s copies on the stream `on` (of either cache's device)."""
     lib = _cudart() if max(dpitch, spitch) < MAX_PITCH else None
     calls = 0
-    with torch.cuda.device(on.device):
+    with torch.cuda.device(stream.device):
         for s, d, k in runs:
             if lib is not None:
                 err = lib.cudaMemcpy2DAsync(
                     dst.data_ptr() + d * block, dpitch, src.data_ptr() + s * block, spitch,
-                    k * block, rows, _MEMCPY_DEFAULT, on.cuda_stream)
+                    k * block, rows, _MEMCPY_DEFAULT, stream.cuda_stream)
                 if err == 0:
                     calls += 1
                     continue
                 lib.cudaGetLastError()  # clear it, or torch's next launch check reports it
             # No runtime found or the 2-D copy refused: one copy per (layer, K/V) row.
-            with torch.cuda.stream(on):
+            with torch.cuda.stream(stream):
                 for layer in range(dst.shape[0]):
                     for j in (0, 1):
                         dst[layer, j, d:d + k].copy_(src[layer, j, s:s + k], non_blocking=True)

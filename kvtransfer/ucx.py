@@ -10,10 +10,15 @@ Two ways to reach a receiver, both over the same tagged protocol (see `wire`):
 
 A request is: header (request id, dst ids, layer chunks or direct runs, extras spec) -> the
 payload -> extras blob -> optional crc32 trailer; then the receiver acks, and the sender returns
-on the ack. The payload takes one of three paths, per request:
-- pull (`ipc`): where both caches are on GPUs of one host and the receiver sees the sender's
-  GPU, no payload message at all: the header names the sender's blocks and the receiver copies
-  them out of the sender's cache (mapped once per link through CUDA IPC) on its own stream;
+on the ack. The payload takes one of four paths, per request:
+- push (`ipc`): where both caches are on GPUs of one host and the sender sees the receiver's
+  GPU, no payload message at all: the sender copies the blocks into the receiver's cache
+  (mapped once per link through CUDA IPC, exported in the hello reply) on its own stream right
+  after its writes, then sends the header naming an event after the copy; the receiver acks at
+  once and hands the blocks on once that event has fired;
+- pull (`ipc`): the same, the other way round, where only the receiver sees the other's GPU
+  (or push is off): the header names the sender's blocks and the receiver copies them out of
+  the sender's cache (mapped once per link) on its own stream;
 otherwise `wire.plan_direct` picks:
 - staged: one message per layer chunk of blocks gathered into a staging buffer; the receiver
   scatters each chunk into its kv_cache as it lands;
@@ -61,7 +66,8 @@ class UcxTransport(Transport):
                  checksum: bool = False,
                  timeout: float = 30.0, progress_mode: str = "thread",
                  direct: bool | None = None, ipc: bool | None = None,
-                 pull_engine: str = DEFAULT_ENGINE):
+                 pull_engine: str = DEFAULT_ENGINE, push: bool | None = None,
+                 pull: bool | None = None):
         super().__init__(layout, kv_cache, on_receive)
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -76,6 +82,10 @@ class UcxTransport(Transport):
         if pull_engine not in PULL_ENGINES:
             raise ValueError(f"pull_engine must be one of {PULL_ENGINES}, got {pull_engine!r}")
         self.pull_engine = pull_engine
+        # None: where `ipc` allows it, a sender writes the blocks into the receiver's cache
+        # itself (as a receiver: offer the cache; as a sender: take the offer); False: never.
+        self.push = push
+        self.pull = pull  # the same for the pull (the receiver copies); False: never
         self._imports: dict[tuple[int, int], torch.Tensor] = {}  # (link, export) -> peer cache
         self._events: dict[int, list[torch.cuda.Event]] = {}  # link -> early-ack events
         # (link, handle) -> a sender's opened "blocks written" event (`_land_pull`)
@@ -117,7 +127,8 @@ class UcxTransport(Transport):
             raise ValueError(f"not a UCX transport address: {peer_address!r}")
         wire.ensure_ucx(self._progress_mode)
         link = wire.new_id()
-        hello = {"op": "hello", "link": link, "layout": self.layout.to_dict()}
+        hello = {"op": "hello", "link": link, "layout": self.layout.to_dict(),
+                 "pid": os.getpid()}
         reply = asyncio.ensure_future(wire.recv_ctrl(wire.tag(link, 0, wire.HELLO_REPLY)))
         if peer_address["mode"] == "worker":
             ep = await wire.endpoint_to_worker(peer_address["worker"])
@@ -145,10 +156,13 @@ class UcxTransport(Transport):
         conn = UcxConnection(ep, link, self.layout, peer_layout, msg["num_blocks"], self.pool,
                              num_chunks=self.num_chunks, checksum=self.checksum,
                              timeout=self.timeout, direct=self.direct,
-                             pull_from=msg.get("pull_from", []) if self.ipc is not False else [],
+                             pull_from=msg.get("pull_from", [])
+                             if self.ipc is not False and self.pull is not False else [],
                              peer_pid=msg.get("pid"), pull_engine=self.pull_engine)
         if conn.pull_from and msg.get("probe_event"):
             conn.offer_early_ack(msg["gpu"], msg["probe_event"])
+        if msg.get("push_to") and self.ipc is not False and self.push is not False:
+            conn.offer_push(msg["push_to"])
         self._conns.append(conn)
         return conn
 
@@ -212,7 +226,7 @@ class UcxTransport(Transport):
             log.warning("kvtransfer: refused a sender: %s", e)
         if reply["ok"]:
             if self.ipc is not False:
-                reply["pull_from"] = ipc.readable(self.kv_cache)
+                reply["pull_from"] = ipc.readable(self.kv_cache) if self.pull is not False else []
                 reply["pid"] = os.getpid()  # a sender in this process exports by reference
                 if reply["pull_from"] and self.kv_cache.is_cuda:
                     # A sender that can open this event may take the ack of a pull as soon as
@@ -222,6 +236,13 @@ class UcxTransport(Transport):
                         reply.update(gpu=ipc.domain(self.kv_cache), probe_event=probe)
                     except Exception:  # noqa: BLE001 - no early acks: plain ones still work
                         log.warning("kvtransfer: no IPC events here, no early acks",
+                                    exc_info=True)
+                if self.push is not False and (self.kv_cache.is_cuda or ipc.HOST_PULL):
+                    try:  # the sender may write the blocks into this cache itself
+                        reply["push_to"] = {"gpu": ipc.domain(self.kv_cache), "spec": ipc.export(
+                            self.kv_cache, same_process=hello.get("pid") == os.getpid())}
+                    except Exception:  # noqa: BLE001 - no push: pull or messages still work
+                        log.warning("kvtransfer: cannot export the cache, no push",
                                     exc_info=True)
             self._links[link] = ep
             self._spawn(self._serve(link, ep))
@@ -256,7 +277,9 @@ class UcxTransport(Transport):
                 check_block_ids(hdr["dst"], hdr["dst"], self.num_blocks, self.num_blocks)
             except ValueError as e:
                 error = str(e)
-            if hdr.get("pull"):
+            if hdr.get("push"):
+                land = self._land_push
+            elif hdr.get("pull"):
                 land = self._land_pull
             else:
                 land = self._land_direct if hdr.get("direct") else self._land_chunks
@@ -410,6 +433,32 @@ class UcxTransport(Transport):
         sums = ([wire.crc(v) for v in wire.direct_views(kv, [(d, k) for _, d, k in runs])]
                 if hdr["checksum"] else [])
         return error, sums
+
+    async def _land_push(self, link: int, hdr: dict[str, Any], error: str | None,
+                         stamps: dict[str, Any] | None) -> tuple[str | None, list[int]]:
+        """Push path: the sender has queued the copy into this cache on its own stream (the
+        dst blocks were free before the reservation: nothing queued here touches them) and
+        names an event after it. Without checksums, ack at once (the sender waits on its own
+        event); then wait for that event, off the loop, before the blocks go to the inbox."""
+        kv, push, seq = self.kv_cache, hdr["push"], hdr["seq"]
+        done = self._peer_event(link, push["gpu"], push["done"]) if push.get("done") else None
+        early = None
+        if error is None and not hdr["checksum"]:
+            hdr["acked"] = True
+            early = asyncio.ensure_future(self._ack(self._links[link], link, seq, None, stamps))
+        await staging.wait_event(done)
+        if early is not None:
+            try:
+                await early
+            except Exception:  # the sender is gone; its lease will expire on its own
+                log.warning("kvtransfer: could not ack %s", hdr["request_id"], exc_info=True)
+        if stamps is not None:
+            stamps["landed"].append(time.perf_counter())
+            stamps["scattered"] = stamps["synced"] = stamps["landed"][-1]
+        if error is not None or not hdr["checksum"]:
+            return error, []
+        runs = wire.block_runs(push["src"], hdr["dst"])  # as the sender cut its checksums
+        return error, [wire.crc(v) for v in wire.direct_views(kv, [(d, k) for _, d, k in runs])]
 
     async def _ack(self, ep: Any, link: int, seq: int, error: str | None,
                    stamps: dict[str, Any] | None, **more: Any) -> None:

@@ -1,5 +1,6 @@
-"""The sending half of a UCX link: gather blocks per layer chunk (or name them, for a
-receiver that pulls them itself), send, wait for the ack."""
+"""The sending half of a UCX link: gather blocks per layer chunk and send them (or copy them
+into the receiver's cache, or name them for a receiver that pulls them itself), wait for the
+ack."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class UcxConnection(Connection):
         self._ep, self._link, self._seq, self._pool = ep, link, 0, pool
         self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout
         self.direct = direct
-        self.last_path = ""  # "pull", "direct" or "staged": how the last payload travelled
+        self.last_path = ""  # "push", "pull", "direct" or "staged": how the last payload went
         # Where the receiver offers to pull from (`kvtransfer.ipc.readable`: the GPUs it sees);
         # emptied when a pull fails, so the link keeps to UCX messages from then on.
         self.pull_from = set(pull_from)
@@ -51,6 +52,9 @@ class UcxConnection(Connection):
         # device index -> this link's "blocks written" events (`_ready_event`); None: this
         # process could not make one, so a pull waits for the writes on the host
         self._ready: dict[int, list[torch.cuda.Event]] | None = {}
+        # The receiver's cache, mapped (`offer_push`): this end copies the blocks into it.
+        self.push_dst: torch.Tensor | None = None
+        self._pushed: dict[int, list[torch.cuda.Event]] = {}  # device -> "copied" events
         self.trace, self.last_trace = trace, None
         self._closed = False
 
@@ -60,19 +64,52 @@ class UcxConnection(Connection):
         if self._closed:
             raise TransferError("connection closed")
         self.check(kv_cache, src_block_ids, dst_block_ids, extras)
-        pull = self._pull_spec(kv_cache, src_block_ids) if src_block_ids else None
+        push = bool(src_block_ids) and self._can_push(kv_cache)
+        pull = None if push or not src_block_ids else self._pull_spec(kv_cache, src_block_ids)
         try:
             return await self._send_blocks(request_id, kv_cache, src_block_ids, dst_block_ids,
-                                           extras, pull)
+                                           extras, pull, push)
         except _PullRefused as e:
-            self._no_pull(f"the receiver could not pull ({e})")
+            self._no_pull(f"the receiver could not {'take the push' if push else 'pull'} ({e})")
             return await self._send_blocks(request_id, kv_cache, src_block_ids, dst_block_ids,
-                                           extras, None)
+                                           extras, None, False)
 
     @property
     def last_direct(self) -> bool:
         """Whether the last `send_blocks` went direct."""
         return self.last_path == "direct"
+
+    def offer_push(self, offer: dict[str, Any]) -> None:
+        """Take the receiver's offer to write into its cache (`push_to` of the hello reply),
+        if this process can map it."""
+        try:
+            self.push_dst = ipc.open_export(offer["spec"])
+        except ipc.IpcUnavailable as e:
+            log.info("kvtransfer: no push on this link: %s", e)
+
+    def _can_push(self, kv: torch.Tensor) -> bool:
+        dst = self.push_dst
+        return (dst is not None and kv.is_contiguous() and kv.is_cuda == dst.is_cuda
+                and kv.dtype == dst.dtype)
+
+    def _push(self, kv: torch.Tensor, src: list[int], dst: list[int], seq: int
+              ) -> tuple[dict[str, Any], torch.cuda.Event | None]:
+        """Queue the copy of the blocks into the receiver's cache, on this device's staging
+        stream after what this thread's stream has queued (their writes); return the header's
+        push field (the src ids, by whose runs the receiver cuts its checksums, and the handle
+        of an event after the copy) and that event (None on the host: the copy is done).
+        `_PullRefused` if it cannot: the request then goes as messages."""
+        stream = staging.copy_stream(kv.device)
+        staging.after_current(stream)
+        try:
+            ipc.copy_runs(self.push_dst, kv, wire.block_runs(src, dst), stream)
+            if stream is None:
+                return {"src": src}, None
+            ev = ipc.pooled_event(self._pushed.setdefault(kv.device.index, []), seq, kv.device)
+            ev.record(stream)
+            return {"src": src, "done": ipc.event_handle(ev), "gpu": ipc.domain(kv)}, ev
+        except Exception as e:  # noqa: BLE001 - whatever CUDA refuses: UCX messages
+            raise _PullRefused(f"push failed: {type(e).__name__}: {e}") from e
 
     def offer_early_ack(self, gpu: str, probe_event: str) -> None:
         """Take the receiver's early acks if this process can open its events (tried on the
@@ -111,6 +148,7 @@ class UcxConnection(Connection):
     def _no_pull(self, why: str) -> None:
         log.warning("kvtransfer: %s; sending UCX messages on this link from now on", why)
         self.pull_from.clear()
+        self.push_dst = None
 
     def _pull_spec(self, kv: torch.Tensor, src: Sequence[int]) -> dict[str, Any] | None:
         """The header's pull field (the blocks, and the cache's export the first time), or
@@ -131,43 +169,46 @@ class UcxConnection(Connection):
 
     async def _send_blocks(self, request_id: str, kv_cache: torch.Tensor,
                            src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-                           extras: Extras | None, pull: dict[str, Any] | None
-                           ) -> TransferStats:
+                           extras: Extras | None, pull: dict[str, Any] | None,
+                           push: bool = False) -> TransferStats:
         self._seq += 1
         seq, n, t0 = self._seq, len(src_block_ids), time.perf_counter()
         stamps: dict[str, Any] | None = {"t0": t0, "ready": []} if self.trace else None
         num_layers = self.layout.num_layers
         src, dst = [int(i) for i in src_block_ids], [int(i) for i in dst_block_ids]
-        runs = None if pull else wire.plan_direct(
+        runs = None if pull or push else wire.plan_direct(
             src, dst, num_layers, self.layout.block_bytes // (2 * num_layers), self.direct,
             wire.direct_min_bytes(kv_cache.device))
-        self.last_path = path = "pull" if pull else "direct" if runs else "staged"
+        self.last_path = path = ("push" if push else "pull" if pull else
+                                 "direct" if runs else "staged")
+        pushed, copied = self._push(kv_cache, src, dst, seq) if push else (None, None)
         if pull and kv_cache.is_cuda:
             ready = self._ready_event(kv_cache, seq)
             if ready is not None:
                 pull = {**pull, "ready": ready, "gpu": ipc.domain(kv_cache)}
-        chunks = wire.layer_chunks(num_layers, self.num_chunks) if n and not (runs or pull) else []
+        chunks = (wire.layer_chunks(num_layers, self.num_chunks)
+                  if n and not (runs or pull or push) else [])
         spec, blob = wire.pack_extras(extras or {})
         ack = asyncio.ensure_future(wire.recv_ctrl(self._tag(seq, wire.ACK)))
         hdr = {"op": "send", "seq": seq, "request_id": request_id, "dst": dst,
                "chunks": chunks, "direct": [[d, k] for _, d, k in runs] if runs else None,
                "extras": spec, "extras_nbytes": blob.numel(),
                "checksum": self.checksum, "trace": self.trace,
-               "pull": pull,
+               "pull": pull, "push": pushed,
                "early_ack": bool(pull) and self.early_ack_gpu is not None and not self.checksum}
         bufs: list[torch.Tensor] = []
         try:
-            if pull:  # the receiver reads the blocks once the header is in (GPU caches:
-                # after the ready event), so they must be written by then
-                if not pull.get("ready"):
-                    await staging.wait_queued(kv_cache.device)
-                if stamps is not None:
-                    stamps["ready"].append(time.perf_counter())
+            # pull: the receiver reads the blocks once the header is in (GPU caches: after the
+            # ready event), so they must be written by then; push: the copy is queued
+            if pull and not pull.get("ready"):
+                await staging.wait_queued(kv_cache.device)
+            if (pull or push) and stamps is not None:
+                stamps["ready"].append(time.perf_counter())
             # Not awaited on its own: the header travels while the blocks are gathered, and
             # its completion is awaited with the chunks'.
             sends = [self._send(wire.encode(hdr), 0, wire.HEADER)]
             await asyncio.sleep(0)  # post it now, ahead of the payload
-            if pull:
+            if pull or push:
                 more, sums = [], ([wire.crc(v) for v in wire.direct_views(
                     kv_cache, [(s, k) for s, _, k in wire.block_runs(src, dst)])]
                     if self.checksum else [])
@@ -189,6 +230,8 @@ class UcxConnection(Connection):
             reply = await asyncio.wait_for(ack, self.timeout)
             if reply.get("event"):  # an early ack: the receiver's copy may still run
                 await asyncio.wait_for(self._wait_event(reply["event"]), self.timeout)
+            if copied is not None:  # this end's copy: the src blocks are read until it ends
+                await asyncio.wait_for(staging.wait_event(copied), self.timeout)
         except asyncio.TimeoutError:
             raise TransferError(f"{request_id}: no ack within {self.timeout}s") from None
         except Exception as e:  # UCX errors: the link broke; the lease must end all the same

@@ -14,9 +14,10 @@ from engine.output import RequestOutput
 from kvtransfer.factory import make_transport
 from kvtransfer.layout import BlockLayout
 
-# Set (to "1") by the launcher for GPU actors with `transfer.pull_across_gpus`: Ray then leaves
-# CUDA_VISIBLE_DEVICES as the node had it, so an actor sees every GPU of its node (a decode
-# actor can map a prefill actor's cache on another GPU) and runs on its own by index.
+# Set (to "1") by the launcher for GPU actors with `transfer.ipc_across_gpus`: Ray then leaves
+# CUDA_VISIBLE_DEVICES as the node had it, so an actor sees every GPU of its node (a prefill
+# actor can map a decode actor's cache on another GPU, or the other way) and runs on its own
+# by index.
 NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 
 

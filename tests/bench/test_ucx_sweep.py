@@ -132,11 +132,12 @@ def test_summarize_picks_best_per_size_and_judges_the_goal():
 
 
 def test_summarize_reports_pull_rows_apart():
-    """Pull rows (`kvtransfer.ipc`) stand beside the UCX-message rows, per size against the
-    peer copy, and never enter the message paths' best or score; a row that fell back to
-    messages is not a pull row."""
+    """IPC rows (`kvtransfer.ipc`: push and pull) stand beside the UCX-message rows, each
+    path apart, per size against the peer copy, and never enter the message paths' best or
+    score; a row that fell back to messages is neither."""
     pull = [{"bytes": 1024 * MIB, "path": "pull", "median_gb_s": 340.0, "median_ms": 3.158,
              "phases_ms": {"header_in": 0.4, "rx_ack": 0.45, "total": 3.158}},
+            {"bytes": 1024 * MIB, "path": "push", "median_gb_s": 380.0, "median_ms": 2.826},
             {"bytes": 16 * MIB, "path": "staged", "median_gb_s": 9.0, "median_ms": 1.9}]
     results = [{"name": "default", "status": "ok", "rows": DEFAULT, "pull": pull}]
     baseline = {"peer_copy": [{"bytes": 1024 * MIB, "gb_s": 400.0}]}
@@ -144,6 +145,7 @@ def test_summarize_reports_pull_rows_apart():
     got = s["by_config"]["default"]["pull"]
     assert list(got) == [str(1024 * MIB)]
     assert got[str(1024 * MIB)]["vs_peer"] == 0.85
+    assert s["by_config"]["default"]["push"][str(1024 * MIB)]["vs_peer"] == 0.95
     assert s["best"][str(1024 * MIB)]["gb_s"] == 200.0  # the message paths' best only
 
 

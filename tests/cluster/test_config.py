@@ -156,17 +156,20 @@ def test_transfer_section_gives_the_transport_its_kwargs():
     from tests.kvtransfer.conftest import tiny_layout
 
     assert ClusterConfig().transfer.transport_kwargs() == {
-        "ipc": None, "pull_engine": "dst", "progress_mode": "thread", "checksum": False,
-        "timeout": 30.0}
+        "ipc": None, "pull": None, "push": None, "pull_engine": "dst",
+        "progress_mode": "thread", "checksum": False, "timeout": 30.0}
     assert PULL_ENGINES == ipc.ENGINES
     assert ClusterConfig().transfer.pull_engine == ipc.DEFAULT_ENGINE
     cfg = apply_overrides(ClusterConfig(), ["transfer.pull=false", "transfer.checksum=true",
                                             "transfer.transport=ucx-tcp",
-                                            "transfer.pull_engine=src"])
+                                            "transfer.pull_engine=src", "transfer.push=false"])
     kw = cfg.transfer.transport_kwargs()
     assert kw["ipc"] is False and kw["checksum"] is True and cfg.transfer.transport == "ucx-tcp"
     t = UcxTransport(tiny_layout(), **kw)  # every key is one the transport takes
-    assert (t.ipc, t.checksum, t.timeout, t.pull_engine) == (False, True, 30.0, "src")
+    assert (t.ipc, t.checksum, t.timeout, t.pull_engine, t.push, t.pull) == (
+        False, True, 30.0, "src", False, False)
+    kw = apply_overrides(ClusterConfig(), ["transfer.pull=false"]).transfer.transport_kwargs()
+    assert (kw["ipc"], kw["push"], kw["pull"]) == (None, None, False)  # push alone stays on
     with pytest.raises(ConfigError, match="pull_engine"):
         apply_overrides(ClusterConfig(), ["transfer.pull_engine=both"])
 

@@ -1,4 +1,4 @@
-"""GPU placement of the node actors: every GPU of the node visible (`pull_across_gpus`), each
+"""GPU placement of the node actors: every GPU of the node visible (`ipc_across_gpus`), each
 actor on its own by index."""
 
 from __future__ import annotations
@@ -44,9 +44,12 @@ def test_actor_options_keep_the_node_gpus_visible_only_when_asked():
     assert opts["runtime_env"] == {"env_vars": {NOSET_ENV: "1"}} and opts["num_gpus"] == 0.5
 
 
-def test_pull_across_gpus_needs_pull():
-    cfg = apply_overrides(ClusterConfig(), ["transfer.pull_across_gpus=true"])
-    assert cfg.transfer.pull_across_gpus and "pull_across_gpus" not in \
+def test_ipc_across_gpus_needs_an_ipc_path():
+    cfg = apply_overrides(ClusterConfig(), ["transfer.ipc_across_gpus=true"])
+    assert cfg.transfer.ipc_across_gpus and "ipc_across_gpus" not in \
         cfg.transfer.transport_kwargs()
-    with pytest.raises(ConfigError, match="pull_across_gpus needs pull"):
-        apply_overrides(ClusterConfig(), ["transfer.pull=false", "transfer.pull_across_gpus=true"])
+    assert apply_overrides(ClusterConfig(), ["transfer.pull=false",
+                                             "transfer.ipc_across_gpus=true"]).transfer.push
+    with pytest.raises(ConfigError, match="ipc_across_gpus needs pull or push"):
+        apply_overrides(ClusterConfig(), ["transfer.pull=false", "transfer.push=false",
+                                          "transfer.ipc_across_gpus=true"])

@@ -1,6 +1,6 @@
 """What a node actor sees of its node's GPUs under real Ray, without GPUs: Ray is told the node
 has four (it trusts the number) and pins each GPU actor to its own by CUDA_VISIBLE_DEVICES,
-unless the launcher's options keep them all visible (`transfer.pull_across_gpus`); then
+unless the launcher's options keep them all visible (`transfer.ipc_across_gpus`); then
 `node_device` finds the actor's own GPU by index."""
 
 from __future__ import annotations

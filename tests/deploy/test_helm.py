@@ -84,12 +84,12 @@ def test_values_reach_the_config_and_the_pods(tmp_path):
         "config": {"model": {"path": "/models/llama.gguf"},
                    "decode": {"replicas": 1, "num_gpus": 0.5},
                    "prefill": {"replicas": 2, "num_gpus": 0.5},
-                   "transfer": {"pull_across_gpus": True}},
+                   "transfer": {"ipc_across_gpus": True}},
     }))
     docs = render(values=str(values))
     cfg = router_config(docs, tmp_path)
     assert cfg.model.path == "/models/llama.gguf" and cfg.router.port == 7000
-    assert cfg.prefill.replicas == 2 and cfg.transfer.pull_across_gpus
+    assert cfg.prefill.replicas == 2 and cfg.transfer.ipc_across_gpus
     spec = docs["RayJob"]["spec"]["rayClusterSpec"]
     for tpl in (spec["headGroupSpec"]["template"], spec["workerGroupSpecs"][0]["template"]):
         mounts = tpl["spec"]["containers"][0]["volumeMounts"]

@@ -149,7 +149,8 @@ def test_a_refused_pull_falls_back_to_messages(ucx_loop):
                                          target=_refusing_receiver)
 
     (offered, first, second, gpus), dst = run_then_stop(
-        ucx_loop, _first_and_second(UcxTransport(layout), address, src), (proc, pipe), layout)
+        ucx_loop, _first_and_second(UcxTransport(layout, push=False), address, src),
+        (proc, pipe), layout)
     assert offered and not gpus
     assert first == second == "staged"
     assert torch.equal(dst[:, :, 10:14], src.cpu()[:, :, 1:5])
@@ -162,9 +163,10 @@ def host_pull(monkeypatch):
 
 
 def _pair(layout, dst, **kw):
+    """(receiver, sender); the sender declines the push (these test the pull) unless told."""
     from kvtransfer.ucx import UcxTransport
 
-    return UcxTransport(layout, dst), UcxTransport(layout, **kw)
+    return UcxTransport(layout, dst), UcxTransport(layout, **{"push": False, **kw})
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
@@ -258,7 +260,7 @@ def test_a_failed_pull_lands_as_messages(ucx_loop, host_pull, monkeypatch, fail)
 
         rx = UcxTransport(layout, dst, on_receive=lambda rid, r: got.append((rid, r)))
         async with rx:
-            return await _first_and_second(UcxTransport(layout), rx.address, src)
+            return await _first_and_second(UcxTransport(layout, push=False), rx.address, src)
 
     offered, first, second, left = ucx_loop.run(go(), timeout=60)
     assert offered and not left
@@ -337,7 +339,7 @@ def test_a_pull_waits_on_the_gpu_for_the_senders_writes(ucx_loop):
     proc, pipe, address = spawn_receiver(layout, 64, return_kv=True, device="cuda")
 
     async def go():
-        tx = UcxTransport(layout)
+        tx = UcxTransport(layout, push=False)
         conn = await tx.connect(address)
         await conn.send_blocks("warm", src, [0], [0])
         conn.trace = True
@@ -351,4 +353,141 @@ def test_a_pull_waits_on_the_gpu_for_the_senders_writes(ucx_loop):
     (trace, path, pools), dst = run_then_stop(ucx_loop, go(), (proc, pipe), layout)
     assert path == "pull" and pools and all(pools.values())
     assert trace["ready"][0] < 0.1 < trace["acked"]  # no host wait before the header
+    assert torch.equal(dst[:, :, 20:28], new.cpu())
+
+
+# ---- the push path: the sender copies into the receiver's cache -----------------------------
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
+@pytest.mark.parametrize("checksum", [False, True])
+def test_push_in_one_process(ucx_loop, host_pull, device, checksum):
+    """Sender and receiver in one process (the receiver's cache found by reference): blocks
+    land by push, with extras, with or without checksums (acked at once without), for
+    concurrent requests too; a dst id past the cache fails the push before any copy, and the
+    request goes as messages, where the receiver refuses it with a clear error."""
+    pytest.importorskip("ucxx")
+    layout = tiny_layout("bfloat16")
+    src = random_kv(layout, num_blocks=16, seed=4).to(device)
+    dst = random_kv(layout, num_blocks=64, seed=5).to(device)
+
+    async def go():
+        rx, tx = _pair(layout, dst, checksum=checksum, push=None)
+        async with rx:
+            conn = await tx.connect(rx.address)
+            mapped = conn.push_dst is dst
+            await conn.send_blocks("a", src, [0, 1, 2, 7], [40, 41, 42, 5], sample_extras())
+            path = conn.last_path
+            extras = await rx.recv_blocks("a", timeout=10)
+            await asyncio.gather(*[conn.send_blocks(f"c{i}", src, [8 + i], [20 + i])
+                                   for i in range(4)])
+            paths = conn.last_path
+            conn.check = lambda *a: None  # let a bad dst id reach the copy
+            with pytest.raises(TransferError, match="out of range"):
+                await conn.send_blocks("bad", src, [1], [64])
+            after = conn.last_path, conn.push_dst
+            await tx.close()
+            return mapped, path, paths, extras, after
+
+    mapped, path, paths, extras, (after, push_dst) = ucx_loop.run(go(), timeout=60)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert mapped and path == paths == "push"
+    assert after == "staged" and push_dst is None  # the failed push: messages from then on
+    assert torch.equal(extras["draft_tokens"], sample_extras()["draft_tokens"])
+    assert torch.equal(dst[:, :, 40:43], src[:, :, 0:3])
+    assert torch.equal(dst[:, :, 5:6], src[:, :, 7:8])
+    assert torch.equal(dst[:, :, 20:24], src[:, :, 8:12])
+
+
+def test_push_needs_both_ends(ucx_loop, host_pull):
+    """A receiver told `push=False` offers no cache and a sender told so takes none: the pull
+    carries the blocks; `pull=False` likewise for the pull; `ipc=False` turns both off."""
+    pytest.importorskip("ucxx")
+    from kvtransfer.ucx import UcxTransport
+
+    layout = tiny_layout()
+    src, dst = random_kv(layout, seed=3), random_kv(layout, seed=4)
+
+    async def go(rx_kw, tx_kw):
+        rx, tx = UcxTransport(layout, dst, **rx_kw), UcxTransport(layout, **tx_kw)
+        async with rx:
+            conn = await tx.connect(rx.address)
+            await conn.send_blocks("x", src, [1, 2], [3, 4])
+            await tx.close()
+            return conn.last_path
+
+    assert ucx_loop.run(go({}, {}), timeout=60) == "push"
+    assert ucx_loop.run(go({"push": False}, {}), timeout=60) == "pull"
+    assert ucx_loop.run(go({}, {"push": False}), timeout=60) == "pull"
+    assert ucx_loop.run(go({"ipc": False}, {}), timeout=60) == "staged"
+    assert ucx_loop.run(go({"push": False}, {"pull": False}), timeout=60) == "staged"
+    assert ucx_loop.run(go({"pull": False}, {"pull": False}), timeout=60) == "push"
+    assert torch.equal(dst[:, :, 3:5], src[:, :, 1:3])
+
+
+@pytest.mark.parametrize("fail", ["map", "copy"])
+def test_a_failed_push_lands_as_messages(ucx_loop, host_pull, monkeypatch, fail):
+    """The sender cannot map the receiver's cache (then it pulls), or its copy fails (then
+    that request and the link's next go as messages); either way the blocks land."""
+    pytest.importorskip("ucxx")
+    layout = tiny_layout()
+    src, dst = random_kv(layout, seed=3), random_kv(layout, seed=4)
+    real_open, real_copy = ipc.open_export, ipc.copy_runs
+
+    def refuse_open(spec):
+        if spec["handle"].endswith(str(dst.data_ptr())):  # the receiver's cache only
+            raise ipc.IpcUnavailable("refused by the test")
+        return real_open(spec)
+
+    def refuse_push(d, s, runs, stream):
+        if d is dst and s is src:
+            raise RuntimeError("copy refused by the test")
+        return real_copy(d, s, runs, stream)
+
+    if fail == "map":
+        monkeypatch.setattr(ipc, "open_export", refuse_open)
+    else:
+        monkeypatch.setattr(ipc, "copy_runs", refuse_push)
+
+    async def go():
+        rx, tx = _pair(layout, dst, push=None)
+        async with rx:
+            return await _first_and_second(tx, rx.address, src)
+
+    offered, first, second, left = ucx_loop.run(go(), timeout=60)
+    assert offered
+    assert (first, second) == (("pull", "pull") if fail == "map" else ("staged", "staged"))
+    assert torch.equal(dst[:, :, 10:14], src[:, :, 1:5])
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_push_copies_after_the_senders_writes(ucx_loop):
+    """Two processes: the sender's writes are still queued behind a long kernel when it
+    sends; its copy into the receiver's cache runs after them (on its own stream), the header
+    goes at once, and `send_blocks` returns only once the copy is done."""
+    pytest.importorskip("ucxx")
+    from kvtransfer.bench import spawn_receiver
+    from kvtransfer.ucx import UcxTransport
+
+    layout = tiny_layout(head_dim=64)
+    src = random_kv(layout, num_blocks=64, seed=8).cuda()
+    new = random_kv(layout, num_blocks=8, seed=9).cuda()
+    proc, pipe, address = spawn_receiver(layout, 64, return_kv=True, device="cuda")
+
+    async def go():
+        tx = UcxTransport(layout)
+        conn = await tx.connect(address)
+        await conn.send_blocks("warm", src, [0], [0])
+        conn.trace = True
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s on the current stream of this thread
+        src[:, :, 8:16].copy_(new)  # queued behind it
+        await conn.send_blocks("x", src, list(range(8, 16)), list(range(20, 28)))
+        trace, path = conn.last_trace, conn.last_path
+        await tx.close()
+        return trace, path
+
+    (trace, path), dst = run_then_stop(ucx_loop, go(), (proc, pipe), layout)
+    assert path == "push"
+    assert trace["ready"][0] < 0.1 < trace["acked"]
     assert torch.equal(dst[:, :, 20:28], new.cpu())

@@ -257,29 +257,33 @@ def test_connecting_to_a_closed_receiver_fails_fast(ucx_loop):
     ucx_loop.run(go(), timeout=60)
 
 
-@pytest.mark.parametrize("mode,device,direct,ipc,checksum", [
-    ("worker", "cpu", None, None, False), ("listener", "cpu", None, None, False),
-    ("worker", "cpu", False, None, False),
-    pytest.param("worker", "cuda", True, False, False, marks=pytest.mark.gpu),
-    pytest.param("worker", "cuda", False, False, False, marks=pytest.mark.gpu),
-    pytest.param("worker", "cuda", None, None, True, marks=pytest.mark.gpu),
-    pytest.param("worker", "cuda", None, None, False, marks=pytest.mark.gpu)])
-def test_two_processes(ucx_loop, mode, device, direct, ipc, checksum, capsys):
+@pytest.mark.parametrize("mode,device,direct,ipc,checksum,push", [
+    ("worker", "cpu", None, None, False, None), ("listener", "cpu", None, None, False, None),
+    ("worker", "cpu", False, None, False, None),
+    pytest.param("worker", "cuda", True, False, False, None, marks=pytest.mark.gpu),
+    pytest.param("worker", "cuda", False, False, False, None, marks=pytest.mark.gpu),
+    pytest.param("worker", "cuda", None, None, True, False, marks=pytest.mark.gpu),
+    pytest.param("worker", "cuda", None, None, False, False, marks=pytest.mark.gpu),
+    pytest.param("worker", "cuda", None, None, True, None, marks=pytest.mark.gpu),
+    pytest.param("worker", "cuda", None, None, False, None, marks=pytest.mark.gpu)])
+def test_two_processes(ucx_loop, mode, device, direct, ipc, checksum, push, capsys):
     """A receiver in a spawned process: shared memory (worker) or TCP (listener) for real;
     on a GPU, CUDA tensors straight from one process's memory to the other's. The big
     request's messages are 2 MiB per layer and K/V: direct by default on the host (staged on
     a GPU, where direct starts at 16 MiB: forced there), staged when told. GPU caches of one
-    host go by pull (the receiver copies out of the sender's cache) unless `ipc=False`: with
-    checksums on both sides, or acked early (the sender waits on the receiver's event)."""
+    host go by push (the sender copies into the receiver's cache), or by pull where the
+    sender declines the push (the receiver copies out of the sender's), unless `ipc=False`:
+    with checksums on both sides, or acked early."""
     layout = tiny_layout(head_dim=64)  # 48 KiB per block
     src = random_kv(layout, num_blocks=512, seed=7).to(device)
     proc, pipe, address = spawn_receiver(layout, 512, mode, return_kv=True, device=device,
                                          ipc=ipc)
     big = list(range(256))
     pulls = device == "cuda" and ipc is not False
+    ipc_path = "push" if push is None else "pull"
 
     async def go():
-        tx = UcxTransport(layout, direct=direct, ipc=ipc, checksum=checksum)
+        tx = UcxTransport(layout, direct=direct, ipc=ipc, checksum=checksum, push=push)
         conn = await tx.connect(address)
         assert bool(conn.pull_from) == pulls
         assert (conn.early_ack_gpu is not None) == pulls
@@ -288,7 +292,8 @@ def test_two_processes(ucx_loop, mode, device, direct, ipc, checksum, capsys):
         went_direct, path = conn.last_direct, conn.last_path
         await conn.send_blocks("a", src, [9, 8, 7], [0, 1, 2], sample_extras())
         assert conn.last_direct == (direct is True)  # 8 KiB messages: staged unless forced
-        assert conn.last_path == ("pull" if pulls else "direct" if direct else "staged")
+        assert conn.last_path == (ipc_path if pulls else "direct" if direct else "staged")
+        assert (conn.push_dst is not None) == (pulls and push is None)
         await tx.close()
         return stats, went_direct, path
 
@@ -300,7 +305,7 @@ def test_two_processes(ucx_loop, mode, device, direct, ipc, checksum, capsys):
     assert torch.equal(dst[:, :, 256:], src[:, :, :256])
     assert stats.bytes == 256 * layout.block_bytes
     assert went_direct == (direct is not False and not pulls)
-    assert path == ("pull" if pulls else "direct" if direct is not False else "staged")
+    assert path == (ipc_path if pulls else "direct" if direct is not False else "staged")
     with capsys.disabled():
         print(f"\n[kvtransfer] ucx {mode} {device} {path}, 2 processes: "
               f"{stats.bytes / 2**20:.1f} MiB in {stats.seconds * 1e3:.1f} ms = "
