@@ -1118,6 +1118,11 @@ def plot_kv(plt, res):
     if any("messages_gb_s" in r for r in ucx_rows):
         ax.plot([r["bytes"] / 2**20 for r in ucx_rows], [r["messages_gb_s"] for r in ucx_rows],
                 "o--", label="UCX messages only")
+    for engine in ("dst", "src"):  # the pull, where the pick was the push
+        pts = [(r["bytes"] / 2**20, r["pull_gb_s"][engine]) for r in ucx_rows
+               if engine in (r.get("pull_gb_s") or {}) and not r["path"].startswith("pull")]
+        if pts:
+            ax.plot(*zip(*pts), "x:", label=f"pull ({engine} copy engines)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("MiB per transfer")
     ax.set_ylabel("GB/s")
