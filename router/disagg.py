@@ -72,7 +72,8 @@ class DisaggBackend:
                        ) -> AsyncIterator:
         made: list[int] = []  # tokens streamed so far, across attempts
         chars = 0  # characters of text streamed so far
-        accepted = cached = 0  # usage of the attempts before this one
+        accepted = 0  # draft tokens accepted by the attempts before this one
+        cached = 0  # prompt tokens the first attempt found in the prefix cache
         for attempt in itertools.count():
             arid = rid if attempt == 0 else f"{rid}#{attempt}"  # the old one may linger
             resume = (len(made), chars) if made else None
@@ -86,7 +87,9 @@ class DisaggBackend:
                     made += out.token_ids
                     chars += len(out.text)
                     last = out
-                    if attempt:
+                    if not attempt:
+                        cached = max(cached, out.cached_tokens)
+                    else:
                         out = dataclasses.replace(out, request_id=rid, cached_tokens=cached,
                                                   accepted_tokens=accepted + out.accepted_tokens)
                     yield out
@@ -96,7 +99,6 @@ class DisaggBackend:
                     raise
                 if last is not None:
                     accepted += last.accepted_tokens
-                    cached = cached if attempt else last.cached_tokens
                 self.resumes += 1
                 if self.metrics is not None:
                     self.metrics.resumes.inc()
