@@ -421,15 +421,7 @@ class UcxTransport(Transport):
             hdr["acked"] = True
             early = asyncio.ensure_future(self._ack(self._links[link], link, hdr["seq"], None,
                                                     stamps, event=handle))
-        await staging.wait_event(staging.mark(stream))  # off the loop: the others progress
-        if early is not None:
-            try:
-                await early
-            except Exception:  # the sender is gone; its lease will expire on its own
-                log.warning("kvtransfer: could not ack %s", hdr["request_id"], exc_info=True)
-        if stamps is not None:
-            stamps["landed"].append(time.perf_counter())
-            stamps["scattered"] = stamps["synced"] = stamps["landed"][-1]
+        await self._copied(staging.mark(stream), early, hdr, stamps)
         sums = ([wire.crc(v) for v in wire.direct_views(kv, [(d, k) for _, d, k in runs])]
                 if hdr["checksum"] else [])
         return error, sums
@@ -446,7 +438,18 @@ class UcxTransport(Transport):
         if error is None and not hdr["checksum"]:
             hdr["acked"] = True
             early = asyncio.ensure_future(self._ack(self._links[link], link, seq, None, stamps))
-        await staging.wait_event(done)
+        await self._copied(done, early, hdr, stamps)
+        if error is not None or not hdr["checksum"]:
+            return error, []
+        runs = wire.block_runs(push["src"], hdr["dst"])  # as the sender cut its checksums
+        return error, [wire.crc(v) for v in wire.direct_views(kv, [(d, k) for _, d, k in runs])]
+
+    @staticmethod
+    async def _copied(event: torch.cuda.Event | None, early: asyncio.Future | None,
+                      hdr: dict[str, Any], stamps: dict[str, Any] | None) -> None:
+        """Until an IPC copy's `event` has fired (off the loop: the others progress) and its
+        `early` ack (if any) has gone out; then stamp it landed."""
+        await staging.wait_event(event)
         if early is not None:
             try:
                 await early
@@ -455,10 +458,6 @@ class UcxTransport(Transport):
         if stamps is not None:
             stamps["landed"].append(time.perf_counter())
             stamps["scattered"] = stamps["synced"] = stamps["landed"][-1]
-        if error is not None or not hdr["checksum"]:
-            return error, []
-        runs = wire.block_runs(push["src"], hdr["dst"])  # as the sender cut its checksums
-        return error, [wire.crc(v) for v in wire.direct_views(kv, [(d, k) for _, d, k in runs])]
 
     async def _ack(self, ep: Any, link: int, seq: int, error: str | None,
                    stamps: dict[str, Any] | None, **more: Any) -> None:

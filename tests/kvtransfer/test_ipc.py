@@ -323,12 +323,10 @@ def test_early_ack_returns_only_once_the_copy_is_done(ucx_loop):
     assert same == [True] * 5
 
 
-@pytest.mark.gpu
-@cuda
-def test_a_pull_waits_on_the_gpu_for_the_senders_writes(ucx_loop):
-    """The sender's writes of the blocks are still queued behind a long kernel when it sends:
-    it does not wait for them on the host (the header goes at once), and the receiver's copy
-    (in its own process) waits for them on the GPU, through the sender's ready event."""
+def _send_behind_a_long_kernel(ucx_loop, push: bool):
+    """Two processes on the GPU: the sender's writes of 8 blocks are queued behind a ~0.5 s
+    kernel when it sends them. Returns (the transfer's trace, its path, the connection's
+    ready-event pools, whether the receiver's blocks hold the new data)."""
     pytest.importorskip("ucxx")
     from kvtransfer.bench import spawn_receiver
     from kvtransfer.ucx import UcxTransport
@@ -339,7 +337,7 @@ def test_a_pull_waits_on_the_gpu_for_the_senders_writes(ucx_loop):
     proc, pipe, address = spawn_receiver(layout, 64, return_kv=True, device="cuda")
 
     async def go():
-        tx = UcxTransport(layout, push=False)
+        tx = UcxTransport(layout, push=None if push else False)
         conn = await tx.connect(address)
         await conn.send_blocks("warm", src, [0], [0])
         conn.trace = True
@@ -351,9 +349,19 @@ def test_a_pull_waits_on_the_gpu_for_the_senders_writes(ucx_loop):
         return trace, path, pools
 
     (trace, path, pools), dst = run_then_stop(ucx_loop, go(), (proc, pipe), layout)
+    return trace, path, pools, torch.equal(dst[:, :, 20:28], new.cpu())
+
+
+@pytest.mark.gpu
+@cuda
+def test_a_pull_waits_on_the_gpu_for_the_senders_writes(ucx_loop):
+    """The sender's writes of the blocks are still queued behind a long kernel when it sends:
+    it does not wait for them on the host (the header goes at once), and the receiver's copy
+    (in its own process) waits for them on the GPU, through the sender's ready event."""
+    trace, path, pools, landed = _send_behind_a_long_kernel(ucx_loop, push=False)
     assert path == "pull" and pools and all(pools.values())
     assert trace["ready"][0] < 0.1 < trace["acked"]  # no host wait before the header
-    assert torch.equal(dst[:, :, 20:28], new.cpu())
+    assert landed
 
 
 # ---- the push path: the sender copies into the receiver's cache -----------------------------
@@ -466,28 +474,7 @@ def test_a_push_copies_after_the_senders_writes(ucx_loop):
     """Two processes: the sender's writes are still queued behind a long kernel when it
     sends; its copy into the receiver's cache runs after them (on its own stream), the header
     goes at once, and `send_blocks` returns only once the copy is done."""
-    pytest.importorskip("ucxx")
-    from kvtransfer.bench import spawn_receiver
-    from kvtransfer.ucx import UcxTransport
-
-    layout = tiny_layout(head_dim=64)
-    src = random_kv(layout, num_blocks=64, seed=8).cuda()
-    new = random_kv(layout, num_blocks=8, seed=9).cuda()
-    proc, pipe, address = spawn_receiver(layout, 64, return_kv=True, device="cuda")
-
-    async def go():
-        tx = UcxTransport(layout)
-        conn = await tx.connect(address)
-        await conn.send_blocks("warm", src, [0], [0])
-        conn.trace = True
-        torch.cuda._sleep(1_000_000_000)  # ~0.5 s on the current stream of this thread
-        src[:, :, 8:16].copy_(new)  # queued behind it
-        await conn.send_blocks("x", src, list(range(8, 16)), list(range(20, 28)))
-        trace, path = conn.last_trace, conn.last_path
-        await tx.close()
-        return trace, path
-
-    (trace, path), dst = run_then_stop(ucx_loop, go(), (proc, pipe), layout)
+    trace, path, _, landed = _send_behind_a_long_kernel(ucx_loop, push=True)
     assert path == "push"
     assert trace["ready"][0] < 0.1 < trace["acked"]
-    assert torch.equal(dst[:, :, 20:28], new.cpu())
+    assert landed
