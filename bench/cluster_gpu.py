@@ -31,6 +31,31 @@ PROMPTS = ["What is the capital of France? Answer in one sentence.",
            "Write a haiku about the ocean at night.", "What is 17 times 23? Show your steps."]
 
 
+def kill_decode_mid_stream(c, target: str, messages, max_tokens: int, want) -> dict:
+    """Stream one greedy request and kill the decode actor after 8 tokens (Ray restarts it;
+    the router moves the stream): where it died, the longest gap between chunks, the moves,
+    and whether the tokens equal the uninterrupted run's `want`."""
+    import ray
+
+    from tandem_client import Client
+
+    toks, stamps, killed_at, resumes = [], [], None, c.backend.resumes
+    t0 = time.perf_counter()
+    with Client(target, timeout=600, retries=0) as cl:
+        for ch in cl.generate(messages=messages, temperature=0, max_tokens=max_tokens,
+                              ignore_eos=True):
+            stamps.append(time.perf_counter())
+            toks.extend(ch.token_ids)
+            if killed_at is None and len(toks) >= 8:
+                killed_at = len(toks)
+                ray.kill(c.decodes[0], no_restart=False)
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return {"killed_at_token": killed_at, "tokens": len(toks), "tokens_equal": toks == want,
+            "pause_s": round(max(gaps), 3) if gaps else None,
+            "stream_s": round(stamps[-1] - t0, 3) if stamps else None,
+            "resumes": c.backend.resumes - resumes}
+
+
 def main() -> int:
     import ray
 
@@ -46,6 +71,10 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", help="float32 makes equality exact-ish")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench/results/cluster_two_gpu.json")
+    ap.add_argument("--kill-decode", action="store_true",
+                    help="then stream request 0 again and kill the decode actor after 8 "
+                         "tokens: Ray restarts it, the router moves the stream; records the "
+                         "pause and whether the tokens equal the uninterrupted ones")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="more config overrides, e.g. transfer.ipc_across_gpus=true (the KV "
                          "then moves between the actors' GPUs by CUDA IPC, push or pull)")
@@ -108,6 +137,10 @@ def main() -> int:
     stats = ray.get([a.stats.remote() for a in c.prefills + c.decodes])
     moved, paths = ray.get(c.prefills[0].__ray_call__.remote(
         lambda n: (n.transferred_bytes, n.transfer_paths)))
+    if args.kill_decode:
+        res["worker_death"] = kill_decode_mid_stream(c, target, msgs[0], args.max_tokens,
+                                                     got[0])
+        print(json.dumps(res["worker_death"]), flush=True)
     asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
     c.shutdown()
     ray.shutdown()

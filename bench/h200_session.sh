@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What one H200 session runs once the model and wheels are staged under /tmp (see
 # bench/README.md): `bash bench/h200_session.sh cluster` (GPU tests + the two-GPU cluster,
-# CLUSTER_ARGS e.g. "--set transfer.ipc_across_gpus=true";
+# CLUSTER_ARGS e.g. "--set transfer.ipc_across_gpus=true --kill-decode";
 # `gputests`: the GPU tests alone, GPU_TESTS narrows them),
 # `bash bench/h200_session.sh bench` (the figures; FIG3_TRACE=1 adds figure 3's dynamic-K
 # step traces, BENCH_ARGS more arguments of bench.suite), `bash bench/h200_session.sh ucx` (the UCX
