@@ -74,8 +74,8 @@ class UcxTransport(Transport):
         self.mode, self.host, self.port = mode, host, port
         self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout
         self.direct = direct  # None: per request by message size; False: always staged
-        # None: pull through CUDA IPC wherever both ends can (as a receiver: offer it; as a
-        # sender: use it); False: UCX messages only.
+        # None: copy through CUDA IPC (push or pull, `push` / `pull` below) wherever both ends
+        # can (as a receiver: offer it; as a sender: use it); False: UCX messages only.
         self.ipc = ipc
         # Whose copy engines move a pull between two GPUs (`kvtransfer.ipc.pull`): as a
         # receiver, its default; as a sender, what it asks the receiver for.

@@ -69,8 +69,8 @@ class UcxConnection(Connection):
         try:
             return await self._send_blocks(request_id, kv_cache, src_block_ids, dst_block_ids,
                                            extras, pull, push)
-        except _PullRefused as e:
-            self._no_pull(f"the receiver could not {'take the push' if push else 'pull'} ({e})")
+        except _IpcRefused as e:
+            self._no_ipc(f"the receiver could not {'take the push' if push else 'pull'} ({e})")
             return await self._send_blocks(request_id, kv_cache, src_block_ids, dst_block_ids,
                                            extras, None, False)
 
@@ -98,7 +98,7 @@ class UcxConnection(Connection):
         stream after what this thread's stream has queued (their writes); return the header's
         push field (the src ids, by whose runs the receiver cuts its checksums, and the handle
         of an event after the copy) and that event (None on the host: the copy is done).
-        `_PullRefused` if it cannot: the request then goes as messages."""
+        `_IpcRefused` if it cannot: the request then goes as messages."""
         stream = staging.copy_stream(kv.device)
         staging.after_current(stream)
         try:
@@ -109,7 +109,7 @@ class UcxConnection(Connection):
             ev.record(stream)
             return {"src": src, "done": ipc.event_handle(ev), "gpu": ipc.domain(kv)}, ev
         except Exception as e:  # noqa: BLE001 - whatever CUDA refuses: UCX messages
-            raise _PullRefused(f"push failed: {type(e).__name__}: {e}") from e
+            raise _IpcRefused(f"push failed: {type(e).__name__}: {e}") from e
 
     def offer_early_ack(self, gpu: str, probe_event: str) -> None:
         """Take the receiver's early acks if this process can open its events (tried on the
@@ -145,7 +145,7 @@ class UcxConnection(Connection):
             self._ready = None
             return None
 
-    def _no_pull(self, why: str) -> None:
+    def _no_ipc(self, why: str) -> None:
         log.warning("kvtransfer: %s; sending UCX messages on this link from now on", why)
         self.pull_from.clear()
         self.push_dst = None
@@ -161,7 +161,7 @@ class UcxConnection(Connection):
             try:
                 spec = ipc.export(kv, same_process=self._same_process)
             except Exception as e:  # noqa: BLE001 - whatever torch refuses: send messages
-                self._no_pull(f"could not export the cache ({type(e).__name__}: {e})")
+                self._no_ipc(f"could not export the cache ({type(e).__name__}: {e})")
                 return None
             self._exports[key] = len(self._exports) + 1
         return {"export": self._exports[key], "src": [int(i) for i in src], "spec": spec,
@@ -242,7 +242,7 @@ class UcxConnection(Connection):
         if stamps is not None:
             self.last_trace = _trace_record(stamps, t1, reply.get("t"), len(chunks))
         if reply.get("ipc_failed"):
-            raise _PullRefused(reply["error"])
+            raise _IpcRefused(reply["error"])
         if not reply["ok"]:
             raise TransferError(f"{request_id}: the receiver failed it: {reply['error']}")
         return TransferStats(request_id, n, n * self.layout.block_bytes, blob.numel(), t1 - t0,
@@ -329,8 +329,9 @@ class UcxConnection(Connection):
         wire.drop(self._ep)
 
 
-class _PullRefused(Exception):
-    """The receiver could not map this sender's cache; the request must go as messages."""
+class _IpcRefused(Exception):
+    """A push or pull could not go through (a copy refused here, or the receiver could not map
+    this sender's cache or open its event): the request must go as messages."""
 
 
 def _trace_record(stamps: dict[str, Any], t1: float, rx: dict[str, Any] | None,
