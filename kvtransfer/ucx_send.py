@@ -105,8 +105,7 @@ class UcxConnection(Connection):
             ipc.copy_runs(self.push_dst, kv, wire.block_runs(src, dst), stream)
             if stream is None:
                 return {"src": src}, None
-            ev = ipc.pooled_event(self._pushed.setdefault(kv.device.index, []), seq, kv.device)
-            ev.record(stream)
+            ev = _record(self._pushed, seq, stream)
             return {"src": src, "done": ipc.event_handle(ev), "gpu": ipc.domain(kv)}, ev
         except Exception as e:  # noqa: BLE001 - whatever CUDA refuses: UCX messages
             raise _IpcRefused(f"push failed: {type(e).__name__}: {e}") from e
@@ -137,9 +136,7 @@ class UcxConnection(Connection):
         try:
             stream = staging.copy_stream(kv.device)
             staging.after_current(stream)
-            ev = ipc.pooled_event(self._ready.setdefault(kv.device.index, []), seq, kv.device)
-            ev.record(stream)
-            return ipc.event_handle(ev)
+            return ipc.event_handle(_record(self._ready, seq, stream))
         except Exception as e:  # noqa: BLE001 - the host waits for the writes instead
             log.info("kvtransfer: no ready events on this link: %s: %s", type(e).__name__, e)
             self._ready = None
@@ -327,6 +324,15 @@ class UcxConnection(Connection):
         except Exception:  # the receiver is already gone: nothing to say goodbye to
             log.debug("kvtransfer: bye not delivered", exc_info=True)
         wire.drop(self._ep)
+
+
+def _record(pools: dict[int, list[torch.cuda.Event]], seq: int, stream: torch.cuda.Stream
+            ) -> torch.cuda.Event:
+    """Record the link's IPC event for `seq` (`ipc.pooled_event`, from the pool of `stream`'s
+    device) on `stream`, and return it."""
+    ev = ipc.pooled_event(pools.setdefault(stream.device.index, []), seq, stream.device)
+    ev.record(stream)
+    return ev
 
 
 class _IpcRefused(Exception):
