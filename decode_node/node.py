@@ -61,4 +61,3 @@ class DecodeNode(Liveness):
 
     async def info(self) -> dict:
         return node_info(self)
-

@@ -143,8 +143,7 @@ class DisaggBackend:
         task = asyncio.ensure_future(coro)
         watch = self._watches.get(id(actor))
         if watch is None or watch.done():
-            watch = self._watches[id(actor)] = asyncio.ensure_future(self._await(
-                actor.watch.remote()))
+            watch = self._watches[id(actor)] = asyncio.ensure_future(actor.watch.remote())
             # Its failure is read here, or by nobody when no request was waiting on it.
             watch.add_done_callback(lambda f: f.cancelled() or f.exception())
         await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -152,10 +151,6 @@ class DisaggBackend:
             task.cancel()
             watch.result()  # raises: the actor died
         return task.result()
-
-    @staticmethod
-    async def _await(ref):
-        return await ref
 
     async def _lost(self, p, d, error: Exception) -> bool:
         """Whether the attempt failed because one of its actors died (or is restarting): each
@@ -201,8 +196,7 @@ class DisaggBackend:
                 log.error("a worker died for good (no restarts left): %s", actor)
                 self._down[id(actor)].set()
                 return
-        self._addr.pop(id(actor), None)
-        self._down.pop(id(actor)).set()
+        self._down.pop(id(actor)).set()  # its old address went when it was marked down
 
     @staticmethod
     async def _cancel(p, d, rid: str) -> None:
