@@ -2,7 +2,8 @@
 # What one H200 session runs once the model and wheels are staged under /tmp (see
 # bench/README.md): `bash bench/h200_session.sh cluster` (GPU tests + the two-GPU cluster,
 # CLUSTER_ARGS e.g. "--set transfer.ipc_across_gpus=true --kill-decode";
-# `gputests`: the GPU tests alone, GPU_TESTS narrows them),
+# `gputests`: the GPU tests alone, GPU_TESTS narrows them; `isolated`: each in its own
+# process),
 # `bash bench/h200_session.sh bench` (the figures; FIG3_TRACE=1 adds figure 3's dynamic-K
 # step traces, BENCH_ARGS more arguments of bench.suite), `bash bench/h200_session.sh ucx` (the UCX
 # sweep, two GPUs; SWEEP_ONLY=a,b narrows it), `bash bench/h200_session.sh pull` (one GPU: the
@@ -178,6 +179,18 @@ elif [ "$part" = oracle ]; then  # bench.draft_oracle on the GPU's own (bf16) an
   timeout "${ORACLE_TIMEOUT:-200}" python3 -m bench.draft_oracle --model "$M" \
     --out "$R/draft_oracle.json" ${ORACLE_ARGS:-} > "$R/oracle.log" 2>&1
   grep '\[bench' "$R/oracle.log" | tail -8
+elif [ "$part" = isolated ]; then  # the GPU tests each in its own process: a crash in one
+  # (a segfault under UCX) takes only that one down, and every other still reports
+  python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kvtransfer} \
+    2> /dev/null | grep '::' > "$R/ids.txt"
+  while read -r id; do
+    timeout "${TEST_TIMEOUT:-90}" python3 -X faulthandler -m pytest -q -rA --tb=short \
+      -p no:cacheprovider "$id" > "$R/one.log" 2>&1
+    rc=$?
+    echo "rc=$rc $id" | tee -a "$R/summary.txt"
+    { echo "=== rc=$rc $id"; cat "$R/one.log"; } >> "$R/isolated.log"
+  done < "$R/ids.txt"
+  rm -f "$R/one.log"
 elif [ "$part" = gputests ] || [ "$part" = cluster ]; then  # GPU tests (+ the two-GPU cluster)
   # (gputests: the tests alone, no Ray, one GPU is enough; a longer default limit)
   limit=150; [ "$part" = gputests ] && limit=240
