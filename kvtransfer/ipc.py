@@ -151,8 +151,16 @@ _local_events: weakref.WeakValueDictionary[str, torch.cuda.Event] = weakref.Weak
 
 
 def event_handle(ev: torch.cuda.Event) -> str:
-    handle = bytes(ev.ipc_handle()).hex()
-    _local_events[handle] = ev
+    """`ev`'s IPC handle, as hex (asked of CUDA once per event: a pooled event is named in
+    every request's header, and its handle never changes)."""
+    handle = getattr(ev, "_tandem_ipc_handle", None)
+    if handle is None:
+        handle = bytes(ev.ipc_handle()).hex()
+        _local_events[handle] = ev
+        try:
+            ev._tandem_ipc_handle = handle  # type: ignore[attr-defined]
+        except AttributeError:  # an event type without attributes: asked again next time
+            pass
     return handle
 
 
