@@ -90,6 +90,7 @@ class UcxTransport(Transport):
         self._events: dict[int, list[torch.cuda.Event]] = {}  # link -> early-ack events
         # (link, handle) -> a sender's opened "blocks written" event (`_land_pull`)
         self._peer_events: dict[tuple[int, str], torch.cuda.Event] = {}
+        self._cache_exports: dict[tuple[bool, int], dict[str, Any]] = {}  # `_export`
         self._progress_mode = progress_mode
         self._id = wire.new_id()
         self._listener: Any = None
@@ -239,8 +240,8 @@ class UcxTransport(Transport):
                                     exc_info=True)
                 if self.push is not False and (self.kv_cache.is_cuda or ipc.HOST_PULL):
                     try:  # the sender may write the blocks into this cache itself
-                        reply["push_to"] = {"gpu": ipc.domain(self.kv_cache), "spec": ipc.export(
-                            self.kv_cache, same_process=hello.get("pid") == os.getpid())}
+                        reply["push_to"] = {"gpu": ipc.domain(self.kv_cache), "spec": self._export(
+                            same_process=hello.get("pid") == os.getpid())}
                     except Exception:  # noqa: BLE001 - no push: pull or messages still work
                         log.warning("kvtransfer: cannot export the cache, no push",
                                     exc_info=True)
@@ -469,6 +470,14 @@ class UcxTransport(Transport):
             stamps["ack"] = time.perf_counter()
             reply["t"] = stamps
         await wire.send(ep, wire.encode(reply), wire.tag(link, seq, wire.ACK))
+
+    def _export(self, same_process: bool) -> dict[str, Any]:
+        """This receiver's cache as `ipc.export` describes it, made once (per cache and kind)
+        for all links: each CUDA export takes a slot of torch's IPC reference counts."""
+        key = (same_process, self.kv_cache.data_ptr())
+        if key not in self._cache_exports:
+            self._cache_exports[key] = ipc.export(self.kv_cache, same_process=same_process)
+        return self._cache_exports[key]
 
     def _link_event(self, link: int, seq: int) -> torch.cuda.Event:
         """One of a link's early-ack events, in turn (made on first use)."""

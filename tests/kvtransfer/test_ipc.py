@@ -478,3 +478,31 @@ def test_a_push_copies_after_the_senders_writes(ucx_loop):
     assert path == "push"
     assert trace["ready"][0] < 0.1 < trace["acked"]
     assert landed
+
+
+def test_a_receiver_exports_its_cache_once_for_all_links(ucx_loop, host_pull, monkeypatch):
+    """Each CUDA export takes a slot of torch's IPC reference counts: a receiver makes its
+    cache's export once, and every sender that connects is offered that one."""
+    pytest.importorskip("ucxx")
+    from kvtransfer.ucx import UcxTransport
+
+    layout = tiny_layout()
+    src, dst = random_kv(layout, seed=3), random_kv(layout, seed=4)
+    made, real = [], ipc.export
+    monkeypatch.setattr(ipc, "export", lambda kv, **kw: made.append(kv is dst) or real(kv, **kw))
+
+    async def go():
+        rx = UcxTransport(layout, dst)
+        async with rx:
+            paths = []
+            for i in range(3):
+                tx = UcxTransport(layout)
+                conn = await tx.connect(rx.address)
+                await conn.send_blocks(f"r{i}", src, [i], [10 + i])
+                paths.append(conn.last_path)
+                await tx.close()
+            return paths
+
+    assert ucx_loop.run(go(), timeout=60) == ["push"] * 3
+    assert made == [True]
+    assert torch.equal(dst[:, :, 10:13], src[:, :, 0:3])
