@@ -94,6 +94,10 @@ class Metrics:
             c, "tandem_stream_resumes_total",
             "Streams moved to other (or restarted) workers after one died mid-request; they "
             "went on where they stopped.")
+        self.continuations = self._metric(
+            c, "tandem_stream_continuations_total",
+            "Calls that continued a client's broken stream (GenerateRequest.continuation: its "
+            "router died or its connection dropped) after the tokens it had received.")
         self.engine_steps = self._metric(
             c, "tandem_engine_steps_total",
             "Engine steps by path: overlapped (a one-graph decode step launched before the "

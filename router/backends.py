@@ -17,8 +17,10 @@ class LocalBackend:
     def encode(self, prompt) -> list[int]:
         return self.engine.encode_prompt(prompt)
 
-    def generate(self, rid, ids, params, spec_cap=None):
-        return self.loop.generate(rid, ids, params, spec_cap)
+    def generate(self, rid, ids, params, spec_cap=None, resume=None):
+        """`resume=(n, chars)`: the last n ids are output a broken call already streamed,
+        with the first `chars` characters of their text (`Engine.add_request`)."""
+        return self.loop.generate(rid, ids, params, spec_cap, resume=resume)
 
     def info(self) -> dict:
         cfg = self.engine.config

@@ -42,6 +42,22 @@ def sampling_of(req: pb.GenerateRequest) -> SamplingParams:
         stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
 
 
+def continuation_of(req: pb.GenerateRequest, params: SamplingParams
+                    ) -> tuple[list[int], int] | None:
+    """(token ids already streamed, characters of their text already streamed) of a request
+    that continues a broken call, or None for a new one. The ids' range and the context length
+    are checked with the prompt (the engine's encoder)."""
+    if not req.HasField("continuation"):
+        return None
+    ids = list(req.continuation.token_ids)
+    if not ids:
+        raise InvalidRequestError("continuation has no token ids")
+    if len(ids) >= params.max_tokens:
+        raise InvalidRequestError(f"continuation has {len(ids)} tokens: nothing is left of "
+                                  f"max_tokens={params.max_tokens}")
+    return ids, req.continuation.text_length
+
+
 def spec_cap_of(req: pb.GenerateRequest, served: str) -> int | None:
     """Per-request cap on draft tokens (None: the server's choice); refuses a method this
     deployment does not serve."""

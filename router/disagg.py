@@ -68,10 +68,15 @@ class DisaggBackend:
         to restart one)."""
         return [a for a in actors if id(a) not in self._down] or actors
 
-    async def generate(self, rid: str, ids: list[int], params, spec_cap=None
-                       ) -> AsyncIterator:
-        made: list[int] = []  # tokens streamed so far, across attempts
+    async def generate(self, rid: str, ids: list[int], params, spec_cap=None,
+                       resume: tuple[int, int] | None = None) -> AsyncIterator:
+        """`resume=(n, chars)`: the last n ids are output a broken call already streamed,
+        with the first `chars` characters of their text (a client's continuation)."""
+        made: list[int] = []  # tokens streamed so far, across attempts (and calls)
         chars = 0  # characters of text streamed so far
+        if resume is not None:
+            n, chars = resume
+            ids, made = ids[:len(ids) - n], ids[len(ids) - n:]
         accepted = 0  # draft tokens accepted by the attempts before this one
         cached = 0  # prompt tokens the first attempt found in the prefix cache
         for attempt in itertools.count():

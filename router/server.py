@@ -3,6 +3,7 @@ reflection. Backends (colocated engine loop, or prefill/decode actors) do the ge
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -11,11 +12,12 @@ import grpc
 
 from engine import InvalidRequestError, ResourceExhaustedError
 from engine.metrics import RequestTimer
-from router.convert import FINISH, prompt_of, sampling_of, spec_cap_of
+from router.convert import FINISH, continuation_of, prompt_of, sampling_of, spec_cap_of
 from tandem_client._gen.tandem.v1 import generation_pb2 as pb
 from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tandem.router")
+CONTINUATION_WAIT_S = 2.0  # how long a continuation waits for its broken call to end here
 SPEC_ENUM = {"none": pb.SPECULATION_METHOD_NONE, "eagle3": pb.SPECULATION_METHOD_EAGLE3,
              "ngram": pb.SPECULATION_METHOD_NGRAM}
 
@@ -32,22 +34,39 @@ class GenerationService(pb_grpc.GenerationServicer):
         t0 = time.perf_counter()
         rid = request.request_id or f"r{next(self._ids)}-{int(t0 * 1e6) % 10**9}"
         try:
+            params = sampling_of(request)
+            more = continuation_of(request, params)
+            if rid in self.inflight and more is not None:
+                # A broken call's continuation may come in before the server has seen that
+                # call end (a dropped connection): the old one is cancelled on its own.
+                await self._left(rid, CONTINUATION_WAIT_S)
             if rid in self.inflight:
                 raise InvalidRequestError(f"request_id {rid!r} is already in flight")
             if len(self.inflight) >= self.max_inflight:
                 raise ResourceExhaustedError("too many requests in flight; retry later")
-            params = sampling_of(request)
             ids = self.backend.encode(prompt_of(request))
+            resume = None
+            if more is not None:  # the output so far becomes the prompt's tail, as output
+                made, chars = more
+                ids = self.backend.encode(ids + made)
+                resume = (len(made), chars)
             cap = spec_cap_of(request, self.backend.info()["speculation"])
         except InvalidRequestError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ResourceExhaustedError as e:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.inflight.add(rid)
-        timer = RequestTimer(self.metrics, len(ids)) if self.metrics else None
+        timer = None
+        if self.metrics is not None:
+            timer = RequestTimer(self.metrics, len(ids) - (resume[0] if resume else 0))
+            if resume is not None:
+                self.metrics.continuations.inc()
         status, first = "cancelled", None
         try:
-            async for out in self.backend.generate(rid, ids, params, cap):
+            # A continuation runs under its own engine id: the broken call's request may still
+            # be winding down in the engine (its cancel in flight).
+            eid = rid if resume is None else f"{rid}+{resume[0]}"
+            async for out in self.backend.generate(eid, ids, params, cap, resume=resume):
                 if first is None and out.token_ids:
                     first = time.perf_counter()
                 if timer is not None and out.token_ids:
@@ -72,6 +91,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.inflight.discard(rid)
             if timer is not None:
                 timer.finish(status if status in FINISH else "error")
+
+    async def _left(self, rid: str, timeout: float) -> None:
+        """Until request `rid` is no longer in flight, or `timeout` seconds have passed."""
+        end = time.monotonic() + timeout
+        while rid in self.inflight and time.monotonic() < end:
+            await asyncio.sleep(0.01)
 
     async def GetModelInfo(self, request, context):
         i = self.backend.info()

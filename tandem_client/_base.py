@@ -25,13 +25,19 @@ class ClientBase(ABC, Generic[StreamT]):
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
                  retries: int = 3, backoff: float = 0.1, max_backoff: float = 2.0,
-                 credentials: grpc.ChannelCredentials | None = None,
+                 resume: bool = True, credentials: grpc.ChannelCredentials | None = None,
                  metadata: Sequence[tuple[str, str]] = (), options: ChannelOptions = ()) -> None:
         """Open a channel to `target` ("host:port"; gRPC connects lazily, on the first call).
 
         timeout: default deadline of each call in seconds, retries included; None: no deadline.
         retries, backoff, max_backoff: retry a call that failed UNAVAILABLE before any output,
             up to `retries` times, waiting `backoff` seconds doubling up to `max_backoff`.
+        resume: a stream that breaks off with UNAVAILABLE after some output (its router died,
+            the connection dropped) is retried too, continuing after what arrived: the server
+            is sent the tokens received so far (GenerateRequest.continuation) and streams only
+            what follows. Greedy, the joined output is the one an unbroken call gives; sampled,
+            a valid sample. False: such a break raises UnavailableError. The retry count starts
+            again each time output arrives.
         credentials: TLS (grpc.ssl_channel_credentials()); None: plaintext.
         metadata: sent with every call (e.g. [("authorization", "Bearer ...")]).
         options: extra gRPC channel arguments.
@@ -39,6 +45,7 @@ class ClientBase(ABC, Generic[StreamT]):
         self.target = target
         self.timeout = timeout
         self._policy = RetryPolicy(retries, backoff, max_backoff)
+        self.resume = resume
         self._metadata = tuple(metadata)
         opts = self._policy.channel_options(options)
         self._channel = self._make_channel(target, credentials, opts)

@@ -10,14 +10,18 @@ from typing import Any
 
 import grpc
 
+from tandem_client._gen.tandem.v1 import generation_pb2 as pb
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
     """Exponential backoff with jitter, on UNAVAILABLE only.
 
     UNAVAILABLE is the one code that says the request was not taken (no node, connection refused,
-    server draining), so trying again cannot run it twice. The caller (the stream) also stops
-    retrying once any output arrived: a second attempt would generate those tokens again.
+    server draining) or that its server went away (the router died, the connection dropped), so
+    trying again cannot run it twice. Once output arrived, the stream's next attempt continues
+    it (`Progress`), or, with resuming off, the stream stops retrying: a second attempt would
+    generate those tokens again.
     """
 
     retries: int = 3  # attempts after the first
@@ -63,3 +67,39 @@ class Deadline:
     def remaining(self) -> float | None:
         """Seconds left (never negative), or None: no deadline."""
         return None if self._at is None else max(0.0, self._at - time.monotonic())
+
+
+class Progress:
+    """What one stream has received, so that a call that broke off can be continued by the next
+    attempt (`GenerateRequest.continuation`) instead of generating that output again."""
+
+    def __init__(self, request: pb.GenerateRequest, resume: bool) -> None:
+        self.request, self.resume = request, resume
+        self.token_ids: list[int] = []
+        self.text_length = 0  # code points
+        self.request_id = request.request_id  # the server's, once it named one
+
+    def saw(self, resp: pb.GenerateResponse) -> None:
+        self.token_ids += resp.token_ids
+        self.text_length += len(resp.text)
+        self.request_id = self.request_id or resp.request_id
+
+    @property
+    def started(self) -> bool:
+        """Output arrived: a new attempt must continue it, or repeat it."""
+        return bool(self.token_ids or self.text_length)
+
+    def may_retry(self) -> bool:
+        return not self.started or (self.resume and bool(self.token_ids))
+
+    def next_request(self) -> pb.GenerateRequest:
+        """The request of the next attempt: the same, continued after what arrived (under the
+        id the server gave it, so logs and metrics follow one request)."""
+        if not self.started:
+            return self.request
+        req = pb.GenerateRequest()
+        req.CopyFrom(self.request)
+        req.request_id = self.request_id
+        req.continuation.token_ids.extend(self.token_ids)
+        req.continuation.text_length = self.text_length
+        return req

@@ -11,7 +11,7 @@ import grpc.aio
 
 from tandem_client._base import ChannelOptions, ClientBase
 from tandem_client._gen.tandem.v1 import generation_pb2 as pb
-from tandem_client._retry import Deadline, RetryPolicy
+from tandem_client._retry import Deadline, Progress, RetryPolicy
 from tandem_client.errors import from_rpc_error
 from tandem_client.types import Chunk, Completion, Message, ModelInfo
 
@@ -23,12 +23,12 @@ class AsyncStream(AsyncIterator[Chunk]):
     (so `break` out of `async for` cancels). After a cancel by this side, iteration ends.
     """
 
-    def __init__(self, start: Callable[[Deadline], Any], policy: RetryPolicy,
-                 deadline: Deadline) -> None:
+    def __init__(self, start: Callable[[pb.GenerateRequest, Deadline], Any], policy: RetryPolicy,
+                 deadline: Deadline, progress: Progress) -> None:
         self._start, self._policy, self._deadline = start, policy, deadline
+        self._progress = progress  # what arrived: the next attempt continues after it
         self._call: Any = None  # the current attempt's grpc.aio call; None between attempts
         self._attempt = 0
-        self._received = False  # any chunk seen: from then on a retry would repeat tokens
         self._done = False
         self._cancelled = asyncio.Event()
 
@@ -38,7 +38,7 @@ class AsyncStream(AsyncIterator[Chunk]):
     async def __anext__(self) -> Chunk:
         while not (self._done or self._cancelled.is_set()):
             if self._call is None:
-                self._call = self._start(self._deadline)
+                self._call = self._start(self._progress.next_request(), self._deadline)
             try:
                 resp = await self._call.read()
             except grpc.RpcError as err:
@@ -54,7 +54,11 @@ class AsyncStream(AsyncIterator[Chunk]):
             if resp is grpc.aio.EOF:
                 self._done = True
                 break
-            self._received = True
+            if resp.token_ids:
+                self._attempt = 0  # progress: a later break gets the full retries again
+            self._progress.saw(resp)
+            if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                self._done = True  # the whole completion is in: a later break loses nothing
             return Chunk.from_pb(resp)
         raise StopAsyncIteration
 
@@ -63,8 +67,8 @@ class AsyncStream(AsyncIterator[Chunk]):
         if self._cancelled.is_set():
             return
         code = err.code()
-        delay = None if self._received else self._policy.delay(code, self._attempt,
-                                                                self._deadline)
+        delay = (self._policy.delay(code, self._attempt, self._deadline)
+                 if self._progress.may_retry() else None)
         if delay is None:
             self._done = True
             raise from_rpc_error(err) from err
@@ -115,8 +119,8 @@ class AsyncClient(ClientBase[AsyncStream]):
         return grpc.aio.secure_channel(target, credentials, options)
 
     def _open(self, request: pb.GenerateRequest, deadline: Deadline) -> AsyncStream:
-        start = lambda d: self._stub.Generate(request, **self._call_kwargs(d))
-        return AsyncStream(start, self._policy, deadline)
+        start = lambda req, d: self._stub.Generate(req, **self._call_kwargs(d))
+        return AsyncStream(start, self._policy, deadline, Progress(request, self.resume))
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """Generate to the end and return the joined chunks. Takes `generate`'s arguments.

@@ -11,7 +11,7 @@ import grpc
 
 from tandem_client._base import ChannelOptions, ClientBase
 from tandem_client._gen.tandem.v1 import generation_pb2 as pb
-from tandem_client._retry import Deadline, RetryPolicy
+from tandem_client._retry import Deadline, Progress, RetryPolicy
 from tandem_client.errors import from_rpc_error
 from tandem_client.types import Chunk, Completion, Message, ModelInfo
 
@@ -21,15 +21,17 @@ class Stream(Iterator[Chunk]):
 
     Stops the RPC on the server when cancelled: by `cancel()` (from any thread), by leaving a
     `with` block, or when the stream is dropped (so `break` out of `for c in client.generate()`
-    cancels). After a cancel by this side, iteration simply ends.
+    cancels). After a cancel by this side, iteration simply ends. A call that breaks off after
+    some output is continued by the next attempt (the client's `resume`): the chunks go on
+    where they stopped.
     """
 
-    def __init__(self, start: Callable[[Deadline], Any], policy: RetryPolicy,
-                 deadline: Deadline) -> None:
+    def __init__(self, start: Callable[[pb.GenerateRequest, Deadline], Any], policy: RetryPolicy,
+                 deadline: Deadline, progress: Progress) -> None:
         self._start, self._policy, self._deadline = start, policy, deadline
+        self._progress = progress  # what arrived: the next attempt continues after it
         self._call: Any = None  # the current attempt's grpc call; None between attempts
         self._attempt = 0
-        self._received = False  # any chunk seen: from then on a retry would repeat tokens
         self._done = False
         self._cancelled = threading.Event()
 
@@ -39,7 +41,7 @@ class Stream(Iterator[Chunk]):
     def __next__(self) -> Chunk:
         while not (self._done or self._cancelled.is_set()):
             if self._call is None:
-                self._call = self._start(self._deadline)
+                self._call = self._start(self._progress.next_request(), self._deadline)
                 if self._cancelled.is_set():  # cancel() ran before the call existed
                     self._call.cancel()
             try:
@@ -51,7 +53,11 @@ class Stream(Iterator[Chunk]):
                 self._call = None
                 self._retry_or_raise(err)
                 continue
-            self._received = True
+            if resp.token_ids:
+                self._attempt = 0  # progress: a later break gets the full retries again
+            self._progress.saw(resp)
+            if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
+                self._done = True  # the whole completion is in: a later break loses nothing
             return Chunk.from_pb(resp)
         raise StopIteration
 
@@ -60,8 +66,8 @@ class Stream(Iterator[Chunk]):
         if self._cancelled.is_set():
             return  # our own cancel surfaces as CANCELLED: end quietly
         code = err.code()  # grpc's call errors are grpc.Call objects too
-        delay = None if self._received else self._policy.delay(code, self._attempt,
-                                                                self._deadline)
+        delay = (self._policy.delay(code, self._attempt, self._deadline)
+                 if self._progress.may_retry() else None)
         if delay is None:
             self._done = True
             raise from_rpc_error(err) from err
@@ -104,8 +110,8 @@ class Client(ClientBase[Stream]):
         return grpc.secure_channel(target, credentials, options)
 
     def _open(self, request: pb.GenerateRequest, deadline: Deadline) -> Stream:
-        start = lambda d: self._stub.Generate(request, **self._call_kwargs(d))
-        return Stream(start, self._policy, deadline)
+        start = lambda req, d: self._stub.Generate(req, **self._call_kwargs(d))
+        return Stream(start, self._policy, deadline, Progress(request, self.resume))
 
     def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """Generate to the end and return the joined chunks. Takes `generate`'s arguments.

@@ -21,7 +21,8 @@ USAGE = pb.Usage(prompt_tokens=5, completion_tokens=4, cached_tokens=2, accepted
 class FakeGeneration(pb_grpc.GenerationServicer):
     """Answers Generate as the test sets it up; records every request it receives.
 
-    mode "script": stream `chunks`, the last with finish_reason STOP and usage.
+    mode "script": stream `chunks`, the last with finish_reason STOP and usage (a continuation:
+    those after the tokens it carries).
     mode "endless": a chunk every 10 ms until the client goes away.
     mode "hang": send nothing until the client goes away (deadline, cancel).
     """
@@ -43,12 +44,12 @@ class FakeGeneration(pb_grpc.GenerationServicer):
             context.abort(self.fail_first.pop(0), "scripted failure")
         rid = request.request_id or f"srv-{len(self.requests)}"
         try:
-            yield from self._respond(rid, context)
+            yield from self._respond(rid, context, len(request.continuation.token_ids))
         finally:  # also runs when grpc closes the generator because the client went away
             if not context.is_active():
                 self.client_gone.set()
 
-    def _respond(self, rid, context):
+    def _respond(self, rid, context, skip=0):
         if self.mode == "hang":
             while context.is_active():
                 time.sleep(0.005)
@@ -58,8 +59,11 @@ class FakeGeneration(pb_grpc.GenerationServicer):
                 yield pb.GenerateResponse(request_id=rid, text=f"{i} ", token_ids=[i])
                 time.sleep(0.01)
             return
-        for i, (text, ids) in enumerate(self.chunks):
-            last = i == len(self.chunks) - 1
+        chunks = list(self.chunks)
+        while skip > 0 and chunks:  # a continuation: what the broken call already streamed
+            skip -= len(chunks.pop(0)[1])
+        for i, (text, ids) in enumerate(chunks):
+            last = i == len(chunks) - 1
             yield pb.GenerateResponse(
                 request_id=rid, text=text, token_ids=ids,
                 finish_reason=pb.FINISH_REASON_STOP if last else pb.FINISH_REASON_UNSPECIFIED,

@@ -89,18 +89,25 @@ def test_deadline_exceeded(fake):
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-def test_unavailable_is_retried_only_before_the_first_chunk(fake):
+def test_unavailable_is_retried_and_continued_after_output(fake):
+    """Before any chunk, a retry starts over; after, it continues after what arrived (or,
+    with resume off, the stream fails)."""
     async def main():
         async with AsyncClient(fake.target, **FAST_RETRY) as c:
             fake.fail_first = [grpc.StatusCode.UNAVAILABLE] * 2
             assert (await c.complete("x")).text == "Hello!"
             assert len(fake.requests) == 3
             fake.fail_after_first_chunk = grpc.StatusCode.UNAVAILABLE
+            chunks = [ch async for ch in c.generate("x")]
+            assert [ch.text for ch in chunks] == ["Hel", "lo", "!"]
+            assert [list(r.continuation.token_ids) for r in fake.requests[3:]] == [
+                [], [1], [1, 2, 3]]
+        async with AsyncClient(fake.target, resume=False, **FAST_RETRY) as c:
             stream = c.generate("x")
             assert (await stream.__anext__()).text == "Hel"
             with pytest.raises(UnavailableError):
                 await stream.__anext__()
-            assert len(fake.requests) == 4
+            assert len(fake.requests) == 7
 
     run(main())
 

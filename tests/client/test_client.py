@@ -109,13 +109,47 @@ def test_retries_give_up_after_the_configured_count(fake):
     assert len(fake.requests) == 3
 
 
-def test_unavailable_after_a_chunk_is_not_retried(client, fake):
+def test_unavailable_after_a_chunk_is_continued_after_what_arrived(client, fake):
+    """Every call breaks off after one chunk: each retry carries what arrived so far, under
+    the id the server gave, and the chunks go on where they stopped (not from the start)."""
     fake.fail_after_first_chunk = grpc.StatusCode.UNAVAILABLE
+    chunks = list(client.generate("x"))
+    assert [c.text for c in chunks] == ["Hel", "lo", "!"]
+    assert [c.token_ids for c in chunks] == [(1,), (2, 3), (4,)]
+    assert chunks[-1].finish_reason == "stop"
+    first, *more = fake.requests
+    assert not first.HasField("continuation")
+    assert [(list(r.continuation.token_ids), r.continuation.text_length, r.request_id)
+            for r in more] == [([1], 3, "srv-1"), ([1, 2, 3], 5, "srv-1")]
+    assert all(r.text == "x" for r in more)
+
+
+def test_retries_of_a_broken_stream_start_again_after_each_chunk(fake):
+    """retries=1 is one retry per break, not per stream: three breaks, each after new output."""
+    fake.fail_after_first_chunk = grpc.StatusCode.UNAVAILABLE
+    fake.chunks = [("a", [1]), ("b", [2]), ("c", [3]), ("d", [4])]
+    with Client(fake.target, retries=1, **FAST_RETRY) as c:
+        assert c.complete("x").text == "abcd"
+    assert len(fake.requests) == 4
+
+
+def test_without_resume_unavailable_after_a_chunk_is_not_retried(fake):
+    fake.fail_after_first_chunk = grpc.StatusCode.UNAVAILABLE
+    with Client(fake.target, resume=False, **FAST_RETRY) as c:
+        stream = c.generate("x")
+        assert next(stream).text == "Hel"
+        with pytest.raises(UnavailableError, match="mid-stream"):
+            next(stream)
+    assert len(fake.requests) == 1  # a retry would have streamed "Hel" twice
+
+
+def test_other_errors_after_a_chunk_are_not_continued(client, fake):
+    fake.fail_after_first_chunk = grpc.StatusCode.INTERNAL
     stream = client.generate("x")
     assert next(stream).text == "Hel"
-    with pytest.raises(UnavailableError, match="mid-stream"):
+    with pytest.raises(TandemError):
         next(stream)
-    assert len(fake.requests) == 1  # a retry would have streamed "Hel" twice
+    assert len(fake.requests) == 1
 
 
 @pytest.mark.parametrize("code, exc", [(grpc.StatusCode.INVALID_ARGUMENT, InvalidArgumentError),

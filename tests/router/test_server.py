@@ -12,6 +12,8 @@ from engine import SamplingParams
 from router.backends import LocalBackend
 from router.server import GenerationService, start_server
 from tandem_client import Client
+from tandem_client._gen.tandem.v1 import generation_pb2 as pb
+from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem_client.errors import InvalidArgumentError, ResourceExhaustedError
 from tests.helpers import tiny_engine
 
@@ -33,6 +35,18 @@ class Served:
         asyncio.run_coroutine_threadsafe(boot(), self.loop)
         assert ready.wait(30)
         self.target = f"127.0.0.1:{self.port}"
+
+    def restart(self, metrics=None):
+        """Stop the gRPC server (its calls break off, UNAVAILABLE) and start a new one on the
+        same port over the same backend: a router that died and came back."""
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
+
+        async def boot():
+            return await start_server(GenerationService(self.backend, metrics=metrics),
+                                      port=self.port)
+
+        self.server, port = asyncio.run_coroutine_threadsafe(boot(), self.loop).result(30)
+        assert port == self.port
 
     def close(self):
         asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result(10)
@@ -151,3 +165,80 @@ def test_metrics_move_with_traffic():
         assert gen == 8 and sum(x.value for x in reqs) == 2 and ttft[0].value == 2
     finally:
         s.close()
+
+
+def _call(target, request):
+    """The raw Generate call (the SDK sets a continuation only when it resumes)."""
+    with grpc.insecure_channel(target) as ch:
+        return list(pb_grpc.GenerationStub(ch).Generate(request, timeout=60))
+
+
+def test_a_continuation_streams_only_what_follows(served):
+    """The output of an unbroken call, cut anywhere: a continuation carrying its head streams
+    its tail, token for token, and the usage of the whole completion."""
+    prompt = [5, 9, 14, 3]
+    with Client(served.target) as c:
+        want = c.complete(token_ids=prompt, temperature=0, max_tokens=12, ignore_eos=True)
+    ids = list(want.token_ids)
+    for cut in (1, 5, 11):
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), request_id=f"cut{cut}",
+                                 sampling=pb.SamplingParams(temperature=0, max_tokens=12,
+                                                            ignore_eos=True),
+                                 continuation=pb.Continuation(token_ids=ids[:cut]))
+        got = _call(served.target, req)
+        assert [t for r in got for t in r.token_ids] == ids[cut:]
+        assert {r.request_id for r in got} == {f"cut{cut}"}
+        assert got[-1].usage.completion_tokens == 12 and got[-1].usage.prompt_tokens == 4
+        assert got[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    served.engine.blocks.check_all_free()
+
+
+@pytest.mark.parametrize("continuation, match", [
+    (pb.Continuation(), "no token ids"), (pb.Continuation(token_ids=[10_000]), "token ids"),
+    (pb.Continuation(token_ids=[7] * 6), "max_tokens"),
+    (pb.Continuation(token_ids=[7] * 130), "context")])
+def test_bad_continuations_are_invalid_argument(served, continuation, match):
+    req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), continuation=continuation,
+                             sampling=pb.SamplingParams(max_tokens=6 if len(
+                                 continuation.token_ids) < 100 else 200))
+    with pytest.raises(grpc.RpcError) as e:
+        _call(served.target, req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
+    with Client(served.target) as c:
+        assert c.complete(token_ids=[1, 2], temperature=0, max_tokens=3).token_ids
+    served.engine.blocks.check_all_free()
+
+
+def test_a_stream_goes_on_when_its_server_dies(smol_engine):
+    """The router's server dies mid-stream and a new one comes up on its port: the SDK's
+    stream continues after what it received, and the whole of it (text, tokens, usage) is
+    the unbroken call's; the continued call is counted."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.metrics import Metrics
+
+    s, m = Served(smol_engine), Metrics("router")
+    kw = {"messages": [{"role": "user", "content": "Name five rivers and a fact about each."}],
+          "temperature": 0, "max_tokens": 40, "stop": ["Danube"]}
+    try:
+        with Client(s.target, backoff=0.05) as c:
+            want = c.complete(**kw)
+            stream = c.generate(**kw)
+            got = [next(stream) for _ in range(4)]
+            s.restart(metrics=m)
+            got += list(stream)
+    finally:
+        s.close()
+    assert "".join(g.text for g in got) == want.text and len(want.token_ids) > 8
+    assert [t for g in got for t in g.token_ids] == list(want.token_ids)
+    assert got[-1].finish_reason == want.finish_reason
+    assert got[-1].usage.completion_tokens == want.usage.completion_tokens
+    assert got[-1].usage.prompt_tokens == want.usage.prompt_tokens
+    assert len({g.request_id for g in got}) == 1
+    fams = {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
+    assert fams["tandem_stream_continuations"].samples[0].value == 1
+    for _ in range(100):  # the broken call's abort reaches the engine thread asynchronously
+        if not smol_engine.seqs:
+            break
+        threading.Event().wait(0.05)
+    smol_engine.blocks.check_all_free()

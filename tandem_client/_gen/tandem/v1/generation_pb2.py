@@ -14,37 +14,39 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\"\xec\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12+\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x16.tandem.v1.SpeculationB\x08\n\x06prompt\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe5\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"c\n\x0bSpeculation\x12,\n\x06method\x18\x01 \x01(\x0e\x32\x1c.tandem.v1.SpeculationMethod\x12\x17\n\nnum_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_num_tokens\"\x98\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x80\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\"\x12\n\x10ModelInfoRequest\"\xa3\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x39\n\x13\x64\x65\x66\x61ult_speculation\x18\x04 \x01(\x0e\x32\x1c.tandem.v1.SpeculationMethod\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t*\x91\x01\n\x11SpeculationMethod\x12\"\n\x1eSPECULATION_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17SPECULATION_METHOD_NONE\x10\x01\x12\x1d\n\x19SPECULATION_METHOD_EAGLE3\x10\x02\x12\x1c\n\x18SPECULATION_METHOD_NGRAM\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x96\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x41\n\x0cGetModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atandem/v1/generation.proto\x12\ttandem.v1\"\x9b\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12\'\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12(\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12+\n\x0bspeculation\x18\x06 \x01(\x0b\x32\x16.tandem.v1.Speculation\x12-\n\x0c\x63ontinuation\x18\x07 \x01(\x0b\x32\x17.tandem.v1.ContinuationB\x08\n\x06prompt\"6\n\x0c\x43ontinuation\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x13\n\x0btext_length\x18\x02 \x01(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xe5\x01\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokens\"c\n\x0bSpeculation\x12,\n\x06method\x18\x01 \x01(\x0e\x32\x1c.tandem.v1.SpeculationMethod\x12\x17\n\nnum_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\r\n\x0b_num_tokens\"\x98\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\"\x80\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x05 \x01(\x01\"\x12\n\x10ModelInfoRequest\"\xa3\x01\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x39\n\x13\x64\x65\x66\x61ult_speculation\x18\x04 \x01(\x0e\x32\x1c.tandem.v1.SpeculationMethod\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t*\x91\x01\n\x11SpeculationMethod\x12\"\n\x1eSPECULATION_METHOD_UNSPECIFIED\x10\x00\x12\x1b\n\x17SPECULATION_METHOD_NONE\x10\x01\x12\x1d\n\x19SPECULATION_METHOD_EAGLE3\x10\x02\x12\x1c\n\x18SPECULATION_METHOD_NGRAM\x10\x03*\x95\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x32\x96\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12\x41\n\x0cGetModelInfo\x12\x1b.tandem.v1.ModelInfoRequest\x1a\x14.tandem.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tandem.v1.generation_pb2', _globals)
 if _descriptor._USE_C_DESCRIPTORS == False:
   DESCRIPTOR._options = None
-  _globals['_SPECULATIONMETHOD']._serialized_start=1215
-  _globals['_SPECULATIONMETHOD']._serialized_end=1360
-  _globals['_FINISHREASON']._serialized_start=1363
-  _globals['_FINISHREASON']._serialized_end=1512
+  _globals['_SPECULATIONMETHOD']._serialized_start=1318
+  _globals['_SPECULATIONMETHOD']._serialized_end=1463
+  _globals['_FINISHREASON']._serialized_start=1466
+  _globals['_FINISHREASON']._serialized_end=1615
   _globals['_GENERATEREQUEST']._serialized_start=42
-  _globals['_GENERATEREQUEST']._serialized_end=278
-  _globals['_CHATMESSAGE']._serialized_start=280
-  _globals['_CHATMESSAGE']._serialized_end=324
-  _globals['_CHATMESSAGES']._serialized_start=326
-  _globals['_CHATMESSAGES']._serialized_end=382
-  _globals['_TOKENIDS']._serialized_start=384
-  _globals['_TOKENIDS']._serialized_end=407
-  _globals['_SAMPLINGPARAMS']._serialized_start=410
-  _globals['_SAMPLINGPARAMS']._serialized_end=639
-  _globals['_SPECULATION']._serialized_start=641
-  _globals['_SPECULATION']._serialized_end=740
-  _globals['_GENERATERESPONSE']._serialized_start=743
-  _globals['_GENERATERESPONSE']._serialized_end=895
-  _globals['_USAGE']._serialized_start=898
-  _globals['_USAGE']._serialized_end=1026
-  _globals['_MODELINFOREQUEST']._serialized_start=1028
-  _globals['_MODELINFOREQUEST']._serialized_end=1046
-  _globals['_MODELINFO']._serialized_start=1049
-  _globals['_MODELINFO']._serialized_end=1212
-  _globals['_GENERATION']._serialized_start=1515
-  _globals['_GENERATION']._serialized_end=1665
+  _globals['_GENERATEREQUEST']._serialized_end=325
+  _globals['_CONTINUATION']._serialized_start=327
+  _globals['_CONTINUATION']._serialized_end=381
+  _globals['_CHATMESSAGE']._serialized_start=383
+  _globals['_CHATMESSAGE']._serialized_end=427
+  _globals['_CHATMESSAGES']._serialized_start=429
+  _globals['_CHATMESSAGES']._serialized_end=485
+  _globals['_TOKENIDS']._serialized_start=487
+  _globals['_TOKENIDS']._serialized_end=510
+  _globals['_SAMPLINGPARAMS']._serialized_start=513
+  _globals['_SAMPLINGPARAMS']._serialized_end=742
+  _globals['_SPECULATION']._serialized_start=744
+  _globals['_SPECULATION']._serialized_end=843
+  _globals['_GENERATERESPONSE']._serialized_start=846
+  _globals['_GENERATERESPONSE']._serialized_end=998
+  _globals['_USAGE']._serialized_start=1001
+  _globals['_USAGE']._serialized_end=1129
+  _globals['_MODELINFOREQUEST']._serialized_start=1131
+  _globals['_MODELINFOREQUEST']._serialized_end=1149
+  _globals['_MODELINFO']._serialized_start=1152
+  _globals['_MODELINFO']._serialized_end=1315
+  _globals['_GENERATION']._serialized_start=1618
+  _globals['_GENERATION']._serialized_end=1768
 # @@protoc_insertion_point(module_scope)
