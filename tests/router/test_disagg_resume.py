@@ -197,3 +197,22 @@ def test_the_moved_output_keeps_the_first_attempts_cached_tokens():
         d.dead = False
     outs = run(b, [1, 2, 3], revive)
     assert [o.cached_tokens for o in outs][-4:] == [2, 2, 2, 2]
+
+
+def test_a_clients_continuation_is_prefilled_as_output_and_moves_with_it():
+    """A continuation (the server passes the prompt with the received tokens as its tail, and
+    resume=(their count, their characters)): the first attempt is already a resumed one, and
+    when its decode actor dies the move carries those tokens and the new ones together."""
+    p, d = Actor("p"), Actor("d")
+    b = backend([p], [d])
+
+    async def go():
+        asyncio.get_running_loop().call_later(0.2, lambda: setattr(d, "dead", False))
+        return [o async for o in b.generate("r", [1, 50, 51], params=None, resume=(2, 7))]
+
+    outs = asyncio.run(go())
+    assert p.calls[0] == ("prefill", "r", [1, 50, 51], (2, 7))
+    texts = "".join(o.text for o in outs[:4])
+    assert p.calls[1] == ("prefill", "r#1", [1, 50, 51, 103, 104, 105, 106],
+                          (6, 7 + len(texts)))
+    assert outs[-1].finished and b.resumes == 1
