@@ -37,7 +37,9 @@ class ClientBase(ABC, Generic[StreamT]):
             is sent the tokens received so far (GenerateRequest.continuation) and streams only
             what follows. Greedy, the joined output is the one an unbroken call gives; sampled,
             a valid sample. False: such a break raises UnavailableError. The retry count starts
-            again each time output arrives.
+            again each time output arrives. Another router behind the same target takes it at
+            once; to wait out a restart of the only one, allow for its start in `retries` and
+            `max_backoff` (e.g. retries=30, max_backoff=2.0: about a minute).
         credentials: TLS (grpc.ssl_channel_credentials()); None: plaintext.
         metadata: sent with every call (e.g. [("authorization", "Bearer ...")]).
         options: extra gRPC channel arguments.
