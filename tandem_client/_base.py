@@ -39,7 +39,7 @@ class ClientBase(ABC, Generic[StreamT]):
             a valid sample. False: such a break raises UnavailableError. The retry count starts
             again each time output arrives. Another router behind the same target takes it at
             once; to wait out a restart of the only one, allow for its start in `retries` and
-            `max_backoff` (e.g. retries=30, max_backoff=2.0: about a minute).
+            `max_backoff` (e.g. retries=30, max_backoff=2.0 waits 27 to 53 s in all).
         credentials: TLS (grpc.ssl_channel_credentials()); None: plaintext.
         metadata: sent with every call (e.g. [("authorization", "Bearer ...")]).
         options: extra gRPC channel arguments.
