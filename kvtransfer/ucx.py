@@ -190,6 +190,12 @@ class UcxTransport(Transport):
         for ep in self._endpoints + ([self._self_ep] if self._self_ep else []):
             wire.drop(ep)
         self._endpoints.clear()
+        # IPC events and mapped caches go now, by reference count, not in the cyclic GC
+        # (`UcxConnection.close`).
+        self._events.clear()
+        self._peer_events.clear()
+        self._imports.clear()
+        self._cache_exports.clear()
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)

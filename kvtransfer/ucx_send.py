@@ -324,6 +324,14 @@ class UcxConnection(Connection):
         except Exception:  # the receiver is already gone: nothing to say goodbye to
             log.debug("kvtransfer: bye not delivered", exc_info=True)
         wire.drop(self._ep)
+        # Dropped here, by reference count: left to the cyclic GC (a link sits in reference
+        # cycles), torch's event destructor releases the GIL mid-collection, and GPU runs
+        # crashed the process in GC (design.md, kvtransfer).
+        self._events.clear()
+        self._pushed.clear()
+        if self._ready:
+            self._ready.clear()
+        self.push_dst = None
 
 
 def _record(pools: dict[int, list[torch.cuda.Event]], seq: int, stream: torch.cuda.Stream

@@ -323,6 +323,20 @@ def test_early_ack_returns_only_once_the_copy_is_done(ucx_loop):
     assert same == [True] * 5
 
 
+def _cycles_for(seconds: float) -> int:
+    """`torch.cuda._sleep` cycles that hold the GPU about `seconds` (timed here: a GPU run
+    once saw a transfer queued behind `_sleep(10**9)` done in 3 ms, where 0.5 s was meant)."""
+    probe = 20_000_000
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    ms = start.elapsed_time(end)
+    assert ms > 1.0, f"torch.cuda._sleep({probe}) held the GPU {ms:.3f} ms: no way to queue work"
+    return int(probe * seconds * 1000 / ms)
+
+
 def _send_behind_a_long_kernel(ucx_loop, push: bool):
     """Two processes on the GPU: the sender's writes of 8 blocks are queued behind a ~0.5 s
     kernel when it sends them. Returns (the transfer's trace, its path, the connection's
@@ -334,6 +348,7 @@ def _send_behind_a_long_kernel(ucx_loop, push: bool):
     layout = tiny_layout(head_dim=64)
     src = random_kv(layout, num_blocks=64, seed=8).cuda()
     new = random_kv(layout, num_blocks=8, seed=9).cuda()
+    cycles = _cycles_for(0.5)
     proc, pipe, address = spawn_receiver(layout, 64, return_kv=True, device="cuda")
 
     async def go():
@@ -341,10 +356,11 @@ def _send_behind_a_long_kernel(ucx_loop, push: bool):
         conn = await tx.connect(address)
         await conn.send_blocks("warm", src, [0], [0])
         conn.trace = True
-        torch.cuda._sleep(1_000_000_000)  # ~0.5 s on the current stream of this thread
+        torch.cuda._sleep(cycles)  # ~0.5 s on the current stream of this thread
         src[:, :, 8:16].copy_(new)  # queued behind it
         await conn.send_blocks("x", src, list(range(8, 16)), list(range(20, 28)))
-        trace, path, pools = conn.last_trace, conn.last_path, conn._ready
+        trace, path = conn.last_trace, conn.last_path
+        pools = {k: len(v) for k, v in conn._ready.items()}  # close() drops the events
         await tx.close()
         return trace, path, pools
 
@@ -359,9 +375,8 @@ def test_a_pull_waits_on_the_gpu_for_the_senders_writes(ucx_loop):
     it does not wait for them on the host (the header goes at once), and the receiver's copy
     (in its own process) waits for them on the GPU, through the sender's ready event."""
     trace, path, pools, landed = _send_behind_a_long_kernel(ucx_loop, push=False)
-    assert path == "pull" and pools and all(pools.values())
-    assert trace["ready"][0] < 0.1 < trace["acked"]  # no host wait before the header
-    assert landed
+    assert landed and path == "pull" and pools and all(pools.values())
+    assert trace["ready"][0] < 0.1 < trace["acked"], trace  # no host wait before the header
 
 
 # ---- the push path: the sender copies into the receiver's cache -----------------------------
@@ -475,9 +490,8 @@ def test_a_push_copies_after_the_senders_writes(ucx_loop):
     sends; its copy into the receiver's cache runs after them (on its own stream), the header
     goes at once, and `send_blocks` returns only once the copy is done."""
     trace, path, _, landed = _send_behind_a_long_kernel(ucx_loop, push=True)
-    assert path == "push"
-    assert trace["ready"][0] < 0.1 < trace["acked"]
-    assert landed
+    assert landed and path == "push"
+    assert trace["ready"][0] < 0.1 < trace["acked"], trace
 
 
 def test_a_receiver_exports_its_cache_once_for_all_links(ucx_loop, host_pull, monkeypatch):
