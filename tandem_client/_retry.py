@@ -78,11 +78,13 @@ class Progress:
         self.token_ids: list[int] = []
         self.text_length = 0  # code points
         self.request_id = request.request_id  # the server's, once it named one
+        self.finished = False  # the last chunk (finish_reason set) arrived
 
     def saw(self, resp: pb.GenerateResponse) -> None:
         self.token_ids += resp.token_ids
         self.text_length += len(resp.text)
         self.request_id = self.request_id or resp.request_id
+        self.finished = self.finished or resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED
 
     @property
     def started(self) -> bool:

@@ -43,6 +43,9 @@ class AsyncStream(AsyncIterator[Chunk]):
                 resp = await self._call.read()
             except grpc.RpcError as err:
                 self._call = None
+                if self._progress.finished:  # the whole completion is in: nothing is lost
+                    self._done = True
+                    break
                 await self._retry_or_raise(err)
                 continue
             except asyncio.CancelledError:
@@ -57,8 +60,6 @@ class AsyncStream(AsyncIterator[Chunk]):
             if resp.token_ids:
                 self._attempt = 0  # progress: a later break gets the full retries again
             self._progress.saw(resp)
-            if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                self._done = True  # the whole completion is in: a later break loses nothing
             return Chunk.from_pb(resp)
         raise StopAsyncIteration
 

@@ -51,13 +51,14 @@ class Stream(Iterator[Chunk]):
                 break
             except grpc.RpcError as err:
                 self._call = None
+                if self._progress.finished:  # the whole completion is in: nothing is lost
+                    self._done = True
+                    break
                 self._retry_or_raise(err)
                 continue
             if resp.token_ids:
                 self._attempt = 0  # progress: a later break gets the full retries again
             self._progress.saw(resp)
-            if resp.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                self._done = True  # the whole completion is in: a later break loses nothing
             return Chunk.from_pb(resp)
         raise StopIteration
 
