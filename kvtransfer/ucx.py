@@ -429,9 +429,7 @@ class UcxTransport(Transport):
             early = asyncio.ensure_future(self._ack(self._links[link], link, hdr["seq"], None,
                                                     stamps, event=handle))
         await self._copied(staging.mark(stream), early, hdr, stamps)
-        sums = ([wire.crc(v) for v in wire.direct_views(kv, [(d, k) for _, d, k in runs])]
-                if hdr["checksum"] else [])
-        return error, sums
+        return error, wire.run_sums(kv, runs, 1) if hdr["checksum"] else []
 
     async def _land_push(self, link: int, hdr: dict[str, Any], error: str | None,
                          stamps: dict[str, Any] | None) -> tuple[str | None, list[int]]:
@@ -448,8 +446,8 @@ class UcxTransport(Transport):
         await self._copied(done, early, hdr, stamps)
         if error is not None or not hdr["checksum"]:
             return error, []
-        runs = wire.block_runs(push["src"], hdr["dst"])  # as the sender cut its checksums
-        return error, [wire.crc(v) for v in wire.direct_views(kv, [(d, k) for _, d, k in runs])]
+        # cut by the runs the sender cut its checksums by
+        return error, wire.run_sums(kv, wire.block_runs(push["src"], hdr["dst"]), 1)
 
     @staticmethod
     async def _copied(event: torch.cuda.Event | None, early: asyncio.Future | None,

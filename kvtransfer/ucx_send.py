@@ -206,9 +206,8 @@ class UcxConnection(Connection):
             sends = [self._send(wire.encode(hdr), 0, wire.HEADER)]
             await asyncio.sleep(0)  # post it now, ahead of the payload
             if pull or push:
-                more, sums = [], ([wire.crc(v) for v in wire.direct_views(
-                    kv_cache, [(s, k) for s, _, k in wire.block_runs(src, dst)])]
-                    if self.checksum else [])
+                more, sums = [], (wire.run_sums(kv_cache, wire.block_runs(src, dst), 0)
+                                  if self.checksum else [])
             elif runs:
                 more, sums = await self._send_direct(seq, kv_cache, runs, stamps)
             else:

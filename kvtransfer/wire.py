@@ -182,6 +182,13 @@ def direct_views(kv: torch.Tensor, runs: list[tuple[int, int]]) -> list[torch.Te
             for start, n in runs]
 
 
+def run_sums(kv: torch.Tensor, runs: list[tuple[int, int, int]], side: int) -> list[int]:
+    """crc32 of each piece (layer, K/V, run) of `kv` that block runs (s, d, k) read (side 0,
+    the sender's cache) or write (side 1, the receiver's), in wire order: what the two ends of
+    a push or pull compare."""
+    return [crc(v) for v in direct_views(kv, [(r[side], r[2]) for r in runs])]
+
+
 def pack_extras(extras: dict[str, torch.Tensor]) -> tuple[list[Any], torch.Tensor]:
     """(spec, blob): one host byte buffer for all extras, and how to cut it up again."""
     spec, parts = [], []
