@@ -26,6 +26,7 @@ class DecodeNode(Liveness):
         self.metrics, self.metrics_port = serve_metrics("decode", metrics_port)
         self.loop = EngineLoop(self.engine)
         self.loop.on_step = self.metrics.engine_step
+        self.metrics.watch_engine(self.engine)
         self.loop.start()
         self.layout = BlockLayout.from_engine_config(self.engine.config)
         self.transport = make_transport(transport, self.layout, self.engine.kv_cache,

@@ -127,6 +127,15 @@ class Metrics:
         self.acceptance_length = self._metric(
             g, "tandem_spec_acceptance_length",
             "Mean tokens emitted per verifying forward (accepted drafts + the target's token).")
+        self.inflight = self._metric(g, "tandem_inflight_requests",
+                                     "Requests admitted and not yet finished (router).")
+        self.queue_seconds = self._metric(
+            Histogram, "tandem_queue_seconds",
+            "Time a request waited for admission (router) or for KV room on a decode actor.",
+            buckets=REQUEST_BUCKETS)
+        self.errors = self._metric(
+            Counter, "tandem_request_errors_total",
+            "Requests that ended with an error status, by gRPC status code.", ("code",))
 
     # ---- recording ---------------------------------------------------------------------------
 
@@ -179,6 +188,21 @@ class Metrics:
         self.blocks_total.set(blocks_total)
         if acceptance_length is not None:
             self.acceptance_length.set(acceptance_length)
+
+    def watch_engine(self, engine) -> None:
+        """Queue, running and KV-block gauges read from `engine` at scrape time, so an idle
+        engine reports its idle state (plain reads of Python containers, safe from the
+        scrape thread)."""
+        self.queue_depth.set_function(lambda: len(engine.scheduler.waiting))
+        self.running.set_function(lambda: len(engine.scheduler.running))
+        self.blocks_used.set_function(lambda: engine.num_blocks - engine.blocks.num_free)
+        self.blocks_total.set_function(lambda: engine.num_blocks)
+
+    def watch_router(self, service) -> None:
+        """The router's in-flight and queued requests, read at scrape time (`service`: a
+        `router.server.GenerationService`)."""
+        self.inflight.set_function(lambda: service.admission.running)
+        self.queue_depth.set_function(lambda: service.queue_depth())
 
     # ---- exposition --------------------------------------------------------------------------
 

@@ -82,6 +82,7 @@ class PrefillNode(Liveness):
         self.metrics, self.metrics_port = serve_metrics("prefill", metrics_port)
         self.loop = EngineLoop(self.engine)
         self.loop.on_step = self.metrics.engine_step
+        self.metrics.watch_engine(self.engine)
         self.loop.start()
         self.layout = BlockLayout.from_engine_config(self.engine.config)
         self.transport = make_transport(transport, self.layout,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from engine import InvalidRequestError, SamplingParams
+from router.limits import clip
 from tandem_client._gen.tandem.v1 import generation_pb2 as pb
 
 SPEC_NAMES = {pb.SPECULATION_METHOD_NONE: "none", pb.SPECULATION_METHOD_EAGLE3: "eagle3",
@@ -25,7 +26,8 @@ def prompt_of(req: pb.GenerateRequest) -> str | list[dict] | list[int]:
             raise InvalidRequestError("chat has no messages")
         bad = sorted({m["role"] for m in msgs} - {"system", "user", "assistant", "tool"})
         if bad:
-            raise InvalidRequestError(f"unknown chat role(s) {bad}")
+            raise InvalidRequestError(f"unknown chat role {clip(bad[0])} (system, user, "
+                                      "assistant or tool)")
         return msgs
     return list(req.token_ids.ids)
 

@@ -1,18 +1,28 @@
-"""The public gRPC server: validation, tokenization, streaming, cancellation, health checks,
-reflection. Backends (colocated engine loop, or prefill/decode actors) do the generating."""
+"""The public gRPC server: validation, tokenization, admission, streaming, cancellation,
+health checks, reflection. Backends (colocated engine loop, or prefill/decode actors) do the
+generating.
+
+Every request is bounded before any work (`router.limits`), tokenized off the event loop, and
+admitted in arrival order (`router.admission`). Every failure ends the call with a short,
+inert status detail; the full story goes to the log under the request id."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
 from engine import InvalidRequestError, ResourceExhaustedError
 from engine.metrics import RequestTimer
+from router.admission import Admission
 from router.convert import FINISH, continuation_of, prompt_of, sampling_of, spec_cap_of
+from router.limits import Limits, clip, detail
 from tandem_client._gen.tandem.v1 import generation_pb2 as pb
 from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 
@@ -20,53 +30,103 @@ log = logging.getLogger("tandem.router")
 CONTINUATION_WAIT_S = 2.0  # how long a continuation waits for its broken call to end here
 SPEC_ENUM = {"none": pb.SPECULATION_METHOD_NONE, "eagle3": pb.SPECULATION_METHOD_EAGLE3,
              "ngram": pb.SPECULATION_METHOD_NGRAM}
+SERVICE = "tandem.v1.Generation"
+
+
+class Refused(Exception):
+    """Ends a call with `code` and a short detail (the request failed, not the server)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    """Serves `tandem.v1.Generation` over a backend with `encode`, `generate`, `info`."""
+    """Serves `tandem.v1.Generation` over a backend with `encode`, `generate`, `info`.
+    `max_inflight` requests run at once, more wait in `admission`'s queue; each may take
+    `request_timeout_s` in all (DEADLINE_EXCEEDED past it)."""
 
-    def __init__(self, backend, metrics=None, max_inflight: int = 1024):
-        self.backend, self.metrics, self.max_inflight = backend, metrics, max_inflight
+    def __init__(self, backend, metrics=None, max_inflight: int = 1024, *,
+                 admission: Admission | None = None, limits: Limits | None = None,
+                 request_timeout_s: float | None = None):
+        self.backend, self.metrics = backend, metrics
+        self.admission = admission or Admission(max_inflight)
+        self.limits = limits or Limits()
+        self.request_timeout_s = request_timeout_s
         self.inflight: set[str] = set()
         self._ids = itertools.count()
+        # Tokenizing a long prompt takes a while: never on the event loop.
+        self._tokenize = ThreadPoolExecutor(2, thread_name_prefix="tandem-tokenize")
+        if metrics is not None:
+            metrics.watch_router(self)
 
     async def Generate(self, request, context):
         t0 = time.perf_counter()
-        rid = request.request_id or f"r{next(self._ids)}-{int(t0 * 1e6) % 10**9}"
+        rid, code = getattr(request, "request_id", ""), grpc.StatusCode.OK
         try:
-            params = sampling_of(request)
-            more = continuation_of(request, params)
-            if rid in self.inflight and more is not None:
-                # A broken call's continuation may come in before the server has seen that
-                # call end (a dropped connection): the old one is cancelled on its own.
-                await self._left(rid, CONTINUATION_WAIT_S)
-            if rid in self.inflight:
-                raise InvalidRequestError(f"request_id {rid!r} is already in flight")
-            if len(self.inflight) >= self.max_inflight:
-                raise ResourceExhaustedError("too many requests in flight; retry later")
-            ids = self.backend.encode(prompt_of(request))
-            resume = None
-            if more is not None:  # the output so far becomes the prompt's tail, as output
-                made, chars = more
-                ids = self.backend.encode(ids + made)
-                resume = (len(made), chars)
-            cap = spec_cap_of(request, self.backend.info()["speculation"])
-        except InvalidRequestError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except ResourceExhaustedError as e:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            if request is None:  # bytes that do not parse (`_lenient`)
+                raise InvalidRequestError("the request is not a valid GenerateRequest")
+            self.limits.check(request)
+            rid = rid or f"r{next(self._ids)}-{int(t0 * 1e6) % 10**9}"
+            deadline = None if self.request_timeout_s is None else t0 + self.request_timeout_s
+            async with self.admission.slot(_client_of(context)) as waited:
+                if self.metrics is not None:
+                    self.metrics.queue_seconds.observe(waited)
+                async for resp in self._generate(rid, request, t0, deadline):
+                    yield resp
+        except Exception as e:  # noqa: BLE001 - every failure ends in a status, never a trace
+            code, message = self._status_of(rid, e)
+            await context.abort(code, detail(message))
+        finally:
+            if self.metrics is not None and code != grpc.StatusCode.OK:
+                self.metrics.errors.labels(self.metrics.role, code.name).inc()
+
+    async def _generate(self, rid: str, request, t0: float, deadline: float | None):
+        params = sampling_of(request)
+        more = continuation_of(request, params)
+        if rid in self.inflight and more is not None:
+            # A broken call's continuation may come in before the server has seen that
+            # call end (a dropped connection): the old one is cancelled on its own.
+            await self._left(rid, CONTINUATION_WAIT_S)
+        if rid in self.inflight:
+            raise InvalidRequestError(f"request_id {clip(rid)} is already in flight")
         self.inflight.add(rid)
+        try:
+            ids, resume = await self._encode(request, more)
+            cap = spec_cap_of(request, self.backend.info()["speculation"])
+            async for resp in self._stream(rid, ids, params, cap, resume, t0, deadline):
+                yield resp
+        finally:
+            self.inflight.discard(rid)
+
+    async def _encode(self, request, more) -> tuple[list[int], tuple[int, int] | None]:
+        """Prompt ids (a continuation's output as their tail) off the event loop."""
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._tokenize, self.backend.encode,
+                                         prompt_of(request))
+        if more is None:
+            return ids, None
+        made, chars = more
+        ids = await loop.run_in_executor(self._tokenize, self.backend.encode, ids + made)
+        return ids, (len(made), chars)
+
+    async def _stream(self, rid, ids, params, cap, resume, t0, deadline):
         timer = None
         if self.metrics is not None:
             timer = RequestTimer(self.metrics, len(ids) - (resume[0] if resume else 0))
             if resume is not None:
                 self.metrics.continuations.inc()
         status, first = "cancelled", None
+        # A continuation runs under its own engine id: the broken call's request may still
+        # be winding down in the engine (its cancel in flight).
+        eid = rid if resume is None else f"{rid}+{resume[0]}"
+        outs = self.backend.generate(eid, ids, params, cap, resume=resume).__aiter__()
         try:
-            # A continuation runs under its own engine id: the broken call's request may still
-            # be winding down in the engine (its cancel in flight).
-            eid = rid if resume is None else f"{rid}+{resume[0]}"
-            async for out in self.backend.generate(eid, ids, params, cap, resume=resume):
+            while True:
+                try:
+                    out = await asyncio.wait_for(outs.__anext__(), _left_of(deadline))
+                except StopAsyncIteration:
+                    break
                 if first is None and out.token_ids:
                     first = time.perf_counter()
                 if timer is not None and out.token_ids:
@@ -81,16 +141,41 @@ class GenerationService(pb_grpc.GenerationServicer):
                         cached_tokens=out.cached_tokens, accepted_draft_tokens=out.accepted_tokens,
                         ttft_ms=((first or time.perf_counter()) - t0) * 1000))
                 yield resp
-        except InvalidRequestError as e:
+        except asyncio.TimeoutError:
+            status = "timeout"
+            raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
+                          f"the request ran past the server's limit of "
+                          f"{self.request_timeout_s:g} s") from None
+        except InvalidRequestError:
             status = "invalid"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except ResourceExhaustedError as e:
+            raise
+        except ResourceExhaustedError:
             status = "rejected"
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            raise
         finally:
-            self.inflight.discard(rid)
+            await outs.aclose()
             if timer is not None:
                 timer.finish(status if status in FINISH else "error")
+
+    def _status_of(self, rid: str, e: Exception) -> tuple[grpc.StatusCode, str]:
+        """The status a failure ends its call with; what is not the caller's doing is logged
+        in full under the request id."""
+        if isinstance(e, Refused):
+            return e.code, str(e)
+        if isinstance(e, InvalidRequestError):
+            return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+        if isinstance(e, ResourceExhaustedError):
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+        log.error("request %s failed", clip(rid, 80), exc_info=e)
+        if _worker_lost(e):
+            return grpc.StatusCode.UNAVAILABLE, (f"a worker failed (request {clip(rid)}); "
+                                                 "safe to retry")
+        return grpc.StatusCode.INTERNAL, (f"internal error; the server log has it under "
+                                          f"request {clip(rid)}")
+
+    def queue_depth(self) -> int:
+        """Requests waiting: for admission, and (disaggregated) for KV room on a decode actor."""
+        return self.admission.queued + getattr(self.backend, "kv_waiting", 0)
 
     async def _left(self, rid: str, timeout: float) -> None:
         """Until request `rid` is no longer in flight, or `timeout` seconds have passed."""
@@ -104,22 +189,80 @@ class GenerationService(pb_grpc.GenerationServicer):
                             max_model_len=i["max_model_len"], block_size=i["block_size"],
                             dtype=i["dtype"], default_speculation=SPEC_ENUM[i["speculation"]])
 
+    def close(self) -> None:
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
 
-async def start_server(service: GenerationService, host: str = "127.0.0.1", port: int = 0
+
+def _left_of(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.perf_counter())
+
+
+def _client_of(context) -> str:
+    """Who a request counts against for the per-client cap: its bearer token (hashed) when it
+    sent one, else its peer's address without the port."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return "token:" + hashlib.sha256(str(value).encode()).hexdigest()[:16]
+    peer = context.peer() or ""
+    return peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer
+
+
+def _worker_lost(e: Exception) -> bool:
+    """A prefill or decode actor died or its transfer failed: the request may be retried."""
+    try:
+        from ray.exceptions import RayActorError
+    except ImportError:  # colocated serving without Ray installed
+        return False
+    from kvtransfer.base import TransferError
+
+    return isinstance(e, (RayActorError, TransferError, ConnectionError))
+
+
+def _lenient(cls):
+    """A request deserializer that hands the method None for bytes that do not parse, so it
+    answers INVALID_ARGUMENT (gRPC would answer UNKNOWN)."""
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except Exception:  # noqa: BLE001 - DecodeError, bad UTF-8 in a string field
+            return None
+    return parse
+
+
+def add_service(service: GenerationService, server) -> None:
+    """Register `service` with lenient request parsing (`_lenient`)."""
+    rpcs = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.Generate, request_deserializer=_lenient(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetModelInfo, request_deserializer=_lenient(pb.ModelInfoRequest),
+            response_serializer=pb.ModelInfo.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, rpcs),))
+
+
+async def start_server(service: GenerationService, host: str = "127.0.0.1", port: int = 0, *,
+                       credentials: grpc.ServerCredentials | None = None,
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
                        ) -> tuple[grpc.aio.Server, int]:
-    """Bind and start; returns the server and its port. Adds health checking and reflection."""
+    """Bind and start; returns the server and its port. Adds health checking and reflection.
+    `credentials` (`router.auth.server_credentials`): TLS, else plaintext; `interceptors`:
+    e.g. `router.auth.BearerAuth`, run before every call."""
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(service, server)
+    server = grpc.aio.server(interceptors=list(interceptors))
+    add_service(service, server)
     hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     names = (pb.DESCRIPTOR.services_by_name["Generation"].full_name,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, credentials) if credentials is not None
+             else server.add_insecure_port(address))
     await server.start()
     for name in ("", names[0]):
         r = hs.set(name, health_pb2.HealthCheckResponse.SERVING)

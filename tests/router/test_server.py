@@ -21,14 +21,15 @@ from tests.helpers import tiny_engine
 class Served:
     """A server on its own event-loop thread, so sync clients can call it from the test."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, backend=None, **service_kw):
         self.engine = engine
-        self.backend = LocalBackend(engine)
+        self.backend = backend or LocalBackend(engine)
         self.loop = asyncio.new_event_loop()
         ready = threading.Event()
 
         async def boot():
-            self.server, self.port = await start_server(GenerationService(self.backend))
+            self.service = GenerationService(self.backend, **service_kw)
+            self.server, self.port = await start_server(self.service)
             ready.set()
 
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
