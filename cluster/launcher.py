@@ -31,13 +31,15 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
           address: str | None = None, prefill_gpus: float = 0.0, decode_gpus: float = 0.0,
           metrics: bool = True, transport_kwargs: dict | None = None,
           ipc_across_gpus: bool = False, prefill_restarts: int = -1,
-          decode_restarts: int = -1, resume_attempts: int = 3) -> Cluster:
+          decode_restarts: int = -1, resume_attempts: int = 3,
+          chat_special_tokens: bool = False) -> Cluster:
     """Connect to (or start) Ray, place the actors, and return the router's backend.
     `engine_kwargs` configure prefill engines, `decode_kwargs` (default: the same) decode;
     `transport_kwargs` every actor's `kvtransfer` transport (`TransferSection`);
     `ipc_across_gpus`: GPU actors see every GPU of their node (`actor_options`);
     `*_restarts`: Ray restarts of a dead actor (-1: always); `resume_attempts`: moves of one
-    stream after a worker died (`DisaggBackend`)."""
+    stream after a worker died (`DisaggBackend`); `chat_special_tokens`: special-token strings
+    in chat content read as the tokens (`PromptEncoder`)."""
     import ray
 
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -65,7 +67,7 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
     info = infos[-1]
     tok = loader.Tokenizer.load(loader.resolve(model))
     encoder = PromptEncoder(tok, info["vocab_size"], info["max_model_len"], info["block_size"],
-                            min(i["num_blocks"] for i in infos))
+                            min(i["num_blocks"] for i in infos), chat_special_tokens)
     return Cluster(DisaggBackend(prefills, decodes, encoder, info, resume_attempts), prefills,
                    decodes, [i["metrics_port"] for i in infos])
 
@@ -97,4 +99,5 @@ def start_from_config(cfg) -> Cluster:
                  ipc_across_gpus=cfg.transfer.ipc_across_gpus,
                  prefill_restarts=cfg.prefill.max_restarts,
                  decode_restarts=cfg.decode.max_restarts,
-                 resume_attempts=cfg.router.resume_attempts)
+                 resume_attempts=cfg.router.resume_attempts,
+                 chat_special_tokens=cfg.router.chat_special_tokens)

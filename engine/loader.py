@@ -271,11 +271,43 @@ class Tokenizer:
         self._bytes = table
         return table
 
-    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template."""
+    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                   specials_in_content: bool = False) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template. A special token's
+        string inside a message's content is tokenized as plain text, so content cannot forge
+        a turn; `specials_in_content=True` reads it as the token (trusted callers)."""
+        shields: dict[str, str] = {}
+        if not specials_in_content:
+            messages, shields = self._shield(messages)
         text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                            tokenize=False)
-        return list(self.hf.encode(text, add_special_tokens=False))
+        if not shields:
+            return list(self.hf.encode(text, add_special_tokens=False))
+        ids: list[int] = []
+        for part in re.split(f"([{''.join(shields)}])", text):
+            if part in shields:  # a special token's string from content, as plain text
+                ids += self.hf.encode(shields[part], add_special_tokens=False,
+                                      split_special_tokens=True)
+            elif part:
+                ids += self.hf.encode(part, add_special_tokens=False)
+        return ids
+
+    def _shield(self, messages: list[dict]) -> tuple[list[dict], dict[str, str]]:
+        """`messages` with each special token's string in their content replaced by a
+        private-use character found in no content, and those characters' strings."""
+        specials = sorted({t.content for t in self.hf.added_tokens_decoder.values()
+                           if t.special and t.content}, key=len, reverse=True)
+        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+        found = [t for t in specials if any(t in c for c in contents)]
+        if not found:
+            return messages, {}
+        used = set("".join(contents))
+        free = (chr(c) for c in range(0xF0000, 0x10FFFE) if chr(c) not in used)
+        marks = {t: next(free) for t in found}
+        pattern = re.compile("|".join(re.escape(t) for t in found))
+        out = [{**m, "content": pattern.sub(lambda x: marks[x.group(0)], m["content"])}
+               if isinstance(m.get("content"), str) else m for m in messages]
+        return out, {mark: t for t, mark in marks.items()}
 
 
 class Detokenizer:

@@ -16,6 +16,8 @@ class PromptEncoder:
     max_model_len: int
     block_size: int
     num_blocks: int  # the smallest KV cache a request may land in
+    # special-token strings in chat content read as the tokens (trusted callers), not as text
+    chat_special_tokens: bool = False
 
     def __call__(self, prompt: str | list[int] | list[dict]) -> list[int]:
         if isinstance(prompt, str):
@@ -23,7 +25,8 @@ class PromptEncoder:
                 raise InvalidRequestError("prompt is empty")
             ids = self._tok().encode(prompt)
         elif prompt and isinstance(prompt[0], dict):
-            ids = self._tok().apply_chat(list(prompt))
+            ids = self._tok().apply_chat(list(prompt),
+                                         specials_in_content=self.chat_special_tokens)
         else:
             ids = [int(t) for t in prompt]
         if not ids:

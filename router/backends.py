@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from engine import Engine
 from engine.loop import EngineLoop
 
@@ -9,13 +11,15 @@ from engine.loop import EngineLoop
 class LocalBackend:
     """Colocated: tokenizes with the engine's tokenizer, generates on its engine thread."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, chat_special_tokens: bool = False):
         self.engine = engine
+        self.encoder = dataclasses.replace(engine.prompt_encoder(),
+                                           chat_special_tokens=chat_special_tokens)
         self.loop = EngineLoop(engine)
         self.loop.start()
 
     def encode(self, prompt) -> list[int]:
-        return self.engine.encode_prompt(prompt)
+        return self.encoder(prompt)
 
     def generate(self, rid, ids, params, spec_cap=None, resume=None):
         """`resume=(n, chars)`: the last n ids are output a broken call already streamed,

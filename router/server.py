@@ -60,6 +60,15 @@ class GenerationService(pb_grpc.GenerationServicer):
         if metrics is not None:
             metrics.watch_router(self)
 
+    @classmethod
+    def from_config(cls, backend, router, metrics=None) -> GenerationService:
+        """The service a topology's router section (`cluster.config.RouterSection`) asks for."""
+        return cls(backend, metrics, request_timeout_s=router.request_timeout_s,
+                   limits=Limits(max_prompt_chars=router.max_prompt_chars),
+                   admission=Admission(router.max_concurrent_requests,
+                                       router.max_queued_requests, router.max_queue_wait_s,
+                                       router.max_requests_per_client))
+
     async def Generate(self, request, context):
         t0 = time.perf_counter()
         rid, code = getattr(request, "request_id", ""), grpc.StatusCode.OK
