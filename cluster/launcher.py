@@ -32,14 +32,15 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
           metrics: bool = True, transport_kwargs: dict | None = None,
           ipc_across_gpus: bool = False, prefill_restarts: int = -1,
           decode_restarts: int = -1, resume_attempts: int = 3,
-          chat_special_tokens: bool = False) -> Cluster:
+          chat_special_tokens: bool = False, kv_wait_s: float = 120.0) -> Cluster:
     """Connect to (or start) Ray, place the actors, and return the router's backend.
     `engine_kwargs` configure prefill engines, `decode_kwargs` (default: the same) decode;
     `transport_kwargs` every actor's `kvtransfer` transport (`TransferSection`);
     `ipc_across_gpus`: GPU actors see every GPU of their node (`actor_options`);
     `*_restarts`: Ray restarts of a dead actor (-1: always); `resume_attempts`: moves of one
     stream after a worker died (`DisaggBackend`); `chat_special_tokens`: special-token strings
-    in chat content read as the tokens (`PromptEncoder`)."""
+    in chat content read as the tokens (`PromptEncoder`); `kv_wait_s`: how long a request
+    waits for KV room on a decode actor."""
     import ray
 
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -68,8 +69,8 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
     tok = loader.Tokenizer.load(loader.resolve(model))
     encoder = PromptEncoder(tok, info["vocab_size"], info["max_model_len"], info["block_size"],
                             min(i["num_blocks"] for i in infos), chat_special_tokens)
-    return Cluster(DisaggBackend(prefills, decodes, encoder, info, resume_attempts), prefills,
-                   decodes, [i["metrics_port"] for i in infos])
+    return Cluster(DisaggBackend(prefills, decodes, encoder, info, resume_attempts, kv_wait_s),
+                   prefills, decodes, [i["metrics_port"] for i in infos])
 
 
 def actor_options(num_gpus: float, ipc_across_gpus: bool = False,
@@ -100,4 +101,5 @@ def start_from_config(cfg) -> Cluster:
                  prefill_restarts=cfg.prefill.max_restarts,
                  decode_restarts=cfg.decode.max_restarts,
                  resume_attempts=cfg.router.resume_attempts,
-                 chat_special_tokens=cfg.router.chat_special_tokens)
+                 chat_special_tokens=cfg.router.chat_special_tokens,
+                 kv_wait_s=cfg.router.max_queue_wait_s)

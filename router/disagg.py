@@ -6,7 +6,10 @@ request moves to live (or restarted) actors and continues where it stopped. The 
 streamed become the new prompt's tail, marked as output (`Engine.add_request(resume=...)`), so
 the stream goes on with the same tokens (greedy), the same text, stop strings and usage; the
 client sees a pause, not an error. Ray restarts a dead actor (`max_restarts`); while it
-reloads, requests go to the others, or wait for it when it was the only one."""
+reloads, requests go to the others, or wait for it when it was the only one.
+
+A request whose decode actor has no KV room for it yet waits, in arrival order per actor, for
+a request there to end (at most `kv_wait_s`), instead of being refused."""
 
 from __future__ import annotations
 
@@ -14,10 +17,13 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import time
+from collections import deque
 from collections.abc import AsyncIterator
 
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from engine import ResourceExhaustedError
 from engine.block_manager import block_hash
 from engine.prompt import PromptEncoder
 
@@ -25,16 +31,20 @@ log = logging.getLogger("tandem.router")
 PROBE_TIMEOUT_S = 5.0  # a live actor answers `ping` at once, whatever its engine is doing
 REVIVE_TIMEOUT_S = 300.0  # how long a moved stream waits for Ray to restart a role's last actor
 REVIVE_POLL_S = 0.5  # between pings of a restarting actor (it refuses calls until it is back)
+KV_RETRY_S = 0.25  # a KV wait tries again this often even when no request ended here
 
 
 class DisaggBackend:
     """Orchestrates one request across a prefill actor and a decode actor (Ray handles).
-    `resume_attempts`: how many times one stream may move after a worker died (0: never)."""
+    `resume_attempts`: how many times one stream may move after a worker died (0: never);
+    `kv_wait_s`: how long a request waits for KV room on its decode actor."""
 
     def __init__(self, prefills: list, decodes: list, encoder: PromptEncoder, info: dict,
-                 resume_attempts: int = 3):
+                 resume_attempts: int = 3, kv_wait_s: float = 120.0):
         self.prefills, self.decodes, self.encoder, self._info = prefills, decodes, encoder, info
-        self.resume_attempts = resume_attempts
+        self.resume_attempts, self.kv_wait_s = resume_attempts, kv_wait_s
+        self._kv_queues: dict[int, deque] = {}  # decode actor -> requests waiting for KV room
+        self._kv_freed: dict[int, asyncio.Event] = {}  # set (and replaced) when room may be free
         self.load = {id(d): 0 for d in decodes}
         self._rr = itertools.count()
         self._addr: dict[int, dict] = {}
@@ -47,6 +57,11 @@ class DisaggBackend:
 
     def encode(self, prompt) -> list[int]:
         return self.encoder(prompt)
+
+    @property
+    def kv_waiting(self) -> int:
+        """Requests waiting for KV room on a decode actor."""
+        return sum(len(q) for q in self._kv_queues.values())
 
     def info(self) -> dict:
         return self._info
@@ -118,7 +133,7 @@ class DisaggBackend:
         try:
             if id(d) not in self._addr:
                 self._addr[id(d)] = await d.address.remote()
-            dst = await d.reserve.remote(rid, len(ids))
+            dst = await self._reserve(d, rid, len(ids))
             steps = p.prefill.options(num_returns="streaming").remote(
                 rid, ids, params, spec_cap, self._addr[id(d)], dst, resume)
             first = await (await steps.__anext__())
@@ -138,6 +153,50 @@ class DisaggBackend:
             self.load[id(d)] -= 1
             if not finished:  # cancelled or failed: free blocks on both sides
                 asyncio.ensure_future(self._cancel(p, d, rid))
+            else:
+                self._room(d)
+
+    async def _reserve(self, d, rid: str, n: int) -> list[int]:
+        """Blocks on `d` for `n` tokens of KV; while it has no room, wait behind the requests
+        that came first until one there ends (RESOURCE_EXHAUSTED after `kv_wait_s`)."""
+        queue = self._kv_queues.setdefault(id(d), deque())
+        if not queue:
+            try:
+                return await d.reserve.remote(rid, n)
+            except ResourceExhaustedError:
+                pass
+        turn, t0 = object(), time.monotonic()
+        queue.append(turn)
+        try:
+            while True:
+                freed = self._kv_freed.setdefault(id(d), asyncio.Event())
+                left = self.kv_wait_s - (time.monotonic() - t0)
+                if left <= 0:
+                    raise ResourceExhaustedError(f"waited {self.kv_wait_s:g} s for KV room on "
+                                                 "a decode worker; retry later")
+                wake = asyncio.ensure_future(freed.wait())
+                try:
+                    await asyncio.wait([wake], timeout=min(left, KV_RETRY_S))
+                finally:
+                    wake.cancel()
+                if queue[0] is turn:
+                    try:
+                        dst = await d.reserve.remote(rid, n)
+                        break
+                    except ResourceExhaustedError:
+                        pass
+        finally:
+            queue.remove(turn)
+            self._room(d)  # the next in line may try now
+        if self.metrics is not None:
+            self.metrics.queue_seconds.observe(time.monotonic() - t0)
+        return dst
+
+    def _room(self, d) -> None:
+        """Wake the requests waiting for KV room on `d`."""
+        freed = self._kv_freed.pop(id(d), None)
+        if freed is not None:
+            freed.set()
 
     @staticmethod
     async def _next(steps):
@@ -203,8 +262,7 @@ class DisaggBackend:
                 return
         self._down.pop(id(actor)).set()  # its old address went when it was marked down
 
-    @staticmethod
-    async def _cancel(p, d, rid: str) -> None:
+    async def _cancel(self, p, d, rid: str) -> None:
         """Prefill first: once it returns no transfer can still land in the decode side's
         reserved blocks, so freeing them cannot corrupt a later request. A dead actor has
         nothing left to free."""
@@ -213,3 +271,4 @@ class DisaggBackend:
                 await actor.cancel.remote(rid)
             except RayActorError:
                 pass
+        self._room(d)
