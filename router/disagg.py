@@ -217,10 +217,15 @@ class DisaggBackend:
         return task.result()
 
     async def _lost(self, p, d, error: Exception) -> bool:
-        """Whether the attempt failed because one of its actors died (or is restarting): each
-        one that does not answer a ping in time is marked down until it answers again."""
-        down = [a for a, alive in zip((p, d), await asyncio.gather(self._alive(p),
-                                                                   self._alive(d))) if not alive]
+        """Whether the attempt failed because one of its actors died (or is restarting): the
+        one the error names, and each one that does not answer a ping in time, is marked down
+        until it answers again. The named one is not pinged (a restarting actor holds the
+        ping until it is back), so a stream moves to a live replica at once."""
+        named = getattr(error, "actor_id", None)
+        dead = [a for a in (p, d) if named is not None and _actor_hex(a) == named]
+        rest = [a for a in (p, d) if a not in dead]
+        down = dead + [a for a, alive in zip(rest, await asyncio.gather(
+            *(self._alive(a) for a in rest))) if not alive]
         for a in down:
             if id(a) not in self._down:
                 self._down[id(a)] = asyncio.Event()
@@ -272,3 +277,9 @@ class DisaggBackend:
             except RayActorError:
                 pass
         self._room(d)
+
+
+def _actor_hex(actor) -> str | None:
+    """The id of a Ray actor handle as Ray's errors name it (hex)."""
+    aid = getattr(actor, "_actor_id", None)
+    return aid.hex() if aid is not None else None

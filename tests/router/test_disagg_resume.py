@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
@@ -216,3 +217,47 @@ def test_a_clients_continuation_is_prefilled_as_output_and_moves_with_it():
     assert p.calls[1] == ("prefill", "r#1", [1, 50, 51, 103, 104, 105, 106],
                           (6, 7 + len(texts)))
     assert outs[-1].finished and b.resumes == 1
+
+
+
+class _Id:
+    def __init__(self, name):
+        self.name = name
+
+    def hex(self):
+        return self.name
+
+
+@pytest.mark.parametrize("named", [True, False])
+def test_the_actor_an_error_names_is_not_probed_and_the_stream_moves_at_once(monkeypatch,
+                                                                             named):
+    """Ray holds calls to a restarting actor until it is back: the decode actor the error
+    names is marked down without a ping, so the stream moves to the live one at once (an
+    error that names no actor waits for the ping's timeout: the control)."""
+    monkeypatch.setattr(disagg, "PROBE_TIMEOUT_S", 1.0)
+    p, d1, d2 = Actor("p"), Actor("d1"), Actor("d2")
+    for a in (p, d1, d2):
+        a._actor_id = _Id(a.name)
+    real_generate, real_ping = d1._generate, d1._ping
+
+    async def dies(handoff):
+        async for out in real_generate(handoff):
+            yield out
+            d1.dead = True
+            died = ActorDiedError()
+            died.actor_id = "d1" if named else None
+            raise died
+
+    async def held_ping():  # as Ray holds a call to a restarting actor
+        while d1.dead:
+            await asyncio.sleep(0.01)
+        return await real_ping()
+
+    d1.generate, d1.ping = Method(dies), Method(held_ping)
+    b = backend([p], [d1, d2])
+    t0 = time.monotonic()
+    outs = run(b, [1, 2, 3, 4])
+    took = time.monotonic() - t0
+    assert outs[-1].finished and id(d1) in b._down
+    assert [c for c in d2.calls if c[0] == "generate"] == [("generate", "r#1")]
+    assert took < 0.5 if named else took >= 1.0, took
