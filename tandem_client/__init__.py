@@ -9,13 +9,16 @@
         print(reply.text, reply.usage)
 
 `AsyncClient` is the same API on asyncio (`async for`, `await`). Failures raise a `TandemError`
-subclass carrying the gRPC status code. The generated stubs of `proto/tandem/v1/` are in
-`tandem_client._gen.tandem.v1` (regenerate with `python tools/gen_proto.py`).
+subclass carrying the gRPC status code. A server behind TLS and bearer tokens takes
+`Client(target, tls=TLS(ca="ca.pem"), token="...")` (`TLS(cert=..., key=...)` for mTLS). The
+generated stubs of `proto/tandem/v1/` are in `tandem_client._gen.tandem.v1` (regenerate with
+`python tools/gen_proto.py`).
 """
 
 from tandem_client.aio import AsyncClient, AsyncStream
 from tandem_client.client import Client, Stream
 from tandem_client.errors import (
+    AuthenticationError,
     DeadlineExceededError,
     InternalError,
     InvalidArgumentError,
@@ -25,11 +28,13 @@ from tandem_client.errors import (
     UnavailableError,
     UnimplementedError,
 )
+from tandem_client.security import TLS
 from tandem_client.types import Chunk, Completion, FinishReason, Message, ModelInfo, Usage
 
 __all__ = [
     "AsyncClient",
     "AsyncStream",
+    "AuthenticationError",
     "Chunk",
     "Client",
     "Completion",
@@ -42,6 +47,7 @@ __all__ = [
     "RequestCancelledError",
     "ResourceExhaustedError",
     "Stream",
+    "TLS",
     "TandemError",
     "UnavailableError",
     "UnimplementedError",

@@ -12,6 +12,7 @@ from tandem_client import _request
 from tandem_client._gen.tandem.v1 import generation_pb2 as pb
 from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem_client._retry import Deadline, RetryPolicy
+from tandem_client.security import TLS, channel_security
 from tandem_client.types import Message, SpeculationMethod
 
 StreamT = TypeVar("StreamT")
@@ -25,7 +26,8 @@ class ClientBase(ABC, Generic[StreamT]):
 
     def __init__(self, target: str = DEFAULT_TARGET, *, timeout: float | None = None,
                  retries: int = 3, backoff: float = 0.1, max_backoff: float = 2.0,
-                 resume: bool = True, credentials: grpc.ChannelCredentials | None = None,
+                 resume: bool = True, token: str | None = None, tls: TLS | bool | None = None,
+                 credentials: grpc.ChannelCredentials | None = None,
                  metadata: Sequence[tuple[str, str]] = (), options: ChannelOptions = ()) -> None:
         """Open a channel to `target` ("host:port"; gRPC connects lazily, on the first call).
 
@@ -40,16 +42,24 @@ class ClientBase(ABC, Generic[StreamT]):
             again each time output arrives. Another router behind the same target takes it at
             once; to wait out a restart of the only one, allow for its start in `retries` and
             `max_backoff` (e.g. retries=30, max_backoff=2.0 waits 27 to 53 s in all).
-        credentials: TLS (grpc.ssl_channel_credentials()); None: plaintext.
-        metadata: sent with every call (e.g. [("authorization", "Bearer ...")]).
+        token: a bearer token for a server that asks for one (`authorization: Bearer ...`):
+            as call credentials over TLS; over plaintext as plain metadata (local use only:
+            anyone on the path can read it).
+        tls: a `TLS` (the roots to trust, and the client certificate for mTLS), or True for
+            TLS with the system's roots; None: plaintext.
+        credentials: grpc channel credentials instead of `tls` (either, not both).
+        metadata: sent with every call.
         options: extra gRPC channel arguments.
+        A server that refuses the token (or its absence) raises AuthenticationError, never
+        retried; a TLS handshake that fails is UNAVAILABLE (the server is not reached).
         """
         self.target = target
         self.timeout = timeout
         self._policy = RetryPolicy(retries, backoff, max_backoff)
         self.resume = resume
-        self._metadata = tuple(metadata)
-        opts = self._policy.channel_options(options)
+        credentials, auth, tls_opts = channel_security(credentials, tls, token)
+        self._metadata = tuple(metadata) + auth
+        opts = self._policy.channel_options([*tls_opts, *options])
         self._channel = self._make_channel(target, credentials, opts)
         self._stub = pb_grpc.GenerationStub(self._channel)
 
@@ -98,6 +108,18 @@ class ClientBase(ABC, Generic[StreamT]):
         if spec is not None:
             req.speculation.CopyFrom(spec)
         return self._open(req, self._deadline(timeout))
+
+    @property
+    def channel(self) -> Any:
+        """The gRPC channel, for other services of the same server, e.g. health checks:
+        `HealthStub(c.channel).Check(req, metadata=c.metadata)`."""
+        return self._channel
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """What every call sends beside the channel's own credentials (the token, over
+        plaintext)."""
+        return self._metadata
 
     def _deadline(self, timeout: float | None) -> Deadline:
         return Deadline(self.timeout if timeout is None else timeout)

@@ -26,6 +26,11 @@ class UnavailableError(TandemError):
     """No server could take the request; retried automatically before any output arrived."""
 
 
+class AuthenticationError(TandemError):
+    """The server wants a valid bearer token (`token=`) and got none or a wrong one; never
+    retried."""
+
+
 class DeadlineExceededError(TandemError):
     """The call's deadline (the `timeout`) passed."""
 
@@ -46,6 +51,7 @@ _BY_CODE: dict[grpc.StatusCode, type[TandemError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthenticationError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.CANCELLED: RequestCancelledError,
     grpc.StatusCode.INTERNAL: InternalError,
