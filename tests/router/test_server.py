@@ -21,7 +21,8 @@ from tests.helpers import tiny_engine
 class Served:
     """A server on its own event-loop thread, so sync clients can call it from the test."""
 
-    def __init__(self, engine, backend=None, **service_kw):
+    def __init__(self, engine, backend=None, server_kw=None, **service_kw):
+        """`server_kw`: start_server's keyword arguments (TLS credentials, interceptors)."""
         self.engine = engine
         self.backend = backend or LocalBackend(engine)
         self.loop = asyncio.new_event_loop()
@@ -29,7 +30,7 @@ class Served:
 
         async def boot():
             self.service = GenerationService(self.backend, **service_kw)
-            self.server, self.port = await start_server(self.service)
+            self.server, self.port = await start_server(self.service, **(server_kw or {}))
             ready.set()
 
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
