@@ -11,19 +11,22 @@ from typing import Any
 os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
 
 from kvtransfer.base import (  # noqa: E402
+    MAX_REQUEST_ID_BYTES,
     Connection,
     Extras,
     LoopThread,
+    RequestTooLarge,
     TransferError,
     TransferStats,
     Transport,
+    check_request_id,
 )
 from kvtransfer.layout import BlockLayout, LayoutMismatch, check_compatible  # noqa: E402
 from kvtransfer.local import LocalTransport  # noqa: E402
 
-__all__ = ["BlockLayout", "Connection", "Extras", "LayoutMismatch", "LocalTransport",
-           "LoopThread", "TransferError", "TransferStats", "Transport", "UcxTransport",
-           "check_compatible"]
+__all__ = ["MAX_REQUEST_ID_BYTES", "BlockLayout", "Connection", "Extras", "LayoutMismatch",
+           "LocalTransport", "LoopThread", "RequestTooLarge", "TransferError", "TransferStats",
+           "Transport", "UcxTransport", "check_compatible", "check_request_id"]
 
 
 def __getattr__(name: str) -> Any:

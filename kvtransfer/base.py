@@ -24,10 +24,19 @@ Extras = dict[str, torch.Tensor]
 # Called once per landed request with its extras, or with the error that failed it.
 OnReceive = Callable[[str, "Extras | TransferError"], None]
 T = TypeVar("T")
+# The longest request id (UTF-8 bytes) a transport carries: it travels in every request's
+# header and comes back in logs and errors. A sender refuses a longer one before sending
+# anything (`RequestTooLarge`); the router can check it up front.
+MAX_REQUEST_ID_BYTES = 256
 
 
 class TransferError(RuntimeError):
     """A transfer failed after the handshake (bad ids, checksum, peer gone, timeout)."""
+
+
+class RequestTooLarge(TransferError, ValueError):
+    """Refused before anything was sent: the request id, or the header naming the blocks, is
+    larger than the receiver takes (the message names the size and the limit)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,16 @@ def check_block_ids(src: Sequence[int], dst: Sequence[int], src_blocks: int,
             raise ValueError(f"{side} block ids out of range 0..{n - 1}: {bad[:8]}")
     if len(set(dst)) != len(dst):
         raise ValueError("duplicate dst block ids (two sources would race on one block)")
+
+
+def check_request_id(request_id: str) -> None:
+    """Refuse a request id that is not a string or is longer than `MAX_REQUEST_ID_BYTES`."""
+    if not isinstance(request_id, str):
+        raise TypeError(f"a request id is a str, got {type(request_id).__name__}")
+    size = len(request_id.encode("utf-8", "surrogatepass"))
+    if size > MAX_REQUEST_ID_BYTES:
+        raise RequestTooLarge(f"request id of {size} bytes (starts {request_id[:32]!r}) is "
+                              f"longer than the {MAX_REQUEST_ID_BYTES} bytes a transport carries")
 
 
 class Inbox:
@@ -129,9 +148,10 @@ class Connection(ABC):
     async def close(self) -> None:
         """Say goodbye to the receiver and free the link."""
 
-    def check(self, kv_cache: torch.Tensor, src: Sequence[int], dst: Sequence[int],
-              extras: Extras | None) -> None:
+    def check(self, request_id: str, kv_cache: torch.Tensor, src: Sequence[int],
+              dst: Sequence[int], extras: Extras | None) -> None:
         """The checks every implementation runs before moving a byte."""
+        check_request_id(request_id)
         self.layout.check_tensor(kv_cache)
         check_block_ids(src, dst, kv_cache.shape[BLOCKS_DIM], self.peer_num_blocks)
         for name, t in (extras or {}).items():
@@ -158,6 +178,17 @@ class Transport(ABC):
     @property
     def num_blocks(self) -> int:
         return 0 if self.kv_cache is None else self.kv_cache.shape[BLOCKS_DIM]
+
+    @property
+    def healthy(self) -> bool:
+        """Whether this end still receives: False once a receive loop has died (its senders
+        would then wait out their timeouts). Transports without loops are always healthy."""
+        return True
+
+    @property
+    def dropped_messages(self) -> int:
+        """How many malformed, oversized or undecodable messages this end has dropped."""
+        return 0
 
     @property
     @abstractmethod

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import multiprocessing as mp
 import statistics
 import time
@@ -25,6 +26,7 @@ import torch
 
 from kvtransfer.layout import BlockLayout
 
+log = logging.getLogger(__name__)
 # Tag kinds of the raw baseline; the transport uses kinds 0-5 and 16 up (`wire`).
 RAW_CTRL, RAW_ACK = 8, 9
 
@@ -157,7 +159,11 @@ async def raw_server(rx_id: int, device: str) -> None:
     # endpoint pair, so dropping it between requests stalls the next large message.
     eps: dict[str, Any] = {}
     while True:
-        msg = await wire.recv_ctrl(wire.tag(rx_id, 0, RAW_CTRL))
+        try:
+            msg = await wire.recv_ctrl(wire.tag(rx_id, 0, RAW_CTRL))
+        except wire.MalformedMessage as e:  # dropped: the server goes on
+            log.error("kvtransfer.bench: dropped a malformed raw request: %s", e)
+            continue
         if msg.get("op") != "raw":
             break
         link = msg["link"]

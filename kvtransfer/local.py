@@ -72,7 +72,7 @@ class LocalConnection(Connection):
         peer = self._receiver
         if peer is None or _RECEIVERS.get(peer._id) is not peer or peer.kv_cache is None:
             raise TransferError(f"{request_id}: connection or receiver closed")
-        self.check(kv_cache, src_block_ids, dst_block_ids, extras)
+        self.check(request_id, kv_cache, src_block_ids, dst_block_ids, extras)
         t0 = time.perf_counter()
         dst_kv = peer.kv_cache
         n = len(src_block_ids)

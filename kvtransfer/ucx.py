@@ -26,6 +26,13 @@ otherwise `wire.plan_direct` picks:
   one message per (layer, K/V, run) straight from the sender's cache into the receiver's, with
   no copy on either side. The sender posts them with the header, so the data does not wait
   for the header's trip: UCX holds an early rendezvous until the receive is posted.
+
+Whatever a peer sends is checked before it is used (`wire.check_*`). A message that is
+malformed, larger than the buffer posted for it, or undecodable is dropped, logged and counted
+(`dropped_messages`); the request it still names fails at once on both ends (an error ack, an
+error in the inbox), and the loop goes on. `healthy` turns False only where a receive loop dies
+of something else. A sender refuses, before sending anything, a request id longer than
+`MAX_REQUEST_ID_BYTES` or a header larger than the receiver's buffer (`RequestTooLarge`).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ import torch
 import ucxx
 
 from kvtransfer import ipc, staging, wire
-from kvtransfer.base import OnReceive, TransferError, Transport, check_block_ids
+from kvtransfer.base import Extras, OnReceive, TransferError, Transport, check_block_ids
 from kvtransfer.ipc import DEFAULT_ENGINE  # `ipc` names an argument below
 from kvtransfer.ipc import ENGINES as PULL_ENGINES
 from kvtransfer.layout import BlockLayout, LayoutMismatch, check_compatible
@@ -100,7 +107,23 @@ class UcxTransport(Transport):
         self._tasks: set[asyncio.Task] = set()
         self._conns: list[UcxConnection] = []
         self._started = self._closed = False
+        self._dropped = 0  # malformed messages this end's loops dropped (`dropped_messages`)
+        self.failure: str | None = None  # why a receive loop died (`healthy`)
         self.pool = staging.StagingPool()
+
+    @property
+    def healthy(self) -> bool:
+        """False once a receive loop (the accept loop, a link's serve loop) has ended by an
+        unexpected exception or been cancelled while this transport was open (`failure` says
+        why; that link's or every new sender then waits out its timeout), and once closed. A
+        malformed message never ends a loop: it is dropped and counted in `dropped_messages`."""
+        return self.failure is None and not self._closed
+
+    @property
+    def dropped_messages(self) -> int:
+        """Malformed, oversized or undecodable messages dropped at this end: hellos, headers
+        and trailers it received, and acks its links received."""
+        return self._dropped + sum(c.dropped_messages for c in self._conns)
 
     @property
     def address(self) -> dict[str, Any]:
@@ -117,7 +140,7 @@ class UcxTransport(Transport):
         wire.ensure_ucx(self._progress_mode)
         self._self_ep = await wire.endpoint_to_worker(wire.worker_address_hex())
         if self.mode == "worker":
-            self._spawn(self._accept_loop())
+            self._spawn(self._accept_loop(), loop="accept loop")
         else:
             self._listener = ucxx.create_listener(self._on_endpoint, port=self.port,
                                                   endpoint_error_handling=True)
@@ -139,13 +162,19 @@ class UcxTransport(Transport):
             ep = await ucxx.create_endpoint(peer_address["host"], peer_address["port"],
                                             endpoint_error_handling=True)
             await ep.send(wire.encode(hello))  # the endpoint's own tag: unique to this pair
+        peer = peer_address.get("host") or peer_address["id"]
         try:
             msg = await asyncio.wait_for(reply, self.timeout)
+            wire.require(msg, wire.REPLY_FIELDS)
+            peer_layout = BlockLayout.from_dict(msg["layout"])
         except asyncio.TimeoutError:
             self._endpoints.append(ep)
             raise ConnectionError(f"no handshake reply within {self.timeout}s from "
-                                  f"{peer_address.get('host') or peer_address['id']}") from None
-        peer_layout = BlockLayout.from_dict(msg["layout"])
+                                  f"{peer}") from None
+        except (wire.MalformedMessage, TypeError) as e:  # not a reply this end can read
+            self._endpoints.append(ep)
+            self._dropped += 1
+            raise ConnectionError(f"malformed handshake reply from {peer}: {e}") from None
         if not msg["ok"]:
             self._endpoints.append(ep)
             try:
@@ -153,7 +182,7 @@ class UcxTransport(Transport):
             except LayoutMismatch as e:
                 raise LayoutMismatch(f"{e} (the receiver refused the handshake)",
                                      e.fields) from None
-            raise LayoutMismatch(msg.get("error", "the receiver refused the handshake"))
+            raise LayoutMismatch(msg.get("error") or "the receiver refused the handshake")
         conn = UcxConnection(ep, link, self.layout, peer_layout, msg["num_blocks"], self.pool,
                              num_chunks=self.num_chunks, checksum=self.checksum,
                              timeout=self.timeout, direct=self.direct,
@@ -197,40 +226,79 @@ class UcxTransport(Transport):
         self._imports.clear()
         self._cache_exports.clear()
 
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any, loop: str | None = None) -> None:
+        """Run `coro` until close; a receive `loop` (named) that dies makes this end unhealthy."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        if loop is not None:
+            task.add_done_callback(lambda t: self._loop_ended(loop, t))
+
+    def _loop_ended(self, loop: str, task: asyncio.Task) -> None:
+        """A loop returns only on close or its sender's bye; anything else is a death."""
+        if self._closed or not (task.cancelled() or task.exception() is not None):
+            return
+        exc = None if task.cancelled() else task.exception()
+        why = "cancelled" if exc is None else f"{type(exc).__name__}: {wire.excerpt(str(exc))}"
+        self.failure = self.failure or f"{loop} died ({why})"
+        log.error("kvtransfer: receive %s died while serving (%s); its senders will time out",
+                  loop, why, exc_info=exc)
+
+    def _drop(self, what: str, err: wire.MalformedMessage) -> None:
+        """Count and log a malformed message that is dropped; the loop goes on."""
+        self._dropped += 1
+        log.error("kvtransfer: dropped a malformed %s: %s", what, err)
+
+    def _stopping(self, msg: dict[str, Any]) -> bool:
+        """Our own close() stops the loops; a "stop" from anyone else is malformed."""
+        return msg.get("op") == "stop" and self._closed
 
     async def _accept_loop(self) -> None:
         """Worker mode: hellos from any sender arrive on this transport's own tag."""
         while True:
-            hello = await wire.recv_ctrl(wire.tag(self._id, 0, wire.HELLO))
-            if hello.get("op") == "stop":
-                return
+            try:
+                hello = await wire.recv_ctrl(wire.tag(self._id, 0, wire.HELLO))
+                if self._stopping(hello):
+                    return
+                wire.check_hello(hello, worker_mode=True)
+            except wire.MalformedMessage as e:
+                self._drop("hello", e)
+                continue
             try:
                 ep = await wire.endpoint_to_worker(hello["reply_to"])
                 await self._admit(ep, hello)
-            except Exception:  # one bad sender must not stop the others
-                log.exception("kvtransfer: bad hello")
+            except Exception:  # one sender that cannot be answered must not stop the others
+                log.exception("kvtransfer: could not answer the hello of link %#x",
+                              hello["link"])
 
     async def _on_endpoint(self, ep: Any) -> None:
         """Listener mode: the hello comes on the new endpoint's own tag."""
-        buf = bytearray(wire.CTRL_SMALL)
-        await ep.recv(buf)
-        await self._admit(ep, wire.decode(buf))
+        try:
+            hello = await wire.recv_ctrl(None, ep=ep)
+            wire.check_hello(hello, worker_mode=False)
+        except wire.MalformedMessage as e:
+            self._drop("hello", e)
+            wire.drop(ep)
+            return
+        try:
+            await self._admit(ep, hello)
+        except Exception:  # the sender went away meanwhile
+            log.exception("kvtransfer: could not answer the hello of link %#x", hello["link"])
 
     async def _admit(self, ep: Any, hello: dict[str, Any]) -> None:
-        """Receiver half of the handshake: refuse a mismatched layout before any data."""
+        """Receiver half of the handshake (`hello` passed `wire.check_hello`): refuse a
+        mismatched layout, or a link id already in use, before any data."""
         self._endpoints.append(ep)
-        link = int(hello["link"])
+        link = hello["link"]
         reply: dict[str, Any] = {"ok": True, "layout": self.layout.to_dict(),
                                  "num_blocks": self.num_blocks}
         try:
+            if link in self._links:
+                raise ValueError(f"link id {link:#x} is already in use")
             check_compatible(self.layout, BlockLayout.from_dict(hello["layout"]))
-        except (LayoutMismatch, TypeError, ValueError) as e:
-            reply.update(ok=False, error=str(e))
-            log.warning("kvtransfer: refused a sender: %s", e)
+        except Exception as e:  # a mismatch, or a layout that is not one
+            reply.update(ok=False, error=wire.clip(str(e)))
+            log.warning("kvtransfer: refused a sender: %s", wire.excerpt(str(e), 500))
         if reply["ok"]:
             if self.ipc is not False:
                 reply["pull_from"] = ipc.readable(self.kv_cache) if self.pull is not False else []
@@ -252,16 +320,39 @@ class UcxTransport(Transport):
                         log.warning("kvtransfer: cannot export the cache, no push",
                                     exc_info=True)
             self._links[link] = ep
-            self._spawn(self._serve(link, ep))
+            self._spawn(self._serve(link, ep), loop=f"serve loop of link {link:#x}")
         await wire.send(ep, wire.encode(reply), wire.tag(link, 0, wire.HELLO_REPLY))
 
     async def _serve(self, link: int, ep: Any) -> None:
-        """One sender's headers, in arrival order; each request then lands on its own."""
-        while True:
-            hdr = await wire.recv_ctrl(wire.tag(link, 0, wire.HEADER), wire.CTRL_HEADER)
-            if hdr.get("op") != "send":  # "bye" from the sender, "stop" from our close()
-                break
-            self._spawn(self._receive(link, ep, hdr))
+        """One sender's headers, in arrival order; each request then lands on its own. Ends
+        on the sender's "bye" or our close(); a header that cannot be used is dropped."""
+        try:
+            while True:
+                try:
+                    hdr = await wire.recv_ctrl(wire.tag(link, 0, wire.HEADER), wire.CTRL_HEADER)
+                    if hdr.get("op") == "bye" or self._stopping(hdr):
+                        return
+                    wire.check_header(hdr, self.layout.num_layers)
+                except wire.MalformedMessage as e:
+                    self._drop(f"header on link {link:#x}", e)
+                    self._spawn(self._refuse(link, ep, e))
+                    continue
+                self._spawn(self._receive(link, ep, hdr))
+        finally:
+            self._forget(link)
+
+    async def _refuse(self, link: int, ep: Any, err: wire.MalformedMessage) -> None:
+        """Fail the request a malformed header still names, where it does: in the inbox (its
+        request id) and to its sender (an error ack on its seq), so neither waits out a
+        timeout."""
+        error = f"malformed header: {err}"
+        if err.request_id is not None:
+            self._deliver(err.request_id, TransferError(f"{err.request_id}: {error}"))
+        if err.seq is not None:
+            await self._ack(ep, link, err.seq, error, None)
+
+    def _forget(self, link: int) -> None:
+        """Drop a link that is no longer served, with its IPC events and mapped caches."""
         self._links.pop(link, None)
         for key in [k for k in self._imports if k[0] == link]:
             del self._imports[key]
@@ -297,19 +388,28 @@ class UcxTransport(Transport):
             if extra_recv is not None:
                 await extra_recv
             if trailer is not None:
-                if (await trailer)["crc"] != sums + [wire.crc(blob)]:
+                sent = await trailer
+                wire.require(sent, {"crc": list})
+                if sent["crc"] != sums + [wire.crc(blob)]:
                     error = error or "checksum mismatch: payload corrupted in flight"
             extras = wire.unpack_extras(hdr["extras"], blob, kv.device)
+        except wire.MalformedMessage as e:  # the trailer
+            self._drop(f"trailer of {wire.excerpt(rid)}", e)
+            error = error or f"malformed trailer: {e}"
         except Exception as e:
             error = error or f"{type(e).__name__}: {e}"
         if not ipc_failed:
-            self.inbox.put(rid, extras if error is None else TransferError(f"{rid}: {error}"))
-        if hdr.get("acked"):  # an early ack already went out (`_land_pull`)
-            return
-        try:
+            self._deliver(rid, extras if error is None else TransferError(f"{rid}: {error}"))
+        if not hdr.get("acked"):  # else an early ack already went out (`_land_pull`)
             await self._ack(ep, link, seq, error, stamps, ipc_failed=ipc_failed)
-        except Exception:  # the sender is gone; its lease will expire on its own
-            log.warning("kvtransfer: could not ack %s", rid, exc_info=True)
+
+    def _deliver(self, rid: str, result: Extras | TransferError) -> None:
+        """Hand a request's outcome to the inbox; a failing `on_receive` is logged, so the
+        sender still gets its ack."""
+        try:
+            self.inbox.put(rid, result)
+        except Exception:  # noqa: BLE001 - the node's callback; the loop must go on
+            log.exception("kvtransfer: on_receive failed for %s", wire.excerpt(rid))
 
     async def _land_chunks(self, link: int, hdr: dict[str, Any], error: str | None,
                            stamps: dict[str, Any] | None) -> tuple[str | None, list[int]]:
@@ -428,7 +528,7 @@ class UcxTransport(Transport):
             hdr["acked"] = True
             early = asyncio.ensure_future(self._ack(self._links[link], link, hdr["seq"], None,
                                                     stamps, event=handle))
-        await self._copied(staging.mark(stream), early, hdr, stamps)
+        await self._copied(staging.mark(stream), early, stamps)
         return error, wire.run_sums(kv, runs, 1) if hdr["checksum"] else []
 
     async def _land_push(self, link: int, hdr: dict[str, Any], error: str | None,
@@ -443,7 +543,7 @@ class UcxTransport(Transport):
         if error is None and not hdr["checksum"]:
             hdr["acked"] = True
             early = asyncio.ensure_future(self._ack(self._links[link], link, seq, None, stamps))
-        await self._copied(done, early, hdr, stamps)
+        await self._copied(done, early, stamps)
         if error is not None or not hdr["checksum"]:
             return error, []
         # cut by the runs the sender cut its checksums by
@@ -451,29 +551,31 @@ class UcxTransport(Transport):
 
     @staticmethod
     async def _copied(event: torch.cuda.Event | None, early: asyncio.Future | None,
-                      hdr: dict[str, Any], stamps: dict[str, Any] | None) -> None:
+                      stamps: dict[str, Any] | None) -> None:
         """Until an IPC copy's `event` has fired (off the loop: the others progress) and its
         `early` ack (if any) has gone out; then stamp it landed."""
         await staging.wait_event(event)
         if early is not None:
-            try:
-                await early
-            except Exception:  # the sender is gone; its lease will expire on its own
-                log.warning("kvtransfer: could not ack %s", hdr["request_id"], exc_info=True)
+            await early
         if stamps is not None:
             stamps["landed"].append(time.perf_counter())
             stamps["scattered"] = stamps["synced"] = stamps["landed"][-1]
 
     async def _ack(self, ep: Any, link: int, seq: int, error: str | None,
                    stamps: dict[str, Any] | None, **more: Any) -> None:
-        """A request's ack: ok or the error, the receiver's stamps when traced, and `more`
-        (`ipc_failed`, an early ack's `event`)."""
-        reply: dict[str, Any] = {"ok": error is None, "error": error, "ipc_failed": False,
-                                 **more}
+        """A request's ack: ok or the error (cut to fit the sender's buffer), the receiver's
+        stamps when traced, and `more` (`ipc_failed`, an early ack's `event`). A sender that
+        is gone is only logged: its lease expires on its own."""
+        reply: dict[str, Any] = {"ok": error is None, "ipc_failed": False, **more,
+                                 "error": None if error is None else wire.clip(error)}
         if stamps is not None:
             stamps["ack"] = time.perf_counter()
             reply["t"] = stamps
-        await wire.send(ep, wire.encode(reply), wire.tag(link, seq, wire.ACK))
+        try:
+            await wire.send(ep, wire.encode(reply), wire.tag(link, seq, wire.ACK))
+        except Exception:  # noqa: BLE001
+            log.warning("kvtransfer: could not ack request %d of link %#x", seq, link,
+                        exc_info=True)
 
     def _export(self, same_process: bool) -> dict[str, Any]:
         """This receiver's cache as `ipc.export` describes it, made once (per cache and kind)

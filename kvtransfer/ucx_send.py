@@ -18,6 +18,10 @@ from kvtransfer.base import Connection, Extras, TransferError, TransferStats
 from kvtransfer.layout import BlockLayout
 
 log = logging.getLogger(__name__)
+# Room kept in a push's header for the fields `_push` adds once its copy is queued (an IPC
+# event handle, a GPU name): the header's size is checked before, so a header the receiver
+# would drop never has a copy queued into its cache.
+PUSH_FIELDS_BYTES = 512
 
 
 class UcxConnection(Connection):
@@ -56,6 +60,7 @@ class UcxConnection(Connection):
         self.push_dst: torch.Tensor | None = None
         self._pushed: dict[int, list[torch.cuda.Event]] = {}  # device -> "copied" events
         self.trace, self.last_trace = trace, None
+        self.dropped_messages = 0  # malformed acks received (each failed its request)
         self._closed = False
 
     async def send_blocks(self, request_id: str, kv_cache: torch.Tensor,
@@ -63,7 +68,7 @@ class UcxConnection(Connection):
                           extras: Extras | None = None) -> TransferStats:
         if self._closed:
             raise TransferError("connection closed")
-        self.check(kv_cache, src_block_ids, dst_block_ids, extras)
+        self.check(request_id, kv_cache, src_block_ids, dst_block_ids, extras)
         push = bool(src_block_ids) and self._can_push(kv_cache)
         pull = None if push or not src_block_ids else self._pull_spec(kv_cache, src_block_ids)
         try:
@@ -178,7 +183,6 @@ class UcxConnection(Connection):
             wire.direct_min_bytes(kv_cache.device))
         self.last_path = path = ("push" if push else "pull" if pull else
                                  "direct" if runs else "staged")
-        pushed, copied = self._push(kv_cache, src, dst, seq) if push else (None, None)
         if pull and kv_cache.is_cuda:
             ready = self._ready_event(kv_cache, seq)
             if ready is not None:
@@ -186,13 +190,20 @@ class UcxConnection(Connection):
         chunks = (wire.layer_chunks(num_layers, self.num_chunks)
                   if n and not (runs or pull or push) else [])
         spec, blob = wire.pack_extras(extras or {})
-        ack = asyncio.ensure_future(wire.recv_ctrl(self._tag(seq, wire.ACK)))
         hdr = {"op": "send", "seq": seq, "request_id": request_id, "dst": dst,
                "chunks": chunks, "direct": [[d, k] for _, d, k in runs] if runs else None,
                "extras": spec, "extras_nbytes": blob.numel(),
-               "checksum": self.checksum, "trace": self.trace,
-               "pull": pull, "push": pushed,
+               "checksum": bool(self.checksum), "trace": bool(self.trace),
+               "pull": pull, "push": {"src": src} if push else None,
                "early_ack": bool(pull) and self.early_ack_gpu is not None and not self.checksum}
+        # Refused before any message or copy: the receiver would drop a header larger than
+        # its buffer, and this request would wait out its timeout.
+        header = wire.encode_header(hdr, PUSH_FIELDS_BYTES if push else 0)
+        copied = None
+        if push:
+            hdr["push"], copied = self._push(kv_cache, src, dst, seq)
+            header = wire.encode(hdr)
+        ack = asyncio.ensure_future(wire.recv_ctrl(self._tag(seq, wire.ACK)))
         bufs: list[torch.Tensor] = []
         try:
             # pull: the receiver reads the blocks once the header is in (GPU caches: after the
@@ -203,7 +214,7 @@ class UcxConnection(Connection):
                 stamps["ready"].append(time.perf_counter())
             # Not awaited on its own: the header travels while the blocks are gathered, and
             # its completion is awaited with the chunks'.
-            sends = [self._send(wire.encode(hdr), 0, wire.HEADER)]
+            sends = [self._send(header, 0, wire.HEADER)]
             await asyncio.sleep(0)  # post it now, ahead of the payload
             if pull or push:
                 more, sums = [], (wire.run_sums(kv_cache, wire.block_runs(src, dst), 0)
@@ -224,16 +235,23 @@ class UcxConnection(Connection):
             for buf in bufs:  # sent: UCX no longer reads them
                 self._pool.give(buf)
             reply = await asyncio.wait_for(ack, self.timeout)
+            wire.check_ack(reply)
             if reply.get("event"):  # an early ack: the receiver's copy may still run
                 await asyncio.wait_for(self._wait_event(reply["event"]), self.timeout)
             if copied is not None:  # this end's copy: the src blocks are read until it ends
                 await asyncio.wait_for(staging.wait_event(copied), self.timeout)
         except asyncio.TimeoutError:
             raise TransferError(f"{request_id}: no ack within {self.timeout}s") from None
+        except wire.MalformedMessage as e:  # the receiver answered what cannot be read
+            self.dropped_messages += 1
+            raise TransferError(f"{request_id}: malformed ack: {e}") from None
         except Exception as e:  # UCX errors: the link broke; the lease must end all the same
             raise TransferError(f"{request_id}: {type(e).__name__}: {e}") from e
         finally:
             ack.cancel()  # no-op once done; on failure, stop waiting for an ack
+            # A failed push ends only with its copy, which reads the src blocks and writes
+            # the dst ones: the caller frees both once this returns.
+            await staging.wait_event(copied)
         t1 = time.perf_counter()
         if stamps is not None:
             self.last_trace = _trace_record(stamps, t1, reply.get("t"), len(chunks))

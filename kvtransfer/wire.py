@@ -3,7 +3,9 @@
 Every message is a UCX tagged message with an explicit 64-bit tag:
 `link id (32 bits) | request sequence number (24 bits) | kind (8 bits)`. The link id is random
 per connection, so one receiver worker tells many senders (and many requests) apart, and
-concurrent requests never interleave on a tag. Control messages are length-prefixed JSON.
+concurrent requests never interleave on a tag. Control messages are length-prefixed JSON
+objects; whatever a peer sends is checked (`decode`, `check_*`) before it is used, and what
+cannot be read raises `MalformedMessage`, which receive loops drop and count.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import atexit
 import json
 import math
+import reprlib
 import secrets
 import struct
 import threading
@@ -21,7 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 import ucxx
+from ucxx.exceptions import UCXMessageTruncatedError
 
+from kvtransfer.base import RequestTooLarge, check_request_id
 from kvtransfer.layout import dtype_from_name, dtype_name
 
 HELLO, HELLO_REPLY, HEADER, ACK, EXTRAS, TRAILER = range(6)
@@ -29,6 +34,28 @@ CHUNK = 16  # chunk i of a request's payload travels with kind CHUNK + i
 MAX_CHUNKS = 256 - CHUNK
 CTRL_SMALL = 64 << 10  # hello, replies, acks, trailers
 CTRL_HEADER = 1 << 20  # a header carries the dst block ids: ~7 bytes each as JSON
+MAX_ERROR_CHARS = 2000  # an error string in an ack is cut to this: acks must fit CTRL_SMALL
+
+
+class MalformedMessage(ValueError):
+    """A control message that cannot be used: larger than the buffer posted for it (UCX then
+    delivers nothing), not length-prefixed JSON, not an object, or missing or mistyping a
+    field. `seq` and `request_id` are set where a header still names its request, so the
+    receiver can answer it with an error."""
+
+    def __init__(self, reason: str, seq: int | None = None, request_id: str | None = None):
+        super().__init__(reason)
+        self.seq, self.request_id = seq, request_id
+
+
+def excerpt(value: Any, limit: int = 80) -> str:
+    """Untrusted `value` fit for a log line or an error: its repr (quotes and control
+    characters escaped), strings cut to about `limit` characters, containers to a few items."""
+    r = reprlib.Repr()
+    r.maxstring = r.maxother = r.maxlong = limit
+    r.maxlist = r.maxdict = 6
+    r.maxlevel = 3
+    return r.repr(value)
 
 
 def tag(link: int, seq: int, kind: int) -> int:
@@ -91,16 +118,155 @@ def encode(msg: dict[str, Any]) -> np.ndarray:
 
 
 def decode(buf: bytearray | np.ndarray) -> dict[str, Any]:
+    """The JSON object `encode` made; `MalformedMessage` for anything else."""
     raw = memoryview(buf).cast("B")
+    if len(raw) < 4:
+        raise MalformedMessage(f"{len(raw)} bytes: shorter than the length prefix")
     (n,) = struct.unpack_from("<I", raw)
-    return json.loads(bytes(raw[4:4 + n]))
+    if n > len(raw) - 4:
+        raise MalformedMessage(f"length prefix says {n} bytes, {len(raw) - 4} follow it")
+    body = bytes(raw[4:4 + n])
+    try:
+        msg = json.loads(body)
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, nesting past the stack
+        raise MalformedMessage(f"not JSON ({type(e).__name__}): {excerpt(body)}") from None
+    if not isinstance(msg, dict):
+        raise MalformedMessage(f"not a JSON object: {excerpt(msg)}")
+    return msg
 
 
-async def recv_ctrl(t: int, size: int = CTRL_SMALL) -> dict[str, Any]:
-    """Receive one control message on this process's worker (any sender) with tag `t`."""
+async def recv_ctrl(t: int | None, size: int = CTRL_SMALL, ep: Any = None) -> dict[str, Any]:
+    """Receive one control message on this process's worker (any sender) with tag `t`, or,
+    given `ep`, on that endpoint's own tag. `MalformedMessage` if it was larger than `size`
+    (UCX reports the truncation and delivers nothing; the tag stays usable) or undecodable."""
     buf = bytearray(size)
-    await ucxx.recv(buf, t)
+    try:
+        await (ucxx.recv(buf, t) if ep is None else ep.recv(buf))
+    except UCXMessageTruncatedError:
+        raise MalformedMessage(f"larger than the {size} bytes posted for it") from None
     return decode(buf)
+
+
+# The fields each control message must carry, with their JSON types; None: may be absent or
+# null. `int` never accepts a bool.
+HELLO_FIELDS = {"link": int, "layout": dict, "reply_to": (str, None), "pid": (int, None)}
+REPLY_FIELDS = {"ok": bool, "layout": dict, "num_blocks": int, "error": (str, None),
+                "pull_from": (list, None), "pid": (int, None), "gpu": (str, None),
+                "probe_event": (str, None), "push_to": (dict, None)}
+HEADER_FIELDS = {"seq": int, "request_id": str, "dst": list, "chunks": list,
+                 "direct": (list, None), "extras": list, "extras_nbytes": int,
+                 "checksum": bool, "trace": (bool, None), "pull": (dict, None),
+                 "push": (dict, None), "early_ack": (bool, None)}
+ACK_FIELDS = {"ok": bool, "error": (str, None), "ipc_failed": (bool, None),
+              "event": (str, None), "t": (dict, None)}
+
+
+def _has_type(value: Any, kinds: type | tuple) -> bool:
+    kinds = kinds if isinstance(kinds, tuple) else (kinds,)
+    if value is None:
+        return None in kinds
+    if isinstance(value, bool):
+        return bool in kinds
+    return isinstance(value, tuple(k for k in kinds if k is not None))
+
+
+def require(msg: dict[str, Any], fields: dict[str, type | tuple]) -> None:
+    """`MalformedMessage` unless every field of `msg` named in `fields` has its type. The
+    messages of these checks do not say which kind of message: their callers do."""
+    for name, kinds in fields.items():
+        if not _has_type(msg.get(name), kinds):
+            got = excerpt(msg[name]) if name in msg else "missing"
+            raise MalformedMessage(f"field {name!r} is {got}")
+
+
+def check_hello(hello: dict[str, Any], worker_mode: bool) -> None:
+    """A sender's hello: a 32-bit link id, a layout, and (worker mode) where to reply."""
+    if hello.get("op") != "hello":
+        raise MalformedMessage(f"op is {excerpt(hello.get('op'))}")
+    require(hello, HELLO_FIELDS)
+    if not 0 < hello["link"] < 1 << 32:
+        raise MalformedMessage(f"link id {excerpt(hello['link'])} is not 32 bits")
+    if worker_mode and not _worker_address(hello.get("reply_to")):
+        raise MalformedMessage(f"reply_to {excerpt(hello.get('reply_to'))} is not a worker "
+                               "address of this UCX version")
+
+
+def _worker_address(text: Any) -> bool:
+    """Whether `text` may go to UCX as a worker address: hex, starting with this UCX's
+    address version byte (UCX asserts on another version, which aborts the process)."""
+    try:
+        raw = bytes.fromhex(text)
+    except (TypeError, ValueError):
+        return False
+    return raw[:1] == bytes.fromhex(worker_address_hex()[:2])
+
+
+def check_header(hdr: dict[str, Any], num_layers: int) -> None:
+    """A request's header, for a cache of `num_layers` layers (its layer chunks and direct
+    runs must fit the tag space). Where its seq and request id are sound, the
+    `MalformedMessage` names them, so the receiver can fail that request at once."""
+    try:
+        if hdr.get("op") != "send":
+            raise MalformedMessage(f"op is {excerpt(hdr.get('op'))}")
+        require(hdr, HEADER_FIELDS)
+        check_request_id(hdr["request_id"])
+        if hdr["seq"] < 0 or hdr["extras_nbytes"] < 0:
+            raise MalformedMessage(f"seq {excerpt(hdr['seq'])} or extras_nbytes "
+                                   f"{excerpt(hdr['extras_nbytes'])} is negative")
+        if not all(_has_type(i, int) for i in hdr["dst"]):
+            raise MalformedMessage(f"dst ids not all ints: {excerpt(hdr['dst'])}")
+        chunks, runs = hdr["chunks"], hdr.get("direct") or []
+        if not (_int_pairs(chunks) and len(chunks) <= MAX_CHUNKS
+                and all(0 <= lo < hi <= num_layers for lo, hi in chunks)):
+            raise MalformedMessage(f"layer chunks {excerpt(chunks)} do not fit "
+                                   f"{num_layers} layers and {MAX_CHUNKS} tags")
+        if not (_int_pairs(runs) and 2 * num_layers * len(runs) <= MAX_CHUNKS
+                and all(d >= 0 and k > 0 for d, k in runs)):
+            raise MalformedMessage(f"direct runs {excerpt(runs)} are not (start, length) "
+                                   f"pairs that fit {MAX_CHUNKS} tags")
+    except (MalformedMessage, RequestTooLarge) as e:
+        raise MalformedMessage(str(e), *_sound_request(hdr)) from None
+
+
+def _int_pairs(value: list[Any]) -> bool:
+    return all(isinstance(p, list) and len(p) == 2 and all(_has_type(x, int) for x in p)
+               for p in value)
+
+
+def _sound_request(hdr: dict[str, Any]) -> tuple[int | None, str | None]:
+    """A header's seq and request id, each None where it cannot be answered by."""
+    seq, rid = hdr.get("seq"), hdr.get("request_id")
+    try:
+        check_request_id(rid)
+    except (TypeError, RequestTooLarge):
+        rid = None
+    return (seq if _has_type(seq, int) and seq >= 0 else None), rid
+
+
+def check_ack(ack: dict[str, Any]) -> None:
+    """A receiver's ack: ok, its error, and the receiver's stamps (numbers) when traced."""
+    require(ack, ACK_FIELDS)
+    for v in (ack.get("t") or {}).values():
+        if not all(_has_type(x, (int, float)) for x in (v if isinstance(v, list) else [v])):
+            raise MalformedMessage(f"stamp {excerpt(v)} is not a number")
+
+
+def clip(error: str) -> str:
+    """An error string cut to `MAX_ERROR_CHARS`, so the ack carrying it fits `CTRL_SMALL`."""
+    if len(error) <= MAX_ERROR_CHARS:
+        return error
+    return f"{error[:MAX_ERROR_CHARS]}... ({len(error)} chars)"
+
+
+def encode_header(hdr: dict[str, Any], reserve: int = 0) -> np.ndarray:
+    """A request's header on the wire; `RequestTooLarge` where it (plus `reserve` bytes of
+    fields still to come) would not fit the receiver's `CTRL_HEADER` buffer."""
+    buf = encode(hdr)
+    if buf.nbytes + reserve > CTRL_HEADER:
+        raise RequestTooLarge(f"{excerpt(hdr['request_id'])}: a header of "
+                              f"{buf.nbytes + reserve} bytes ({len(hdr['dst'])} blocks) does "
+                              f"not fit the receiver's {CTRL_HEADER}-byte buffer")
+    return buf
 
 
 async def send(ep: Any, buf: Any, t: int) -> None:
