@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from kvtransfer import LayoutMismatch
+from kvtransfer import MAX_REQUEST_ID_BYTES, LayoutMismatch, RequestTooLarge
 from tests.kvtransfer.conftest import random_kv, sample_extras, tiny_layout
 
 SRC = [3, 0, 17, 63, 5, 40]
@@ -120,6 +120,31 @@ def test_bad_block_ids_are_refused_by_the_sender(transport_kind):
 
     run(go())
     assert torch.equal(dst, before)
+
+
+def test_overlong_request_id_is_refused_by_the_sender(transport_kind):
+    """Request ids of up to `MAX_REQUEST_ID_BYTES` (UTF-8) go; a longer one is refused before
+    a byte moves, and the receiver stays healthy with nothing dropped."""
+    make, run = transport_kind
+    layout = tiny_layout()
+    src, dst = random_kv(layout), random_kv(layout, seed=1)
+    before = dst.clone()
+    longest = "ü" * (MAX_REQUEST_ID_BYTES // 2)
+
+    async def go():
+        async with make(layout, dst) as rx:
+            tx = make(layout)
+            conn = await tx.connect(rx.address)
+            with pytest.raises(RequestTooLarge, match=f"longer than the {MAX_REQUEST_ID_BYTES}"):
+                await conn.send_blocks(longest + "x", src, [1], [2])
+            assert torch.equal(dst, before)
+            await conn.send_blocks(longest, src, [1], [2])
+            await rx.recv_blocks(longest, timeout=10)
+            assert rx.healthy and rx.dropped_messages == 0
+            await tx.close()
+
+    run(go())
+    assert torch.equal(dst[:, :, 2], src[:, :, 1])
 
 
 def test_extras_only_transfer(transport_kind):
