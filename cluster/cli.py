@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -30,6 +31,59 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+class _SetAlias(argparse.Action):
+    """A flag short for `--set KEY=VALUE`: joins `args.set` in command-line order."""
+
+    def __init__(self, option_strings, dest, key: str, **kw):
+        super().__init__(option_strings, argparse.SUPPRESS, default=argparse.SUPPRESS, **kw)
+        self.key = key
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        # JSON quoting keeps the value a string through the YAML typing of --set
+        namespace.set = [*getattr(namespace, "set", []), f"{self.key}={json.dumps(value)}"]
+
+
+def _add_server_security_args(p: argparse.ArgumentParser) -> None:
+    for flag, key, what in (
+            ("--tls-cert", "tls_cert", "PEM certificate the server presents (TLS; with --tls-key)"),
+            ("--tls-key", "tls_key", "PEM private key of --tls-cert"),
+            ("--tls-client-ca", "tls_client_ca", "PEM CA clients' certificates must come from "
+                                                 "(mTLS)"),
+            ("--tokens-file", "tokens_file", "bearer tokens, one a line (also "
+                                             "$TANDEM_API_TOKENS, comma-separated)")):
+        p.add_argument(flag, action=_SetAlias, key=f"security.{key}", metavar="FILE",
+                       help=f"{what}; short for --set security.{key}=FILE")
+
+
+def _add_client_security_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--token", default=None,
+                   help="bearer token for a server that asks for one (default: "
+                        "$TANDEM_API_TOKEN)")
+    p.add_argument("--tls", action="store_true",
+                   help="connect over TLS (implied by the other --tls-* flags)")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="root certificate(s) to trust (default: the system's)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="client certificate for a server that asks for one (mTLS; with "
+                        "--tls-key)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
+
+
+def client_security(args) -> dict | None:
+    """The SDK's `token` and `tls` arguments from the client flags (absent ones: off), or None
+    after one `error:` line when a PEM file is missing or a cert comes without its key."""
+    from tandem_client import TLS
+
+    token = getattr(args, "token", None) or os.environ.get("TANDEM_API_TOKEN") or None
+    ca, cert, key = (getattr(args, k, None) for k in ("tls_ca", "tls_cert", "tls_key"))
+    try:
+        tls = TLS(ca, cert, key) if getattr(args, "tls", False) or ca or cert or key else None
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    return {"token": token, "tls": tls}
 
 
 def engine_settings(args) -> tuple[str, str, object]:
@@ -132,6 +186,7 @@ def cmd_serve(args) -> int:
 
     from cluster.config import ConfigError, apply_overrides, engine_kwargs, load_config
     from engine.metrics import Metrics
+    from router.auth import server_security
     from router.server import GenerationService, start_server
 
     sets = list(args.set) + (["mode=colocated"] if args.colocated else [])
@@ -141,7 +196,8 @@ def cmd_serve(args) -> int:
             from engine.loader import resolve
 
             resolve(cfg.model.path)  # here, not on some other node: check before loading
-    except (ConfigError, FileNotFoundError) as e:
+        security = server_security(cfg.security)  # PEM and token files read before loading
+    except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     host, port = cfg.router.host, args.port if args.port is not None else cfg.router.port
@@ -152,7 +208,7 @@ def cmd_serve(args) -> int:
 
         engine = Engine.from_pretrained(cfg.model.path, **engine_kwargs(cfg, "colocated"))
         engine.prepare_to_serve(progress=True)  # graphs, frozen objects, compiles logged
-        backend = LocalBackend(engine)
+        backend = LocalBackend(engine, cfg.router.chat_special_tokens)
         close = backend.close
     else:
         from cluster import launcher
@@ -170,8 +226,8 @@ def cmd_serve(args) -> int:
         print(f"metrics on http://{cfg.metrics.host}:{mport}/metrics", file=sys.stderr)
 
     async def run() -> None:
-        server, bound = await start_server(GenerationService(
-            backend, metrics, cfg.router.max_concurrent_requests), host, port)
+        service = GenerationService.from_config(backend, cfg.router, metrics)
+        server, bound = await start_server(service, host, port, **security)
         info = backend.info()
         print(f"serving tandem.v1.Generation on {host}:{bound} ({info['model']}, "
               f"{cfg.mode}, speculation {info['speculation']})", file=sys.stderr, flush=True)
@@ -188,15 +244,35 @@ def cmd_serve(args) -> int:
             await done.wait()
             await server.stop(1)
         else:
-            await server.wait_for_termination()
+            await _until_signalled()
+            print(f"draining: {len(service.inflight)} streams in flight, up to "
+                  f"{cfg.router.drain_grace_s:g} s…", file=sys.stderr, flush=True)
+            await service.drain(cfg.router.drain_grace_s)
+            await server.stop(1)
+        service.close()
 
     try:
         asyncio.run(run())
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a second Ctrl-C during the drain
         pass
     finally:
         close()
+    print("stopped", file=sys.stderr)
     return 0
+
+
+async def _until_signalled() -> None:
+    """Until SIGTERM (`ray job stop`, Kubernetes) or SIGINT (Ctrl-C); a second one ends the
+    process at once."""
+    import asyncio
+    import signal
+
+    loop, stop = asyncio.get_running_loop(), asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
 
 
 def cmd_remote_generate(args) -> int:
@@ -204,12 +280,15 @@ def cmd_remote_generate(args) -> int:
     from tandem_client import Client
     from tandem_client.errors import TandemError
 
+    security = client_security(args)
+    if security is None:
+        return 2
     t0 = time.perf_counter()
     first, n, last = None, 0, None
     kw = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
               max_tokens=args.max_tokens, stop=args.stop or None)
     try:
-        with Client(args.address) as c:
+        with Client(args.address, **security) as c:
             stream = (c.generate(messages=[{"role": "user", "content": args.chat}], **kw)
                       if args.chat else c.generate(args.prompt, **kw))
             for chunk in stream:
@@ -238,11 +317,14 @@ def cmd_status(args) -> int:
     from tandem_client import Client
     from tandem_client.errors import TandemError
 
+    security = client_security(args)
+    if security is None:
+        return 2
     try:
-        with grpc.insecure_channel(args.address) as ch:
-            health = health_pb2_grpc.HealthStub(ch).Check(
-                health_pb2.HealthCheckRequest(service="tandem.v1.Generation"), timeout=5)
-        with Client(args.address, timeout=5, retries=0) as c:
+        with Client(args.address, timeout=5, retries=0, **security) as c:
+            health = health_pb2_grpc.HealthStub(c.channel).Check(
+                health_pb2.HealthCheckRequest(service="tandem.v1.Generation"), timeout=5,
+                metadata=c.metadata)
             info = c.model_info()
     except (grpc.RpcError, TandemError) as e:
         # one line: an RpcError's str is the whole multi-line debug record
@@ -285,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="host:port of a running tandem server (default: run the engine here)")
     _add_model_args(g)
     _add_sampling_args(g)
+    _add_client_security_args(g)
     g.set_defaults(fn=lambda a: cmd_remote_generate(a) if a.address else cmd_generate(a))
     sv = sub.add_parser("serve", help="serve the gRPC API (disaggregated cluster by default)")
     sv.add_argument("--config", default=None, help="topology YAML (deploy/examples/*.yaml)")
@@ -294,15 +377,20 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--port", type=int, default=None)
     sv.add_argument("--demo", default=None, metavar="MESSAGE",
                     help="stream one chat completion through the server, then exit")
+    _add_server_security_args(sv)
     _add_sampling_args(sv)
     sv.set_defaults(fn=cmd_serve)
     st = sub.add_parser("status", help="health and model of a running server")
     st.add_argument("--address", default="127.0.0.1:50051")
+    _add_client_security_args(st)
     st.set_defaults(fn=cmd_status)
     from cluster import train_eagle3
 
     train_eagle3.add_parser(sub)
     _add_bench_parser(sub)
+    from cluster import soak
+
+    soak.add_parser(sub)
     args = ap.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     return args.fn(args)

@@ -25,6 +25,7 @@ PROGRESS_MODES = ("thread", "thread-polling")
 PULL_ENGINES = ("dst", "src")  # kvtransfer.ipc.ENGINES (not imported: config loads no torch)
 ENGINE_ROLES = ("prefill", "decode", "colocated")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 
@@ -66,12 +67,23 @@ class ModelSection(_Section):
 
 @dataclass(frozen=True)
 class RouterSection(_Section):
-    """The public gRPC endpoint and its admission limits."""
+    """The public gRPC endpoint and its admission limits (`router/admission.py`,
+    `router/limits.py`)."""
 
     host: str = "127.0.0.1"
     port: int = 50051  # 0: pick a free port
-    max_concurrent_requests: int = 256
-    request_timeout_s: float = 600.0
+    max_concurrent_requests: int = 256  # running at once; more wait in the queue
+    max_queued_requests: int = 1024  # waiting at once; more are RESOURCE_EXHAUSTED
+    max_queue_wait_s: float = 120.0  # a wait for admission or KV room; longer: RESOURCE_EXHAUSTED
+    max_requests_per_client: int = 0  # running or queued per token or peer address; 0: no cap
+    request_timeout_s: float = 600.0  # a request's whole life; longer: DEADLINE_EXCEEDED
+    # on SIGTERM/SIGINT running streams get this long to finish; the rest end UNAVAILABLE (the
+    # SDK continues them on another router)
+    drain_grace_s: float = 30.0
+    max_prompt_chars: int = 256 * 1024  # text or chat content, checked before tokenizing
+    # special-token strings in chat content are tokenized as plain text; true trusts every
+    # caller to write control tokens (turn markers) into content
+    chat_special_tokens: bool = False
     # a stream whose prefill or decode actor dies moves to live (or restarted) actors and goes
     # on where it stopped, at most this many times (0: the stream fails with the worker)
     resume_attempts: int = 3
@@ -80,10 +92,13 @@ class RouterSection(_Section):
         _port("port", self.port)
         _require(self.resume_attempts >= 0,
                  f"resume_attempts must be >= 0, got {self.resume_attempts}")
-        _require(self.max_concurrent_requests >= 1,
-                 f"max_concurrent_requests must be >= 1, got {self.max_concurrent_requests}")
-        _require(self.request_timeout_s > 0,
-                 f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        for key in ("max_concurrent_requests", "max_queued_requests", "max_prompt_chars"):
+            _require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
+        _require(self.max_requests_per_client >= 0,
+                 f"max_requests_per_client must be >= 0, got {self.max_requests_per_client}")
+        _require(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
+        for key in ("request_timeout_s", "max_queue_wait_s"):
+            _require(getattr(self, key) > 0, f"{key} must be > 0, got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)
@@ -226,6 +241,32 @@ class MetricsSection(_Section):
 
 
 @dataclass(frozen=True)
+class SecuritySection(_Section):
+    """Who may call the public port (`router/auth.py`): TLS, mTLS and bearer tokens, all off
+    by default. The files are read where the router runs, when it starts."""
+
+    tls_cert: str | None = None  # PEM certificate (chain) the router presents; with tls_key
+    tls_key: str | None = None  # PEM private key of tls_cert
+    tls_client_ca: str | None = None  # PEM CA: clients must show a cert it signed (mTLS)
+    tokens_file: str | None = None  # bearer tokens, one a line (blank and # lines skipped)
+    tokens_env: str | None = "TANDEM_API_TOKENS"  # env var of comma-separated tokens; null: none
+    health_open: bool = True  # grpc.health.v1.Health answers without a token (probes)
+
+    def _validate(self) -> None:
+        _require(self.tls_key is not None or self.tls_cert is None,
+                 "tls_key must be set with tls_cert (both or neither)")
+        _require(self.tls_cert is not None or self.tls_key is None,
+                 "tls_cert must be set with tls_key (both or neither)")
+        _require(self.tls_client_ca is None or self.tls_cert is not None,
+                 "tls_client_ca needs tls_cert and tls_key (mTLS is TLS that checks clients)")
+        for name in ("tls_cert", "tls_key", "tls_client_ca", "tokens_file"):
+            path = getattr(self, name)
+            _require(path is None or Path(path).is_file(), f"{name}: no file {path!r}")
+        _require(self.tokens_env is None or bool(_ENV_NAME.match(self.tokens_env)),
+                 f"tokens_env must name an environment variable, got {self.tokens_env!r}")
+
+
+@dataclass(frozen=True)
 class ClusterConfig(_Section):
     """The whole deployment. In colocated mode the decode section describes the engines (each
     does prefill and decode) and the prefill section is unused."""
@@ -237,6 +278,7 @@ class ClusterConfig(_Section):
     speculation: SpecSection = field(default_factory=SpecSection)
     transfer: TransferSection = field(default_factory=TransferSection)
     metrics: MetricsSection = field(default_factory=MetricsSection)
+    security: SecuritySection = field(default_factory=SecuritySection)
     mode: str = "disaggregated"
     ray_address: str | None = None  # None: start a local Ray; "auto" or an address: connect
 
@@ -274,7 +316,7 @@ class ClusterConfig(_Section):
 _SECTIONS: dict[str, type[_Section]] = {
     "model": ModelSection, "router": RouterSection, "prefill": RoleSection,
     "decode": RoleSection, "speculation": SpecSection, "transfer": TransferSection,
-    "metrics": MetricsSection,
+    "metrics": MetricsSection, "security": SecuritySection,
 }
 
 

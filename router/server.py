@@ -55,6 +55,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.request_timeout_s = request_timeout_s
         self.inflight: set[str] = set()
         self._ids = itertools.count()
+        self.draining = False  # refuse new requests (UNAVAILABLE): the server is going away
+        self._closing = asyncio.Event()  # set: cut the running streams (`drain`)
+        self.health: Health | None = None  # set by `start_server`
         # Tokenizing a long prompt takes a while: never on the event loop.
         self._tokenize = ThreadPoolExecutor(2, thread_name_prefix="tandem-tokenize")
         if metrics is not None:
@@ -75,6 +78,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             if request is None:  # bytes that do not parse (`_lenient`)
                 raise InvalidRequestError("the request is not a valid GenerateRequest")
+            if self.draining:
+                raise Refused(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; "
+                              "retry on another")
             self.limits.check(request)
             rid = rid or f"r{next(self._ids)}-{int(t0 * 1e6) % 10**9}"
             deadline = None if self.request_timeout_s is None else t0 + self.request_timeout_s
@@ -130,10 +136,11 @@ class GenerationService(pb_grpc.GenerationServicer):
         # be winding down in the engine (its cancel in flight).
         eid = rid if resume is None else f"{rid}+{resume[0]}"
         outs = self.backend.generate(eid, ids, params, cap, resume=resume).__aiter__()
+        closing = asyncio.ensure_future(self._closing.wait())
         try:
             while True:
                 try:
-                    out = await asyncio.wait_for(outs.__anext__(), _left_of(deadline))
+                    out = await self._next(outs, closing, deadline)
                 except StopAsyncIteration:
                     break
                 if first is None and out.token_ids:
@@ -162,9 +169,41 @@ class GenerationService(pb_grpc.GenerationServicer):
             status = "rejected"
             raise
         finally:
+            closing.cancel()
             await outs.aclose()
             if timer is not None:
                 timer.finish(status if status in FINISH else "error")
+
+    async def _next(self, outs, closing: asyncio.Future, deadline: float | None):
+        """The backend's next output; TimeoutError past `deadline`, UNAVAILABLE once the server
+        is cutting its streams (`drain`), so the SDK continues them elsewhere."""
+        nxt = asyncio.ensure_future(outs.__anext__())
+        try:
+            done, _ = await asyncio.wait({nxt, closing}, timeout=_left_of(deadline),
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:  # the caller left (cancelled), or the output did not come: stop waiting for it
+            if not nxt.done():
+                nxt.cancel()
+                await asyncio.wait({nxt})
+        if nxt in done:
+            return nxt.result()
+        if closing in done:
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; continue "
+                          "the stream on another")
+        raise asyncio.TimeoutError
+
+    async def drain(self, grace_s: float) -> None:
+        """Stop admitting (UNAVAILABLE, health NOT_SERVING), let running streams finish for up
+        to `grace_s` seconds, then end the rest with UNAVAILABLE."""
+        self.draining = True
+        if self.health is not None:
+            await self.health.set_all(False)
+        end = time.monotonic() + grace_s
+        while self.inflight and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        self._closing.set()
+        while self.inflight and time.monotonic() < end + 5:
+            await asyncio.sleep(0.01)
 
     def _status_of(self, rid: str, e: Exception) -> tuple[grpc.StatusCode, str]:
         """The status a failure ends its call with; what is not the caller's doing is logged
@@ -200,6 +239,23 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
+
+
+class Health:
+    """The gRPC health service's status for the server as a whole and for Generation."""
+
+    def __init__(self, servicer):
+        self.servicer = servicer
+
+    async def set_all(self, serving: bool) -> None:
+        from grpc_health.v1 import health_pb2
+
+        status = health_pb2.HealthCheckResponse.SERVING if serving else \
+            health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", SERVICE):
+            r = self.servicer.set(name, status)
+            if hasattr(r, "__await__"):
+                await r
 
 
 def _left_of(deadline: float | None) -> float | None:
@@ -273,8 +329,6 @@ async def start_server(service: GenerationService, host: str = "127.0.0.1", port
     bound = (server.add_secure_port(address, credentials) if credentials is not None
              else server.add_insecure_port(address))
     await server.start()
-    for name in ("", names[0]):
-        r = hs.set(name, health_pb2.HealthCheckResponse.SERVING)
-        if hasattr(r, "__await__"):
-            await r
+    service.health = Health(hs)
+    await service.health.set_all(True)
     return server, bound

@@ -242,3 +242,59 @@ def test_admission_is_first_in_first_out_and_caps_each_client():
         assert order == ["a", "b", "c", "d"] and adm.running == 0 and adm.queued == 0
 
     asyncio.run(run())
+
+
+def _health(target: str) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(
+            service="tandem.v1.Generation"), timeout=10).status
+
+
+def test_drain_finishes_short_streams_cuts_long_ones_and_refuses_new_ones():
+    from grpc_health.v1 import health_pb2
+
+    s = StubServed(SlowBackend(tokens=60, gap_s=0.05))
+    try:
+        got: dict[str, object] = {}
+
+        def call(rid, **kw):
+            try:
+                got[rid] = len(_complete(s.target, rid, **kw))
+            except grpc.RpcError as e:
+                got[rid] = e.code()
+
+        long = threading.Thread(target=call, args=("long",))
+        long.start()
+        _until(lambda: "long" in s.service.inflight)
+        drain = asyncio.run_coroutine_threadsafe(s.service.drain(0.5), s.loop)
+        _until(lambda: s.service.draining)
+        assert _health(s.target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        call("new")
+        drain.result(30)
+        long.join(30)
+        # 60 tokens take 3 s: the long stream outlived the grace period and was cut so the
+        # SDK continues it elsewhere; the new one was refused the same way.
+        assert got == {"long": grpc.StatusCode.UNAVAILABLE, "new": grpc.StatusCode.UNAVAILABLE}
+        assert not s.service.inflight
+    finally:
+        s.close()
+
+
+def test_a_drained_stream_goes_on_through_the_sdk_on_the_next_server(smol_engine):
+    s = Served(smol_engine)
+    kw = {"messages": [{"role": "user", "content": "List four metals and one use of each."}],
+          "temperature": 0, "max_tokens": 30}
+    try:
+        with Client(s.target, backoff=0.05) as c:
+            want = c.complete(**kw)
+            stream = c.generate(**kw)
+            got = [next(stream) for _ in range(3)]
+            asyncio.run_coroutine_threadsafe(s.service.drain(0.0), s.loop).result(30)
+            s.restart()
+            got += list(stream)
+    finally:
+        s.close()
+    assert [t for g in got for t in g.token_ids] == list(want.token_ids)
+    assert "".join(g.text for g in got) == want.text
