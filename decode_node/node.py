@@ -37,6 +37,7 @@ class DecodeNode(Liveness):
         if not self._started:
             await self.transport.start()
             self._started = True
+            self.guard_transport()
         return self.transport.address
 
     async def reserve(self, rid: str, num_tokens: int) -> list[int]:

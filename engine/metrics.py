@@ -109,6 +109,10 @@ class Metrics:
                                      "KV-cache bytes moved by successful transfers.")
         self.kv_failures = self._metric(Counter, "tandem_kv_transfer_failures_total",
                                         "KV-cache transfers that failed.")
+        self.kv_dropped = self._metric(
+            Counter, "tandem_kv_dropped_messages_total",
+            "Malformed, oversized or truncated transfer control messages dropped (the loop "
+            "that received each went on).")
         self.kv_seconds = self._metric(Histogram, "tandem_kv_transfer_seconds",
                                        "Duration of one successful KV-cache transfer.",
                                        buckets=TRANSFER_BUCKETS)

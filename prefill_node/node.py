@@ -5,6 +5,8 @@ decode node's reserved blocks and held under a lease until the decode side ackno
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 from collections.abc import AsyncIterator
 
 from engine import Engine, SamplingParams
@@ -19,6 +21,8 @@ from kvtransfer.layout import BlockLayout
 # actor can map a decode actor's cache on another GPU, or the other way) and runs on its own
 # by index.
 NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+GUARD_S = 1.0  # how often a node checks its transport's receive loops
+log = logging.getLogger("tandem.node")
 
 
 def gpu_index(gpu_id: int | str, visible: str | None) -> int:
@@ -60,7 +64,32 @@ def _on_own_gpu(engine_kwargs: dict) -> dict:
 
 
 class Liveness:
-    """What the router asks a node actor to learn whether it still lives."""
+    """What the router asks a node actor to learn whether it still lives, and the guard of
+    its transport's receive loops."""
+
+    _guard: asyncio.Task | None = None
+
+    def guard_transport(self) -> None:
+        """Start `_guard_loop` once, on the actor's event loop."""
+        if self._guard is None or self._guard.done():
+            self._guard = asyncio.ensure_future(self._guard_loop())
+
+    async def _guard_loop(self) -> None:
+        """Counts the transport's dropped messages; a receive loop that died ends this process,
+        so Ray restarts the actor and the router moves its streams, rather than a node that
+        acks nothing serving on."""
+        seen = 0
+        while True:
+            await asyncio.sleep(GUARD_S)
+            dropped = self.transport.dropped_messages
+            if dropped > seen:
+                self.metrics.kv_dropped.inc(dropped - seen)
+                seen = dropped
+            if not self.transport.healthy:
+                log.error("kvtransfer: %s; exiting so that Ray restarts this actor",
+                          getattr(self.transport, "failure", None) or "a receive loop died")
+                logging.shutdown()
+                os._exit(70)
 
     async def ping(self) -> bool:
         """Alive (answered at once, whatever the engine is doing)."""
@@ -102,6 +131,7 @@ class PrefillNode(Liveness):
         then ship the KV and yield the hand-off. Nothing more when the request already
         finished at its first token. `resume`: a stream moved here after a worker died
         (`Engine.add_request`)."""
+        self.guard_transport()
         self._active.add(rid)
         try:
             outs = [o async for o in self.loop.generate(rid, ids, params, spec_cap, hold=True,

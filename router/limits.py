@@ -22,7 +22,8 @@ class Limits:
     """The documented bounds of `tandem.v1.GenerateRequest` (proto/tandem/v1/generation.proto).
     `max_prompt_chars` bounds text and chat content together, before tokenizing."""
 
-    max_request_id_bytes: int = 256
+    # room for the suffixes of moved and continued attempts: kvtransfer carries 256 bytes
+    max_request_id_bytes: int = 192
     max_prompt_chars: int = 256 * 1024
     max_chat_messages: int = 512
     max_role_chars: int = 32

@@ -62,7 +62,7 @@ def _ids(n):
 
 
 @pytest.mark.parametrize("request_, field", [
-    (pb.GenerateRequest(request_id="x" * 257, token_ids=_ids(2)), "request_id has 257 bytes"),
+    (pb.GenerateRequest(request_id="x" * 193, token_ids=_ids(2)), "request_id has 193 bytes"),
     (pb.GenerateRequest(request_id="a\nb", token_ids=_ids(2)), "request_id holds control"),
     (pb.GenerateRequest(text="y" * 1001), "text has 1001 characters; the limit is 1000"),
     (pb.GenerateRequest(chat=pb.ChatMessages(messages=[
