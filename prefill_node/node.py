@@ -175,6 +175,16 @@ class PrefillNode(Liveness):
         if send is not None:
             await asyncio.wait([send])
 
+    async def drop_links(self) -> int:
+        """Close this node's UCX links to decode actors, as endpoints that broke (fault
+        injection: `tandem soak`): a transfer in flight on one fails, the next one connects
+        again. Returns how many were open."""
+        conns = list(self._conns.values())
+        self._conns.clear()
+        for conn in conns:  # not awaited: a link to a dead peer waits out its timeout
+            asyncio.ensure_future(conn.close())
+        return len(conns)
+
     async def _connect(self, address: dict):
         key = repr(sorted(address.items()))
         if key not in self._conns:
