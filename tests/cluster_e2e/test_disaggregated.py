@@ -3,7 +3,6 @@ EAGLE-3 → gRPC stream, against the engine's own colocated output."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import pytest
@@ -11,47 +10,19 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("ucxx")
 
+from cluster.soak import Served, settled_stats  # noqa: E402
 from engine import SamplingParams  # noqa: E402
-from engine.config import SpecConfig  # noqa: E402
-from router.server import GenerationService, start_server  # noqa: E402
 from tandem_client import Client  # noqa: E402
 from tandem_client.errors import InvalidArgumentError  # noqa: E402
-
-ENGINE_KW = {"enable_prefix_caching": False, "kv_cache_bytes": 256 << 20, "max_model_len": 2048,
-             "spec": SpecConfig(num_tokens=3, dynamic=False)}
-
-
-def settled_stats(c, tries: int = 100) -> list[dict]:
-    """Every actor's stats once nothing runs and every block is free (cancels land
-    asynchronously), or the last stats seen."""
-    import ray
-
-    for _ in range(tries):
-        stats = ray.get([a.stats.remote() for a in c.prefills + c.decodes])
-        if all(s["blocks_free"] == s["blocks_total"] and s["running"] == 0 for s in stats):
-            break
-        threading.Event().wait(0.1)
-    return stats
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-
-    from cluster import launcher
-    from cluster.config import TransferSection
-
-    # Checksums on: the transfer section's keywords reach the actors' transports.
-    c = launcher.start(None, ENGINE_KW, transport="ucx",
-                       transport_kwargs=TransferSection(checksum=True).transport_kwargs())
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    server, port = asyncio.run_coroutine_threadsafe(
-        start_server(GenerationService(c.backend)), loop).result(60)
-    yield c, f"127.0.0.1:{port}"
-    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(10)
-    c.shutdown()
-    ray.shutdown()
+    # The embedded GGUF as `tandem serve` loads it; checksums on: the transfer section's
+    # keywords reach the actors' transports.
+    s = Served(None)
+    yield s.cluster, s.target
+    s.close()
 
 
 def test_disaggregated_greedy_equals_colocated(cluster, smol_engine, chat_ids):
