@@ -244,21 +244,29 @@ def cmd_serve(args) -> int:
             await done.wait()
             await server.stop(1)
         else:
-            await _until_signalled()
-            print(f"draining: {len(service.inflight)} streams in flight, up to "
-                  f"{cfg.router.drain_grace_s:g} s…", file=sys.stderr, flush=True)
-            await service.drain(cfg.router.drain_grace_s)
+            lost = None if cfg.mode == "colocated" else asyncio.ensure_future(
+                service.supervise(give_up_s=cfg.router.worker_loss_exit_s))
+            signalled = asyncio.ensure_future(_until_signalled())
+            await asyncio.wait([t for t in (lost, signalled) if t is not None],
+                               return_when=asyncio.FIRST_COMPLETED)
+            signalled.cancel()
+            status[0] = 3 if lost is not None and lost.done() else 0
+            grace = cfg.router.drain_grace_s if status[0] == 0 else 0.0
+            print(f"draining: {len(service.inflight)} streams in flight, up to {grace:g} s…",
+                  file=sys.stderr, flush=True)
+            await service.drain(grace)
             await server.stop(1)
         service.close()
 
+    status = [0]
     try:
         asyncio.run(run())
     except KeyboardInterrupt:  # a second Ctrl-C during the drain
         pass
     finally:
         close()
-    print("stopped", file=sys.stderr)
-    return 0
+    print("stopped" if status[0] == 0 else "stopped: the workers were lost", file=sys.stderr)
+    return status[0]
 
 
 async def _until_signalled() -> None:

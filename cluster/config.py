@@ -80,6 +80,9 @@ class RouterSection(_Section):
     # on SIGTERM/SIGINT running streams get this long to finish; the rest end UNAVAILABLE (the
     # SDK continues them on another router)
     drain_grace_s: float = 30.0
+    # disaggregated: while no actor of a role answers, health says NOT_SERVING; after this long
+    # (its Ray node gone, say) the router exits with status 3 for its supervisor to restart it
+    worker_loss_exit_s: float = 300.0
     max_prompt_chars: int = 256 * 1024  # text or chat content, checked before tokenizing
     # special-token strings in chat content are tokenized as plain text; true trusts every
     # caller to write control tokens (turn markers) into content
@@ -97,7 +100,7 @@ class RouterSection(_Section):
         _require(self.max_requests_per_client >= 0,
                  f"max_requests_per_client must be >= 0, got {self.max_requests_per_client}")
         _require(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
-        for key in ("request_timeout_s", "max_queue_wait_s"):
+        for key in ("request_timeout_s", "max_queue_wait_s", "worker_loss_exit_s"):
             _require(getattr(self, key) > 0, f"{key} must be > 0, got {getattr(self, key)}")
 
 

@@ -244,12 +244,19 @@ class DisaggBackend:
             for w in waits:
                 w.cancel()
 
+    async def serving(self) -> bool:
+        """Whether some actor of each role answers a ping (not while a role's every actor is
+        dead, restarting, or gone with its Ray node)."""
+        async def any_alive(actors: list) -> bool:
+            return any(await asyncio.gather(*(self._alive(a) for a in actors)))
+        return all(await asyncio.gather(any_alive(self.prefills), any_alive(self.decodes)))
+
     @staticmethod
     async def _alive(actor) -> bool:
         try:
             await asyncio.wait_for(actor.ping.remote(), PROBE_TIMEOUT_S)
             return True
-        except (RayActorError, asyncio.TimeoutError):
+        except Exception:  # noqa: BLE001 - dead, restarting, or Ray itself unreachable
             return False
 
     async def _back(self, actor) -> None:

@@ -205,6 +205,28 @@ class GenerationService(pb_grpc.GenerationServicer):
         while self.inflight and time.monotonic() < end + 5:
             await asyncio.sleep(0.01)
 
+    async def supervise(self, every_s: float = 2.0, give_up_s: float = 300.0) -> None:
+        """Health follows the backend (`serving()`): NOT_SERVING while it cannot serve, SERVING
+        when it can again. Returns once it could not serve for `give_up_s` seconds in a row
+        (its Ray node is gone, say), so the process can exit for its supervisor."""
+        down_since = None
+        while True:
+            await asyncio.sleep(every_s)
+            if await self.backend.serving():
+                if down_since is not None and not self.draining:
+                    log.warning("workers answer again: SERVING")
+                    await self.health.set_all(True)
+                down_since = None
+                continue
+            now = time.monotonic()
+            if down_since is None:
+                down_since = now
+                log.error("no live worker for a role: NOT_SERVING")
+                await self.health.set_all(False)
+            elif now - down_since >= give_up_s:
+                log.error("no live worker for a role for %.0f s: giving up", now - down_since)
+                return
+
     def _status_of(self, rid: str, e: Exception) -> tuple[grpc.StatusCode, str]:
         """The status a failure ends its call with; what is not the caller's doing is logged
         in full under the request id."""

@@ -298,3 +298,34 @@ def test_a_drained_stream_goes_on_through_the_sdk_on_the_next_server(smol_engine
         s.close()
     assert [t for g in got for t in g.token_ids] == list(want.token_ids)
     assert "".join(g.text for g in got) == want.text
+
+
+def test_health_follows_the_workers_and_the_router_gives_up_when_they_stay_lost():
+    from grpc_health.v1 import health_pb2
+
+    backend = SlowBackend()
+    backend.up = True
+
+    async def serving():
+        return backend.up
+
+    backend.serving = serving
+    s = StubServed(backend)
+    serving_, not_serving = (health_pb2.HealthCheckResponse.SERVING,
+                             health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        watch = asyncio.run_coroutine_threadsafe(
+            s.service.supervise(every_s=0.02, give_up_s=60.0), s.loop)
+        backend.up = False  # every actor of a role gone (its Ray node, say)
+        _until(lambda: _health(s.target) == not_serving)
+        backend.up = True  # Ray restarted them
+        _until(lambda: _health(s.target) == serving_)
+        assert not watch.done()
+        watch.cancel()
+        backend.up = False
+        lost = asyncio.run_coroutine_threadsafe(
+            s.service.supervise(every_s=0.02, give_up_s=0.3), s.loop)
+        lost.result(30)  # returns: the server exits for its supervisor
+        assert _health(s.target) == not_serving
+    finally:
+        s.close()
