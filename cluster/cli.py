@@ -217,7 +217,8 @@ def cmd_serve(args) -> int:
         backend, close = cluster.backend, cluster.shutdown
         for name, p in zip(cfg.components()[1:], cluster.metrics_ports):
             if p is not None:
-                print(f"{name} metrics on http://127.0.0.1:{p}/metrics", file=sys.stderr)
+                print(f"{name} metrics on http://{cfg.metrics.host}:{p}/metrics",
+                      file=sys.stderr)
     metrics = Metrics("router") if cfg.metrics.enabled else None
     if cfg.mode != "colocated":
         backend.metrics = metrics  # streams moved off dead workers

@@ -213,6 +213,9 @@ class TransferSection(_Section):
     progress_mode: str = "thread"
     checksum: bool = False  # crc32 of every payload, compared at the receiver
     timeout_s: float = 30.0  # a transfer (or handshake) that takes longer fails
+    # the interfaces UCX binds and reaches peers on, as UCX_NET_DEVICES names them (e.g.
+    # "eth0", "mlx5_0:1"; several comma-separated); null: UCX's choice (every usable one)
+    net_devices: str | None = None
 
     def _validate(self) -> None:
         _choice("transport", self.transport, TRANSPORTS)

@@ -32,7 +32,9 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
           metrics: bool = True, transport_kwargs: dict | None = None,
           ipc_across_gpus: bool = False, prefill_restarts: int = -1,
           decode_restarts: int = -1, resume_attempts: int = 3,
-          chat_special_tokens: bool = False, kv_wait_s: float = 120.0) -> Cluster:
+          chat_special_tokens: bool = False, kv_wait_s: float = 120.0,
+          metrics_host: str = "127.0.0.1", metrics_ports: list[int] | None = None,
+          net_devices: str | None = None) -> Cluster:
     """Connect to (or start) Ray, place the actors, and return the router's backend.
     `engine_kwargs` configure prefill engines, `decode_kwargs` (default: the same) decode;
     `transport_kwargs` every actor's `kvtransfer` transport (`TransferSection`);
@@ -40,7 +42,9 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
     `*_restarts`: Ray restarts of a dead actor (-1: always); `resume_attempts`: moves of one
     stream after a worker died (`DisaggBackend`); `chat_special_tokens`: special-token strings
     in chat content read as the tokens (`PromptEncoder`); `kv_wait_s`: how long a request
-    waits for KV room on a decode actor."""
+    waits for KV room on a decode actor; `metrics_host` and `metrics_ports` (per actor,
+    prefills then decodes; 0 or None: a free port) where each actor serves /metrics;
+    `net_devices`: the interfaces UCX uses (`UCX_NET_DEVICES`)."""
     import ray
 
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -53,15 +57,17 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
                      include_dashboard=False,
                      log_to_driver=os.environ.get("TANDEM_RAY_LOGS") == "1")
     P = ray.remote(PrefillNode).options(**actor_options(prefill_gpus, ipc_across_gpus,
-                                                        prefill_restarts))
+                                                        prefill_restarts, net_devices))
     D = ray.remote(DecodeNode).options(**actor_options(decode_gpus, ipc_across_gpus,
-                                                       decode_restarts))
-    port = 0 if metrics else None  # each node serves /metrics on a free port (see info())
+                                                       decode_restarts, net_devices))
+    n = prefill_replicas + decode_replicas
+    ports = [None] * n if not metrics else list(metrics_ports or [0] * n)  # see info()
     tkw = transport_kwargs or {}
-    prefills = [P.remote(model, engine_kwargs, transport, port, tkw)
-                for _ in range(prefill_replicas)]
-    decodes = [D.remote(model, decode_kwargs or engine_kwargs, transport, port, tkw)
-               for _ in range(decode_replicas)]
+    prefills = [P.remote(model, engine_kwargs, transport, ports[k], tkw, metrics_host)
+                for k in range(prefill_replicas)]
+    decodes = [D.remote(model, decode_kwargs or engine_kwargs, transport,
+                        ports[prefill_replicas + k], tkw, metrics_host)
+               for k in range(decode_replicas)]
     infos = ray.get([a.info.remote() for a in prefills + decodes])  # waits for the models
     from engine import loader
 
@@ -74,16 +80,22 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
 
 
 def actor_options(num_gpus: float, ipc_across_gpus: bool = False,
-                  max_restarts: int = -1) -> dict:
+                  max_restarts: int = -1, net_devices: str | None = None) -> dict:
     """Ray options of a node actor. With `ipc_across_gpus`, a GPU actor keeps every GPU of
     its node visible (Ray leaves CUDA_VISIBLE_DEVICES alone) and runs on its own by index
     (`prefill_node.node.node_device`), so the KV can move between their GPUs by CUDA IPC
     (`kvtransfer.ipc`: push or pull); otherwise Ray pins it to its own GPUs.
-    `max_restarts`: how often Ray brings a dead one back (-1: always)."""
+    `max_restarts`: how often Ray brings a dead one back (-1: always); `net_devices`: the
+    interfaces its UCX binds and reaches peers on (`UCX_NET_DEVICES`)."""
     opts: dict = {"num_gpus": num_gpus, "num_cpus": 0, "max_concurrency": 1000,
                   "max_restarts": max_restarts}
+    env = {}
     if ipc_across_gpus and num_gpus > 0:
-        opts["runtime_env"] = {"env_vars": {NOSET_ENV: "1"}}
+        env[NOSET_ENV] = "1"
+    if net_devices:
+        env["UCX_NET_DEVICES"] = net_devices
+    if env:
+        opts["runtime_env"] = {"env_vars": env}
     return opts
 
 
@@ -102,4 +114,6 @@ def start_from_config(cfg) -> Cluster:
                  decode_restarts=cfg.decode.max_restarts,
                  resume_attempts=cfg.router.resume_attempts,
                  chat_special_tokens=cfg.router.chat_special_tokens,
-                 kv_wait_s=cfg.router.max_queue_wait_s)
+                 kv_wait_s=cfg.router.max_queue_wait_s, metrics_host=cfg.metrics.host,
+                 metrics_ports=list(cfg.metrics_ports().values())[1:],
+                 net_devices=cfg.transfer.net_devices)

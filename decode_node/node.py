@@ -20,10 +20,11 @@ class DecodeNode(Liveness):
     """Plain class; cluster/launcher.py runs it as a Ray actor."""
 
     def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
-                 metrics_port: int | None = None, transport_kwargs: dict | None = None):
+                 metrics_port: int | None = None, transport_kwargs: dict | None = None,
+                 metrics_host: str = "127.0.0.1"):
         self.engine = Engine.from_pretrained(model, **_on_own_gpu(engine_kwargs))
         self.engine.prepare_to_serve()  # graphs captured, objects frozen, compiles logged
-        self.metrics, self.metrics_port = serve_metrics("decode", metrics_port)
+        self.metrics, self.metrics_port = serve_metrics("decode", metrics_port, metrics_host)
         self.loop = EngineLoop(self.engine)
         self.loop.on_step = self.metrics.engine_step
         self.metrics.watch_engine(self.engine)

@@ -105,10 +105,11 @@ class PrefillNode(Liveness):
     """Plain class; cluster/launcher.py runs it as a Ray actor."""
 
     def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
-                 metrics_port: int | None = None, transport_kwargs: dict | None = None):
+                 metrics_port: int | None = None, transport_kwargs: dict | None = None,
+                 metrics_host: str = "127.0.0.1"):
         self.engine = Engine.from_pretrained(model, **_on_own_gpu(engine_kwargs))
         self.engine.prepare_to_serve()  # graphs captured, objects frozen, compiles logged
-        self.metrics, self.metrics_port = serve_metrics("prefill", metrics_port)
+        self.metrics, self.metrics_port = serve_metrics("prefill", metrics_port, metrics_host)
         self.loop = EngineLoop(self.engine)
         self.loop.on_step = self.metrics.engine_step
         self.metrics.watch_engine(self.engine)
@@ -198,12 +199,13 @@ class PrefillNode(Liveness):
         return node_info(self)
 
 
-def serve_metrics(role: str, port: int | None):
-    """This node's Prometheus metrics, exposed over HTTP unless port is None."""
+def serve_metrics(role: str, port: int | None, host: str = "127.0.0.1"):
+    """This node's Prometheus metrics, exposed over HTTP on `host` unless port is None (0: a
+    free port)."""
     from engine.metrics import Metrics
 
     m = Metrics(role)
-    return m, (m.serve("127.0.0.1", port)[1] if port is not None else None)
+    return m, (m.serve(host, port)[1] if port is not None else None)
 
 
 def engine_info(e: Engine) -> dict:

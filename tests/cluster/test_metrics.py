@@ -193,3 +193,38 @@ def test_request_timer_without_tokens_records_no_ttft():
     assert value(m, "tandem_e2e_seconds_sum") == pytest.approx(2.0)
     with pytest.raises(ValueError):
         t.token(-1)
+
+
+def test_a_node_serves_its_metrics_on_the_host_and_port_configured():
+    import socket
+
+    from prefill_node.node import serve_metrics
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    m, bound = serve_metrics("decode", port, "127.0.0.1")
+    assert bound == port
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    assert b'tandem_kv_blocks_used{role="decode"}' in body
+    assert serve_metrics("decode", None)[1] is None  # metrics off: no listener
+
+
+def test_engine_gauges_are_read_when_scraped():
+    class Blocks:
+        num_free = 7
+
+    class Sched:
+        waiting, running = [1, 2], [3]
+
+    class Eng:
+        num_blocks, blocks, scheduler = 10, Blocks(), Sched()
+
+    m, e = Metrics("decode"), Eng()
+    m.watch_engine(e)
+    get = lambda name: m.registry.get_sample_value(name, {"role": "decode"})
+    assert (get("tandem_queue_depth"), get("tandem_running_requests"),
+            get("tandem_kv_blocks_used")) == (2, 1, 3)
+    e.scheduler.waiting, e.scheduler.running, e.blocks.num_free = [], [], 10  # idle now
+    assert (get("tandem_queue_depth"), get("tandem_running_requests"),
+            get("tandem_kv_blocks_used")) == (0, 0, 0)

@@ -53,3 +53,12 @@ def test_ipc_across_gpus_needs_an_ipc_path():
     with pytest.raises(ConfigError, match="ipc_across_gpus needs pull or push"):
         apply_overrides(ClusterConfig(), ["transfer.pull=false", "transfer.push=false",
                                           "transfer.ipc_across_gpus=true"])
+
+
+def test_net_devices_reach_every_actors_ucx():
+    opts = actor_options(0.5, True, net_devices="lo")
+    assert opts["runtime_env"] == {"env_vars": {NOSET_ENV: "1", "UCX_NET_DEVICES": "lo"}}
+    assert actor_options(0.0, net_devices="eth0")["runtime_env"] == {
+        "env_vars": {"UCX_NET_DEVICES": "eth0"}}
+    cfg = apply_overrides(ClusterConfig(), ["transfer.net_devices=eth1"])
+    assert cfg.transfer.net_devices == "eth1"
