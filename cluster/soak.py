@@ -324,15 +324,16 @@ async def _injector(served: Served | None, plan, clock, records: list[Record],
 
 async def _flowing(records: list[Record], t: float, clock, timeout: float = 300.0
                    ) -> float | None:
-    """Seconds from `t` until every stream live at `t` has had a chunk since, or ended (None:
-    not within `timeout`)."""
+    """Once every stream live at `t` has had a chunk since, or ended: the seconds from `t`
+    to the last of those (None: not within `timeout`)."""
     live = [r for r in records if r.start <= t and (r.end is None or r.end >= t)]
+    since = lambda r: next((x for x in r.times if x > t), r.end)
     end = clock() + timeout
-    while clock() < end:
-        if all(r.end is not None or (r.times and r.times[-1] > t) for r in live):
-            return round(clock() - t, 3)
+    while any(since(r) is None for r in live):
+        if clock() > end:
+            return None
         await asyncio.sleep(0.05)
-    return None
+    return round(max((since(r) for r in live), default=t) - t, 3)
 
 
 # --- the run ------------------------------------------------------------------------------
@@ -454,14 +455,18 @@ def _pct(xs: list[float], q: float) -> float | None:
     return round(xs[lo] + (xs[hi] - xs[lo]) * (k - lo), 4)
 
 
-def pauses(records: list[Record], times: list[float], end: float) -> tuple[list[dict], dict]:
-    """Per fault time: over the streams live then, each one's longest wait for its next chunk
-    among the waits that overlap the time until the next fault (P50, P99); and the same
-    statistic for the streams that saw no fault, as the baseline."""
+def pauses(records: list[Record], faults: list[dict], end: float) -> tuple[list[dict], dict]:
+    """Per fault, over the streams live during its outage (from the fault until the actor is
+    back and the streams live at it have moved on): each one's longest wait for its next
+    chunk among the waits that overlap the time until the next fault (P50, P99); and the
+    same statistic for the streams that lived through no outage, as the baseline."""
+    windows = [(f["at_s"], f["at_s"] + max(f.get("recovered_s") or 0, f.get("resumed_s") or 0))
+               for f in faults]
     out, faulted = [], set()
-    for k, t in enumerate(times):
-        nxt = times[k + 1] if k + 1 < len(times) else float("inf")
-        live = [r for r in records if r.start <= t <= (r.end if r.end is not None else end)]
+    for k, (t, until) in enumerate(windows):
+        nxt = windows[k + 1][0] if k + 1 < len(windows) else float("inf")
+        live = [r for r in records if r.start <= until and
+                (r.end if r.end is not None else end) >= t]
         worst = []
         for r in live:
             faulted.add(id(r))
@@ -493,7 +498,7 @@ def report(cfg: SoakConfig, pool: list[Item], records: list[Record], faults: lis
             differing.append({"item": r.item, "outcome": r.outcome, "lost": n_lost,
                               "duplicated": n_dup, "text_matches": text_ok,
                               "got": r.tokens[:64], "want": ref[0][:64]})
-    per_fault, calm = pauses(records, [f["at_s"] for f in faults], soak_s)
+    per_fault, calm = pauses(records, faults, soak_s)
     leaks = None if actors is None else [
         {"actor": name, "blocks_in_use": s["blocks_total"] - s["blocks_free"],
          **{k: s[k] for k in ("blocks_total", "running", "held", "reserved", "waiting")
