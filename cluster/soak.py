@@ -324,16 +324,18 @@ async def _injector(served: Served | None, plan, clock, records: list[Record],
 
 async def _flowing(records: list[Record], t: float, clock, timeout: float = 300.0
                    ) -> float | None:
-    """Once every stream live at `t` has had a chunk since, or ended: the seconds from `t`
-    to the last of those (None: not within `timeout`)."""
+    """Seconds from `t` until every stream live at `t` had a chunk again (or ended), the
+    largest; returns once each has had two (or ended): after a move the first chunk comes
+    from the prefill actor, the second through the decode actor, so the next fault does not
+    fall into the end of this one (None: not within `timeout`)."""
     live = [r for r in records if r.start <= t and (r.end is None or r.end >= t)]
-    since = lambda r: next((x for x in r.times if x > t), r.end)
+    after = lambda r, k: ([x for x in r.times if x > t][k:k + 1] or [r.end])[0]
     end = clock() + timeout
-    while any(since(r) is None for r in live):
+    while any(after(r, 1) is None for r in live):
         if clock() > end:
             return None
         await asyncio.sleep(0.05)
-    return round(max((since(r) for r in live), default=t) - t, 3)
+    return round(max((after(r, 0) for r in live), default=t) - t, 3)
 
 
 # --- the run ------------------------------------------------------------------------------
