@@ -276,13 +276,13 @@ def fuzz(strategy, n: int, call) -> list[tuple[str, str, str]]:
 
 
 def test_fuzzed_requests_end_in_an_allowed_status(channel):
-    failures = fuzz(requests(), 300, pb_grpc.GenerationStub(channel).Generate)
+    failures = fuzz(requests(), 240, pb_grpc.GenerationStub(channel).Generate)
     assert not failures, report(failures)
 
 
 def test_garbage_bytes_end_in_an_allowed_status(channel):
     raw = channel.unary_stream(GEN, request_serializer=None, response_deserializer=None)
-    failures = fuzz(GARBAGE, 300, raw)
+    failures = fuzz(GARBAGE, 200, raw)
     assert not failures, report(failures)
 
 
@@ -294,7 +294,8 @@ def test_a_request_id_is_free_again_once_its_call_was_cancelled(channel):
     req = pb.GenerateRequest(request_id="fuzz-reused-id", text="Once upon a time",
                              sampling=pb.SamplingParams(temperature=0, max_tokens=8))
     got = [status_of(stub.Generate(req, timeout=CALL_TIMEOUT_S)) for _ in range(6)]
-    assert all(code == grpc.StatusCode.OK for code, _ in got), got
+    assert all(code == grpc.StatusCode.OK for code, _ in got), [
+        f"{code.name}: {details[:120]}" for code, details in got]
 
 
 # Last in this file: what the fuzz left behind.
