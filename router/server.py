@@ -55,6 +55,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.request_timeout_s = request_timeout_s
         self.inflight: set[str] = set()
         self._ids = itertools.count()
+        self._calls = itertools.count()  # engine ids: `_stream`
         self.draining = False  # refuse new requests (UNAVAILABLE): the server is going away
         self._closing = asyncio.Event()  # set: cut the running streams (`drain`)
         self.health: Health | None = None  # set by `start_server`
@@ -132,9 +133,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             if resume is not None:
                 self.metrics.continuations.inc()
         status, first = "cancelled", None
-        # A continuation runs under its own engine id: the broken call's request may still
-        # be winding down in the engine (its cancel in flight).
-        eid = rid if resume is None else f"{rid}+{resume[0]}"
+        # Each call runs under an engine id of its own: an earlier call of the same request id
+        # (cancelled, or a broken call this one continues) may still be winding down on the
+        # workers, its cancel in flight.
+        eid = f"{rid}.{next(self._calls)}"
         outs = self.backend.generate(eid, ids, params, cap, resume=resume).__aiter__()
         closing = asyncio.ensure_future(self._closing.wait())
         try:
@@ -185,6 +187,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             if not nxt.done():
                 nxt.cancel()
                 await asyncio.wait({nxt})
+            if nxt.done() and not nxt.cancelled():
+                nxt.exception()  # read: the end of the stream (or a failure) is no news here
         if nxt in done:
             return nxt.result()
         if closing in done:
@@ -233,9 +237,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         if isinstance(e, Refused):
             return e.code, str(e)
         if isinstance(e, InvalidRequestError):
-            return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+            return grpc.StatusCode.INVALID_ARGUMENT, _message(e)
         if isinstance(e, ResourceExhaustedError):
-            return grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)
+            return grpc.StatusCode.RESOURCE_EXHAUSTED, _message(e)
         log.error("request %s failed", clip(rid, 80), exc_info=e)
         if _worker_lost(e):
             return grpc.StatusCode.UNAVAILABLE, (f"a worker failed (request {clip(rid)}); "
@@ -278,6 +282,13 @@ class Health:
             r = self.servicer.set(name, status)
             if hasattr(r, "__await__"):
                 await r
+
+
+def _message(e: Exception) -> str:
+    """An error's own message: raised on a worker, Ray wraps it with the worker's traceback,
+    pid and address (`RayTaskError.cause` is the original)."""
+    cause = getattr(e, "cause", None)
+    return str(cause if isinstance(cause, Exception) else e)
 
 
 def _left_of(deadline: float | None) -> float | None:

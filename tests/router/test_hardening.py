@@ -169,7 +169,7 @@ def test_the_request_timeout_is_deadline_exceeded_and_stops_the_work():
     try:
         e = _status(s.target, pb.GenerateRequest(request_id="slow", text="hi"))
         assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "0.5 s" in e.details()
-        assert backend.cancelled == ["slow"]
+        assert len(backend.cancelled) == 1 and backend.cancelled[0].startswith("slow.")
     finally:
         s.close()
 
@@ -327,5 +327,24 @@ def test_health_follows_the_workers_and_the_router_gives_up_when_they_stay_lost(
             s.service.supervise(every_s=0.02, give_up_s=0.3), s.loop)
         lost.result(30)  # returns: the server exits for its supervisor
         assert _health(s.target) == not_serving
+    finally:
+        s.close()
+
+
+def test_an_error_raised_on_a_worker_is_answered_with_its_own_message():
+    ray_exceptions = pytest.importorskip("ray.exceptions")
+    from engine import InvalidRequestError
+
+    cause = InvalidRequestError("request id 'x' is already here")
+    wrapped = ray_exceptions.RayTaskError(
+        "DecodeNode.reserve", 'Traceback (most recent call last):\n  File "/srv/node.py"',
+        cause, proctitle="ray::DecodeNode.reserve() (pid=4242, ip=10.0.0.7)",
+        ip="10.0.0.7").as_instanceof_cause()
+    assert isinstance(wrapped, InvalidRequestError) and "pid=4242" in str(wrapped)
+    s = StubServed(SlowBackend(error=wrapped))
+    try:
+        e = _status(s.target, pb.GenerateRequest(text="hi"))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.details() == "request id 'x' is already here"
     finally:
         s.close()
