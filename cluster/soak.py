@@ -103,7 +103,7 @@ class Served:
     which `restart_router` can kill and bring back on the same port."""
 
     def __init__(self, model: str | None = None, engine_kw: dict | None = None, *,
-                 host: str = "127.0.0.1", port: int = 0):
+                 host: str = "127.0.0.1", port: int = 0, replicas: int = 1):
         import ray
 
         from cluster import launcher
@@ -112,7 +112,8 @@ class Served:
         self._own_ray = not ray.is_initialized()
         self.cluster = launcher.start(model, engine_kw or engine_kwargs(), transport="ucx",
                                       transport_kwargs=TransferSection(
-                                          checksum=True).transport_kwargs())
+                                          checksum=True).transport_kwargs(),
+                                      prefill_replicas=replicas, decode_replicas=replicas)
         self.host = host
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name="soak-router").start()
@@ -583,6 +584,8 @@ def add_parser(sub) -> None:
                    help="HF folder or .gguf (default: the embedded SmolLM2, exported once to "
                         "safetensors under ~/.cache/tandem so restarts take seconds)")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache of each actor")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="prefill and decode actors each (faults kill the first of a role)")
     p.add_argument("--out", default=None,
                    help="JSON file (default: bench/results/soak_<date>.json)")
     p.set_defaults(fn=cmd_soak)
@@ -596,6 +599,8 @@ def _config(args) -> SoakConfig:
         raise ValueError(f"--faults: unknown {bad}; pick from {list(FAULTS)}")
     if not 0 <= args.cancel_fraction <= 1:
         raise ValueError("--cancel-fraction must be in [0, 1]")
+    if getattr(args, "replicas", 1) < 1:
+        raise ValueError("--replicas must be >= 1")
     if args.streams < 1 or args.minutes <= 0 or not 1 <= args.min_tokens <= args.max_tokens:
         raise ValueError("want --streams >= 1, --minutes > 0, 1 <= --min-tokens <= --max-tokens")
     return SoakConfig(streams=args.streams, seconds=args.minutes * 60,
@@ -615,11 +620,12 @@ def cmd_soak(args) -> int:
     if args.address is None:
         print("starting the cluster…", file=sys.stderr, flush=True)
         model = args.model or embedded_export()
-        served = Served(model, engine_kwargs(args.kv_cache_mb))
+        served = Served(model, engine_kwargs(args.kv_cache_mb), replicas=args.replicas)
         env["cluster"] = {"model": model, "engine": {**ENGINE_KW, "kv_cache_bytes":
                                                      args.kv_cache_mb << 20,
                                                      "spec": f"eagle3, {SPEC_TOKENS} drafts"},
-                          "transport": "ucx, checksums on", "prefill": 1, "decode": 1}
+                          "transport": "ucx, checksums on", "prefill": args.replicas,
+                          "decode": args.replicas}
     elif cfg.faults:
         print("note: --address: no faults (they need the cluster of this process)",
               file=sys.stderr)

@@ -27,7 +27,7 @@ from tandem_client._gen.tandem.v1 import generation_pb2 as pb
 from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tandem.router")
-CONTINUATION_WAIT_S = 2.0  # how long a continuation waits for its broken call to end here
+REUSE_WAIT_S = 2.0  # how long a call waits for an earlier one of its request id to end here
 SPEC_ENUM = {"none": pb.SPECULATION_METHOD_NONE, "eagle3": pb.SPECULATION_METHOD_EAGLE3,
              "ngram": pb.SPECULATION_METHOD_NGRAM}
 SERVICE = "tandem.v1.Generation"
@@ -100,10 +100,11 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def _generate(self, rid: str, request, t0: float, deadline: float | None):
         params = sampling_of(request)
         more = continuation_of(request, params)
-        if rid in self.inflight and more is not None:
-            # A broken call's continuation may come in before the server has seen that
-            # call end (a dropped connection): the old one is cancelled on its own.
-            await self._left(rid, CONTINUATION_WAIT_S)
+        if rid in self.inflight:
+            # A call that reuses the id of one its caller just cancelled (or a continuation of
+            # one whose connection dropped) may come in before the server has seen the old one
+            # end: it ends on its own in a moment.
+            await self._left(rid, REUSE_WAIT_S)
         if rid in self.inflight:
             raise InvalidRequestError(f"request_id {clip(rid)} is already in flight")
         self.inflight.add(rid)

@@ -10,19 +10,16 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("ucxx")
 
-from cluster.soak import Served, settled_stats  # noqa: E402
+from cluster.soak import settled_stats  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 from tandem_client import Client  # noqa: E402
 from tandem_client.errors import InvalidArgumentError  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    # The embedded GGUF as `tandem serve` loads it; checksums on: the transfer section's
-    # keywords reach the actors' transports.
-    s = Served(None)
-    yield s.cluster, s.target
-    s.close()
+def cluster(served_cluster):
+    # Checksums on: the transfer section's keywords reach the actors' transports.
+    return served_cluster.cluster, served_cluster.target
 
 
 def test_disaggregated_greedy_equals_colocated(cluster, smol_engine, chat_ids):

@@ -243,12 +243,10 @@ def report(failures: list[tuple[str, str, str]]) -> str:
 
 
 @pytest.fixture(scope="module")
-def served():
-    s = soak.Served(soak.embedded_export())
-    with Client(s.target, timeout=120) as c:  # before any fuzz: what a fixed request gives
-        s.greedy_before = c.complete(**GREEDY)
-    yield s
-    s.close()
+def served(served_cluster):
+    with Client(served_cluster.target, timeout=120) as c:  # before any fuzz: what it gives
+        served_cluster.greedy_before = c.complete(**GREEDY)
+    return served_cluster
 
 
 @pytest.fixture(scope="module")

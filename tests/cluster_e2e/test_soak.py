@@ -15,10 +15,8 @@ from cluster import soak  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def served():
-    s = soak.Served(soak.embedded_export())
-    yield s
-    s.close()
+def served(served_cluster):
+    return served_cluster
 
 
 def test_a_short_soak_loses_nothing_and_leaks_nothing(served, tmp_path):

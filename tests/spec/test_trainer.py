@@ -21,7 +21,7 @@ class _Tok:
 
     eos_token_id = None
 
-    def apply_chat(self, messages):
+    def apply_chat(self, messages, specials_in_content=False):
         return [ord(c) % 256 for c in messages[-1]["content"]][:24]
 
     def decode(self, ids):
