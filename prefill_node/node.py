@@ -143,7 +143,12 @@ class PrefillNode(Liveness):
             # Registered before any await, so cancel() always sees a send it must wait for.
             send = asyncio.ensure_future(self._ship(rid, decode_address, dst_blocks))
             self._sending[rid] = send
-            h = await send
+            try:
+                h = await send
+            except Exception:
+                if rid in self._cancelled:  # cancelled mid-ship: nobody waits for a hand-off
+                    return
+                raise
         finally:  # the lease ends with the receiver's ack, or with the failure
             self._active.discard(rid)
             self._cancelled.discard(rid)
