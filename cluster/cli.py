@@ -200,7 +200,8 @@ def cmd_serve(args) -> int:
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    host, port = cfg.router.host, args.port if args.port is not None else cfg.router.port
+    host = args.host if args.host is not None else cfg.router.host
+    port = args.port if args.port is not None else cfg.router.port
     print(f"starting {cfg.mode} serving…", file=sys.stderr, flush=True)
     if cfg.mode == "colocated":
         from engine import Engine
@@ -366,8 +367,29 @@ def _add_bench_parser(sub) -> None:
     b.set_defaults(fn=suite.run)
 
 
+def _port(value: str) -> int:
+    """An argparse type: a TCP port number, 0..65535."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port: want 0..65535")
+    return port
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("tandem-serve")
+    except PackageNotFoundError:  # a source tree that was never installed
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="tandem", description="tandem LLM serving")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="stream one completion in the terminal")
     g.add_argument("prompt", nargs="?", default=None, help="raw prompt text")
@@ -383,7 +405,11 @@ def main(argv: list[str] | None = None) -> int:
     sv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config value, e.g. decode.replicas=2 (repeatable)")
     sv.add_argument("--colocated", action="store_true", help="one engine, no Ray")
-    sv.add_argument("--port", type=int, default=None)
+    sv.add_argument("--host", default=None,
+                    help="interface of the gRPC port (default: router.host, 127.0.0.1; "
+                         "0.0.0.0: every interface)")
+    sv.add_argument("--port", type=_port, default=None,
+                    help="gRPC port, 0..65535 (default: router.port, 50051; 0: a free one)")
     sv.add_argument("--demo", default=None, metavar="MESSAGE",
                     help="stream one chat completion through the server, then exit")
     _add_server_security_args(sv)

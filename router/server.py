@@ -328,6 +328,25 @@ def _lenient(cls):
     return parse
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _reflection_v1(server, names) -> None:
+    """Reflection under its v1 name too (grpcurl and Postman ask v1 first; grpcio-reflection
+    serves only v1alpha). The two protocols' messages are the same on the wire."""
+    from grpc_reflection.v1alpha import reflection
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+
+    servicer = (reflection.aio.ReflectionServicer if hasattr(reflection, "aio")
+                else reflection.ReflectionServicer)(names)
+    info = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=rpb.ServerReflectionRequest.FromString,
+        response_serializer=rpb.ServerReflectionResponse.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        REFLECTION_V1, {"ServerReflectionInfo": info}),))
+
+
 def add_service(service: GenerationService, server) -> None:
     """Register `service` with lenient request parsing (`_lenient`)."""
     rpcs = {
@@ -357,8 +376,9 @@ async def start_server(service: GenerationService, host: str = "127.0.0.1", port
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     names = (pb.DESCRIPTOR.services_by_name["Generation"].full_name,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME)
+             reflection.SERVICE_NAME, REFLECTION_V1)
     reflection.enable_server_reflection(names, server)
+    _reflection_v1(server, names)
     address = f"{host}:{port}"
     bound = (server.add_secure_port(address, credentials) if credentials is not None
              else server.add_insecure_port(address))

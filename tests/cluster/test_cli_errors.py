@@ -70,3 +70,18 @@ def test_status_of_no_server_says_so_in_one_line(capsys):
     assert main(["status", "--address", f"127.0.0.1:{port}"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"127.0.0.1:{port}: unreachable (UNAVAILABLE") and "\n" not in err
+
+
+@pytest.mark.parametrize("port, says", [("70000", "70000 is not a port: want 0..65535"),
+                                        ("-1", "-1 is not a port"), ("http", "not a port")])
+def test_serve_refuses_a_port_out_of_range(port, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--port", port])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and out.startswith("tandem ") and out.split()[1][0].isdigit()

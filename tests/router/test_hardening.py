@@ -348,3 +348,23 @@ def test_an_error_raised_on_a_worker_is_answered_with_its_own_message():
         assert e.details() == "request id 'x' is already here"
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("path", ["grpc.reflection.v1.ServerReflection",
+                                  "grpc.reflection.v1alpha.ServerReflection"])
+def test_reflection_answers_under_v1_and_v1alpha(path):
+    from grpc_reflection.v1alpha import reflection_pb2 as rpb
+
+    s = StubServed(SlowBackend())
+    try:
+        with grpc.insecure_channel(s.target) as ch:
+            call = ch.stream_stream(f"/{path}/ServerReflectionInfo",
+                                    request_serializer=rpb.ServerReflectionRequest.SerializeToString,
+                                    response_deserializer=rpb.ServerReflectionResponse.FromString)
+            resp = next(iter(call(iter([rpb.ServerReflectionRequest(list_services="")]),
+                                  timeout=10)))
+        names = {x.name for x in resp.list_services_response.service}
+        assert {"tandem.v1.Generation", "grpc.health.v1.Health",
+                "grpc.reflection.v1.ServerReflection"} <= names
+    finally:
+        s.close()
