@@ -127,7 +127,7 @@ class Metrics:
         self.queue_depth = self._metric(g, "tandem_queue_depth", "Requests waiting.")
         self.running = self._metric(g, "tandem_running_requests", "Requests running.")
         self.blocks_used = self._metric(g, "tandem_kv_blocks_used", "KV blocks in use.")
-        self.blocks_total = self._metric(g, "tandem_kv_blocks_total", "KV blocks in the cache.")
+        self.blocks_total = self._metric(g, "tandem_kv_blocks_capacity", "KV blocks in the cache.")
         self.acceptance_length = self._metric(
             g, "tandem_spec_acceptance_length",
             "Mean tokens emitted per verifying forward (accepted drafts + the target's token).")

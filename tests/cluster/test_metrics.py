@@ -35,7 +35,7 @@ def test_exposition_parses_and_names_every_metric_with_its_role():
     fams = {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
     for name in ("tandem_ttft_seconds", "tandem_itl_seconds", "tandem_tpot_seconds",
                  "tandem_e2e_seconds", "tandem_kv_transfer_seconds", "tandem_queue_depth",
-                 "tandem_running_requests", "tandem_kv_blocks_used", "tandem_kv_blocks_total",
+                 "tandem_running_requests", "tandem_kv_blocks_used", "tandem_kv_blocks_capacity",
                  "tandem_spec_acceptance_length", "tandem_prompt_tokens",
                  "tandem_generated_tokens", "tandem_kv_transfer_bytes",
                  "tandem_kv_transfer_failures"):
@@ -138,7 +138,7 @@ def test_set_engine_gauges():
     m.set_engine_gauges(3, 5, 40, 100, acceptance_length=2.5)
     m.set_engine_gauges(1, 6, 42, 100)
     got = [value(m, n) for n in ("tandem_queue_depth", "tandem_running_requests",
-                                 "tandem_kv_blocks_used", "tandem_kv_blocks_total",
+                                 "tandem_kv_blocks_used", "tandem_kv_blocks_capacity",
                                  "tandem_spec_acceptance_length")]
     assert got == [1, 6, 42, 100, 2.5]
 

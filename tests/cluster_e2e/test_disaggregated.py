@@ -108,7 +108,7 @@ def test_node_metrics_endpoints_parse_and_move(cluster):
     assert prefill["tandem_kv_transfer_bytes_total"] > 0
     assert prefill["tandem_kv_transfer_seconds_count"] > 0
     assert prefill["tandem_kv_transfers_total"] > 0  # by path: UCX messages on the CPU
-    assert decode["tandem_kv_blocks_total"] > 0 and decode["tandem_spec_acceptance_length"] >= 1
+    assert decode["tandem_kv_blocks_capacity"] > 0 and decode["tandem_spec_acceptance_length"] >= 1
 
 
 # Last in this file: it kills (and Ray restarts) the module cluster's decode actor.
