@@ -215,11 +215,11 @@ class Metrics:
         return generate_latest(self.registry)
 
     def engine_step(self, engine) -> None:
-        """After each engine step: queue, running, KV blocks, speculation counters."""
+        """After each engine step: acceptance length, speculation and step counters (queue,
+        running and KV blocks are read at scrape time: `watch_engine`)."""
         spec = engine.spec.stats if engine.spec is not None else None
-        self.set_engine_gauges(len(engine.scheduler.waiting), len(engine.scheduler.running),
-                               engine.num_blocks - engine.blocks.num_free, engine.num_blocks,
-                               spec.acceptance_length if spec and spec.verify_steps else None)
+        if spec is not None and spec.verify_steps:
+            self.acceptance_length.set(spec.acceptance_length)
         if spec is not None:
             self.observe_spec_totals(spec.drafted_per_pos, spec.accepted_per_pos)
             policy = engine.spec.policy

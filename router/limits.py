@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 from engine import InvalidRequestError
 
-MAX_REQUEST_BYTES = 8 << 20  # a whole serialized GenerateRequest (gRPC refuses larger ones)
 MAX_DETAIL_CHARS = 300  # an error's details, as sent to the caller
 ECHO_CHARS = 40  # at most this much of a caller's value is echoed in an error
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")  # terminal colour and cursor codes
