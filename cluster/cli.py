@@ -227,7 +227,8 @@ def cmd_serve(args) -> int:
         _, mport = metrics.serve(cfg.metrics.host, cfg.metrics_ports()["router"])
         print(f"metrics on http://{cfg.metrics.host}:{mport}/metrics", file=sys.stderr)
 
-    async def run() -> None:
+    async def run() -> int:
+        """Serve until the demo is done, a signal, or the workers are lost (then 3)."""
         service = GenerationService.from_config(backend, cfg.router, metrics)
         server, bound = await start_server(service, host, port, **security)
         info = backend.info()
@@ -245,6 +246,7 @@ def cmd_serve(args) -> int:
             threading.Thread(target=demo, daemon=True).start()
             await done.wait()
             await server.stop(1)
+            lost = None
         else:
             lost = None if cfg.mode == "colocated" else asyncio.ensure_future(
                 service.supervise(give_up_s=cfg.router.worker_loss_exit_s))
@@ -252,23 +254,23 @@ def cmd_serve(args) -> int:
             await asyncio.wait([t for t in (lost, signalled) if t is not None],
                                return_when=asyncio.FIRST_COMPLETED)
             signalled.cancel()
-            status[0] = 3 if lost is not None and lost.done() else 0
-            grace = cfg.router.drain_grace_s if status[0] == 0 else 0.0
+            grace = 0.0 if lost is not None and lost.done() else cfg.router.drain_grace_s
             print(f"draining: {len(service.inflight)} streams in flight, up to {grace:g} s…",
                   file=sys.stderr, flush=True)
             await service.drain(grace)
             await server.stop(1)
         service.close()
+        return 3 if lost is not None and lost.done() else 0
 
-    status = [0]
+    status = 0
     try:
-        asyncio.run(run())
+        status = asyncio.run(run())
     except KeyboardInterrupt:  # a second Ctrl-C during the drain
         pass
     finally:
         close()
-    print("stopped" if status[0] == 0 else "stopped: the workers were lost", file=sys.stderr)
-    return status[0]
+    print("stopped" if status == 0 else "stopped: the workers were lost", file=sys.stderr)
+    return status
 
 
 async def _until_signalled() -> None:

@@ -104,7 +104,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             # A call that reuses the id of one its caller just cancelled (or a continuation of
             # one whose connection dropped) may come in before the server has seen the old one
             # end: it ends on its own in a moment.
-            await self._left(rid, REUSE_WAIT_S)
+            await _until(lambda: rid not in self.inflight, REUSE_WAIT_S)
         if rid in self.inflight:
             raise InvalidRequestError(f"request_id {clip(rid)} is already in flight")
         self.inflight.add(rid)
@@ -203,12 +203,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.draining = True
         if self.health is not None:
             await self.health.set_all(False)
-        end = time.monotonic() + grace_s
-        while self.inflight and time.monotonic() < end:
-            await asyncio.sleep(0.05)
+        await _until(lambda: not self.inflight, grace_s)
         self._closing.set()
-        while self.inflight and time.monotonic() < end + 5:
-            await asyncio.sleep(0.01)
+        await _until(lambda: not self.inflight, 5.0)
 
     async def supervise(self, every_s: float = 2.0, give_up_s: float = 300.0) -> None:
         """Health follows the backend (`serving()`): NOT_SERVING while it cannot serve, SERVING
@@ -252,12 +249,6 @@ class GenerationService(pb_grpc.GenerationServicer):
         """Requests waiting: for admission, and (disaggregated) for KV room on a decode actor."""
         return self.admission.queued + getattr(self.backend, "kv_waiting", 0)
 
-    async def _left(self, rid: str, timeout: float) -> None:
-        """Until request `rid` is no longer in flight, or `timeout` seconds have passed."""
-        end = time.monotonic() + timeout
-        while rid in self.inflight and time.monotonic() < end:
-            await asyncio.sleep(0.01)
-
     async def GetModelInfo(self, request, context):
         i = self.backend.info()
         return pb.ModelInfo(model=i["model"], vocab_size=i["vocab_size"],
@@ -283,6 +274,13 @@ class Health:
             r = self.servicer.set(name, status)
             if hasattr(r, "__await__"):
                 await r
+
+
+async def _until(done, timeout: float) -> None:
+    """Until `done()` holds, or `timeout` seconds have passed."""
+    end = time.monotonic() + timeout
+    while not done() and time.monotonic() < end:
+        await asyncio.sleep(0.01)
 
 
 def _message(e: Exception) -> str:
@@ -331,9 +329,10 @@ def _lenient(cls):
 REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
 
 
-def _reflection_v1(server, names) -> None:
-    """Reflection under its v1 name too (grpcurl and Postman ask v1 first; grpcio-reflection
-    serves only v1alpha). The two protocols' messages are the same on the wire."""
+def _add_reflection(server, names) -> None:
+    """One reflection servicer under its v1alpha and v1 names (grpcurl and Postman ask v1
+    first; grpcio-reflection serves only v1alpha). The two protocols' messages are the same on
+    the wire."""
     from grpc_reflection.v1alpha import reflection
     from grpc_reflection.v1alpha import reflection_pb2 as rpb
 
@@ -343,8 +342,9 @@ def _reflection_v1(server, names) -> None:
         servicer.ServerReflectionInfo,
         request_deserializer=rpb.ServerReflectionRequest.FromString,
         response_serializer=rpb.ServerReflectionResponse.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        REFLECTION_V1, {"ServerReflectionInfo": info}),))
+    server.add_generic_rpc_handlers(tuple(
+        grpc.method_handlers_generic_handler(name, {"ServerReflectionInfo": info})
+        for name in (reflection.SERVICE_NAME, REFLECTION_V1)))
 
 
 def add_service(service: GenerationService, server) -> None:
@@ -377,8 +377,7 @@ async def start_server(service: GenerationService, host: str = "127.0.0.1", port
     names = (pb.DESCRIPTOR.services_by_name["Generation"].full_name,
              health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
              reflection.SERVICE_NAME, REFLECTION_V1)
-    reflection.enable_server_reflection(names, server)
-    _reflection_v1(server, names)
+    _add_reflection(server, names)
     address = f"{host}:{port}"
     bound = (server.add_secure_port(address, credentials) if credentials is not None
              else server.add_insecure_port(address))
