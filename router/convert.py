@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine import InvalidRequestError, SamplingParams
 from router.limits import clip
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb
+from tandem_proto.v1 import generation_pb2 as pb
 
 SPEC_NAMES = {pb.SPECULATION_METHOD_NONE: "none", pb.SPECULATION_METHOD_EAGLE3: "eagle3",
               pb.SPECULATION_METHOD_NGRAM: "ngram"}

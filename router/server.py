@@ -23,8 +23,8 @@ from engine.metrics import RequestTimer
 from router.admission import Admission
 from router.convert import FINISH, continuation_of, prompt_of, sampling_of, spec_cap_of
 from router.limits import Limits, clip, detail
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb
-from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc
+from tandem_proto.v1 import generation_pb2 as pb
+from tandem_proto.v1 import generation_pb2_grpc as pb_grpc
 
 log = logging.getLogger("tandem.router")
 REUSE_WAIT_S = 2.0  # how long a call waits for an earlier one of its request id to end here

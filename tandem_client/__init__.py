@@ -11,7 +11,7 @@
 `AsyncClient` is the same API on asyncio (`async for`, `await`). Failures raise a `TandemError`
 subclass carrying the gRPC status code. A server behind TLS and bearer tokens takes
 `Client(target, tls=TLS(ca="ca.pem"), token="...")` (`TLS(cert=..., key=...)` for mTLS). The
-generated stubs of `proto/tandem/v1/` are in `tandem_client._gen.tandem.v1` (regenerate with
+generated stubs of `proto/tandem/v1/` are the `tandem_proto.v1` package (regenerate with
 `python tools/gen_proto.py`).
 """
 

@@ -9,11 +9,11 @@ from typing import Any, Generic, TypeVar
 import grpc
 
 from tandem_client import _request
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb
-from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem_client._retry import Deadline, RetryPolicy
 from tandem_client.security import TLS, channel_security
 from tandem_client.types import Message, SpeculationMethod
+from tandem_proto.v1 import generation_pb2 as pb
+from tandem_proto.v1 import generation_pb2_grpc as pb_grpc
 
 StreamT = TypeVar("StreamT")
 ChannelOptions = Sequence[tuple[str, Any]]

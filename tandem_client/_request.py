@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb
 from tandem_client.types import SPECULATION, Message, SpeculationMethod
+from tandem_proto.v1 import generation_pb2 as pb
 
 
 def prompt_fields(prompt: str | None, messages: Sequence[Message] | None,

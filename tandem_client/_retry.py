@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb
+from tandem_proto.v1 import generation_pb2 as pb
 
 
 @dataclass(frozen=True)

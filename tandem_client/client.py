@@ -10,10 +10,10 @@ from typing import Any
 import grpc
 
 from tandem_client._base import ChannelOptions, ClientBase
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb
 from tandem_client._retry import Deadline, Progress, RetryPolicy
 from tandem_client.errors import from_rpc_error
 from tandem_client.types import Chunk, Completion, Message, ModelInfo
+from tandem_proto.v1 import generation_pb2 as pb
 
 
 class Stream(Iterator[Chunk]):

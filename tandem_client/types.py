@@ -6,7 +6,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb
+from tandem_proto.v1 import generation_pb2 as pb
 
 FinishReason = Literal["stop", "length", "cancelled", "error"]
 SpeculationMethod = Literal["default", "none", "eagle3", "ngram"]

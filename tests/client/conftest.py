@@ -10,8 +10,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb
-from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc
+from tandem_proto.v1 import generation_pb2 as pb
+from tandem_proto.v1 import generation_pb2_grpc as pb_grpc
 
 HELLO = [("Hel", [1]), ("lo", [2, 3]), ("!", [4])]
 USAGE = pb.Usage(prompt_tokens=5, completion_tokens=4, cached_tokens=2, accepted_draft_tokens=1,

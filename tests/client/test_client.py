@@ -19,7 +19,7 @@ from tandem_client import (
     UnavailableError,
     Usage,
 )
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb
+from tandem_proto.v1 import generation_pb2 as pb
 
 from .conftest import FAST_RETRY, FakeGeneration, start_server
 

@@ -13,9 +13,9 @@ from tandem_client import (
     RequestCancelledError,
     TandemError,
 )
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb
 from tandem_client._retry import Deadline, RetryPolicy
 from tandem_client.errors import error_for
+from tandem_proto.v1 import generation_pb2 as pb
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from cluster import soak  # noqa: E402
 from tandem_client import Client  # noqa: E402
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb  # noqa: E402
-from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+from tandem_proto.v1 import generation_pb2 as pb  # noqa: E402
+from tandem_proto.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
 GEN = "/tandem.v1.Generation/Generate"
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,

@@ -16,8 +16,8 @@ from engine.metrics import Metrics
 from router.admission import Admission
 from router.limits import MAX_DETAIL_CHARS, Limits
 from tandem_client import Client
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb
-from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc
+from tandem_proto.v1 import generation_pb2 as pb
+from tandem_proto.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import tiny_engine
 from tests.router.test_server import Served
 

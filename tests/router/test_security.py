@@ -22,8 +22,8 @@ from cluster.cli import main
 from cluster.config import ConfigError, SecuritySection, config_from_dict
 from router.auth import DENIED, BearerAuth, load_tokens, server_credentials, server_security
 from tandem_client import TLS, AsyncClient, AuthenticationError, Client, UnavailableError
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb
-from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc
+from tandem_proto.v1 import generation_pb2 as pb
+from tandem_proto.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import tiny_engine
 from tests.router.test_server import Served
 

@@ -12,9 +12,9 @@ from engine import SamplingParams
 from router.backends import LocalBackend
 from router.server import GenerationService, start_server
 from tandem_client import Client
-from tandem_client._gen.tandem.v1 import generation_pb2 as pb
-from tandem_client._gen.tandem.v1 import generation_pb2_grpc as pb_grpc
 from tandem_client.errors import InvalidArgumentError, ResourceExhaustedError
+from tandem_proto.v1 import generation_pb2 as pb
+from tandem_proto.v1 import generation_pb2_grpc as pb_grpc
 from tests.helpers import tiny_engine
 
 
