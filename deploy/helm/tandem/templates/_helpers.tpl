@@ -14,6 +14,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
 {{- define "tandem.image" -}}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
@@ -25,6 +30,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $router := deepCopy (get $cfg "router" | default dict) -}}
 {{- $_ := set $router "host" "0.0.0.0" -}}
 {{- $_ := set $router "port" (int .Values.router.port) -}}
+{{- $_ := set $router "http_port" (int .Values.router.httpPort) -}}
 {{- $_ := set $cfg "router" $router -}}
 {{- $metrics := deepCopy (get $cfg "metrics" | default dict) -}}
 {{- $_ := set $metrics "host" "0.0.0.0" -}}
@@ -88,4 +94,43 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
+{{- end -}}
+
+{{/* Whether the config serves metrics (config.metrics.enabled, true when unset). */}}
+{{- define "tandem.metricsOn" -}}
+{{- $m := get (.Values.config | default dict) "metrics" | default dict -}}
+{{- if or (not (hasKey $m "enabled")) $m.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* The node actors' metrics ports, as cluster/config.py numbers them (components() order:
+prefill-0.., then decode-0..; portBase + k), a YAML list of {name, port}. Colocated mode has
+no node actors: its engine runs in the router. */}}
+{{- define "tandem.nodeMetricsPorts" -}}
+{{- $cfg := .Values.config | default dict -}}
+{{- $ports := list -}}
+{{- if and (include "tandem.metricsOn" .) (ne (get $cfg "mode" | default "disaggregated") "colocated") -}}
+{{- $k := 1 -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $n := int (get (get $cfg $role | default dict) "replicas" | default 1) -}}
+{{- range $i := until $n -}}
+{{- $ports = append $ports (dict "name" (printf "%s-%d" $role $i) "port" (add $.Values.metrics.portBase $k)) -}}
+{{- $k = add $k 1 -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $ports -}}
+{{- end -}}
+
+{{/* The router's probes: gRPC health where it answers without TLS or a token, else TCP. */}}
+{{- define "tandem.probes" -}}
+{{- $sec := get (.Values.config | default dict) "security" | default dict -}}
+{{- $grpc := and (not (get $sec "tls_cert")) (or (not (hasKey $sec "health_open")) $sec.health_open) -}}
+{{- $check := ternary (dict "grpc" (dict "port" (int .Values.router.port))) (dict "tcpSocket" (dict "port" "grpc")) $grpc -}}
+{{- $p := .Values.router.probes -}}
+startupProbe:
+  {{- toYaml (merge (dict "timeoutSeconds" 5) $p.startup $check) | nindent 2 }}
+readinessProbe:
+  {{- toYaml (merge (dict "timeoutSeconds" 5) $p.readiness $check) | nindent 2 }}
+livenessProbe:
+  {{- toYaml (merge (dict "timeoutSeconds" 5) $p.liveness $check) | nindent 2 }}
 {{- end -}}
