@@ -231,6 +231,14 @@ def cmd_serve(args) -> int:
         """Serve until the demo is done, a signal, or the workers are lost (then 3)."""
         service = GenerationService.from_config(backend, cfg.router, metrics)
         server, bound = await start_server(service, host, port, **security)
+        try:  # the demo takes a free HTTP port unless given one: it only talks gRPC
+            http = await _start_http(service, cfg, host, 0 if args.demo and args.http_port
+                                     is None else args.http_port, security)
+        except OSError as e:
+            print(f"error: the HTTP port: {e}", file=sys.stderr)
+            await server.stop(0)
+            service.close()
+            return 2
         info = backend.info()
         print(f"serving tandem.v1.Generation on {host}:{bound} ({info['model']}, "
               f"{cfg.mode}, speculation {info['speculation']})", file=sys.stderr, flush=True)
@@ -259,6 +267,8 @@ def cmd_serve(args) -> int:
                   file=sys.stderr, flush=True)
             await service.drain(grace)
             await server.stop(1)
+        if http is not None:
+            await http.stop()
         service.close()
         return 3 if lost is not None and lost.done() else 0
 
@@ -269,8 +279,23 @@ def cmd_serve(args) -> int:
         pass
     finally:
         close()
-    print("stopped" if status == 0 else "stopped: the workers were lost", file=sys.stderr)
+    print("stopped: the workers were lost" if status == 3 else "stopped", file=sys.stderr)
     return status
+
+
+async def _start_http(service, cfg, host: str, port: int | None, security: dict):
+    """The OpenAI-compatible API on `port` (None: router.http_port), same TLS and tokens as
+    gRPC; None when router.http is off."""
+    if not cfg.router.http:
+        return None
+    from router.openai_http import OpenAIServer, bearer_of, ssl_context
+
+    http = OpenAIServer(service, bearer_of(security))
+    tls = ssl_context(cfg.security)
+    bound = await http.start(host, cfg.router.http_port if port is None else port, tls)
+    print(f"serving the OpenAI-compatible API on {'https' if tls else 'http'}://{host}:{bound}"
+          "/v1", file=sys.stderr, flush=True)
+    return http
 
 
 async def _until_signalled() -> None:
@@ -402,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     _add_sampling_args(g)
     _add_client_security_args(g)
     g.set_defaults(fn=lambda a: cmd_remote_generate(a) if a.address else cmd_generate(a))
-    sv = sub.add_parser("serve", help="serve the gRPC API (disaggregated cluster by default)")
+    sv = sub.add_parser("serve", help="serve the gRPC and OpenAI-compatible HTTP APIs "
+                        "(disaggregated cluster by default)")
     sv.add_argument("--config", default=None, help="topology YAML (deploy/examples/*.yaml)")
     sv.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config value, e.g. decode.replicas=2 (repeatable)")
@@ -412,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
                          "0.0.0.0: every interface)")
     sv.add_argument("--port", type=_port, default=None,
                     help="gRPC port, 0..65535 (default: router.port, 50051; 0: a free one)")
+    sv.add_argument("--http-port", type=_port, default=None,
+                    help="OpenAI-compatible HTTP port on the same host, 0..65535 (default: "
+                         "router.http_port, 8000; 0: a free one; off: --set router.http=false)")
     sv.add_argument("--demo", default=None, metavar="MESSAGE",
                     help="stream one chat completion through the server, then exit")
     _add_server_security_args(sv)

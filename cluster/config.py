@@ -72,6 +72,8 @@ class RouterSection(_Section):
 
     host: str = "127.0.0.1"
     port: int = 50051  # 0: pick a free port
+    http: bool = True  # the OpenAI-compatible HTTP API beside gRPC (router/openai_http.py)
+    http_port: int = 8000  # 0: pick a free port
     max_concurrent_requests: int = 256  # running at once; more wait in the queue
     max_queued_requests: int = 1024  # waiting at once; more are RESOURCE_EXHAUSTED
     max_queue_wait_s: float = 120.0  # a wait for admission or KV room; longer: RESOURCE_EXHAUSTED
@@ -93,6 +95,7 @@ class RouterSection(_Section):
 
     def _validate(self) -> None:
         _port("port", self.port)
+        _port("http_port", self.http_port)
         _require(self.resume_attempts >= 0,
                  f"resume_attempts must be >= 0, got {self.resume_attempts}")
         for key in ("max_concurrent_requests", "max_queued_requests", "max_prompt_chars"):
@@ -127,10 +130,16 @@ class RoleSection(_Section):
     # Ray restarts a replica that died (its model loads again) this many times over the
     # cluster's life; -1: always, 0: never (its streams then move to the other replicas)
     max_restarts: int = -1
+    # Ray custom resources each replica books (e.g. {node_b: 1}): it goes only to the nodes
+    # `ray start --resources` gave them, so the roles can be kept apart; null: any node
+    resources: dict | None = None
 
     def _validate(self) -> None:
         _require(self.replicas >= 1, f"replicas must be >= 1, got {self.replicas}")
         _require(self.max_restarts >= -1, f"max_restarts must be >= -1, got {self.max_restarts}")
+        _require(all(isinstance(k, str) and k not in ("CPU", "GPU") and type(v) in (int, float)
+                     and v > 0 for k, v in (self.resources or {}).items()),
+                 f"resources must map custom resource names to amounts > 0, got {self.resources}")
         _require(self.admission_delay_steps >= 0,
                  f"admission_delay_steps must be >= 0, got {self.admission_delay_steps}")
         _choice("device", self.device, DEVICES)

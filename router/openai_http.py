@@ -1,0 +1,325 @@
+"""The OpenAI-compatible HTTP API beside gRPC: /v1/models, /v1/completions,
+/v1/chat/completions (whole or streamed over server-sent events), /health.
+
+A request is converted to `tandem.v1` GenerateRequests (`router.openai_convert`) and run
+through the gRPC servicer itself (`GenerationService.Generate`), so limits, admission, the
+per-client cap, timeouts, drain, metrics and error codes are the same at both doors. Bearer
+tokens are the gRPC port's (`router.auth.BearerAuth`). aiohttp serves it: asyncio-native, on
+the router's event loop beside grpc.aio, and already installed with Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import ssl
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+from aiohttp import web
+
+from router.openai_convert import (
+    ApiError,
+    chat_requests,
+    check_model,
+    completion_requests,
+    envelope,
+    finish_name,
+    usage,
+)
+from router.server import GenerationService
+
+log = logging.getLogger("tandem.router")
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+
+
+class Aborted(Exception):
+    """`context.abort` of a call made through `Call`: the status the gRPC call would end with."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code = code
+
+
+class Call:
+    """What `GenerationService.Generate` reads of a gRPC context, for an HTTP request: the
+    caller's bearer token and address (the per-client cap), and `abort`."""
+
+    def __init__(self, request: web.Request):
+        self._auth = request.headers.get("Authorization")
+        remote = request.remote or "unknown"
+        self._peer = f"ipv6:[{remote}]:0" if ":" in remote else f"ipv4:{remote}:0"
+
+    def invocation_metadata(self):
+        return (("authorization", self._auth),) if self._auth else ()
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: grpc.StatusCode, details: str):
+        raise Aborted(code, details)
+
+
+class OpenAIServer:
+    """Serves the OpenAI-compatible API over `service`. `auth` (a `BearerAuth`): tokens
+    required on every path but /health (and that one too unless `auth.health_open`)."""
+
+    def __init__(self, service: GenerationService, auth=None):
+        self.service, self.auth = service, auth
+        self.created = int(time.time())
+        self._ids = itertools.count()
+        self.max_body = service.limits.max_prompt_chars * 8 + (1 << 20)  # JSON escapes, fields
+        self.app = web.Application(client_max_size=self.max_body, middlewares=[self._errors])
+        self.app.add_routes([
+            web.get("/health", self.health),
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{model:.+}", self.model),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat),
+        ])
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None
+                    ) -> int:
+        """Bind and serve; returns the port (`port` 0: a free one)."""
+        # handler_cancellation: a client that hangs up cancels its handler, which cancels
+        # its generation (the engine frees its KV blocks) as a cancelled gRPC call does.
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # --- routes --------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        """Bearer auth, then every failure as OpenAI's error JSON."""
+        try:
+            self._authorize(request)
+            return await handler(request)
+        except ApiError as e:
+            return _error(e)
+        except Aborted as e:
+            return _error(ApiError.of_status(e.code, str(e)))
+        except web.HTTPRequestEntityTooLarge:
+            return _error(ApiError("the request body is larger than this server takes "
+                                   f"({self.max_body} bytes)", 413))
+        except web.HTTPException as e:  # unknown path (404), wrong method (405)
+            if e.status < 400:
+                raise
+            return _error(ApiError(f"{request.method} {request.path}: {e.reason}", e.status))
+
+    def _authorize(self, request: web.Request) -> None:
+        if self.auth is None:
+            return
+        method = "/grpc.health.v1.Health/Check" if request.path == "/health" else request.path
+        if not self.auth.allows(method, (("authorization", request.headers.get(
+                "Authorization")),)):
+            self.auth.refused += 1
+            raise ApiError("missing or invalid bearer token", 401,
+                           type_="authentication_error", code="invalid_api_key")
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 while the server takes requests; 503 while draining or its workers are lost."""
+        serving = getattr(self.service.backend, "serving", None)  # disaggregated only
+        ok = not self.service.draining and (serving is None or await serving())
+        return web.json_response({"status": "ok" if ok else "unavailable"},
+                                 status=200 if ok else 503)
+
+    def _card(self) -> dict:
+        info = self.service.backend.info()
+        return {"id": info["model"], "object": "model", "created": self.created,
+                "owned_by": "tandem", "max_model_len": info["max_model_len"]}
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        card = self._card()
+        if request.match_info["model"] != card["id"]:
+            raise ApiError(f"the model {request.match_info['model'][:80]!r} does not exist",
+                           404, "model", code="model_not_found")
+        return web.json_response(card)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "text_completion", completion_requests)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, "chat.completion", chat_requests)
+
+    # --- generation ----------------------------------------------------------------------
+
+    async def _serve(self, request: web.Request, kind: str, convert) -> web.StreamResponse:
+        body = await _json(request)
+        info = self.service.backend.info()
+        if isinstance(body, dict):
+            check_model(body, info["model"])
+        rid = request.headers.get("X-Request-Id") or \
+            f"{kind[:4]}{next(self._ids)}-{time.time_ns() % 10**9}"
+        reqs = convert(body, rid, info["max_model_len"])
+        per_prompt = body.get("n") or 1  # choices per prompt (checked by `convert`)
+        stream = body.get("stream")
+        if stream not in (None, True, False):
+            raise ApiError("stream must be a boolean", param="stream")
+        outs = _merged(self.service, reqs, Call(request))
+        try:
+            # The first output (or the refusal) before any header: a refused request gets its
+            # HTTP status, not a 200 with an error event.
+            first = await anext(outs, None)
+            if not stream:
+                return await _whole(kind, rid, info["model"], len(reqs), per_prompt, first, outs)
+            opts = body.get("stream_options") or {}
+            return await _streamed(request, kind, rid, info["model"], len(reqs), per_prompt,
+                                   first, outs, bool(isinstance(opts, dict)
+                                                     and opts.get("include_usage")))
+        finally:
+            await outs.aclose()
+
+
+async def _merged(service: GenerationService, reqs, call: Call) -> AsyncIterator[tuple]:
+    """(choice index, GenerateResponse) of every request, as they come. The first failure
+    ends them all and is raised."""
+    if len(reqs) == 1:
+        async with contextlib.aclosing(service.Generate(reqs[0], call)) as one:
+            async for resp in one:
+                yield 0, resp
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, req) -> None:
+        try:
+            async with contextlib.aclosing(service.Generate(req, call)) as one:
+                async for resp in one:
+                    queue.put_nowait((i, resp, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:  # noqa: BLE001 - handed to the reader, raised there
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(reqs)]
+    try:
+        left = len(tasks)
+        while left:
+            i, resp, err = await queue.get()
+            if err is not None:
+                raise err
+            if resp is None:
+                left -= 1
+            else:
+                yield i, resp
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _whole(kind, rid, model, n, per_prompt, first, outs) -> web.Response:
+    texts, finish, prompt, completion, cached = [""] * n, [None] * n, {}, 0, {}
+    item = first
+    while item is not None:
+        i, resp = item
+        texts[i] += resp.text
+        if resp.HasField("usage"):
+            finish[i] = finish_name(resp)
+            prompt[i // per_prompt] = resp.usage.prompt_tokens  # n choices: one prompt
+            completion += resp.usage.completion_tokens
+            cached[i] = resp.usage.cached_tokens
+        item = await anext(outs, None)
+    chat = kind.startswith("chat")
+    choices = [{"index": i, "logprobs": None, "finish_reason": finish[i],
+                **({"message": {"role": "assistant", "content": texts[i]}} if chat
+                   else {"text": texts[i]})} for i in range(n)]
+    use = usage(sum(prompt.values()), completion, sum(cached.values()))
+    return web.json_response(envelope(kind, rid, model, _created(), choices, use))
+
+
+async def _streamed(request, kind, rid, model, n, per_prompt, first, outs,
+                    include_usage: bool) -> web.StreamResponse:
+    chat, chunk_kind = kind.startswith("chat"), kind + ".chunk" if kind.startswith("chat") \
+        else kind
+    created, prompt, completion, cached = _created(), {}, 0, 0
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+
+    async def send(obj) -> None:
+        await response.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+                             + b"\n\n")
+
+    def chunk(choices, use=None) -> dict:
+        out = envelope(chunk_kind, rid, model, created, choices, use)
+        if include_usage and use is None:
+            out["usage"] = None
+        return out
+
+    if chat:  # the role first, as OpenAI's streams open
+        await send(chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                           "logprobs": None, "finish_reason": None} for i in range(n)]))
+    item = first
+    try:
+        while item is not None:
+            i, resp = item
+            done = finish_name(resp)
+            if resp.HasField("usage"):
+                prompt[i // per_prompt] = resp.usage.prompt_tokens
+                completion += resp.usage.completion_tokens
+                cached += resp.usage.cached_tokens
+            if resp.text or done is not None:
+                part = {"delta": {"content": resp.text} if resp.text else {}} if chat \
+                    else {"text": resp.text}
+                await send(chunk([{"index": i, **part, "logprobs": None,
+                                   "finish_reason": done}]))
+            item = await anext(outs, None)
+        if include_usage:
+            await send(chunk([], usage(sum(prompt.values()), completion, cached)))
+    except (Aborted, ApiError) as e:  # after the 200 went out: an error event ends the stream
+        err = e if isinstance(e, ApiError) else ApiError.of_status(e.code, str(e))
+        await send(err.body())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _json(request: web.Request):
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError("the request body is not valid JSON") from None
+
+
+def _error(e: ApiError) -> web.Response:
+    return web.json_response(e.body(), status=e.status)
+
+
+def _created() -> int:
+    return int(time.time())
+
+
+def ssl_context(section) -> ssl.SSLContext | None:
+    """TLS for the HTTP port from the `security` config section's PEM files (the gRPC port's):
+    None without a certificate; with `tls_client_ca`, client certificates are required."""
+    if not section.tls_cert:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(section.tls_cert, section.tls_key)
+    if section.tls_client_ca:
+        ctx.load_verify_locations(section.tls_client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
+
+
+def bearer_of(security: dict):
+    """The `BearerAuth` among `router.auth.server_security`'s interceptors, if any."""
+    from router.auth import BearerAuth
+
+    return next((i for i in security.get("interceptors", ()) if isinstance(i, BearerAuth)),
+                None)

@@ -1,0 +1,216 @@
+"""The OpenAI-compatible HTTP API through the official `openai` package, against the real
+aiohttp server over the gRPC servicer and the embedded model: the same output as gRPC,
+streaming and not, OpenAI's error shapes and codes, tokens, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from router.admission import Admission
+from router.auth import BearerAuth
+from router.openai_http import OpenAIServer
+from tandem_client import Client
+from tests.router.test_server import Served
+
+openai = pytest.importorskip("openai")
+CHAT = [{"role": "user", "content": "Name three colors of the rainbow."}]
+
+
+class Api:
+    """`Served` (the gRPC servicer on its own loop) with the HTTP API beside it."""
+
+    def __init__(self, engine, auth=None, **service_kw):
+        self.served = Served(engine, **service_kw)
+        self.http = OpenAIServer(self.served.service, auth)
+        self.port = self._call(self.http.start("127.0.0.1", 0))
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.model = self.served.backend.info()["model"]
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.served.loop).result(30)
+
+    def client(self, key: str = "unused", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=key, max_retries=0,
+                             timeout=120, **kw)
+
+    def raw(self, method: str, path: str, body: bytes | None = None, headers=None):
+        """(HTTP status, parsed JSON) of a request sent as is."""
+        req = urllib.request.Request(self.base + path, data=body, method=method,
+                                     headers={"Content-Type": "application/json",
+                                              **(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def close(self):
+        self._call(self.http.stop())
+        self.served.close()
+
+
+@pytest.fixture
+def api(smol_engine):
+    a = Api(smol_engine)
+    yield a
+    a.close()
+
+
+def test_models_lists_the_served_model(api):
+    c = api.client()
+    assert [m.id for m in c.models.list().data] == [api.model]
+    assert c.models.retrieve(api.model).id == api.model
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("not-this-one")
+
+
+def test_chat_equals_grpc_whole_and_streamed(api):
+    with Client(api.served.target, retries=0) as g:
+        ref = g.complete(messages=CHAT, temperature=0, max_tokens=12)
+    c = api.client()
+    whole = c.chat.completions.create(model=api.model, messages=CHAT, temperature=0,
+                                      max_completion_tokens=12)
+    assert whole.choices[0].message.content == ref.text
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12
+    assert whole.usage.prompt_tokens == ref.usage.prompt_tokens
+    chunks = list(c.chat.completions.create(model=api.model, messages=CHAT, temperature=0,
+                                            max_tokens=12, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == ref.text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_completions_text_ids_prompts_and_stop(api):
+    c = api.client()
+    one = c.completions.create(model=api.model, prompt="The capital of France is",
+                               temperature=0, max_tokens=8)
+    ids = api.served.engine.encode_prompt("The capital of France is")
+    by_ids = c.completions.create(model=api.model, prompt=ids, temperature=0, max_tokens=8)
+    assert one.choices[0].text == by_ids.choices[0].text and one.choices[0].text
+    two = c.completions.create(model=api.model, prompt=["The capital of France is", "1, 2,"],
+                               temperature=0, max_tokens=8)
+    assert [ch.index for ch in two.choices] == [0, 1]
+    assert two.choices[0].text == one.choices[0].text
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens + len(
+        api.served.engine.encode_prompt("1, 2,"))
+    word = one.choices[0].text.split()[0]
+    cut = c.completions.create(model=api.model, prompt="The capital of France is",
+                               temperature=0, max_tokens=8, stop=[word])
+    assert word not in cut.choices[0].text and cut.choices[0].finish_reason == "stop"
+    streamed = list(c.completions.create(model=api.model, prompt="The capital of France is",
+                                         temperature=0, max_tokens=8, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed) == one.choices[0].text
+
+
+def test_default_completion_length_is_openais(api):
+    out = api.client().completions.create(model=api.model, prompt="Once upon a time",
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16
+
+
+def test_seeded_sampling_repeats_and_n_draws_differ(api):
+    c = api.client()
+    kw = dict(model=api.model, messages=CHAT, temperature=1.0, max_tokens=16, seed=7)
+    a, b = c.chat.completions.create(**kw), c.chat.completions.create(**kw)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    many = c.chat.completions.create(**kw, n=3)
+    texts = [ch.message.content for ch in many.choices]
+    assert [ch.index for ch in many.choices] == [0, 1, 2]
+    assert texts[0] == a.choices[0].message.content and len(set(texts)) > 1
+    assert many.usage.prompt_tokens == a.usage.prompt_tokens  # one prompt, three choices
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"temperature": 3}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
+    ({"logprobs": True}, "logprobs"),
+    ({"stop": [1]}, "stop"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, None),
+    ({"messages": []}, None),
+])
+def test_bad_fields_are_400_naming_the_field(api, kw, param):
+    body = {"model": api.model, "messages": CHAT, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        api.client().chat.completions.create(**body)
+    assert e.value.status_code == 400
+    err = e.value.body
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if param is not None:
+        assert err["param"] == param and param in err["message"]
+
+
+def test_errors_keep_openais_shape_for_any_input(api):
+    for method, path, body in [("POST", "/v1/chat/completions", b"{not json"),
+                               ("POST", "/v1/chat/completions", b"[1, 2]"),
+                               ("POST", "/v1/completions", json.dumps(
+                                   {"model": api.model}).encode()),
+                               ("GET", "/v1/nowhere", None),
+                               ("GET", "/v1/chat/completions", None)]:
+        status, out = api.raw(method, path, body)
+        assert status in (400, 404, 405), (path, status, out)
+        assert set(out["error"]) == {"message", "type", "param", "code"}, out
+    status, out = api.raw("POST", "/v1/completions", json.dumps(
+        {"model": "gpt-4", "prompt": "hi"}).encode())
+    assert status == 404 and out["error"]["code"] == "model_not_found"
+    # over the server's prompt limit: the gRPC path's check and message
+    limit = api.served.service.limits.max_prompt_chars
+    status, out = api.raw("POST", "/v1/completions", json.dumps(
+        {"model": api.model, "prompt": "x" * (limit + 1)}).encode())
+    assert status == 400 and f"the limit is {limit}" in out["error"]["message"]
+    status, out = api.raw("POST", "/v1/completions", b'{"model": "m", "prompt": "' +
+                          b"y" * (api.http.max_body + 1) + b'"}')
+    assert status == 413 and "larger than" in out["error"]["message"]
+
+
+def test_bearer_tokens_are_the_grpc_ports(smol_engine):
+    auth = BearerAuth(["s3cret"])
+    a = Api(smol_engine, auth=auth)
+    try:
+        with pytest.raises(openai.AuthenticationError) as e:
+            a.client("wrong").models.list()
+        assert e.value.status_code == 401
+        assert a.raw("GET", "/health")[0] == 200  # probes need no secret
+        out = a.client("s3cret").completions.create(model=a.model, prompt=[1, 2, 3],
+                                                    max_tokens=2, temperature=0)
+        assert out.usage.completion_tokens == 2 and auth.refused == 1
+    finally:
+        a.close()
+
+
+def test_a_full_queue_is_429_and_a_hang_up_frees_the_engine(smol_engine):
+    a = Api(smol_engine, admission=Admission(1, 0, 5.0))
+    try:
+        c = a.client()
+        stream = c.completions.create(model=a.model, prompt="Count: 1, 2, 3,", max_tokens=400,
+                                      temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        next(iter(stream))  # it runs: the one slot is taken
+        with pytest.raises(openai.RateLimitError) as e:
+            c.completions.create(model=a.model, prompt="hi", max_tokens=2)
+        assert e.value.status_code == 429
+        stream.close()  # the client hangs up mid-stream
+        end = time.monotonic() + 60
+        while smol_engine.seqs and time.monotonic() < end:
+            time.sleep(0.02)
+        assert not smol_engine.seqs
+        smol_engine.blocks.check_all_free()
+        out = c.completions.create(model=a.model, prompt="hi", max_tokens=2, temperature=0)
+        assert out.usage.completion_tokens == 2  # the slot came back
+    finally:
+        a.close()
