@@ -1,28 +1,15 @@
-"""Test helpers: tiny random engines and the objective numerical-tie rule."""
+"""Test helpers: tiny random engines (from `engine.testing`) and the objective numerical-tie
+rule."""
 
 from __future__ import annotations
 
 import torch
 
-from engine import Engine, EngineConfig
-from engine.config import tiny_config
+from engine.testing import tiny_engine
+
+__all__ = ["TIE_EPS", "compare_with_ties", "tiny_engine"]
 
 TIE_EPS = 1e-4
-
-
-def tiny_engine(seed: int = 0, **cfg) -> Engine:
-    """A 2-layer random Llama with small blocks, so tests cross block boundaries often."""
-    model_kw = {k: cfg.pop(k) for k in list(cfg) if k in (
-        "vocab_size", "num_layers", "tie_word_embeddings", "max_position", "hidden_size",
-        "intermediate_size", "num_heads", "num_kv_heads")}
-    cfg.setdefault("num_blocks", 256)
-    cfg.setdefault("block_size", 4)
-    eng = Engine(EngineConfig(model=tiny_config(**model_kw), **cfg))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in eng.model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return eng
 
 
 def compare_with_ties(ours: list[int], ref: list[int], ref_logits: torch.Tensor | None

@@ -6,19 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.testing import smol_shape
+
 pytestmark = pytest.mark.gpu
-
-
-def smol_shape(**kw):
-    from engine.config import ModelConfig, RopeConfig
-
-    base = dict(name="SmolLM2-135M-Instruct", model_type="llama", vocab_size=49152,
-                hidden_size=576, intermediate_size=1536,
-                num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                rope=RopeConfig(theta=100000.0), max_position=8192, eos_token_ids=(),
-                tie_word_embeddings=True)
-    base.update(kw)
-    return ModelConfig(**base)
 
 
 @pytest.fixture(scope="module")
@@ -120,27 +110,6 @@ def test_spec_with_graphs_is_lossless_fp32(random_smol):
     assert spec.spec.fused_runs > 0  # pure decode steps ran as one fused graph
 
 
-@pytest.mark.parametrize("settings", [{"EXACT_K": True}, {"EXACT_K": "match"},
-                                      {"WIDE_GEMV": True, "MID_GEMV": True}],
-                         ids=["exact_k", "exact_k_match", "wide_gemv"])
-def test_gemv_tile_switches_keep_spec_lossless_fp32(random_smol, monkeypatch, settings):
-    """GEMV tile switches: `ops.EXACT_K` (a GEMV reads K as power-of-two tiles plus a tail
-    tile; "match": with warps matched to the split tiles) and `ops.WIDE_GEMV` /
-    `ops.MID_GEMV` (one-warp, 8- and 4-column programs for gate_up, the draft LM head and
-    qkv). With each, speculation through the CUDA graphs stays token-identical to the torch
-    backend's greedy decode."""
-    from engine import ops
-    from engine.config import SpecConfig
-
-    for name, value in settings.items():
-        monkeypatch.setattr(ops, name, value)
-    ref = _greedy(random_smol)
-    spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
-                                   spec=SpecConfig(num_tokens=7, dynamic=False))
-    assert _greedy(spec) == ref
-    assert spec.spec.fused_runs > 0
-
-
 def test_fused_step_is_lossless_with_dynamic_k_fp32(random_smol):
     from engine.config import SpecConfig
 
@@ -159,28 +128,6 @@ def test_fused_step_is_lossless_with_dynamic_k_fp32(random_smol):
     drafting = [row for row in pol.costs.trace if row[1]]
     assert drafting and any(row[1] not in pure for row in drafting)
     assert all(row[4].endswith("switch") for row in drafting if row[1] not in pure)
-
-
-def test_device_cut_with_dead_rows_skipped_is_lossless_fp32(random_smol, monkeypatch):
-    """`fused.CUT_PROB` with `ops.SKIP_DEAD_ROWS`: verify rows past the cut store no KV and
-    their GEMV programs exit; output still equals plain decoding, and the cut verified fewer
-    drafts than were sent where the run without it verified them all."""
-    from engine import ops
-    from engine.config import SpecConfig
-    from engine.spec import fused
-
-    ref = _greedy(random_smol)
-    hist = {}
-    for cut in (0.0, 0.5):
-        monkeypatch.setattr(fused, "CUT_PROB", cut)
-        monkeypatch.setattr(ops, "SKIP_DEAD_ROWS", cut > 0)
-        spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
-                                       spec=SpecConfig(num_tokens=4, dynamic=False))
-        assert _greedy(spec) == ref
-        assert spec.spec.overlapped_runs > 0
-        spec.blocks.check_all_free()
-        hist[cut] = spec.spec.stats.drafted_hist
-    assert sum(hist[0.5][1:4]) > sum(hist[0.0][1:4])
 
 
 def _staggered(eng, prompts, params, every=3) -> list[list[int]]:
@@ -320,7 +267,7 @@ def test_large_projections_are_tuned_at_graph_set_up_and_serve():
         assert "cublas" in t["one_us"] and "cublas" in t["rows_us"], name
     if tuned["gate_up"]["one"] is not None:  # then gate_up + SiLU was timed both ways too
         assert "gemv+silu_mul" in tuned["gate_up"]["silu_us"]
-        assert ops.LARGE_LINEAR[ops._large_key(eng.model.lm_head.weight)]["one"] == \
+        assert ops.LARGE_LINEAR[ops.large_key(eng.model.lm_head.weight)]["one"] == \
             tuned["lm_head"]["one"]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = eng.generate(PROMPTS[:3], sp)

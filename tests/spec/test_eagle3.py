@@ -14,24 +14,9 @@ from cluster.train_eagle3 import ttt_forward
 from engine import Engine, SamplingParams
 from engine.attention import TorchAttention
 from engine.config import SpecConfig
-from engine.spec.eagle3 import Eagle3Config, Eagle3Head, load_head, save_head
+from engine.spec.eagle3 import Eagle3Head, load_head, save_head
 from engine.spec.runtime import Span
-from tests.helpers import tiny_engine
-
-
-def random_head(engine: Engine, seed: int = 0, draft_vocab: int = 128,
-                norm_before_residual: bool = False) -> Eagle3Head:
-    m = engine.config.model
-    hc = replace(Eagle3Config.for_target(m, draft_vocab, (0, 1, 1)),
-                 norm_before_residual=norm_before_residual)
-    head = Eagle3Head(hc, TorchAttention(hc.num_heads, hc.num_kv_heads, hc.head_dim,
-                                         engine.config.block_size))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        head.set_vocab(torch.randperm(m.vocab_size, generator=g)[:draft_vocab])
-    return head.eval()
+from engine.testing import random_head, tiny_engine
 
 
 def spec_engine(base: Engine, head: Eagle3Head | None, **spec) -> Engine:
