@@ -64,21 +64,6 @@ def test_outputs_of_an_earlier_runs_requests_admit_nothing():
     assert 16 <= tokens < 16 + 2 * 4
 
 
-def test_admission_settings_of_the_steady_ab():
-    """`bench.fused_costs --ab-admission`: delay:share, with :drain for arrivals that wait
-    for a drain instead of being prefilled beside the step in flight; anything else is
-    refused before a model loads."""
-    import pytest
-
-    from bench.fused_costs import admission_setting, main
-
-    assert admission_setting("2:16") == {"admission_delay_steps": 2, "admission_share": 16,
-                                         "admit_in_flight": True}
-    assert admission_setting("4:8:drain")["admit_in_flight"] is False
-    with pytest.raises(ValueError, match="delay:share"):
-        main(["--model", "/nonexistent", "--ab-admission", "2:16:later"])
-
-
 def test_stalls_are_steps_far_above_the_median():
     from bench.suite import stalls
 
