@@ -1,38 +1,22 @@
 """The Helm chart (deploy/helm/tandem) renders, lints, and hands the router a config that
-`cluster.config` accepts; a config booking more GPUs than the workers have is refused."""
+`cluster.config` accepts; bad values and a config booking more GPUs than the workers have are
+refused; probes, Ray auth, metrics ports, monitors and the NetworkPolicy render as documented."""
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
-import subprocess
-import sys
+from dataclasses import fields, is_dataclass
+from typing import get_args, get_type_hints
 
 import pytest
 import yaml
 
+import cluster.config as C
 from cluster.config import load_config
+from tests.deploy.chart import CHART, ROOT, helm, lint, needs_helm, render
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHART = os.path.join(ROOT, "deploy", "helm", "tandem")
-HELM = shutil.which("helm", path=os.path.dirname(sys.executable)) or shutil.which("helm")
-pytestmark = pytest.mark.skipif(HELM is None, reason="helm not installed (dev extra helm-binary)")
-
-
-def helm(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([HELM, *args], capture_output=True, text=True, timeout=60)
-
-
-def render(*sets: str, values: str | None = None) -> dict[str, dict]:
-    args = ["template", "demo", CHART]
-    for s in sets:
-        args += ["--set", s]
-    if values:
-        args += ["-f", values]
-    done = helm(*args)
-    assert done.returncode == 0, done.stderr
-    docs = [d for d in yaml.safe_load_all(done.stdout) if d]
-    return {d["kind"]: d for d in docs}
+pytestmark = needs_helm
 
 
 def router_config(docs: dict[str, dict], tmp_path) -> object:
@@ -42,15 +26,16 @@ def router_config(docs: dict[str, dict], tmp_path) -> object:
 
 
 def test_chart_lints():
-    done = helm("lint", "--strict", CHART)
+    done = lint()
     assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_default_render_serves_the_router_from_the_head(tmp_path):
     docs = render()
-    assert set(docs) == {"ConfigMap", "Service", "RayJob"}
+    assert set(docs) == {"ConfigMap", "Service", "RayJob", "NetworkPolicy"}
     cfg = router_config(docs, tmp_path)
     assert (cfg.router.host, cfg.router.port, cfg.ray_address) == ("0.0.0.0", 50051, "auto")
+    assert cfg.router.http and cfg.router.http_port == 8000
     assert (cfg.metrics.host, cfg.metrics.port_base) == ("0.0.0.0", 9400)
     assert cfg.prefill.num_gpus == cfg.decode.num_gpus == 1 and cfg.mode == "disaggregated"
 
@@ -62,12 +47,12 @@ def test_default_render_serves_the_router_from_the_head(tmp_path):
     assert {"mountPath": "/etc/tandem", "name": "config", "readOnly": True} in \
         container["volumeMounts"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports["grpc"] == 50051 and ports["metrics"] == 9400
+    assert (ports["grpc"], ports["http"], ports["metrics"]) == (50051, 8000, 9400)
 
     svc = docs["Service"]["spec"]
     assert svc["selector"].items() <= head["metadata"]["labels"].items()
-    assert {p["name"]: p["targetPort"] for p in svc["ports"]} == {"grpc": "grpc",
-                                                                  "metrics": "metrics"}
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["ports"]} == {
+        "grpc": (50051, "grpc"), "http": (8000, "http"), "metrics": (9400, "metrics")}
     (workers,) = job["rayClusterSpec"]["workerGroupSpecs"]
     res = workers["template"]["spec"]["containers"][0]["resources"]
     assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 2
@@ -121,3 +106,142 @@ def test_the_image_matches_the_chart_and_copies_what_exists():
     packages = tomllib.load(open(os.path.join(ROOT, "pyproject.toml"), "rb"))[
         "tool"]["setuptools"]["packages"]["find"]["include"]
     assert {p.rstrip("*") for p in packages} <= set(copied)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("config.mode=nonsense", "config.mode must be one of"),
+    ("router.port=-1", "router.port: Must be greater than or equal to 1"),
+    ("router.httpPort=70000", "router.httpPort: Must be less than or equal to 65535"),
+    ("router.port=abc", "router.port: Invalid type. Expected: integer, given: string"),
+    ("config.decode.replicas=0", "config.decode.replicas: Must be greater than or equal to 1"),
+    ("config.decode.replica=2", "Additional property replica is not allowed"),
+    ("config.router.port=7000", "Additional property port is not allowed"),  # the chart's
+    ("config.speculation.num_tokens=17", "config.speculation.num_tokens: Must be less than"),
+    ("rayAuth.mode=none", "rayAuth.mode must be one of"),
+    ("serviceMonitor.interval=often", "serviceMonitor.interval: Does not match pattern"),
+])
+def test_bad_values_fail_lint(setting, message):
+    done = lint(setting)
+    assert done.returncode != 0 and message in done.stdout, done.stdout
+
+
+def _json_types(hint) -> set[str]:
+    names = {int: "integer", float: "number", bool: "boolean", str: "string", dict: "object",
+             type(None): "null"}
+    return {names[t] for t in (get_args(hint) or (hint,))}
+
+
+def test_the_schema_follows_cluster_config():
+    """values.schema.json's `config` has cluster/config.py's keys (less those the chart sets),
+    with the same JSON types and choices."""
+    schema = json.load(open(os.path.join(CHART, "values.schema.json")))["properties"]["config"]
+    chart_sets = {"ray_address", "router.host", "router.port", "router.http", "router.http_port",
+                  "metrics.host", "metrics.port_base"}
+    choices = {"mode": C.MODES, "model.dtype": C.DTYPES, "prefill.device": C.DEVICES,
+               "decode.device": C.DEVICES, "speculation.method": C.SPEC_METHODS,
+               "transfer.transport": C.TRANSPORTS, "transfer.progress_mode": C.PROGRESS_MODES,
+               "transfer.pull_engine": C.PULL_ENGINES}
+
+    def check(cls, node, prefix):
+        hints = get_type_hints(cls)
+        keys = {f.name for f in fields(cls)} - {k.removeprefix(prefix) for k in chart_sets}
+        assert set(node["properties"]) == keys and node["additionalProperties"] is False, prefix
+        for key in keys:
+            sub, hint = node["properties"][key], hints[key]
+            if is_dataclass(hint):
+                check(hint, sub, f"{key}.")
+                continue
+            types = {t for alt in sub.get("oneOf", [sub]) for t in
+                     ([alt["type"]] if isinstance(alt["type"], str) else alt["type"])}
+            assert types == _json_types(hint), prefix + key
+            assert tuple(sub.get("enum", ())) == choices.get(prefix + key, ()), prefix + key
+
+    check(C.ClusterConfig, schema, "")
+
+
+def test_the_router_is_probed_with_grpc_health():
+    head = render()["RayJob"]["spec"]
+    assert head["submissionMode"] == "SidecarMode"  # KubeRay submits before the head is ready
+    (container,) = head["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"] == {"port": 50051}, probe
+    # Health behind TLS or a token: Kubernetes' gRPC probe can do neither, so TCP.
+    for setting in ("config.security.tls_cert=/certs/tls.crt",
+                    "config.security.health_open=false"):
+        c = _head_container(render(setting, "config.security.tls_key=/certs/tls.key"))
+        assert c["readinessProbe"]["tcpSocket"] == {"port": "grpc"} and "grpc" not in \
+            c["readinessProbe"], setting
+    assert "readinessProbe" not in _head_container(render("router.probes.enabled=false"))
+    done = helm("template", "demo", CHART, "--set", "job.submissionMode=K8sJobMode")
+    assert done.returncode != 0 and "SidecarMode" in done.stderr
+
+
+def _head_container(docs):
+    (c,) = docs["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"][
+        "containers"]
+    return c
+
+
+def test_ray_token_auth_comes_from_kuberay():
+    spec = render()["RayJob"]["spec"]["rayClusterSpec"]
+    assert spec["authOptions"] == {"mode": "token"}
+    spec = render("rayAuth.secretName=ray-token")["RayJob"]["spec"]["rayClusterSpec"]
+    assert spec["authOptions"] == {"mode": "token", "secretName": "ray-token"}
+    spec = render("rayAuth.mode=disabled")["RayJob"]["spec"]["rayClusterSpec"]
+    assert spec["authOptions"] == {"mode": "disabled"}
+
+
+def _worker_ports(docs) -> dict[str, int]:
+    (group,) = docs["RayJob"]["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    container = group["template"]["spec"]["containers"][0]
+    return {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+
+
+def test_each_node_actor_has_its_metrics_port_on_the_workers(tmp_path):
+    """The worker pods name a port for every node actor, numbered as cluster/config.py numbers
+    them, and the PodMonitor and the NetworkPolicy name the same ports."""
+    docs = render("config.prefill.replicas=2", "gpuWorkers.gpusPerPod=3",
+                  "podMonitor.enabled=true", "serviceMonitor.enabled=true")
+    expected = router_config(docs, tmp_path).metrics_ports()
+    assert expected.pop("router") == 9400
+    assert _worker_ports(docs) == expected == {"prefill-0": 9401, "prefill-1": 9402,
+                                               "decode-0": 9403}
+    endpoints = docs["PodMonitor"]["spec"]["podMetricsEndpoints"]
+    assert [e["port"] for e in endpoints] == list(expected)
+    assert docs["ServiceMonitor"]["spec"]["endpoints"][0]["port"] == "metrics"
+    assert docs["ServiceMonitor"]["spec"]["selector"]["matchLabels"].items() <= \
+        docs["Service"]["metadata"]["labels"].items()
+    rules = docs["NetworkPolicy"]["spec"]["ingress"]
+    scraped = [r for r in rules if {"port": "metrics", "protocol": "TCP"} in r.get("ports", [])]
+    assert [p["port"] for p in scraped[0]["ports"]] == ["metrics", *expected]
+    # Colocated: the engine runs in the router, so no node ports and no PodMonitor.
+    docs = render("config.mode=colocated", "podMonitor.enabled=true")
+    assert _worker_ports(docs) == {} and "PodMonitor" not in docs
+    # Metrics off: no metrics port anywhere.
+    docs = render("config.metrics.enabled=false", "serviceMonitor.enabled=true")
+    assert _worker_ports(docs) == {} and "ServiceMonitor" not in docs
+    assert "metrics" not in {p["name"] for p in docs["Service"]["spec"]["ports"]}
+
+
+def test_the_network_policy_opens_only_the_public_ports():
+    docs = render()
+    policy = docs["NetworkPolicy"]["spec"]
+    head_labels = docs["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"][
+        "metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"].items() <= head_labels.items()
+    assert policy["policyTypes"] == ["Ingress"]
+    internal, public, metrics, operator = policy["ingress"]
+    assert "ports" not in internal and all("podSelector" in p for p in internal["from"])
+    assert public == {"ports": [{"port": "grpc", "protocol": "TCP"},
+                                {"port": "http", "protocol": "TCP"}]}  # from anywhere
+    assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "monitoring"}}, "podSelector": {}}]
+    assert operator["ports"] == [{"port": 8265, "protocol": "TCP"}]
+    # HTTP off: not in the config, the pod, the Service or the policy.
+    docs = render("router.httpPort=0")
+    assert yaml.safe_load(docs["ConfigMap"]["data"]["config.yaml"])["router"]["http"] is False
+    assert "http" not in {p["name"] for p in docs["Service"]["spec"]["ports"]}
+    assert "http" not in {p["name"] for p in _head_container(docs)["ports"]}
+    assert docs["NetworkPolicy"]["spec"]["ingress"][1]["ports"] == [
+        {"port": "grpc", "protocol": "TCP"}]
+    assert "NetworkPolicy" not in render("networkPolicy.enabled=false")

@@ -30,7 +30,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $router := deepCopy (get $cfg "router" | default dict) -}}
 {{- $_ := set $router "host" "0.0.0.0" -}}
 {{- $_ := set $router "port" (int .Values.router.port) -}}
+{{- $_ := set $router "http" (gt (int .Values.router.httpPort) 0) -}}
+{{- if .Values.router.httpPort -}}
 {{- $_ := set $router "http_port" (int .Values.router.httpPort) -}}
+{{- end -}}
 {{- $_ := set $cfg "router" $router -}}
 {{- $metrics := deepCopy (get $cfg "metrics" | default dict) -}}
 {{- $_ := set $metrics "host" "0.0.0.0" -}}
