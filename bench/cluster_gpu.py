@@ -5,7 +5,7 @@ EAGLE-3 on the decode side) behind the real gRPC router, streams N concurrent gr
 requests through the SDK, and compares every token with one colocated engine on one GPU.
 Reports where each actor ran, KV bytes moved, TTFT and tokens/s, and writes JSON.
 
-    python bench/cluster_gpu.py --model /path/SmolLM2-135M-Instruct.Q4_1.gguf \
+    python -m bench.cluster_gpu --model /path/SmolLM2-135M-Instruct.Q4_1.gguf \
         --out bench/results/cluster_two_gpu.json [--dtype float32]
 """
 
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-sys.path.insert(0, ".")
+from bench.common import first_diff
 
 PROMPTS = ["What is the capital of France? Answer in one sentence.",
            "Write a Python function that returns the n-th Fibonacci number.",
@@ -151,8 +151,7 @@ def main() -> int:
     res.update({
         "requests": len(msgs), "max_tokens": args.max_tokens,
         "identical_to_colocated": sum(a == b for a, b in zip(got, want)),
-        "first_divergence": [next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                             for a, b in zip(got, want)],
+        "first_divergence": [first_diff(a, b) for a, b in zip(got, want)],
         "ttft_ms": [round(1000 * x, 1) for x in ttft],
         "tokens_per_s_per_stream": [round(len(g) / s, 1) for g, s in zip(got, secs)],
         "aggregate_tokens_per_s": round(sum(map(len, got)) / wall, 1),

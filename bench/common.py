@@ -1,9 +1,8 @@
-"""Helpers every benchmark figure shares (`bench/suite.py` and `bench/fig5.py`): logging,
-the environment record, ratios and rounding, graph pre-capture, random-weight engines."""
+"""Helpers the benchmark figures share: logging, the environment record, ratios and rounding,
+graph pre-capture, the SmolLM2 engines and random-weight ones, speculation counters."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import os
@@ -13,10 +12,6 @@ import sys
 import time
 import traceback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:  # `python bench/suite.py` and the `tandem` entry point
-    sys.path.insert(0, ROOT)
-
 T0 = time.perf_counter()
 
 
@@ -24,10 +19,8 @@ def log(msg: str) -> None:
     print(f"[bench {time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
 
 
-# ---- shared helpers -------------------------------------------------------------------------
-
-
-def _torch():
+def lazy_torch():
+    """torch, imported on first use."""
     import torch
 
     return torch
@@ -37,25 +30,9 @@ def is_cuda(args) -> bool:
     return str(args.device).startswith("cuda")
 
 
-def model_arguments(p) -> None:
-    """--model, --head, --device, --dtype: the SmolLM2 engine a single-script benchmark loads
-    (`model_defaults` fills the last two in)."""
-    p.add_argument("--model", default=None, help="HF folder or GGUF (default: embedded)")
-    p.add_argument("--head", default=None, help="EAGLE-3 head folder (default: the shipped one)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
-                   help="default: bfloat16 on CUDA, float32 on the CPU")
-
-
-def model_defaults(args) -> None:
-    """`model_arguments`' defaults: CUDA when there is one, bf16 there and fp32 on the CPU."""
-    args.device = args.device or ("cuda" if _torch().cuda.is_available() else "cpu")
-    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-
-
 def sync(args) -> None:
     if is_cuda(args):
-        _torch().cuda.synchronize()
+        lazy_torch().cuda.synchronize()
 
 
 def host_probe_us(reps: int = 2000) -> dict:
@@ -66,7 +43,7 @@ def host_probe_us(reps: int = 2000) -> dict:
     and after each variant so its ratios can be read against the host they ran on."""
     import time
 
-    torch = _torch()
+    torch = lazy_torch()
     x = torch.zeros(8)
 
     def best(fn) -> float:
@@ -95,13 +72,13 @@ def free_memory() -> None:
 
     unfreeze()  # what `precapture` froze: a discarded engine's cycles must be collectable
     gc.collect()
-    torch = _torch()
+    torch = lazy_torch()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
 
 def environment(args) -> dict:
-    torch = _torch()
+    torch = lazy_torch()
     env = {"python": platform.python_version(), "platform": platform.platform(),
            "torch": torch.__version__, "device": args.device, "dtype": args.dtype,
            "gpu": None, "gpu_count": 0}
@@ -187,17 +164,7 @@ def held_out_messages(n: int, offset: int = 0) -> list[list[dict]]:
 
 
 def torch_dtype(args):
-    return getattr(_torch(), args.dtype)
-
-
-def replay_engine(args):
-    """The target engine of an acceptance replay (`model_arguments`' model, device and
-    dtype, their defaults filled in), every position computed: no prefix caching."""
-    from engine import Engine
-
-    model_defaults(args)
-    return Engine.from_pretrained(args.model, device=args.device, dtype=torch_dtype(args),
-                                  enable_prefix_caching=False)
+    return getattr(lazy_torch(), args.dtype)
 
 
 _SMOL: dict = {}
@@ -287,14 +254,6 @@ def precapture(eng, batch_sizes, long_context: bool | None = None) -> str:
         return f"precapture failed ({type(e).__name__}: {e}); relying on the warm-up run"
 
 
-def hold_at_k(eng, k: int = 0) -> None:
-    """Make a speculative engine's policy draft k tokens every step. k = 0: every step is
-    the K=0 step (the head's KV kept current), what speculation costs once it has switched
-    off."""
-    eng.spec.policy.choose = lambda seq, batch_size: k
-    eng.spec.policy.choose_batch = lambda seqs, batch_size: k
-
-
 def spec_counts(eng) -> tuple[int, int]:
     if eng.spec is None:
         return 0, 0
@@ -368,7 +327,7 @@ def first_diff(a: list[int], b: list[int]):
 def timed_ms(fn, reps: int, warmup: int = 3) -> list[float]:
     """Milliseconds per call of fn, one CUDA-event pair per call; the host never waits between
     calls, so this is device time (host overhead shows only where it starves the GPU)."""
-    torch = _torch()
+    torch = lazy_torch()
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -395,18 +354,6 @@ def setting(path: str):
     return mod, name
 
 
-@contextlib.contextmanager
-def module_settings(sets: dict):
-    """Module constants {"module.NAME": value} (`setting`) set for the block and put back as
-    they were after it."""
-    from unittest import mock
-
-    with contextlib.ExitStack() as stack:
-        for path, value in sets.items():
-            stack.enter_context(mock.patch.object(*setting(path), value))
-        yield
-
-
 def parse_setting(item: str) -> tuple[str, object]:
     """("module.NAME", VALUE) of a "module.NAME=VALUE" string (VALUE a Python literal, else a
     string), checked against the module (`setting`) but not set."""
@@ -431,14 +378,6 @@ def apply_settings(items: list[str]) -> dict:
         setattr(*setting(path), value)
         done[path] = value
     return done
-
-
-def save_json(path: str, res: dict) -> str:
-    """Write one benchmark's results to `path` (its folder made if missing); returns path."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    return path
 
 
 def save(out_dir: str, res: dict, plot=None) -> str:
@@ -468,23 +407,11 @@ def save(out_dir: str, res: dict, plot=None) -> str:
     return stem + ".json"
 
 
-def llama8b_shape(max_position: int = 8192):
-    from engine.config import ModelConfig, RopeConfig
-
-    return ModelConfig(
-        name="Llama-3.1-8B-shape (random weights)", model_type="llama", vocab_size=128256,
-        hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
-        head_dim=128, rms_norm_eps=1e-5,
-        rope=RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
-                        high_freq_factor=4.0, original_max_position=8192),
-        max_position=max_position, tie_word_embeddings=False, eos_token_ids=())
-
-
 def random_engine(args, model_cfg, num_blocks: int, device: str | None = None, **kw):
     """An engine with random weights (timing only): matrices ~ N(0, 0.02), norms 1."""
     from engine import Engine, EngineConfig
 
-    torch = _torch()
+    torch = lazy_torch()
     torch.manual_seed(0)
     eng = Engine(EngineConfig(model=model_cfg, dtype=torch_dtype(args),
                               device=device or args.device, num_blocks=num_blocks,

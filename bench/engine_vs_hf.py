@@ -2,10 +2,10 @@
 
 One process, one run, same prompts and weights (the embedded SmolLM2-135M-Instruct, fp32, CPU),
 so HF is a same-run baseline. Greedy decoding of exactly --max-tokens tokens per prompt, EOS
-ignored on both sides. Writes JSON (default bench/results/engine_vs_hf_cpu.json). From the repo
-root:
+ignored on both sides. Writes JSON (default bench/results/engine_vs_hf_cpu.json); `make bench`
+runs it:
 
-    PYTHONPATH=. .venv/bin/python bench/engine_vs_hf.py [--max-tokens 64] [--out PATH]
+    .venv/bin/python -m bench.engine_vs_hf [--max-tokens 64] [--out PATH] [--threads N]
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from bench.common import first_diff
 from engine import Engine, SamplingParams
 from engine.loader import embedded_checkpoint
 
@@ -76,11 +77,6 @@ def tandem_run(eng: Engine, prompts: list[list[int]], params: SamplingParams):
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert all(len(c.token_ids) == params.max_tokens for c in outs), "short tandem completion"
     return outs, dt, cpu
-
-
-def first_diff(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def main() -> None:

@@ -375,15 +375,12 @@ def cmd_status(args) -> int:
 
 
 def _add_bench_parser(sub) -> None:
-    """`tandem bench`: the figures of bench/suite.py (a source checkout; bench/ is no package)."""
+    """`tandem bench`: the figures of the `bench` package (`bench.suite`)."""
     desc = "run the benchmark figures (bench/suite.py), one JSON per figure"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if os.path.isfile(os.path.join(root, "bench", "suite.py")) and root not in sys.path:
-        sys.path.append(root)
     try:
         from bench import suite
     except ImportError as e:
-        err = f"bench/suite.py is not importable ({e}); run from a source checkout"
+        err = f"the bench package is not importable ({e}); install tandem from a source checkout"
         b = sub.add_parser("bench", help=desc, description=err)
         b.set_defaults(fn=lambda a: print(f"error: {err}", file=sys.stderr) or 2)
         return

@@ -10,7 +10,7 @@ from engine import Engine
 
 
 def test_mixed_lengths_are_seeded_and_spread_around_n():
-    from bench.suite import mixed_lengths
+    from bench.fig3_concurrency import mixed_lengths
 
     a, b = mixed_lengths(128, 300), mixed_lengths(128, 300)
     assert a == b and all(64 <= x <= 192 for x in a)
@@ -20,8 +20,8 @@ def test_mixed_lengths_are_seeded_and_spread_around_n():
 def test_steady_run_admits_the_mixed_lengths_in_order(monkeypatch):
     """Every admitted request gets the next length of the list, the window ends when the
     last of 3c is admitted, and what was still running is aborted (all blocks back)."""
-    from bench.suite import mixed_lengths, steady_throughput
-    from tests.helpers import tiny_engine
+    from bench.fig3_concurrency import mixed_lengths, steady_throughput
+    from engine.testing import tiny_engine
 
     eng = tiny_engine(0)
     seen = []
@@ -44,9 +44,9 @@ def test_outputs_of_an_earlier_runs_requests_admit_nothing():
     """The first step of a run may return outputs an abort at the end of the run before
     carried over (the drain of its step in flight): a finish among them is not one of this
     run's, so it admits no extra stream and its tokens do not count."""
-    from bench.suite import steady_run
+    from bench.fig3_concurrency import steady_run
     from engine.output import RequestOutput
-    from tests.helpers import tiny_engine
+    from engine.testing import tiny_engine
 
     eng = tiny_engine(0)
     eng._carry.append(RequestOutput("earlier", [1, 2, 3], "", True, "length"))
@@ -65,7 +65,7 @@ def test_outputs_of_an_earlier_runs_requests_admit_nothing():
 
 
 def test_stalls_are_steps_far_above_the_median():
-    from bench.suite import stalls
+    from bench.fig3_concurrency import stalls
 
     st = stalls([0.001] * 20 + [0.0029, 0.004, 0.010])
     assert st["steps"] == 23 and st["stalls"] == 2 and st["max_step_ms"] == 10.0
@@ -78,9 +78,9 @@ def test_fig3_trace_records_what_dynamic_k_saw():
     window (batch size, drafts per sequence, ms, tokens, path, timed), and stops after;
     engines without dynamic K record nothing."""
     from bench.common import take_trace
-    from bench.suite import steady_throughput, trace_start
+    from bench.fig3_concurrency import steady_throughput, trace_start
     from engine.config import SpecConfig
-    from tests.helpers import tiny_engine
+    from engine.testing import tiny_engine
 
     eng = tiny_engine(0, spec=SpecConfig(method="ngram", num_tokens=2, dynamic=True))
     args = SimpleNamespace(device="cpu", fig3_trace=True)
@@ -109,7 +109,7 @@ def test_host_probe_reports_both_speeds():
 def test_variants_take_turns_in_rotated_order():
     """Figure 3's repetitions: every variant runs once per repetition, and each takes every
     position (first, after another variant's run, last) as the order rotates."""
-    from bench.suite import turns
+    from bench.fig3_concurrency import turns
 
     names = ["no_spec", "eagle3_k5", "eagle3_dynamic_k7"]
     orders = [turns(names, rep) for rep in range(3)]

@@ -1,4 +1,4 @@
-"""Figure 4's UCX rows (`bench.suite.ucx_transfer`) on host buffers: the plumbing that
+"""Figure 4's UCX rows (`bench.fig4_kv_transfer.ucx_transfer`) on host buffers: the plumbing that
 otherwise runs only on a two-GPU machine, so a slip there cannot cost that run."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ MIB = 1 << 20
 SCRIPT = """
 import json, sys
 from types import SimpleNamespace
-from bench import suite
-res = suite.ucx_transfer(SimpleNamespace(fig4_reps=2), [2 << 20, 8 << 20], ("cpu", "cpu"))
+from bench.fig4_kv_transfer import ucx_transfer
+res = ucx_transfer(SimpleNamespace(fig4_reps=2), [2 << 20, 8 << 20], ("cpu", "cpu"))
 print("RESULT " + json.dumps(res))
 """
 

@@ -101,13 +101,15 @@ def test_every_prompt_s_kv_was_shipped_and_accounted(fig5):
 
 def test_a_failing_prefill_process_raises_and_leaves_no_child():
     """The child's traceback reaches the parent, and close() leaves no process behind."""
-    from bench import fig5, suite
+    from bench import suite
+    from bench.fig5_process import PrefillProcess
+    from bench.fig5_workload import FIG5_SMOKE
 
     p = argparse.ArgumentParser()
     suite.add_arguments(p)
     args = p.parse_args(["--device", "cpu", "--dtype", "float32", "--fig5-smoke"])
-    args = argparse.Namespace(**{**vars(args), **fig5.FIG5_SMOKE})
-    pp = fig5.PrefillProcess(args, "cpu")
+    args = argparse.Namespace(**{**vars(args), **FIG5_SMOKE})
+    pp = PrefillProcess(args, "cpu")
     try:
         pp.send(("go", {"kind": "not-a-transport"}))  # its connect() must fail
         with pytest.raises(RuntimeError, match="prefill process failed") as err:

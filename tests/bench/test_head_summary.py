@@ -43,7 +43,8 @@ def test_figure_3_takes_several_candidates_in_order_and_refuses_bad_ones(capsys)
     candidate is refused before any model loads."""
     import pytest
 
-    from bench.suite import candidate_variants, main
+    from bench.fig3_concurrency import candidate_variants
+    from bench.suite import main
 
     dyn = "eagle3_dynamic_k7"
     assert candidate_variants(dyn, None) == {}
@@ -61,3 +62,24 @@ def test_figure_3_takes_several_candidates_in_order_and_refuses_bad_ones(capsys)
     assert main(["--device", "cpu", "--figures", "3", "--fig3-candidate", "num_tokens=5",
                  "--fig3-candidate", "num_tokens=99"]) == 2
     assert "error: --fig3-candidate: " in capsys.readouterr().err
+
+
+def test_set_changes_module_constants_and_refuses_unknown_names():
+    """`tandem bench --set module.NAME=VALUE`: a constant the module has is set (the value a
+    Python literal); an unknown name or a malformed item is refused."""
+    import pytest
+
+    from bench import fig5_process
+    from bench.common import apply_settings
+
+    before = fig5_process.FIG5_UCX_TIMEOUT_S
+    try:
+        got = apply_settings(["bench.fig5_process.FIG5_UCX_TIMEOUT_S=12.5"])
+        assert got == {"bench.fig5_process.FIG5_UCX_TIMEOUT_S": 12.5}
+        assert fig5_process.FIG5_UCX_TIMEOUT_S == 12.5
+    finally:
+        fig5_process.FIG5_UCX_TIMEOUT_S = before
+    with pytest.raises(AttributeError):
+        apply_settings(["bench.fig5_process.NO_SUCH_NAME=1"])
+    with pytest.raises(ValueError):
+        apply_settings(["FIG5_UCX_TIMEOUT_S"])

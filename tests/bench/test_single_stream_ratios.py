@@ -4,7 +4,7 @@ the streams both made."""
 
 
 def test_hf_baselines_on_fewer_prompts_count_only_the_streams_both_made():
-    from bench.suite import single_stream_ratios
+    from bench.fig1_single_stream import single_stream_ratios
 
     res = {"tandem": {"no_spec": {"tokens_per_s": 100.0}, "eagle3_k7": {"tokens_per_s": 250.0}},
            "hf": {"eager": {"tokens_per_s": 20.0}, "compiled": {"tokens_per_s": 50.0}}}

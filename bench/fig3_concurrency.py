@@ -1,0 +1,387 @@
+"""Figure 3: SmolLM2 throughput against concurrent streams, speculation against none; burst
+and steady measures, the variants taking turns in every repetition."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, replace
+
+from bench.common import (
+    acceptance,
+    eagle,
+    free_memory,
+    head_summary,
+    held_out_messages,
+    host_probe_us,
+    load_smol,
+    log,
+    paths_delta,
+    precapture,
+    ratio,
+    rnd,
+    spec_counts,
+    spec_fields,
+    start_trace,
+    step_costs,
+    step_paths,
+    sync,
+    take_trace,
+)
+from engine.loader import shipped_head
+
+
+def fig_concurrency(args, res: dict) -> None:
+    from engine import SamplingParams
+
+    conc = [int(c) for c in args.concurrency.split(",")]
+    n = args.fig3_tokens
+    res["config"] = {"concurrency": conc, "max_tokens": n, "ignore_eos": True,
+                     "reps": args.fig3_reps, "num_blocks": args.num_blocks,
+                     "throughput": "burst: total generated tokens / wall time of one generate "
+                                   "call with all streams (prefill included; the streams "
+                                   "start together and the run ends with a tail of the "
+                                   "slowest), median of reps. steady: c streams always in "
+                                   "flight, each finished request replaced at once, tokens / "
+                                   "wall time until the last of 3c requests is admitted "
+                                   "(bench.suite.steady_throughput), median of reps, each "
+                                   "run's stalls (steps of 3x its median step or more) "
+                                   "recorded. steady mixed: the same "
+                                   "with output lengths uniform in [n/2, 3n/2] (one seeded "
+                                   "list for all variants), so no-spec streams do not all "
+                                   "finish in one step. The three variants' engines stay "
+                                   "alive and take turns in every repetition (the order "
+                                   "rotated each time, bench.suite.turns)",
+                     "prompts": "held-out split of cluster/prompt_sets.py, cycled"}
+    log("fig 3: loading SmolLM2 + EAGLE-3 head")
+    base = load_smol(args, spec=eagle(args, 5, False))
+    res["config"]["eagle3_head"] = head_summary(args.head or shipped_head(base.config.model))
+    msgs = held_out_messages(max(conc), args.prompt_offset)
+    prompts = [base.encode_prompt(m) for m in msgs]
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    dyn = f"eagle3_dynamic_k{args.dynamic_k}"
+    variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False),
+                dyn: eagle(args, args.dynamic_k, True)}
+    candidates = candidate_variants(dyn, args.fig3_candidate)
+    keys = {name: name[len(dyn) + 1:] for name in candidates}  # "candidate", "candidate2", ...
+    for name, fields in candidates.items():
+        # dynamic K with some SpecConfig fields changed, in turns with the rest
+        variants[name] = replace(variants[dyn], **fields)
+        key = keys[name]
+        res["config"][key] = fields
+        if fields.get("head"):  # a second head in turns with the first (head A/B at c streams)
+            res["config"][f"{key}_eagle3_head"] = head_summary(fields["head"])
+    table: dict[str, list[dict]] = {name: [] for name in variants}
+    res["runs"] = table
+    traces: dict[str, list] = {}  # --fig3-trace
+    walls: dict[str, float] = {}  # --fig3-trace: each burst run's wall ms
+    probes: dict[str, dict] = {}
+    res["host_probe"] = probes  # the host's speed around each concurrency (bench.common)
+    # All variants' engines stay alive and take turns in every repetition (`turns`): the
+    # host's speed drifts between runs and between processes (two steady K=5 profiles of one
+    # commit, one after the other, ran 29.7k and 33.9k tok/s at 64 streams on the same
+    # device time), and a variant measured minutes after its baseline carried that drift
+    # into its ratio.
+    engines = {}
+    for name, spec in variants.items():
+        log(f"fig 3: {name}: capturing")
+        eng = base.with_config(spec=spec, num_blocks=args.num_blocks)
+        # Every batch size up to the largest: with speculation, streams advance at different
+        # rates and finish apart, so each run's tail passes through the smaller buckets.
+        res.setdefault("graphs", {})[name] = precapture(eng, range(1, max(conc) + 1))
+        # Every prompt once: the steady runs cycle through all of them, and a prompt length
+        # not seen before may compile prefill kernels.
+        eng.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        engines[name] = eng
+    for c in conc:
+        batch = [prompts[i % len(prompts)] for i in range(c)]
+        probes[str(c)] = {"before": host_probe_us()}
+        for eng in engines.values():
+            # Untimed, the same batch: shapes only this concurrency meets (prefill spans,
+            # mixed steps) compile and capture here, and dynamic K measures this batch size.
+            eng.generate(batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+            # Untimed, the same admissions with short requests: the prefill batches a steady
+            # run makes (without speculation all c streams finish together and c prompts
+            # are admitted at once) compile here, not inside the window (no speculation at
+            # 8 streams once measured a third of its burst rate).
+            steady_throughput(args, eng, prompts, c, 4)
+        before = {name: (spec_counts(eng), step_paths(eng)) for name, eng in engines.items()}
+        tps = {name: [] for name in engines}
+        acc = {name: [] for name in engines}
+        events = {name: [] for name in engines}
+        for rep in range(args.fig3_reps):
+            for name in turns(list(engines), rep):
+                eng = engines[name]
+                counts, mark = spec_counts(eng), window_mark()
+                tracing = trace_start(args, eng)
+                sync(args)
+                t0 = time.perf_counter()
+                outs = eng.generate(batch, params)
+                sync(args)
+                dt = time.perf_counter() - t0
+                if tracing:
+                    traces[f"{name} c={c} burst {rep}"] = take_trace(eng)
+                    # against the traced steps' sum: the time no traced step holds
+                    walls[f"{name} c={c} burst {rep}"] = rnd(dt * 1e3, 3)
+                tps[name].append(sum(len(o.token_ids) for o in outs) / dt)
+                acc[name].append(acceptance(counts, spec_counts(eng)))
+                events[name].append(window_events(mark))
+        for name, eng in engines.items():
+            table[name].append({"concurrency": c,
+                                "tokens_per_s": rnd(statistics.median(tps[name]), 1),
+                                "reps_tokens_per_s": [rnd(x, 1) for x in tps[name]],
+                                "reps_events": events[name],
+                                "acceptance_length": acc[name][-1],
+                                "paths": paths_delta(before[name][1], step_paths(eng))})
+        # Each steady window lasts about a second at 64 streams: one stall inside it (a
+        # collection, a descheduled host) moved a variant's figure by up to 2x between runs,
+        # so each is repeated like the burst and each run's stalls are recorded.
+        for key, mixed in (("steady", False), ("steady_mixed", True)):
+            before = {name: (spec_counts(eng), step_paths(eng)) for name, eng in engines.items()}
+            runs = {name: [] for name in engines}
+            for rep in range(args.fig3_reps):
+                for name in turns(list(engines), rep):
+                    eng = engines[name]
+                    tracing = trace_start(args, eng)
+                    runs[name].append(steady_throughput(args, eng, prompts, c, n, mixed=mixed))
+                    if tracing:
+                        traces[f"{name} c={c} {key} {rep}"] = take_trace(eng)
+            for name, eng in engines.items():
+                row, rates = table[name][-1], [r.tokens_per_s for r in runs[name]]
+                row[f"{key}_tokens_per_s"] = rnd(statistics.median(rates), 1)
+                row[f"{key}_reps_tokens_per_s"] = [rnd(x, 1) for x in rates]
+                row[f"{key}_stalls"] = [r.stalls for r in runs[name]]
+                if not mixed:
+                    row["steady_acceptance_length"] = acceptance(before[name][0],
+                                                                 spec_counts(eng))
+                    row["steady_paths"] = paths_delta(before[name][1], step_paths(eng))
+        probes[str(c)]["after"] = host_probe_us()
+        for name, eng in engines.items():
+            row = table[name][-1]
+            row["step_costs"] = step_costs(eng)
+            log(f"fig 3: {name} c={c}: burst {row['tokens_per_s']} tok/s, steady "
+                f"{row['steady_tokens_per_s']} tok/s, steady mixed lengths "
+                f"{row['steady_mixed_tokens_per_s']} tok/s")
+        log(f"fig 3: c={c} host probe {probes[str(c)]}")
+    engines = eng = base = None
+    free_memory()
+    # Per measure: the rows' throughput key, their ratio key, the summary's key.
+    measures = {"burst": ("tokens_per_s", "vs_no_spec", "ratio_vs_no_spec"),
+                "steady": ("steady_tokens_per_s", "steady_vs_no_spec",
+                           "steady_ratio_vs_no_spec"),
+                "steady_mixed": ("steady_mixed_tokens_per_s", "steady_mixed_vs_no_spec",
+                                 "steady_mixed_ratio_vs_no_spec")}
+    goals = {}
+    for measure, (tps, vs, summary) in measures.items():
+        ref = {r["concurrency"]: r[tps] for r in table["no_spec"]}
+        res[summary] = {}
+        for name in variants:
+            if name == "no_spec":
+                continue
+            for r in table[name]:
+                r[vs] = ratio(r[tps], ref[r["concurrency"]])
+            res[summary][name] = {str(r["concurrency"]): r[vs] for r in table[name]}
+        low = min(r[vs] for r in table[dyn])
+        goals[f"dynamic_at_least_0.97x_no_spec_everywhere_{measure}"] = low >= 0.97
+        goals[f"dynamic_min_ratio_{measure}"] = low
+        for name, key in keys.items():
+            goals[f"{key}_min_ratio_{measure}"] = min(r[vs] for r in table[name])
+    if args.fig3_trace:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "fig3_trace.json")
+        with open(path, "w") as f:
+            json.dump(traces, f)
+        res["trace"] = os.path.basename(path)
+        res["trace_burst_wall_ms"] = walls
+    res["break_even_fixed_k5"] = break_even(table["eagle3_k5"])
+    res["goals"] = goals
+    dyn_min = goals["dynamic_min_ratio_burst"]
+    log(f"fig 3: fixed K=5 break-even {res['break_even_fixed_k5']}; dynamic min {dyn_min}")
+
+
+def candidate_variants(dyn: str, texts: list[str] | str | None) -> dict[str, dict]:
+    """Figure 3's candidates, one per `--fig3-candidate` ("field=value,..."): the SpecConfig
+    fields each changes on dynamic K, named `<dyn>_candidate`, `<dyn>_candidate2`, ... in the
+    order given. An empty text or a field twice over is refused (ValueError), as is a bad
+    field or value (`spec_fields`)."""
+    if texts is None:
+        return {}
+    out = {}
+    for i, text in enumerate([texts] if isinstance(texts, str) else texts):
+        fields = spec_fields(text)
+        if not fields:
+            raise ValueError(f"candidate {i + 1} changes no SpecConfig field: {text!r}")
+        if fields in out.values():
+            raise ValueError(f"candidate {i + 1} repeats an earlier one: {text!r}")
+        out[f"{dyn}_candidate" + (str(i + 1) if i else "")] = fields
+    return out
+
+
+def turns(names: list[str], rep: int) -> list[str]:
+    """The order the variants take their turns in repetition `rep`: rotated by one each
+    repetition, so none always runs first (after another variant's run) or last."""
+    r = rep % len(names) if names else 0
+    return names[r:] + names[:r]
+
+
+def trace_start(args, eng) -> bool:
+    """With --fig3-trace, `start_trace` on a dynamic-K engine; whether it records."""
+    return bool(args.fig3_trace and eng.spec is not None and eng.spec.spec.dynamic
+                and start_trace(eng))
+
+
+def mixed_lengths(n: int, count: int) -> list[int]:
+    """Output lengths of a mixed-traffic steady run: uniform in [n/2, 3n/2], the same seeded
+    list for every variant."""
+    import random
+
+    rng = random.Random(1234)
+    return [rng.randint(max(1, n // 2), max(1, 3 * n // 2)) for _ in range(count)]
+
+
+@dataclass
+class SteadyRun:
+    """One steady window: its tokens/s, and its stalls (`stalls`)."""
+
+    tokens_per_s: float
+    stalls: dict
+
+
+def stalls(step_seconds: list[float]) -> dict:
+    """Steps of a window that took `STALL` times its median step or more (the threshold the
+    dynamic-K policy leaves out of its rates): how many, the time they took beyond the
+    median, and the longest step (ms)."""
+    from engine.spec.policy import STALL
+
+    if not step_seconds:
+        return {"steps": 0, "stalls": 0, "stalled_ms": 0.0, "median_step_ms": None,
+                "max_step_ms": None}
+    med = statistics.median(step_seconds)
+    slow = [t for t in step_seconds if t >= STALL * med]
+    return {"steps": len(step_seconds), "stalls": len(slow),
+            "stalled_ms": rnd(sum(t - med for t in slow) * 1e3, 2),
+            "median_step_ms": rnd(med * 1e3, 3), "max_step_ms": rnd(max(step_seconds) * 1e3, 2)}
+
+
+def window_mark() -> tuple[int, int]:
+    """Where the Triton compile record and the graph-capture count stand now."""
+    from engine import jit_watch
+    from engine.graphs import GraphSet
+
+    return jit_watch.count(), GraphSet.captures
+
+
+def window_events(mark: tuple[int, int]) -> dict:
+    """Kernels compiled ({name: [count, seconds]}) and CUDA graphs captured since `mark`:
+    one-time costs that, inside a timed window, are stalls no later run has."""
+    from engine import jit_watch
+    from engine.graphs import GraphSet
+
+    return {"compiles": jit_watch.summary(jit_watch.since(mark[0])),
+            "captures": GraphSet.captures - mark[1]}
+
+
+def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3,
+                      mixed: bool = False) -> SteadyRun:
+    """Tokens/s with `c` streams always in flight, as a server under steady load runs: each
+    finished request is replaced at once by the next prompt (its prefill counted), and the
+    window ends when the last of generations * c requests is admitted (the drain at the end,
+    where fewer than c streams remain, is not part of it). Every request decodes n tokens,
+    or with `mixed` a length from `mixed_lengths` (mean n): without speculation, equal
+    lengths make all c streams finish in the same step and be replaced in one admission,
+    which traffic of varied lengths does not do."""
+    total = generations * c
+    lengths = mixed_lengths(n, total) if mixed else [n] * total
+    steps: list[float] = []
+    mark = window_mark()
+    sync(args)
+    t0 = time.perf_counter()
+    tokens, live = steady_run(eng, prompts, c, lengths, steps)
+    sync(args)
+    dt = time.perf_counter() - t0
+    for rid in live:
+        eng.abort(rid)
+    return SteadyRun(tokens / dt, {**stalls(steps), **window_events(mark)})
+
+
+def steady_run(eng, prompts, c: int, lengths: list[int],
+               step_seconds: list[float] | None = None) -> tuple[int, set]:
+    """Keep c requests in flight, the i-th with max_tokens lengths[i], replacing each one
+    that finishes until all were admitted; returns the tokens generated and the ids of the
+    requests still running. Only this run's requests count: the first step may return
+    outputs of requests an earlier run aborted (read by the abort's drain of the step in
+    flight), and taking their finishes for this run's would admit extra streams."""
+    from engine import SamplingParams
+
+    started, tokens, live = 0, 0, set()
+
+    def admit():
+        nonlocal started
+        params = SamplingParams(temperature=0, max_tokens=lengths[started], ignore_eos=True)
+        live.add(eng.add_request(prompts[started % len(prompts)], params))
+        started += 1
+
+    for _ in range(c):
+        admit()
+    clock = time.perf_counter
+    while started < len(lengths):
+        t0 = clock()
+        outs = eng.step()
+        if step_seconds is not None:
+            step_seconds.append(clock() - t0)
+        for out in outs:
+            if out.request_id not in live:  # a request's finishing output is its last
+                continue
+            tokens += len(out.token_ids)
+            if out.finished:
+                live.discard(out.request_id)
+                if started < len(lengths):
+                    admit()
+    return tokens, live
+
+
+def break_even(rows: list[dict]) -> dict:
+    """Where speculation stops paying: the first concurrency with ratio < 1, and the crossing
+    interpolated on log2(concurrency)."""
+    import math
+
+    prev = None
+    for r in rows:
+        if r["vs_no_spec"] < 1:
+            out = {"first_concurrency_below_1": r["concurrency"],
+                   "last_concurrency_at_or_above_1": prev["concurrency"] if prev else None}
+            if prev:
+                x0, x1 = math.log2(prev["concurrency"]), math.log2(r["concurrency"])
+                y0, y1 = prev["vs_no_spec"], r["vs_no_spec"]
+                x = x0 + (y0 - 1) * (x1 - x0) / (y0 - y1) if y0 != y1 else x0
+                out["interpolated_concurrency"] = rnd(2**x, 1)
+            return out
+        prev = r
+    return {"first_concurrency_below_1": None,
+            "note": "fixed K pays at every measured concurrency"}
+
+
+def plot_concurrency(plt, res):
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, (name, rows) in enumerate(res["runs"].items()):
+        xs, color = [r["concurrency"] for r in rows], f"C{i}"
+        a.plot(xs, [r["tokens_per_s"] for r in rows], "o-", c=color, label=f"{name} burst")
+        a.plot(xs, [r.get("steady_tokens_per_s") for r in rows], "s--", c=color,
+               label=f"{name} steady")
+        if name != "no_spec":
+            b.plot(xs, [r["vs_no_spec"] for r in rows], "o-", c=color, label=f"{name} burst")
+            b.plot(xs, [r.get("steady_vs_no_spec") for r in rows], "s--", c=color,
+                   label=f"{name} steady")
+            b.plot(xs, [r.get("steady_mixed_vs_no_spec") for r in rows], "^:", c=color,
+                   label=f"{name} steady mixed")
+    for ax in (a, b):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.legend()
+    a.set_ylabel("tokens/s")
+    b.axhline(1.0, c="gray", ls="--")
+    b.axhline(0.97, c="gray", ls=":")
+    b.set_ylabel("vs no speculation")
+    return fig
