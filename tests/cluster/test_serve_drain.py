@@ -1,9 +1,11 @@
-"""`tandem serve` on SIGTERM: health goes NOT_SERVING, the running stream finishes within the
-grace period, the process exits 0 without a traceback."""
+"""`tandem serve` as users run it: gRPC and the OpenAI-compatible HTTP API (through the
+official `openai` package) give the same output; on SIGTERM the running streams of both finish
+within the grace period and the process exits 0 without a traceback."""
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -47,23 +49,43 @@ def _wait_serving(proc, target: str, timeout: float = 300.0) -> None:
 
 
 @pytest.mark.skipif(TANDEM is None, reason="the tandem executable is not installed")
-def test_sigterm_drains_the_running_stream_then_exits_cleanly(tmp_path):
+def test_serve_answers_grpc_and_openai_then_drains_both_on_sigterm(tmp_path):
+    """The HTTP API is on by default beside gRPC and gives its output, whole and streamed (the
+    official `openai` package); on SIGTERM a running gRPC stream and a running SSE stream both
+    finish within the grace period and the process exits 0 without a traceback."""
+    openai = pytest.importorskip("openai")
     port = _free_port()
     target = f"127.0.0.1:{port}"
     log = open(tmp_path / "serve.log", "w+")
-    proc = subprocess.Popen([TANDEM, "serve", "--colocated", f"--port={port}",
+    proc = subprocess.Popen([TANDEM, "serve", "--colocated", f"--port={port}", "--http-port=0",
                              "--set", "metrics.enabled=false", "--set", "model.max_model_len=512",
                              "--set", "router.drain_grace_s=60"], stdout=log, stderr=log)
     try:
         _wait_serving(proc, target)
+        log.seek(0)
+        found = re.search(r"OpenAI-compatible API on http://127\.0\.0\.1:(\d+)/v1", log.read())
+        assert found, "the HTTP port is not announced"
+        api = openai.OpenAI(base_url=f"http://127.0.0.1:{found[1]}/v1", api_key="none",
+                            max_retries=0, timeout=120)
+        model = api.models.list().data[0].id
+        chat = [{"role": "user", "content": "Write one sentence about the sea."}]
         with Client(target, retries=0, resume=False) as c:
+            ref = c.complete(messages=chat, temperature=0, max_tokens=20)
+            whole = api.chat.completions.create(model=model, messages=chat, temperature=0,
+                                                max_tokens=20)
+            assert whole.choices[0].message.content == ref.text
+            sse = api.chat.completions.create(model=model, messages=chat, temperature=0,
+                                              max_tokens=20, stream=True)
+            parts = [next(iter(sse))]
             stream = c.generate("Once upon a time", temperature=0, max_tokens=48,
                                 ignore_eos=True)
             chunks = [next(stream)]
             proc.send_signal(signal.SIGTERM)
             chunks += list(stream)
+            parts += list(sse)
         assert chunks[-1].finish_reason == "length"
         assert sum(len(ch.token_ids) for ch in chunks) == 48
+        assert "".join(p.choices[0].delta.content or "" for p in parts) == ref.text
         assert proc.wait(60) == 0
     finally:
         if proc.poll() is None:
@@ -71,5 +93,5 @@ def test_sigterm_drains_the_running_stream_then_exits_cleanly(tmp_path):
             proc.wait(30)
     log.seek(0)
     out = log.read()
-    assert "draining: 1 streams in flight" in out and "stopped" in out, out[-2000:]
+    assert "draining: " in out and "stopped" in out, out[-2000:]
     assert "Traceback" not in out, out[-3000:]
