@@ -38,9 +38,9 @@ def sync(args) -> None:
 def host_probe_us(reps: int = 2000) -> dict:
     """The host's speed now, in microseconds per call of what an engine step does most:
     a pure-Python loop (per-sequence bookkeeping) and a small torch op on the host (op
-    dispatch). Best of five stretches. On the H200 machine two processes of the same code
-    in a row differed 1.5x in host op time (bench/README.md): figure 3 records this before
-    and after each variant so its ratios can be read against the host they ran on."""
+    dispatch). Best of five stretches. The host's speed varies between processes: figure 3
+    records this around each concurrency so its ratios can be read against the host they
+    ran on."""
     import time
 
     torch = lazy_torch()

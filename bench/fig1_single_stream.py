@@ -39,9 +39,8 @@ def run_single(args, eng, msgs, n: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     note = precapture(eng, (1,))
     # Warm-up: the full length on a prompt not in the timed set (Triton JIT, lazy graphs),
-    # then each timed prompt alone for a few tokens: a prompt length not seen before may
-    # compile prefill and head kernels (a first prompt once ran at a third of the others'
-    # speed). Prefix caching is off here, so this leaves the timed runs nothing to reuse.
+    # then each timed prompt alone for a few tokens, since a prompt length not seen before
+    # may compile prefill and head kernels. Prefix caching is off, so nothing is reused.
     eng.generate(held_out_messages(1, offset=len(msgs) + args.prompt_offset + 7), params)
     for m in msgs:
         eng.generate([m], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
@@ -127,8 +126,8 @@ def fig_single_stream(args, res: dict) -> None:
     res["config"]["prologue_calibration_us"] = base.model.prologue_calibration
     prompts = [base.encode_prompt(m) for m in msgs]
     res["config"]["prompt_tokens"] = [len(p) for p in prompts]
-    # HF's baselines generate the first prompts only (eager runs ~19 tok/s on the H200):
-    # their rate, beside tandem's over all of them
+    # HF's baselines generate the first prompts only (eager HF is slow): their rate,
+    # beside tandem's over all of them
     hf_prompts = prompts[:args.fig1_hf_prompts or None]
     res["config"]["hf_prompts"] = len(hf_prompts)
     dyn = f"eagle3_dynamic_k{args.dynamic_k}"
@@ -139,8 +138,8 @@ def fig_single_stream(args, res: dict) -> None:
                 "eagle3_k7_context": eagle(args, 7, False, True),
                 f"{dyn}_context": eagle(args, args.dynamic_k, True, True),
                 "ngram_k5": ngram(5)}
-    # What an engine runs without a SpecConfig of its own (dynamic K at most 5, context
-    # drafts), where --dynamic-k asks for another K
+    # What an engine runs without a SpecConfig of its own (SpecConfig's defaults), where
+    # --dynamic-k asks for another K
     k_default = SpecConfig().num_tokens
     default = f"eagle3_dynamic_k{k_default}_context"
     if default not in variants:

@@ -80,10 +80,8 @@ def fig_concurrency(args, res: dict) -> None:
     probes: dict[str, dict] = {}
     res["host_probe"] = probes  # the host's speed around each concurrency (bench.common)
     # All variants' engines stay alive and take turns in every repetition (`turns`): the
-    # host's speed drifts between runs and between processes (two steady K=5 profiles of one
-    # commit, one after the other, ran 29.7k and 33.9k tok/s at 64 streams on the same
-    # device time), and a variant measured minutes after its baseline carried that drift
-    # into its ratio.
+    # host's speed drifts between runs and processes, and a variant measured minutes after
+    # its baseline would carry that drift into its ratio.
     engines = {}
     for name, spec in variants.items():
         log(f"fig 3: {name}: capturing")
@@ -104,8 +102,7 @@ def fig_concurrency(args, res: dict) -> None:
             eng.generate(batch, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
             # Untimed, the same admissions with short requests: the prefill batches a steady
             # run makes (without speculation all c streams finish together and c prompts
-            # are admitted at once) compile here, not inside the window (no speculation at
-            # 8 streams once measured a third of its burst rate).
+            # are admitted at once) compile here, not inside the timed window.
             steady_throughput(args, eng, prompts, c, 4)
         before = {name: (spec_counts(eng), step_paths(eng)) for name, eng in engines.items()}
         tps = {name: [] for name in engines}
@@ -135,9 +132,9 @@ def fig_concurrency(args, res: dict) -> None:
                                 "reps_events": events[name],
                                 "acceptance_length": acc[name][-1],
                                 "paths": paths_delta(before[name][1], step_paths(eng))})
-        # Each steady window lasts about a second at 64 streams: one stall inside it (a
-        # collection, a descheduled host) moved a variant's figure by up to 2x between runs,
-        # so each is repeated like the burst and each run's stalls are recorded.
+        # A steady window is short at high concurrency, so one stall inside it (a
+        # collection, a descheduled host) moves its rate: each is repeated like the burst
+        # and each run's stalls are recorded.
         for key, mixed in (("steady", False), ("steady_mixed", True)):
             before = {name: (spec_counts(eng), step_paths(eng)) for name, eng in engines.items()}
             runs = {name: [] for name in engines}

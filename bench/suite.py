@@ -77,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dynamic-k", type=int, default=7, help="max K for dynamic EAGLE-3")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="set a module constant before any figure runs, for A/B processes "
-                        "(e.g. engine.spec.policy.LOSING_FRESH=256); repeatable, recorded "
+                        "(e.g. bench.fig5_process.FIG5_UCX_TIMEOUT_S=90); repeatable, recorded "
                         "in each figure's argv")
     p.add_argument("--context-drafts", choices=("on", "off"), default=None,
                    help="EAGLE-3 drafts from the context too (SpecConfig.context_drafts; "
@@ -90,7 +90,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("figure 1 (single stream)")
     g.add_argument("--fig1-prompts", type=int, default=16,
                    help="held-out prompts, one at a time (acceptance, and so the ratios, "
-                        "move with the text: 4 prompts read 2.27x where 16 read 2.42x)")
+                        "move with the text)")
     g.add_argument("--fig1-hf-prompts", type=int, default=4, metavar="N",
                    help="the HF baselines generate the first N prompts (0: all)")
     g.add_argument("--fig1-tokens", type=int, default=256)
