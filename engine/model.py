@@ -121,25 +121,22 @@ class LlamaModel(nn.Module):
         it and SiLU-and-mul into down_proj (`ops.prologue_linear`): qkv, rotary+store,
         attention, o, gate_up, down, each one Triton launch."""
         fold = self.prologue_linears and h.shape[0] in self.prologue_rows
-        # Rows that store no KV (a bucket's padding, verify rows past a sequence's drafts)
-        # feed nothing that is read: their GEMV programs write zeros and exit.
-        live = meta.slot_mapping if fold and ops.SKIP_DEAD_ROWS else None
         taps, res = {}, None
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, res = norm_proj(attn.qkv_proj, h, layer.input_layernorm, res, fold, live)
+            qkv, res = norm_proj(attn.qkv_proj, h, layer.input_layernorm, res, fold)
             if i in aux_layers:
                 taps[i] = res
             o = attn.attend_qkv(qkv, positions, kv_cache[i], meta)
-            a = project(attn.o_proj, o, fold, live)
+            a = project(attn.o_proj, o, fold)
             ln = layer.post_attention_layernorm
             if not fold and ops.gemv_silu_suits(a.shape[0], mlp.gate_up_proj):
                 # One row of a large model: SiLU-and-mul in the gate_up GEMV's epilogue.
                 y, res = ops.add_rmsnorm(a, ln.weight, ln.eps, res)
                 h = project(mlp.down_proj, ops.gemv_silu(y, mlp.gate_up_proj.weight), False)
             else:
-                gu, res = norm_proj(mlp.gate_up_proj, a, ln, res, fold, live)
-                h = silu_proj(mlp.down_proj, gu, fold, live)
+                gu, res = norm_proj(mlp.gate_up_proj, a, ln, res, fold)
+                h = silu_proj(mlp.down_proj, gu, fold)
         out, _ = ops.add_rmsnorm(h, self.norm.weight, self.norm.eps, res)
         return out, [taps[i] for i in aux_layers]
 
@@ -181,7 +178,7 @@ class LlamaModel(nn.Module):
             for name, ws in groups.items():
                 if not ops.large_suits(ws[0]):
                     continue
-                known = ops.LARGE_LINEAR.get(ops._large_key(ws[0]))
+                known = ops.LARGE_LINEAR.get(ops.large_key(ws[0]))
                 out[name] = dict(known) if known is not None else ops.tune_large_linear(ws)
                 # gate_up + SiLU in one launch (`ops.gemv_silu` takes no bias)
                 if name == "gate_up" and known is None and out[name]["one"] is not None \
@@ -270,29 +267,28 @@ class Projection(NamedTuple):
     bias: torch.Tensor | None = None
 
 
-def norm_proj(p, x, ln: RMSNorm, res, fold: bool, live=None):
-    """(p(norm(x + res)), x + res); res None (the embedding): (p(norm(x)), x). live (folded
-    only): `ops.prologue_linear`'s, dead rows computed as zeros."""
+def norm_proj(p, x, ln: RMSNorm, res, fold: bool):
+    """(p(norm(x + res)), x + res); res None (the embedding): (p(norm(x)), x)."""
     if fold:
         if res is None:
             return ops.prologue_linear(x, p.weight, p.bias, norm_weight=ln.weight,
-                                       eps=ln.eps, live=live), x
+                                       eps=ln.eps), x
         return ops.prologue_linear(x, p.weight, p.bias, norm_weight=ln.weight,
-                                   eps=ln.eps, residual=res, live=live)
+                                   eps=ln.eps, residual=res)
     if res is None:
         return ops.linear(ops.add_rmsnorm(x, ln.weight, ln.eps), p.weight, p.bias), x
     y, res = ops.add_rmsnorm(x, ln.weight, ln.eps, res)
     return ops.linear(y, p.weight, p.bias), res
 
 
-def project(p, x, fold: bool, live=None):
+def project(p, x, fold: bool):
     if fold:
-        return ops.prologue_linear(x, p.weight, p.bias, live=live)
+        return ops.prologue_linear(x, p.weight, p.bias)
     return ops.linear(x, p.weight, p.bias)
 
 
-def silu_proj(p, gate_up, fold: bool, live=None):
+def silu_proj(p, gate_up, fold: bool):
     """p(silu(gate) * up) for gate_up = [gate | up]."""
     if fold:
-        return ops.prologue_linear(gate_up, p.weight, p.bias, silu=True, live=live)
+        return ops.prologue_linear(gate_up, p.weight, p.bias, silu=True)
     return ops.linear(ops.silu_mul(gate_up), p.weight, p.bias)

@@ -70,10 +70,10 @@ def triton_available() -> bool:
 
 
 # Programmatic dependent launch (Hopper and later): each of our kernels with a USE_PDL switch
-# (here and in engine/ops.py) may be launched while the one before it still runs; it waits for
+# (here and in engine/ops/) may be launched while the one before it still runs; it waits for
 # that kernel's results (`gdc_wait`) before reading them, and the prologue linears load their
 # first weight tile before waiting. None: on where the GPU and Triton support it; False: off
-# (a sweep's baseline; TANDEM_PDL=0 in the environment).
+# (TANDEM_PDL=0 in the environment).
 PDL: bool | None = False if os.environ.get("TANDEM_PDL", "").lower() in ("0", "off", "false") \
     else None
 _PDL_SUPPORT: dict[int, bool] = {}

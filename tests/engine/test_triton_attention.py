@@ -185,20 +185,16 @@ def test_fused_ops_round_like_the_reference(dtype):
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, **tol)
 
 
-@pytest.mark.parametrize("exact_k", [False, True, "match"], ids=["padded", "exact_k", "match"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("rows,k", [(1, 48), (3, 48), (8, 48), (17, 48), (5, 1100)])
-def test_prologue_linear_equals_its_two_kernels(dtype, rows, k, exact_k, monkeypatch):
+def test_prologue_linear_equals_its_two_kernels(dtype, rows, k):
     """norm + projection, SiLU-and-mul + projection and a plain projection in one launch, each
     against the separate kernel followed by the GEMM: the residual sum exactly, the outputs to
-    fp32 rounding (the GEMM's summation order), in fp16 up to one rounding step. K = 1100
-    takes two weight tiles, the second partly masked; with `ops.EXACT_K` the GEMV takes
-    K = 48 as 32 + a 16-wide tail and 1100 as 1024 + a 128-wide tail."""
+    fp32 rounding (the GEMM's summation order), in fp16 up to one rounding step. K = 48 fits
+    one weight tile (x + r read once); K = 1100 takes two, the second partly masked."""
     import torch.nn.functional as F
 
     from engine import ops
-
-    monkeypatch.setattr(ops, "EXACT_K", exact_k)
 
     g = torch.Generator().manual_seed(rows)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
@@ -222,38 +218,32 @@ def test_prologue_linear_equals_its_two_kernels(dtype, rows, k, exact_k, monkeyp
         ops.prologue_linear(x, w, silu=True)
 
 
-def test_wide_gemv_tiles_do_not_depend_on_the_row_count(monkeypatch):
-    """`ops.WIDE_GEMV` / `ops.MID_GEMV`: a projection at least four times as wide as long
-    takes 8-column, 1-warp GEMV programs, one 1.5-4 times as wide 4-column ones, at every row
-    count up to 8 (a verify row still rounds as the one-row step does); the others keep the
-    default tiles; each switch off, the default for its shapes."""
+def test_gemv_tiles_do_not_depend_on_the_row_count():
+    """A projection at least four times as wide as long takes 8-column, 1-warp GEMV programs,
+    one 1.5-4 times as wide 4-column ones, one twice as long as wide 8-column ones, the rest
+    16 columns, at every row count up to 8 (a verify row still rounds as the one-row step
+    does)."""
     from engine import ops
+    from engine.ops.prologue import GEMV_WARPS
 
-    monkeypatch.setattr(ops, "DOT_TILES", None)
-    default = (1, 16, 1024, ops.GEMV_WARPS)
-    for wide, mid in [(True, True), (True, False), (False, True), (False, False)]:
-        monkeypatch.setattr(ops, "WIDE_GEMV", wide)
-        monkeypatch.setattr(ops, "MID_GEMV", mid)
-        tiles = {shape: {ops.linear_tiles(m, *shape) for m in range(1, 9)}
-                 for shape in [(3072, 576), (7168, 576), (960, 576), (864, 576), (576, 576),
-                               (576, 1536), (960, 1152)]}
-        assert tiles[(3072, 576)] == tiles[(7168, 576)] == {(1, 8, 1024, 1) if wide else default}
-        assert tiles[(960, 576)] == tiles[(864, 576)] == {(1, 4, 1024, 1) if mid else default}
-        assert tiles[(576, 576)] == tiles[(960, 1152)] == {default}
-        assert tiles[(576, 1536)] == {(1, 8, 1024, ops.GEMV_WARPS)}
+    tiles = {shape: {ops.linear_tiles(m, *shape) for m in range(1, 9)}
+             for shape in [(3072, 576), (7168, 576), (960, 576), (864, 576), (576, 576),
+                           (576, 1536), (960, 1152)]}
+    assert tiles[(3072, 576)] == tiles[(7168, 576)] == {(1, 8, 1024, 1)}
+    assert tiles[(960, 576)] == tiles[(864, 576)] == {(1, 4, 1024, 1)}
+    assert tiles[(576, 576)] == tiles[(960, 1152)] == {(1, 16, 1024, GEMV_WARPS)}
+    assert tiles[(576, 1536)] == {(1, 8, 1024, GEMV_WARPS)}
 
 
-@pytest.mark.parametrize("tiles", [(8, 1), (4, 1)], ids=["8col", "4col"])
+@pytest.mark.parametrize("n,bn", [(256, 8), (96, 4)], ids=["8col", "4col"])
 @pytest.mark.parametrize("m", [1, 3, 8])
-def test_one_warp_gemv_tiles_match_the_reference(m, tiles, monkeypatch):
-    """The one-warp GEMV tiles of `ops.WIDE_GEMV` / `ops.MID_GEMV`, with the norm prologue,
+def test_one_warp_gemv_tiles_match_the_reference(m, n, bn):
+    """The one-warp GEMV tiles of projections wider than long, with the norm prologue,
     against torch at 1..8 rows."""
     from engine import ops
 
-    bn, warps = tiles
-    n, k = 96, 64
-    monkeypatch.setattr(ops, "DOT_TILES", None)
-    monkeypatch.setitem(ops.LINEAR_TILES, (m, n, k), (1, bn, 64, warps))
+    k = 64
+    assert ops.linear_tiles(m, n, k) == (1, bn, 64, 1)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g) * 0.1
@@ -265,38 +255,12 @@ def test_one_warp_gemv_tiles_match_the_reference(m, tiles, monkeypatch):
 
 @pytest.mark.parametrize("dot", [None, (32, 256, 4)], ids=["gemv", "dot"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prologue_one_load_changes_no_number(dtype, dot, monkeypatch):
-    """`ops.ONE_LOAD` (a norm prologue whose K fits one tile reads x + r once, for the mean
-    square and for the products) gives the same outputs and residual sums, bit for bit, as
-    reading them twice; a K of two tiles is read as before."""
-    from engine import ops
-
-    monkeypatch.setattr(ops, "DOT_TILES", dot)
-    g = torch.Generator().manual_seed(5)
-    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
-    for k, m in ((48, 1), (48, 3), (1100, 2)):
-        x, r, w, nw = rnd(m, k), rnd(m, k), rnd(40, k) / 7, rnd(k)
-        outs = []
-        for one in (True, False):
-            monkeypatch.setattr(ops, "ONE_LOAD", one)
-            outs.append(ops.prologue_linear(x, w, norm_weight=nw, eps=1e-5, residual=r)
-                        + (ops.prologue_linear(x, w, norm_weight=nw, eps=1e-5),))
-        for a, b in zip(*outs):
-            assert torch.equal(a, b), (k, m)
-
-
-@pytest.mark.parametrize("exact_k", [False, True], ids=["padded", "exact_k"])
-@pytest.mark.parametrize("dot", [None, (32, 256, 4)], ids=["gemv", "dot"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prologue_linear_rows_are_batch_invariant(dtype, dot, exact_k, monkeypatch):
+def test_prologue_linear_rows_are_batch_invariant(dtype, dot):
     """Up to 8 rows, a row's output must not depend on how many rows share the launch: bit
     for bit, alone or in a batch of 2-8 (what keeps a verify step's logits equal to the
     one-row decode step's, and greedy speculation token-identical in bf16); with one GEMV
-    program per row or with the 16-row tensor-core blocks (`ops.DOT_TILES`)."""
+    program per row or with the 16-row tensor-core blocks (`dot`)."""
     from engine import ops
-
-    monkeypatch.setattr(ops, "DOT_TILES", dot)
-    monkeypatch.setattr(ops, "EXACT_K", exact_k)
 
     g = torch.Generator().manual_seed(3)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
@@ -304,49 +268,16 @@ def test_prologue_linear_rows_are_batch_invariant(dtype, dot, exact_k, monkeypat
     n, k, ms = (96, 1100, range(2, 9)) if DEV == "cuda" else (16, 48, (3,))
     x, r, w, nw, gu = rnd(8, k), rnd(8, k), rnd(n, k) / 7, rnd(k), rnd(8, 2 * k)
     for m in ms:
-        y, s = ops.prologue_linear(x[:m], w, norm_weight=nw, eps=1e-5, residual=r[:m])
-        z = ops.prologue_linear(gu[:m], w, silu=True)
-        p = ops.prologue_linear(x[:m], w)
+        y, s = ops.prologue_linear(x[:m], w, norm_weight=nw, eps=1e-5, residual=r[:m], dot=dot)
+        z = ops.prologue_linear(gu[:m], w, silu=True, dot=dot)
+        p = ops.prologue_linear(x[:m], w, dot=dot)
         for i in range(m):
             y1, s1 = ops.prologue_linear(x[i:i + 1], w, norm_weight=nw, eps=1e-5,
-                                         residual=r[i:i + 1])
+                                         residual=r[i:i + 1], dot=dot)
             assert torch.equal(y[i], y1[0]) and torch.equal(s[i], s1[0]), (m, i)
-            assert torch.equal(z[i], ops.prologue_linear(gu[i:i + 1], w, silu=True)[0])
-            assert torch.equal(p[i], ops.prologue_linear(x[i:i + 1], w)[0])
-    assert len({ops.linear_tiles(m, n, k) for m in range(1, 9)}) == 1
-
-
-@pytest.mark.parametrize("exact_k", [False, True], ids=["padded", "exact_k"])
-@pytest.mark.parametrize("dot", [None, (32, 256, 4)], ids=["gemv", "dot"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prologue_linear_dead_rows_read_nothing_and_live_rows_are_unchanged(dtype, dot,
-                                                                           exact_k,
-                                                                           monkeypatch):
-    """`live` (KV slots; negative: a padding or cut verify row): on the one-program-a-row
-    GEMV dead rows come out as zeros (the residual sum too) and live rows equal the launch
-    without it bit for bit, for the norm, SiLU and plain prologues; the 16-row tensor-core
-    blocks compute every row as before."""
-    from engine import ops
-
-    monkeypatch.setattr(ops, "DOT_TILES", dot)
-    monkeypatch.setattr(ops, "EXACT_K", exact_k)
-    g = torch.Generator().manual_seed(4)
-    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)  # noqa: E731
-    n, k, m = (96, 1100, 8) if DEV == "cuda" else (16, 48, 5)
-    x, r, w, nw, gu = rnd(m, k), rnd(m, k), rnd(n, k) / 7, rnd(k), rnd(m, 2 * k)
-    slots = torch.tensor([3, 9, -1, 4, -1, -1, 7, -1][:m], device=DEV)
-    dead = slots < 0
-    y0, s0 = ops.prologue_linear(x, w, norm_weight=nw, eps=1e-5, residual=r)
-    y, s = ops.prologue_linear(x, w, norm_weight=nw, eps=1e-5, residual=r, live=slots)
-    z0, z = (ops.prologue_linear(gu, w, silu=True, live=lv) for lv in (None, slots))
-    p0, p = (ops.prologue_linear(x, w, live=lv) for lv in (None, slots))
-    for a, b in ((y0, y), (s0, s), (z0, z), (p0, p)):
-        if dot is None:
-            assert torch.equal(a[~dead], b[~dead]) and not b[dead].any()
-        else:
-            assert torch.equal(a, b)
-    with pytest.raises(AssertionError):
-        ops.prologue_linear(x, w, live=slots[:2])
+            assert torch.equal(z[i], ops.prologue_linear(gu[i:i + 1], w, silu=True, dot=dot)[0])
+            assert torch.equal(p[i], ops.prologue_linear(x[i:i + 1], w, dot=dot)[0])
+    assert len({ops.linear_tiles(m, n, k, dot) for m in range(1, 9)}) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -419,6 +350,7 @@ def test_large_projections_take_our_kernels_on_a_gpu_only(monkeypatch):
     precision on a GPU to `gemv_rows` at one row and to `dot_rows` at up to DOT_ROWS_MAX rows
     as `LARGE_LINEAR` chose for the shape (None: cuBLAS); the rest to F.linear."""
     from engine import ops
+    from engine.ops import gemv
 
     big = torch.empty(ops.LINEAR_MAX_WEIGHT // 512 + 1, 512, dtype=torch.bfloat16)
     small = torch.empty(64, 512, dtype=torch.bfloat16)
@@ -429,32 +361,27 @@ def test_large_projections_take_our_kernels_on_a_gpu_only(monkeypatch):
     assert ops.gemv_suits(1, big) and not ops.gemv_suits(2, big)
     assert not ops.gemv_suits(1, small) and not ops.large_suits(big.float())
     calls = []
-    monkeypatch.setattr(ops, "gemv_rows", lambda *a, **k: calls.append("gemv"))
-    monkeypatch.setattr(ops, "dot_rows", lambda *a, **k: calls.append("dot"))
-    monkeypatch.setattr(ops, "LARGE_LINEAR", {})
+    monkeypatch.setattr(gemv, "gemv_rows", lambda *a, **k: calls.append("gemv"))
+    monkeypatch.setattr(gemv, "dot_rows", lambda *a, **k: calls.append("dot"))
+    monkeypatch.setattr(gemv, "LARGE_LINEAR", {})
     x = torch.ones(17, 512, dtype=torch.bfloat16, device="cuda")
     ops.linear(x[:1], big), ops.linear(x[:4], big), ops.linear(x, big)
     assert calls == ["gemv"]  # defaults: the GEMV at one row, cuBLAS above
-    ops.LARGE_LINEAR[ops._large_key(big)] = {"one": None, "rows": (32, 256, 5, 4)}
+    gemv.LARGE_LINEAR[ops.large_key(big)] = {"one": None, "rows": (32, 256, 5, 4)}
     ops.linear(x[:1], big), ops.linear(x[:4], big), ops.linear(x[:16], big), ops.linear(x, big)
     assert calls == ["gemv", "dot", "dot"]
 
 
-@pytest.mark.parametrize("exact_k", [False, True], ids=["padded", "exact_k"])
 @pytest.mark.parametrize("rows", [1, 6, 70])
-def test_prologue_forward_equals_the_fused_forward(rows, exact_k, monkeypatch):
+def test_prologue_forward_equals_the_fused_forward(rows):
     """The forward with norms folded into the projections (every row count up to 64 allowed
     here) against the fused forward without them, aux taps included; above that both take
-    the separate kernels. With `ops.EXACT_K` too, on a shape whose K are no powers of two
-    (48 = 32 + a 16-wide tail, 96 = 64 + 32), as SmolLM2's 576 is not."""
+    the separate kernels."""
     from engine import ops
     from engine.graphs import pack
     from tests.helpers import tiny_engine
 
-    monkeypatch.setattr(ops, "EXACT_K", exact_k)
-    shape = dict(hidden_size=48, intermediate_size=96, num_heads=3, num_kv_heads=1) \
-        if exact_k else {}
-    eng = tiny_engine(num_blocks=64, device=DEV, attention_backend="triton", **shape)
+    eng = tiny_engine(num_blocks=64, device=DEV, attention_backend="triton")
     assert eng.model.prologue_linears
     if DEV == "cpu":  # a GPU calibrates its own set when the engine captures its graphs
         assert eng.model.prologue_rows == frozenset(range(1, ops.LINEAR_MAX_ROWS + 1))
@@ -591,6 +518,7 @@ def test_rope_store_equals_rope_then_store(dtype, heads_per_program, monkeypatch
     from engine.attention import TritonAttention
     from engine.config import RopeConfig
     from engine.layers import Rotary
+    from engine.ops import elementwise
 
     g = torch.Generator().manual_seed(5)
     nq, nkv, d, t = 6, 3, 16, 6
@@ -606,7 +534,7 @@ def test_rope_store_equals_rope_then_store(dtype, heads_per_program, monkeypatch
     TritonAttention(nq, nkv, d, 4).store_kv(ref_heads[:, nq : nq + nkv],
                                            ref_heads[:, nq + nkv :], ref_cache, meta)
     if heads_per_program is not None:
-        monkeypatch.setattr(ops, "_rope_heads", lambda *_: heads_per_program)
+        monkeypatch.setattr(elementwise, "_rope_heads", lambda *_: heads_per_program)
     rotated = ops.rope_(qkv.clone()[:, : nq + nkv], pos, rot.cos, rot.sin)
     assert torch.equal(rotated, ref_heads[:, : nq + nkv])
     heads, cache = qkv.clone(), torch.zeros_like(ref_cache)
@@ -679,10 +607,11 @@ def test_argmax_rows_takes_the_first_maximum_and_maps_ids(vocab, monkeypatch):
     two blocks or two chunks of the row), plus the id map's offset when given. 9000 values
     take the two-launch split (chunks, then the first chunk holding the maximum)."""
     from engine import ops
+    from engine.ops import argmax
 
     split = []
-    real = ops._argmax_split
-    monkeypatch.setattr(ops, "_argmax_split", lambda *a: split.append(1) or real(*a))
+    real = argmax._argmax_split
+    monkeypatch.setattr(argmax, "_argmax_split", lambda *a: split.append(1) or real(*a))
 
     g = torch.Generator().manual_seed(vocab)
     x = torch.randn(6, vocab, generator=g).to(torch.bfloat16)
@@ -751,14 +680,14 @@ def test_prologue_linear_keys_hold_each_rows_first_maximum(vocab, dtype):
 def test_tuning_keeps_the_default_kernel_unless_another_wins_by_the_margin():
     """`ops.tune_large_linear` / `tune_gemv_silu` replace the one-row default only for a
     candidate at least TUNE_MARGIN faster alone (smaller lone wins lost inside a forward)."""
-    from engine import ops
+    from engine.ops import tuning
 
-    near = 1 / ops.TUNE_MARGIN + 0.01  # a win just short of the margin
-    assert ops._beats({"d": 10.0, "x": 10.0 * near, "y": 12.0}, "d") == "d"
-    assert ops._beats({"d": 10.0, "x": 10.0 / ops.TUNE_MARGIN - 0.01}, "d") == "x"
-    assert ops._beats({"d": 10.0, "x": 11.0}, "d") == "d"
+    near = 1 / tuning.TUNE_MARGIN + 0.01  # a win just short of the margin
+    assert tuning._beats({"d": 10.0, "x": 10.0 * near, "y": 12.0}, "d") == "d"
+    assert tuning._beats({"d": 10.0, "x": 10.0 / tuning.TUNE_MARGIN - 0.01}, "d") == "x"
+    assert tuning._beats({"d": 10.0, "x": 11.0}, "d") == "d"
     # Several rows: the fastest dot tile, unless cuBLAS wins by the margin.
-    assert ops._rows_choice({"cublas": 55.3, (32, 256): 60.0, (64, 256): 56.4}) == (64, 256)
-    assert ops._rows_choice({"cublas": 50.0, (32, 256): 60.0, (64, 256): 56.4}) == "cublas"
-    assert ops._rows_choice({"cublas": 20.0, (32, 256): 15.2, (64, 256): 16.0}) == (32, 256)
-    assert ops._rows_choice({"cublas": 20.0}) == "cublas"
+    assert tuning._rows_choice({"cublas": 55.3, (32, 256): 60.0, (64, 256): 56.4}) == (64, 256)
+    assert tuning._rows_choice({"cublas": 50.0, (32, 256): 60.0, (64, 256): 56.4}) == "cublas"
+    assert tuning._rows_choice({"cublas": 20.0, (32, 256): 15.2, (64, 256): 16.0}) == (32, 256)
+    assert tuning._rows_choice({"cublas": 20.0}) == "cublas"

@@ -1,0 +1,238 @@
+"""Prologue linears: one Triton launch for a small model's projection together with the
+activation before it (rmsnorm of x + residual, or SiLU-and-mul), so a decoder layer of few
+rows is six launches, each free to start while the one before it finishes (PDL)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.triton_backend import next_pow2, pdl_args, triton, triton_available
+
+# Row counts the prologue linears serve before calibration: single-stream decode, where a
+# layer is a chain of latency-bound launches.
+LINEAR_MAX_ROWS = 1
+# Row counts up to which `LlamaModel.calibrate_prologue_rows` times the prologue linears
+# against the separate kernels on the GPU at hand (at graph set-up) and keeps the faster.
+CALIBRATE_MAX_ROWS = 8
+# Weights of at most this many elements take them: small models' projections, whose reads
+# are latency-bound; larger ones read faster through cuBLAS or `engine.ops.gemv`.
+LINEAR_MAX_WEIGHT = 4 << 20
+# Up to this many rows a projection runs one GEMV program per row and column block.
+GEMV_ROWS = 8
+GEMV_WARPS = 4  # warps of a GEMV program of a projection that is not wider than long
+# 16-row tensor-core tiles (BLOCK_N, BLOCK_K, warps) of the LM head: its weight is too large
+# to stay in L2 between one row's GEMV and the next, so it is read once for all rows.
+LOGITS_DOT_TILES = (64, 128, 4)
+DOT_MAX_ROWS = 16  # rows a launch with `dot` tiles computes in its one 16-row block
+
+if triton_available():
+    import triton.language as tl
+
+    from engine.ops.argmax import argmax_key
+
+    @triton.jit
+    def _prologue_sum(X, R, RES_OUT, rm, m_ok, rk, stride_x, stride_r, pid_n,
+                      K: tl.constexpr, HAS_RES: tl.constexpr):
+        """x (+ r, rounded as `add_rmsnorm` rounds it) over the K columns rk; the sum also goes
+        to RES_OUT (by the first column block)."""
+        ok = m_ok[:, None] & (rk < K)[None, :]
+        x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
+        if HAS_RES:
+            r = tl.load(R + rm[:, None] * stride_r + rk[None, :], mask=ok, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+            if pid_n == 0:
+                tl.store(RES_OUT + rm[:, None] * K + rk[None, :], x, mask=ok)
+        return x
+
+    @triton.jit
+    def _row_sumsq(x):
+        """Per row, the fp32 sum of squares of a tile."""
+        xf = x.to(tl.float32)
+        return tl.sum(xf * xf, 1)
+
+    @triton.jit
+    def _prologue_norm(a, NW, rk, rstd, K: tl.constexpr):
+        """rmsnorm of the rows a (x + r already summed) over the K columns rk, times NW,
+        rounded as `add_rmsnorm` rounds it."""
+        dt = a.dtype
+        h = (a.to(tl.float32) * rstd[:, None]).to(dt)
+        nw = tl.load(NW + rk, mask=rk < K, other=0.0)
+        return (nw.to(tl.float32)[None, :] * h.to(tl.float32)).to(dt)
+
+    @triton.jit
+    def _mac(acc, a, w, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
+        """acc + a @ w.T: a GEMV's products summed along K (BLOCK_M 1), else tl.dot."""
+        if BLOCK_M == 1:
+            return acc + tl.sum(a.to(tl.float32) * w.to(tl.float32), 1)[None, :]
+        return tl.dot(a, tl.trans(w), acc, input_precision=PREC)
+
+    @triton.jit
+    def _prologue_act(X, R, NW, rm, m_ok, rk, stride_x, stride_r, rstd, K: tl.constexpr,
+                      PRO: tl.constexpr, HAS_RES: tl.constexpr):
+        """`_prologue_linear_kernel`'s activation a() of rows rm over the K columns rk."""
+        dt = X.dtype.element_ty
+        k_ok = rk < K
+        ok = m_ok[:, None] & k_ok[None, :]
+        if PRO == 2:
+            g = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
+            u = tl.load(X + rm[:, None] * stride_x + K + rk[None, :], mask=ok, other=0.0)
+            gf = g.to(tl.float32)
+            sg = (gf / (1.0 + tl.exp(-gf))).to(dt)
+            a = (sg.to(tl.float32) * u.to(tl.float32)).to(dt)
+        else:
+            a = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
+            if PRO == 1:
+                if HAS_RES:
+                    r = tl.load(R + rm[:, None] * stride_r + rk[None, :], mask=ok, other=0.0)
+                    a = (a.to(tl.float32) + r.to(tl.float32)).to(dt)
+                a = _prologue_norm(a, NW, rk, rstd, K)
+        return a
+
+    @triton.jit(do_not_specialize=["M"])  # the row count varies by the step
+    def _prologue_linear_kernel(X, R, NW, W, B, Y, RES_OUT, KEYS, M, eps, stride_x, stride_r,
+                                stride_w, stride_y, N: tl.constexpr, K: tl.constexpr,
+                                PRO: tl.constexpr, HAS_RES: tl.constexpr,
+                                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                PREC: tl.constexpr, ONE_LOAD: tl.constexpr,
+                                ARGMAX: tl.constexpr, USE_PDL: tl.constexpr):
+        """Y[M, N] = a(X) @ W[N, K].T (+ B), the activation a() computed per K tile in the
+        prologue and rounded where the separate kernels round:
+        PRO 0: a(x) = x;
+        PRO 1: a(x) = rmsnorm(x + r) * NW (the sum x + r also goes to RES_OUT, by the first
+               column block), `add_rmsnorm`'s rounding;
+        PRO 2: a([g | u]) = silu(g) * u for X = [M, 2K], `silu_mul`'s rounding.
+        The grid's first axis walks the row blocks, so the programs reading one weight tile
+        run side by side (the tile comes from HBM once, for the others from L2). Weight tiles
+        load one iteration ahead; the first before the programmatic-launch wait (USE_PDL),
+        so it overlaps the kernel before, whose outputs only X and R are.
+        ONE_LOAD (PRO 1 where one BLOCK_K tile covers K): x (+ r) is read once, for its mean
+        square and for the products.
+        ARGMAX: Y is not written; each program folds its columns' largest output (rounded to
+        Y's type) into KEYS[row] (`argmax_key`, an atomic max), so KEYS, filled with
+        KEY_EMPTY before, ends holding each row's first maximum."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk0 = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        w = tl.load(W + rn[:, None] * stride_w + rk0[None, :],
+                    mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if ONE_LOAD:  # one tile: x (+ r) loaded once, kept for the products
+            xs = _prologue_sum(X, R, RES_OUT, rm, m_ok, rk0, stride_x, stride_r, pid_n, K,
+                               HAS_RES)
+            rstd = tl.math.rsqrt(_row_sumsq(xs) / K + eps)
+        elif PRO == 1:  # the row's mean square first: one pass over x (+ r)
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, k0 + rk0, stride_x,
+                                               stride_r, pid_n, K, HAS_RES))
+            rstd = tl.math.rsqrt(ss / K + eps)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if ONE_LOAD:
+            acc = _mac(acc, _prologue_norm(xs, NW, rk0, rstd, K), w, BLOCK_M, PREC)
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + rk0
+                a = _prologue_act(X, R, NW, rm, m_ok, rk, stride_x, stride_r, rstd, K, PRO,
+                                  HAS_RES)
+                cur = w
+                nk = rk + BLOCK_K  # the next tile's weights (masked off past K: no traffic)
+                w = tl.load(W + rn[:, None] * stride_w + nk[None, :],
+                            mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
+                acc = _mac(acc, a, cur, BLOCK_M, PREC)
+        if HAS_BIAS:
+            acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if ARGMAX:
+            v = tl.where(n_ok[None, :], acc.to(Y.dtype.element_ty).to(tl.float32),
+                         float("-inf"))
+            v = tl.where(v != v, float("inf"), v)
+            best = tl.max(v, 1)
+            col = pid_n * BLOCK_N + tl.argmax(v, 1, tie_break_left=True)
+            tl.atomic_max(KEYS + rm, argmax_key(best, col), mask=m_ok)
+        else:
+            tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
+                     mask=m_ok[:, None] & n_ok[None, :])
+
+
+def prologue_suits(weights) -> bool:
+    """Whether projections of these weight shapes ([N, K] each) take the prologue linears."""
+    return all(n * k <= LINEAR_MAX_WEIGHT for n, k in weights)
+
+
+def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
+                 ) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear.
+
+    dot (BLOCK_N, BLOCK_K, warps), up to DOT_MAX_ROWS rows: one 16-row tl.dot block whatever
+    the row count. Else up to GEMV_ROWS rows: one GEMV program per row and column block over
+    narrow, long weight tiles, whose rows' programs read the same tiles, all but the first
+    from L2. Above: one tl.dot row block per 16 rows.
+
+    Up to GEMV_ROWS rows the tiles must not depend on the row count: each row is then
+    computed by the same program, bit for bit, alone or beside others, so a verify step's
+    rows round exactly as the one-row decode step does and greedy speculation stays
+    token-identical to no speculation. Projections at least four times as wide as long
+    take 8-column one-warp programs, those 1.5-4 times as wide 4-column ones: a narrow
+    program holds few registers, so more of them share a multiprocessor."""
+    if dot is not None and m <= DOT_MAX_ROWS:
+        bn, bk, warps = dot
+        return 16, bn, min(bk, next_pow2(k, 16)), warps
+    if m <= GEMV_ROWS:
+        bk = min(1024, next_pow2(k, 16))
+        if n >= 4 * k:
+            return 1, 8, bk, 1
+        if 2 * n >= 3 * k:
+            return 1, 4, bk, 1
+        return 1, gemv_block_n(n, k), bk, GEMV_WARPS
+    return 16, 32, min(128, next_pow2(k, 16)), 4
+
+
+def gemv_block_n(n: int, k: int) -> int:
+    """Columns of a GEMV program: 16, or 8 for a projection at least twice as long as it is
+    wide, which has few column blocks for its long rows (twice the programs run faster)."""
+    return 8 if k >= 2 * n else 16
+
+
+def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                    *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                    residual: torch.Tensor | None = None, silu: bool = False,
+                    dot: tuple[int, int, int] | None = None,
+                    keys: torch.Tensor | None = None):
+    """One launch for what takes two: `linear(rmsnorm(x + residual))` (norm_weight given;
+    returns (y, x + residual), or y without a residual), `linear(silu_mul(x))` (silu), or a
+    plain `linear(x)`. weight is nn.Linear's [N, K]; each activation rounds exactly where
+    `add_rmsnorm` / `silu_mul` round, so only the GEMM's summation order differs from the
+    separate kernels. dot: 16-row tensor-core tiles (BLOCK_N, BLOCK_K, warps) for up to
+    DOT_MAX_ROWS rows instead of the GEMV (`linear_tiles`). keys ([M] int64 filled with
+    KEY_EMPTY): the output is not written; each row's argmax goes into keys instead
+    (`decode_keys`), and keys takes y's place in what is returned."""
+    m = x.shape[0]
+    assert keys is None or (keys.shape == (m,) and keys.dtype == torch.int64)
+    n, k = weight.shape
+    pro = 1 if norm_weight is not None else 2 if silu else 0
+    assert x.shape[1] == (2 * k if silu else k) and x.stride(1) == 1 and weight.stride(1) == 1
+    y = torch.empty(m if keys is None else 1, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else None
+    if m:
+        bm, bn, bk, warps = linear_tiles(m, n, k, dot)
+        assert bm == 1 or bm >= 16, "row blocks are GEMVs (1) or tl.dot tiles (16+)"
+        r = residual if residual is not None else x
+        _prologue_linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            x, r, norm_weight if norm_weight is not None else weight,
+            weight, bias if bias is not None else weight, y,
+            res_out if res_out is not None else y, keys if keys is not None else y, m, eps,
+            x.stride(0), r.stride(0), weight.stride(0), y.stride(0), N=n, K=k, PRO=pro,
+            HAS_RES=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_K=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+            ONE_LOAD=pro == 1 and k <= bk, ARGMAX=keys is not None, num_warps=warps,
+            **pdl_args(x, always=True))
+    if keys is not None:
+        y = keys
+    return y if residual is None else (y, res_out)
