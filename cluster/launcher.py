@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from decode_node.node import DecodeNode
 from engine.prompt import PromptEncoder
-from prefill_node.node import NOSET_ENV, PrefillNode
+from node_common.node import NOSET_ENV
+from prefill_node.node import PrefillNode
 from router.disagg import DisaggBackend
 
 
@@ -83,7 +84,7 @@ def actor_options(num_gpus: float, ipc_across_gpus: bool = False,
                   max_restarts: int = -1, net_devices: str | None = None) -> dict:
     """Ray options of a node actor. With `ipc_across_gpus`, a GPU actor keeps every GPU of
     its node visible (Ray leaves CUDA_VISIBLE_DEVICES alone) and runs on its own by index
-    (`prefill_node.node.node_device`), so the KV can move between their GPUs by CUDA IPC
+    (`node_common.node.node_device`), so the KV can move between their GPUs by CUDA IPC
     (`kvtransfer.ipc`: push or pull); otherwise Ray pins it to its own GPUs.
     `max_restarts`: how often Ray brings a dead one back (-1: always); `net_devices`: the
     interfaces its UCX binds and reaches peers on (`UCX_NET_DEVICES`)."""

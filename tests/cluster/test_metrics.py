@@ -198,7 +198,7 @@ def test_request_timer_without_tokens_records_no_ttft():
 def test_a_node_serves_its_metrics_on_the_host_and_port_configured():
     import socket
 
-    from prefill_node.node import serve_metrics
+    from node_common.node import serve_metrics
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from engine.metrics import Metrics
-from prefill_node import node
+from node_common import node
 
 
 class Transport:

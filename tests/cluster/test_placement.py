@@ -7,8 +7,8 @@ import pytest
 
 from cluster.config import ClusterConfig, ConfigError, apply_overrides
 from cluster.launcher import actor_options
-from prefill_node import node
-from prefill_node.node import NOSET_ENV, gpu_index, node_device
+from node_common import node
+from node_common.node import NOSET_ENV, gpu_index, node_device
 
 
 def test_gpu_index_follows_the_nodes_numbering():
@@ -34,7 +34,7 @@ def test_node_device_picks_the_actors_own_gpu(monkeypatch):
     assert node_device("cpu") == "cpu" and node_device("cuda:0") == "cuda:0"
     monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
     assert node_device("cuda") == "cuda"
-    assert node._on_own_gpu({"dtype": "x"}) == {"dtype": "x"}
+    assert node.on_own_gpu({"dtype": "x"}) == {"dtype": "x"}
 
 
 def test_actor_options_keep_the_node_gpus_visible_only_when_asked():

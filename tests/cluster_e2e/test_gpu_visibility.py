@@ -16,7 +16,7 @@ SCRIPT = """
 import json, os
 import ray
 from cluster.launcher import actor_options
-from prefill_node import node
+from node_common import node
 
 os.environ["CUDA_VISIBLE_DEVICES"] = "4,5,6,7"  # the node's own restriction, as on a shared host
 ray.init(address="local", num_cpus=1, num_gpus=4, include_dashboard=False,

@@ -1,0 +1,164 @@
+"""The part of a node actor that does not depend on its role: the engine started on the
+actor's own GPU with its loop and metrics, the liveness calls the router makes, and the
+stats and info it reads."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from engine import Engine
+from engine.loop import EngineLoop
+from kvtransfer.layout import BlockLayout
+
+# Set (to "1") by the launcher for GPU actors with `transfer.ipc_across_gpus`: Ray then leaves
+# CUDA_VISIBLE_DEVICES as the node had it, so an actor sees every GPU of its node (a prefill
+# actor can map a decode actor's cache on another GPU, or the other way) and runs on its own
+# by index.
+NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+GUARD_S = 1.0  # how often a node checks its transport's receive loops
+log = logging.getLogger("tandem.node")
+
+
+def gpu_index(gpu_id: int | str, visible: str | None) -> int:
+    """Where Ray's GPU id `gpu_id` is in this process's CUDA numbering: its place in
+    `CUDA_VISIBLE_DEVICES` when the node set one (Ray's ids are then its entries), else the
+    id itself."""
+    gid = str(gpu_id).strip()
+    if not visible:
+        return int(gid)
+    listed = [v.strip() for v in visible.split(",") if v.strip()]
+    if gid not in listed:
+        raise RuntimeError(f"Ray gave this actor GPU {gid}, which CUDA_VISIBLE_DEVICES="
+                           f"{visible!r} does not list")
+    return listed.index(gid)
+
+
+def node_device(device: str | None) -> str | None:
+    """The device this actor's engine runs on: with every GPU of the node visible (`NOSET_ENV`),
+    "cuda" becomes the GPU Ray gave this actor, by index, and it is made this thread's
+    current device; any other device as it is."""
+    if device != "cuda" or os.environ.get(NOSET_ENV) != "1":
+        return device
+    import ray
+    import torch
+
+    ids = sorted(ray.get_gpu_ids(), key=str)
+    if not ids:
+        return device
+    index = gpu_index(ids[0], os.environ.get("CUDA_VISIBLE_DEVICES"))
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+def on_own_gpu(engine_kwargs: dict) -> dict:
+    """`engine_kwargs` with its device, if it names one, made this actor's own (`node_device`)."""
+    return {**engine_kwargs, "device": node_device(engine_kwargs.get("device"))} \
+        if "device" in engine_kwargs else engine_kwargs
+
+
+def serve_metrics(role: str, port: int | None, host: str = "127.0.0.1"):
+    """This node's Prometheus metrics, exposed over HTTP on `host` unless port is None (0: a
+    free port)."""
+    from engine.metrics import Metrics
+
+    m = Metrics(role)
+    return m, (m.serve(host, port)[1] if port is not None else None)
+
+
+def engine_info(e: Engine) -> dict:
+    """What the router needs to validate prompts and describe the model, without the model."""
+    c = e.config
+    return {"model": c.model.name, "vocab_size": c.model.vocab_size,
+            "max_model_len": c.max_model_len, "block_size": c.block_size,
+            "dtype": str(c.dtype).removeprefix("torch."), "num_blocks": e.num_blocks,
+            "speculation": c.spec.method if c.spec else "none"}
+
+
+def node_info(node) -> dict:
+    """`engine_info` of the node's engine, its metrics port and where it runs."""
+    return {**engine_info(node.engine), "metrics_port": node.metrics_port,
+            "placement": placement(node.engine)}
+
+
+def placement(e: Engine) -> dict:
+    """Where this node runs: its device, the GPU Ray gave it, the attention backend."""
+    import torch
+
+    dev = str(e.config.device)
+    out = {"device": dev, "attention_backend": e.config.backend_name,
+           "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+           "cuda_graphs": e.config.use_cuda_graphs}
+    if dev.startswith("cuda"):
+        out["visible_gpus"] = torch.cuda.device_count()
+        out["gpu"] = torch.cuda.get_device_name(dev)
+        out["gpu_uuid"] = str(torch.cuda.get_device_properties(dev).uuid)
+    return out
+
+
+def engine_stats(e: Engine) -> dict:
+    """The engine's block and request counts (run on its loop's thread)."""
+    return {"blocks_free": e.blocks.num_free, "blocks_total": e.num_blocks,
+            "running": len(e.seqs), "held": len(e.held), "reserved": len(e.reserved),
+            "waiting": len(e.scheduler.waiting)}
+
+
+class Liveness:
+    """What the router asks a node actor to learn whether it still lives, and the guard of
+    its transport's receive loops."""
+
+    _guard: asyncio.Task | None = None
+
+    def guard_transport(self) -> None:
+        """Start `_guard_loop` once, on the actor's event loop."""
+        if self._guard is None or self._guard.done():
+            self._guard = asyncio.ensure_future(self._guard_loop())
+
+    async def _guard_loop(self) -> None:
+        """Counts the transport's dropped messages; a receive loop that died ends this process,
+        so Ray restarts the actor and the router moves its streams, rather than a node that
+        acks nothing serving on."""
+        seen = 0
+        while True:
+            await asyncio.sleep(GUARD_S)
+            dropped = self.transport.dropped_messages
+            if dropped > seen:
+                self.metrics.kv_dropped.inc(dropped - seen)
+                seen = dropped
+            if not self.transport.healthy:
+                log.error("kvtransfer: %s; exiting so that Ray restarts this actor",
+                          getattr(self.transport, "failure", None) or "a receive loop died")
+                logging.shutdown()
+                os._exit(70)
+
+    async def ping(self) -> bool:
+        """Alive (answered at once, whatever the engine is doing)."""
+        return True
+
+    async def watch(self) -> None:
+        """Never returns while this actor lives: the router keeps one call pending per actor,
+        which fails the moment the actor dies."""
+        await asyncio.Event().wait()
+
+
+class Node(Liveness):
+    """A node actor's engine, started on its own GPU and ready to serve, run by an
+    `EngineLoop`, with its metrics; the subclass adds its role's transport and calls."""
+
+    def __init__(self, role: str, model: str | None, engine_kwargs: dict,
+                 metrics_port: int | None, metrics_host: str):
+        self.engine = Engine.from_pretrained(model, **on_own_gpu(engine_kwargs))
+        self.engine.prepare_to_serve()  # graphs captured, objects frozen, compiles logged
+        self.metrics, self.metrics_port = serve_metrics(role, metrics_port, metrics_host)
+        self.loop = EngineLoop(self.engine)
+        self.loop.on_step = self.metrics.engine_step
+        self.metrics.watch_engine(self.engine)
+        self.loop.start()
+        self.layout = BlockLayout.from_engine_config(self.engine.config)
+
+    async def stats(self) -> dict:
+        return await self.loop.call(engine_stats)
+
+    async def info(self) -> dict:
+        return node_info(self)
