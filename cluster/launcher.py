@@ -35,7 +35,8 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
           decode_restarts: int = -1, resume_attempts: int = 3,
           chat_special_tokens: bool = False, kv_wait_s: float = 120.0,
           metrics_host: str = "127.0.0.1", metrics_ports: list[int] | None = None,
-          net_devices: str | None = None) -> Cluster:
+          net_devices: str | None = None, prefill_resources: dict | None = None,
+          decode_resources: dict | None = None) -> Cluster:
     """Connect to (or start) Ray, place the actors, and return the router's backend.
     `engine_kwargs` configure prefill engines, `decode_kwargs` (default: the same) decode;
     `transport_kwargs` every actor's `kvtransfer` transport (`TransferSection`);
@@ -45,22 +46,23 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
     in chat content read as the tokens (`PromptEncoder`); `kv_wait_s`: how long a request
     waits for KV room on a decode actor; `metrics_host` and `metrics_ports` (per actor,
     prefills then decodes; 0 or None: a free port) where each actor serves /metrics;
-    `net_devices`: the interfaces UCX uses (`UCX_NET_DEVICES`)."""
+    `net_devices`: the interfaces UCX uses (`UCX_NET_DEVICES`); `*_resources`: Ray custom
+    resources each replica of the role books (the nodes it may run on)."""
     import ray
 
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS")
         if address:  # an existing cluster, e.g. inside `ray job submit`
-            ray.init(address=address, log_to_driver=False)
+            join(address)
         else:  # a fresh local instance: never attach to a stray `ray start` left running
             ray.init(address="local", num_cpus=max(2, os.cpu_count() or 2),
                      include_dashboard=False,
                      log_to_driver=os.environ.get("TANDEM_RAY_LOGS") == "1")
-    P = ray.remote(PrefillNode).options(**actor_options(prefill_gpus, ipc_across_gpus,
-                                                        prefill_restarts, net_devices))
-    D = ray.remote(DecodeNode).options(**actor_options(decode_gpus, ipc_across_gpus,
-                                                       decode_restarts, net_devices))
+    P = ray.remote(PrefillNode).options(**actor_options(
+        prefill_gpus, ipc_across_gpus, prefill_restarts, net_devices, prefill_resources))
+    D = ray.remote(DecodeNode).options(**actor_options(
+        decode_gpus, ipc_across_gpus, decode_restarts, net_devices, decode_resources))
     n = prefill_replicas + decode_replicas
     ports = [None] * n if not metrics else list(metrics_ports or [0] * n)  # see info()
     tkw = transport_kwargs or {}
@@ -80,16 +82,36 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
                    prefills, decodes, [i["metrics_port"] for i in infos])
 
 
+def join(address: str) -> None:
+    """Connect this process to the Ray cluster at `address`. A cluster with token auth on
+    refuses a caller without its token: that is answered with what to set."""
+    import ray
+
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except ConnectionError as e:  # its cause carries the last attempt's traceback as text
+        if "AuthenticationError" not in str(e.__cause__):
+            raise
+        raise ConnectionError(
+            f"the Ray cluster at {address} checks a token this process did not send: set"
+            " RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN or in a file named"
+            " by RAY_AUTH_TOKEN_PATH (`ray get-auth-token` on the head prints it)") from None
+
+
 def actor_options(num_gpus: float, ipc_across_gpus: bool = False,
-                  max_restarts: int = -1, net_devices: str | None = None) -> dict:
+                  max_restarts: int = -1, net_devices: str | None = None,
+                  resources: dict | None = None) -> dict:
     """Ray options of a node actor. With `ipc_across_gpus`, a GPU actor keeps every GPU of
     its node visible (Ray leaves CUDA_VISIBLE_DEVICES alone) and runs on its own by index
     (`node_common.node.node_device`), so the KV can move between their GPUs by CUDA IPC
     (`kvtransfer.ipc`: push or pull); otherwise Ray pins it to its own GPUs.
     `max_restarts`: how often Ray brings a dead one back (-1: always); `net_devices`: the
-    interfaces its UCX binds and reaches peers on (`UCX_NET_DEVICES`)."""
+    interfaces its UCX binds and reaches peers on (`UCX_NET_DEVICES`); `resources`: Ray
+    custom resources it books, which keep it to the nodes that have them."""
     opts: dict = {"num_gpus": num_gpus, "num_cpus": 0, "max_concurrency": 1000,
                   "max_restarts": max_restarts}
+    if resources:
+        opts["resources"] = dict(resources)
     env = {}
     if ipc_across_gpus and num_gpus > 0:
         env[NOSET_ENV] = "1"
@@ -117,4 +139,5 @@ def start_from_config(cfg) -> Cluster:
                  chat_special_tokens=cfg.router.chat_special_tokens,
                  kv_wait_s=cfg.router.max_queue_wait_s, metrics_host=cfg.metrics.host,
                  metrics_ports=list(cfg.metrics_ports().values())[1:],
-                 net_devices=cfg.transfer.net_devices)
+                 net_devices=cfg.transfer.net_devices,
+                 prefill_resources=cfg.prefill.resources, decode_resources=cfg.decode.resources)

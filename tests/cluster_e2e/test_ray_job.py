@@ -1,73 +1,81 @@
-"""`ray job submit` of the serve entrypoint against a local `ray start --head` serves a request."""
+"""The README's `ray job submit` of `tandem serve`, as written there, against a Ray head of this
+test's own with token auth on: it serves a request; without the token, or with another, the
+submission is refused, and `tandem serve` joining without it says what to set."""
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
+import shlex
 import subprocess
-import sys
-import threading
-import time
+from pathlib import Path
 
 import pytest
+import yaml
 
-RAY = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
-TANDEM = shutil.which("tandem", path=os.path.dirname(sys.executable)) or shutil.which("tandem")
+from tests.cluster_e2e.ray_nodes import RAY, TANDEM, RayNodes, client_env, free_port, retry_agent
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+README = Path(__file__).resolve().parents[2] / "README.md"
+# The README's placeholders, and what this test puts in their place.
+HEAD, TOKEN_FILE, TOPOLOGY = "http://HEAD:8265", "/path/to/token", "my-topology.yaml"
 
 
-def _head(env: dict, gcs: int, dash: int) -> subprocess.Popen:
-    """A Ray head of this test's own (`--block`: stopping this process stops its processes,
-    and only those; `ray stop` would stop every Ray on the machine), once it is up."""
-    # Every port of its own: another Ray on this machine holds the defaults (its job agent
-    # then cannot bind, and every submission says "No available agent").
-    ports = [f"--{name}-port={_free_port()}" for name in (
-        "dashboard-agent-listen", "dashboard-agent-grpc", "runtime-env-agent", "metrics-export",
-        "ray-client-server")]
-    head = subprocess.Popen(
-        [RAY, "start", "--head", "--block", f"--port={gcs}", "--node-ip-address=127.0.0.1",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", *ports, "--num-cpus=2",
-         "--disable-usage-stats"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
-    for line in head.stdout:  # --block prints this once the head's processes are up
-        if "will now block forever" in line:
-            threading.Thread(target=head.stdout.read, daemon=True).start()  # keep it drained
-            return head
-    raise AssertionError(f"ray start exited with {head.wait()}")
+def readme_submit() -> tuple[dict[str, str], list[str]]:
+    """The variables the README's Ray job block exports and its `ray job submit` command."""
+    text = README.read_text()
+    at = text.index("\nray job submit ")
+    block = text[text.rindex("```sh\n", 0, at):text.index("```", at)]
+    env, argv = {}, []
+    for line in block.splitlines()[1:]:
+        words = shlex.split(line, comments=True)
+        if words[:1] == ["export"]:
+            env.update(w.split("=", 1) for w in words[1:])
+        elif words[:3] == ["ray", "job", "submit"]:
+            argv = words
+    return env, argv
 
 
-def _submit(env: dict, dash: int, argv: list[str]) -> subprocess.CompletedProcess:
-    """`ray job submit`, again while the head's job agent is not ready yet (it says so)."""
-    end = time.monotonic() + 120
-    while True:
-        job = subprocess.run([RAY, "job", "submit", f"--address=http://127.0.0.1:{dash}", "--",
-                              *argv], env=env, capture_output=True, text=True, timeout=400)
-        if "No available agent" not in job.stdout + job.stderr or time.monotonic() > end:
-            return job
-        time.sleep(1)
+def _filled(argv: list[str], nodes: RayNodes, topology: Path) -> list[str]:
+    """The README's command with this cluster, executables and topology in place."""
+    assert {HEAD, TOPOLOGY, "tandem"} <= set(argv), argv  # the README still says so
+    place = {"ray": RAY, HEAD: nodes.dashboard, "tandem": TANDEM, TOPOLOGY: str(topology)}
+    return [place.get(w, w) for w in argv]
+
+
+def _submit(env: dict, argv: list[str]) -> tuple[int, str]:
+    job = retry_agent(lambda: subprocess.run(argv, env=env, capture_output=True, text=True,
+                                             timeout=500))
+    return job.returncode, job.stdout + job.stderr
+
+
+def test_readme_exports_the_token_settings():
+    env, argv = readme_submit()
+    assert env == {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": TOKEN_FILE}
+    assert argv[:3] == ["ray", "job", "submit"] and "--" in argv
 
 
 @pytest.mark.skipif(RAY is None or TANDEM is None, reason="ray / tandem executables not found")
-def test_ray_job_submit_serves_a_request():
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "UCX_WARN_UNUSED_ENV_VARS": "n"}
-    env.pop("RAY_ADDRESS", None)
-    gcs, dash, grpc_port = _free_port(), _free_port(), _free_port()
-    head = _head(env, gcs, dash)
-    try:
-        job = _submit(env, dash, [
-            TANDEM, "serve", f"--port={grpc_port}", "--set", "metrics.enabled=false",
-            "--set", "prefill.kv_cache_bytes=256MiB", "--set", "decode.kv_cache_bytes=256MiB",
-            "--set", "model.max_model_len=2048", "--demo", "Say hello.", "--max-tokens=8"])
-    finally:
-        head.terminate()
-        head.wait(120)
-    out = job.stdout + job.stderr
-    assert job.returncode == 0, out[-3000:]
+def test_readme_ray_job_submit_serves_with_token_auth_on(tmp_path):
+    readme_env, argv = readme_submit()
+    topology = tmp_path / "my-topology.yaml"
+    topology.write_text(yaml.safe_dump({
+        "model": {"max_model_len": 2048}, "router": {"port": free_port()},
+        "prefill": {"kv_cache_bytes": "256MiB"}, "decode": {"kv_cache_bytes": "256MiB"},
+        "metrics": {"enabled": False}}))
+    with RayNodes() as nodes:
+        argv = _filled(argv, nodes, topology) + ["--demo", "Say hello.", "--max-tokens=8"]
+        env = {**client_env(), **readme_env, "RAY_AUTH_TOKEN_PATH": nodes.token_path}
+        refused = _submit(client_env(), argv)
+        wrong = _submit({**client_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+                        argv)
+        code, out = _submit(env, argv)
+        # Outside a job, joining by `ray_address` without the token: told what to set.
+        joined = subprocess.run([TANDEM, "serve", "--config", str(topology), "--set",
+                                 f"ray_address={nodes.address}"], env=client_env(),
+                                capture_output=True, text=True, timeout=300)
+    assert refused[0] != 0 and "Missing authentication token" in refused[1], refused[1][-3000:]
+    assert wrong[0] != 0 and "Invalid authentication token" in wrong[1], wrong[1][-3000:]
+    assert code == 0, out[-3000:]
     assert "succeeded" in out and "Connected to Ray cluster" in out, out[-3000:]
     assert "[8 tokens, finish=length" in out, out[-3000:]
+    assert joined.returncode != 0, joined.stderr[-3000:]
+    assert "checks a token this process did not send: set RAY_AUTH_MODE=token" in \
+        joined.stderr.splitlines()[-1], joined.stderr[-3000:]
