@@ -565,14 +565,14 @@ def run(args) -> int:
     }
     if not args.lm_head_only:
         def checkpoint(h, entry):  # the head so far, marked unfinished, replaced at the end
-            save_head(h, args.out, dtype=torch.bfloat16)
+            save_head(h, args.out, dtype=torch.bfloat16, target=m)
             _write(args.out, {**recipe, "unfinished": True, "checkpoint": entry})
 
         head, info = train(engine, tr, ev, vocab_ids, unroll=args.unroll, epochs=args.epochs,
                            lr=args.lr, batch_size=args.batch_size, log_every=args.log_every,
                            init=init, max_seconds=args.max_seconds, checkpoint=checkpoint)
     recipe.update(info)
-    save_head(head, args.out, dtype=torch.bfloat16)
+    save_head(head, args.out, dtype=torch.bfloat16, target=m)
     _write(args.out, recipe)  # the head is safe before the (slower) acceptance runs
     acc = [engine_acceptance(engine, head, eval_p[: args.eval_prompts], k, args.max_tokens)
            for k in sorted({1, 3, args.k_eval})]

@@ -1,17 +1,13 @@
 """EAGLE-3 draft head: fuses three target hidden states, runs one decoder layer over
 [norm(embed(token)), norm(fused)], predicts over a reduced draft vocabulary.
 
-Checkpoints use the public layout (config.json with `draft_vocab_size`, `target_hidden_size`,
-`eagle_aux_hidden_state_layer_ids`, `norm_before_residual`; weights `fc.*`, `midlayer.*`,
-`norm.*`, `lm_head.*`, `d2t` (draft id → target id offset), `t2d` (target ids in the draft
-vocabulary)), so a head trained elsewhere for a Llama model loads as it is.
+Head folders (config.json + weights) in every public layout are read and written by
+`engine/spec/head_io.py`; `load_head` and `save_head` are reachable from here too.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +41,9 @@ class Eagle3Config:
     @classmethod
     def for_target(cls, target: ModelConfig, draft_vocab_size: int,
                    aux_layer_ids: tuple[int, ...] | None = None) -> Eagle3Config:
-        """A head shaped like one layer of `target`; taps default to (2, L//2, L-3)."""
-        n = target.num_layers
-        ids = tuple(aux_layer_ids) if aux_layer_ids else (min(2, n - 1), n // 2, max(n - 3, 0))
+        """A head shaped like one layer of `target`; taps (ascending) default to
+        `default_taps`."""
+        ids = tuple(sorted(aux_layer_ids)) if aux_layer_ids else default_taps(target.num_layers)
         return cls(target.hidden_size, target.intermediate_size, target.num_heads,
                    target.num_kv_heads, target.head_dim, target.rms_norm_eps, target.rope,
                    target.max_position, target.vocab_size, draft_vocab_size,
@@ -69,58 +65,12 @@ class Eagle3Config:
         if problems:
             raise ValueError("EAGLE-3 head does not fit this target: " + "; ".join(problems))
 
-    def to_hf(self) -> dict:
-        """config.json in the public EAGLE-3 layout."""
-        r = self.rope
-        rope_scaling = None if r.type == "default" else {
-            "rope_type": r.type, "factor": r.factor, "low_freq_factor": r.low_freq_factor,
-            "high_freq_factor": r.high_freq_factor,
-            "original_max_position_embeddings": r.original_max_position}
-        return {
-            "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim, "num_hidden_layers": 1, "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps, "rope_theta": r.theta, "rope_scaling": rope_scaling,
-            "max_position_embeddings": self.max_position, "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size,
-            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-            "norm_before_residual": self.norm_before_residual, "tie_word_embeddings": False,
-        }
 
-    @classmethod
-    def from_hf(cls, d: dict, target: ModelConfig | None = None) -> Eagle3Config:
-        """Read the public layout (flat, or speculators' nested `transformer_layer_config`)."""
-        layer = {**d.get("transformer_layer_config", {}), **d}
-        hidden = layer["hidden_size"]
-        heads = layer["num_attention_heads"]
-        rope = _rope(layer)
-        aux = layer.get("eagle_aux_hidden_state_layer_ids")
-        if aux is None and target is not None:
-            n = target.num_layers
-            aux = (2, n // 2, n - 3)
-        if aux is None:
-            raise ValueError("head config lacks eagle_aux_hidden_state_layer_ids and no target "
-                             "was given to default them")
-        return cls(hidden, layer["intermediate_size"], heads,
-                   layer.get("num_key_value_heads") or heads,
-                   layer.get("head_dim") or hidden // heads, layer.get("rms_norm_eps", 1e-6),
-                   rope, layer.get("max_position_embeddings", 2048), layer["vocab_size"],
-                   layer.get("draft_vocab_size") or layer["vocab_size"],
-                   layer.get("target_hidden_size") or hidden, tuple(aux),
-                   bool(layer.get("norm_before_residual", False)))
-
-
-def _rope(d: dict) -> RopeConfig:
-    params = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
-    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
-    return RopeConfig(theta=float(theta), type=params.get("rope_type", params.get("type",
-                      "default")), factor=float(params.get("factor", 1.0)),
-                      low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-                      high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-                      original_max_position=int(params.get("original_max_position_embeddings",
-                                                           8192)))
+def default_taps(num_layers: int) -> tuple[int, ...]:
+    """Every runtime's default taps for a target of this depth, ascending: the hidden states
+    entering layers 2, L//2 and L-3 (kept inside a shallow target)."""
+    n = num_layers
+    return tuple(sorted((min(2, n - 1), n // 2, max(n - 3, 0))))
 
 
 class _Attention(nn.Module):
@@ -380,52 +330,9 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-def save_head(head: Eagle3Head, folder: str, dtype: torch.dtype = torch.bfloat16,
-              extra: dict | None = None) -> None:
-    """Write config.json + model.safetensors in the public layout."""
-    from safetensors.torch import save_file
-
-    os.makedirs(folder, exist_ok=True)
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous().cpu()
-          for k, v in head.state_dict().items()}
-    save_file(sd, os.path.join(folder, "model.safetensors"))
-    cfg = head.cfg.to_hf()
-    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    cfg.update(extra or {})
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-
-
-def load_head(folder: str, target: ModelConfig, make_backend,
-              dtype: torch.dtype = torch.float32, device: str = "cpu") -> Eagle3Head:
-    """Load a public-layout EAGLE-3 checkpoint; refuses heads built for another target.
-    `make_backend(cfg)` builds the attention backend for the head's shape."""
-    import glob
-
-    from safetensors.torch import load_file
-
-    with open(os.path.join(folder, "config.json")) as f:
-        cfg = Eagle3Config.from_hf(json.load(f), target)
-    cfg.check_target(target)
-    cfg = replace(cfg, max_position=max(cfg.max_position, target.max_position))
-    sd: dict[str, torch.Tensor] = {}
-    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))) or sorted(
-            glob.glob(os.path.join(folder, "*.bin"))):
-        sd.update(load_file(path) if path.endswith(".safetensors")
-                  else torch.load(path, map_location="cpu", weights_only=True))
-    sd = {k.removeprefix("model."): v for k, v in sd.items()}
-    sd.pop("embed_tokens.weight", None)  # the target's embedding is shared
-    if "t2d" in sd:
-        sd["t2d"] = sd["t2d"].to(torch.bool)
-    if "d2t" in sd:
-        sd["d2t"] = sd["d2t"].to(torch.int64)
-    with torch.device(device):
-        head = Eagle3Head(cfg, make_backend(cfg))
-    missing, unexpected = head.load_state_dict(sd, strict=False)
-    missing = [m for m in missing if m not in ("d2t", "t2d") or cfg.draft_vocab_size
-               != cfg.vocab_size]
-    if missing or unexpected:
-        raise ValueError(f"EAGLE-3 checkpoint at {folder}: missing {missing}, "
-                         f"unexpected {unexpected}")
-    return head.to(dtype).eval()
-
+def __getattr__(name: str):
+    # The head files' reader and writer live in head_io, which imports this module.
+    if name in ("load_head", "save_head"):
+        from engine.spec import head_io
+        return getattr(head_io, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
