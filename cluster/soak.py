@@ -1,12 +1,8 @@
-"""`tandem soak`: many concurrent streams through the real SDK for minutes while faults are
-injected (the decode actor killed, the prefill actor killed, the router restarted, the prefill
-side's UCX links dropped), then every stream is checked against a fault-free run of the same
-request and every actor for KV blocks left in use. Writes one JSON file.
+"""`tandem soak`: concurrent streams through the real SDK for minutes while actors are killed,
+the router restarted and UCX links dropped; each stream is then checked against a fault-free
+run of its request, each actor for KV blocks left in use. Writes one JSON file.
 
-Streams are greedy, over a pool of prompts drawn with a fixed seed, so each request has one
-right output: the pool is run again on the cluster after the soak, fault-free, and that is the
-reference (greedy fp32 on the CPU is deterministic, and disaggregated output equals colocated:
-tests/cluster_e2e/test_disaggregated.py)."""
+Streams are greedy over a seeded prompt pool, so each request has one right output."""
 
 from __future__ import annotations
 
@@ -14,195 +10,37 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
-import difflib
-import hashlib
 import json
 import os
 import platform
 import random
 import subprocess
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-FAULTS = ("decode", "prefill", "router", "ucx")
-# Small KV settings for a CPU: 256 MiB of cache per actor, no prefix caching (its blocks would
-# make a request's output depend on what ran before), EAGLE-3 with three drafts.
-ENGINE_KW = {"enable_prefix_caching": False, "kv_cache_bytes": 256 << 20, "max_model_len": 2048}
-SPEC_TOKENS = 3
-TOPICS = ("the sea", "a lighthouse", "volcanoes", "bread", "chess", "the moon", "rivers",
-          "a lost key", "bees", "trains", "winter", "a robot", "maps", "tea", "clocks",
-          "owls", "glass", "deserts", "music", "a small town")
-TASKS = ("Write a short story about {}.", "Explain {} to a ten-year-old.",
-         "List five facts about {}.", "Write a poem about {}.", "Describe {} in detail.",
-         "What would a scientist say about {}?", "Give advice to someone who loves {}.")
+from cluster.soak_cluster import (
+    ENGINE_KW,
+    SPEC_TOKENS,
+    Served,
+    embedded_export,
+    engine_kwargs,
+    settled_stats,
+)
+from cluster.soak_faults import FAULTS, inject, injector, kill_actor, schedule
+from cluster.soak_report import clean, compare, count, pauses, report, summary
+from cluster.soak_workload import Item, Record, make_pool, worker
 
-
-def engine_kwargs(kv_cache_mb: int = 256) -> dict:
-    """The actors' engine settings (`ENGINE_KW`, with EAGLE-3 at `SPEC_TOKENS` drafts)."""
-    from engine.config import SpecConfig
-
-    return {**ENGINE_KW, "kv_cache_bytes": kv_cache_mb << 20,
-            "spec": SpecConfig(num_tokens=SPEC_TOKENS, dynamic=False)}
-
-
-def embedded_export(cache: str | None = None) -> str:
-    """The embedded SmolLM2 GGUF exported once to an HF folder (fp32 safetensors, config,
-    tokenizer): the same model, tokens and outputs, loaded in ~2 s instead of ~27 s (parsing
-    the GGUF's metadata dominates), so a killed actor is back in seconds. The folder keeps the
-    model's name, which picks its shipped EAGLE-3 head."""
-    import tempfile
-
-    import torch
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
-
-    from engine import loader
-
-    ck = loader.embedded_checkpoint()
-    st = os.stat(os.path.join(ck.folder, ck.gguf_file))
-    key = hashlib.sha256(f"{ck.gguf_file}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
-    root = os.path.join(cache or os.environ.get("XDG_CACHE_HOME")
-                        or os.path.expanduser("~/.cache"), "tandem", f"export-{key[:12]}")
-    out = os.path.join(root, loader.EMBEDDED_NAME)
-    if os.path.isfile(os.path.join(out, "model.safetensors")):
-        return out
-    os.makedirs(root, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=root)  # renamed into place whole: a racing export loses cleanly
-    AutoConfig.from_pretrained(ck.folder, **ck.hf_kwargs()).save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(ck.folder, **ck.hf_kwargs()).save_pretrained(tmp)
-    sd = loader.load_state_dict(ck, torch.float32)
-    sd.pop("lm_head.weight", None)  # tied to the embedding
-    save_file({k: v.contiguous() for k, v in sd.items()}, os.path.join(tmp, "model.safetensors"))
-    try:
-        os.rename(tmp, out)
-    except OSError:  # another process finished first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
-def settled_stats(cluster, tries: int = 100) -> list[dict]:
-    """Every actor's stats once nothing runs and every block is free (cancels land
-    asynchronously), or the last stats seen."""
-    import ray
-
-    for _ in range(tries):
-        stats = ray.get([a.stats.remote() for a in cluster.prefills + cluster.decodes])
-        if all(s["blocks_free"] == s["blocks_total"] and s["running"] == 0 for s in stats):
-            break
-        threading.Event().wait(0.1)
-    return stats
-
-
-class Served:
-    """What `tandem serve` runs, in this process: the disaggregated cluster (Ray prefill and
-    decode actors, KV over UCX with checksums) and the gRPC router on its own event-loop thread,
-    which `restart_router` can kill and bring back on the same port."""
-
-    def __init__(self, model: str | None = None, engine_kw: dict | None = None, *,
-                 host: str = "127.0.0.1", port: int = 0, replicas: int = 1):
-        import ray
-
-        from cluster import launcher
-        from cluster.config import TransferSection
-
-        self._own_ray = not ray.is_initialized()
-        self.cluster = launcher.start(model, engine_kw or engine_kwargs(), transport="ucx",
-                                      transport_kwargs=TransferSection(
-                                          checksum=True).transport_kwargs(),
-                                      prefill_replicas=replicas, decode_replicas=replicas)
-        self.host = host
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True, name="soak-router").start()
-        self.service, self.server, self.port = self._call(self._boot(port))
-
-    @property
-    def target(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    async def _boot(self, port: int):
-        from router.server import GenerationService, start_server
-
-        service = GenerationService(self.cluster.backend)
-        server, bound = await start_server(service, self.host, port)
-        return service, server, bound
-
-    def _call(self, coro, timeout: float = 60.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def restart_router(self) -> None:
-        """Stop the gRPC server at once (its calls break off, UNAVAILABLE) and start a new one
-        on the same port over the same backend: a router that died and came back."""
-        self._call(self.server.stop(0))
-        self.service.close()
-        self.service, self.server, port = self._call(self._boot(self.port))
-        if port != self.port:
-            raise RuntimeError(f"the router came back on port {port}, not {self.port}")
-
-    def close(self) -> None:
-        import ray
-
-        self._call(self.server.stop(0))
-        self.service.close()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.cluster.shutdown()
-        if self._own_ray:
-            ray.shutdown()
-
-
-# --- the workload -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Item:
-    """One request of the pool: a chat prompt and its length (greedy, EOS ignored)."""
-
-    messages: tuple
-    max_tokens: int
-
-    def kwargs(self) -> dict:
-        return {"messages": [dict(m) for m in self.messages], "temperature": 0,
-                "max_tokens": self.max_tokens, "ignore_eos": True}
-
-
-def make_pool(n: int, seed: int, min_tokens: int, max_tokens: int) -> list[Item]:
-    """`n` chat requests drawn with `seed`: a task about a topic, plus a few more words."""
-    rng = random.Random(seed)
-    pool = []
-    for _ in range(n):
-        words = " ".join(rng.choices(TOPICS, k=rng.randint(0, 8)))
-        text = rng.choice(TASKS).format(rng.choice(TOPICS)) + (f" Mention {words}." if words
-                                                                else "")
-        pool.append(Item(((("role", "user"), ("content", text)),),
-                         rng.randint(min_tokens, max_tokens)))
-    return pool
-
-
-@dataclass
-class Record:
-    """One stream as the client saw it (times in seconds since the soak started)."""
-
-    item: int
-    cancel_after: int | None  # the client cancels once it has this many tokens
-    start: float
-    times: list[float] = field(default_factory=list)  # arrival of each chunk
-    tokens: list[int] = field(default_factory=list)
-    text: str = ""
-    end: float | None = None
-    outcome: str = "running"  # completed, cancelled, finish_<reason>, truncated, a status code
-    detail: str = ""
-
-    def gaps(self) -> list[tuple[float, float]]:
-        """(from, to) of each wait for the next chunk, the first from the call's start."""
-        marks = [self.start, *self.times]
-        return list(zip(marks, marks[1:]))
+__all__ = ["ENGINE_KW", "FAULTS", "SPEC_TOKENS", "Item", "Record", "Served", "SoakConfig",
+           "clean", "cmd_soak", "compare", "embedded_export", "engine_kwargs", "inject",
+           "kill_actor", "make_pool", "pauses", "report", "schedule", "settled_stats", "soak",
+           "summary"]
 
 
 @dataclass(frozen=True)
 class SoakConfig:
+    """What a soak runs: how many streams for how long, which faults, which requests."""
+
     streams: int = 64
     seconds: float = 300.0
     cancel_fraction: float = 0.25
@@ -214,132 +52,6 @@ class SoakConfig:
     max_tokens: int = 48
     drain_s: float = 180.0  # streams still running at the end get this long to finish
     progress_s: float = 10.0  # between progress lines (0: none)
-
-
-def _outcome(finish: str | None) -> str:
-    if finish is None:
-        return "truncated"  # the stream ended without its final chunk
-    return "completed" if finish in ("length", "stop") else f"finish_{finish}"
-
-
-async def _stream(client, item: Item, rec: Record, clock) -> None:
-    """Run one request, recording its chunks; cancel it at `rec.cancel_after` tokens."""
-    from tandem_client.errors import TandemError
-
-    stream = client.generate(**item.kwargs())
-    finish = None
-    try:
-        async for chunk in stream:
-            rec.times.append(clock())
-            rec.tokens += chunk.token_ids
-            rec.text += chunk.text
-            finish = chunk.finish_reason or finish
-            if rec.cancel_after is not None and finish is None and \
-                    len(rec.tokens) >= rec.cancel_after:
-                stream.cancel()
-                rec.outcome = "cancelled"
-                break
-        else:
-            rec.outcome = _outcome(finish)
-    except TandemError as e:
-        rec.outcome, rec.detail = e.code.name, str(e)[:300]
-    finally:
-        rec.end = clock()
-
-
-async def _worker(client, pool: list[Item], cfg: SoakConfig, rng: random.Random, clock,
-                  running, records: list[Record]) -> None:
-    """Streams one after another while `running()`."""
-    while running():
-        i = rng.randrange(len(pool))
-        cancel = rng.random() < cfg.cancel_fraction and pool[i].max_tokens > 1
-        rec = Record(i, rng.randint(1, pool[i].max_tokens - 1) if cancel else None, clock())
-        records.append(rec)
-        await _stream(client, pool[i], rec, clock)
-
-
-# --- faults -------------------------------------------------------------------------------
-
-
-def _pid(node) -> int:
-    return os.getpid()
-
-
-def kill_actor(actor, timeout: float = 600.0) -> dict:
-    """Kill a node actor (Ray restarts it) and wait until its new process answers."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-
-    before = ray.get(actor.__ray_call__.remote(_pid), timeout=60)
-    ray.kill(actor, no_restart=False)
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            if ray.get(actor.__ray_call__.remote(_pid), timeout=10) != before:
-                return {"pid": before}
-        except (RayActorError, GetTimeoutError):
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"the actor did not come back within {timeout:g} s")
-
-
-def inject(served: Served, kind: str) -> dict:
-    """Inject one fault into `served` and return once it has recovered (blocking)."""
-    import ray
-
-    c = served.cluster
-    if kind == "decode":
-        return kill_actor(c.decodes[0])
-    if kind == "prefill":
-        return kill_actor(c.prefills[0])
-    if kind == "router":
-        served.restart_router()
-        return {}
-    if kind == "ucx":
-        return {"links": sum(ray.get([p.drop_links.remote() for p in c.prefills], timeout=60))}
-    raise ValueError(f"unknown fault {kind!r} (one of {FAULTS})")
-
-
-def schedule(cfg: SoakConfig) -> list[tuple[float, str]]:
-    """(seconds after the start, kind) of every fault, evenly spread over the run."""
-    kinds = [k for _ in range(cfg.rounds) for k in cfg.faults]
-    return [(cfg.seconds * (i + 1) / (len(kinds) + 1), k) for i, k in enumerate(kinds)]
-
-
-async def _injector(served: Served | None, plan, clock, records: list[Record],
-                    faults: list[dict]) -> None:
-    """Each fault at its time, but only once the streams live at the one before have moved
-    on (`_flowing`): a fault on top of the last one's recovery would measure neither."""
-    loop = asyncio.get_running_loop()
-    for at, kind in plan:
-        await asyncio.sleep(max(0.0, at - clock()))
-        f = {"kind": kind, "at_s": round(clock(), 3)}
-        faults.append(f)
-        try:
-            f.update(await loop.run_in_executor(None, inject, served, kind))
-        except Exception as e:  # noqa: BLE001 - recorded: the soak goes on
-            f["error"] = f"{type(e).__name__}: {str(e).strip().splitlines()[-1:]}"[:300]
-        f["recovered_s"] = round(clock() - f["at_s"], 3)
-        f["resumed_s"] = await _flowing(records, f["at_s"], clock)
-
-
-async def _flowing(records: list[Record], t: float, clock, timeout: float = 300.0
-                   ) -> float | None:
-    """Seconds from `t` until every stream live at `t` had a chunk again (or ended), the
-    largest; returns once each has had two (or ended): after a move the first chunk comes
-    from the prefill actor, the second through the decode actor, so the next fault does not
-    fall into the end of this one (None: not within `timeout`)."""
-    live = [r for r in records if r.start <= t and (r.end is None or r.end >= t)]
-    after = lambda r, k: ([x for x in r.times if x > t][k:k + 1] or [r.end])[0]
-    end = clock() + timeout
-    while any(after(r, 1) is None for r in live):
-        if clock() > end:
-            return None
-        await asyncio.sleep(0.05)
-    return round(max((after(r, 0) for r in live), default=t) - t, 3)
-
-
-# --- the run ------------------------------------------------------------------------------
 
 
 def soak(target: str, cfg: SoakConfig, served: Served | None = None) -> dict:
@@ -360,13 +72,13 @@ async def _soak(target: str, cfg: SoakConfig, served: Served | None) -> dict:
     # A router restart takes well under a second; 30 retries of up to 2 s wait out far more.
     async with AsyncClient(target, timeout=900, retries=30, backoff=0.1,
                            max_backoff=2.0) as client:
-        injector = asyncio.ensure_future(_injector(served, plan, clock, records, faults))
-        running = lambda: clock() < cfg.seconds or not injector.done()
-        workers = [asyncio.ensure_future(_worker(
+        faulting = asyncio.ensure_future(injector(served, plan, clock, records, faults))
+        running = lambda: clock() < cfg.seconds or not faulting.done()
+        workers = [asyncio.ensure_future(worker(
             client, pool, cfg, random.Random(cfg.seed * 100_003 + w), clock, running, records))
             for w in range(cfg.streams)]
         ticker = asyncio.ensure_future(_progress(cfg, clock, records, faults, len(plan)))
-        await injector
+        await faulting
         _, hung = await asyncio.wait(workers, timeout=max(0.0, cfg.seconds - clock())
                                      + cfg.drain_s)
         for w in hung:  # still streaming after the drain: cut, and counted as hung
@@ -396,7 +108,7 @@ async def _progress(cfg: SoakConfig, clock, records: list[Record], faults: list[
     tty = sys.stderr.isatty()
     while True:
         await asyncio.sleep(cfg.progress_s if not tty else min(cfg.progress_s, 2.0))
-        counts = _count(r.outcome for r in records)
+        counts = count(r.outcome for r in records)
         live = counts.pop("running", 0)
         line = (f"soak {clock():6.0f}/{cfg.seconds:.0f} s | {len(records) - live} streams done "
                 f"{dict(sorted(counts.items()))} | {live} live | "
@@ -424,124 +136,6 @@ async def _references(client, pool: list[Item], used: list[int], width: int) -> 
     return dict(await asyncio.gather(*(one(i) for i in used)))
 
 
-# --- the report ---------------------------------------------------------------------------
-
-
-def _count(values) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for v in values:
-        out[v] = out.get(v, 0) + 1
-    return out
-
-
-def compare(got: list[int], want: list[int], whole: bool) -> tuple[int, int, bool]:
-    """(lost, duplicated, differs) of a stream's tokens against the reference's: lost are
-    reference tokens missing from the stream, duplicated are stream tokens the reference does
-    not have there (token-level diff). A stream that ended early (`whole` False) is held to
-    the reference's head only: the tail it never asked for is not lost."""
-    ops = difflib.SequenceMatcher(None, want, got, autojunk=False).get_opcodes()
-    if not whole and ops and ops[-1][0] == "delete" and ops[-1][2] == len(want):
-        ops = ops[:-1]
-    lost = sum(i2 - i1 for op, i1, i2, _, _ in ops if op == "delete")
-    dup = sum(j2 - j1 for op, _, _, j1, j2 in ops if op == "insert")
-    return lost, dup, any(op != "equal" for op, *_ in ops)
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    """The q-th percentile (linear between ranks), None of nothing."""
-    if not xs:
-        return None
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return round(xs[lo] + (xs[hi] - xs[lo]) * (k - lo), 4)
-
-
-def pauses(records: list[Record], faults: list[dict], end: float) -> tuple[list[dict], dict]:
-    """Per fault, over the streams live during its outage (from the fault until the actor is
-    back and the streams live at it have moved on): each one's longest wait for its next
-    chunk among the waits that overlap the time until the next fault (P50, P99); and the
-    same statistic for the streams that lived through no outage, as the baseline."""
-    windows = [(f["at_s"], f["at_s"] + max(f.get("recovered_s") or 0, f.get("resumed_s") or 0))
-               for f in faults]
-    out, faulted = [], set()
-    for k, (t, until) in enumerate(windows):
-        nxt = windows[k + 1][0] if k + 1 < len(windows) else float("inf")
-        live = [r for r in records if r.start <= until and
-                (r.end if r.end is not None else end) >= t]
-        worst = []
-        for r in live:
-            faulted.add(id(r))
-            gaps = [b - a for a, b in r.gaps() if b > t and a < nxt]
-            if gaps:
-                worst.append(max(gaps))
-        out.append({"live_streams": len(live), "pause_p50_s": _pct(worst, 50),
-                    "pause_p99_s": _pct(worst, 99), "pause_max_s": _pct(worst, 100)})
-    calm = [max(b - a for a, b in r.gaps()) for r in records if id(r) not in faulted and r.times]
-    return out, {"streams": len(calm), "pause_p50_s": _pct(calm, 50),
-                 "pause_p99_s": _pct(calm, 99)}
-
-
-def report(cfg: SoakConfig, pool: list[Item], records: list[Record], faults: list[dict],
-           refs: dict, actors: list[tuple[str, dict]] | None, soak_s: float) -> dict:
-    """The results as JSON-ready data (the caller adds the command line and machine)."""
-    lost = dup = compared = 0
-    differing, unreferenced = [], 0
-    for r in records:
-        ref = refs.get(r.item)
-        if not isinstance(ref, tuple):
-            unreferenced += 1
-            continue
-        whole = r.outcome == "completed"
-        n_lost, n_dup, differs = compare(r.tokens, ref[0], whole)
-        text_ok = r.text == ref[1] if whole else ref[1].startswith(r.text)
-        lost, dup, compared = lost + n_lost, dup + n_dup, compared + 1
-        if differs or not text_ok:
-            differing.append({"item": r.item, "outcome": r.outcome, "lost": n_lost,
-                              "duplicated": n_dup, "text_matches": text_ok,
-                              "got": r.tokens[:64], "want": ref[0][:64]})
-    per_fault, calm = pauses(records, faults, soak_s)
-    leaks = None if actors is None else [
-        {"actor": name, "blocks_in_use": s["blocks_total"] - s["blocks_free"],
-         **{k: s[k] for k in ("blocks_total", "running", "held", "reserved", "waiting")
-            if k in s}}
-        for name, s in actors]
-    completed = [r for r in records if r.outcome == "completed"]
-    return {
-        "config": dataclasses.asdict(cfg), "soak_s": round(soak_s, 2),
-        "streams": len(records), "outcomes": _count(r.outcome for r in records),
-        "failures": [{"item": r.item, "outcome": r.outcome, "detail": r.detail}
-                     for r in records if r.detail][:20],
-        "tokens": {"received": sum(len(r.tokens) for r in records),
-                   "per_s": round(sum(len(r.tokens) for r in records) / max(soak_s, 1e-9), 2),
-                   "lost": lost, "duplicated": dup},
-        "compared_streams": compared, "completed_streams": len(completed),
-        "outputs_differing": len(differing),
-        "differing_completed": sum(d["outcome"] == "completed" for d in differing),
-        "differing": differing[:10], "unreferenced_streams": unreferenced,
-        "reference": {"how": "each pool request run again on the cluster after the soak, "
-                             "fault-free, greedy", "requests": len(refs),
-                      "failed": {str(i): str(e)[:200] for i, e in refs.items()
-                                 if not isinstance(e, tuple)}},
-        "leaked_blocks": None if leaks is None else sum(x["blocks_in_use"] for x in leaks),
-        "actors": leaks, "faults": [{**f, **p} for f, p in zip(faults, per_fault)],
-        "no_fault_baseline": calm,
-        "pool": [{"prompt": dict(it.messages[0])["content"], "max_tokens": it.max_tokens}
-                 for it in pool],
-    }
-
-
-def clean(result: dict) -> bool:
-    """No lost or duplicated token, no output differing from the fault-free run, no block
-    left in use."""
-    return (result["tokens"]["lost"] == 0 and result["tokens"]["duplicated"] == 0
-            and result["outputs_differing"] == 0 and not result["leaked_blocks"])
-
-
-# --- the command --------------------------------------------------------------------------
-
-
 def environment(argv: list[str]) -> dict:
     """The command line, machine, date and git commit of this run."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -554,7 +148,7 @@ def environment(argv: list[str]) -> dict:
             return None
 
     return {"command": "tandem " + " ".join(argv),
-            "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "machine": {"cpu_count": os.cpucount(), "platform": platform.platform(),
                         "python": platform.python_version(), "processor": platform.processor()},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git("rev-parse", "HEAD"),
@@ -643,21 +237,6 @@ def cmd_soak(args) -> int:
         f.write("\n")
     print(f"\n{summary(result)}\nwrote {out}", file=sys.stderr)
     return 0 if clean(result) else 1
-
-
-def summary(r: dict) -> str:
-    """A few lines of the results."""
-    lines = [f"{r['streams']} streams in {r['soak_s']:.0f} s: {r['outcomes']}",
-             f"tokens {r['tokens']['received']} ({r['tokens']['per_s']}/s), lost "
-             f"{r['tokens']['lost']}, duplicated {r['tokens']['duplicated']}, outputs differing "
-             f"{r['outputs_differing']} of {r['compared_streams']}, leaked blocks "
-             f"{r['leaked_blocks']}"]
-    for f in r["faults"]:
-        lines.append(f"  {f['kind']:8s} at {f['at_s']:6.1f} s: back in {f['recovered_s']:.1f} s,"
-                     f" streams moving again after {f['resumed_s']} s,"
-                     f" {f['live_streams']} live, pause P50 {f['pause_p50_s']} s P99 "
-                     f"{f['pause_p99_s']} s" + (f" ERROR {f['error']}" if "error" in f else ""))
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

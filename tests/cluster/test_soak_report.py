@@ -1,4 +1,4 @@
-"""The soak's accounting (cluster/soak.py), on made-up streams: what counts as a lost or
+"""The soak's accounting (cluster/soak_report.py), on made-up streams: what counts as a lost or
 duplicated token, and which waits count as a fault's pause."""
 
 from __future__ import annotations
