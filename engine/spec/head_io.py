@@ -110,6 +110,9 @@ def config_from_hf(d: dict, target: ModelConfig) -> tuple[Eagle3Config, str, str
     if (d.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
         raise ValueError("EAGLE-3 head config sets eagle_config.use_aux_hidden_state = false "
                          "(no fc over the target's taps): that head does not run here")
+    if layout == "speculators" and "norm_before_residual" not in d:
+        log.warning("speculators head without norm_before_residual: false, speculators' "
+                    "default (vLLM assumes true)")
     taps, source = resolve_taps(d, target.num_layers)
     hidden, heads = layer["hidden_size"], layer["num_attention_heads"]
     vocab = layer["vocab_size"]
@@ -153,7 +156,7 @@ def config_to_hf(cfg: Eagle3Config) -> dict:
     # The reference runtime loads the target's embedding only when this key is absent.
     if cfg.target_hidden_size != cfg.hidden_size:
         d["target_hidden_size"] = cfg.target_hidden_size
-    if min(ids) >= 1:  # sglang's ids count one lower; tap 0 (the embeddings) has no such id
+    if min(ids) >= 1:  # sglang's ids count one lower: tap 0 (the embeddings) has no such id
         d["eagle_config"] = {TAPS: [i - 1 for i in ids], "use_aux_hidden_state": True}
     return d
 
@@ -291,35 +294,36 @@ def save_head(head: Eagle3Head, folder: str, dtype: torch.dtype = torch.bfloat16
             if README_MARK not in f.read():
                 return
     with open(readme, "w") as f:
-        f.write(readme_text(head.cfg, target, cfg["torch_dtype"]))
+        f.write(readme_text(head.cfg, cfg, target))
 
 
-def readme_text(cfg: Eagle3Config, target: ModelConfig | None, dtype: str) -> str:
+def readme_text(cfg: Eagle3Config, written: dict, target: ModelConfig | None) -> str:
     """What a saved folder's README.md says: the target, the taps, the vocabulary, and where
-    a runtime would run the head other than it was trained."""
+    a runtime would run the head other than it was trained. written: its config.json."""
     name = target.name if target is not None else "its target"
     ids = list(cfg.aux_layer_ids)
     lines = [f"# EAGLE-3 draft head for {name}", "", README_MARK, ""]
     if target is not None:
         lines.append(f"- Target: `{name}`, {target.num_layers} layers, hidden size "
                      f"{target.hidden_size}, vocabulary {target.vocab_size}.")
-    nested = (f"; `eagle_config.{TAPS}` = {[i - 1 for i in ids]} (SpecForge, sglang: the "
-              "output of layer i)") if min(ids) >= 1 else ""
+    nested = (written.get("eagle_config") or {}).get(TAPS)
     lines += [
         f"- Taps: the hidden states entering target layers {ids} (0: the embeddings). In "
-        f"config.json: `{TAPS}` = {ids} (vLLM, speculators: the input of layer i){nested}.",
+        f"config.json: `{TAPS}` = {ids} (vLLM, speculators: the input of layer i)"
+        + (f"; `{NESTED_TAPS}` = {nested} (SpecForge, sglang: the output of layer i)."
+           if nested else "."),
         f"- Draft vocabulary: {cfg.draft_vocab_size} of {cfg.vocab_size} target tokens "
         "(`d2t`: target id - draft id; `t2d`: the target ids drafted).",
         f"- Layer: hidden {cfg.hidden_size}, {cfg.num_heads} heads / {cfg.num_kv_heads} KV "
         f"heads of {cfg.head_dim}, RoPE {_rope_text(cfg.rope)}, norm_before_residual "
         f"{str(cfg.norm_before_residual).lower()}.",
-        f"- Weights: `model.safetensors` ({dtype}): `fc`, `midlayer.*`, `norm`, `lm_head`, "
-        "`d2t`, `t2d`. The target's token embedding is not stored: runtimes use the target's.",
+        f"- Weights: `model.safetensors` ({written['torch_dtype']}): `fc`, `midlayer.*`, "
+        "`norm`, `lm_head`, `d2t`, `t2d`. The target's token embedding is not stored: "
+        "runtimes use the target's.",
     ]
-    notes = _reference_notes(cfg, target)
-    if notes:
-        lines.append("- The EAGLE reference runtime would run it otherwise: " + "; ".join(notes)
-                     + ".")
+    caveats = _caveats(cfg, target)
+    if caveats:
+        lines.append("- Caveats: " + "; ".join(caveats) + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -331,12 +335,21 @@ def _rope_text(r: RopeConfig) -> str:
                                    else "")
 
 
-def _reference_notes(cfg: Eagle3Config, target: ModelConfig | None) -> list[str]:
-    notes = []
-    if target is not None and sorted(default_taps(target.num_layers)) != list(cfg.aux_layer_ids):
-        notes.append("it taps layers (2, L//2, L-3) whatever the config says")
+def _caveats(cfg: Eagle3Config, target: ModelConfig | None) -> list[str]:
+    """Where a runtime would run the head other than it was trained."""
+    ids, out = cfg.aux_layer_ids, []
+    if target is not None and default_taps(target.num_layers) != ids:
+        out.append("the EAGLE reference runtime taps layers (2, L//2, L-3) whatever the "
+                   "config says")
     if cfg.norm_before_residual:
-        notes.append("its layer keeps the residual before the hidden norm")
+        out.append("the EAGLE reference runtime keeps the residual before the hidden norm "
+                   "(no norm_before_residual)")
     if cfg.rope.type == "llama3":
-        notes.append("it reads `rope_scaling` only, so plain RoPE")
-    return notes
+        out.append("runtimes that read `rope_scaling` only (the EAGLE reference runtime, "
+                   "transformers 4) apply plain RoPE")
+    if len(set(ids)) < len(ids):
+        out.append("sglang and vLLM capture a layer once and cannot run a head tapping one "
+                   "twice")
+    if min(ids) == 0:
+        out.append("sglang's nested ids cannot name tap 0, so it reads its default taps")
+    return out
