@@ -11,7 +11,7 @@ from engine.errors import InvalidRequestError, ResourceExhaustedError
 class PromptEncoder:
     """Text, chat messages or token ids → validated token ids for one engine's limits."""
 
-    tokenizer: object | None  # engine.loader.Tokenizer
+    tokenizer: object | None  # engine.tokenizer.Tokenizer
     vocab_size: int
     max_model_len: int
     block_size: int

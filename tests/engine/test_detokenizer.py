@@ -123,7 +123,7 @@ def test_byte_table_decodes_as_the_tokenizer(smol_engine):
 def test_byte_table_refused_when_it_decodes_otherwise(smol_engine, monkeypatch):
     """A table that decodes any probe differently is not used: a byte alphabet with two
     bytes swapped is refused, and decoding goes through the tokenizer, unchanged."""
-    import engine.loader as loader
+    import engine.tokenizer as loader
 
     chars = dict(loader._byte_level_chars())
     chars["a"], chars["e"] = chars["e"], chars["a"]
@@ -155,7 +155,7 @@ def test_no_byte_table_for_other_decoders():
 def test_byte_level_decoders_recognized():
     """ByteLevel alone, or the sequence transformers builds from a GGUF file in some versions
     (byte fallback, fuse, "\u2581" as a space, then ByteLevel); anything else is not."""
-    from engine.loader import _byte_level_decoder
+    from engine.tokenizer import _byte_level_decoder
 
     bl = '{"type":"ByteLevel","add_prefix_space":true,"trim_offsets":true,"use_regex":true}'
     seq = ('{"type":"Sequence","decoders":[{"type":"ByteFallback"},{"type":"Fuse"},'
