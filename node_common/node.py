@@ -12,10 +12,9 @@ from engine import Engine
 from engine.loop import EngineLoop
 from kvtransfer.layout import BlockLayout
 
-# Set (to "1") by the launcher for GPU actors with `transfer.ipc_across_gpus`: Ray then leaves
-# CUDA_VISIBLE_DEVICES as the node had it, so an actor sees every GPU of its node (a prefill
-# actor can map a decode actor's cache on another GPU, or the other way) and runs on its own
-# by index.
+# Set to "1" by the launcher for GPU actors under `transfer.ipc_across_gpus`: Ray then leaves
+# CUDA_VISIBLE_DEVICES alone, so an actor sees every GPU of its node (to map a peer's cache on
+# another GPU) and runs on its own by index.
 NOSET_ENV = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
 GUARD_S = 1.0  # how often a node checks its transport's receive loops
 log = logging.getLogger("tandem.node")
