@@ -15,6 +15,7 @@ from engine.attention.triton_backend import draft_attention
 from engine.attention.triton_backend import long_context as _long_context
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.cost_feed import record_verify, time_step
 from engine.errors import InvalidRequestError, ResourceExhaustedError
 from engine.graphs import GraphSet
 from engine.handoff import Handoff
@@ -261,8 +262,9 @@ class Engine:
                     return outs
                 batch, results, more = self._step_fresh(batch)
         outs += more
-        if GraphSet.captures == captures:  # a capture inside would skew the cost model
-            self._time_step(batch, results, self.clock() - t0, how)
+        # A graph captured inside would skew the cost model.
+        if self.spec is not None and GraphSet.captures == captures:
+            time_step(self.spec, batch, results, self.clock() - t0, how)
         return outs
 
     def _step_fresh(self, batch: Batch):
@@ -468,34 +470,6 @@ class Engine:
         return ({j: results[i] for j, i in enumerate(keep)},
                 {j: drafts[i] for j, i in enumerate(keep)})
 
-    def _time_step(self, batch: Batch, results: dict, seconds: float, how: str = "") -> None:
-        """Feed pure decode steps (every entry verifies its pending token and drafts) to the
-        dynamic-K cost model: drafts per sequence, verified and proposed, against time."""
-        if self.spec is None:
-            return
-        costs = self.spec.policy.costs
-        if len(results) != len(batch.seqs) or \
-                any(n != k + 1 for n, (k, _) in zip(batch.num_tokens, results.values())):
-            costs.untimed(len(batch.seqs), seconds, how)
-            return
-        # A step verifies last step's drafts and proposes the next: their mean is K in a steady
-        # state, the K the policy's 1 + f + K*c step cost prices.
-        # A fused step (greedy) runs every sequence on one grid at the graphs' padded sizes,
-        # and is priced by those (`KPolicy.paid`).
-        # (A fused step that verifies one K's drafts and proposes another's switches K: it
-        # is no point of the cost fit, `StepCosts.record`.)
-        b, switch = len(batch.seqs), False
-        if self.spec.fused is not None and all(s.params.greedy for s in batch.seqs):
-            pol = self.spec.policy
-            k, kn = max(k for k, _ in results.values()), max(len(s.draft) for s in batch.seqs)
-            per_seq = pol.paid(k, kn, b)
-            switch = pol.paid(k, batch_size=b) != pol.paid(kn, batch_size=b)
-        else:
-            drafts = sum(k for k, _ in results.values()) + sum(len(s.draft) for s in batch.seqs)
-            per_seq = drafts / (2 * b)
-        tokens = sum(len(r.tokens) for _, r in results.values())
-        costs.record(b, per_seq, seconds, tokens, how, switch)
-
     def _split_max_seqs(self) -> int:
         """The most sequences any attention of the model (or draft head) splits keys for:
         larger buckets need no split-KV graph variant."""
@@ -643,7 +617,7 @@ class Engine:
             k, res = results[i]
             v = res.verified(k)  # (fewer than k where the device cut them, `fused.CUT_PROB`)
             if v:
-                self._record_verify(seq, v, res)
+                record_verify(self.spec, seq, v, res)
             seq.draft, seq.draft_q = [], None
             out, reason = self._emit(seq, res.tokens)
             outs.append(out)
@@ -684,17 +658,11 @@ class Engine:
         self.stats.steps += count_step
         self.stats.decode_tokens += sum(batch.num_tokens)
         emit, commit, outs = self._emit, self.blocks.commit, []
-        record = self.spec.stats.record if self.spec is not None else None
-        update = self.spec.policy.update if self.spec is not None else None
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             k, res = results[i]
             v = res.verified(k)  # (fewer than k where the device cut them, `fused.CUT_PROB`)
             if v:
-                seq.num_drafted += v
-                seq.num_accepted += res.num_accepted
-                seq.num_verify_steps += 1
-                record(v, res)
-                update(seq, v, res.num_accepted)
+                record_verify(self.spec, seq, v, res)
             seq.draft_q = None
             out, reason = emit(seq, res.tokens)
             outs.append(out)
@@ -713,13 +681,6 @@ class Engine:
             else:
                 seq.draft = drafts[i]
         return outs
-
-    def _record_verify(self, seq: Sequence, k: int, res) -> None:
-        seq.num_drafted += k
-        seq.num_accepted += res.num_accepted
-        seq.num_verify_steps += 1
-        self.spec.stats.record(k, res)
-        self.spec.policy.update(seq, k, res.num_accepted)
 
     def _emit(self, seq: Sequence, tokens: list[int]) -> tuple[RequestOutput, str | None]:
         """Append tokens until one stops the request; the text delta holds back any tail that
