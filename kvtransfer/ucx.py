@@ -143,10 +143,10 @@ class UcxTransport(Transport):
                              pull_from=msg.get("pull_from", [])
                              if self.ipc is not False and self.pull is not False else [],
                              peer_pid=msg.get("pid"), pull_engine=self.pull_engine)
-        if conn.pull_from and msg.get("probe_event"):
-            conn.offer_early_ack(msg["gpu"], msg["probe_event"])
+        if conn.ipc_link.pull_from and msg.get("probe_event"):
+            conn.ipc_link.offer_early_ack(msg["gpu"], msg["probe_event"])
         if msg.get("push_to") and self.ipc is not False and self.push is not False:
-            conn.offer_push(msg["push_to"])
+            conn.ipc_link.offer_push(msg["push_to"])
         self._conns.append(conn)
         return conn
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -16,9 +15,10 @@ import torch
 from kvtransfer import ipc, staging, wire
 from kvtransfer.base import Connection, Extras, TransferError, TransferStats
 from kvtransfer.layout import BlockLayout
+from kvtransfer.ucx_send_ipc import IpcRefused, SendIpc
 
 log = logging.getLogger(__name__)
-# Room kept in a push's header for the fields `_push` adds once its copy is queued (an IPC
+# Room kept in a push's header for the fields `SendIpc.push` adds once its copy is queued (an IPC
 # event handle, a GPU name): the header's size is checked before, so a header the receiver
 # would drop never has a copy queued into its cache.
 PUSH_FIELDS_BYTES = 512
@@ -26,12 +26,8 @@ PUSH_FIELDS_BYTES = 512
 
 class UcxConnection(Connection):
     """A handshaken link to one `UcxTransport` receiver; safe for concurrent `send_blocks`.
-
-    With `trace` on, every `send_blocks` leaves its timeline in `last_trace` (see
-    `_trace_record`): the sender's own stamps plus the receiver's, which it returns in the ack.
-    Both sides stamp `time.perf_counter()`, one system-wide monotonic clock on Linux, so the
-    receiver's stamps are only meaningful when it runs on the same host.
-    """
+    With `trace` on, each `send_blocks` leaves its timeline, the receiver's stamps included, in
+    `last_trace`; both ends stamp `time.perf_counter()`, so they compare only on one host."""
 
     def __init__(self, ep: Any, link: int, layout: BlockLayout, peer_layout: BlockLayout,
                  peer_num_blocks: int, pool: staging.StagingPool, *, num_chunks: int = 1,
@@ -43,22 +39,7 @@ class UcxConnection(Connection):
         self.num_chunks, self.checksum, self.timeout = num_chunks, checksum, timeout
         self.direct = direct
         self.last_path = ""  # "push", "pull", "direct" or "staged": how the last payload went
-        # Where the receiver offers to pull from (`kvtransfer.ipc.readable`: the GPUs it sees);
-        # emptied when a pull fails, so the link keeps to UCX messages from then on.
-        self.pull_from = set(pull_from)
-        self.pull_engine = pull_engine  # asked of the receiver (`kvtransfer.ipc.pull`)
-        self._same_process = peer_pid == os.getpid()
-        self._exports: dict[tuple[int, int], int] = {}  # (data_ptr, numel) -> export id
-        # The receiver's GPU, where this process can open its events: pulls are acked as soon
-        # as the copy is queued, and the sender waits on the receiver's event for its end.
-        self.early_ack_gpu: str | None = None
-        self._events: dict[str, torch.cuda.Event] = {}  # handle -> opened receiver event
-        # device index -> this link's "blocks written" events (`_ready_event`); None: this
-        # process could not make one, so a pull waits for the writes on the host
-        self._ready: dict[int, list[torch.cuda.Event]] | None = {}
-        # The receiver's cache, mapped (`offer_push`): this end copies the blocks into it.
-        self.push_dst: torch.Tensor | None = None
-        self._pushed: dict[int, list[torch.cuda.Event]] = {}  # device -> "copied" events
+        self.ipc_link = SendIpc(pull_from, peer_pid, pull_engine)
         self.trace, self.last_trace = trace, None
         self.dropped_messages = 0  # malformed acks received (each failed its request)
         self._closed = False
@@ -69,13 +50,14 @@ class UcxConnection(Connection):
         if self._closed:
             raise TransferError("connection closed")
         self.check(request_id, kv_cache, src_block_ids, dst_block_ids, extras)
-        push = bool(src_block_ids) and self._can_push(kv_cache)
-        pull = None if push or not src_block_ids else self._pull_spec(kv_cache, src_block_ids)
+        link = self.ipc_link
+        push = bool(src_block_ids) and link.can_push(kv_cache)
+        pull = None if push or not src_block_ids else link.pull_spec(kv_cache, src_block_ids)
         try:
             return await self._send_blocks(request_id, kv_cache, src_block_ids, dst_block_ids,
                                            extras, pull, push)
-        except _IpcRefused as e:
-            self._no_ipc(f"the receiver could not {'take the push' if push else 'pull'} ({e})")
+        except IpcRefused as e:
+            link.disable(f"the receiver could not {'take the push' if push else 'pull'} ({e})")
             return await self._send_blocks(request_id, kv_cache, src_block_ids, dst_block_ids,
                                            extras, None, False)
 
@@ -83,91 +65,6 @@ class UcxConnection(Connection):
     def last_direct(self) -> bool:
         """Whether the last `send_blocks` went direct."""
         return self.last_path == "direct"
-
-    def offer_push(self, offer: dict[str, Any]) -> None:
-        """Take the receiver's offer to write into its cache (`push_to` of the hello reply),
-        if this process can map it."""
-        try:
-            self.push_dst = ipc.open_export(offer["spec"])
-        except ipc.IpcUnavailable as e:
-            log.info("kvtransfer: no push on this link: %s", e)
-
-    def _can_push(self, kv: torch.Tensor) -> bool:
-        dst = self.push_dst
-        return (dst is not None and kv.is_contiguous() and kv.is_cuda == dst.is_cuda
-                and kv.dtype == dst.dtype)
-
-    def _push(self, kv: torch.Tensor, src: list[int], dst: list[int], seq: int
-              ) -> tuple[dict[str, Any], torch.cuda.Event | None]:
-        """Queue the copy of the blocks into the receiver's cache, on this device's staging
-        stream after what this thread's stream has queued (their writes); return the header's
-        push field (the src ids, by whose runs the receiver cuts its checksums, and the handle
-        of an event after the copy) and that event (None on the host: the copy is done).
-        `_IpcRefused` if it cannot: the request then goes as messages."""
-        stream = staging.copy_stream(kv.device)
-        staging.after_current(stream)
-        try:
-            ipc.copy_runs(self.push_dst, kv, wire.block_runs(src, dst), stream)
-            if stream is None:
-                return {"src": src}, None
-            ev = _record(self._pushed, seq, stream)
-            return {"src": src, "done": ipc.event_handle(ev), "gpu": ipc.domain(kv)}, ev
-        except Exception as e:  # noqa: BLE001 - whatever CUDA refuses: UCX messages
-            raise _IpcRefused(f"push failed: {type(e).__name__}: {e}") from e
-
-    def offer_early_ack(self, gpu: str, probe_event: str) -> None:
-        """Take the receiver's early acks if this process can open its events (tried on the
-        handshake's probe event); without checksums only (those compare after the copy)."""
-        try:
-            self._events[probe_event] = ipc.open_event(gpu, probe_event)
-        except ipc.IpcUnavailable as e:
-            log.info("kvtransfer: no early acks on this link: %s", e)
-            return
-        self.early_ack_gpu = gpu
-
-    async def _wait_event(self, handle: str) -> None:
-        ev = self._events.get(handle)
-        if ev is None:
-            ev = self._events[handle] = ipc.open_event(self.early_ack_gpu, handle)
-        await staging.wait_event(ev)
-
-    def _ready_event(self, kv: torch.Tensor, seq: int) -> str | None:
-        """The handle of an IPC event recorded after what this thread's stream has queued so
-        far (the writes of the blocks), on the staging stream: the receiver's copy waits for
-        it on the GPU, so the header need not wait for it on the host. None where this
-        process cannot make one."""
-        if self._ready is None:
-            return None
-        try:
-            stream = staging.copy_stream(kv.device)
-            staging.after_current(stream)
-            return ipc.event_handle(_record(self._ready, seq, stream))
-        except Exception as e:  # noqa: BLE001 - the host waits for the writes instead
-            log.info("kvtransfer: no ready events on this link: %s: %s", type(e).__name__, e)
-            self._ready = None
-            return None
-
-    def _no_ipc(self, why: str) -> None:
-        log.warning("kvtransfer: %s; sending UCX messages on this link from now on", why)
-        self.pull_from.clear()
-        self.push_dst = None
-
-    def _pull_spec(self, kv: torch.Tensor, src: Sequence[int]) -> dict[str, Any] | None:
-        """The header's pull field (the blocks, and the cache's export the first time), or
-        None where the receiver cannot pull from this cache."""
-        if not self.pull_from or not kv.is_contiguous() or ipc.domain(kv) not in self.pull_from:
-            return None
-        key = (kv.data_ptr(), kv.numel())
-        spec = None
-        if key not in self._exports:
-            try:
-                spec = ipc.export(kv, same_process=self._same_process)
-            except Exception as e:  # noqa: BLE001 - whatever torch refuses: send messages
-                self._no_ipc(f"could not export the cache ({type(e).__name__}: {e})")
-                return None
-            self._exports[key] = len(self._exports) + 1
-        return {"export": self._exports[key], "src": [int(i) for i in src], "spec": spec,
-                "engine": self.pull_engine}
 
     async def _send_blocks(self, request_id: str, kv_cache: torch.Tensor,
                            src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
@@ -184,7 +81,7 @@ class UcxConnection(Connection):
         self.last_path = path = ("push" if push else "pull" if pull else
                                  "direct" if runs else "staged")
         if pull and kv_cache.is_cuda:
-            ready = self._ready_event(kv_cache, seq)
+            ready = self.ipc_link.ready_event(kv_cache, seq)
             if ready is not None:
                 pull = {**pull, "ready": ready, "gpu": ipc.domain(kv_cache)}
         chunks = (wire.layer_chunks(num_layers, self.num_chunks)
@@ -195,13 +92,14 @@ class UcxConnection(Connection):
                "extras": spec, "extras_nbytes": blob.numel(),
                "checksum": bool(self.checksum), "trace": bool(self.trace),
                "pull": pull, "push": {"src": src} if push else None,
-               "early_ack": bool(pull) and self.early_ack_gpu is not None and not self.checksum}
+               "early_ack": bool(pull) and self.ipc_link.early_ack_gpu is not None
+               and not self.checksum}
         # Refused before any message or copy: the receiver would drop a header larger than
         # its buffer, and this request would wait out its timeout.
         header = wire.encode_header(hdr, PUSH_FIELDS_BYTES if push else 0)
         copied = None
         if push:
-            hdr["push"], copied = self._push(kv_cache, src, dst, seq)
+            hdr["push"], copied = self.ipc_link.push(kv_cache, src, dst, seq)
             header = wire.encode(hdr)
         ack = asyncio.ensure_future(wire.recv_ctrl(self._tag(seq, wire.ACK)))
         bufs: list[torch.Tensor] = []
@@ -237,7 +135,7 @@ class UcxConnection(Connection):
             reply = await asyncio.wait_for(ack, self.timeout)
             wire.check_ack(reply)
             if reply.get("event"):  # an early ack: the receiver's copy may still run
-                await asyncio.wait_for(self._wait_event(reply["event"]), self.timeout)
+                await asyncio.wait_for(self.ipc_link.wait_event(reply["event"]), self.timeout)
             if copied is not None:  # this end's copy: the src blocks are read until it ends
                 await asyncio.wait_for(staging.wait_event(copied), self.timeout)
         except asyncio.TimeoutError:
@@ -256,7 +154,7 @@ class UcxConnection(Connection):
         if stamps is not None:
             self.last_trace = _trace_record(stamps, t1, reply.get("t"), len(chunks))
         if reply.get("ipc_failed"):
-            raise _IpcRefused(reply["error"])
+            raise IpcRefused(reply["error"])
         if not reply["ok"]:
             raise TransferError(f"{request_id}: the receiver failed it: {reply['error']}")
         return TransferStats(request_id, n, n * self.layout.block_bytes, blob.numel(), t1 - t0,
@@ -266,14 +164,9 @@ class UcxConnection(Connection):
                             chunks: list[tuple[int, int]], bufs: list[torch.Tensor],
                             stamps: dict[str, Any] | None = None
                             ) -> tuple[list[asyncio.Future], list[int]]:
-        """Gather each layer chunk into a staging buffer and send it; return the sends and
-        crc32s. The buffers go to `bufs`: the caller returns them to the pool once sent.
-
-        On a GPU every gather is queued at once on the staging stream (after the work already
-        queued on the current stream), each followed by an event; chunk i is sent as soon as
-        its own event fires, while later gathers still run: UCX reads the buffer directly, so
-        it must be complete, but nothing else need be. On the host a gather is synchronous, so
-        chunk i+1 is gathered while chunk i is on the wire."""
+        """Gather each layer chunk into a staging buffer (kept in `bufs` until sent) and send
+        it; return the sends and crc32s. On a GPU all gathers are queued at once and chunk i
+        goes as soon as its own is done; on the host chunk i+1 is gathered while i is sent."""
         stream = staging.copy_stream(kv.device)
         staging.after_current(stream)
         layer_bytes = len(src) * self.layout.block_bytes // self.layout.num_layers
@@ -341,28 +234,7 @@ class UcxConnection(Connection):
         except Exception:  # the receiver is already gone: nothing to say goodbye to
             log.debug("kvtransfer: bye not delivered", exc_info=True)
         wire.drop(self._ep)
-        # Dropped here, by reference count: left to the cyclic GC (a link sits in reference
-        # cycles), torch's event destructor releases the GIL mid-collection, and GPU runs
-        # crashed the process in GC (design.md, kvtransfer).
-        self._events.clear()
-        self._pushed.clear()
-        if self._ready:
-            self._ready.clear()
-        self.push_dst = None
-
-
-def _record(pools: dict[int, list[torch.cuda.Event]], seq: int, stream: torch.cuda.Stream
-            ) -> torch.cuda.Event:
-    """Record the link's IPC event for `seq` (`ipc.pooled_event`, from the pool of `stream`'s
-    device) on `stream`, and return it."""
-    ev = ipc.pooled_event(pools.setdefault(stream.device.index, []), seq, stream.device)
-    ev.record(stream)
-    return ev
-
-
-class _IpcRefused(Exception):
-    """A push or pull could not go through (a copy refused here, or the receiver could not map
-    this sender's cache or open its event): the request must go as messages."""
+        self.ipc_link.clear()
 
 
 def _trace_record(stamps: dict[str, Any], t1: float, rx: dict[str, Any] | None,

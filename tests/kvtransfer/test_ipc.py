@@ -126,12 +126,12 @@ async def _first_and_second(tx, address, src):
     """Two requests on one link: (pull offered, first's path, second's path, what the link
     still pulls from)."""
     conn = await tx.connect(address)
-    offered = bool(conn.pull_from)
+    offered = bool(conn.ipc_link.pull_from)
     await conn.send_blocks("first", src, [1, 2, 3], [10, 11, 12], sample_extras())
     first = conn.last_path
     await conn.send_blocks("second", src, [4], [13])
     await tx.close()
-    return offered, first, conn.last_path, conn.pull_from
+    return offered, first, conn.last_path, conn.ipc_link.pull_from
 
 
 @pytest.mark.gpu
@@ -195,8 +195,8 @@ def test_pull_in_one_process_and_bad_ids(ucx_loop, host_pull, device):
             await asyncio.gather(*[conn.send_blocks(f"c{i}", src, [8 + i], [20 + i])
                                    for i in range(4)])
             await conn.send_blocks("b", src, [3], [6])
-            assert conn._same_process  # exported by reference: no CUDA IPC handle
-            paths = conn.last_path, len(conn._exports)
+            assert conn.ipc_link.same_process  # exported by reference: no CUDA IPC handle
+            paths = conn.last_path, len(conn.ipc_link.exports)
             await tx.close()
             return path, extras, paths
 
@@ -283,7 +283,7 @@ def test_no_pull_without_an_offer(ucx_loop, monkeypatch):
             conn = await tx.connect(rx.address)
             await conn.send_blocks("x", src, [1], [2])
             await tx.close()
-            return conn.pull_from, conn.last_path
+            return conn.ipc_link.pull_from, conn.last_path
 
     assert ucx_loop.run(go(), timeout=60) == (set(), "staged")
     monkeypatch.setattr(ipc, "HOST_PULL", True)
@@ -305,7 +305,7 @@ def test_early_ack_returns_only_once_the_copy_is_done(ucx_loop):
         rx, tx = _pair(layout, dst)
         async with rx:
             conn = await tx.connect(rx.address)
-            early = conn.early_ack_gpu is not None
+            early = conn.ipc_link.early_ack_gpu is not None
             same = []
             for i in range(5):
                 lo = 0 if i % 2 else 128
@@ -360,7 +360,7 @@ def _send_behind_a_long_kernel(ucx_loop, push: bool):
         src[:, :, 8:16].copy_(new)  # queued behind it
         await conn.send_blocks("x", src, list(range(8, 16)), list(range(20, 28)))
         trace, path = conn.last_trace, conn.last_path
-        pools = {k: len(v) for k, v in conn._ready.items()}  # close() drops the events
+        pools = {k: len(v) for k, v in conn.ipc_link.ready.items()}  # close() drops the events
         await tx.close()
         return trace, path, pools
 
@@ -397,7 +397,7 @@ def test_push_in_one_process(ucx_loop, host_pull, device, checksum):
         rx, tx = _pair(layout, dst, checksum=checksum, push=None)
         async with rx:
             conn = await tx.connect(rx.address)
-            mapped = conn.push_dst is dst
+            mapped = conn.ipc_link.push_dst is dst
             await conn.send_blocks("a", src, [0, 1, 2, 7], [40, 41, 42, 5], sample_extras())
             path = conn.last_path
             extras = await rx.recv_blocks("a", timeout=10)
@@ -407,7 +407,7 @@ def test_push_in_one_process(ucx_loop, host_pull, device, checksum):
             conn.check = lambda *a: None  # let a bad dst id reach the copy
             with pytest.raises(TransferError, match="out of range"):
                 await conn.send_blocks("bad", src, [1], [64])
-            after = conn.last_path, conn.push_dst
+            after = conn.last_path, conn.ipc_link.push_dst
             await tx.close()
             return mapped, path, paths, extras, after
 

@@ -285,15 +285,15 @@ def test_two_processes(ucx_loop, mode, device, direct, ipc, checksum, push, caps
     async def go():
         tx = UcxTransport(layout, direct=direct, ipc=ipc, checksum=checksum, push=push)
         conn = await tx.connect(address)
-        assert bool(conn.pull_from) == pulls
-        assert (conn.early_ack_gpu is not None) == pulls
+        assert bool(conn.ipc_link.pull_from) == pulls
+        assert (conn.ipc_link.early_ack_gpu is not None) == pulls
         await conn.send_blocks("warm", src, big, big)
         stats = await conn.send_blocks("big", src, big, [b + 256 for b in big])
         went_direct, path = conn.last_direct, conn.last_path
         await conn.send_blocks("a", src, [9, 8, 7], [0, 1, 2], sample_extras())
         assert conn.last_direct == (direct is True)  # 8 KiB messages: staged unless forced
         assert conn.last_path == (ipc_path if pulls else "direct" if direct else "staged")
-        assert (conn.push_dst is not None) == (pulls and push is None)
+        assert (conn.ipc_link.push_dst is not None) == (pulls and push is None)
         await tx.close()
         return stats, went_direct, path
 
