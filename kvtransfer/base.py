@@ -1,9 +1,7 @@
 """The transfer contract: a receiver exposes an address, a sender connects (layout handshake
-first), ships blocks plus a few small tensors, and returns once the receiver has acknowledged.
-
-Two halves, as in vLLM's KV connector: the node decides which blocks move and when its copy may
-be freed (after `send_blocks` returns, i.e. after the receiver's ack); the transport moves the
-bytes. Everything is asyncio (ucxx is); `LoopThread` lets synchronous code drive it.
+first), ships blocks plus a few small tensors, and returns once the receiver has acknowledged;
+only then may the node free its copy. The node decides which blocks move, the transport moves
+the bytes. Everything is asyncio (ucxx is); `LoopThread` lets synchronous code drive it.
 """
 
 from __future__ import annotations

@@ -2,12 +2,9 @@
 
     python -m kvtransfer.bench --mode worker --chunks 1 31 --blocks 128 --direct on off
 
-The default shape is SmolLM2-135M with its EAGLE-3 draft layer (31 KV layers, 3 KV heads,
-head_dim 64, block 16, fp32: 0.73 MiB per block), i.e. a 2k-token prompt by default.
-
-`--raw` adds the bare UCX baseline (`measure_raw`): one preallocated buffer sent as tagged
-messages and acknowledged, no header, gather or scatter: what UCX itself moves between the two
-processes, to compare the transport against.
+The default shape is SmolLM2-135M with its EAGLE-3 draft layer (31 KV layers, fp32, 0.73 MiB
+per block of 16 tokens). `--raw` adds bare UCX (`measure_raw`: one buffer sent as tagged
+messages and acked) as the transport's baseline.
 """
 
 from __future__ import annotations
@@ -90,16 +87,10 @@ def stop_receiver(proc: Any, pipe: Pipe, layout: BlockLayout,
 
 async def measure(args: argparse.Namespace, layout: BlockLayout,
                   address: dict[str, Any]) -> list[dict[str, Any]]:
-    """`send_blocks` of blocks 0..args.blocks-1 to the same ids (or `args.ids`, optional:
-    (src, dst) lists), once per entry of args.chunks and of `args.direct` (optional, default
-    [None]: the transport's own choice; False staged, True direct): one warm-up, then args.reps
-    timed. `args.ipc` (optional, default None): False keeps a GPU transfer to UCX messages
-    where the receiver offers to pull it (`kvtransfer.ipc`); `args.push` (optional, default
-    None) False declines the receiver's offer to push into its cache (then it pulls);
-    `args.pull_engine` (optional, default "dst"): whose copy engines a pull asks for. With
-    `args.trace` (optional) each row also carries every timed transfer's timeline
-    (`UcxConnection.last_trace`) and the median time until the receiver had it all
-    (`landed_ms`, its clock: the same host)."""
+    """Time `send_blocks` of blocks 0..args.blocks-1 (or `args.ids`: (src, dst) lists), once
+    per entry of `args.chunks` and `args.direct` (None: the transport picks): a warm-up, then
+    `args.reps` timed. Optional `args.ipc`, `args.push`, `args.pull_engine` go to the sender's
+    `UcxTransport`; `args.trace` adds each transfer's timeline and `landed_ms`."""
     from kvtransfer import ipc
     from kvtransfer.ucx import UcxTransport
 

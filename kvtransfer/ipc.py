@@ -1,23 +1,9 @@
 """Same-host GPU to GPU: one end copies the blocks between the two caches itself.
 
-UCX tagged messages pay a rendezvous per message and a progress-thread hop per completion; on
-two H200s a 1 GiB transfer of 64 messages took 5.8 ms where one peer copy takes 2.8 (figure 4).
-When both caches are CUDA tensors on one host, one end can instead export its cache once (a
-CUDA IPC handle of the allocation, as `torch.multiprocessing` shares tensors) and the other map
-it and queue the copies on its own stream: one `cudaMemcpy2DAsync` per run of consecutive
-blocks, all layers and K/V at once (copy engines, no SMs, no staging buffer). Push: the
-receiver exports its cache at the handshake and the sender copies into it right after its
-writes, with no message before the copy starts. Pull: the sender exports its cache and the
-receiver copies out of it once the header is in. UCX still carries the handshake, the
-header, the extras and the ack.
-
-The end that copies must see the other's GPU (matched by UUID: the two processes may number
-their devices differently); a process pinned to one GPU (`CUDA_VISIBLE_DEVICES`) does not,
-and its transfers keep to UCX messages. Anything that fails on the way (mapping, copying,
-opening an event) sends that request again as messages, and the link keeps to them.
-
-Host caches copy only within one process, and only with `HOST_PULL` on (off: `LocalTransport`
-is the in-process path); it lets the protocol run on a machine without a GPU.
+A copy through a CUDA IPC mapping of the peer's cache is one `cudaMemcpy2DAsync` per run of
+blocks, without the rendezvous per message UCX pays. Push: the sender copies into the
+receiver's cache; pull: the receiver copies out of the sender's. Failures fall back to UCX
+messages. `HOST_PULL` lets CPU tests run the protocol within one process.
 """
 
 from __future__ import annotations
@@ -227,17 +213,10 @@ DEFAULT_ENGINE = "dst"  # a receiver's own choice (`UcxTransport(pull_engine=...
 
 def pull(dst: torch.Tensor, src: torch.Tensor, runs: list[tuple[int, int, int]],
          stream: torch.cuda.Stream | None, engine: str = DEFAULT_ENGINE) -> int:
-    """Queue on `stream` (a stream of `dst`'s device; None on the host, where the copies are
-    synchronous) the copies `dst[:, :, d:d+k] = src[:, :, s:s+k]` for each (s, d, k) in
-    `runs`. Both caches are contiguous `[layers, 2, blocks, ...]`, so one run is a 2-D copy:
-    `layers * 2` rows of `k` blocks, each cache with its own row pitch. Returns how many copy
-    calls it queued.
-
-    `engine`: whose copy engines move the bytes when the caches sit on two GPUs. "dst" (the
-    receiver's GPU reads the peer's memory) runs the copies on `stream` itself; "src" (the
-    sender's GPU writes into the receiver's, as `Tensor.copy_` between two devices does) runs
-    them on this process's staging stream of `src`'s device, fenced both ways by events, so
-    `stream` still orders them: after what it had queued, before what it queues next."""
+    """Queue on `stream` (None on the host: synchronous) `dst[:, :, d:d+k] = src[:, :, s:s+k]`
+    for each (s, d, k) in `runs`, one 2-D copy per run; return how many copies it queued.
+    `engine`: whose copy engines move the bytes between two GPUs, "dst" (on `stream`) or "src"
+    (on `src`'s staging stream, fenced by events so `stream` still orders them)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine == "src" and dst.is_cuda and src.is_cuda and src.device != dst.device:

@@ -1,9 +1,9 @@
 """UCX transport on ucxx: shared memory on one host, TCP (or RDMA) between hosts.
 
-A receiver publishes its UCX worker address (`mode="worker"`, passed on through Ray) or a
-listener's host:port (`mode="listener"`). A request is a header, its payload (`ucx_recv`: staged,
-direct, or a CUDA IPC push or pull), an extras blob and an optional crc32 trailer, then an ack.
-A malformed message is dropped and counted, and fails the request it names; the loop goes on.
+A receiver publishes its worker address (`mode="worker"`) or a listener's host:port. A request
+is a header, its payload (`ucx_recv`: staged, direct, CUDA IPC push or pull), extras and an
+optional crc32 trailer, then an ack. A malformed message is dropped, counted and fails the
+request it names; the loop goes on.
 """
 
 from __future__ import annotations

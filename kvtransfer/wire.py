@@ -1,11 +1,8 @@
 """Wire format of the UCX transport: tags, control messages, byte views, extras packing.
 
-Every message is a UCX tagged message with an explicit 64-bit tag:
-`link id (32 bits) | request sequence number (24 bits) | kind (8 bits)`. The link id is random
-per connection, so one receiver worker tells many senders (and many requests) apart, and
-concurrent requests never interleave on a tag. Control messages are length-prefixed JSON
-objects; whatever a peer sends is checked (`decode`, `check_*`) before it is used, and what
-cannot be read raises `MalformedMessage`, which receive loops drop and count.
+Every message is tagged `link id (32 bits) | request seq (24) | kind (8)`; the link id is
+random per connection, so one receiver tells senders and requests apart. Control messages are
+length-prefixed JSON, checked before use; what cannot be read raises `MalformedMessage`.
 """
 
 from __future__ import annotations
@@ -72,13 +69,9 @@ _bound_loop: list[asyncio.AbstractEventLoop] = []  # the loop ucxx delivers comp
 
 def ensure_ucx(progress_mode: str) -> None:
     """Initialise ucxx once per process, from the running loop, and make that loop progress it.
-
-    In `thread` mode (the default here) UCX progresses on its own C++ thread and completions
-    arrive as asyncio futures through ucxx's notifier thread, which is bound to the loop that
-    initialised ucxx: every transport of a process must run on that one loop (use a
-    `LoopThread` from synchronous code). Other modes (`blocking`, `polling`) make ucxx
-    busy-yield on every pending receive, so an idle receiver spins a whole core.
-    """
+    In `thread` mode completions arrive through ucxx's notifier thread, bound to this loop:
+    every transport of a process must run on it (`LoopThread` from synchronous code). Other
+    modes busy-yield on every pending receive, so an idle receiver spins a whole core."""
     loop = asyncio.get_running_loop()
     try:
         ucxx.init(progress_mode=progress_mode,
@@ -297,12 +290,8 @@ def layer_chunks(num_layers: int, num_chunks: int) -> list[tuple[int, int]]:
 
 
 # A direct transfer sends each (layer, K/V, run of consecutive blocks) straight from the
-# sender's cache into the receiver's, with no gather or scatter; worth it once the messages are
-# large enough that UCX's cost per message is less than copying the bytes twice. Measured:
-# - between two H200s (figure 4, 8B layout, 64 messages a run), direct against staged in one
-#   message: 3.40 vs 1.66 ms at 16 MiB, 5.10 vs 3.08 ms at 256 MiB (4 MiB messages), 5.81 vs
-#   6.11 ms at 1 GiB (16 MiB messages): each message costs tens of microseconds;
-# - between two host processes (shared memory), direct was 1.6-2x faster from 1 MiB messages.
+# sender's cache into the receiver's, with no gather or scatter: it pays once messages are large
+# enough that UCX's cost per message is below copying the bytes twice (bench/README.md).
 DIRECT_MIN_BYTES = {"cuda": 16 << 20, "cpu": 1 << 20}
 
 
