@@ -1,16 +1,8 @@
 """Keeping the engine's host thread on quiet CPUs.
 
-At 64 streams an engine step is host-bound, so the host's speed decides throughput. On the
-H200 machine (16 vCPUs, one NUMA node) some vCPUs ran a small torch op at 4.4-5.6 us and a
-Python loop iteration at 0.16-0.19 us where the others ran 2.95-3.2 and 0.083
-(`bench/results/profile/host_affinity_*/`): CPUs shared with other work. Two vCPUs were slow
-in every round of that probe, others in some. A process whose busy main thread landed on
-one ran its whole benchmark ~2x slower on the host (figure 3's `host_probe`: torch ops at
-6.2 against 3.4 us), which decided whether speculation met its goal at 64 streams.
-
-`pin_quiet_cpus` times each allowed CPU a few times over and keeps the calling thread (and
-the threads it starts later) on the quietest few. Linux only; elsewhere it leaves the
-affinity as it is."""
+At many streams a step is host-bound, and a thread on a CPU shared with other work runs every
+step slower. `pin_quiet_cpus` times each allowed CPU and keeps the calling thread (and threads
+it starts later) on the quietest few. Linux only; elsewhere the affinity stays as it is."""
 
 from __future__ import annotations
 
@@ -53,7 +45,7 @@ def cpu_speeds(rounds: int = 3, reps: int = 300) -> dict[int, float]:
 
 def pin_quiet_cpus(count: int = 4, rounds: int = 3) -> dict:
     """Keep the calling thread, and threads it starts from now on, on the `count` quietest
-    allowed CPUs (`cpu_speeds`). Returns what was measured and chosen (for a benchmark's
+    allowed CPUs (`cpu_speeds`). Returns the CPUs' speeds and the choice (for a benchmark's
     JSON); with `count` covering every allowed CPU, or off Linux, changes nothing."""
     if not hasattr(os, "sched_setaffinity"):
         return {"pinned": None, "why": "no sched_setaffinity here"}

@@ -128,15 +128,12 @@ class SpecConfig:
     method: str = "eagle3"
     num_tokens: int = 5  # K, the most drafts per target forward
     head: str | None = None  # EAGLE-3 checkpoint folder (None: the shipped SmolLM2 head)
-    dynamic: bool = True  # pick K per sequence and batch from measured acceptance
+    dynamic: bool = True  # pick K per sequence and batch from the acceptance seen so far
     ngram_max: int = 4
     ngram_min: int = 2
     # EAGLE-3 only: greedy steps also look the current suffix up in the sequence's own tokens
-    # (the n-gram drafter's rule, on the device in the fused step: engine/spec/lookup.py) and
-    # draft what followed its latest earlier copy instead of the head's drafts wherever a
-    # suffix of at least `context_min_n` (and at most `ngram_max`) tokens matches. On by
-    # default: on the H200 it lifted figure 1 from 1.27x to 1.58x no-spec (dynamic K) and
-    # figure 3's worst ratio from 0.947x to 0.974x (bench/README.md).
+    # (engine/spec/lookup.py) and, where `context_min_n` to `ngram_max` tokens match, draft
+    # what followed its latest earlier copy instead of the head's drafts (bench/README.md).
     context_drafts: bool = True
     context_min_n: int = 3
     # Cost of one extra verified token and of one draft step, as fractions of a plain decode
@@ -147,33 +144,22 @@ class SpecConfig:
     # sync (engine/spec/fused.py); off: the step-by-step path (same tokens, slower).
     fused_step: bool = True
     # How dynamic K predicts the tokens a K-draft step emits: "geometric" (one acceptance
-    # rate per sequence, every draft accepted independently) or "runs" (each depth's
-    # acceptance given the drafts before it were accepted, per sequence: answers that loop
-    # accept in long runs, which one rate prices far too low; see bench/README.md).
+    # rate per sequence) or "runs" (each depth's acceptance given the drafts before it, per
+    # sequence: answers that loop accept in long runs, which one rate prices too low).
     accept_model: str = "geometric"
-    # Dynamic K only: a fused step verifies batch * (K + 1) tokens, and K stays where that is
-    # at most this many (0: no cap). At 64 streams on the H200 (SmolLM2) fixed K=5 (384
-    # tokens) ran 1.11x no-spec where dynamic K, mostly at 6-7, ran 0.80x: the linear step
-    # cost it prices K by (1 + K * c, c measured at the K it ran) misses how a verify of
+    # Dynamic K only: K stays where a fused step verifies at most this many tokens (batch *
+    # (K + 1); 0: no cap): the linear step cost dynamic K prices K by misses how a verify of
     # several hundred tokens leaves the memory-bound regime.
     verify_token_budget: int = 384
-    # Dynamic K's fused steps, three choices off by default (bench/README.md, *Dynamic K
-    # against fixed K=5*: in nine figure 3 processes on the H200 fixed K=5 ran ahead of
-    # dynamic K in 48 of 54 bursts at 1-32 streams). `batch_k`: every fused batch drafts
-    # this K (the measured-loss check and the probes kept) instead of the step-cost model's
-    # pick. `dense_levels_from`: the fused step's graph levels grow by 2 from this size on
-    # instead of doubling (with K=7 from 4: 1, 2, 4, 6, 8 verify rows and 1, 2, 4, 6, 7
-    # drafts, so K=5 runs 6 rows and 6 drafts, not K=7's graph; ~45% more graphs, and at 64
-    # streams the verify budget then admits K=5 where it held K<=3). `win_pick`: what the
-    # measured-win override drafts at, "model" (the model's best K above 0) or "measured"
-    # (the K of the level that measured the most tokens/s at the batch's bucket).
-    # `dense_levels_min_batch`: the dense levels only for fused batches of at least this many
-    # sequences (0: every batch), the doubling ones below: on the H200 dense levels ran figure
-    # 3's 64 streams at 1.248 / 1.278 no-spec (burst / steady) against 1.163 / 1.131, and 4
-    # streams' burst at 1.036 against 1.191 (bench/README.md).
-    batch_k: int | None = None
+    # Dynamic K's fused steps: three choices, off by default (bench/README.md).
+    batch_k: int | None = None  # every fused batch drafts this K, not the cost model's pick
+    # The fused step's graph levels grow by 2 from this size on instead of doubling (more
+    # graphs; K=5 then runs its own, not K=7's), for batches of at least
+    # `dense_levels_min_batch` sequences (0: every batch).
     dense_levels_from: int | None = None
     dense_levels_min_batch: int = 0
+    # What the measured-win override drafts at: "model" (the model's best K above 0) or
+    # "measured" (the K of the level that measured the most tokens/s at the batch's bucket).
     win_pick: str = "model"
 
     def __post_init__(self) -> None:
@@ -230,11 +216,9 @@ class EngineConfig:
     # Greedy decode steps overlap: the next is launched from this one's device outputs before
     # the host reads it (same tokens; with speculation K is then chosen two steps ahead).
     overlap: bool = True
-    # Under overlap, a request arriving while a batch of R sequences decodes joins at once
-    # when max(1, R // admission_share) requests wait, else after at most
-    # admission_delay_steps engine steps: each admission costs the running streams a step
-    # (a drain and an un-overlapped step, or a prefill beside the step in flight), so at
-    # high load a few arrivals share one (0: always at once).
+    # Under overlap, arrivals join a batch of R decoding sequences at once when
+    # max(1, R // admission_share) wait, else within admission_delay_steps steps (0: at once):
+    # each admission costs the running streams a step, so at high load a few share one.
     admission_delay_steps: int = 2
     admission_share: int = 16
     # A greedy arrival whose whole prompt fits one forward is prefilled beside the decode

@@ -1,13 +1,8 @@
 """Triton kernels compiled (or loaded from Triton's disk cache) while the process runs.
 
-A Triton kernel is compiled the first time it is launched with a new specialization: new
-constexpr values, or an integer argument that turns 1 or a multiple of 16, or a pointer whose
-alignment changes. A compile takes ~0.2-1 s of host time (a disk-cache hit tens of ms), and
-a compile in the middle of serving stalls every stream of the batch for that long. Start-up
-captures the CUDA graphs the engine will replay, which compiles their kernels; whatever still
-compiles afterwards is a stall a user sees. `install()` hooks Triton so each compile is
-recorded (kernel, seconds); the benchmarks record which landed in their timed windows, and
-`warn_after()` logs each compile from a moment on (the nodes: after start-up)."""
+A kernel compiles on its first launch with a new specialization (constexprs, an integer's
+divisibility, a pointer's alignment) and stalls the batch; after start-up any compile is a stall
+a user sees. `install()` records each compile for the benchmarks; `warn_after()` logs them."""
 
 from __future__ import annotations
 
