@@ -57,7 +57,7 @@ def test_readme_ray_job_submit_serves_with_token_auth_on(tmp_path):
     readme_env, argv = readme_submit()
     topology = tmp_path / "my-topology.yaml"
     topology.write_text(yaml.safe_dump({
-        "model": {"max_model_len": 2048}, "router": {"port": free_port()},
+        "model": {"max_model_len": 2048}, "router": {"port": free_port(), "http_port": 0},
         "prefill": {"kv_cache_bytes": "256MiB"}, "decode": {"kv_cache_bytes": "256MiB"},
         "metrics": {"enabled": False}}))
     with RayNodes() as nodes:

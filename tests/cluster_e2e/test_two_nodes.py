@@ -44,7 +44,7 @@ def _free(port: int) -> bool:
 def _topology(model: str, port: int, metrics_base: int, gcs: str) -> dict:
     roles = {"replicas": 1, "device": "cpu", "kv_cache_bytes": "256MiB", "max_num_seqs": 8}
     return {"ray_address": gcs, "model": {"path": model, "max_model_len": 2048},
-            "router": {"host": "127.0.0.1", "port": port},
+            "router": {"host": "127.0.0.1", "port": port, "http_port": 0},
             "prefill": {**roles, "resources": {"node_a": 1}},
             "decode": {**roles, "resources": {"node_b": 1}},
             "transfer": {"transport": "ucx", "checksum": True},
