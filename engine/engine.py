@@ -15,26 +15,21 @@ from engine.attention.triton_backend import draft_attention
 from engine.attention.triton_backend import long_context as _long_context
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.cost_feed import record_verify, time_step
+from engine.cost_feed import time_step
 from engine.errors import InvalidRequestError, ResourceExhaustedError
 from engine.graphs import GraphSet
 from engine.handoff import Handoff
 from engine.model import LlamaModel
-from engine.output import (
-    Completion,
-    EngineStats,
-    RequestOutput,
-    cut_at_stop,
-    stop_prefix_len,
-)
+from engine.output import Completion, EngineStats, RequestOutput
 from engine.plain_steps import PlainSteps
+from engine.postprocess import Postprocessor
 from engine.prompt import PromptEncoder
 from engine.runner import ModelRunner, allocate_kv_cache
 from engine.sampler import new_generator
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import SamplingParams, Sequence
 from engine.spec.lookup import store_tokens, token_store
-from engine.spec.runtime import Span, SpecRunner
+from engine.spec.runtime import SpecRunner
 from engine.spec.verify import VerifyResult, verify_greedy, verify_sampled_device
 
 
@@ -92,14 +87,15 @@ class Engine:
         self.capture = None
         self.capture_layers: tuple[int, ...] = ()
         self.capture_dtype: torch.dtype | None = None
-        self._generators: dict[str, torch.Generator] = {}
-        self._detok: dict[str, loader.Detokenizer] = {}
+        self.generators: dict[str, torch.Generator] = {}  # sampled requests' RNGs
+        self.detoks: dict[str, loader.Detokenizer] = {}
         self.stats = EngineStats()
         self.clock = time.perf_counter  # step timing for the dynamic-K cost model
         self._inflight = None  # (Batch, FusedHandle): a step launched and not read yet
         self._deferred: list[Sequence] = []  # finished meanwhile: blocks freed after it
         self._carry: list[RequestOutput] = []  # outputs read outside step(), returned next
         self.admitted_in_flight = 0  # requests prefilled beside a step in flight, no drain
+        self.post = Postprocessor(self)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **overrides) -> Engine:
@@ -195,9 +191,9 @@ class Engine:
         seq.arrival_step = self.stats.steps
         self.seqs[seq.request_id] = seq
         if not params.greedy:
-            self._generators[seq.request_id] = new_generator(params.seed, self.config.device)
+            self.generators[seq.request_id] = new_generator(params.seed, self.config.device)
         if self.tokenizer is not None:
-            self._detok[seq.request_id] = detok or loader.Detokenizer(self.tokenizer,
+            self.detoks[seq.request_id] = detok or loader.Detokenizer(self.tokenizer,
                                                                        seq.token_ids)
         self.scheduler.add(seq)
         return seq.request_id
@@ -229,7 +225,7 @@ class Engine:
         seq = self.seqs.get(request_id)
         if seq is None:
             return False
-        self._finish(seq, "cancelled")
+        self.post.finish(seq, "cancelled")
         return True
 
     def has_unfinished(self) -> bool:
@@ -257,7 +253,7 @@ class Engine:
             else:
                 how = "fresh"
                 batch = self.scheduler.schedule()
-                outs += [self._finished_output(s) for s in batch.out_of_blocks]
+                outs += [self.post.finished_output(s) for s in batch.out_of_blocks]
                 if not batch.seqs:
                     return outs
                 batch, results, more = self._step_fresh(batch)
@@ -278,13 +274,13 @@ class Engine:
             pipe.fused_launch(batch, self.blocks, self.stats.steps + 1, self.capture)
         if h is None:
             fwd, results = self._run(batch)
-            return batch, results, self._postprocess(batch, fwd, results)
+            return batch, results, self.post.process(batch, fwd, results)
         nxt = pipe.fused_continue(h, self.blocks, self.stats.steps + 2) \
             if self._can_overlap(batch) else None
         results, drafts = pipe.fused_finish(h)
         if nxt is not None:
             self._inflight = (_entries(nxt), nxt)
-        outs = self._postprocess(batch, None, results, drafts)
+        outs = self.post.process(batch, None, results, drafts)
         return batch, results, outs + self._settle()
 
     def _splits(self) -> bool:
@@ -307,13 +303,13 @@ class Engine:
         r = batch.select([i for i in range(len(batch)) if i not in pick])
         h = self.pipe.fused_launch(d, self.blocks, self.stats.steps + 1)
         fwd, results = self._run(r)  # queued behind the fused graph; its sync covers both
-        outs = self._postprocess(r, fwd, results)
+        outs = self.post.process(r, fwd, results)
         if h is not None:
             res_d, drafts = self.pipe.fused_finish(h)
-            outs += self._postprocess(d, None, res_d, drafts, count_step=False)
+            outs += self.post.process(d, None, res_d, drafts, count_step=False)
         else:  # no graph for the decodes' shape: the regular forward
             fwd, res_d = self._run(d)
-            outs += self._postprocess(d, fwd, res_d, count_step=False)
+            outs += self.post.process(d, fwd, res_d, count_step=False)
         return batch, {}, outs
 
     @property
@@ -349,7 +345,7 @@ class Engine:
         else:
             results, drafts = self._read(h, keep)
             self._inflight = (_entries(nxt), nxt)
-            outs = self._postprocess(live, None, results, drafts)
+            outs = self.post.process(live, None, results, drafts)
         if pre is not None:  # its step mixed in a prefill: not one the cost model prices
             outs += self._read_beside(*pre)
             results = {}
@@ -444,7 +440,7 @@ class Engine:
         would read the drafts back to the host, which waits for the step launched after the
         one in flight as well: every arrival would stall the pipeline for a step (under
         steady load at 64 streams, nearly every step)."""
-        return self._postprocess(batch, fwd, read(), count_step=False, draft=False)
+        return self.post.process(batch, fwd, read(), count_step=False, draft=False)
 
     def _drain(self) -> list[RequestOutput]:
         """Read the step in flight, free the blocks of requests that finished meanwhile (it
@@ -457,7 +453,7 @@ class Engine:
         results, drafts = self._read(h, keep)
         if not keep:
             return []
-        return self._postprocess(batch.select(keep), None, results, drafts)
+        return self.post.process(batch.select(keep), None, results, drafts)
 
     def _read(self, h, keep: list[int]) -> tuple[dict, dict]:
         """Wait for the launched step h; free the blocks of requests that finished while it
@@ -556,7 +552,7 @@ class Engine:
                 x = self.runner.stager.index(seq.draft[:k])
                 q = seq.draft_q[:k] if seq.draft_q is not None and k else None
                 n, tok = verify_sampled_device(x, q, fwd.logits[r : r + k + 1], seq.params,
-                                               self._generators[seq.request_id])
+                                               self.generators[seq.request_id])
                 sampled.append(i)
                 parts += [n.view(1), tok.view(1)]
             r += k + 1
@@ -582,190 +578,13 @@ class Engine:
             return fwd, lambda: read(fetch())
         return fwd, read(flat.tolist())  # the sync
 
-    def _postprocess(self, batch: Batch, fwd, results, drafts=None,
-                     count_step: bool = True, draft: bool = True) -> list[RequestOutput]:
-        """Emit each entry's verified tokens, advance its KV, and draft what comes next: from
-        `drafts` when the fused step already made them, else by proposing now (`draft` off:
-        the head still steps over the new positions, but proposes nothing)."""
-        if drafts is not None and self.capture is None:
-            return self._postprocess_fused(batch, results, drafts, count_step)
-        self.stats.steps += count_step
-        outs, spans, row = [], [], 0
-        # Spans to propose drafts from: none without speculation, or when the fused step
-        # made the drafts.
-        propose = drafts is None and self.spec is not None
-        if self.capture is not None:  # one concatenation and cast a step, not one a sequence
-            cap_h = fwd.hidden
-            cap_a = torch.cat(fwd.aux, -1) if fwd.aux else cap_h[:, :0]
-            if self.capture_dtype is not None:
-                cap_h, cap_a = cap_h.to(self.capture_dtype), cap_a.to(self.capture_dtype)
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            lo = seq.num_computed
-            if self.capture is not None:
-                real = n - results.get(i, (0, None))[0]
-                self.capture(seq, lo, cap_h[row : row + real], cap_a[row : row + real])
-            if lo < seq.num_prompt_tokens:
-                self.stats.prefill_tokens += min(n, seq.num_prompt_tokens - lo)
-            else:
-                self.stats.decode_tokens += n
-            if i not in results:  # a prefill chunk that does not reach the prompt's end
-                seq.num_computed += n
-                self.blocks.commit(seq)
-                spans.append(Span(seq, lo, n, row, draft=False))
-                row += n
-                continue
-            k, res = results[i]
-            v = res.verified(k)  # (fewer than k where the device cut them, `fused.CUT_PROB`)
-            if v:
-                record_verify(self.spec, seq, v, res)
-            seq.draft, seq.draft_q = [], None
-            out, reason = self._emit(seq, res.tokens)
-            outs.append(out)
-            # KV is valid for the real tokens and the accepted drafts; the last token is pending.
-            seq.num_computed = min(lo + n - k + res.num_accepted, len(seq) - 1)
-            self.blocks.commit(seq)
-            if reason == "handoff":
-                # Draft here exactly as one engine would, so the decode side verifies the same
-                # drafts and the request's RNG advances the same way: output is identical.
-                if propose:
-                    spans.append(Span(seq, lo, seq.num_computed - lo, row,
-                                      draft=self.config.handoff_drafts))
-                self._finish(seq, reason)
-                out.handoff = True
-            elif reason:
-                self._finish(seq, reason)
-                out.finished, out.finish_reason = True, reason
-            elif propose:
-                spans.append(Span(seq, lo, seq.num_computed - lo, row, draft=draft))
-            row += n
-        if drafts is not None:
-            for i, seq in enumerate(batch.seqs):
-                if not seq.finished:
-                    seq.draft = drafts[i]
-        elif self.spec is not None:
-            # K is priced at the size of the batch these sequences decode in next: a prefill
-            # chunk postprocessed apart from the running decodes (`_step_split`) joins them.
-            size = max(len(batch), len(self.scheduler.running))
-            self.spec.policy.begin_propose(self.stats.steps, size)
-            self.spec.propose(spans, fwd.aux, self.blocks, size, self._generators)
-        return outs
-
-    def _postprocess_fused(self, batch: Batch, results, drafts, count_step: bool
-                           ) -> list[RequestOutput]:
-        """`_postprocess` of a one-graph step whose drafts were made on the device: every
-        entry a decode with its verify result and its next drafts. The same updates in one
-        pass (a step at 64 streams runs it 64 times, on the host's critical path)."""
-        self.stats.steps += count_step
-        self.stats.decode_tokens += sum(batch.num_tokens)
-        emit, commit, outs = self._emit, self.blocks.commit, []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
-            k, res = results[i]
-            v = res.verified(k)  # (fewer than k where the device cut them, `fused.CUT_PROB`)
-            if v:
-                record_verify(self.spec, seq, v, res)
-            seq.draft_q = None
-            out, reason = emit(seq, res.tokens)
-            outs.append(out)
-            # KV is valid for the real tokens and the accepted drafts; the last token is
-            # pending.
-            seq.num_computed = min(seq.num_computed + n - k + res.num_accepted,
-                                   len(seq.token_ids) - 1)
-            commit(seq)
-            if reason:
-                seq.draft = []
-                self._finish(seq, reason)
-                if reason == "handoff":
-                    out.handoff = True
-                else:
-                    out.finished, out.finish_reason = True, reason
-            else:
-                seq.draft = drafts[i]
-        return outs
-
-    def _emit(self, seq: Sequence, tokens: list[int]) -> tuple[RequestOutput, str | None]:
-        """Append tokens until one stops the request; the text delta holds back any tail that
-        could still become a stop string."""
-        detok = self._detok.get(seq.request_id)
-        p, ids = seq.params, seq.token_ids
-        # What stops a request, worked out once per call (a step at 64 streams emits up to
-        # 64 x (K+1) tokens): the ids that stop it, and its length limit.
-        eos = () if p.ignore_eos else self.eos_ids
-        limit = seq.length_limit(self.config.max_model_len)
-        if p.stop:
-            emitted, reason = self._emit_each(seq, tokens, detok, eos, limit)
-        else:
-            # No stop string: where the tokens stop follows from the ids and the length alone,
-            # without a Python pass per token, and the text takes one detokenizer step.
-            emitted, reason = _cut(tokens, eos, p.stop_token_ids, limit - len(ids), seq.hold)
-            ids.extend(emitted)
-            if detok and emitted:
-                seq.text += detok.step(ids)
-        self.stats.generated_tokens += len(emitted)
-        done = reason is not None and reason != "handoff"
-        keep = len(seq.text) - (0 if done or not p.stop else stop_prefix_len(seq))
-        text, seq.num_emitted_chars = seq.text[seq.num_emitted_chars : keep], keep
-        return RequestOutput(seq.request_id, emitted, text, prompt_tokens=seq.num_prompt_tokens,
-                             completion_tokens=seq.num_output_tokens,
-                             cached_tokens=seq.num_cached_tokens,
-                             accepted_tokens=seq.num_accepted), reason
-
-    @staticmethod
-    def _emit_each(seq: Sequence, tokens: list[int], detok, eos, limit: int
-                   ) -> tuple[list[int], str | None]:
-        """`_emit`'s token-by-token pass for a request with stop strings: the text grows token
-        by token where a stop string may end the request mid-way (with a detokenizer),
-        otherwise in one step after the pass."""
-        p, ids = seq.params, seq.token_ids
-        per_token = detok is not None
-        emitted, reason = [], None
-        for tok in tokens:
-            ids.append(tok)
-            emitted.append(tok)
-            if per_token:
-                seq.text += detok.step(ids)
-            if tok in eos or tok in p.stop_token_ids:
-                reason = "stop"
-            elif len(ids) >= limit:
-                reason = "length"
-            if cut_at_stop(seq):
-                reason = "stop"
-            if reason:
-                break
-            if seq.hold:
-                reason = "handoff"
-                break
-        return emitted, reason
-
-    def _finished_output(self, seq: Sequence) -> RequestOutput:
-        """Report a request the scheduler had to stop (the KV cache cannot hold it)."""
-        self._finish(seq, seq.finish_reason or "length")
-        return RequestOutput(seq.request_id, [], "", True, seq.finish_reason,
-                             seq.num_prompt_tokens, seq.num_output_tokens, seq.num_cached_tokens)
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        if not seq.finished:
-            # A step in flight may write into its blocks: free them once that step is read.
-            later = self._inflight is not None and reason != "handoff"
-            self.scheduler.finish(seq, reason, keep_blocks=reason == "handoff" or later)
-            if later:
-                self._deferred.append(seq)
-        if self.spec is not None:
-            self.spec.release(seq)
-        self.seqs.pop(seq.request_id, None)
-        if reason == "handoff":
-            self.held[seq.request_id] = seq
-            return
-        self._generators.pop(seq.request_id, None)
-        self._detok.pop(seq.request_id, None)
-        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-
     # ---- disaggregation: prefill side holds, decode side reserves and admits ----------------
 
     def export_handoff(self, request_id: str) -> Handoff:
         """Everything but the KV blocks that a decode engine needs to continue the request."""
         seq = self.held[request_id]
-        g = self._generators.get(request_id)
-        detok = self._detok.get(request_id)
+        g = self.generators.get(request_id)
+        detok = self.detoks.get(request_id)
         return Handoff(request_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed,
                        Handoff.params_dict(seq.params), seq.num_cached_tokens,
                        bytes(g.get_state().numpy().tobytes()) if g is not None else None,
@@ -809,16 +628,16 @@ class Engine:
             g = new_generator(None, self.config.device)
             if h.rng_state is not None:
                 g.set_state(torch.frombuffer(bytearray(h.rng_state), dtype=torch.uint8))
-            self._generators[h.request_id] = g
+            self.generators[h.request_id] = g
         if self.spec is not None and not seq.draft and h.hidden is not None:
             with self._on_device():
                 self.spec.draft_from_hidden(seq, h.hidden, self.blocks,
-                                            len(self.scheduler.running) + 1, self._generators)
+                                            len(self.scheduler.running) + 1, self.generators)
         if self.tokenizer is not None:
             d = loader.Detokenizer(self.tokenizer, h.token_ids[: h.num_prompt_tokens])
             if h.detok_offsets:
                 d.prefix, d.read = h.detok_offsets
-            self._detok[h.request_id] = d
+            self.detoks[h.request_id] = d
         self.seqs[h.request_id] = seq
         self.scheduler.admit_running(seq)
 
@@ -836,8 +655,8 @@ class Engine:
         if seq is None:
             return
         self.blocks.release(seq)
-        self._generators.pop(request_id, None)
-        self._detok.pop(request_id, None)
+        self.generators.pop(request_id, None)
+        self.detoks.pop(request_id, None)
 
     # ---- offline use -----------------------------------------------------------------------
 
@@ -874,30 +693,6 @@ class Engine:
                     yield out
                     if out.finished:
                         return
-
-
-def _cut(tokens: list[int], eos, stop_ids: tuple[int, ...], room: int, hold: bool
-         ) -> tuple[list[int], str | None]:
-    """The tokens a request without stop strings keeps of `tokens`, and why it stops: at the
-    first stop id ("stop", the id kept), at the token that fills its `room` (tokens left
-    before its length limit: "length"; a stop id there wins), or after the first token when
-    it is held for a hand-off ("handoff", unless that token stopped it). What `_emit_each`
-    decides token by token."""
-    n = len(tokens)
-    if not n:
-        return tokens, None
-    end, reason = n, None
-    if (eos and not eos.isdisjoint(tokens)) or (stop_ids and not set(stop_ids).isdisjoint(tokens)):
-        end = next(j for j, t in enumerate(tokens) if t in eos or t in stop_ids) + 1
-        reason = "stop"
-    at = max(room, 1)  # the token that reaches the limit (the first one if already there)
-    if at < end:
-        end, reason = at, "length"
-    elif at == end and reason is None:
-        reason = "length"
-    if hold and not (reason and end == 1):
-        end, reason = 1, "handoff"
-    return (tokens if end == n else tokens[:end]), reason
 
 
 def _unfinished(batch: Batch) -> list[int]:

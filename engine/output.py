@@ -1,5 +1,5 @@
 """What the engine hands back: per-step outputs, finished completions, counters, and the
-stop-string rules that decide how much text may be streamed."""
+stop rules that decide where a request ends and how much of its text may be streamed."""
 
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ class Completion:
 
 @dataclass
 class EngineStats:
+    """Counters over the engine's life."""
+
     steps: int = 0
     prefill_tokens: int = 0  # prompt tokens computed (prefix-cache hits excluded)
     decode_tokens: int = 0
@@ -66,3 +68,53 @@ def stop_prefix_len(seq: Sequence) -> int:
                 best = n
                 break
     return best
+
+
+def cut(tokens: list[int], eos, stop_ids: tuple[int, ...], room: int, hold: bool
+        ) -> tuple[list[int], str | None]:
+    """The tokens a request without stop strings keeps of `tokens`, and why it stops: at the
+    first stop id ("stop", the id kept), at the token that fills its `room` (tokens left
+    before its length limit: "length"; a stop id there wins), or after the first token when
+    it is held for a hand-off ("handoff", unless that token stopped it). What `emit_each`
+    decides token by token, in one pass."""
+    n = len(tokens)
+    if not n:
+        return tokens, None
+    end, reason = n, None
+    if (eos and not eos.isdisjoint(tokens)) or (stop_ids and not set(stop_ids).isdisjoint(tokens)):
+        end = next(j for j, t in enumerate(tokens) if t in eos or t in stop_ids) + 1
+        reason = "stop"
+    at = max(room, 1)  # the token that reaches the limit (the first one if already there)
+    if at < end:
+        end, reason = at, "length"
+    elif at == end and reason is None:
+        reason = "length"
+    if hold and not (reason and end == 1):
+        end, reason = 1, "handoff"
+    return (tokens if end == n else tokens[:end]), reason
+
+
+def emit_each(seq: Sequence, tokens: list[int], detok, eos, limit: int
+              ) -> tuple[list[int], str | None]:
+    """Append `tokens` to a request with stop strings one at a time until one stops it; returns
+    those appended and why it stopped. With a detokenizer the text grows token by token, since
+    a stop string may end the request mid-way."""
+    p, ids = seq.params, seq.token_ids
+    emitted, reason = [], None
+    for tok in tokens:
+        ids.append(tok)
+        emitted.append(tok)
+        if detok is not None:
+            seq.text += detok.step(ids)
+        if tok in eos or tok in p.stop_token_ids:
+            reason = "stop"
+        elif len(ids) >= limit:
+            reason = "length"
+        if cut_at_stop(seq):
+            reason = "stop"
+        if reason:
+            break
+        if seq.hold:
+            reason = "handoff"
+            break
+    return emitted, reason

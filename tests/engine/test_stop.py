@@ -88,7 +88,7 @@ def test_fast_decode_is_refused_when_transformers_cleans_up(smol_engine):
 
 
 def _cut_by_token(tokens, eos, stop_ids, length, limit, hold):
-    """The rule token by token, as `Engine._emit_each` applies it (no stop strings)."""
+    """The rule token by token, as `output.emit_each` applies it (no stop strings)."""
     kept, reason = [], None
     for tok in tokens:
         kept.append(tok)
@@ -106,12 +106,13 @@ def _cut_by_token(tokens, eos, stop_ids, length, limit, hold):
 
 
 def test_cut_matches_the_token_by_token_rule():
-    """`_cut` (what `_emit` does for requests without stop strings, in one pass) keeps the
-    same tokens and gives the same reason as the token-by-token rule: stop ids, EOS, the
-    length limit, a stop id on the limit's token, a held request, a limit already reached."""
+    """`cut` (what `Postprocessor.emit` does for requests without stop strings, in one pass)
+    keeps the same tokens and gives the same reason as the token-by-token rule: stop ids, EOS,
+    the length limit, a stop id on the limit's token, a held request, a limit already
+    reached."""
     import random
 
-    from engine.engine import _cut
+    from engine.output import cut
 
     rng = random.Random(0)
     seen = set()
@@ -122,7 +123,7 @@ def test_cut_matches_the_token_by_token_rule():
         length, limit = rng.randrange(0, 12), rng.randrange(1, 14)
         hold = rng.random() < 0.2
         want = _cut_by_token(tokens, eos, stop_ids, length, limit, hold)
-        got = _cut(tokens, eos, stop_ids, limit - length, hold)
+        got = cut(tokens, eos, stop_ids, limit - length, hold)
         assert (list(got[0]), got[1]) == want, (tokens, eos, stop_ids, length, limit, hold)
         seen.add(want[1])
     assert seen == {None, "stop", "length", "handoff"}
