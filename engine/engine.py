@@ -6,10 +6,9 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 
-from engine import loader
+from engine import handoff, loader
 from engine.attention import get_backend
 from engine.attention.triton_backend import draft_attention
 from engine.attention.triton_backend import long_context as _long_context
@@ -28,7 +27,7 @@ from engine.runner import ModelRunner, allocate_kv_cache
 from engine.sampler import new_generator
 from engine.scheduler import Batch, Scheduler
 from engine.sequence import SamplingParams, Sequence
-from engine.spec.lookup import store_tokens, token_store
+from engine.spec.lookup import token_store
 from engine.spec.runtime import SpecRunner
 from engine.spec.verify import VerifyResult, verify_greedy, verify_sampled_device
 
@@ -246,7 +245,7 @@ class Engine:
         aborted) the pipeline drains first."""
         outs, self._carry = self._carry, []
         t0, captures = self.clock(), GraphSet.captures
-        with self._on_device():  # kernels, graphs, streams go to this engine's GPU
+        with self.on_device():  # kernels, graphs, streams go to this engine's GPU
             if self._inflight is not None:
                 how = "overlapped"
                 batch, results, more = self._step_overlapped()
@@ -500,7 +499,7 @@ class Engine:
             g.long_max_batch = split_max
         keys = [(g, key) for g in sets for key in g.pending(batch_sizes, long_context)]
         bar = _progress(len(keys), progress, "cuda graphs", "graph")
-        with self._on_device(), torch.inference_mode():
+        with self.on_device(), torch.inference_mode():
             for g, key in keys:
                 g.capture(*key)
                 bar.update(1)
@@ -523,7 +522,8 @@ class Engine:
         jit_watch.warn_after()
         return n
 
-    def _on_device(self):
+    def on_device(self):
+        """A context where kernels, graphs and streams go to this engine's GPU."""
         dev = torch.device(self.config.device)
         return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
 
@@ -578,85 +578,27 @@ class Engine:
             return fwd, lambda: read(fetch())
         return fwd, read(flat.tolist())  # the sync
 
-    # ---- disaggregation: prefill side holds, decode side reserves and admits ----------------
+    # ---- disaggregation: the prefill side holds, the decode side reserves and admits -----
 
     def export_handoff(self, request_id: str) -> Handoff:
         """Everything but the KV blocks that a decode engine needs to continue the request."""
-        seq = self.held[request_id]
-        g = self.generators.get(request_id)
-        detok = self.detoks.get(request_id)
-        return Handoff(request_id, list(seq.token_ids), seq.num_prompt_tokens, seq.num_computed,
-                       Handoff.params_dict(seq.params), seq.num_cached_tokens,
-                       bytes(g.get_state().numpy().tobytes()) if g is not None else None,
-                       seq.text, seq.num_emitted_chars,
-                       (detok.prefix, detok.read) if detok else None, list(seq.draft),
-                       None if seq.draft_q is None else seq.draft_q.cpu(), seq.max_draft,
-                       None if seq.draft_hidden is None else seq.draft_hidden.cpu())
+        return handoff.export(self, request_id)
 
     def held_blocks(self, request_id: str) -> list[int]:
+        """The KV blocks of a request held for its hand-off."""
         return list(self.held[request_id].block_table)
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int]:
         """Set aside blocks for `num_tokens` tokens of KV about to arrive; returns their ids."""
-        if request_id in self.reserved or request_id in self.seqs:
-            raise InvalidRequestError(f"request id {request_id!r} is already here")
-        placeholder = Sequence([0], SamplingParams(), request_id)
-        if not self.blocks.can_grow(placeholder, num_tokens):
-            raise ResourceExhaustedError(f"no room for {num_tokens} tokens of KV "
-                                         f"({self.blocks.num_free} blocks free)")
-        self.blocks.grow(placeholder, num_tokens)
-        self.reserved[request_id] = placeholder
-        return list(placeholder.block_table)
+        return handoff.reserve(self, request_id, num_tokens)
 
     def admit(self, h: Handoff) -> None:
         """Start decoding a request whose KV has landed in its reserved blocks."""
-        res = self.reserved.pop(h.request_id)
-        params = h.sampling()
-        seq = Sequence(h.token_ids, params, h.request_id)
-        seq.num_prompt_tokens, seq.num_cached_tokens = h.num_prompt_tokens, h.cached_tokens
-        seq.block_table, seq.num_computed = res.block_table, h.num_computed
-        seq.text, seq.num_emitted_chars = h.text, h.num_emitted_chars
-        seq.max_draft = h.max_draft
-        if self.spec is not None and h.draft:
-            seq.draft = list(h.draft)[: self.spec.spec.num_tokens]
-            if h.draft_q is not None:
-                seq.draft_q = h.draft_q[: len(seq.draft)].to(self.config.device)
-        self.blocks.commit(seq)
-        if self.token_store is not None:  # the KV came over the wire, its tokens did not
-            self._store_tokens(seq, 0, seq.num_computed)
-        if not params.greedy:
-            g = new_generator(None, self.config.device)
-            if h.rng_state is not None:
-                g.set_state(torch.frombuffer(bytearray(h.rng_state), dtype=torch.uint8))
-            self.generators[h.request_id] = g
-        if self.spec is not None and not seq.draft and h.hidden is not None:
-            with self._on_device():
-                self.spec.draft_from_hidden(seq, h.hidden, self.blocks,
-                                            len(self.scheduler.running) + 1, self.generators)
-        if self.tokenizer is not None:
-            d = loader.Detokenizer(self.tokenizer, h.token_ids[: h.num_prompt_tokens])
-            if h.detok_offsets:
-                d.prefix, d.read = h.detok_offsets
-            self.detoks[h.request_id] = d
-        self.seqs[h.request_id] = seq
-        self.scheduler.admit_running(seq)
-
-    def _store_tokens(self, seq: Sequence, lo: int, hi: int) -> None:
-        """The token store's entries for positions lo..hi-1 of seq, from the host."""
-        bs, pos = self.config.block_size, np.arange(lo, hi)
-        slots = np.asarray(seq.block_table, dtype=np.int64)[pos // bs] * bs + pos % bs
-        dev = self.config.device
-        store_tokens(self.token_store, torch.tensor(seq.token_ids[lo:hi], device=dev),
-                     torch.from_numpy(slots).to(dev))
+        handoff.admit(self, h)
 
     def release(self, request_id: str) -> None:
         """Free a held (prefill) or reserved (decode) request's blocks."""
-        seq = self.held.pop(request_id, None) or self.reserved.pop(request_id, None)
-        if seq is None:
-            return
-        self.blocks.release(seq)
-        self.generators.pop(request_id, None)
-        self.detoks.pop(request_id, None)
+        handoff.release(self, request_id)
 
     # ---- offline use -----------------------------------------------------------------------
 

@@ -87,7 +87,7 @@ class EngineLoop:
         eng = self.engine
         # The engine's GPU is this thread's current device for everything it calls (a process
         # may see several GPUs: Triton launches and graph replays follow the current device).
-        with eng._on_device():
+        with eng.on_device():
             while not self._stop.is_set():
                 self._drain(block=not eng.has_unfinished())
                 if not eng.has_unfinished():
