@@ -60,7 +60,8 @@ def main() -> int:
     import ray
 
     from cluster import launcher
-    from cluster.config import apply_overrides, engine_kwargs, load_config
+    from cluster.config import apply_overrides, load_config
+    from cluster.engine_args import engine_kwargs
     from engine import Engine, SamplingParams
     from router.server import GenerationService, start_server
     from tandem_client import Client

@@ -184,7 +184,8 @@ def cmd_serve(args) -> int:
     import asyncio
     import threading
 
-    from cluster.config import ConfigError, apply_overrides, engine_kwargs, load_config
+    from cluster.config import ConfigError, apply_overrides, load_config
+    from cluster.engine_args import engine_kwargs
     from engine.metrics import Metrics
     from router.auth import server_security
     from router.server import GenerationService, start_server

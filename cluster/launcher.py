@@ -124,7 +124,7 @@ def actor_options(num_gpus: float, ipc_across_gpus: bool = False,
 
 def start_from_config(cfg) -> Cluster:
     """The cluster a `ClusterConfig` (cluster/config.py) describes, in disaggregated mode."""
-    from cluster.config import engine_kwargs
+    from cluster.engine_args import engine_kwargs
 
     return start(cfg.model.path, engine_kwargs(cfg, "prefill"), engine_kwargs(cfg, "decode"),
                  prefill_replicas=cfg.prefill.replicas, decode_replicas=cfg.decode.replicas,

@@ -14,9 +14,9 @@ from cluster.config import (
     RoleSection,
     apply_overrides,
     config_from_dict,
-    engine_kwargs,
     load_config,
 )
+from cluster.engine_args import engine_kwargs
 from engine.config import SpecConfig
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples"
