@@ -1,24 +1,9 @@
 """Drafting from the context on the device: `ngram.ngram_search` inside the fused step.
 
-Answers that repeat themselves (lists, code, loops) are drafted far better by copying what
-followed the latest earlier copy of the current suffix than by the EAGLE-3 head, and the head
-far better elsewhere. With `SpecConfig.context_drafts` an EAGLE-3 engine drafts both ways in
-every greedy step and keeps the copy where a suffix of at least `context_min_n` tokens
-matches. The fused step must do that on the device, since the next step is launched before
-the host has read this one's tokens. So:
-
-- Every forward of the engine also writes its rows' token ids into a token store, one int64
-  per KV slot (`store_tokens`): a sequence's tokens sit where its KV sits, read through its
-  block table. Blocks shared by prefix caching hold the same tokens for every sharer; rows
-  that store no KV (slot -1) land on a spare last element.
-- `lookup` then finds, per sequence, the longest suffix of at most `max_n` tokens (at least
-  `min_n`) with an earlier copy, the latest such copy, and the k tokens after it: the
-  same answer as `ngram.ngram_search` over the sequence's tokens (a copy that reaches the
-  present continues as a loop, `ngram.continue_copy`), on the device, one Triton program per
-  sequence (a torch version elsewhere).
-
-The host path (`SpecRunner.propose`) applies the same rule to `seq.token_ids`, so both paths
-keep drafting the same tokens.
+With `SpecConfig.context_drafts` a greedy EAGLE-3 step also drafts what followed the latest
+earlier copy of the current suffix, which beats the head on answers that repeat themselves. The
+next step launches before the host reads this one's tokens, so every forward writes its token
+ids into a store, one per KV slot (`store_tokens`), and `lookup` searches it on the device.
 """
 
 from __future__ import annotations
@@ -60,12 +45,9 @@ def store_tokens(store: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
 def lookup(store: torch.Tensor, tables: torch.Tensor, block_size: int, known: torch.Tensor,
            bonus: torch.Tensor, live: torch.Tensor, k: int, max_n: int, min_n: int,
            kernel: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence (row of `tables`): its history is the `known` tokens in the store at
-    positions 0..known-1, then `bonus`. Returns (lens [b], tokens [b, k]): the k tokens
-    after the latest earlier copy of the longest matching suffix (`min_n` <= n <= `max_n`),
-    continued as a loop past the present, as `ngram.ngram_search` gives them; lens k where
-    a suffix matches, 0 where nothing does or `live` is false. `kernel` (default: on CUDA
-    with Triton): the Triton version."""
+    """Per sequence (row of `tables`), over its history (the first `known` tokens in the store,
+    then `bonus`): (lens [b], tokens [b, k]), the k tokens `ngram.ngram_search` would give;
+    lens 0 where nothing matches or `live` is false. `kernel` (default: CUDA with Triton)."""
     b = tables.shape[0]
     if kernel is None:
         kernel = known.is_cuda and triton_available()

@@ -8,21 +8,10 @@ from engine.spec.drafter import Drafter
 
 
 class NgramDrafter(Drafter):
-    """Prompt-lookup decoding, no weights.
-
-    For n from max_n down to min_n, take the last n tokens of prompt + output, find the most
-    recent earlier occurrence of that n-gram (the suffix itself excluded; overlapping it is
-    allowed) and propose the k tokens that followed it, the copy continued as a loop where it
-    reaches the present (`continue_copy`). The first n that matches wins, so longer contexts
-    are preferred.
-
-    Cost per call, L = len(token_ids), levels = max_n - min_n + 1:
-      * seq_id=None: stateless numpy scan, O(L * levels) vectorised plus an O(L) list->array
-        copy (~0.1-0.3 ms at L = 8k, mostly the copy).
-      * seq_id given: an incremental NgramIndex per sequence; O(L) C-speed prefix check plus
-        O(new tokens * levels) dict inserts, lookup O(levels + k). Memory O(L * levels).
-    Both give identical proposals.
-    """
+    """Prompt-lookup decoding, no weights: for n from max_n down to min_n, find the latest
+    earlier occurrence of the last n tokens and propose the k tokens that followed it
+    (`continue_copy`); longer matches win. Without `seq_id` a stateless numpy scan; with it an
+    incremental `NgramIndex` per sequence, so a long sequence is not rescanned every step."""
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
         if not 1 <= min_n <= max_n:
@@ -85,12 +74,9 @@ CONTINUE_LOOPS = True
 
 
 def continue_copy(tokens, end: int, k: int) -> list[int]:
-    """k tokens from tokens[end:], the copy continuing as the sequence itself would: where it
+    """k tokens from tokens[end:], continued as the sequence itself would: where the copy
     reaches the last token, the last len(tokens) - end tokens repeat (the suffix matched at
-    `end` is then a loop of that period, and the drafts predict it goes on). Figure 1's greedy
-    answers end in loops of a few tokens: with EAGLE-3 and context drafts on the CPU (fp32,
-    K=7) acceptance length went 4.16 -> 5.15 there with copies continued, 3.67 -> 3.78 on 12
-    other held-out prompts (`bench.context_acceptance`)."""
+    `end` is then a loop of that period), so answers that end in short loops keep accepting."""
     period = len(tokens) - end
     if k <= period or not CONTINUE_LOOPS:
         return list(tokens[end : end + k])
@@ -98,13 +84,9 @@ def continue_copy(tokens, end: int, k: int) -> list[int]:
 
 
 class NgramIndex:
-    """Incremental n-gram -> latest end position map for one sequence.
-
-    Indexes every n-gram (min_n <= n <= max_n) that ends at e <= L-1, i.e. all but the ones
-    forming the current suffix, so a lookup of the suffix finds only earlier occurrences.
-    Sequences normally only grow; if the tokens seen before changed (a rollback or edit), the
-    index is rebuilt from scratch, O(L * levels) once.
-    """
+    """Incremental n-gram -> latest end position map for one sequence. Indexes every n-gram
+    but those forming the current suffix, so a lookup finds only earlier occurrences; rebuilt
+    from scratch if the tokens seen before changed (a rollback)."""
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
         self.max_n = max_n
