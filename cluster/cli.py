@@ -215,7 +215,11 @@ def cmd_serve(args) -> int:
     else:
         from cluster import launcher
 
-        cluster = launcher.start_from_config(cfg)
+        try:
+            cluster = launcher.start_from_config(cfg)
+        except ConnectionError as e:  # no Ray cluster there, or it wants a token (`join`)
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         backend, close = cluster.backend, cluster.shutdown
         for name, p in zip(cfg.components()[1:], cluster.metrics_ports):
             if p is not None:
