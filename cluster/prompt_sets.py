@@ -1,11 +1,8 @@
 """Prompt sets for self-distillation and the benchmarks' held-out prompts, built from what
-every machine has: the Python standard library's own documentation, plus templated chat, code
-and JSON requests. No hub datasets, no benchmark text (HumanEval, MT-bench) anywhere.
-
-The documentation questions depend on the Python that reads the docs (its version, and its
-import state: torch replaces `inspect.getfile`, `concurrent.futures` lists its executors
-once they are touched), so the prompts are generated once and kept in `FROZEN`; `build`
-reads that file, so every machine splits the same prompts the same way.
+every machine has: the Python standard library's documentation plus templated chat, code and
+JSON requests, no benchmark text. The documentation questions depend on the Python that reads
+the docs, so the prompts are generated once and kept in `FROZEN`: every machine splits the
+same prompts the same way.
 
     python -m cluster.prompt_sets --out assets/prompt_sets.json.gz   # generate again
 """
@@ -163,15 +160,11 @@ def frozen(path: str = FROZEN) -> dict:
 def build(n: int | None = None, seed: int = 0, eval_frac: float = 0.05,
           extended: bool = False, path: str = FROZEN, name_split: bool = False
           ) -> tuple[list[str], list[str]]:
-    """(train, eval) user messages from the kept prompts (`frozen`). The split is by a hash
-    of the text, so it never moves. `extended`: also all four documentation questions per
-    name, more stdlib modules and every template with every filler (for a larger
-    self-distillation set); the base set's prompts keep their side of the split, and the
-    base set itself (what the benchmarks' held-out prompts come from) does not change.
-    `name_split`: also leave out of training every prompt that `mentions` something a
-    held-out prompt (this set's or the base set's: the benchmarks') mentions, so no held-out
-    question shares its documented name with a training question; the held-out side is
-    unchanged."""
+    """(train, eval) user messages from the kept prompts, split by a hash of the text so the
+    split never moves. `extended`: a larger self-distillation set (more questions per name,
+    modules, templates and fillers) in which the base set's prompts keep their side.
+    `name_split`: also leave out of training every prompt that `mentions` a name a held-out
+    prompt (this set's or the benchmarks') mentions."""
     train, held = _split(n, seed, eval_frac, extended, path)
     if name_split:
         bench_held = build(path=path)[1]  # what the benchmarks' `build()` holds out

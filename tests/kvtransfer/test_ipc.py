@@ -324,8 +324,8 @@ def test_early_ack_returns_only_once_the_copy_is_done(ucx_loop):
 
 
 def _cycles_for(seconds: float) -> int:
-    """`torch.cuda._sleep` cycles that hold the GPU about `seconds` (timed here: a GPU run
-    once saw a transfer queued behind `_sleep(10**9)` done in 3 ms, where 0.5 s was meant)."""
+    """`torch.cuda._sleep` cycles that hold the GPU about `seconds`, timed here: the rate of
+    `_sleep` differs between GPUs."""
     probe = 20_000_000
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

@@ -267,13 +267,9 @@ def test_connecting_to_a_closed_receiver_fails_fast(ucx_loop):
     pytest.param("worker", "cuda", None, None, True, None, marks=pytest.mark.gpu),
     pytest.param("worker", "cuda", None, None, False, None, marks=pytest.mark.gpu)])
 def test_two_processes(ucx_loop, mode, device, direct, ipc, checksum, push, capsys):
-    """A receiver in a spawned process: shared memory (worker) or TCP (listener) for real;
-    on a GPU, CUDA tensors straight from one process's memory to the other's. The big
-    request's messages are 2 MiB per layer and K/V: direct by default on the host (staged on
-    a GPU, where direct starts at 16 MiB: forced there), staged when told. GPU caches of one
-    host go by push (the sender copies into the receiver's cache), or by pull where the
-    sender declines the push (the receiver copies out of the sender's), unless `ipc=False`:
-    with checksums on both sides, or acked early."""
+    """A receiver in a spawned process, over shared memory (worker) or TCP (listener). The big
+    request's 2 MiB messages go direct on the host by default (forced on a GPU), staged when
+    told; GPU caches go by push, or by pull where the sender declines it, unless `ipc=False`."""
     layout = tiny_layout(head_dim=64)  # 48 KiB per block
     src = random_kv(layout, num_blocks=512, seed=7).to(device)
     proc, pipe, address = spawn_receiver(layout, 512, mode, return_kv=True, device=device,
