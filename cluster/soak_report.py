@@ -45,10 +45,9 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def pauses(records: list[Record], faults: list[dict], end: float) -> tuple[list[dict], dict]:
-    """Per fault, over the streams live during its outage (from the fault until the actor is
-    back and the streams live at it have moved on): each one's longest wait for its next
-    chunk among the waits that overlap the time until the next fault (P50, P99); and the
-    same statistic for the streams that lived through no outage, as the baseline."""
+    """Per fault, over the streams live during its outage (until the actor is back and its
+    streams moved on): P50 / P99 of each one's longest wait for a chunk before the next fault;
+    and the same for streams that lived through no outage, as the baseline."""
     windows = [(f["at_s"], f["at_s"] + max(f.get("recovered_s") or 0, f.get("resumed_s") or 0))
                for f in faults]
     out, faulted = [], set()
