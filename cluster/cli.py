@@ -396,6 +396,16 @@ def _add_bench_parser(sub) -> None:
     b.set_defaults(fn=suite.run)
 
 
+def _add_diagnose_parser(sub) -> None:
+    """`tandem diagnose`: findings from a running deployment's metrics (`cluster.diagnose`)."""
+    from cluster import diagnose
+
+    d = sub.add_parser("diagnose", help="read a deployment's metrics endpoints and say what is "
+                       "wrong", description=diagnose.__doc__)
+    diagnose.add_arguments(d)
+    d.set_defaults(fn=diagnose.run)
+
+
 def _port(value: str) -> int:
     """An argparse type: a TCP port number, 0..65535."""
     try:
@@ -456,6 +466,7 @@ def main(argv: list[str] | None = None) -> int:
 
     train_eagle3.add_parser(sub)
     _add_bench_parser(sub)
+    _add_diagnose_parser(sub)
     from cluster import soak
 
     soak.add_parser(sub)
