@@ -35,9 +35,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 # (KV head, sequence) programs alone would leave multiprocessors idle (graph buckets are
 # captured once per side of it). The one-pass kernel and a single split reduce a context of
 # at most SPLIT_KEYS keys in the same order, so a row rounds the same on both sides of it.
-# On the H200 a one-pass decode over 512 keys took 15.5 us (Llama-8B heads) and 11.7 us
-# (SmolLM2), 128-key splits 7.1 and 5.7; at 128 keys one pass was faster (5.4 / 4.1 against
-# 6.7 / 5.2; `bench/results/profile/attn_sweep.json`).
+# Past it, splits beat one pass; below it one pass is faster.
 SPLIT_KEYS = 128
 # Off CUDA (Triton's interpreter: CPU tests) every program costs about the same whatever its
 # work, so splits there only multiply programs: 1024-key splits keep engine-level CPU tests
@@ -46,9 +44,7 @@ INTERPRETER_SPLIT_KEYS = 1024
 
 
 # The draft head's attention (`draft_attention`): its numbers need match no other path's, so
-# it takes smaller tiles than the target's. A chained SmolLM2 draft step on the H200 took
-# 20.9 us with 64-key splits and 16-row tiles against 22.2 with the target's (320 keys;
-# `python -m bench.chain_costs`, bench/results/profile/chain_costs_*).
+# it takes smaller tiles than the target's, which run a chained draft step faster.
 DRAFT_SPLIT_KEYS = 64
 DRAFT_MIN_TILE = 16
 
@@ -114,8 +110,8 @@ class FastLaunch:
     and specializes on none of its int or pointer arguments, so that its compiled variant
     follows from a key the caller gives (device, constexprs). The first launch of a key goes
     through Triton's JIT (argument binding, specialization, compiling); later ones call that
-    compiled variant's launcher directly. Triton's binding alone cost the fused step's
-    continuation launch ~50 us of the host's step at 64 streams on the H200 (py-spy).
+    compiled variant's launcher directly: Triton's binding alone is a large share of the
+    host's work for a small launch made every step.
     Falls back to the JIT's launch when launch hooks are set (a profiler; Triton 3.6 keeps
     an empty hook chain there otherwise) or the launcher's calling convention is not the
     one this was written for (Triton 3.3+)."""
@@ -216,7 +212,7 @@ if triton is not None:
     # Integer arguments that change from launch to launch (a block table's width, the split
     # partials' strides, which follow the token count) are not specialized on: Triton
     # compiles a variant whenever such a value turns 1 or a multiple of 16, and a compile
-    # in the middle of serving stalled every stream for ~0.7 s on the H200 (figure 3).
+    # in the middle of serving stalls every stream.
     @triton.jit(do_not_specialize=["stride_bt"])
     def _paged_attention_kernel(
         Q, KC, VC, Out, query_start, seq_lens, block_tables, scale,
@@ -396,8 +392,8 @@ class TritonAttention(AttentionBackend):
         return self.split_keys if self.split_keys is not None else long_context(device)
 
     def block_n(self, device: torch.device) -> int:
-        """Keys per inner step (both kernels): 4 pages, 16 to 64, within a split (128-key
-        steps, one per split, were 2% slower in figure 2's 8B forward on the H200)."""
+        """Keys per inner step (both kernels): 4 pages, 16 to 64, within a split (one
+        128-key step per split was slower)."""
         return max(16, min(64, 4 * self.block_size, self.keys_per_split(device)))
 
     def tile_m(self, max_query_len: int) -> int:
@@ -428,8 +424,7 @@ class TritonAttention(AttentionBackend):
 
     def split_programs(self, splits: int, num_seqs: int, device: torch.device) -> int:
         """Programs per (KV head, sequence) of a split launch: about four per multiprocessor
-        in all (fewer left too few loads in flight: 8 sequences of 2048 keys took 17.0 us
-        with one per multiprocessor, 10.5 with one per split), each taking every P-th split."""
+        in all (fewer leave too few loads in flight), each taking every P-th split."""
         per = -(-4 * sm_count(device) // (self.num_kv_heads * num_seqs))
         return max(1, min(splits, per))
 

@@ -4,7 +4,7 @@ the next ones (EAGLE-3 head over the target's hidden states, or n-gram lookup)."
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -26,6 +26,7 @@ from engine.sequence import Sequence
 from engine.spec.eagle3 import Eagle3Head
 from engine.spec.fused import (
     FusedHandle,
+    FusedOut,
     FusedSteps,
     chain_steps,
     continuation,
@@ -34,6 +35,7 @@ from engine.spec.fused import (
 )
 from engine.spec.ngram import NgramDrafter
 from engine.spec.policy import KPolicy
+from engine.spec.stats import SpecStats
 from engine.spec.verify import VerifyResult
 
 
@@ -47,44 +49,6 @@ class Span:
     m: int
     row: int
     draft: bool
-
-
-@dataclass
-class SpecStats:
-    """Acceptance counters, ready for metrics."""
-
-    k_max: int
-    verify_steps: int = 0  # target forwards that carried drafts (per sequence)
-    emitted: int = 0  # tokens those forwards produced (accepted + the target's own)
-    # Verifies by drafts carried, and by drafts accepted (0..k_max): `record` is two
-    # increments per verify, the per-position counts are read from them.
-    drafted_hist: list[int] = field(default_factory=list)
-    accepted_hist: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.drafted_hist = [0] * (self.k_max + 1)
-        self.accepted_hist = [0] * (self.k_max + 1)
-
-    def record(self, k: int, res: VerifyResult) -> None:
-        self.verify_steps += 1
-        self.emitted += len(res.tokens)
-        self.drafted_hist[k] += 1
-        self.accepted_hist[res.num_accepted] += 1
-
-    @property
-    def drafted_per_pos(self) -> list[int]:
-        """Drafts verified at each position 0..k_max-1 (a verify of k drafts: positions < k)."""
-        return _at_least(self.drafted_hist)
-
-    @property
-    def accepted_per_pos(self) -> list[int]:
-        """Drafts accepted at each position (a verify accepting n: positions < n)."""
-        return _at_least(self.accepted_hist)
-
-    @property
-    def acceptance_length(self) -> float:
-        """Mean tokens emitted per verifying target forward (accepted + bonus)."""
-        return self.emitted / self.verify_steps if self.verify_steps else 0.0
 
 
 class SpecRunner:
@@ -280,7 +244,7 @@ class SpecRunner:
         prepare = None
         if known:
             def prepare(ids, pos, meta):
-                prev_ids = prev.out[0][: len(prev.seqs)]
+                prev_ids = prev.out.argmax[: len(prev.seqs)]
                 ids[:c].copy_(prev_ids if sel is None else prev_ids[sel])
         # One copy to the device for the continuation's state (num_computed per continued
         # sequence, then its draft count this step) and the draft count per row, which a
@@ -297,40 +261,32 @@ class SpecRunner:
         if cont:
             prepare = continuation(prev, dev[: 2 * c], c, q, self.cfg.block_size, sel)
         extras = (dev[-b * q:][:, None],) if drafting else ()
-        out = self.fused.set_for(max(kn), len(seqs)).run(inp, extras, prepare)
+        out = FusedOut(*self.fused.set_for(max(kn), len(seqs)).run(inp, extras, prepare))
         self.fused_runs += 1
         # Outputs live in the graph pool, which the next replay overwrites: the host reads a
         # copy, and a continuation reads this step's outputs before its own replay. A step
         # that verified and drafted nothing (K=0) accepted nothing: only its tokens are read.
-        # Where the device may cut the verify short (`fused.CUT_PROB`), the drafts each
-        # sequence verified follow the accepted counts.
-        counts = out[1]
-        tried = counts.dim() == 2  # [accepted, verified] per sequence
-        if q == 1 and len(out) == 2:
-            flat = out[0]
+        if q == 1 and out.drafts is None:
+            flat = out.argmax
         else:
-            flat = torch.cat([out[0]] +
-                             ([counts[0, :b], counts[1, :b]] if tried else [counts[:b]]) +
-                             ([out[2][:b].reshape(-1)] if len(out) > 2 else []))
-        return FusedHandle(seqs, kcur, kn, q, out, flat, self.stager.fetch(flat),
-                           tried=tried)
+            flat = torch.cat([out.argmax, out.accepted[:b]] +
+                             ([out.drafts[:b].reshape(-1)] if out.drafts is not None else []))
+        return FusedHandle(seqs, kcur, kn, q, out, flat, self.stager.fetch(flat))
 
     def fused_finish(self, h: FusedHandle):
         """Wait for a launched fused step; ({entry: (k, VerifyResult)}, {entry: drafts})."""
         flat = h.fetch()
         b, q, kcur, kn = len(h.seqs), h.q, h.kcur, h.kn
         grid = flat[: b * q]
-        head = b * q + (2 * b if h.tried else b)  # where the drafts start
+        head = b * q + b  # where the drafts start
         if len(flat) == b * q:  # a K=0 step: its tokens only (`_launch`)
             nacc, width = [0] * b, 0
         else:
-            nacc, width = flat[b * q : b * q + b], (len(flat) - head) // b
-        # drafts verified: fewer than sent where the device cut them (`fused.CUT_PROB`)
-        tried = flat[b * q + b : head] if h.tried else [None] * b
+            nacc, width = flat[b * q : head], (len(flat) - head) // b
         results, drafts = {}, {}
         for j in range(b):
             n = nacc[j]
-            results[j] = (kcur[j], VerifyResult(grid[j * q : j * q + n + 1], n, tried[j]))
+            results[j] = (kcur[j], VerifyResult(grid[j * q : j * q + n + 1], n))
             d0 = head + j * width
             drafts[j] = flat[d0 : d0 + kn[j]]
         return results, drafts
@@ -363,9 +319,8 @@ class SpecRunner:
                                      range(1, self.spec.num_tokens + 2), max_blocks,
                                      extras=((width, dt),), pool=self.graphs.pool)
         # The head over prompt chunks, padded up to the target's captured chunk lengths:
-        # under steady load a new arrival's chunk comes nearly every step, and its head step
-        # run eagerly launched every kernel of the layer from Python (at 64 streams on the
-        # H200 the head's eager steps were a seventh of the step time at K=0).
+        # under steady load a new arrival's chunk comes nearly every step, and run eagerly
+        # its head step would launch every kernel of the layer from Python.
         self.prefill_graphs = prefill_graph_set(first, self.cfg.device, max_batch,
                                                 self.spec.num_tokens + 1, max_blocks,
                                                 extras=((width, dt),), pool=self.graphs.pool)
@@ -526,12 +481,3 @@ class SpecRunner:
         embeds = self.model.embed_tokens(ids)
         return self.head(embeds, hidden.to(embeds.dtype), p, self.kv, meta)
 
-
-def _at_least(hist: list[int]) -> list[int]:
-    """[sum(hist[i + 1:]) for i in range(len(hist) - 1)]: of counts by value 0..n, how many
-    exceed each position 0..n-1."""
-    out, total = [0] * (len(hist) - 1), 0
-    for i in range(len(hist) - 1, 0, -1):
-        total += hist[i]
-        out[i - 1] = total
-    return out

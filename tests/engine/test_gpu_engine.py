@@ -166,7 +166,7 @@ def test_arrivals_prefilled_beside_the_step_in_flight_are_lossless(random_smol, 
     assert eng.capture_graphs(range(1, len(prompts) + 1)) > 0
     assert _staggered(eng, prompts, params) == ref
     assert eng.admitted_in_flight >= 3 and eng.pipe.joined_runs > 0
-    assert eng._inflight is None and not eng._deferred
+    assert eng.overlap.inflight is None and not eng.overlap.deferred
     eng.blocks.check_all_free()
 
 
@@ -176,7 +176,7 @@ def test_continuations_compile_nothing_after_capture(random_smol):
     compile nothing more, and output stays lossless."""
     from engine import SamplingParams
     from engine.config import SpecConfig
-    from engine.spec.fused import compiled_continuations
+    from engine.spec.fused_kernels import compiled_continuations
 
     params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True)
               for i in range(len(PROMPTS))]

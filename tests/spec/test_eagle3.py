@@ -17,6 +17,7 @@ from engine.config import SpecConfig
 from engine.spec.eagle3 import Eagle3Head, load_head, save_head
 from engine.spec.runtime import Span
 from engine.testing import random_head, tiny_engine
+from engine.warmup import split_max_seqs
 
 
 def spec_engine(base: Engine, head: Eagle3Head | None, **spec) -> Engine:
@@ -200,7 +201,7 @@ def test_fast_path_drafts_like_the_reference(dynamic, k=3):
     # Long-context (split-KV) variants on request (by default when max_model_len passes
     # `long_context`): the same keys again with the flag set, for the buckets few enough to
     # split (the CPU counts as 8 multiprocessors), nothing twice.
-    split_max = fast._split_max_seqs()
+    split_max = split_max_seqs(fast)
     assert split_max == 7 // fast.config.model.num_kv_heads
     n = fast.capture_graphs([2, 3], long_context=True)
     assert n == per_bucket * sum(b <= split_max for b in (2, 4))
@@ -232,14 +233,10 @@ def fast_engine(base: Engine, head: Eagle3Head, max_batch: int = 8, num_blocks=N
 
 
 @CPU_ONLY
-def test_fused_step_equals_the_step_by_step_path(monkeypatch, k=3):
+def test_fused_step_equals_the_step_by_step_path(k=3):
     """Verify + head + draft chain as one graph (engine/spec/fused.py): in lockstep with the
     step-by-step path, every step leaves the same tokens, KV progress and next drafts, for
-    sequences whose drafts are accepted partly, fully or not at all (every draft verified:
-    the step-by-step path has no device cut)."""
-    from engine.spec import fused as fused_mod
-
-    monkeypatch.setattr(fused_mod, "CUT_PROB", 0.0)
+    sequences whose drafts are accepted partly, fully or not at all."""
     base = tiny_engine(0, max_num_batched_tokens=64)
     head = random_head(base)
     prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 2 for i in range(3)]
@@ -265,21 +262,22 @@ def test_fused_step_equals_the_step_by_step_path(monkeypatch, k=3):
                 y = e.seqs[r]
                 assert (x.token_ids, x.num_computed, x.draft) == (y.token_ids,
                                                                    y.num_computed, y.draft)
-    assert fused.spec.fused_runs >= 8 and overlap._inflight is not None
+    assert fused.spec.fused_runs >= 8 and overlap.overlap.inflight is not None
     assert overlap.spec.fused_runs > fused.spec.fused_runs  # one step ahead
     for e in engines[1:]:
         assert e.spec.stats.accepted_per_pos == step.spec.stats.accepted_per_pos
     assert 0 < sum(fused.spec.stats.accepted_per_pos) < sum(fused.spec.stats.drafted_per_pos)
     before = {r: len(overlap.seqs[r].token_ids) for r in (rids[2] for rids in ids)}
     overlap.abort(ids[0][2])  # drains the step in flight: the others' tokens wait in a carry
-    assert overlap._inflight is None and not overlap._deferred and overlap.has_unfinished()
+    assert overlap.overlap.inflight is None and not overlap.overlap.deferred
+    assert overlap.has_unfinished()
     carried = overlap.step()
     assert {o.request_id for o in carried} >= {rids[2] for rids in ids[1:]}
     assert all(len(overlap.seqs[rids[2]].token_ids) > before[rids[2]] for rids in ids[1:])
     for rids in ids:
         for e, r in zip(engines, rids):
             e.abort(r)  # the overlapped engine drains its step in flight first
-    assert overlap._inflight is None and not overlap._deferred
+    assert overlap.overlap.inflight is None and not overlap.overlap.deferred
     for e in engines:
         e.blocks.check_all_free()
 
@@ -301,16 +299,16 @@ def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, beside, k=4):
     ref = [c.token_ids for c in base.generate(prompts, params)]
     eng = fast_engine(base, head, num_tokens=k, dynamic=dynamic, num_blocks=num_blocks,
                       admit_in_flight=beside)
-    split, plain_split = [], eng._step_split
-    eng._step_split = lambda batch, dec: (split.append(len(dec)), plain_split(batch, dec))[1]
-    beside_drafts, read_beside = [], eng._read_beside
+    split, plain_split = [], eng.stepper.split
+    eng.stepper.split = lambda batch, dec: (split.append(len(dec)), plain_split(batch, dec))[1]
+    beside_drafts, read_beside = [], eng.overlap.read_beside
 
     def read(batch, *a):  # drafts an arrival carries out of its prefill beside the step
         outs = read_beside(batch, *a)
         beside_drafts.extend(len(s.draft) for s in batch.seqs)
         return outs
 
-    eng._read_beside = read
+    eng.overlap.read_beside = read
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
     for _ in range(4):
         eng.step()
@@ -319,7 +317,7 @@ def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, beside, k=4):
     overlapped = 0
     while eng.has_unfinished():
         eng.step()
-        overlapped += eng._inflight is not None
+        overlapped += eng.overlap.inflight is not None
     assert [seqs[r].output_ids for r in rids] == ref
     assert eng.spec.fused_runs > 0 and overlapped > 0
     # Requests finishing mid-pipeline drop out of the next launch instead of draining it.
@@ -336,7 +334,7 @@ def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, beside, k=4):
             assert all(seqs[r].num_drafted > 0 for r in rids[3:])
     else:  # arrivals prefilled beside fused decodes, in the same step, after a drain
         assert split and eng.admitted_in_flight == 0
-    assert eng._inflight is None and not eng._deferred
+    assert eng.overlap.inflight is None and not eng.overlap.deferred
     assert (eng.scheduler.num_preemptions > 0) == (num_blocks is not None)
     eng.blocks.check_all_free()
 
@@ -425,43 +423,6 @@ def test_chain_step_folds_lookup_and_residual_without_changing_a_number(rows, dt
 
 
 @CPU_ONLY
-@pytest.mark.parametrize("dynamic", [False, True])
-def test_folded_chain_leaves_the_fused_steps_unchanged(monkeypatch, dynamic):
-    """`fused.FOLD_CHAIN` and `fused.FUSED_ACCEPT` on and off, step for step: the same
-    tokens, KV progress, drafts and acceptance, with the folded chain steps and the one-launch
-    bookkeeping actually taken (dynamic K: steps at K=0 too)."""
-    from engine.spec import fused as fused_mod
-
-    base, head, prompts, sp, ref = looping_setup(3, 2, 24)
-    on = fast_engine(base, head, num_tokens=4, dynamic=dynamic, overlap=False)
-    off = fast_engine(base, head, num_tokens=4, dynamic=dynamic, overlap=False)
-    calls, accepts = [], []
-    real, real_accept = Eagle3Head.chain_step, fused_mod.accept
-    monkeypatch.setattr(Eagle3Head, "chain_step",
-                        lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
-    monkeypatch.setattr(fused_mod, "accept",
-                        lambda *a, **kw: accepts.append(1) or real_accept(*a, **kw))
-    ids = [(on.add_request(p, sp), off.add_request(p, sp)) for p in prompts]
-    while on.has_unfinished() or off.has_unfinished():
-        for eng, fold in ((on, True), (off, False)):
-            monkeypatch.setattr(fused_mod, "FOLD_CHAIN", fold)
-            monkeypatch.setattr(fused_mod, "FUSED_ACCEPT", fold)
-            before = len(calls), len(accepts)
-            eng.step()
-            assert fold or (len(calls), len(accepts)) == before  # off: the torch kernels
-        for a, b in ids:
-            if a in on.seqs and b in off.seqs:
-                x, y = on.seqs[a], off.seqs[b]
-                assert (x.token_ids, x.num_computed, x.draft) == (y.token_ids, y.num_computed,
-                                                                   y.draft)
-    assert calls and accepts and on.spec.fused_runs > 0
-    assert on.spec.stats.accepted_per_pos == off.spec.stats.accepted_per_pos
-    assert sum(on.spec.stats.accepted_per_pos) > 0
-    for e in (on, off):
-        e.blocks.check_all_free()
-
-
-@CPU_ONLY
 def test_fused_argmax_leaves_the_fused_steps_unchanged(monkeypatch):
     """`ops.FUSED_ARGMAX` on and off, step for step (each chained draft's argmax folded into
     its LM head's GEMV, the tokens decoded by the next step's input norm): the same tokens,
@@ -491,33 +452,6 @@ def test_fused_argmax_leaves_the_fused_steps_unchanged(monkeypatch):
     assert sum(on.spec.stats.accepted_per_pos) > 0
     for e in (on, off):
         e.blocks.check_all_free()
-
-
-@CPU_ONLY
-def test_device_cut_verifies_fewer_drafts_and_stays_lossless(monkeypatch):
-    """`fused.CUT_PROB`: the overlapped fused step verifies a sequence's drafts only while
-    the product of the head's probabilities holds, so fixed K=4 steps verify 1-3 drafts
-    too; output still equals plain decoding, stats count the drafts verified (none were
-    accepted past the cut), and every block comes back."""
-    from engine.spec import fused as fused_mod
-
-    base, head, prompts, sp, ref = looping_setup(3, 2, 24)
-    top = max(set(sum(ref, [])), key=sum(ref, []).count)
-    with torch.no_grad():  # right whenever the target repeats its favourite token
-        head.d2t.copy_(top - torch.arange(head.d2t.numel()))
-    hist = {}
-    for cut in (0.0, 0.01):
-        monkeypatch.setattr(fused_mod, "CUT_PROB", cut)
-        eng = fast_engine(base, head, num_tokens=4, dynamic=False, context_drafts=False)
-        assert [c.token_ids for c in eng.generate(prompts, sp)] == ref
-        st = eng.spec.stats
-        hist[cut] = st.drafted_hist
-        assert eng.spec.overlapped_runs > 0 and sum(st.accepted_per_pos) > 0
-        assert all(a <= d for a, d in zip(st.accepted_per_pos, st.drafted_per_pos))
-        eng.blocks.check_all_free()
-    # without the cut only the ends of requests verify fewer than 4 drafts
-    assert sum(hist[0.01][1:4]) > 2 * sum(hist[0.0][1:4])
-    assert hist[0.01][4] < hist[0.0][4] / 2
 
 
 @CPU_ONLY

@@ -1,6 +1,7 @@
-"""The fused step's continuation inputs (engine/spec/fused.py): the one-launch Triton kernel
-writes exactly what the torch ops of `continuation` write, for every draft count, with and
-without a row selection (requests that finished dropping out)."""
+"""The fused step's device bookkeeping (engine/spec/fused_kernels.py): the one-launch Triton
+kernels write exactly what the torch ops of `continuation`, `chain_positions` and `accept`
+write, for every draft count, with and without a row selection (requests that finished
+dropping out)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from engine.attention import triton_available
-from engine.spec.fused import continuation, continue_inputs
+from engine.spec.fused import continuation
+from engine.spec.fused_kernels import FusedOut, continue_inputs
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
 
@@ -22,43 +24,25 @@ def buffers(rows: int, seqs: int, max_blocks: int):
     return torch.full((rows,), 9, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64), meta
 
 
-@pytest.mark.parametrize("pq,q,with_drafts,keep,cut", [
-    (1, 1, False, None, None),  # K=0 after K=0
-    (4, 1, True, None, None),  # back to K=0 after drafting
-    (1, 4, True, None, None),  # drafting after K=0
-    (4, 8, True, [0, 2, 3], None),  # deeper, two of five rows dropped
-    (8, 4, True, [4, 1], None),  # shallower, reordered subset
-    (4, 8, True, None, "head"),  # drafts cut where their probability falls (CUT_PROB)
-    (8, 8, True, [4, 1, 0], "context"),  # and the context's copies never cut
+@pytest.mark.parametrize("pq,q,with_drafts,keep", [
+    (1, 1, False, None),  # K=0 after K=0
+    (4, 1, True, None),  # back to K=0 after drafting
+    (1, 4, True, None),  # drafting after K=0
+    (4, 8, True, [0, 2, 3]),  # deeper, two of five rows dropped
+    (8, 4, True, [4, 1]),  # shallower, reordered subset
 ])
-def test_kernel_writes_what_the_torch_continuation_writes(pq, q, with_drafts, keep, cut,
-                                                          monkeypatch):
-    from engine.spec import fused
-
-    monkeypatch.setattr(fused, "CUT_PROB", 0.3)
+def test_kernel_writes_what_the_torch_continuation_writes(pq, q, with_drafts, keep):
     g = torch.Generator().manual_seed(pq * 10 + q)
     pb, bs, max_blocks, width = 5, 4, 12, 7
     rows = list(range(pb)) if keep is None else keep
     b = len(rows)
     grid = torch.randint(0, 1000, (pb * pq + 3,), generator=g)
     nacc = torch.randint(0, pq, (pb + 2,), generator=g)
-    out = (grid, nacc)
-    if with_drafts:
-        out += (torch.randint(0, 1000, (pb + 2, width), generator=g),)
-    if cut:  # per draft column the head's probabilities [width, bucket], one of them 0
-        pd = torch.rand(width, pb + 2, generator=g) ** 0.3
-        pd[2, rows[0]] = 0.0  # the first row's third draft: cut there (or at its copy's end)
-        out += (pd,)
-        if cut == "context":
-            ctx = torch.randint(0, width + 1, (pb + 2,), generator=g)
-            ctx[rows[0]] = 4  # copied past the zero: its cut comes later, here
-            pd[5, rows[0]] = 0.0
-            out += (ctx,)
+    drafts = torch.randint(0, 1000, (pb + 2, width), generator=g) if with_drafts else None
+    out = FusedOut(grid, nacc, drafts)
     prev = SimpleNamespace(q=pq, seqs=[None] * pb, out=out)
     computed = torch.randint(0, 20, (b,), generator=g)
     kc = torch.randint(0, q, (b,), generator=g)
-    if cut:
-        kc[0] = q - 1  # some sequence that sends all its drafts
     state = torch.cat([computed, kc])
     sel = None if keep is None else torch.tensor(keep)
     tables = torch.randint(1, 100, (b, max_blocks), generator=g, dtype=torch.int32)
@@ -72,27 +56,14 @@ def test_kernel_writes_what_the_torch_continuation_writes(pq, q, with_drafts, ke
     assert torch.equal(got[2].slot_mapping, want[2].slot_mapping)
     assert torch.equal(got[2].seq_lens, want[2].seq_lens)
     real = (want[2].slot_mapping[: b * q] >= 0).view(b, q).sum(dim=1)
-    if not cut:
-        assert torch.equal(real, kc + 1)
-        return
-    # the cut by hand: leading drafts while the product of their probabilities holds
-    for j, src in enumerate(rows):
-        p, keep_n = 1.0, 0
-        ctx = int(out[4][src]) if cut == "context" else 0
-        for c in range(min(width, q - 1)):
-            p *= 1.0 if c < ctx else float(out[3][c, src])
-            if p < 0.3:
-                break
-            keep_n += 1
-        assert int(real[j]) == 1 + min(int(kc[j]), keep_n), (j, src)
-    assert (real < kc + 1).any()  # something was cut
+    assert torch.equal(real, kc + 1)
 
 
 def test_chain_positions_kernel_equals_the_torch_ops():
     """A chained draft step's positions, KV slots and context lengths: the one-launch kernel
     gives what the torch ops give, for rows whose k ends before, at and after step s, padded
     rows (no queries), a position past the table's last column, and a strided k."""
-    from engine.spec.fused import chain_positions
+    from engine.spec.fused_kernels import chain_positions
 
     kq = torch.tensor([[3, 9], [1, 9], [5, 9], [0, 9], [4, 9]])  # k per row: column 0
     k = kq[:, 0]
@@ -123,15 +94,15 @@ def test_kernel_launched_past_the_jit_writes_the_same():
     """On the GPU, launches after a variant's first skip Triton's binding (`FastLaunch`) and
     still write what the torch ops write, step after step with new values."""
     from engine.attention.triton_backend import FastLaunch
-    from engine.spec import fused
+    from engine.spec import fused_kernels
 
     dev, pq, q, pb, bs, max_blocks = "cuda", 4, 4, 6, 16, 9
-    fast = getattr(fused._continue_launch, "fast", 0)
+    fast = getattr(fused_kernels._continue_launch, "fast", 0)
     for step in range(3):
         g = torch.Generator().manual_seed(step)
-        out = (torch.randint(0, 1000, (pb * pq,), generator=g),
-               torch.randint(0, pq, (pb,), generator=g),
-               torch.randint(0, 1000, (pb, q - 1), generator=g))
+        out = FusedOut(torch.randint(0, 1000, (pb * pq,), generator=g),
+                       torch.randint(0, pq, (pb,), generator=g),
+                       torch.randint(0, 1000, (pb, q - 1), generator=g))
         state = torch.cat([torch.randint(0, 40, (pb,), generator=g),
                            torch.randint(0, q, (pb,), generator=g)])
         tables = torch.randint(1, 500, (pb, max_blocks), generator=g)
@@ -143,25 +114,25 @@ def test_kernel_launched_past_the_jit_writes_the_same():
             seq_lens=want[2].seq_lens.to(dev)),)
         prev = SimpleNamespace(q=pq, seqs=[None] * pb, out=out)
         continuation(prev, state, pb, q, bs)(*want)
-        continue_inputs(tuple(x.to(dev) for x in out), pq, pb, None, state.to(dev), pb, q, bs,
-                        *got)
+        continue_inputs(FusedOut(*(x.to(dev) for x in out)), pq, pb, None, state.to(dev), pb,
+                        q, bs, *got)
         torch.cuda.synchronize()
         for x, y in ((got[0], want[0]), (got[1], want[1]),
                      (got[2].slot_mapping, want[2].slot_mapping),
                      (got[2].seq_lens, want[2].seq_lens)):
             assert torch.equal(x.cpu(), y)
-    if isinstance(fused._continue_launch, FastLaunch):  # (Triton without it: the JIT's)
-        assert fused._continue_launch.fast >= fast + 2
+    if isinstance(fused_kernels._continue_launch, FastLaunch):  # (else: the JIT's launch)
+        assert fused_kernels._continue_launch.fast >= fast + 2
 
 
 @pytest.mark.parametrize("b,q", [(1, 1), (3, 1), (1, 8), (5, 4), (13, 6), (64, 8)])
 def test_accept_kernel_equals_the_torch_ops(b, q):
-    """The verify's bookkeeping in one launch (`fused.accept`) writes what the torch ops it
+    """The verify's bookkeeping in one launch (`accept`) writes what the torch ops it
     replaces write: accepted counts (none, some, all), the head's KV slots (rows past the
     last accepted and rows that store nothing at -1), chain start, the target's token after
     the accepted drafts, its row, live sequences (a padded bucket's empty ones too) and the
     chain's query starts."""
-    from engine.spec.fused import accept
+    from engine.spec.fused_kernels import accept
 
     g = torch.Generator().manual_seed(b * 100 + q)
     am = torch.randint(0, 6, (b * q,), generator=g)
@@ -182,13 +153,6 @@ def test_accept_kernel_equals_the_torch_ops(b, q):
     got = accept(am, ids, slots, pos, lens, b, q, kernel=True)
     for r, x in zip(ref, got):
         assert r.dtype == x.dtype and torch.equal(r, x)
-    # with the drafts each sequence verified after the counts: its rows storing KV, less one
-    ref2 = accept(am, ids, slots, pos, lens, b, q, kernel=False, tried=True)
-    got2 = accept(am, ids, slots, pos, lens, b, q, kernel=True, tried=True)
-    for r, x in zip(ref2, got2):
-        assert r.dtype == x.dtype and torch.equal(r, x)
-    assert torch.equal(got2[0][0], got[0])
-    assert torch.equal(got2[0][1], (slots.view(b, q) >= 0).sum(dim=1) - 1)
     nacc = ref[0]
     if q > 1:  # what was planted, where the rows store KV; some sequences accept something
         assert nacc.max() > 0 and (nacc < q).all()
