@@ -92,6 +92,9 @@ class RouterSection(_Section):
     # a stream whose prefill or decode actor dies moves to live (or restarted) actors and goes
     # on where it stopped, at most this many times (0: the stream fails with the worker)
     resume_attempts: int = 3
+    # share of finished greedy requests that speculated re-run without speculation, off the
+    # request path, to check that output did not drift (router/shadow.py); 0: off
+    shadow_sample: float = 0.0
 
     def _validate(self) -> None:
         _port("port", self.port)
@@ -102,6 +105,8 @@ class RouterSection(_Section):
             _require(getattr(self, key) >= 1, f"{key} must be >= 1, got {getattr(self, key)}")
         _require(self.max_requests_per_client >= 0,
                  f"max_requests_per_client must be >= 0, got {self.max_requests_per_client}")
+        _require(0 <= self.shadow_sample <= 1,
+                 f"shadow_sample must be in 0..1, got {self.shadow_sample}")
         _require(self.drain_grace_s >= 0, f"drain_grace_s must be >= 0, got {self.drain_grace_s}")
         for key in ("request_timeout_s", "max_queue_wait_s", "worker_loss_exit_s"):
             _require(getattr(self, key) > 0, f"{key} must be > 0, got {getattr(self, key)}")

@@ -98,6 +98,11 @@ class Metrics:
             c, "tandem_stream_continuations_total",
             "Calls that continued a client's broken stream (GenerateRequest.continuation: its "
             "router died or its connection dropped) after the tokens it had received.")
+        self.shadow_checks = self._metric(
+            c, "tandem_shadow_checks_total",
+            "Greedy requests re-run without speculation to check for drift, by outcome: match, "
+            "mismatch (the outputs differ), skipped (a check was running), failed.",
+            ("outcome",))
         self.engine_steps = self._metric(
             c, "tandem_engine_steps_total",
             "Engine steps by path: overlapped (a one-graph decode step launched before the "

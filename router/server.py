@@ -23,6 +23,7 @@ from engine.metrics import RequestTimer
 from router.admission import Admission
 from router.convert import FINISH, continuation_of, prompt_of, sampling_of, spec_cap_of
 from router.limits import Limits, clip, detail
+from router.shadow import ShadowCheck
 from tandem_proto.v1 import generation_pb2 as pb
 from tandem_proto.v1 import generation_pb2_grpc as pb_grpc
 
@@ -48,8 +49,9 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     def __init__(self, backend, metrics=None, max_inflight: int = 1024, *,
                  admission: Admission | None = None, limits: Limits | None = None,
-                 request_timeout_s: float | None = None):
+                 request_timeout_s: float | None = None, shadow_sample: float = 0.0):
         self.backend, self.metrics = backend, metrics
+        self.shadow = ShadowCheck(backend, shadow_sample, metrics)
         self.admission = admission or Admission(max_inflight)
         self.limits = limits or Limits()
         self.request_timeout_s = request_timeout_s
@@ -68,6 +70,7 @@ class GenerationService(pb_grpc.GenerationServicer):
     def from_config(cls, backend, router, metrics=None) -> GenerationService:
         """The service a topology's router section (`cluster.config.RouterSection`) asks for."""
         return cls(backend, metrics, request_timeout_s=router.request_timeout_s,
+                   shadow_sample=router.shadow_sample,
                    limits=Limits(max_prompt_chars=router.max_prompt_chars),
                    admission=Admission(router.max_concurrent_requests,
                                        router.max_queued_requests, router.max_queue_wait_s,
@@ -138,6 +141,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         # (cancelled, or a broken call this one continues) may still be winding down on the
         # workers, its cancel in flight.
         eid = f"{rid}.{next(self._calls)}"
+        shadow = self.shadow.wants(params, cap, resume is not None)
+        made: list[int] = []  # the tokens streamed, for the drift check
         outs = self.backend.generate(eid, ids, params, cap, resume=resume).__aiter__()
         closing = asyncio.ensure_future(self._closing.wait())
         try:
@@ -150,10 +155,14 @@ class GenerationService(pb_grpc.GenerationServicer):
                     first = time.perf_counter()
                 if timer is not None and out.token_ids:
                     timer.token(len(out.token_ids))
+                if shadow:
+                    made += out.token_ids
                 resp = pb.GenerateResponse(request_id=rid, text=out.text,
                                            token_ids=out.token_ids)
                 if out.finished:
                     status = out.finish_reason or "stop"
+                    if shadow and status in ("stop", "length"):
+                        self.shadow.offer(eid, ids, params, made)
                     resp.finish_reason = FINISH.get(status, pb.FINISH_REASON_ERROR)
                     resp.usage.CopyFrom(pb.Usage(
                         prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
@@ -257,6 +266,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)
+        self.shadow.close()
 
 
 class Health:
