@@ -1,75 +1,55 @@
-"""Dynamic K: how many tokens to draft for a sequence, from its measured acceptance and the
-batch size, down to 0 (plain decode) when speculation stops paying."""
+"""Dynamic K: how many tokens to draft for a sequence or a fused batch, from its measured
+acceptance and the step costs measured at its batch size (engine/spec/costs.py), down to 0
+(plain decode) when speculation stops paying."""
 
 from __future__ import annotations
 
-import statistics
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 
 import numpy as np
 
 from engine.config import SpecConfig
 from engine.sequence import Sequence
+from engine.spec.costs import STALL, StepCosts
 
+# STALL: bench/fig3_concurrency.py reads it from here.
+__all__ = ["STALL", "KPolicy", "StepCosts", "fold_verify"]
+
+# Probes: a policy that stopped drafting must still notice when drafting would pay again,
+# and the plain step time it compares against must stay current.
 PROBE_EVERY = 8  # a sequence at K=0 drafts one token this often, to notice recovery
 BATCH_PROBE_EVERY = 32  # a whole fused batch at K=0 drafts one token this often...
 SMALL_BATCH = 8  # ...or, at this many sequences or fewer, every PROBE_EVERY steps
 PLAIN_PROBE_EVERY = 64  # every this many steps, PROBE_LEN steps without drafts time a plain step
 PROBE_LEN = 4  # steps a probe lasts: its first ones are transitions, the rest get timed
-# Where drafting measured at least PROBE_RELAX_GAIN times plain decoding's tokens/s (the
-# measured gain, `StepCosts.measured_gain`), plain probes come PROBE_RELAX times further
-# apart: each probe step gives up most of a drafting step's tokens, and far from the
-# break-even a fresher plain time changes no K. With the 7168-id head's answers, dynamic K
-# at one stream replayed at the H200's step prices (`bench.draft_oracle.live_rule`, bf16
-# / float32 answers, figure 1 and 12 other prompts) read +1.6 / +2.8 / +2.5 / +0.1% with
-# 1.5 and 4 (no probes at all: +3.0 / +3.0 / +1.1 / +0.1%). The gain needs fresh plain
-# samples (`StepCosts.STALE`): where they age out it reads None and probes tighten again.
+# Where drafting measured at least PROBE_RELAX_GAIN times plain decoding's tokens/s, plain
+# probes come PROBE_RELAX times further apart: each probe step gives up most of a drafting
+# step's tokens, and far from the break-even a fresher plain time changes no K.
 PROBE_RELAX_GAIN = 1.5
 PROBE_RELAX = 4
+
+# Margins: no switching K for a win within the model's error.
 MARGIN = 1.02  # a deeper K must beat the best shallower one by this factor
-# A fused batch leaves K=0 only for a predicted win of this factor: at 64 streams on the H200
-# a batch drafting on marginal predicted wins (K=1 at c ~ 0.5) ran 0.83x no-spec where one
-# held at K=0 ran 0.94x. Switching regimes costs what the 1 + f + K*c model does not price
-# (relaunches from host-packed inputs, the continuation's device-side rebuild of inputs).
+# A fused batch leaves K=0 only for a predicted win of this factor: switching regimes costs
+# what the 1 + f + K*c model does not price (relaunches from host-packed inputs).
 BATCH_START_MARGIN = 1.10
-MIN_DRAFTS = 1.0  # a step prices drafts only if it carried this many per sequence on average
-# Measured drafting tokens/s must reach this multiple of measured plain tokens/s at the batch's
-# bucket, or the batch decodes plainly whatever the step-cost model predicts (draft probes still
-# draft, so the comparison stays current). The model misses what drafting costs beyond a
-# steady step's time; on the H200 it kept a single stream drafting at 0.83x no-spec.
+
+# Measured overrides of the model, from tokens/s of steady steps of each kind at the batch's
+# bucket (`StepCosts.measured_gain`).
+# Below this gain the batch decodes plainly whatever the model predicts: the model misses
+# what drafting costs beyond a steady step's time.
 GAIN_FLOOR = 1.0
-# ...and the other way: where steady drafting steps measured at least this multiple of plain
-# steps' tokens/s at the batch's bucket, a fused batch the model would put at K=0 keeps
-# drafting, at the model's best K above 0. Figure 3 on the H200 (e638a0c): at 64 streams
-# drafting measured 1.27x plain, yet the model (its price per draft read 0.42 of a step, four
-# times the device's, the step's host work growing with the tokens it emits) held 315 of 600
-# steady steps at K=0 and ran 1.13x no-spec where fixed K=5 ran 1.29x; at one stream
-# (measured 1.78x) 230 of 523, 1.005x against 1.13x. (With drafts priced per draft alone
-# the model's best K above 0 was K=1, and at one stream that pick held the stream at K=1,
-# acceptance length 1.75, 0.80x no-spec: figure 3 at 4cba156; the fixed part StepCosts
-# now measures is what prices deep K right.)
+# At this gain or above, a fused batch the model would put at K=0 keeps drafting at the
+# model's best K above 0: the measured price of a draft also holds host work that grows with
+# the tokens a step emits, which the model takes for the device's.
 WIN_FLOOR = 1.10
-# A losing verdict (GAIN_FLOOR) reads only drafting steps of the last this many: it holds a
-# batch at K=0, where drafting is timed by draft probes alone, so older steps would keep it
-# there long after the stretch of text that drafted badly (on the H200 one stream held K=0
-# for 259 of ~580 steady steps and ran 1.08x no-spec where the next process, the same code,
-# held 88 and ran 1.25x). A winning verdict keeps its batch drafting, which renews its own
-# samples, so it reads the whole STALE window. `StepCosts.STALE` restores the old rule.
+# A losing verdict reads only drafting steps of the last this many: it holds the batch at
+# K=0, where only probes draft, so older steps would keep it there long after the text that
+# drafted badly. A winning verdict renews its own samples and reads the whole STALE window.
 LOSING_FRESH = 64
-# Whether drafting steps that switch K (they verify one K's drafts and propose another's) are
-# points of the cost fit. They are not: at one stream on the H200 the step after a retry
-# verified 1 draft and proposed 2 and took 2.2-2.9 plain steps, and at the line's shallow end
-# those made its slope <= 0, so all of drafting read as a fixed ~1.0 plain step and only K=7
-# at high acceptance beat K=0 (`bench.trace_replay` on fig3_c374fcc_a). True restores that.
-FIT_SWITCHES = False
-SWITCH_MARK = " switch"  # appended to a trace row's `how` where the step switched K
 
-
-def switched(how: str) -> bool:
-    """Whether a `StepCosts.trace` row's `how` marks a step that switched K."""
-    return how.endswith(SWITCH_MARK)
-
+# Acceptance estimates.
 ACCEPT_DECAY = 0.7  # per verify, of a sequence's accepted and tried draft counts
 # accept_model "runs": per-depth counts decay by this factor a verify (about the last ten
 # verifies count), and a depth's acceptance is shrunk toward the sequence's rate with this
@@ -78,265 +58,17 @@ RUNS_DECAY = 0.9
 RUNS_PRIOR = 2.0
 
 
-def _bucket(batch_size: int) -> int:
-    return 1 << max(batch_size - 1, 0).bit_length()
-
-
-class StepCosts:
-    """Measured step times per batch-size bucket (powers of two): a plain step's seconds, and
-    what drafting adds to it, relative to it: a fixed part (`fixed`: what any drafting step
-    pays, the head's launches and the host's extra work) and a price per draft per sequence
-    (`per_draft`). Measured, because the real overhead of speculating depends on the
-    machine and model far more than a configured guess can. The plain time is the lower
-    quartile of its last WINDOW samples (`_low`); drafting steps are kept per level (drafts
-    per sequence, as the fused step's padded graphs run them), the median of each level's
-    last LEVEL_WINDOW samples one point, and the two parts are the line through those
-    points (`_fit_line`), so one stalled step (a graph captured, a kernel compiled, the
-    host descheduled) cannot skew K.
-
-    Why two parts: on the H200 at one stream (figure 3's burst runs) every drafting step
-    took ~1.0 ms whatever its K (1..7) where a plain step took 0.55 ms: most of what
-    drafting cost did not grow with K. A price per draft alone,
-    read from K=1 steps, came to 0.9 of a step per draft and priced K=7 at 7.3 steps, so
-    the model held K=0 or 1 (acceptance length 1.75) where fixed K=5 ran 1.43x no-spec.
-
-    Only steps in a steady regime are timed: a step whose previous timed step was of the other
-    kind (plain after drafting, or drafting after plain) is a transition. Its step time holds
-    work neither regime pays once settled (a relaunch from host-packed inputs instead of a
-    continuation that only copies token ids), and with overlapped steps it also holds the
-    launch of the next one. Timing transitions as plain steps once made a plain step at 64
-    streams read 3.97 ms (a decode without speculation took 1.42 ms), and every draft look
-    cheap."""
-
-    WINDOW = 15
-    LEVEL_WINDOW = 8  # drafting steps kept per level (drafts per sequence)
-    # A sample this many recorded steps old no longer counts: the costs follow the load (at
-    # one stream figure 3's burst steps ran ~1.0 ms where its steady ones ran 0.65), and a
-    # measurement from a stretch of text the head drafted badly must not hold a bucket at
-    # K=0 after it (on the H200 one stream ran 360 of 570 steady steps at K=0 on a
-    # drafting rate read 100 steps into the run, 0.85x no-spec). A bucket whose drafting
-    # was not timed that long prices drafts by the configured guess again.
-    STALE = 256
-    # Steps behind the measured tokens/s of each kind: a drafting step emits 1..K+1 tokens
-    # per sequence, so its rate needs more samples than its time does.
-    RATE_WINDOW = 32
-    MIN_RATE_SAMPLES = 2  # fresh steps of each kind before a measured gain is read
-
-    def __init__(self) -> None:
-        self.plain: dict[int, float] = {}
-        self.per_draft: dict[int, float] = {}
-        self.fixed: dict[int, float] = {}
-        self._plain: dict[int, deque] = {}
-        # bucket -> drafts per sequence -> (record number, seconds) of steady drafting steps
-        self._drafted: dict[int, dict[float, deque]] = {}
-        self._drafted_at: dict[int, int] = {}  # bucket -> record number of its last one
-        self._fit_at: dict[int, int] = {}  # bucket -> record number `_fit` last ran at
-        # (bucket, drafting steps' age limit) -> (record number, `measured_gain`)
-        self._gains: dict[tuple[int, int], tuple] = {}
-        self._n = 0  # steps recorded
-        # (bucket, plain?) -> (record number, tokens per sequence, seconds) of the last
-        # RATE_WINDOW steady steps (per sequence: a bucket spans batch sizes, and in a burst's
-        # tail the plain probes ran at the larger ones, the drafting steps at the smaller)
-        self._rates: dict[tuple[int, bool], deque] = {}
-        # (bucket, drafts per sequence) -> the same for steady drafting steps of each level
-        self._level_rates: dict[tuple[int, float], deque] = {}
-        self._last: tuple[int, bool] | None = None  # (bucket, plain?) of the last step seen
-        # When a list: every step offered to the model, (batch size, drafts per sequence,
-        # seconds, tokens, how the step ran, timed?) - for benchmarks reading what it saw.
-        self.trace: list | None = None
-
-    def record(self, batch_size: int, drafts_per_seq: float, seconds: float,
-               tokens: int | None = None, how: str = "", switch: bool = False) -> None:
-        """One pure decode step: `drafts_per_seq` drafts verified and proposed per sequence
-        on average (0: a plain step), `tokens` emitted. Draft steps are kept raw and priced
-        against the current plain time, so those seen before the first plain step count
-        too. `switch`: a drafting step whose K differs from the one before (a fused step
-        verifying one K's drafts and proposing another's): it counts toward the measured
-        tokens/s but is no point of the cost fit (`FIT_SWITCHES`)."""
-        b = _bucket(batch_size)
-        self._n += 1
-        # (With a few drafts spread over many sequences, timing noise divided by a small
-        # count would pass for the price of a draft: such steps are neither kind.)
-        kind = (b, drafts_per_seq == 0) if drafts_per_seq == 0 or drafts_per_seq >= MIN_DRAFTS \
-            else None
-        steady, self._last = kind is not None and kind == self._last, kind
-        if self.trace is not None:
-            self.trace.append((batch_size, round(drafts_per_seq, 3), round(seconds * 1e3, 4),
-                               tokens, how + SWITCH_MARK if switch else how, steady))
-        if not steady:
-            return
-        if tokens is not None and seconds > 0:
-            sample = (self._n, tokens / batch_size, seconds)
-            _window(self._rates, kind, sample, self.RATE_WINDOW)
-            if drafts_per_seq:
-                _window(self._level_rates, (b, drafts_per_seq), sample, self.RATE_WINDOW)
-        if drafts_per_seq == 0:
-            self.plain[b] = _low(_window(self._plain, b, seconds))
-        else:
-            if FIT_SWITCHES or not switch:
-                _window(self._drafted.setdefault(b, {}), drafts_per_seq, (self._n, seconds),
-                        self.LEVEL_WINDOW)
-            self._drafted_at[b] = self._n
-
-    def _fit(self, b: int) -> None:
-        """`fixed` and `per_draft` at bucket b from its fresh drafting levels; run when read
-        (a fixed-K engine, which records steps but never reads them, pays nothing), at most
-        once per recorded step."""
-        if self._fit_at.get(b) == self._n:
-            return
-        self._fit_at[b] = self._n
-        if b not in self.plain or not self._drafted.get(b):
-            return
-        p = self.plain[b]
-        points = [(d, statistics.median(t for _, t in w) / p - 1.0, len(w))
-                  for d, w in self._drafted[b].items() if self._n - w[-1][0] <= self.STALE]
-        if points:
-            self.fixed[b], self.per_draft[b] = _fit_line(points)
-
-    def untimed(self, batch_size: int, seconds: float, how: str) -> None:
-        """A step the model does not price (a prefill beside it, entries that did not verify
-        and draft), seen only by the trace."""
-        if self.trace is not None:
-            self.trace.append((batch_size, None, round(seconds * 1e3, 4), None, how, False))
-
-    def _stale(self, b: int) -> bool:
-        return b in self._drafted_at and self._n - self._drafted_at[b] > self.STALE
-
-    def per_token(self, batch_size: int) -> float | None:
-        """The measured price of a draft per sequence at this batch size's bucket; None
-        until timed, or where drafting was not timed for STALE steps."""
-        b = _bucket(batch_size)
-        self._fit(b)
-        return None if self._stale(b) else self.per_draft.get(b)
-
-    def fixed_cost(self, batch_size: int) -> float:
-        b = _bucket(batch_size)
-        self._fit(b)
-        return 0.0 if self._stale(b) else self.fixed.get(b, 0.0)
-
-    def fitted(self) -> StepCosts:
-        """Every bucket's `fixed` and `per_draft` brought up to date (for reports)."""
-        for b in list(self._drafted):
-            self._fit(b)
-        return self
-
-    def measured_gain(self, batch_size: int, fresh: int | None = None) -> float | None:
-        """Tokens/s per sequence of steady drafting steps over that of steady plain steps at
-        this batch size's bucket (`_rate`), from steps of the last STALE (drafting steps: of
-        the last `fresh`, if given); None until both kinds have MIN_RATE_SAMPLES there. Read
-        at most once per recorded step, bucket and `fresh` (a fused step's K asks it twice:
-        losing, then winning)."""
-        b = _bucket(batch_size)
-        ages = (self.STALE if fresh is None else min(fresh, self.STALE), self.STALE)
-        hit = self._gains.get((b, ages[0]))
-        if hit is not None and hit[0] == self._n:
-            return hit[1]
-        gain = None
-        rates = []
-        for plain in (False, True):
-            age = ages[plain]
-            recent = [(tok, sec) for n, tok, sec in self._rates.get((b, plain), ())
-                      if self._n - n <= age]
-            if len(recent) < self.MIN_RATE_SAMPLES:
-                break
-            rates.append(_rate(recent))
-        else:
-            gain = rates[0] / rates[1]
-        self._gains[(b, ages[0])] = (self._n, gain)
-        return gain
-
-    def best_level(self, batch_size: int) -> float | None:
-        """The drafting level (drafts per sequence) whose steady steps of the last STALE at
-        this batch size's bucket emitted the most tokens per second per sequence (`_rate`),
-        among levels with MIN_RATE_SAMPLES such steps; None without any."""
-        b = _bucket(batch_size)
-        best, level = None, None
-        for (lb, lvl), w in self._level_rates.items():
-            if lb != b:
-                continue
-            recent = [(tok, sec) for n, tok, sec in w if self._n - n <= self.STALE]
-            if len(recent) >= self.MIN_RATE_SAMPLES:
-                r = _rate(recent)
-                if best is None or r > best:
-                    best, level = r, lvl
-        return level
-
-    def knows_plain(self, batch_size: int) -> bool:
-        return _bucket(batch_size) in self.plain
-
-
-def _low(xs) -> float:
-    """The lower quartile: what a plain step costs undisturbed. A plain step's time has no
-    lumpiness of its own (one token per sequence), so its spread is disturbance only, and
-    at 64 streams under steady arrivals the few plain steps a probe times often follow an
-    admission: their median read 1.70 ms on the H200 where a steady K=0 engine's read 1.12.
-    Read high, it made every draft look cheap (the price of a draft is a drafting step's
-    time over the plain one); read low, drafting only looks dearer."""
-    xs = sorted(xs)
-    return xs[(len(xs) - 1) // 4]
-
-
-def _fit_line(points: list[tuple[float, float, int]]) -> tuple[float, float]:
-    """(fixed, per draft) >= 0 of the line through (drafts per sequence, relative extra step
-    time, samples) points by least squares, each point weighted by its samples. One level
-    alone cannot split the two: its whole extra time is priced per draft (the dearer
-    reading for deeper K; draft probes at other K add the levels that split it)."""
-    if len({d for d, _, _ in points}) == 1:
-        d, y, _ = points[0]
-        return 0.0, max(y, 0.0) / d
-    w = sum(n for _, _, n in points)
-    md = sum(n * d for d, _, n in points) / w
-    my = sum(n * y for _, y, n in points) / w
-    slope = (sum(n * (d - md) * (y - my) for d, y, n in points)
-             / sum(n * (d - md) ** 2 for d, _, n in points))
-    if slope <= 0:
-        return max(my, 0.0), 0.0
-    if my - slope * md < 0:  # through the origin instead
-        return 0.0, max(sum(n * d * y for d, y, n in points)
-                        / sum(n * d * d for d, _, n in points), 0.0)
-    return my - slope * md, slope
-
-
-def _window(windows: dict, b, x, size: int = StepCosts.WINDOW) -> deque:
-    """Add a sample to key b's window (the last `size` samples); returns the window."""
-    w = windows.setdefault(b, deque(maxlen=size))
-    w.append(x)
-    return w
-
-
-STALL = 3.0  # a step this many times the window's median time is a stall, not a rate sample
-
-
-def _rate(samples) -> float:
-    """Tokens per second over (tokens, seconds) samples: total tokens over total time, the
-    stalls left out. Not the median of per-step rates: a drafting step's tokens are lumpy
-    (at one stream and acceptance ~0.5, most steps emit one token and some several), so
-    the median step's rate can sit far below the rate the steps deliver together, and
-    once read as a loss it held a stream at K=0 for a whole run (0.92x no-spec on the
-    H200 where the same engine drafting ran 1.17x)."""
-    cap = STALL * statistics.median(sec for _, sec in samples)
-    kept = [(tok, sec) for tok, sec in samples if sec <= cap]
-    return sum(tok for tok, _ in kept) / sum(sec for _, sec in kept)
-
-
 class KPolicy:
     """Maximizes expected tokens per unit of step cost.
 
     With per-token acceptance a, K drafts emit (1 - a^(K+1)) / (1 - a) tokens per target
     forward; the step costs 1 + f + K * c relative to a plain decode step (f: what any
-    drafting step adds, c: the price of a draft). Both are measured (`StepCosts`: every
-    PLAIN_PROBE_EVERY steps PROBE_LEN steps run without drafts to time a plain step at the
-    current batch size); until then f is 0 and c SpecConfig's verify + draft cost, the
-    verify part growing with the batch (the forward leaves the memory-bound regime).
-    Above the model sits a measured check: where steady drafting steps emitted fewer tokens
-    per second than steady plain steps at the same batch-size bucket (`GAIN_FLOOR`), the
-    batch decodes plainly; where they emitted WIN_FLOOR times as many, a batch the model
-    would put at K=0 drafts at the model's best K above 0 (the step's host work grows with
-    the tokens it emits, which the measured price of a draft takes for the device's).
-
-    A fused batch step runs graphs captured at padded sizes (`levels`: verify rows and draft
-    chain steps), so K is priced by what it runs (`paid`): with levels 1, 2, 4, 8 and 0, 1,
-    2, 4, 7, K=5 runs the K=7 chain and verifies 8 rows.
+    drafting step adds, c: the price of a draft). Both are measured (`StepCosts`, with plain
+    probes); until then f is 0 and c SpecConfig's verify + draft cost, the verify part
+    growing with the batch. Above the model sit the measured checks (GAIN_FLOOR, WIN_FLOOR).
+    A fused batch step runs graphs captured at padded sizes (`levels`), so K is priced by
+    what it runs (`paid`): with levels 1, 2, 4, 8 and 0, 1, 2, 4, 7, K=5 runs the K=7 chain
+    and verifies 8 rows.
     """
 
     def __init__(self, spec: SpecConfig, prior: float = 0.6, batch_knee: int = 16):
@@ -453,9 +185,7 @@ class KPolicy:
             best_k, why = 0, "losing"
         elif best_k == 0 and kmax and self._winning(batch_size):
             # the model's best K that drafts (K=1 where every deeper one prices worse), or
-            # the K of the level that measured best (SpecConfig.win_pick: at 2 streams on
-            # the H200 the model's K=1 took 95-111 of ~236 burst steps, and those steps
-            # emitted 3.4 tokens/ms against 4.1-4.2 for levels 3.5-7, bench/README.md)
+            # the K of the level that measured best (SpecConfig.win_pick "measured")
             best_k = (self.spec.win_pick == "measured" and
                       self._measured_k(batch_size, kmax)) or \
                 self._best_k(rates, per, 0.0, kmax, True, fixed, batch_size)
@@ -598,33 +328,9 @@ class KPolicy:
         return best_k
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """Fold one verify result into the sequence's acceptance estimate (and, with
-        accept_model "runs", into its per-depth counts: depths 1..accepted were tried and
-        accepted, depth accepted + 1 tried and rejected when it was drafted)."""
-        if drafted == 0:
-            return
-        trials = accepted + (1 if accepted < drafted else 0)
-        # Accepted drafts over drafts tried, each sum decayed by ACCEPT_DECAY a verify: the
-        # per-token rate's estimate. Not a running mean of each verify's ratio, which reads
-        # low wherever K > 1 (a verify that rejects at depth 1 counts as a rate of 0 however
-        # many drafts it carried; at a = 0.62 and K = 3 that mean is 0.45) and so held
-        # batches at K=0 that drafting would have sped up.
-        acc, tried = seq.accept_counts or (0.0, 0.0)
-        acc, tried = ACCEPT_DECAY * acc + accepted, ACCEPT_DECAY * tried + trials
-        seq.accept_counts = (acc, tried)
-        seq.accept_rate = acc / tried
-        if self.spec.accept_model != "runs":
-            return
-        if seq.accept_runs is None:
-            seq.accept_runs = ([0.0] * self.spec.num_tokens, [0.0] * self.spec.num_tokens)
-        tried, passed = seq.accept_runs
-        for j in range(len(tried)):
-            tried[j] *= RUNS_DECAY
-            passed[j] *= RUNS_DECAY
-        for j in range(min(trials, len(tried))):
-            tried[j] += 1.0
-        for j in range(min(accepted, len(passed))):
-            passed[j] += 1.0
+        """Fold one verify result into the sequence's acceptance estimate (`fold_verify`)."""
+        runs = self.spec.accept_model == "runs"
+        fold_verify(seq, drafted, accepted, self.spec.num_tokens if runs else 0)
 
     def _batch_tokens(self, seqs: list[Sequence]) -> list:
         """`_tokens` of every sequence of a fused batch (the geometric model's rates read in
@@ -644,3 +350,33 @@ class KPolicy:
         tried, passed = seq.accept_runs
         r = [min((p + RUNS_PRIOR * a) / (t + RUNS_PRIOR), 0.999) for t, p in zip(tried, passed)]
         return 1.0 + np.cumsum(np.cumprod(r))
+
+
+def fold_verify(seq: Sequence, drafted: int, accepted: int, depths: int = 0) -> None:
+    """Fold one verify result into the sequence's acceptance estimate and, with `depths`
+    (accept_model "runs": the draft depths kept), into its per-depth counts: depths
+    1..accepted were tried and accepted, depth accepted + 1 tried and rejected when it was
+    drafted."""
+    if drafted == 0:
+        return
+    trials = accepted + (1 if accepted < drafted else 0)
+    # Accepted drafts over drafts tried, each sum decayed by ACCEPT_DECAY a verify: the
+    # per-token rate's estimate. Not a running mean of each verify's ratio, which reads low
+    # wherever K > 1 (a verify that rejects at depth 1 counts as a rate of 0 however many
+    # drafts it carried).
+    acc, tried = seq.accept_counts or (0.0, 0.0)
+    acc, tried = ACCEPT_DECAY * acc + accepted, ACCEPT_DECAY * tried + trials
+    seq.accept_counts = (acc, tried)
+    seq.accept_rate = acc / tried
+    if not depths:
+        return
+    if seq.accept_runs is None:
+        seq.accept_runs = ([0.0] * depths, [0.0] * depths)
+    tried, passed = seq.accept_runs
+    for j in range(len(tried)):
+        tried[j] *= RUNS_DECAY
+        passed[j] *= RUNS_DECAY
+    for j in range(min(trials, len(tried))):
+        tried[j] += 1.0
+    for j in range(min(accepted, len(passed))):
+        passed[j] += 1.0
