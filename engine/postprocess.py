@@ -133,10 +133,10 @@ class Postprocessor:
         leaves the engine (its blocks freed now, or once the step in flight is read)."""
         e = self.eng
         if not seq.finished:
-            later = e._inflight is not None and reason != "handoff"
+            later = e.overlap.inflight is not None and reason != "handoff"
             e.scheduler.finish(seq, reason, keep_blocks=reason == "handoff" or later)
             if later:
-                e._deferred.append(seq)
+                e.overlap.deferred.append(seq)
         if e.spec is not None:
             e.spec.release(seq)
         e.seqs.pop(seq.request_id, None)

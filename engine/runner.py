@@ -1,4 +1,4 @@
-"""Turns a scheduled batch into model inputs, runs the model, returns logits rows."""
+"""Turns a scheduled batch into model inputs, runs the model, and verifies its drafts."""
 
 from __future__ import annotations
 
@@ -7,10 +7,12 @@ import warnings
 import torch
 
 from engine.config import EngineConfig
+from engine.errors import ResourceExhaustedError
 from engine.graphs import GraphSet, HostStager, PackedInputs, pack, to_device
 from engine.model import LlamaModel
 from engine.scheduler import Batch
 from engine.spec.lookup import store_tokens
+from engine.spec.verify import VerifyResult, verify_greedy, verify_sampled_device
 
 
 class ForwardOutput:
@@ -55,6 +57,23 @@ def prefill_graph_set(fn, device: str, max_batch: int, longer_than: int, max_blo
                     pad_queries=True, **kw)
 
 
+def cache_blocks(cfg: EngineConfig) -> int:
+    """How many KV blocks the engine's budget holds: `kv_cache_bytes`, or on CUDA a share of
+    the memory free now (so engines sharing a GPU, or weights, each fit)."""
+    budget = cfg.kv_cache_bytes
+    if str(cfg.device).startswith("cuda"):
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(cfg.device)
+        budget = int(free * cfg.gpu_memory_utilization)
+    n = budget // cfg.kv_bytes_per_block
+    need = cfg.max_blocks_per_seq
+    if n < need:
+        raise ResourceExhaustedError(
+            f"KV budget holds {n} blocks of {cfg.block_size} tokens, fewer than one "
+            f"max_model_len={cfg.max_model_len} context needs ({need})")
+    return n
+
+
 def allocate_kv_cache(cfg: EngineConfig, num_blocks: int) -> torch.Tensor:
     """One tensor for all layers (target + draft): [layers, 2, blocks, block, kv_heads, d]."""
     m = cfg.model
@@ -76,10 +95,10 @@ def pack_batch(batch: Batch, block_size: int) -> PackedInputs:
 
 
 class ModelRunner:
-    """Owns the model and the KV tensor; one `forward` per engine step. On CUDA with a
-    graph-safe backend, decode/verify batches (any per-sequence K up to the captured query
-    lengths) replay captured graphs, and so do prefill chunks of a few sequences (padded up to
-    a captured chunk length); longer chunks run eagerly."""
+    """Owns the model and the KV tensor; one `run` (forward and verify) per engine step. On
+    CUDA with a graph-safe backend, decode/verify batches (any per-sequence K up to the
+    captured query lengths) replay captured graphs, and so do prefill chunks of a few
+    sequences (padded up to a captured chunk length); longer chunks run eagerly."""
 
     def __init__(self, cfg: EngineConfig, model: LlamaModel, kv_cache: torch.Tensor,
                  tokens: torch.Tensor | None = None):
@@ -134,6 +153,57 @@ class ModelRunner:
         prefill launched beside it)."""
         inp = pack_batch(batch, self.cfg.block_size)
         return self.forward_packed(inp, rows, aux_layers, decode_graphs)
+
+    def run(self, batch: Batch, aux_layers: tuple[int, ...], generators: dict,
+            defer: bool = False):
+        """Forward the batch; for entries whose tokens are all computed now, verify their
+        drafts (none: plain sampling) against the target's logits, sampled requests drawing
+        from `generators`. Greedy and sampled entries alike stay on the device until one host
+        sync reads the whole batch's results: (forward, {entry: (drafts, VerifyResult)}).
+        `defer`: start copying the results to the host and return (forward, read) at once;
+        read() waits for them alone (not for work launched meanwhile) and gives the results."""
+        done, rows, ks, end = [], [], [], 0
+        for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
+            end += n
+            if s.num_computed + n >= len(s):
+                k = s.num_computed + n - len(s)  # drafts riding in this entry
+                done.append(i)
+                ks.append(k)
+                rows.extend(range(end - k - 1, end))
+        # Deferred: beside a step in flight, whose decode-graph outputs the next step reads.
+        fwd = self.forward(batch, rows, aux_layers=aux_layers, decode_graphs=not defer)
+        parts, sampled, r = [fwd.argmax], [], 0
+        for i, k in zip(done, ks):
+            seq = batch.seqs[i]
+            if not seq.params.greedy:
+                x = self.stager.index(seq.draft[:k])
+                q = seq.draft_q[:k] if seq.draft_q is not None and k else None
+                n, tok = verify_sampled_device(x, q, fwd.logits[r : r + k + 1], seq.params,
+                                               generators[seq.request_id])
+                sampled.append(i)
+                parts += [n.view(1), tok.view(1)]
+            r += k + 1
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+
+        def read(values: list[int]) -> dict:
+            argmax, extra = values[: len(rows)], iter(values[len(rows):])
+            drawn = {i: (next(extra), next(extra)) for i in sampled}
+            results, r = {}, 0
+            for i, k in zip(done, ks):
+                seq = batch.seqs[i]
+                if i in drawn:
+                    n, tok = drawn[i]
+                    res = VerifyResult([*seq.draft[:n], tok], n)
+                else:
+                    res = verify_greedy(seq.draft[:k], argmax[r : r + k + 1])
+                results[i] = (k, res)
+                r += k + 1
+            return results
+
+        if defer:
+            fetch = self.stager.fetch(flat)
+            return fwd, lambda: read(fetch())
+        return fwd, read(flat.tolist())  # the sync
 
     def forward_packed(self, inp: PackedInputs, rows: list[int],
                        aux_layers: tuple[int, ...] = (),

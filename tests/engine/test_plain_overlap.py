@@ -59,7 +59,7 @@ def test_overlapped_lockstep_with_the_regular_path(ref):
         for a, b in ids:
             x, y = on.seqs[a], off.seqs[b]
             assert (x.token_ids, x.num_computed) == (y.token_ids, y.num_computed)
-    assert on.plain.overlapped_runs >= 10 and on._inflight is not None
+    assert on.plain.overlapped_runs >= 10 and on.overlap.inflight is not None
     assert off.plain.overlapped_runs == 0 and off.plain.fused_runs >= 10
 
 
@@ -76,8 +76,8 @@ def test_overlapped_decoding_is_exact_to_the_end(ref, num_blocks):
     params[1] = replace(params[1], stop_token_ids=[stop_tok])
     expect[1] = expect[1][: expect[1].index(stop_tok) + 1]
     eng = graph_engine(ref, num_blocks=num_blocks)
-    split, real_split = [], eng._step_split
-    eng._step_split = lambda batch, dec: (split.append(len(dec)), real_split(batch, dec))[1]
+    split, real_split = [], eng.stepper.split
+    eng.stepper.split = lambda batch, dec: (split.append(len(dec)), real_split(batch, dec))[1]
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
     seqs = {r: eng.seqs[r] for r in rids}
     for _ in range(4):
@@ -89,14 +89,14 @@ def test_overlapped_decoding_is_exact_to_the_end(ref, num_blocks):
     overlapped = 0
     while eng.has_unfinished():
         eng.step()
-        overlapped += eng._inflight is not None
+        overlapped += eng.overlap.inflight is not None
     assert [seqs[r].output_ids for r in rids] == expect
     assert len(seqs[sampled].output_ids) == 6
     assert overlapped > 0 and eng.plain.overlapped_runs > 0
     # Arrivals' prefill chunks and the sampled request ran beside decode graphs of the
-    # greedy ones, in the same steps (`Engine._step_split`).
+    # greedy ones, in the same steps (`Stepper.split`).
     assert split
-    assert eng._inflight is None and not eng._deferred
+    assert eng.overlap.inflight is None and not eng.overlap.deferred
     assert (eng.scheduler.num_preemptions > 0) == (num_blocks is not None)
     eng.blocks.check_all_free()
 
@@ -118,11 +118,11 @@ def test_a_request_that_finishes_in_flight_drops_out_without_a_drain(ref):
     while not seqs[rids[0]].finished:
         eng.step()
     # Finished while the step after was in flight: that step still holds its row and blocks.
-    assert eng._inflight is not None and seqs[rids[0]] in eng._deferred
+    assert eng.overlap.inflight is not None and seqs[rids[0]] in eng.overlap.deferred
     free = eng.blocks.num_free
     eng.step()
-    assert eng._inflight is not None and seqs[rids[0]] not in eng._inflight[0].seqs
-    assert not eng._deferred and eng.blocks.num_free > free
+    assert eng.overlap.inflight is not None and seqs[rids[0]] not in eng.overlap.inflight[0].seqs
+    assert not eng.overlap.deferred and eng.blocks.num_free > free
     assert eng.plain.compacted_runs == 1
     while eng.has_unfinished():
         eng.step()
@@ -138,8 +138,8 @@ def test_requests_reaching_max_tokens_leave_the_pipeline_without_a_drain(ref):
     params = [replace(p, max_tokens=n) for p, n in zip(params, (7, 12, 20))]
     expect = [c.token_ids for c in ref.generate(prompts, params)]
     eng = graph_engine(ref)
-    drains, drain = [], eng._drain
-    eng._drain = lambda: (drains.append(eng._inflight is not None), drain())[1]
+    drains, drain = [], eng.overlap.drain
+    eng.overlap.drain = lambda: (drains.append(eng.overlap.inflight is not None), drain())[1]
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     seqs = {r: eng.seqs[r] for r in rids}
     left_out = {}  # at the step a request finished: the step in flight leaves it out
@@ -147,8 +147,8 @@ def test_requests_reaching_max_tokens_leave_the_pipeline_without_a_drain(ref):
         eng.step()
         for r in rids[:2]:
             if seqs[r].finished and r not in left_out:
-                left_out[r] = eng._inflight is not None and \
-                    seqs[r] not in eng._inflight[0].seqs
+                left_out[r] = eng.overlap.inflight is not None and \
+                    seqs[r] not in eng.overlap.inflight[0].seqs
     assert [seqs[r].output_ids for r in rids] == expect
     assert all(left_out.values()) and sum(drains) == 1  # in flight at the last's end only
     assert eng.plain.compacted_runs >= 2
@@ -164,11 +164,11 @@ def test_abort_while_a_step_is_in_flight(ref):
     eng = graph_engine(ref)
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
     seqs = {r: eng.seqs[r] for r in rids}
-    while eng._inflight is None:
+    while eng.overlap.inflight is None:
         eng.step()
     before = {r: len(seqs[r].token_ids) for r in rids[1:]}
     assert eng.abort(rids[0])
-    assert eng._inflight is None and not eng._deferred and eng.has_unfinished()
+    assert eng.overlap.inflight is None and not eng.overlap.deferred and eng.has_unfinished()
     carried = eng.step()
     assert {o.request_id for o in carried} >= set(rids[1:])
     assert all(len(seqs[r].token_ids) > before[r] for r in rids[1:])
@@ -188,14 +188,14 @@ def test_abort_of_a_request_prefilled_beside_the_step_in_flight(ref):
     expect = [c.token_ids for c in ref.generate(prompts, params)]
     eng = graph_engine(ref, admission_delay_steps=0)
     seqs = [eng.seqs[eng.add_request(p, sp)] for p, sp in zip(prompts[:2], params[:2])]
-    while eng._inflight is None:
+    while eng.overlap.inflight is None:
         eng.step()
     gone = eng.seqs[eng.add_request(prompts[2], params[2])]
     eng.step()
     assert eng.admitted_in_flight == 1 and gone.num_computed > 0
-    assert gone not in eng._inflight[0].seqs  # prefilled, to join the next continuation
+    assert gone not in eng.overlap.inflight[0].seqs  # prefilled, to join the next continuation
     assert eng.abort(gone.request_id) and gone.finished and not gone.block_table
-    while eng._inflight is None:  # the abort drained the pipeline; it starts again
+    while eng.overlap.inflight is None:  # the abort drained the pipeline; it starts again
         eng.step()
     late = eng.seqs[eng.add_request(prompts[3], params[3])]
     while eng.has_unfinished():
@@ -237,7 +237,7 @@ def test_streams_crossing_a_block_boundary_together_never_overrun_the_cache(ref,
     eng = graph_engine(ref, num_blocks=num_blocks)
     assert [c.token_ids for c in eng.generate(prompts, [sp] * 4)] == expect
     assert eng.scheduler.num_preemptions > 0 and eng.plain.overlapped_runs > 0
-    assert eng._inflight is None and not eng._deferred
+    assert eng.overlap.inflight is None and not eng.overlap.deferred
     eng.blocks.check_all_free()
 
 
@@ -251,7 +251,7 @@ def test_a_full_batch_keeps_overlapping_while_arrivals_wait(ref, delay=2):
     eng = graph_engine(ref, admission_delay_steps=delay, admission_share=1, max_num_seqs=4)
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
     seqs = [eng.seqs[r] for r in rids]
-    while eng._inflight is None:
+    while eng.overlap.inflight is None:
         eng.step()
     new = eng.add_request(prompts[4], params[4])
     t0, seq, runs = eng.stats.steps, eng.seqs[new], eng.plain.overlapped_runs
@@ -284,7 +284,7 @@ def test_an_arrival_waits_for_the_admission_delay_beside_a_running_batch(ref, be
     eng = graph_engine(ref, admission_delay_steps=delay, admission_share=1,
                        admit_in_flight=beside)
     seqs = [eng.seqs[eng.add_request(p, sp)] for p, sp in zip(prompts[:3], params[:3])]
-    while eng._inflight is None:
+    while eng.overlap.inflight is None:
         eng.step()
     runs = eng.plain.overlapped_runs
     new = eng.seqs[eng.add_request(prompts[3], params[3])]
@@ -297,7 +297,7 @@ def test_an_arrival_waits_for_the_admission_delay_beside_a_running_batch(ref, be
     if beside:  # every step overlapped; the arrival rides in the one in flight next
         assert eng.plain.overlapped_runs - runs == n and eng.admitted_in_flight == 1
         eng.step()
-        assert eng.plain.joined_runs == 1 and new in eng._inflight[0].seqs
+        assert eng.plain.joined_runs == 1 and new in eng.overlap.inflight[0].seqs
     else:  # `delay` steps overlapped, the last of them drained, the one after admits
         assert eng.plain.overlapped_runs - runs == delay and eng.admitted_in_flight == 0
     while eng.has_unfinished():
