@@ -25,10 +25,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
-    for b in buckets:
-        if b >= n:
-            return b
-    return None
+    """The smallest bucket that holds n, or None."""
+    return next((b for b in buckets if b >= n), None)
 
 
 class HostStager:
@@ -203,9 +201,8 @@ def pack(ids: list[int], pos: list[int], tables: list[list[int]], qlens: list[in
 
 
 # Every int64 segment of a staged buffer starts at a multiple of this many elements (16
-# bytes): Triton specializes a kernel on whether each pointer argument is 16-byte aligned, so
-# views whose alignment followed the token and sequence counts compiled new kernel variants
-# in the middle of serving (each a ~0.2-0.7 s stall of every stream on the H200).
+# bytes): Triton specializes a kernel on each pointer's 16-byte alignment, so views aligned
+# by chance would compile new kernel variants (a stall of every stream) mid-serving.
 ALIGN = 2
 
 
@@ -319,7 +316,7 @@ class GraphSet:
         h[o["ids"]: o["ids"] + rows] = inp.ids
         h[o["pos"]: o["pos"] + rows] = inp.pos
         h[o["slots"]: o["slots"] + rows] = inp.slots
-        if rows < n:  # padding rows (a full bucket, the common case at 64 streams, has none)
+        if rows < n:  # padding rows (a full bucket has none)
             h[o["ids"] + rows: o["ids"] + n] = 0
             h[o["pos"] + rows: o["pos"] + n] = 0
             h[o["slots"] + rows: o["slots"] + n] = -1
@@ -329,9 +326,8 @@ class GraphSet:
             h[o["starts"] + real + 1: o["starts"] + b + 1] = rows
             h[o["lens"] + real: o["lens"] + b] = 0
         # The real sequences' entries, and zeros for padded sequences. A real row's entries
-        # past its own table keep what this ring slot last held there (a block id, or the
-        # zeros the slot was made with): no kernel reads past a sequence's context, so
-        # zeroing 64 x max_blocks entries a step (as this did) bought nothing.
+        # past its own table keep what this ring slot last held there: no kernel reads past a
+        # sequence's context.
         tab = h[o["tables"]: o["tables"] + b * self.max_blocks].reshape(b, self.max_blocks)
         tab[:real, : inp.tables.shape[1]] = inp.tables
         if real < b:
@@ -365,9 +361,8 @@ class GraphSet:
     def run_split(self, inp: PackedInputs, extras: Sequence[torch.Tensor] = ()) -> tuple:
         """`run` over inp's sequences max_batch at a time, the outputs concatenated row by
         row: several arrivals prefilled together (more than a captured chunk holds) replay
-        graphs instead of launching every kernel of the model from Python (at 64 streams on
-        the H200 five arrivals at once took 13-19 ms eagerly, a stall of every stream).
-        `extras` are per-row, as for `run`."""
+        graphs instead of launching every kernel of the model from Python, which would stall
+        every stream. `extras` are per-row, as for `run`."""
         if inp.num_seqs <= self.max_batch:
             return self.run(inp, extras)
         parts = []
