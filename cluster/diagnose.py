@@ -211,8 +211,10 @@ def check_shadow(s: Scrape, opts) -> list[Finding]:
                         f"differed from the output without speculation {s.span}",
                         "speculative output drifted from the target's: the logs name the "
                         "requests; try speculation.method=none and report it")]
-    return [Finding("ok", "drift", "engines", f"{runs:g} shadow checks, all matched {s.span}")
-            ] if runs else []
+    if runs:
+        return [Finding("ok", "drift", "engines", f"{runs:g} shadow checks, all matched "
+                        f"{s.span}")]
+    return [Finding("info", "drift", "engines", f"no drift shadow check ran {s.span}")]
 
 
 def check_transfers(s: Scrape, opts) -> list[Finding]:

@@ -34,13 +34,15 @@ class Endpoint:
     name: str
     after: Samples
     before: Samples | None = None
+    families: frozenset[str] = frozenset()  # metric names it exports, with samples or not
 
     @property
     def role(self) -> str:
         return next((dict(ls)["role"] for _, ls in self.after if "role" in dict(ls)), "?")
 
     def has(self, name: str) -> bool:
-        return any(n == name for n, _ in self.after)
+        """Whether it exports metric `name` (a labelled one before its first sample too)."""
+        return name in self.families or name.removesuffix("_total") in self.families
 
     def gauge(self, name: str, before: bool = False) -> float | None:
         samples = self.before if before else self.after
@@ -125,24 +127,25 @@ def config_endpoints(cfg) -> list[tuple[str, str]]:
     return [(name, url_of(f"{host}:{ports[name]}")) for name in names]
 
 
-def fetch(url: str, timeout: float = 5.0) -> Samples:
-    """One scrape: {(sample name, sorted labels): value}."""
+def fetch(url: str, timeout: float = 5.0) -> tuple[Samples, frozenset[str]]:
+    """One scrape: {(sample name, sorted labels): value} and the metric names it exports."""
     try:
         with _OPENER.open(url, timeout=timeout) as r:
             text = r.read().decode()
+        fams = list(text_string_to_metric_families(text))
         samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
-                   for fam in text_string_to_metric_families(text) for x in fam.samples}
+                   for fam in fams for x in fam.samples}
     except (OSError, ValueError) as e:  # URLError and timeouts are OSErrors
         raise ScrapeError(f"cannot read {url}: {getattr(e, 'reason', None) or e}") from None
     if not any(name.startswith("tandem_") for name, _ in samples):
         raise ScrapeError(f"{url} serves no tandem_ metrics: is it a tandem endpoint?")
-    return samples
+    return samples, frozenset(fam.name for fam in fams)
 
 
-def scrape(urls: list[str]) -> list[Samples]:
+def scrape(urls: list[str]) -> list[tuple[Samples, frozenset[str]]]:
     """Every endpoint at once; ScrapeError naming each that failed."""
 
-    def one(url: str) -> Samples | ScrapeError:
+    def one(url: str) -> tuple[Samples, frozenset[str]] | ScrapeError:
         try:
             return fetch(url)
         except ScrapeError as e:
@@ -176,8 +179,8 @@ def collect(targets: list[tuple[str | None, str]], window: float | None) -> Scra
     else:
         _wait(window)
         ends, seconds = list(zip(first, scrape(urls))), time.monotonic() - t0
-    eps = [Endpoint(url, name or "", after, before)
-           for (name, url), (before, after) in zip(targets, ends)]
+    eps = [Endpoint(url, name or "", after, before and before[0], fams)
+           for (name, url), (before, (after, fams)) in zip(targets, ends)]
     for ep in eps:
         ep.name = ep.name or f"{ep.role}@{urlsplit(ep.url).netloc}"
     return Scrape(eps, seconds)
