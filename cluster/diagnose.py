@@ -68,6 +68,7 @@ def _share(n: float, of: float, what: str) -> str:
 # ---- checks: each takes the scrape and the options, returns its findings -------------------
 
 def check_traffic(s: Scrape, opts) -> list[Finding]:
+    """Whether anything was served: no traffic is info, and the other checks stay quiet."""
     if any(s.total(name) for name in TRAFFIC):
         req, tokens = s.total("tandem_requests_total"), s.total("tandem_generated_tokens_total")
         return [Finding("ok", "traffic", "router", f"{req:g} requests finished"
@@ -78,6 +79,7 @@ def check_traffic(s: Scrape, opts) -> list[Finding]:
 
 
 def check_errors(s: Scrape, opts) -> list[Finding]:
+    """Failed requests by gRPC code, as a rate and a share of finished requests."""
     finished, out = s.total("tandem_requests_total"), []
     for code, n in sorted(s.merged("tandem_request_errors_total", "code").items()):
         if n <= 0:
@@ -96,6 +98,7 @@ def check_errors(s: Scrape, opts) -> list[Finding]:
 
 
 def check_latency(s: Scrape, opts) -> list[Finding]:
+    """P99 ITL and TTFT from the router's histograms against the SLO flags."""
     out = []
     for metric, what, slo_ms, action in (
             ("tandem_itl_seconds", "inter-token latency", opts.itl_slo_ms,
@@ -117,6 +120,7 @@ def check_latency(s: Scrape, opts) -> list[Finding]:
 
 
 def check_queue(s: Scrape, opts) -> list[Finding]:
+    """A queue that is deep and growing, and a P99 queue wait over half the TTFT SLO."""
     out = []
     for ep in s.endpoints:
         depth, before = ep.gauge("tandem_queue_depth"), ep.gauge("tandem_queue_depth", True)
@@ -136,6 +140,7 @@ def check_queue(s: Scrape, opts) -> list[Finding]:
 
 
 def check_kv_cache(s: Scrape, opts) -> list[Finding]:
+    """KV blocks in use against the capacity of each engine."""
     out, uses = [], []
     for ep in s.endpoints:
         cap, used = ep.gauge("tandem_kv_blocks_capacity"), ep.gauge("tandem_kv_blocks_used")
@@ -153,6 +158,7 @@ def check_kv_cache(s: Scrape, opts) -> list[Finding]:
 
 
 def check_acceptance(s: Scrape, opts) -> list[Finding]:
+    """Speculation below break-even on an engine that drafted enough to judge."""
     out = []
     for ep in s.endpoints:
         drafted = ep.deltas("tandem_spec_drafted_tokens_total", "position")
@@ -183,6 +189,7 @@ def check_acceptance(s: Scrape, opts) -> list[Finding]:
 
 
 def check_collapse(s: Scrape, opts) -> list[Finding]:
+    """The acceptance-collapse detector: speculation off, or collapses that passed."""
     eps = [ep for ep in s.endpoints if ep.has("tandem_spec_collapsed")
            or ep.has("tandem_spec_collapses_total")]
     if not eps:
@@ -192,16 +199,17 @@ def check_collapse(s: Scrape, opts) -> list[Finding]:
         n = ep.delta("tandem_spec_collapses_total")
         if (ep.gauge("tandem_spec_collapsed") or 0) >= 1:
             out.append(Finding("warning", "collapse", ep.name, "speculation is off: acceptance "
-                               f"collapsed below break-even ({n:g} collapses {s.span})",
+                               f"collapsed below break-even (collapses {s.span}: {n:g})",
                                "the traffic no longer suits the draft head: its log says when; "
                                "check the head matches the model"))
         elif n:
             out.append(Finding("info", "collapse", ep.name, f"acceptance collapsed {n:g} times "
                                f"{s.span}; speculation is on now"))
-    return out
+    return out or [Finding("ok", "collapse", "engines", f"no acceptance collapse {s.span}")]
 
 
 def check_shadow(s: Scrape, opts) -> list[Finding]:
+    """The drift shadow check: speculative output that differed from plain decoding."""
     if not any(ep.has("tandem_shadow_checks_total") for ep in s.endpoints):
         return [_not_exported("drift", "drift shadow check")]
     bad = s.total("tandem_shadow_checks_total", outcome="mismatch")
@@ -218,6 +226,7 @@ def check_shadow(s: Scrape, opts) -> list[Finding]:
 
 
 def check_transfers(s: Scrape, opts) -> list[Finding]:
+    """KV transfers that failed and transfer messages dropped."""
     out = []
     for ep in s.endpoints:
         failed = ep.delta("tandem_kv_transfer_failures_total")
@@ -238,6 +247,7 @@ def check_transfers(s: Scrape, opts) -> list[Finding]:
 
 
 def check_moves(s: Scrape, opts) -> list[Finding]:
+    """Streams moved off dead workers, and broken client streams continued."""
     out = []
     moved = s.total("tandem_stream_resumes_total")
     if moved:
@@ -264,6 +274,7 @@ def diagnose(s: Scrape, opts) -> list[Finding]:
     """Every check's findings, the worst first."""
     found = [f for check in CHECKS for f in check(s, opts)]
     return sorted(found, key=lambda f: -SEVERITIES.index(f.severity))
+
 
 # ---- command line ----------------------------------------------------------------------------
 

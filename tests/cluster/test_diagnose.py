@@ -182,7 +182,7 @@ def _drifted(d: Deployment) -> None:
     (_transfer_failures, "transfer", "critical", ["3 KV transfers failed", "5.7% of 53"]),
     (_dropped, "transfer", "warning", ["2 malformed, oversized or truncated"]),
     (_moved, "workers", "warning", ["3 streams moved off dead workers"]),
-    (_collapsed, "collapse", "warning", ["speculation is off", "1 collapses"]),
+    (_collapsed, "collapse", "warning", ["speculation is off", "collapses in the last"]),
     (_drifted, "drift", "warning", ["1 of 10 shadow checks differed"]),
 ], ids=lambda v: v.__name__.strip("_") if callable(v) else None)
 def test_each_problem_is_found_in_words_and_exits_1(dep, during, capsys, problem, check,
