@@ -291,9 +291,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds between the two scrapes the rates come from (default 10)")
     p.add_argument("--once", action="store_true",
                    help="one scrape: judge the totals since each component started")
-    p.add_argument("--itl-slo-ms", type=float, default=100.0, help="P99 ITL SLO (default 100)")
-    p.add_argument("--ttft-slo-ms", type=float, default=2000.0,
-                   help="P99 TTFT SLO (default 2000)")
+    p.add_argument("--itl-slo-ms", type=float, default=100.0, metavar="MS",
+                   help="P99 inter-token latency SLO (default 100)")
+    p.add_argument("--ttft-slo-ms", type=float, default=2000.0, metavar="MS",
+                   help="P99 time-to-first-token SLO (default 2000)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
 
 
