@@ -279,6 +279,7 @@ def diagnose(s: Scrape, opts) -> list[Finding]:
 # ---- command line ----------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of `tandem diagnose`."""
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--address", action="append", metavar="HOST:PORT",
                        help="a metrics endpoint (router or node; /metrics implied, a full URL "
@@ -299,17 +300,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def targets_of(args) -> list[tuple[str | None, str]]:
+    """(component name or None, URL) of every endpoint the flags name."""
     if args.address:
         return [(None, url_of(a)) for a in args.address]
     from cluster.config import ConfigError, apply_overrides, load_config
 
     try:
         return list(config_endpoints(apply_overrides(load_config(args.config), args.set)))
-    except ConfigError as e:
+    except (ConfigError, OSError) as e:  # OSError: the YAML file could not be read
         raise ScrapeError(str(e)) from None
 
 
 def render(s: Scrape, findings: list[Finding]) -> str:
+    """The findings for a terminal: one line each, what to do under each problem."""
     names = ", ".join(ep.name for ep in s.endpoints)
     n = len(s.endpoints)
     lines = [f"tandem diagnose: {n} endpoint{'s' * (n != 1)} ({names}), {s.span}"]

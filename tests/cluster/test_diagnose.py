@@ -307,7 +307,15 @@ def test_diagnose_reads_a_running_config(during, capsys, tmp_path):
         d.close()
 
 
-def test_a_config_without_fixed_ports_exits_2(capsys):
-    assert main(["diagnose", "--config", "deploy/examples/local.yaml", "--set",
-                 "metrics.port_base=0"]) == 2
-    assert "metrics.port_base is 0" in capsys.readouterr().err
+@pytest.mark.parametrize("argv, says", [
+    (["--config", "deploy/examples/local.yaml", "--set", "metrics.port_base=0"],
+     "metrics.port_base is 0"),
+    (["--config", "deploy/examples/local.yaml", "--set", "metrics.enabled=false"],
+     "metrics.enabled is false"),
+    (["--config", "/nonexistent/topology.yaml"], "No such file"),
+    (["--address", "127.0.0.1:9", "--window", "0"], "--window must be > 0"),
+])
+def test_what_leaves_nothing_to_read_exits_2_in_one_line(capsys, argv, says):
+    assert main(["diagnose", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.splitlines()) == 1
