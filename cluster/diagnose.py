@@ -68,7 +68,7 @@ def _share(n: float, of: float, what: str) -> str:
 # ---- checks: each takes the scrape and the options, returns its findings -------------------
 
 def check_traffic(s: Scrape, opts) -> list[Finding]:
-    """Whether anything was served: no traffic is info, and the other checks stay quiet."""
+    """Whether anything was served in the window: nothing is info, not a problem."""
     if any(s.total(name) for name in TRAFFIC):
         req, tokens = s.total("tandem_requests_total"), s.total("tandem_generated_tokens_total")
         return [Finding("ok", "traffic", "router", f"{req:g} requests finished"
