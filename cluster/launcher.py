@@ -1,5 +1,9 @@
 """Start the cluster: Ray (embedded or `address`), prefill and decode actors, the router's
-disaggregated backend. Actors get GPUs when the config asks for them."""
+disaggregated backend. Actors get GPUs when the config asks for them.
+
+This process imports neither torch nor transformers: the actor classes import the engine
+where they start, and the router encodes prompts with the tokenizer a prefill actor exports
+(`Tokenizer.spec`, `SpecTokenizer`)."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ from dataclasses import dataclass
 
 from decode_node.node import DecodeNode
 from engine.prompt import PromptEncoder
+from engine.tokenizer_spec import SpecTokenizer
 from node_common.node import NOSET_ENV
 from prefill_node.node import PrefillNode
 from router.disagg import DisaggBackend
@@ -47,7 +52,9 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
     waits for KV room on a decode actor; `metrics_host` and `metrics_ports` (per actor,
     prefills then decodes; 0 or None: a free port) where each actor serves /metrics;
     `net_devices`: the interfaces UCX uses (`UCX_NET_DEVICES`); `*_resources`: Ray custom
-    resources each replica of the role books (the nodes it may run on)."""
+    resources each replica of the role books (the nodes it may run on). Engine arguments
+    may name the dtype ("bfloat16") and give the speculation config as a dict
+    (`node_common.node.engine_types`), so that they pickle without torch."""
     import ray
 
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -72,10 +79,9 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
                         ports[prefill_replicas + k], tkw, metrics_host)
                for k in range(decode_replicas)]
     infos = ray.get([a.info.remote() for a in prefills + decodes])  # waits for the models
-    from engine import loader
-
     info = infos[-1]
-    tok = loader.Tokenizer.load(loader.resolve(model))
+    spec = ray.get(prefills[0].tokenizer_spec.remote())
+    tok = SpecTokenizer(spec) if spec is not None else None
     encoder = PromptEncoder(tok, info["vocab_size"], info["max_model_len"], info["block_size"],
                             min(i["num_blocks"] for i in infos), chat_special_tokens)
     return Cluster(DisaggBackend(prefills, decodes, encoder, info, resume_attempts, kv_wait_s),

@@ -4,21 +4,26 @@ requests, receives their KV, and streams tokens back."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
-from engine.handoff import Handoff
-from engine.output import RequestOutput
-from kvtransfer.factory import make_transport
 from node_common.node import Node
+
+if TYPE_CHECKING:
+    from engine.handoff import Handoff
+    from engine.output import RequestOutput
 
 RECV_TIMEOUT_S = 60.0
 
 
 class DecodeNode(Node):
-    """Plain class; cluster/launcher.py runs it as a Ray actor."""
+    """Plain class; cluster/launcher.py runs it as a Ray actor. The engine and the transport
+    are imported in the actor (`node_common.node`), not where the class is placed."""
 
     def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
                  metrics_port: int | None = None, transport_kwargs: dict | None = None,
                  metrics_host: str = "127.0.0.1"):
+        from kvtransfer.factory import make_transport
+
         super().__init__("decode", model, engine_kwargs, metrics_port, metrics_host)
         self.transport = make_transport(transport, self.layout, self.engine.kv_cache,
                                         **(transport_kwargs or {}))

@@ -1,5 +1,7 @@
 """A checkpoint's tokenizer: encoding, the chat template, and incremental detokenization.
-No torch here: the router tokenizes with it."""
+`Tokenizer` wraps transformers' tokenizer (which imports torch where it is installed); its
+`spec()` is what a process without transformers encodes prompts with
+(`engine.tokenizer_spec.SpecTokenizer`: the router)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import functools
 import json
 import random
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -46,10 +49,77 @@ def _byte_level_decoder(state: bytes) -> bool | None:
     return any(p.get("type") == "ByteFallback" for p in parts)
 
 
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What prompt encoding needs of a checkpoint's tokenizer, as plain picklable data: the
+    fast tokenizer's JSON, the chat template, the special tokens the template reads by name
+    (bos_token, eos_token, ...), every special token's string (shielded in chat content) and
+    the end-of-sequence id. `Tokenizer.spec` exports it, `SpecTokenizer` encodes with it."""
+
+    backend: str
+    chat_template: str | None
+    template_tokens: dict  # as transformers' special_tokens_map gives them
+    specials: tuple[str, ...]
+    eos_token_id: int | None
+
+
 _DECODE_PROBE = "Hello , world ! It 's a test . Don 't stop ? Yes : no ; maybe - fine ."
 
 
-class Tokenizer:
+class ChatEncoding:
+    """Chat prompts to token ids, shielded: what the transformers-built `Tokenizer` and the
+    spec-built one (`engine.tokenizer_spec.SpecTokenizer`) share. A subclass renders the chat
+    template (`_render`), encodes text without added special tokens (`_encode`) and names its
+    special tokens' strings (`_specials`)."""
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        raise NotImplementedError
+
+    def _encode(self, text: str, split_special: bool = False) -> list[int]:
+        """Ids of `text` with no special tokens added; `split_special`: a special token's
+        string in it is tokenized as plain text."""
+        raise NotImplementedError
+
+    def _specials(self) -> list[str]:
+        raise NotImplementedError
+
+    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                   specials_in_content: bool = False) -> list[int]:
+        """Token ids of `messages` rendered with the model's chat template. A special token's
+        string inside a message's content is tokenized as plain text, so content cannot forge
+        a turn; `specials_in_content=True` reads it as the token (trusted callers)."""
+        shields: dict[str, str] = {}
+        if not specials_in_content:
+            messages, shields = self._shield(messages)
+        text = self._render(messages, add_generation_prompt)
+        if not shields:
+            return self._encode(text)
+        ids: list[int] = []
+        for part in re.split(f"([{''.join(shields)}])", text):
+            if part in shields:  # a special token's string from content, as plain text
+                ids += self._encode(shields[part], split_special=True)
+            elif part:
+                ids += self._encode(part)
+        return ids
+
+    def _shield(self, messages: list[dict]) -> tuple[list[dict], dict[str, str]]:
+        """`messages` with each special token's string in their content replaced by a
+        private-use character found in no content, and those characters' strings."""
+        specials = sorted(set(self._specials()), key=len, reverse=True)
+        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+        found = [t for t in specials if any(t in c for c in contents)]
+        if not found:
+            return messages, {}
+        used = set("".join(contents))
+        free = (chr(c) for c in range(0xF0000, 0x10FFFE) if chr(c) not in used)
+        marks = {t: next(free) for t in found}
+        pattern = re.compile("|".join(re.escape(t) for t in found))
+        out = [{**m, "content": pattern.sub(lambda x: marks[x.group(0)], m["content"])}
+               if isinstance(m.get("content"), str) else m for m in messages]
+        return out, {mark: t for t, mark in marks.items()}
+
+
+class Tokenizer(ChatEncoding):
     """transformers tokenizer plus the chat template and incremental detokenization helpers."""
 
     def __init__(self, hf_tokenizer):
@@ -153,43 +223,28 @@ class Tokenizer:
         self._bytes = table
         return table
 
-    def apply_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                   specials_in_content: bool = False) -> list[int]:
-        """Token ids of `messages` rendered with the model's chat template. A special token's
-        string inside a message's content is tokenized as plain text, so content cannot forge
-        a turn; `specials_in_content=True` reads it as the token (trusted callers)."""
-        shields: dict[str, str] = {}
-        if not specials_in_content:
-            messages, shields = self._shield(messages)
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                            tokenize=False)
-        if not shields:
-            return list(self.hf.encode(text, add_special_tokens=False))
-        ids: list[int] = []
-        for part in re.split(f"([{''.join(shields)}])", text):
-            if part in shields:  # a special token's string from content, as plain text
-                ids += self.hf.encode(shields[part], add_special_tokens=False,
-                                      split_special_tokens=True)
-            elif part:
-                ids += self.hf.encode(part, add_special_tokens=False)
-        return ids
 
-    def _shield(self, messages: list[dict]) -> tuple[list[dict], dict[str, str]]:
-        """`messages` with each special token's string in their content replaced by a
-        private-use character found in no content, and those characters' strings."""
-        specials = sorted({t.content for t in self.hf.added_tokens_decoder.values()
-                           if t.special and t.content}, key=len, reverse=True)
-        contents = [m["content"] for m in messages if isinstance(m.get("content"), str)]
-        found = [t for t in specials if any(t in c for c in contents)]
-        if not found:
-            return messages, {}
-        used = set("".join(contents))
-        free = (chr(c) for c in range(0xF0000, 0x10FFFE) if chr(c) not in used)
-        marks = {t: next(free) for t in found}
-        pattern = re.compile("|".join(re.escape(t) for t in found))
-        out = [{**m, "content": pattern.sub(lambda x: marks[x.group(0)], m["content"])}
-               if isinstance(m.get("content"), str) else m for m in messages]
-        return out, {mark: t for t, mark in marks.items()}
+    def _encode(self, text: str, split_special: bool = False) -> list[int]:
+        kw = {"split_special_tokens": True} if split_special else {}
+        return list(self.hf.encode(text, add_special_tokens=False, **kw))
+
+    def _specials(self) -> list[str]:
+        return [t.content for t in self.hf.added_tokens_decoder.values()
+                if t.special and t.content]
+
+    def spec(self) -> TokenizerSpec:
+        """This tokenizer as plain data, for a process that tokenizes without transformers
+        (`engine.tokenizer_spec.SpecTokenizer`)."""
+        try:
+            template = self.hf.get_chat_template()
+        except ValueError:  # the checkpoint has no chat template
+            template = None
+        return TokenizerSpec(self.hf.backend_tokenizer.to_str(), template,
+                             dict(self.hf.special_tokens_map), tuple(self._specials()),
+                             self.hf.eos_token_id)
 
 
 class Detokenizer:

@@ -1,16 +1,20 @@
 """The part of a node actor that does not depend on its role: the engine started on the
 actor's own GPU with its loop and metrics, the liveness calls the router makes, and the
-stats and info it reads."""
+stats, info and tokenizer it reads.
+
+The engine, torch and the transport are imported where an actor starts, not with this module:
+the router's process imports the actor classes to place them and stays without torch."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+from typing import TYPE_CHECKING
 
-from engine import Engine
-from engine.loop import EngineLoop
-from kvtransfer.layout import BlockLayout
+if TYPE_CHECKING:
+    from engine import Engine
+    from engine.tokenizer import TokenizerSpec
 
 # Set to "1" by the launcher for GPU actors under `transfer.ipc_across_gpus`: Ray then leaves
 # CUDA_VISIBLE_DEVICES alone, so an actor sees every GPU of its node (to map a peer's cache on
@@ -55,6 +59,21 @@ def on_own_gpu(engine_kwargs: dict) -> dict:
     """`engine_kwargs` with its device, if it names one, made this actor's own (`node_device`)."""
     return {**engine_kwargs, "device": node_device(engine_kwargs.get("device"))} \
         if "device" in engine_kwargs else engine_kwargs
+
+
+def engine_types(engine_kwargs: dict) -> dict:
+    """`engine_kwargs` with a dtype given by name made the torch dtype and a speculation config
+    given as a dict made the `SpecConfig`: a process without torch (the router) sends them so."""
+    kw = dict(engine_kwargs)
+    if isinstance(kw.get("dtype"), str):
+        import torch
+
+        kw["dtype"] = getattr(torch, kw["dtype"])
+    if isinstance(kw.get("spec"), dict):
+        from engine.config import SpecConfig
+
+        kw["spec"] = SpecConfig(**kw["spec"])
+    return kw
 
 
 def serve_metrics(role: str, port: int | None, host: str = "127.0.0.1"):
@@ -147,7 +166,11 @@ class Node(Liveness):
 
     def __init__(self, role: str, model: str | None, engine_kwargs: dict,
                  metrics_port: int | None, metrics_host: str):
-        self.engine = Engine.from_pretrained(model, **on_own_gpu(engine_kwargs))
+        from engine import Engine
+        from engine.loop import EngineLoop
+        from kvtransfer.layout import BlockLayout
+
+        self.engine = Engine.from_pretrained(model, **on_own_gpu(engine_types(engine_kwargs)))
         self.engine.prepare_to_serve()  # graphs captured, objects frozen, compiles logged
         self.metrics, self.metrics_port = serve_metrics(role, metrics_port, metrics_host)
         self.loop = EngineLoop(self.engine)
@@ -161,3 +184,9 @@ class Node(Liveness):
 
     async def info(self) -> dict:
         return node_info(self)
+
+    async def tokenizer_spec(self) -> TokenizerSpec | None:
+        """The engine's tokenizer as plain data (`Tokenizer.spec`), which the router encodes
+        prompts with; None for an engine without one."""
+        tok = self.engine.tokenizer
+        return tok.spec() if tok is not None else None
