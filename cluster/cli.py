@@ -225,7 +225,8 @@ def cmd_serve(args) -> int:
             if p is not None:
                 print(f"{name} metrics on http://{cfg.metrics.host}:{p}/metrics",
                       file=sys.stderr)
-    metrics = Metrics("router") if cfg.metrics.enabled else None
+    metrics = Metrics("router", model_name=backend.info()["model"]) if cfg.metrics.enabled \
+        else None
     if cfg.mode != "colocated":
         backend.metrics = metrics  # streams moved off dead workers
     if metrics is not None:

@@ -33,6 +33,8 @@ class BlockManager:
         self.tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.by_hash: dict[bytes, int] = {}
+        # Prompt tokens of admitted requests looked up in the prefix cache, and those found
+        # (`count_lookup`); the metrics read them at scrape time.
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -74,7 +76,6 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return 0
         bs, parent, hit = self.block_size, b"", 0
-        self.prefix_queried_tokens += len(seq)
         for i in range((len(seq) - 1) // bs):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
             h = block_hash(parent, tokens)
@@ -88,8 +89,14 @@ class BlockManager:
             seq.block_hashes.append(h)
             parent, hit = h, hit + bs
         seq.num_computed = seq.num_cached_tokens = hit
-        self.prefix_hit_tokens += hit
         return hit
+
+    def count_lookup(self, seq: Sequence) -> None:
+        """Count the lookup (`match_prefix`) of a request that was admitted: once per
+        admission, however many steps it waited for room at the head of the queue."""
+        if self.enable_prefix_caching:
+            self.prefix_queried_tokens += len(seq)
+            self.prefix_hit_tokens += seq.num_cached_tokens
 
     def commit(self, seq: Sequence) -> None:
         """Register hashes of blocks that became full and computed, so later requests reuse them."""

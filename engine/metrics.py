@@ -1,7 +1,9 @@
-"""Prometheus metrics for every component: one registry per `Metrics` object, a `role` label.
+"""Prometheus metrics for every component: one registry per `Metrics` object, a `role` label
+and, given one, a `model_name` label on every tandem series.
 
 A dedicated registry per component means several components in one process (colocated mode,
-tests) never collide, and each serves exactly its own series on its own port.
+tests) never collide, and each serves exactly its own series on its own port. An own registry
+also carries the process metrics (CPU, memory, file descriptors, Python GC).
 """
 
 from __future__ import annotations
@@ -10,6 +12,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
     CollectorRegistry,
     Counter,
     Gauge,
@@ -17,6 +22,7 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
+from prometheus_client.core import CounterMetricFamily
 
 ROLES = ("router", "prefill", "decode", "colocated")
 # Per-token gaps (ITL, TPOT): a fast GPU decode step up to a stalled CPU one.
@@ -29,17 +35,28 @@ REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0, 10.0)
 
+# Tokens in one request's prompt or output: one token up to a long context.
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000)
+
 STEP_PATHS = ("overlapped", "fused", "regular")
+PROCESS_COLLECTORS = (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR)
 
 
 class Metrics:
-    """All tandem metrics of one component, in its own registry, labelled with its role."""
+    """All tandem metrics of one component, in its own registry, labelled with its role and,
+    when `model_name` is given (every serving component gives it), the model it serves.
+    A registry of its own (`registry` None) also gets the process collectors."""
 
-    def __init__(self, role: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, role: str, registry: CollectorRegistry | None = None, *,
+                 model_name: str | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        self.role = role
-        self.registry = registry if registry is not None else CollectorRegistry()
+        self.role, self.model_name = role, model_name
+        self.label_names = ("role", "model_name") if model_name else ("role",)
+        self.bound = (role, model_name) if model_name else (role,)
+        self.registry = registry if registry is not None else _own_registry()
+        self._engine_counters: EngineCounters | None = None
         self._spec_seen: tuple[list[int], list[int]] = ([], [])
         self._steps_seen: list[int] = []
         self._k_seen: dict[tuple[str, str], int] = {}  # (metric, label) -> count fed so far
@@ -51,9 +68,15 @@ class Metrics:
     # ---- construction ------------------------------------------------------------------------
 
     def _metric(self, kind: type, name: str, doc: str, extra: tuple[str, ...] = (), **kw):
-        m = kind(name, doc, ("role", *extra), registry=self.registry, **kw)
-        # Bind the role now so role-only series exist (at zero) before the first observation.
-        return m if extra else m.labels(role=self.role)
+        m = kind(name, doc, (*self.label_names, *extra), registry=self.registry, **kw)
+        # Bind role (and model) now so unlabelled series exist (at zero) before the first
+        # observation; a metric with labels of its own takes them through `series`.
+        return m if extra else m.labels(*self.bound)
+
+    def series(self, metric, *values: str):
+        """The child of `metric` (one with labels of its own) for this component and `values`
+        of those labels, e.g. `m.series(m.errors, "INTERNAL").inc()`."""
+        return metric.labels(*self.bound, *values)
 
     def _latency_metrics(self) -> None:
         h = Histogram
@@ -66,6 +89,18 @@ class Metrics:
                                  buckets=TOKEN_BUCKETS)
         self.e2e = self._metric(h, "tandem_e2e_seconds", "Request latency, arrival to finish.",
                                 buckets=REQUEST_BUCKETS)
+        self.prefill_seconds = self._metric(
+            h, "tandem_prefill_seconds", "Time from admission to the first token, per request.",
+            buckets=REQUEST_BUCKETS)
+        self.decode_seconds = self._metric(
+            h, "tandem_decode_seconds", "Time from the first token to the finish, per request.",
+            buckets=REQUEST_BUCKETS)
+        self.prompt_len = self._metric(h, "tandem_request_prompt_tokens",
+                                       "Prompt tokens per finished request.",
+                                       buckets=LENGTH_BUCKETS)
+        self.output_len = self._metric(h, "tandem_request_generated_tokens",
+                                       "Generated tokens per finished request.",
+                                       buckets=LENGTH_BUCKETS)
 
     def _token_metrics(self) -> None:
         c = Counter
@@ -144,17 +179,28 @@ class Metrics:
             buckets=REQUEST_BUCKETS)
         self.errors = self._metric(
             Counter, "tandem_request_errors_total",
-            "Requests that ended with an error status, by gRPC status code.", ("code",))
+            "Requests that ended with an error status, by gRPC status code: refused before "
+            "any work (INVALID_ARGUMENT, UNAUTHENTICATED), at admission (RESOURCE_EXHAUSTED) "
+            "or failed later.", ("code",))
 
     # ---- recording ---------------------------------------------------------------------------
 
     def observe_request(self, ttft: float | None, itls: Sequence[float], e2e: float,
-                        prompt_tokens: int, output_tokens: int, status: str) -> None:
-        """One finished request. `ttft` is None when no token came out; TPOT needs two tokens."""
-        self.requests.labels(self.role, status).inc()
+                        prompt_tokens: int, output_tokens: int, status: str, *,
+                        prefill: float | None = None, decode: float | None = None) -> None:
+        """One finished request. `ttft` is None when no token came out; TPOT needs two tokens.
+        `prefill` (admission to first token) and `decode` (first token to finish): None when
+        not measured."""
+        self.series(self.requests, status).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generated_tokens.inc(output_tokens)
+        self.prompt_len.observe(prompt_tokens)
+        self.output_len.observe(output_tokens)
         self.e2e.observe(e2e)
+        if prefill is not None:
+            self.prefill_seconds.observe(prefill)
+        if decode is not None:
+            self.decode_seconds.observe(decode)
         for gap in itls:
             self.itl.observe(gap)
         if ttft is not None:
@@ -168,8 +214,8 @@ class Metrics:
         if len(drafted_per_pos) != len(accepted_per_pos):
             raise ValueError("drafted_per_pos and accepted_per_pos differ in length")
         for pos, (d, a) in enumerate(zip(drafted_per_pos, accepted_per_pos)):
-            self.spec_drafted.labels(self.role, str(pos)).inc(d)
-            self.spec_accepted.labels(self.role, str(pos)).inc(a)
+            self.series(self.spec_drafted, str(pos)).inc(d)
+            self.series(self.spec_accepted, str(pos)).inc(a)
 
     def observe_spec_totals(self, drafted_per_pos: Sequence[int],
                             accepted_per_pos: Sequence[int]) -> None:
@@ -186,7 +232,7 @@ class Metrics:
             return
         self.kv_bytes.inc(nbytes)
         self.kv_seconds.observe(seconds)
-        self.kv_transfers.labels(self.role, path or "unknown").inc()
+        self.series(self.kv_transfers, path or "unknown").inc()
 
     def set_engine_gauges(self, queue_depth: int, running: int, blocks_used: int,
                           blocks_total: int, acceptance_length: float | None = None) -> None:
@@ -199,13 +245,22 @@ class Metrics:
             self.acceptance_length.set(acceptance_length)
 
     def watch_engine(self, engine) -> None:
-        """Queue, running and KV-block gauges read from `engine` at scrape time, so an idle
-        engine reports its idle state (plain reads of Python containers, safe from the
-        scrape thread)."""
+        """Queue, running and KV-block gauges, prefix-cache and preemption counters read from
+        `engine` at scrape time, so an idle engine reports its idle state and its step does no
+        metrics work (plain reads of Python ints and containers, safe from the scrape
+        thread)."""
         self.queue_depth.set_function(lambda: len(engine.scheduler.waiting))
         self.running.set_function(lambda: len(engine.scheduler.running))
         self.blocks_used.set_function(lambda: engine.num_blocks - engine.blocks.num_free)
         self.blocks_total.set_function(lambda: engine.num_blocks)
+        if self._engine_counters is None:
+            self._engine_counters = EngineCounters(self.label_names, self.bound)
+            self.registry.register(self._engine_counters)
+        self._engine_counters.engine = engine
+
+    def count_error(self, code: str, n: int = 1) -> None:
+        """`n` requests ended with gRPC status `code` (its name: "UNAUTHENTICATED")."""
+        self.series(self.errors, code).inc(n)
 
     def watch_router(self, service) -> None:
         """The router's in-flight and queued requests, read at scrape time (`service`: a
@@ -242,7 +297,7 @@ class Metrics:
                 key = (name, str(label))
                 new = _new(total, self._k_seen.get(key, 0))
                 if new:
-                    metric.labels(self.role, str(label)).inc(new)
+                    self.series(metric, str(label)).inc(new)
                 self._k_seen[key] = total
 
     def observe_step_totals(self, steps: int, fused: int, overlapped: int) -> None:
@@ -250,7 +305,7 @@ class Metrics:
         overlapped; records what is new per path."""
         totals = [overlapped, fused - overlapped, max(steps - fused, 0)]
         for path, new in zip(STEP_PATHS, _delta(totals, self._steps_seen)):
-            self.engine_steps.labels(self.role, path).inc(new)
+            self.series(self.engine_steps, path).inc(new)
         self._steps_seen = totals
 
     def serve(self, host: str = "127.0.0.1", port: int = 0):
@@ -262,19 +317,51 @@ class Metrics:
         return server, server.server_address[1]
 
 
+class EngineCounters:
+    """Counts the engine keeps where they happen, exposed as counters at scrape time:
+    prefix-cache lookups and hits (tokens, `BlockManager`) and preemptions (`Scheduler`)."""
+
+    def __init__(self, label_names: tuple[str, ...], bound: tuple[str, ...]) -> None:
+        self.label_names, self.bound = list(label_names), list(bound)
+        self.engine = None  # set by `Metrics.watch_engine`
+
+    def collect(self):
+        e = self.engine
+        blocks, sched = getattr(e, "blocks", None), getattr(e, "scheduler", None)
+        for name, doc, n in (
+                ("tandem_prefix_cache_queried_tokens", "Prompt tokens of admitted requests "
+                 "looked up in the prefix cache (a preempted request's again).",
+                 getattr(blocks, "prefix_queried_tokens", 0)),
+                ("tandem_prefix_cache_hit_tokens", "Of those, tokens found in the cache.",
+                 getattr(blocks, "prefix_hit_tokens", 0)),
+                ("tandem_preemptions", "Running requests preempted for KV room (they "
+                 "recompute later).", getattr(sched, "num_preemptions", 0))):
+            family = CounterMetricFamily(name, doc, labels=self.label_names)
+            family.add_metric(self.bound, n)
+            yield family
+
+    def describe(self):
+        return self.collect()  # the names, for the registry's duplicate check
+
+
 class RequestTimer:
-    """Times one request from arrival: TTFT on the first streamed chunk, ITL after it.
+    """Times one request from arrival (`start`, default now): TTFT on the first streamed
+    chunk, ITL after it; prefill from when the timer was made (the request admitted) to the
+    first token, decode from there to the finish.
 
     A later chunk of n tokens records its gap / n, n times (per-token ITL); the extra tokens
     of the first chunk count as output but record no gap."""
 
     def __init__(self, metrics: Metrics, prompt_tokens: int = 0,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter,
+                 start: float | None = None) -> None:
         self.metrics = metrics
         self.prompt_tokens = prompt_tokens  # may be set later, once the prompt is tokenized
         self.clock = clock
-        self.start = clock()
+        self.admitted = clock()
+        self.start = self.admitted if start is None else start
         self.ttft: float | None = None
+        self.first: float | None = None
         self.itls: list[float] = []
         self.output_tokens = 0
         self.finished = False
@@ -288,7 +375,7 @@ class RequestTimer:
             return
         now = self.clock()
         if self._last is None:
-            self.ttft = now - self.start
+            self.first, self.ttft = now, now - self.start
         else:
             self.itls.extend([(now - self._last) / n] * n)
         self._last = now
@@ -299,8 +386,19 @@ class RequestTimer:
         if self.finished:
             return
         self.finished = True
-        self.metrics.observe_request(self.ttft, self.itls, self.clock() - self.start,
-                                     self.prompt_tokens, self.output_tokens, status)
+        now, first = self.clock(), self.first
+        self.metrics.observe_request(
+            self.ttft, self.itls, now - self.start, self.prompt_tokens, self.output_tokens,
+            status, prefill=None if first is None else first - self.admitted,
+            decode=None if first is None else now - first)
+
+
+def _own_registry() -> CollectorRegistry:
+    """A fresh registry with the process collectors (they read /proc at scrape time)."""
+    registry = CollectorRegistry()
+    for c in PROCESS_COLLECTORS:
+        registry.register(c)
+    return registry
 
 
 def _new(total: int, seen: int) -> int:

@@ -100,6 +100,7 @@ class Scheduler:
                 self.blocks.release(seq)
                 break
             self.blocks.grow(seq, seq.num_computed + n)
+            self.blocks.count_lookup(seq)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)

@@ -14,7 +14,7 @@ import hmac
 import logging
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import grpc
@@ -63,7 +63,8 @@ class BearerAuth(grpc.aio.ServerInterceptor):
 
     Only the first `authorization` entry counts, so one call cannot try many tokens. It is
     compared in constant time against every token, with no early exit that would tell which
-    one (or whether any) came close. `refused` counts the calls turned away.
+    one (or whether any) came close. `refused` counts the calls turned away; `on_refused`, if
+    set, is told how many more each time it grows (the metrics count them).
     """
 
     def __init__(self, tokens: Sequence[str], health_open: bool = True) -> None:
@@ -71,7 +72,18 @@ class BearerAuth(grpc.aio.ServerInterceptor):
             raise ValueError("BearerAuth needs at least one token")
         self._digests = [_digest(t) for t in tokens]
         self.health_open = health_open
-        self.refused = 0
+        self.on_refused: Callable[[int], None] | None = None
+        self._refused = 0
+
+    @property
+    def refused(self) -> int:
+        return self._refused
+
+    @refused.setter
+    def refused(self, n: int) -> None:
+        if self.on_refused is not None and n > self._refused:
+            self.on_refused(n - self._refused)
+        self._refused = n
 
     def allows(self, method: str, metadata: Iterable[tuple[str, str | bytes]]) -> bool:
         """Whether a call of `method` ("/package.Service/Method") with `metadata` may go on."""

@@ -9,6 +9,7 @@ inert status detail; the full story goes to the log under the request id."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import itertools
 import logging
@@ -98,7 +99,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             await context.abort(code, detail(message))
         finally:
             if self.metrics is not None and code != grpc.StatusCode.OK:
-                self.metrics.errors.labels(self.metrics.role, code.name).inc()
+                self.metrics.count_error(code.name)
 
     async def _generate(self, rid: str, request, t0: float, deadline: float | None):
         params = sampling_of(request)
@@ -133,7 +134,10 @@ class GenerationService(pb_grpc.GenerationServicer):
     async def _stream(self, rid, ids, params, cap, resume, t0, deadline):
         timer = None
         if self.metrics is not None:
-            timer = RequestTimer(self.metrics, len(ids) - (resume[0] if resume else 0))
+            # From arrival (t0): TTFT and end-to-end include the wait for admission, as the
+            # usage's ttft_ms does; prefill time starts now.
+            timer = RequestTimer(self.metrics, len(ids) - (resume[0] if resume else 0),
+                                 start=t0)
             if resume is not None:
                 self.metrics.continuations.inc()
         status, first = "cancelled", None
@@ -370,6 +374,16 @@ def add_service(service: GenerationService, server) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, rpcs),))
 
 
+def _count_refusals(service: GenerationService, interceptors) -> None:
+    """Calls an auth interceptor turns away (at either door) count as UNAUTHENTICATED
+    errors in the service's metrics."""
+    if service.metrics is None:
+        return
+    for i in interceptors:
+        if hasattr(i, "on_refused"):
+            i.on_refused = functools.partial(service.metrics.count_error, "UNAUTHENTICATED")
+
+
 async def start_server(service: GenerationService, host: str = "127.0.0.1", port: int = 0, *,
                        credentials: grpc.ServerCredentials | None = None,
                        interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
@@ -381,6 +395,7 @@ async def start_server(service: GenerationService, host: str = "127.0.0.1", port
     from grpc_reflection.v1alpha import reflection
 
     server = grpc.aio.server(interceptors=list(interceptors))
+    _count_refusals(service, interceptors)
     add_service(service, server)
     hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

@@ -71,7 +71,7 @@ class ShadowCheck:
     def _count(self, outcome: str) -> None:
         self.counts[outcome] += 1
         if self.metrics is not None:
-            self.metrics.shadow_checks.labels(self.metrics.role, outcome).inc()
+            self.metrics.series(self.metrics.shadow_checks, outcome).inc()
 
     async def wait(self) -> None:
         """Until the re-run in flight (if any) ends."""
