@@ -80,3 +80,15 @@ def test_the_prompt_encoder_shields_chat_unless_trusted(base_tokenizer):
     start = base_tokenizer.hf.convert_tokens_to_ids("<|im_start|>")
     trusted = PromptEncoder(base_tokenizer, 49152, 8192, 16, 10_000, chat_special_tokens=True)
     assert enc(msgs).count(start) + 1 == trusted(msgs).count(start)
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_the_spec_built_tokenizer_shields_chat_as_the_transformers_one(base_tokenizer, name):
+    from engine.tokenizer_spec import SpecTokenizer
+
+    tok, _, attack = family(base_tokenizer, name)
+    router = SpecTokenizer(tok.spec())  # what the disaggregated router encodes with
+    for content in ("Hi there", "Hi there" + attack, attack + attack):
+        for trusted in (False, True):
+            assert router.apply_chat(chat(content), specials_in_content=trusted) == \
+                tok.apply_chat(chat(content), specials_in_content=trusted)
