@@ -76,12 +76,13 @@ def engine_types(engine_kwargs: dict) -> dict:
     return kw
 
 
-def serve_metrics(role: str, port: int | None, host: str = "127.0.0.1"):
-    """This node's Prometheus metrics, exposed over HTTP on `host` unless port is None (0: a
-    free port)."""
+def serve_metrics(role: str, port: int | None, host: str = "127.0.0.1",
+                  model_name: str | None = None):
+    """This node's Prometheus metrics (labelled with `model_name`), exposed over HTTP on
+    `host` unless port is None (0: a free port)."""
     from engine.metrics import Metrics
 
-    m = Metrics(role)
+    m = Metrics(role, model_name=model_name)
     return m, (m.serve(host, port)[1] if port is not None else None)
 
 
@@ -172,7 +173,8 @@ class Node(Liveness):
 
         self.engine = Engine.from_pretrained(model, **on_own_gpu(engine_types(engine_kwargs)))
         self.engine.prepare_to_serve()  # graphs captured, objects frozen, compiles logged
-        self.metrics, self.metrics_port = serve_metrics(role, metrics_port, metrics_host)
+        self.metrics, self.metrics_port = serve_metrics(role, metrics_port, metrics_host,
+                                                        self.engine.config.model.name)
         self.loop = EngineLoop(self.engine)
         self.loop.on_step = self.metrics.engine_step
         self.metrics.watch_engine(self.engine)
