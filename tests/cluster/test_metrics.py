@@ -195,6 +195,45 @@ def test_request_timer_without_tokens_records_no_ttft():
         t.token(-1)
 
 
+def test_request_timer_splits_queue_prefill_and_decode():
+    """Made at admission with the arrival as `start`: TTFT and e2e from arrival, prefill from
+    admission to the first token, decode from there to the finish; lengths per request."""
+    m, clock = Metrics("router", model_name="m"), FakeClock()
+    t = RequestTimer(m, prompt_tokens=30, clock=clock, start=clock.now - 0.4)
+    clock.now += 0.25
+    t.token(1)
+    clock.now += 1.0
+    t.token(2)
+    t.finish("stop")
+    get = lambda name, **kw: m.registry.get_sample_value(
+        name, {"role": "router", "model_name": "m", **kw})
+    assert get("tandem_ttft_seconds_sum") == pytest.approx(0.65)
+    assert get("tandem_e2e_seconds_sum") == pytest.approx(1.65)
+    assert get("tandem_prefill_seconds_sum") == pytest.approx(0.25)
+    assert get("tandem_decode_seconds_sum") == pytest.approx(1.0)
+    assert get("tandem_request_prompt_tokens_bucket", le="50.0") == 1
+    assert get("tandem_request_prompt_tokens_bucket", le="20.0") == 0
+    assert get("tandem_request_generated_tokens_sum") == 3
+
+
+def test_a_request_with_no_token_has_no_prefill_or_decode_time():
+    m = Metrics("router")
+    RequestTimer(m, prompt_tokens=4).finish("cancelled")
+    assert value(m, "tandem_prefill_seconds_count") == 0
+    assert value(m, "tandem_decode_seconds_count") == 0
+    assert value(m, "tandem_request_generated_tokens_bucket", le="1.0") == 1
+
+
+def test_model_name_labels_every_series_when_given_and_series_binds_it():
+    m = Metrics("decode", model_name="llama")
+    m.series(m.errors, "INTERNAL").inc()
+    m.observe_spec([2], [1])
+    for fam in text_string_to_metric_families(m.exposition().decode()):
+        if fam.name.startswith("tandem_"):
+            assert all(s.labels.get("model_name") == "llama" for s in fam.samples), fam.name
+    assert value(Metrics("decode"), "tandem_kv_blocks_used") == 0  # none given: no label
+
+
 def test_a_node_serves_its_metrics_on_the_host_and_port_configured():
     import socket
 
