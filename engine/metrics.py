@@ -56,7 +56,8 @@ class Metrics:
         self.label_names = ("role", "model_name") if model_name else ("role",)
         self.bound = (role, model_name) if model_name else (role,)
         self.registry = registry if registry is not None else _own_registry()
-        self._engine_counters: EngineCounters | None = None
+        self._engine_counters = EngineCounters(self.label_names, self.bound)
+        self.registry.register(self._engine_counters)  # at zero until `watch_engine`
         self._spec_seen: tuple[list[int], list[int]] = ([], [])
         self._steps_seen: list[int] = []
         self._k_seen: dict[tuple[str, str], int] = {}  # (metric, label) -> count fed so far
@@ -253,9 +254,6 @@ class Metrics:
         self.running.set_function(lambda: len(engine.scheduler.running))
         self.blocks_used.set_function(lambda: engine.num_blocks - engine.blocks.num_free)
         self.blocks_total.set_function(lambda: engine.num_blocks)
-        if self._engine_counters is None:
-            self._engine_counters = EngineCounters(self.label_names, self.bound)
-            self.registry.register(self._engine_counters)
         self._engine_counters.engine = engine
 
     def count_error(self, code: str, n: int = 1) -> None:
