@@ -6,10 +6,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from node_common.node import Node
+from node_common.node import Node, unseal
 
 if TYPE_CHECKING:
-    from engine.handoff import Handoff
     from engine.output import RequestOutput
 
 RECV_TIMEOUT_S = 60.0
@@ -39,8 +38,10 @@ class DecodeNode(Node):
     async def reserve(self, rid: str, num_tokens: int) -> list[int]:
         return await self.loop.call(lambda e: e.reserve(rid, num_tokens))
 
-    async def generate(self, h: Handoff) -> AsyncIterator[RequestOutput]:
-        """Wait for the request's KV to land, then decode it, yielding outputs as they come."""
+    async def generate(self, sealed: bytes) -> AsyncIterator[RequestOutput]:
+        """Wait for the request's KV to land, then decode it, yielding outputs as they come.
+        `sealed`: the prefill node's hand-off (`node_common.node.seal`)."""
+        h = unseal(sealed)
         try:
             await self.transport.recv_blocks(h.request_id, RECV_TIMEOUT_S)
         except BaseException:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pickle
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from engine import Engine
+    from engine.handoff import Handoff
     from engine.tokenizer import TokenizerSpec
 
 # Set to "1" by the launcher for GPU actors under `transfer.ipc_across_gpus`: Ray then leaves
@@ -59,6 +61,17 @@ def on_own_gpu(engine_kwargs: dict) -> dict:
     """`engine_kwargs` with its device, if it names one, made this actor's own (`node_device`)."""
     return {**engine_kwargs, "device": node_device(engine_kwargs.get("device"))} \
         if "device" in engine_kwargs else engine_kwargs
+
+
+def seal(h: Handoff) -> bytes:
+    """The hand-off as bytes for its trip through the router, which passes it on unread: it
+    holds tensors, and reading them would load torch into the router's process."""
+    return pickle.dumps(h, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unseal(sealed: bytes) -> Handoff:
+    """The hand-off a prefill node sealed (`seal`)."""
+    return pickle.loads(sealed)
 
 
 def engine_types(engine_kwargs: dict) -> dict:

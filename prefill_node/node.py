@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from node_common.node import Node
+from node_common.node import Node, seal
 
 if TYPE_CHECKING:
     from engine import SamplingParams
@@ -37,11 +37,11 @@ class PrefillNode(Node):
     async def prefill(self, rid: str, ids: list[int], params: SamplingParams,
                       spec_cap: int | None, decode_address: dict, dst_blocks: list[int],
                       resume: tuple[int, int] | None = None
-                      ) -> AsyncIterator[RequestOutput | Handoff]:
+                      ) -> AsyncIterator[RequestOutput | bytes]:
         """Prefill and yield the first output at once (TTFT does not wait for the transfer);
-        then ship the KV and yield the hand-off. Nothing more when the request already
-        finished at its first token. `resume`: a stream moved here after a worker died
-        (`Engine.add_request`)."""
+        then ship the KV and yield the hand-off, sealed (`node_common.node.seal`). Nothing
+        more when the request already finished at its first token. `resume`: a stream moved
+        here after a worker died (`Engine.add_request`)."""
         self.guard_transport()
         self._active.add(rid)
         try:
@@ -64,7 +64,7 @@ class PrefillNode(Node):
             self._cancelled.discard(rid)
             self._sending.pop(rid, None)
             await self.loop.call(lambda e: e.release(rid))
-        yield h
+        yield seal(h)
 
     async def _ship(self, rid: str, decode_address: dict, dst_blocks: list[int]) -> Handoff:
         h = await self.loop.call(lambda e: e.export_handoff(rid))

@@ -143,7 +143,8 @@ class DisaggBackend:
                 d.cancel.remote(rid)
                 return
             # The decode actor may die while the KV moves: then the transfer would only fail
-            # at its timeout. Its watch fails at once.
+            # at its timeout. Its watch fails at once. The hand-off comes sealed and goes on
+            # unread (it holds tensors: reading them would load torch here).
             handoff = await self._unless_dead(d, self._next(steps))
             async for ref in d.generate.options(num_returns="streaming").remote(handoff):
                 out = await ref
