@@ -1,7 +1,7 @@
 """Find a checkpoint, read its config, weights (HF safetensors or GGUF) and tokenizer.
 
-Torch and the model config are imported only where the config and weights are read: the
-router imports this module to find the checkpoint whose tokenizer it loads, and needs no torch."""
+Torch and the model config are imported only where the config and weights are read: a
+process that only finds a checkpoint (the CLI checking a path) needs no torch."""
 
 from __future__ import annotations
 
