@@ -229,6 +229,8 @@ def cmd_serve(args) -> int:
         else None
     if cfg.mode != "colocated":
         backend.metrics = metrics  # streams moved off dead workers
+    elif metrics is not None:  # one process: the engine's gauges and counters are the router's
+        metrics.watch_engine(engine)
     if metrics is not None:
         _, mport = metrics.serve(cfg.metrics.host, cfg.metrics_ports()["router"])
         print(f"metrics on http://{cfg.metrics.host}:{mport}/metrics", file=sys.stderr)

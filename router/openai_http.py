@@ -33,6 +33,8 @@ from router.openai_convert import (
 from router.server import GenerationService
 
 log = logging.getLogger("tandem.router")
+_GRPC_CODE = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
+              413: "INVALID_ARGUMENT"}  # an HTTP refusal's gRPC status name, for the metrics
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 
@@ -107,7 +109,9 @@ class OpenAIServer:
         try:
             self._authorize(request)
             return await handler(request)
-        except ApiError as e:
+        except ApiError as e:  # refused before the servicer saw it: counted here
+            if self.service.metrics is not None and e.status != 401:  # 401: counted by auth
+                self.service.metrics.count_error(_GRPC_CODE.get(e.status, "INTERNAL"))
             return _error(e)
         except Aborted as e:
             return _error(ApiError.of_status(e.code, str(e)))

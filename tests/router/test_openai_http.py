@@ -214,3 +214,22 @@ def test_a_full_queue_is_429_and_a_hang_up_frees_the_engine(smol_engine):
         assert out.usage.completion_tokens == 2  # the slot came back
     finally:
         a.close()
+
+
+def test_refusals_before_the_servicer_are_counted(smol_engine):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from engine.metrics import Metrics
+
+    m = Metrics("router")
+    a = Api(smol_engine, metrics=m)
+    try:
+        assert a.raw("POST", "/v1/completions", b"{not json")[0] == 400
+        assert a.raw("POST", "/v1/completions", json.dumps(
+            {"model": "other", "prompt": "hi"}).encode())[0] == 404
+        fams = {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
+        codes = {s.labels["code"]: s.value for s in fams["tandem_request_errors"].samples
+                 if s.name.endswith("_total")}
+        assert codes == {"INVALID_ARGUMENT": 1.0, "NOT_FOUND": 1.0}
+    finally:
+        a.close()
