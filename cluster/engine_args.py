@@ -1,5 +1,6 @@
 """What the engine of each role is built with, from the topology config: the keyword arguments
-of `engine.Engine.from_pretrained`, the torch dtype, the speculation config."""
+of `engine.Engine.from_pretrained`, the torch dtype, the speculation config. `node_kwargs`
+gives the same without torch types, for the router process to send its actors."""
 
 from __future__ import annotations
 
@@ -10,11 +11,27 @@ from cluster.config import ClusterConfig, SpecSection
 
 def engine_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
     """Keyword arguments for `engine.Engine.from_pretrained(cfg.model.path, **kwargs)`."""
+    device = cfg.role_section(role).resolved_device
+    return _kwargs(cfg, role, torch_dtype(cfg.model.dtype, device), spec_config(cfg.speculation))
+
+
+def node_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
+    """`engine_kwargs` with the dtype by name and the speculation config as a dict, which a
+    node actor turns into torch types (`node_common.node.engine_types`): building them would
+    load torch into the router's process."""
+    device = cfg.role_section(role).resolved_device
+    spec = cfg.speculation
+    fields = None if spec.method == "none" else {
+        "method": spec.method, "num_tokens": spec.num_tokens, "head": spec.head,
+        "dynamic": spec.dynamic, "context_drafts": spec.context_drafts}
+    return _kwargs(cfg, role, dtype_name(cfg.model.dtype, device), fields)
+
+
+def _kwargs(cfg: ClusterConfig, role: str, dtype, spec) -> dict[str, Any]:
     sec = cfg.role_section(role)
-    device = sec.resolved_device
     kw: dict[str, Any] = {
-        "device": device,
-        "dtype": torch_dtype(cfg.model.dtype, device),
+        "device": sec.resolved_device,
+        "dtype": dtype,
         "block_size": cfg.model.block_size,
         "max_num_seqs": sec.max_num_seqs,
         "max_num_batched_tokens": sec.max_num_batched_tokens,
@@ -22,7 +39,7 @@ def engine_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
         "admission_delay_steps": sec.admission_delay_steps,
         "admit_in_flight": sec.admit_in_flight,
         # Prefill needs the spec too: it fills the EAGLE-3 draft layer's KV that it ships.
-        "spec": spec_config(cfg.speculation),
+        "spec": spec,
         "overlap": cfg.speculation.overlap,  # greedy decode steps, with speculation or not
     }
     if role == "prefill":
@@ -33,13 +50,18 @@ def engine_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
     return kw
 
 
+def dtype_name(name: str, device: str) -> str:
+    """A config dtype name with auto resolved: bfloat16 on CUDA, float32 on CPU."""
+    if name == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    return name
+
+
 def torch_dtype(name: str, device: str):
-    """The torch dtype for a config dtype name; auto is bfloat16 on CUDA, float32 on CPU."""
+    """The torch dtype for a config dtype name (`dtype_name`)."""
     import torch
 
-    if name == "auto":
-        name = "bfloat16" if device.startswith("cuda") else "float32"
-    return getattr(torch, name)
+    return getattr(torch, dtype_name(name, device))
 
 
 def spec_config(spec: SpecSection):

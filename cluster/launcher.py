@@ -130,9 +130,9 @@ def actor_options(num_gpus: float, ipc_across_gpus: bool = False,
 
 def start_from_config(cfg) -> Cluster:
     """The cluster a `ClusterConfig` (cluster/config.py) describes, in disaggregated mode."""
-    from cluster.engine_args import engine_kwargs
+    from cluster.engine_args import node_kwargs
 
-    return start(cfg.model.path, engine_kwargs(cfg, "prefill"), engine_kwargs(cfg, "decode"),
+    return start(cfg.model.path, node_kwargs(cfg, "prefill"), node_kwargs(cfg, "decode"),
                  prefill_replicas=cfg.prefill.replicas, decode_replicas=cfg.decode.replicas,
                  transport=cfg.transfer.transport, address=cfg.ray_address,
                  prefill_gpus=cfg.prefill.num_gpus, decode_gpus=cfg.decode.num_gpus,

@@ -233,3 +233,16 @@ def test_engine_kwargs_build_an_engine_config():
     for role in ("prefill", "decode"):
         ec = EngineConfig(model=tiny_config(), **engine_kwargs(ClusterConfig(), role))
         assert ec.num_draft_layers == 1
+
+
+def test_node_kwargs_are_engine_kwargs_without_torch_types():
+    from cluster.engine_args import node_kwargs
+    from node_common.node import engine_types
+
+    for over in ([], ["speculation.method=none"], ["prefill.device=cuda", "prefill.num_gpus=1", "model.dtype=auto"]):
+        cfg = apply_overrides(ClusterConfig(), over)
+        for role in ("prefill", "decode"):
+            portable = node_kwargs(cfg, role)
+            assert isinstance(portable["dtype"], str)
+            assert portable["spec"] is None or isinstance(portable["spec"], dict)
+            assert engine_types(portable) == engine_kwargs(cfg, role)
