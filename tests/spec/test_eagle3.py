@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cluster.train_eagle3 import ttt_forward
+from cluster.eagle3.ttt import ttt_forward
 from engine import Engine, SamplingParams
 from engine.attention import TorchAttention
 from engine.config import SpecConfig

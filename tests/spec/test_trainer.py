@@ -8,7 +8,9 @@ from dataclasses import replace
 
 import torch
 
-from cluster.train_eagle3 import PLAN_AFTER, draft_vocab, expected_acceptance, self_distill, train
+from cluster.eagle3.loop import PLAN_AFTER, train
+from cluster.eagle3.records import draft_vocab, self_distill
+from cluster.eagle3.ttt import expected_acceptance
 from engine import Engine, SamplingParams
 from engine.attention import TorchAttention
 from engine.config import SpecConfig
@@ -114,7 +116,7 @@ def test_records_round_trip_and_training_continues_from_a_head(tmp_path):
     and starts where it stood, not from scratch."""
     import pytest
 
-    from cluster.train_eagle3 import load_records, save_records
+    from cluster.eagle3.records import load_records, save_records
 
     prompts = [f"another prompt {i} on {w}" for i, w in enumerate("abcdefghijkl")]
     eng, recs, held = _distilled(prompts, 8, 16)
@@ -206,7 +208,7 @@ def test_vocab_extension_keeps_trained_rows_and_the_fit_moves_only_new_ones():
     the size asked) and keeps every trained row; `fit_lm_head` with train_ids fits those
     rows alone (the others bit-equal), lowers the loss, and the extended head serves: greedy
     output with it equals plain decoding."""
-    from cluster.train_eagle3 import extend_vocab, fit_lm_head
+    from cluster.eagle3.vocab import extend_vocab, fit_lm_head
 
     prompts = [f"vocab prompt {i} of {w}" for i, w in enumerate("abcdefghijklmn")]
     eng, recs, held = _distilled(prompts, 12, 24)

@@ -1,0 +1,140 @@
+"""The training loop: AdamW over the unrolled chain's losses, a warm-up then cosine schedule,
+an optional time budget that shortens the schedule, held-out evaluations and checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch
+from tqdm import tqdm
+
+from cluster.eagle3.records import Record, on_device
+from cluster.eagle3.ttt import batch, evaluate, expected_acceptance, step_losses
+from engine import Engine
+from engine.spec.eagle3 import Eagle3Config, Eagle3Head
+
+PLAN_AFTER = 20  # steps timed before a time budget (`max_seconds`) plans the rest
+POSTFIX_EVERY = 20  # steps between the progress bar's loss readings
+# float32 matmul precision of training on a GPU: "high" lets them run as TF32 on the tensor
+# cores (the records' features are bf16 already); "highest" keeps full fp32.
+MATMUL_PRECISION = "high"
+
+
+def head_backend(block_size: int):
+    """The attention backend a head trains with (`Eagle3Config` -> the torch reference)."""
+    from engine.attention import TorchAttention
+
+    return lambda c: TorchAttention(c.num_heads, c.num_kv_heads, c.head_dim, block_size)
+
+
+def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, epochs=4,
+          lr=1e-3, batch_size=16, log_every=50, aux_layers=None,
+          init: Eagle3Head | None = None, max_seconds: float | None = None,
+          checkpoint=None) -> tuple[Eagle3Head, dict]:
+    """Train a head on the records (`init`: continue from this head, its draft vocabulary
+    kept; vocab_ids is then ignored). `max_seconds`: fewer steps than `epochs` asks where
+    they would not fit, planned from the pace of the first steps (held-out evaluations
+    included) and again at every log; the learning-rate schedule ends with the plan.
+    `checkpoint(head, entry)`: called after every logged held-out evaluation but the last,
+    with the head as it stands and the log entry, so a run cut short still leaves a head."""
+    cfg = engine.config
+    on_gpu = str(cfg.device).startswith("cuda")
+    if on_gpu:
+        # The records on the device once, rather than each batch copying its answers'
+        # features from host memory; and TF32 matmuls.
+        train_records = [on_device(r, cfg.device) for r in train_records]
+        eval_records = [on_device(r, cfg.device) for r in eval_records]
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(MATMUL_PRECISION)
+    try:
+        return _train(engine, train_records, eval_records, vocab_ids, unroll=unroll,
+                      epochs=epochs, lr=lr, batch_size=batch_size, log_every=log_every,
+                      aux_layers=aux_layers, init=init, max_seconds=max_seconds,
+                      checkpoint=checkpoint)
+    finally:
+        if on_gpu:
+            torch.set_float32_matmul_precision(precision)
+
+
+def _new_head(engine: Engine, vocab_ids: torch.Tensor, aux_layers) -> Eagle3Head:
+    """A fresh head over `vocab_ids`, its LM head and final norm started from the target's."""
+    cfg, target = engine.config, engine.model
+    hc = Eagle3Config.for_target(cfg.model, len(vocab_ids), aux_layers)
+    with torch.device(cfg.device):
+        head = Eagle3Head(hc, head_backend(cfg.block_size)(hc))
+    head.set_vocab(vocab_ids.to(cfg.device))
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.lm_head.weight[vocab_ids.to(cfg.device)])
+        head.norm.weight.copy_(target.norm.weight)
+    return head
+
+
+def _logged(head, engine: Engine, eval_records: list[Record], unroll: int, history: list,
+            **entry) -> dict:
+    """Evaluate on the held-out records and append the log entry (printed) to `history`."""
+    ev = evaluate(head, engine.model, eval_records, unroll, engine.config.device,
+                  torch.float32)
+    history.append({**entry, "eval_acc_per_step": [round(a, 4) for a in ev],
+                    "eval_expected_acceptance": round(expected_acceptance(ev), 3)})
+    tqdm.write(json.dumps(history[-1]))
+    return history[-1]
+
+
+def _train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll, epochs, lr,
+           batch_size, log_every, aux_layers, init, max_seconds,
+           checkpoint=None) -> tuple[Eagle3Head, dict]:
+    target, device = engine.model, engine.config.device
+    head = init.to(device) if init is not None else _new_head(engine, vocab_ids, aux_layers)
+    head = head.to(torch.float32).train()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
+    order = sorted(range(len(train_records)), key=lambda i: len(train_records[i].ids))
+    batches = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    asked = epochs * len(batches)
+    plan = [asked]  # steps to run: the schedule reads it as it changes
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * 0.5 * (
+        1 + math.cos(math.pi * min(s / max(plan[0], 1), 1.0))))
+    history: list[dict] = []
+    if init is not None:  # where the continued head starts, on these held-out records
+        _logged(head, engine, eval_records, unroll, history, step=0, epoch=0, loss=None)
+    g = torch.Generator().manual_seed(0)
+    bar = tqdm(total=asked, desc="train", unit="step")
+    step = 0
+    t0 = time.perf_counter()
+    for ep in range(epochs):
+        if step >= plan[0]:
+            break
+        for bi in torch.randperm(len(batches), generator=g).tolist():
+            recs = [train_records[i] for i in batches[bi]]
+            losses, accs = step_losses(head, target, *batch(recs, device, torch.float32),
+                                       unroll)
+            loss = sum(0.8**j * lo for j, lo in enumerate(losses))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+            opt.step()
+            sched.step()
+            step += 1
+            bar.update(1)
+            if step % POSTFIX_EVERY == 0 or step == 1:  # each read waits for the GPU
+                bar.set_postfix(loss=f"{loss.item():.3f}", acc0=f"{accs[0].item():.2f}")
+            if max_seconds and (step == PLAN_AFTER or step % log_every == 0):
+                pace = (time.perf_counter() - t0) / step
+                plan[0] = max(step, min(asked, int(max_seconds / pace)))
+                bar.total = plan[0]
+                bar.refresh()
+            if step % log_every == 0 or step == plan[0]:
+                entry = _logged(head, engine, eval_records, unroll, history, step=step,
+                                epoch=ep, loss=round(loss.item(), 4))
+                if checkpoint is not None and step < plan[0]:
+                    checkpoint(head, entry)
+            if step >= plan[0]:
+                break
+    bar.close()
+    return head.eval(), {"history": history, "steps": step, "steps_asked": asked,
+                         "train_seconds": round(time.perf_counter() - t0, 1),
+                         "matmul_precision": torch.get_float32_matmul_precision(),
+                         "final_lr": sched.get_last_lr()[0]}

@@ -1,0 +1,101 @@
+"""Self-distillation: the target answers a prompt set through the engine, and every computed
+position's final hidden state and aux taps are captured from the forwards that produce the
+tokens. Also the draft vocabulary (the responses' most frequent tokens) and a records file,
+so that training can run apart from the generation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine import Engine, SamplingParams
+
+
+@dataclass
+class Record:
+    ids: torch.Tensor  # prompt + response token ids [n]
+    prompt_len: int
+    aux: torch.Tensor  # [n-1, 3h] taps at positions 0..n-2
+    hidden: torch.Tensor  # [n-1, h] final normed hidden states
+
+
+def on_device(r: Record, device) -> Record:
+    """The record with its tensors on `device`."""
+    return Record(r.ids.to(device), r.prompt_len, r.aux.to(device), r.hidden.to(device))
+
+
+def self_distill(engine: Engine, prompts: list[str], max_tokens: int, layers: tuple[int, ...],
+                 store_dtype: torch.dtype, desc: str = "self-distil",
+                 ignore_eos: bool = False, temperature: float = 0.0,
+                 seed: int | None = None) -> list[Record]:
+    """Generate answers with the target and capture the features of every position
+    (`ignore_eos`: every answer runs to max_tokens, as figure 1's do). temperature > 0:
+    answers sampled (seeded by `seed`) rather than greedy, other contexts for the same
+    prompts; the head still learns the target's own next-token law at every position (from
+    the captured hidden states), whichever token the answer went on with."""
+    if engine.config.enable_prefix_caching:
+        raise ValueError("self-distillation needs every position computed: build the engine "
+                         "with enable_prefix_caching=False")
+    caps: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def capture(seq, lo, hidden, aux):  # the engine cast them, a step at a time
+        if len(hidden):
+            caps.setdefault(seq.request_id, {})[lo] = (aux, hidden)
+
+    engine.capture, engine.capture_layers = capture, layers
+    engine.capture_dtype = store_dtype
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
+                            ignore_eos=ignore_eos, seed=seed if temperature > 0 else None)
+    msgs = [[{"role": "user", "content": p}] for p in prompts]
+    records = []
+    try:
+        # All prompts queued at once: continuous batching refills a finished answer's slot,
+        # where batches of a fixed set waited for their longest answer.
+        for c in engine.generate(msgs, params, use_tqdm=desc):
+            got = caps.pop(c.request_id)
+            parts = [got[k] for k in sorted(got)]
+            ids = torch.tensor(c.prompt_token_ids + c.token_ids)
+            aux = torch.cat([a for a, _ in parts])[: len(ids) - 1]
+            hid = torch.cat([h for _, h in parts])[: len(ids) - 1]
+            records.append(Record(ids, len(c.prompt_token_ids), aux, hid))
+    finally:
+        engine.capture, engine.capture_layers, engine.capture_dtype = None, (), None
+    return records
+
+
+def response_counts(records: list[Record], vocab: int) -> torch.Tensor:
+    """How often each target id occurs in the records' responses [vocab]."""
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    for r in records:
+        counts += torch.bincount(r.ids[r.prompt_len :], minlength=vocab)
+    return counts
+
+
+def most_frequent(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` ids of the highest counts, most frequent first (ties: lower id)."""
+    ranked = counts.float() + torch.arange(len(counts), 0, -1) * 1e-9  # deterministic ties
+    return torch.topk(ranked, size).indices
+
+
+def draft_vocab(records: list[Record], size: int, vocab: int) -> torch.Tensor:
+    """Target ids of the `size` most frequent response tokens (ties: lower id), sorted."""
+    return most_frequent(response_counts(records, vocab), size).sort().values
+
+
+def save_records(path: str, key: dict, train_records: list[Record],
+                 eval_records: list[Record]) -> None:
+    """Self-distilled records to a file, with what they were made from (`key`), so that
+    training can run apart from the generation (another process, another device call)."""
+    def pack(rs):
+        return [{"ids": r.ids, "prompt_len": r.prompt_len, "aux": r.aux, "hidden": r.hidden}
+                for r in rs]
+    torch.save({"key": key, "train": pack(train_records), "eval": pack(eval_records)}, path)
+
+
+def load_records(path: str, key: dict) -> tuple[list[Record], list[Record]]:
+    """`save_records`' records; refuses a file made from other prompts, model or length."""
+    got = torch.load(path, map_location="cpu", weights_only=True)
+    if got["key"] != key:
+        raise ValueError(f"{path} holds records of {got['key']}, not {key}")
+    return ([Record(**r) for r in got["train"]], [Record(**r) for r in got["eval"]])
