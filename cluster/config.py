@@ -194,10 +194,15 @@ class SpecSection(_Section):
     # EAGLE-3: greedy steps also draft by copying what followed the latest earlier copy of
     # the sequence's current suffix (lossless either way; false: the head's drafts only)
     context_drafts: bool = True
+    # mean tokens per verify below which speculation turns itself off until probes show it
+    # pays again (engine/spec/collapse.py; metric tandem_spec_collapsed); 0: never
+    collapse_below: float = 1.1
 
     def _validate(self) -> None:
         _choice("method", self.method, SPEC_METHODS)
         _require(0 <= self.num_tokens <= 16, f"num_tokens must be in 0..16, got {self.num_tokens}")
+        _require(0 <= self.collapse_below < 2,
+                 f"collapse_below must be in [0, 2), got {self.collapse_below}")
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,7 @@ def node_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
     load torch into the router's process."""
     device = cfg.role_section(role).resolved_device
     spec = cfg.speculation
-    fields = None if spec.method == "none" else {
-        "method": spec.method, "num_tokens": spec.num_tokens, "head": spec.head,
-        "dynamic": spec.dynamic, "context_drafts": spec.context_drafts}
+    fields = None if spec.method == "none" else spec_fields(spec)
     return _kwargs(cfg, role, dtype_name(cfg.model.dtype, device), fields)
 
 
@@ -70,5 +68,11 @@ def spec_config(spec: SpecSection):
         return None
     from engine.config import SpecConfig
 
-    return SpecConfig(method=spec.method, num_tokens=spec.num_tokens, head=spec.head,
-                      dynamic=spec.dynamic, context_drafts=spec.context_drafts)
+    return SpecConfig(**spec_fields(spec))
+
+
+def spec_fields(spec: SpecSection) -> dict[str, Any]:
+    """The `SpecConfig` fields a speculation section sets."""
+    return {"method": spec.method, "num_tokens": spec.num_tokens, "head": spec.head,
+            "dynamic": spec.dynamic, "context_drafts": spec.context_drafts,
+            "collapse_below": spec.collapse_below}

@@ -153,6 +153,9 @@ class SpecConfig:
     verify_token_budget: int = 384
     # Dynamic K's fused steps: three choices, off by default (bench/README.md).
     batch_k: int | None = None  # every fused batch drafts this K, not the cost model's pick
+    # Mean tokens per verify below which speculation turns itself off, probing for recovery
+    # (engine/spec/collapse.py); 0: never. Served deployments set it (speculation.collapse_below).
+    collapse_below: float = 0.0
     # The fused step's graph levels grow by 2 from this size on instead of doubling (more
     # graphs; K=5 then runs its own, not K=7's), for batches of at least
     # `dense_levels_min_batch` sequences (0: every batch).
@@ -177,6 +180,8 @@ class SpecConfig:
                              f"{self.context_min_n}")
         if self.verify_token_budget < 0:
             raise ValueError(f"verify_token_budget must be >= 0, got {self.verify_token_budget}")
+        if not 0 <= self.collapse_below < 2:
+            raise ValueError(f"collapse_below must be in [0, 2), got {self.collapse_below}")
         if self.batch_k is not None and not 0 <= self.batch_k <= self.num_tokens:
             raise ValueError(f"batch_k must be in 0..num_tokens ({self.num_tokens}), got "
                              f"{self.batch_k}")

@@ -22,7 +22,7 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 ROLES = ("router", "prefill", "decode", "colocated")
 # Per-token gaps (ITL, TPOT): a fast GPU decode step up to a stalled CPU one.
@@ -125,7 +125,8 @@ class Metrics:
             "Why dynamic K gave each fused step its K: model (the step-cost model drafts), "
             "model_k0 (the model drafts nothing), losing (drafting measured slower than plain "
             "decoding), winning (drafting measured faster where the model said K=0), probe (a "
-            "plain step timed), retry (a batch at K=0 drafting one token).", ("reason",))
+            "plain step timed), retry (a batch at K=0 drafting one token), collapsed (drafting off "
+            "after an acceptance collapse).", ("reason",))
         self.resumes = self._metric(
             c, "tandem_stream_resumes_total",
             "Streams moved to other (or restarted) workers after one died mid-request; they "
@@ -316,8 +317,9 @@ class Metrics:
 
 
 class EngineCounters:
-    """Counts the engine keeps where they happen, exposed as counters at scrape time:
-    prefix-cache lookups and hits (tokens, `BlockManager`) and preemptions (`Scheduler`)."""
+    """Counts the engine keeps where they happen, exposed at scrape time: prefix-cache lookups
+    and hits (tokens, `BlockManager`), preemptions (`Scheduler`), acceptance collapses
+    (`spec.collapse.CollapseWatch`)."""
 
     def __init__(self, label_names: tuple[str, ...], bound: tuple[str, ...]) -> None:
         self.label_names, self.bound = list(label_names), list(bound)
@@ -337,6 +339,18 @@ class EngineCounters:
             family = CounterMetricFamily(name, doc, labels=self.label_names)
             family.add_metric(self.bound, n)
             yield family
+        watch = getattr(getattr(getattr(e, "spec", None), "policy", None), "watch", None)
+        family = CounterMetricFamily(
+            "tandem_spec_collapses", "Times speculation turned itself off because drafts "
+            "stopped being accepted (mean tokens per verify below speculation.collapse_below).",
+            labels=self.label_names)
+        family.add_metric(self.bound, getattr(watch, "collapses", 0))
+        yield family
+        family = GaugeMetricFamily(
+            "tandem_spec_collapsed", "1 while speculation is off for an acceptance collapse "
+            "(only probes draft), else 0.", labels=self.label_names)
+        family.add_metric(self.bound, int(getattr(watch, "collapsed", False)))
+        yield family
 
     def describe(self):
         return self.collect()  # the names, for the registry's duplicate check

@@ -11,6 +11,7 @@ import numpy as np
 
 from engine.config import SpecConfig
 from engine.sequence import Sequence
+from engine.spec.collapse import CollapseWatch
 from engine.spec.costs import STALL, StepCosts
 
 # STALL: bench/fig3_concurrency.py reads it from here.
@@ -74,6 +75,7 @@ class KPolicy:
     def __init__(self, spec: SpecConfig, prior: float = 0.6, batch_knee: int = 16):
         self.spec, self.prior, self.knee = spec, prior, batch_knee
         self.costs = StepCosts()
+        self.watch = CollapseWatch(spec.collapse_below, spec.num_tokens)
         self.plain_probe = False
         self.draft_probe = False
         self.batch_idle = 0  # fused steps in a row at K=0 (choose_batch)
@@ -121,11 +123,14 @@ class KPolicy:
 
     def choose(self, seq: Sequence, batch_size: int) -> int:
         kmax = self.spec.num_tokens
+        # A seeded sampled request's draws depend on its K: keep its K a function of its own
+        # acceptance and the batch size, never of wall-clock timings or of other traffic, so
+        # it replays exactly.
+        seeded = not seq.params.greedy and seq.params.seed is not None
+        if kmax and not seeded and not self.watch.allows():
+            return 0
         if not self.spec.dynamic or kmax == 0:
             return kmax
-        # A seeded sampled request's draws depend on its K: keep its K a function of its own
-        # acceptance and the batch size, never of wall-clock timings, so it replays exactly.
-        seeded = not seq.params.greedy and seq.params.seed is not None
         if self.plain_probe and not seeded:
             return 0
         kmax = self._kmax(batch_size)
@@ -164,6 +169,9 @@ class KPolicy:
 
     def _choose_batch(self, seqs: list[Sequence], batch_size: int) -> int:
         kmax = self.spec.num_tokens
+        if kmax and not self.watch.allows():  # acceptance collapsed: drafts off but probes
+            self.batch_why["collapsed"] += 1
+            return 0
         if not self.spec.dynamic or kmax == 0:
             return kmax
         if self.plain_probe:
@@ -331,6 +339,7 @@ class KPolicy:
         """Fold one verify result into the sequence's acceptance estimate (`fold_verify`)."""
         runs = self.spec.accept_model == "runs"
         fold_verify(seq, drafted, accepted, self.spec.num_tokens if runs else 0)
+        self.watch.record(drafted, accepted)
 
     def _batch_tokens(self, seqs: list[Sequence]) -> list:
         """`_tokens` of every sequence of a fused batch (the geometric model's rates read in

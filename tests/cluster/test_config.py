@@ -200,7 +200,8 @@ def test_engine_kwargs_cpu_auto_dtype_and_eagle3():
         "max_num_batched_tokens": 2048, "enable_prefix_caching": True,
         "admission_delay_steps": 2, "admit_in_flight": True, "kv_cache_bytes": 1 << 20,
         "max_model_len": 1024,
-        "spec": SpecConfig(method="eagle3", num_tokens=5, head=None, dynamic=True),
+        "spec": SpecConfig(method="eagle3", num_tokens=5, head=None, dynamic=True,
+                           collapse_below=1.1),
         "overlap": True,
     }
 
@@ -220,7 +221,8 @@ def test_engine_kwargs_explicit_dtype_and_colocated_reads_decode():
                                              "dynamic": False}})
     kw = engine_kwargs(cfg, "colocated")
     assert kw["dtype"] == torch.float16 and kw["max_num_seqs"] == 7
-    assert kw["spec"] == SpecConfig(method="ngram", num_tokens=2, dynamic=False)
+    assert kw["spec"] == SpecConfig(method="ngram", num_tokens=2, dynamic=False,
+                                    collapse_below=1.1)
     off = load_config(None, {"speculation.overlap": False})
     assert engine_kwargs(off, "decode")["overlap"] is False  # greedy decodes, spec or not
     with pytest.raises(ConfigError, match="role"):
@@ -239,7 +241,8 @@ def test_node_kwargs_are_engine_kwargs_without_torch_types():
     from cluster.engine_args import node_kwargs
     from node_common.node import engine_types
 
-    for over in ([], ["speculation.method=none"], ["prefill.device=cuda", "prefill.num_gpus=1", "model.dtype=auto"]):
+    for over in ([], ["speculation.method=none"],
+                 ["prefill.device=cuda", "prefill.num_gpus=1", "model.dtype=auto"]):
         cfg = apply_overrides(ClusterConfig(), over)
         for role in ("prefill", "decode"):
             portable = node_kwargs(cfg, role)
