@@ -122,16 +122,16 @@ def test_training_unroll_matches_paged_inference(nbr):
     seq = eng.seqs[seq_id]
     eng.blocks.grow(seq, len(ids) + 4)
     t = 10  # chain from position t, as if the request's last real position were t
-    run = eng.spec
+    run = eng.spec.drafter  # the head step by step
     with torch.no_grad():
-        out0 = run._step([Span(seq, 0, L, 0, True)], [L], ids[1 : L + 1], list(range(L)),
-                         head.fuse([aux[0, :, i * 64 : (i + 1) * 64] for i in range(3)]))
+        out0 = run.forward([Span(seq, 0, L, 0, True)], [L], ids[1 : L + 1], list(range(L)),
+                           head.fuse([aux[0, :, i * 64 : (i + 1) * 64] for i in range(3)]))
         assert torch.allclose(out0, outs[0][0], atol=1e-4)
         # Step 1 at position t+1 consumes out0[t] and the true token x_{t+2}.
         sp = Span(seq, 0, t + 1, 0, True)
-        h1 = run._step([sp], [1], [ids[t + 2]], [t + 1], out0[t : t + 1])
+        h1 = run.forward([sp], [1], [ids[t + 2]], [t + 1], out0[t : t + 1])
         assert torch.allclose(h1[0], outs[1][0, t], atol=1e-4)
-        h2 = run._step([sp], [1], [ids[t + 3]], [t + 2], h1)
+        h2 = run.forward([sp], [1], [ids[t + 3]], [t + 2], h1)
         assert torch.allclose(h2[0], outs[2][0, t], atol=1e-4)
     eng.abort(seq_id)
 

@@ -488,19 +488,14 @@ def test_a_seeded_sampled_request_ignores_measured_throughput():
 
 
 def test_batch_told_to_draft_nothing_grows_blocks_like_the_per_sequence_path():
-    """`SpecRunner._ks_for` with want 0 (one check of the total, then the grows) leaves the
-    same block tables and K as `_k_for` sequence by sequence; where the free blocks run out
+    """`DraftBudget.ks_for` with want 0 (one check of the total, then the grows) leaves the
+    same block tables and K as `k_for` sequence by sequence; where the free blocks run out
     it falls back to that path, which marks the sequences that do not fit (None)."""
-    from types import SimpleNamespace
-
     from engine.block_manager import BlockManager
-    from engine.spec.runtime import SpecRunner
+    from engine.spec.budget import DraftBudget
 
-    def runner():
-        r = SpecRunner.__new__(SpecRunner)  # only the K choice: no model needed
-        r.policy = KPolicy(SpecConfig(num_tokens=4, dynamic=True))
-        r.cfg = SimpleNamespace(max_model_len=1000)
-        return r
+    def budget():
+        return DraftBudget(KPolicy(SpecConfig(num_tokens=4, dynamic=True)), 1000)
 
     def batch(free: int):
         bm = BlockManager(free + 7, 4, enable_prefix_caching=False)
@@ -514,8 +509,8 @@ def test_batch_told_to_draft_nothing_grows_blocks_like_the_per_sequence_path():
     for free in (10, 2, 0):
         fast, slow = batch(free), batch(free)
         needs = [len(s) + 2 for s in fast[1]]  # 5, 6, 10, 11 tokens: 3 more blocks
-        got = runner()._ks_for(fast[1], needs, fast[0], 0)
-        ref = [runner()._k_for(s, n, slow[0], 4, 0) for s, n in zip(slow[1], needs)]
+        got = budget().ks_for(fast[1], needs, fast[0], 0)
+        ref = [budget().k_for(s, n, slow[0], 4, 0) for s, n in zip(slow[1], needs)]
         assert got == ref
         assert [s.block_table for s in fast[1]] == [s.block_table for s in slow[1]]
         assert fast[0].num_free == slow[0].num_free
