@@ -42,8 +42,8 @@ class DraftBudget:
         for a sequence whose pending token does not fit. A batch given one K (`want`, what the
         fused step's batch policy says) takes its caps and, when the blocks for every pending
         token and its drafts fit together, one check of the total and the grows instead of
-        the per-sequence checks, which cost the host a large share of its step at K=0.
-        Otherwise, or without `want`, sequence by sequence."""
+        the per-sequence checks (the host's step shrinks). Otherwise, or without `want`,
+        sequence by sequence."""
         if want is not None:
             ks = [self.cap(s, n, want) for s, n in zip(seqs, needs)] if want else \
                 [0] * len(seqs)
