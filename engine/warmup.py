@@ -60,7 +60,7 @@ def capture_graphs(eng: Engine, batch_sizes=None, progress: bool = False,
 def prepare_to_serve(eng: Engine, progress: bool = False) -> int:
     """`Engine.prepare_to_serve`: graphs, garbage collector, JIT watch; returns how many
     graphs were captured."""
-    n = capture_graphs(eng, progress=progress)
+    n = eng.capture_graphs(progress=progress)
     freeze_long_lived()
     jit_watch.warn_after()
     return n
