@@ -134,7 +134,7 @@ class Engine:
 
         if given is None:
             return load_head(spec.head or loader.shipped_head(m), m, backend, cfg.dtype,
-                             cfg.device)
+                             cfg.device, target_model=self.model)
         given.cfg.check_target(m)
         with torch.device("meta"):
             head = Eagle3Head(given.cfg, backend(given.cfg))

@@ -324,3 +324,15 @@ def test_saved_head_maps_every_tensor_in_each_runtime(tmp_path, base):
     reference_accepts(cfg)
     ref = reference_params(str(tmp_path), cfg)
     assert all(torch.equal(ref[k], v) for k, v in ours.items())
+
+
+def test_the_engine_loads_a_head_folder_without_lm_head(tmp_path, base, plain):
+    """Named by `SpecConfig.head` (as a served deployment names it), a full-vocabulary head
+    without `lm_head` drafts with the target's LM head."""
+    src = source_head(base, full_vocab=True, taps=TRAINED_TAPS)
+    write(str(tmp_path), base, src, "specforge", "nested", True, False)
+    eng = Engine(replace(base.config, spec=SpecConfig(method="eagle3", num_tokens=3,
+                                                      dynamic=False, head=str(tmp_path))),
+                 weights_of=base)
+    assert eng.spec.head.lm_head.weight is eng.model.lm_head.weight
+    assert [c.token_ids for c in eng.generate(PROMPTS, GREEDY)] == plain
