@@ -27,10 +27,9 @@ def time_step(spec: SpecRunner, batch: Batch, results: dict, seconds: float, how
             any(n != k + 1 for n, (k, _) in zip(batch.num_tokens, results.values())):
         costs.untimed(len(batch.seqs), seconds, how)
         return
-    # A step verifies last step's drafts and proposes the next: in a steady state their mean
-    # is the K of the policy's 1 + f + K*c step cost. A fused step (all greedy) runs every
-    # sequence at the graphs' padded sizes and is priced by those (`KPolicy.paid`); one that
-    # verifies one K's drafts and proposes another's switches K, no point of the cost fit.
+    # A step verifies last step's drafts and proposes the next, so in a steady state their mean
+    # is the K of the policy's 1 + f + K*c step cost. A fused step is priced at the graphs'
+    # padded sizes (`KPolicy.paid`); a step that switches K is no point of the cost fit.
     b, switch = len(batch.seqs), False
     if spec.fused is not None and all(s.params.greedy for s in batch.seqs):
         pol = spec.policy

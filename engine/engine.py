@@ -164,10 +164,10 @@ class Engine:
         max_draft caps this request's draft tokens per step (0: no speculation).
         hold=True is the prefill role: after the first token the request stops with
         `handoff=True` and keeps its KV blocks until `release()` (see `export_handoff`).
-        resume=(n, chars) continues a request that already generated the last `n` ids of
-        `prompt` and streamed the first `chars` characters of their text (a stream moved off a
-        worker that died): they count as output (max_tokens, usage), their text is rebuilt,
-        so stop strings and held-back text carry on as if nothing had happened."""
+        resume=(n, chars) continues a stream moved off a dead worker: the last `n` ids of `prompt`
+        were already generated and their first `chars` characters streamed; they count as output
+        (max_tokens, usage) and their text is rebuilt, so stop strings and held-back text carry
+        on unchanged."""
         params = params or SamplingParams()
         if request_id is not None and (request_id in self.seqs or request_id in self.held):
             raise InvalidRequestError(f"request id {request_id!r} is already running")
@@ -249,11 +249,9 @@ class Engine:
     def capture_graphs(self, batch_sizes=None, progress: bool = False,
                        long_context: bool | None = None) -> int:
         """Capture now every decode/verify/draft/prefill graph that batches of `batch_sizes`
-        (default: every bucket) will replay, instead of lazily in the middle of serving;
-        returns how many were captured. `long_context` (default: when max_model_len allows
-        contexts past `long_context`) adds the split-KV variants a batch switches to once a
-        context passes that length, so the first long request does not stall every stream
-        of its batch for a capture."""
+        (default: every bucket) will replay, rather than lazily mid-serving; returns how many were
+        captured. `long_context` (default: when max_model_len allows it) adds the split-KV variants
+        used past that context length, so the first long request does not stall its batch."""
         return warmup.capture_graphs(self, batch_sizes, progress, long_context)
 
     def prepare_to_serve(self, progress: bool = False) -> int:

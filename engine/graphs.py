@@ -1,14 +1,10 @@
 """Host→device staging without stalls, and CUDA graphs for fixed-shape steps.
 
-Every step's metadata (token ids, positions, KV slots, query starts, context lengths, block
-tables) is packed into one int64 buffer. On the GPU the host side of that buffer lives in a
-ring of pinned buffers, so the copy is asynchronous and never waits for the stream; a ring
-slot is reused only after the copy that read it has finished (an event per slot).
-
-`GraphSet` captures a forward once per (batch bucket, longest query, long-context flag) on
-static device buffers and replays it: one launch for the whole decode, verify or draft step
-instead of hundreds. Batches are padded up to the bucket with sequences that have no queries
-and rows whose KV stores are skipped (slot -1), so padding never touches real requests.
+Each step's metadata is packed into one int64 buffer, staged through a ring of pinned host
+buffers so the copy is asynchronous; a slot is reused only after its copy finished (an event per
+slot). `GraphSet` captures a forward once per (batch bucket, longest query, long-context flag)
+and replays it as one launch; padding sequences have no queries and padding rows skip the KV
+store (slot -1), so they never touch real requests.
 """
 
 from __future__ import annotations
@@ -139,11 +135,10 @@ def table_array(tables: Sequence[Sequence[int]]) -> np.ndarray:
 
 
 class TableRows:
-    """`table_array` for the overlapped steps of one pipeline, kept from step to step: while a
-    sequence runs its block table only grows at the end (a released or handed-over sequence
-    gets a new list), so a row whose list is the one seen last time only takes the entries
-    it lacks. At 64 streams that replaces 64 row copies a step with a few. The array returned
-    is rewritten by the next call: stage it before then."""
+    """`table_array` for the overlapped steps of one pipeline, kept from step to step: a running
+    sequence's block table only grows at the end, so a row whose list is the one seen last time
+    only copies the entries it lacks. The returned array is rewritten by the next call: stage it
+    before then."""
 
     def __init__(self) -> None:
         self.arr = np.zeros((0, 0), dtype=np.int64)
@@ -248,11 +243,10 @@ class GraphSet:
                  max_blocks: int, extras: Sequence[tuple[int, torch.dtype]] = (),
                  pool=None, buckets: Sequence[int] = BATCH_BUCKETS, pad_queries: bool = False,
                  wants: Callable[[int, int, int], bool] | None = None):
-        """`pad_queries`: a batch whose longest query falls between captured lengths replays
-        the next longer one (prefill chunks); otherwise the longest query must be one of
-        `query_lens` exactly (decode, verify and draft steps). `wants(q, lo, hi)`: whether
-        batches of lo..hi sequences (a bucket's) may run queries of q, for the graphs
-        captured ahead (`pending`; None: all); any other is captured when first run."""
+        """`pad_queries`: a batch whose longest query falls between captured lengths replays the
+        next longer one (prefill chunks); otherwise it must be one of `query_lens` exactly.
+        `wants(q, lo, hi)`: whether batches of lo..hi sequences may run queries of q, for the
+        graphs captured ahead (`pending`; None: all); any other is captured when first run."""
         self.fn, self.device = fn, torch.device(device)
         self.wants = wants
         self.pad_queries = pad_queries
@@ -303,10 +297,8 @@ class GraphSet:
     def _fill(self, inp: PackedInputs, b: int, q: int) -> None:
         """Stage inp into the static buffer of bucket (b sequences, q queries at most each).
 
-        Real sequences keep their own query counts (they may differ: verify with per-sequence
-        K, a draft step over spans of different lengths). Rows past the real tokens belong to
-        no sequence and skip the KV store; padded sequences have no queries and no context,
-        so the attention kernel returns at once for them."""
+        Real sequences keep their own query counts; rows past the real tokens skip the KV store, and
+        padded sequences have no queries or context, so attention returns at once for them."""
         o = self.off
         n_used = o["tables"] + b * self.max_blocks
         host, i = self.stager.slot(n_used)
@@ -340,11 +332,9 @@ class GraphSet:
         return fits and inp.num_seqs <= self.max_batch and inp.tables.shape[1] <= self.max_blocks
 
     def supports_split(self, inp: PackedInputs) -> bool:
-        """Whether `run_split` replays inp: a set padding its queries, whose longest query
-        and block table fit, for any number of sequences, and whose padded rows stay within
-        twice inp's rows (or one longest chunk): a batch of decodes beside one prompt would
-        pad every group of them to a prompt's length, which for a large model costs more
-        than launching its kernels from Python."""
+        """Whether `run_split` replays inp: a set padding its queries whose longest query and block
+        table fit, and whose padded rows stay within twice inp's rows (or one longest chunk), since
+        padding many decodes to a prompt's length costs more than launching from Python."""
         if not (self.pad_queries and inp.max_query_len <= self.query_lens[-1]
                 and inp.tables.shape[1] <= self.max_blocks):
             return False

@@ -1,8 +1,7 @@
-"""Disaggregation: the state that moves with a request from a prefill engine to a decode
-engine besides its KV blocks (enough for the decode side to continue exactly as one engine
-would have), and both engines' side of the move. The prefill side holds a finished request's
-blocks until they are sent; the decode side reserves blocks for the KV, then admits the
-request."""
+"""Disaggregation: the state besides its KV blocks that moves with a request from a prefill
+engine to a decode engine, so the decode side continues exactly as one engine would. The
+prefill side holds a finished request's blocks until sent; the decode side reserves blocks for
+the KV, then admits the request."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Prometheus metrics for every component: one registry per `Metrics` object, a `role` label
-and, given one, a `model_name` label on every tandem series.
+"""Prometheus metrics for every component: one registry per `Metrics` object, with a `role`
+label and, if given, a `model_name` label on every tandem series.
 
-A dedicated registry per component means several components in one process (colocated mode,
-tests) never collide, and each serves exactly its own series on its own port. An own registry
+An own registry per component keeps several components in one process from colliding, and
 also carries the process metrics (CPU, memory, file descriptors, Python GC).
 """
 
@@ -357,12 +356,10 @@ class EngineCounters:
 
 
 class RequestTimer:
-    """Times one request from arrival (`start`, default now): TTFT on the first streamed
-    chunk, ITL after it; prefill from when the timer was made (the request admitted) to the
-    first token, decode from there to the finish.
-
-    A later chunk of n tokens records its gap / n, n times (per-token ITL); the extra tokens
-    of the first chunk count as output but record no gap."""
+    """Times one request from arrival (`start`, default now): TTFT on the first streamed chunk,
+    ITL after it; prefill from the timer's creation (admission) to the first token, decode from
+    there to the finish. A later chunk of n tokens records gap / n, n times; extra tokens of the
+    first chunk count as output but record no gap."""
 
     def __init__(self, metrics: Metrics, prompt_tokens: int = 0,
                  clock: Callable[[], float] = time.perf_counter,

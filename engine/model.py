@@ -143,12 +143,10 @@ class LlamaModel(nn.Module):
     @torch.inference_mode()
     def calibrate_prologue_rows(self, max_rows: int = ops.CALIBRATE_MAX_ROWS, reps: int = 16
                                 ) -> dict | None:
-        """Time a layer's four projections on this GPU, through the prologue linears and
-        through the separate kernels + cuBLAS, at 1..max_rows rows (each in a CUDA graph of
-        `reps` layers' projections, PDL as configured), and keep the prologue linears for
-        the row counts where they are faster. Returns {rows: (prologue us, separate us)}
-        (also kept in `prologue_calibration`); None where there is nothing to decide (CPU,
-        or projections too large for the prologue linears)."""
+        """Time a layer's four projections on this GPU through the prologue linears and through the
+        separate kernels + cuBLAS at 1..max_rows rows, and keep the prologue linears where faster.
+        Returns {rows: (prologue us, separate us)} (also in `prologue_calibration`); None where
+        there is nothing to decide (CPU, or projections too large for the prologue linears)."""
         if not self.prologue_linears or not self.embed_tokens.weight.is_cuda:
             return None
         with torch.cuda.device(self.embed_tokens.weight.device):
@@ -159,12 +157,10 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def tune_large_linears(self) -> dict | None:
-        """On a GPU, on the fused path: for each projection too large for the prologue
-        linears (Llama-8B's, the LM head), time our one-row GEMV and 16-row tensor-core tiles
-        against cuBLAS on this GPU with the model's own weights, and keep the fastest per
-        weight shape (`ops.tune_large_linear`; shapes already chosen in this process are not
-        timed again). Returns {projection: choice and timings}; None where nothing is large
-        or off CUDA."""
+        """On a GPU, on the fused path: for each projection too large for the prologue linears, time
+        our GEMV and 16-row tiles against cuBLAS with the model's weights and keep the fastest per
+        weight shape (`ops.tune_large_linear`). Returns {projection: choice and timings}; None where
+        nothing is large or off CUDA."""
         w = self.embed_tokens.weight
         if not self.fused or not w.is_cuda:
             return None
@@ -222,14 +218,10 @@ class LlamaModel(nn.Module):
                 round(graph_time_us(lambda i: projections(i, False), reps), 2))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of each row. Where the projections take the prologue linears
-        (`prologue_rows`), the LM head does too, with tiles that do not depend on the row
-        count: its rows are then computed alike whatever the row count, so a verify
-        step's logits equal the one-row decode step's bit for bit (a GEMM picks its kernel,
-        and so its summation order, by the row count: in bf16 near-tied logits would round
-        differently and greedy speculation would part from no speculation). On a GPU only:
-        off CUDA the Triton kernels run in the interpreter, far slower than the GEMM, and
-        the fp32 greedy checks there held without it."""
+        """Logits of each row. Where the projections take the prologue linears (`prologue_rows`), so
+        does the LM head, with tiles independent of the row count: a verify step's logits then equal
+        the one-row decode step's bit for bit, so greedy speculation matches no speculation in bf16.
+        GPU only: off CUDA the interpreted Triton kernels are far slower than the GEMM."""
         return self._logits(hidden).float()
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

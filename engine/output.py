@@ -72,11 +72,10 @@ def stop_prefix_len(seq: Sequence) -> int:
 
 def cut(tokens: list[int], eos, stop_ids: tuple[int, ...], room: int, hold: bool
         ) -> tuple[list[int], str | None]:
-    """The tokens a request without stop strings keeps of `tokens`, and why it stops: at the
-    first stop id ("stop", the id kept), at the token that fills its `room` (tokens left
-    before its length limit: "length"; a stop id there wins), or after the first token when
-    it is held for a hand-off ("handoff", unless that token stopped it). What `emit_each`
-    decides token by token, in one pass."""
+    """The tokens a request without stop strings keeps of `tokens`, and why it stops: at the first
+    stop id ("stop", id kept), at the token filling its `room` before the length limit ("length";
+    a stop id there wins), or after the first token when held for a hand-off ("handoff"). One
+    pass doing what `emit_each` does token by token."""
     n = len(tokens)
     if not n:
         return tokens, None

@@ -1,11 +1,9 @@
 """Overlapped decoding: the next greedy decode step is launched from the device outputs of the
-step in flight before the host reads them, so emitting tokens, detokenizing and stop checks
-run while the GPU computes.
+step in flight, so emitting, detokenizing and stop checks run while the GPU computes.
 
-Requests that finish while a step is in flight drop out of the next launch (their rows of it
-are read and discarded, their blocks freed once it is read). Arrivals that can be prefilled
-whole are prefilled beside the step in flight and join the next launch; any other change to
-the running set drains the pipeline first."""
+Requests finishing mid-flight drop out of the next launch (their rows are discarded, blocks
+freed once read). Arrivals that fit whole are prefilled beside the step in flight and join the
+next launch; any other change to the running set drains the pipeline first."""
 
 from __future__ import annotations
 
@@ -74,11 +72,9 @@ class Overlap:
         return join is not None and not join.seqs
 
     def admission_due(self) -> bool:
-        """Whether waiting requests stop the overlap now, to be admitted by the fresh step
-        after the drain: when there is room for them (a full batch admits nobody, so they
-        wait without costing the pipeline) and enough of them wait, or the oldest has waited
-        `admission_delay_steps` steps (`EngineConfig.admission_share`: at 32+ running
-        sequences a few arrivals share one drain; below, each is admitted at once)."""
+        """Whether waiting requests stop the overlap now, to be admitted after the drain: when there
+        is room for them and enough wait, or the oldest has waited `admission_delay_steps` steps
+        (`EngineConfig.admission_share`), so several arrivals share one drain."""
         e = self.eng
         sch, cfg = e.scheduler, e.config
         if not sch.waiting or len(sch.running) >= cfg.max_num_seqs:
@@ -149,12 +145,10 @@ class Overlap:
         return (r, *e.runner.run(r, e.aux_layers, e.generators, defer=True))
 
     def read_beside(self, batch: Batch, fwd, read) -> list[RequestOutput]:
-        """Read a prefill launched beside a step in flight and postprocess it: the first
-        token, and (speculation) the head's step over the prompt, which keeps its KV, but no
-        drafts. The requests then join the next continuation (`joining`) at their pending
-        token alone, and that fused step chooses their drafts with everyone's: drafting here
-        would read the drafts back to the host, which waits for the step launched after the
-        one in flight as well, stalling the pipeline for a step at every arrival."""
+        """Read and postprocess a prefill launched beside a step in flight: the first token and,
+        with speculation, the head's step over the prompt, but no drafts. The requests join the
+        next continuation (`joining`), which drafts for them with everyone else, since drafting
+        here would stall the pipeline for a step at every arrival."""
         return self.eng.post.process(batch, fwd, read(), count_step=False, draft=False)
 
     def drain(self) -> list[RequestOutput]:

@@ -1,18 +1,12 @@
 """Overlapped plain greedy decoding: step N+1 is launched before the host reads step N.
 
-A plain greedy decode step's only data-dependent input is the token each sequence emitted in
-the step before: positions, KV slots and context lengths all advance by exactly one. So the
-next step can be staged on the host from what it already knows (position len(seq), context
-len(seq) + 1, the slot of that position in the block table) and launched right after this one,
-its token ids copied on the device from this step's argmax just before the graph replays.
-Emitting tokens, detokenizing and stop checks then run while the GPU computes.
-
-The engine drives this exactly like the fused speculative step (`SpecRunner.fused_launch` /
-`fused_continue` / `fused_finish`, same names): a request that finished while a step was in
-flight drops out of the next launch (its row of that step is read and discarded) and keeps
-its blocks until that step is read; the pipeline drains whenever the batch would change
-otherwise (an arrival, an abort). Sampled requests, prefill chunks and hand-offs take the
-regular path.
+A plain greedy step's only data-dependent input is the previous step's token (positions, slots
+and context lengths advance by one), so the next step is staged on the host and launched at
+once, its token ids copied on the device from this step's argmax; emitting and stop checks run
+while the GPU computes. It mirrors the fused speculative step (`fused_launch` /
+`fused_continue` / `fused_finish`): finished requests drop out of the next launch and the
+pipeline drains whenever the batch would otherwise change. Sampled requests, prefill chunks
+and hand-offs take the regular path.
 """
 
 from __future__ import annotations
@@ -76,14 +70,12 @@ class PlainSteps:
 
     def fused_continue(self, prev: DecodeHandle, blocks, step: int,
                        keep: list[int] | None = None, join=()) -> DecodeHandle | None:
-        """Launch the step after `prev` before reading it. The host has read every step but
-        prev, so prev computes each sequence's pending token (position len - 1) and this
-        step the token prev emits (position len). Sequences that certainly finish at prev
-        (the token it emits reaches their length limit) are left out, as are those whose
-        requests finished meanwhile; None (drain instead) when no sequence of prev continues,
-        or the free blocks cannot hold one more token for every sequence.
-        `keep`: only these of prev's rows may continue (the others' requests finished). `join`:
-        sequences prefilled beside prev take rows after prev's, at their pending token."""
+        """Launch the step after `prev` before reading it: prev computes each sequence's pending
+        token (position len - 1), this step the token prev emits (position len). Sequences that
+        certainly finish at prev, or whose requests finished, are left out; None (drain instead)
+        when none continues or the free blocks cannot hold one more token for each. `keep`: only
+        these of prev's rows may continue. `join`: sequences prefilled beside prev take rows after
+        prev's, at their pending token."""
         cfg = self.cfg
         rows = range(len(prev.seqs)) if keep is None else keep
         # A sequence whose token from prev reaches its length limit finishes at prev: it

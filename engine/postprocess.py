@@ -26,11 +26,10 @@ class Postprocessor:
 
     def process(self, batch: Batch, fwd, results: dict, drafts: dict | None = None,
                 count_step: bool = True, draft: bool = True) -> list[RequestOutput]:
-        """Emit each entry's verified tokens (`results`: entry → (drafts sent, VerifyResult);
-        an entry missing is a prefill chunk short of the prompt's end), advance its KV, and
-        set its next drafts: `drafts` when the fused step made them on the device, else
-        proposed now from the forward `fwd` (`draft` off: the head still steps over the new
-        positions, but proposes nothing)."""
+        """Emit each entry's verified tokens (`results`: entry → (drafts sent, VerifyResult); a
+        missing entry is a prefill chunk short of the prompt's end), advance its KV, and set its
+        next drafts: `drafts` if the fused step made them, else proposed from `fwd` (`draft` off:
+        the head steps over the new positions but proposes nothing)."""
         e = self.eng
         stats, spec, commit = e.stats, e.spec, e.blocks.commit
         stats.steps += count_step

@@ -156,12 +156,10 @@ class ModelRunner:
 
     def run(self, batch: Batch, aux_layers: tuple[int, ...], generators: dict,
             defer: bool = False):
-        """Forward the batch; for entries whose tokens are all computed now, verify their
-        drafts (none: plain sampling) against the target's logits, sampled requests drawing
-        from `generators`. Greedy and sampled entries alike stay on the device until one host
-        sync reads the whole batch's results: (forward, {entry: (drafts, VerifyResult)}).
-        `defer`: start copying the results to the host and return (forward, read) at once;
-        read() waits for them alone (not for work launched meanwhile) and gives the results."""
+        """Forward the batch and verify drafts (none: plain sampling) for entries whose tokens are
+        all computed, sampled ones drawing from `generators`; results stay on the device until one
+        host sync: (forward, {entry: (drafts, VerifyResult)}). `defer`: start the copy and return
+        (forward, read) at once; read() waits for those results alone and returns them."""
         done, rows, ks, end = [], [], [], 0
         for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             end += n

@@ -81,11 +81,9 @@ class Stepper:
         return e.runner.graphs is not None and not e.runner.graph_aux
 
     def split(self, batch: Batch, dec: list[int]):
-        """Greedy decodes beside entries the fused step cannot run (prefill chunks of new
-        arrivals, sampled requests): the decodes still run as one graph (speculative, or a
-        plain decode graph), the rest through the regular forward, in the same engine step.
-        Under a steady stream of arrivals this keeps decoding on the graph path instead of
-        running every decode through the eager forward of a mixed batch."""
+        """Greedy decodes beside entries the fused step cannot run (prefill chunks, sampled
+        requests): the decodes still run as one graph and the rest through the regular forward in
+        the same engine step, so arrivals do not push every decode onto the eager path."""
         e = self.eng
         pick = set(dec)
         d = batch.select(dec)

@@ -163,11 +163,9 @@ class Tokenizer(ChatEncoding):
         return self.hf.decode(ids, skip_special_tokens=True)
 
     def decode_joined(self, ids: list[int]) -> str | None:
-        """The text of ids from the byte table (`_byte_table`): their bytes joined, read as
-        UTF-8, bad bytes replaced. None without a table, or for an id it lacks (one outside
-        the byte alphabet, or past the vocabulary). Texts decoded so concatenate: where the
-        text of a holds no U+FFFD (its bytes are whole characters), the text of a + b is the
-        text of a then that of b (`Detokenizer` decodes only the new ids then)."""
+        """The text of ids from the byte table: their bytes joined and read as UTF-8, bad bytes
+        replaced. None without a table or for an id it lacks. Where the text of a holds no U+FFFD,
+        text(a + b) = text(a) + text(b), so `Detokenizer` decodes only new ids."""
         table = self._bytes if self._bytes is not None else self._byte_table()
         if not table:
             return None
@@ -180,14 +178,10 @@ class Tokenizer(ChatEncoding):
         return b"".join(parts).decode("utf-8", "replace")
 
     def _byte_table(self) -> list[bytes | None] | bool:
-        """Each token id's bytes where the tokenizer decodes by byte-level BPE: the text of
-        ids is then their bytes joined and read as UTF-8, bad bytes replaced (as the fast
-        tokenizer's ByteLevel decoder does), cheaper than a call into it for the few ids
-        the detokenizer decodes per sequence and step. A token outside the byte
-        alphabet (or a byte-fallback token) has None: a window holding one is decoded by
-        the tokenizer. Kept only if the decoder is byte-level (`_byte_level_decoder`) and
-        the table decodes probe windows (every added token, seeded random ids) exactly as
-        the tokenizer does; False otherwise, and decoding goes through the tokenizer."""
+        """Each token id's bytes where the tokenizer decodes by byte-level BPE, so the detokenizer
+        can skip a tokenizer call; None for a token outside the byte alphabet (such windows go
+        through the tokenizer). Kept only if the decoder is byte-level and the table decodes probe
+        windows exactly as the tokenizer does; False otherwise."""
         self._bytes = False
         fast = self.hf.backend_tokenizer
         try:
@@ -250,13 +244,10 @@ class Tokenizer(ChatEncoding):
 class Detokenizer:
     """Turns a growing list of token ids into text deltas, never splitting a UTF-8 character.
 
-    The text of ids[read:] is what ids[prefix:] decodes to past the text of ids[prefix:read]
-    (a few tokens of context before the first new one, so it decodes with its spaces). The
-    window's start stays put while it is short, so the text of ids[prefix:read] is the text
-    the last call decoded and one decode a call is enough; past WINDOW tokens it moves up to
-    the last read point, and the next call decodes that shorter window once more. With a
-    byte-table tokenizer (`Tokenizer.decode_joined`) and a window text of whole characters, a
-    call decodes only its new ids (`_step_joined`), however many a speculative step brings."""
+    The text of ids[read:] is what ids[prefix:] decodes to past the text of ids[prefix:read] (a
+    few tokens of context so spaces decode right); past WINDOW tokens the window moves up to the
+    last read point. With a byte table and a window of whole characters, only new ids are decoded
+    (`_step_joined`)."""
 
     WINDOW = 4
 

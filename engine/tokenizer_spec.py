@@ -1,9 +1,8 @@
-"""Prompt encoding from a `TokenizerSpec` with the tokenizers library and jinja2 alone: no
-transformers, so no torch, in the process that tokenizes (the router of a disaggregated
-cluster). Text encodes with the same fast tokenizer; the chat template renders as transformers
-renders it: a sandboxed environment with trim_blocks and lstrip_blocks and loop controls, the
-`raise_exception` and `strftime_now` globals, a `tojson` filter that does not escape HTML,
-`{% generation %}` blocks as their content, and message keys whose value is None left out."""
+"""Prompt encoding from a `TokenizerSpec` with tokenizers and jinja2 alone, so the process
+that tokenizes (a disaggregated cluster's router) needs no transformers or torch. The chat
+template renders as transformers renders it (sandboxed, trim_blocks, lstrip_blocks, loop
+controls, `raise_exception`, `strftime_now`, non-HTML-escaping `tojson`, `{% generation %}`
+as its content, None-valued message keys left out)."""
 
 from __future__ import annotations
 

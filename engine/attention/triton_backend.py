@@ -1,18 +1,13 @@
 """Triton attention over the paged KV cache: one store kernel, one attention kernel.
 
-The attention kernel serves every shape the engine runs — prefill chunks (prefix-cache aware),
-one-token decode, and the K+1-token speculative verify — because all three are the same case:
-sequence i has `q_len` new queries at the end of a `seq_len`-token context, causal among
-themselves. Grouped-query heads are packed into the query tile: row r of a tile is query token
-r // G of query head kv_head * G + r % G, so a decode step of a GQA model still fills a
-16-row matrix-unit tile and reads each KV block once per KV head.
+The attention kernel serves prefill chunks, one-token decode and K+1-token verify alike: sequence
+i has `q_len` new queries at the end of a `seq_len`-token context, causal among themselves.
+Grouped-query heads are packed into the query tile (row r is query token r // G of head
+kv_head * G + r % G), so a GQA decode step still fills a matrix-unit tile.
 
-Every launch is shape-static given (num_seqs, max_query_len): loop bounds come from tensors on
-the device, so the kernels can be captured in CUDA graphs. A slot of -1 in `slot_mapping`
-skips the store (padding rows of a captured batch bucket).
-
-On the CPU these kernels run under `TRITON_INTERPRET=1` (tests, small shapes; the interpreter
-is wrong for bf16, so CPU tests use fp32/fp16).
+Launches are shape-static given (num_seqs, max_query_len), so they can be captured in CUDA graphs;
+a slot of -1 in `slot_mapping` skips the store (padding rows). On the CPU they run under
+`TRITON_INTERPRET=1`, which is wrong for bf16, so CPU tests use fp32/fp16.
 """
 
 from __future__ import annotations
@@ -31,11 +26,9 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
 
 
-# Keys per split of the split-KV path, and the context past which a batch takes it when its
-# (KV head, sequence) programs alone would leave multiprocessors idle (graph buckets are
-# captured once per side of it). The one-pass kernel and a single split reduce a context of
-# at most SPLIT_KEYS keys in the same order, so a row rounds the same on both sides of it.
-# Past it, splits beat one pass; below it one pass is faster.
+# Keys per split of the split-KV path, and the context length past which a batch with too few
+# (KV head, sequence) programs to fill the GPU takes it. Below it one pass is faster; a single
+# split and one pass reduce in the same order, so a row rounds the same on both sides.
 SPLIT_KEYS = 128
 # Off CUDA (Triton's interpreter: CPU tests) every program costs about the same whatever its
 # work, so splits there only multiply programs: 1024-key splits keep engine-level CPU tests
@@ -65,11 +58,9 @@ def triton_available() -> bool:
     return triton is not None
 
 
-# Programmatic dependent launch (Hopper and later): each of our kernels with a USE_PDL switch
-# (here and in engine/ops/) may be launched while the one before it still runs; it waits for
-# that kernel's results (`gdc_wait`) before reading them, and the prologue linears load their
-# first weight tile before waiting. None: on where the GPU and Triton support it; False: off
-# (TANDEM_PDL=0 in the environment).
+# Programmatic dependent launch (Hopper+): kernels with a USE_PDL switch may start while the one
+# before still runs and wait (`gdc_wait`) before reading its results. None: on where supported;
+# False: off (TANDEM_PDL=0).
 PDL: bool | None = False if os.environ.get("TANDEM_PDL", "").lower() in ("0", "off", "false") \
     else None
 _PDL_SUPPORT: dict[int, bool] = {}
@@ -106,15 +97,11 @@ def _no_hooks(hook) -> bool:
 
 
 class FastLaunch:
-    """Launches of a Triton kernel that runs outside CUDA graphs on the host's critical path
-    and specializes on none of its int or pointer arguments, so that its compiled variant
-    follows from a key the caller gives (device, constexprs). The first launch of a key goes
-    through Triton's JIT (argument binding, specialization, compiling); later ones call that
-    compiled variant's launcher directly: Triton's binding alone is a large share of the
-    host's work for a small launch made every step.
-    Falls back to the JIT's launch when launch hooks are set (a profiler; Triton 3.6 keeps
-    an empty hook chain there otherwise) or the launcher's calling convention is not the
-    one this was written for (Triton 3.3+)."""
+    """Launches a Triton kernel that runs outside CUDA graphs on the host's critical path and
+    specializes on none of its int or pointer arguments: after the first JIT launch of a key
+    (device, constexprs), later ones call the compiled launcher directly, skipping Triton's
+    costly argument binding. Falls back to the JIT launch when launch hooks are set or the
+    launcher's calling convention is not the expected one (Triton 3.3+)."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
@@ -264,12 +251,10 @@ if triton is not None:
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT_KEYS: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
     ):
-        """Split-KV (flash-decoding) for short query counts: split s of a sequence covers
-        keys [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS) of its context, for all its query rows,
-        and writes unnormalized partials (acc, max, sum). Program (p, kv head, seq) takes
-        splits p, p + P, p + 2P, ... (P programs per head and sequence): the partition is
-        fixed by SPLIT_KEYS alone, whatever P a launch uses, so a row's partials do not
-        depend on the batch around it."""
+        """Split-KV (flash-decoding) for short query counts: split s covers keys
+        [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS) and writes unnormalized partials (acc, max, sum).
+        Program (p, kv head, seq) takes splits p, p + P, ...; the partition depends on SPLIT_KEYS
+        alone, so a row's partials do not depend on the batch around it."""
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
@@ -397,11 +382,9 @@ class TritonAttention(AttentionBackend):
         return max(16, min(64, 4 * self.block_size, self.keys_per_split(device)))
 
     def tile_m(self, max_query_len: int) -> int:
-        """Rows per program: enough for one decode/verify step's grouped heads, 64 at most,
-        and never under 32, so a decode step (a few rows) and a verify step (up to 32 rows)
-        share one tile shape and warp count: a row's softmax then reduces in the same order
-        in both, and its output is the same bit for bit (greedy speculation stays
-        token-identical to no speculation)."""
+        """Rows per program: enough for one step's grouped heads, between 32 and 64, so decode and
+        verify share one tile shape and a row reduces in the same order in both (greedy
+        speculation stays token-identical to no speculation)."""
         return min(64, max(self.min_tile, next_pow2(max_query_len * self.group)))
 
     def max_split_seqs(self, device: torch.device) -> int:

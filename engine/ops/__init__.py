@@ -1,8 +1,7 @@
 """Triton kernels of the fast path, by family:
 
-- `elementwise`: residual-add + RMSNorm, two norms side by side, rotary (+ KV store),
-  SiLU-and-mul;
-- `prologue`: a small model's projection with the norm or SiLU before it in one launch;
+- `elementwise`: residual-add + RMSNorm, dual norms, rotary (+ KV store), SiLU-and-mul;
+- `prologue`: a small model's projection with its norm or SiLU in one launch;
 - `gemv`: large projections at few rows (GEMV, 16-row tensor-core blocks);
 - `tuning`: which of those a weight shape takes on the GPU at hand;
 - `argmax`: row argmax, and argmax keys folded into a GEMV.

@@ -125,11 +125,10 @@ class Keyed(NamedTuple):
 
 def argmax_rows(x: torch.Tensor, offsets: torch.Tensor | None = None,
                 prob: torch.Tensor | None = None) -> torch.Tensor:
-    """Each row's argmax, [T] int64: the first of equal maxima, as torch.argmax; NaN counts
-    as the largest, so a row of garbage (a graph bucket's padding row) still gives an index
-    inside the row. offsets (a draft-to-target id map): offsets[argmax] is added. prob ([T]
-    fp32): also each row's softmax probability of its argmax, written there. One launch, or
-    two for rows wider than ARGMAX_SPLIT without offsets or prob."""
+    """Each row's argmax, [T] int64: the first of equal maxima, as torch.argmax; NaN counts as
+    largest, so a padding row still gives an index inside the row. offsets (a draft-to-target
+    id map): offsets[argmax] is added. prob ([T] fp32): also receives each row's softmax
+    probability of its argmax."""
     t, v = x.shape
     assert x.stride(1) == 1
     out = torch.empty(t, dtype=torch.int64, device=x.device)

@@ -209,10 +209,9 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 def dual_rmsnorm(a: torch.Tensor, wa: torch.Tensor, b: torch.Tensor, wb: torch.Tensor,
                  eps: float, ids=None) -> torch.Tensor:
-    """[norm(a) * wa | norm(b) * wb] ([T, 2n] from two [T, n]) in one launch, each half
-    rounded as `add_rmsnorm` rounds it. ids ([T] token ids): the first half is norm(a[ids])
-    instead, a an embedding table, and the lookup costs no launch of its own. ids may also
-    be `Keyed` argmax keys, decoded here (and the ids written to its `out`)."""
+    """[norm(a) * wa | norm(b) * wb] ([T, 2n] from two [T, n]) in one launch, each half rounded
+    as `add_rmsnorm` rounds it. ids ([T] token ids, or `Keyed` argmax keys decoded here): the
+    first half is norm(a[ids]) instead, a being an embedding table, at no extra launch."""
     t, n = b.shape
     keyed = isinstance(ids, Keyed)
     src = ids.keys if keyed else ids

@@ -45,11 +45,9 @@ if triton_available():
     def _gemv_rows_kernel(X, W, B, Y, N, stride_x, stride_w, stride_y, K: tl.constexpr,
                           M: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-        """Y[M, N] = X[M, K] @ W[N, K].T (+ B) for M <= 8 rows, one program per BLOCK_N
-        columns reading each weight tile once for all rows. Each row has its own [BLOCK_N,
-        BLOCK_K] fp32 accumulator, reduced along K once at the end, so a row's result does
-        not depend on M (nor on the other rows): a verify step's rows round as the one-row
-        decode does. The first weight tile loads before the programmatic-launch wait."""
+        """Y[M, N] = X[M, K] @ W[N, K].T (+ B) for M <= 8 rows, each weight tile read once for all
+        rows. Each row has its own fp32 accumulator reduced along K at the end, so a row's result
+        does not depend on M: a verify step's rows round as the one-row decode does."""
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -91,10 +89,9 @@ if triton_available():
     @triton.jit
     def _gemv_silu_kernel(X, W, Y, N, stride_w, K: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
-        """Y[N] = silu(g) * u for one row x, g = W[:N] @ x and u = W[N:2N] @ x (gate_up's
-        weight [2N, K]): each program reads BLOCK_N gate rows and the matching up rows, so the
-        SiLU-and-mul runs in its epilogue instead of a launch of its own. g and u round to
-        the storage dtype first, as gate_up's output does before `silu_mul`."""
+        """Y[N] = silu(g) * u for one row x, g = W[:N] @ x and u = W[N:2N] @ x (gate_up's [2N, K]
+        weight), so SiLU-and-mul runs in the epilogue; g and u round to the storage dtype first, as
+        gate_up's output does before `silu_mul`."""
         pid = tl.program_id(0)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)

@@ -96,21 +96,14 @@ if triton_available():
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 PREC: tl.constexpr, ONE_LOAD: tl.constexpr,
                                 ARGMAX: tl.constexpr, USE_PDL: tl.constexpr):
-        """Y[M, N] = a(X) @ W[N, K].T (+ B), the activation a() computed per K tile in the
-        prologue and rounded where the separate kernels round:
+        """Y[M, N] = a(X) @ W[N, K].T (+ B), a() computed per K tile and rounded where the separate
+        kernels round:
         PRO 0: a(x) = x;
-        PRO 1: a(x) = rmsnorm(x + r) * NW (the sum x + r also goes to RES_OUT, by the first
-               column block), `add_rmsnorm`'s rounding;
+        PRO 1: a(x) = rmsnorm(x + r) * NW (x + r also goes to RES_OUT), `add_rmsnorm`'s rounding;
         PRO 2: a([g | u]) = silu(g) * u for X = [M, 2K], `silu_mul`'s rounding.
-        The grid's first axis walks the row blocks, so the programs reading one weight tile
-        run side by side (the tile comes from HBM once, for the others from L2). Weight tiles
-        load one iteration ahead; the first before the programmatic-launch wait (USE_PDL),
-        so it overlaps the kernel before, whose outputs only X and R are.
-        ONE_LOAD (PRO 1 where one BLOCK_K tile covers K): x (+ r) is read once, for its mean
-        square and for the products.
-        ARGMAX: Y is not written; each program folds its columns' largest output (rounded to
-        Y's type) into KEYS[row] (`argmax_key`, an atomic max), so KEYS, filled with
-        KEY_EMPTY before, ends holding each row's first maximum."""
+        Programs sharing a weight tile run side by side so it comes from HBM once. ONE_LOAD (PRO 1
+        with K in one tile): x (+ r) is read once. ARGMAX: Y is not written; each program
+        atomically maxes its columns' largest output into KEYS[row] (pre-filled with KEY_EMPTY)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -168,19 +161,13 @@ def prologue_suits(weights) -> bool:
 
 def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
                  ) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear.
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps) for an [m, k] x [k, n] prologue linear: one 16-row
+    tl.dot block up to DOT_MAX_ROWS rows when dot is given, else one GEMV program per row up to
+    GEMV_ROWS rows, else one tl.dot block per 16 rows.
 
-    dot (BLOCK_N, BLOCK_K, warps), up to DOT_MAX_ROWS rows: one 16-row tl.dot block whatever
-    the row count. Else up to GEMV_ROWS rows: one GEMV program per row and column block over
-    narrow, long weight tiles, whose rows' programs read the same tiles, all but the first
-    from L2. Above: one tl.dot row block per 16 rows.
-
-    Up to GEMV_ROWS rows the tiles must not depend on the row count: each row is then
-    computed by the same program, bit for bit, alone or beside others, so a verify step's
-    rows round exactly as the one-row decode step does and greedy speculation stays
-    token-identical to no speculation. Projections at least four times as wide as long
-    take 8-column one-warp programs, those 1.5-4 times as wide 4-column ones: a narrow
-    program holds few registers, so more of them share a multiprocessor."""
+    Up to GEMV_ROWS rows the tiles do not depend on the row count, so a verify step's rows round
+    exactly as the one-row decode step (greedy speculation stays token-identical). Wide
+    projections take narrow programs so more of them share a multiprocessor."""
     if dot is not None and m <= DOT_MAX_ROWS:
         bn, bk, warps = dot
         return 16, bn, min(bk, next_pow2(k, 16)), warps
@@ -205,14 +192,12 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     residual: torch.Tensor | None = None, silu: bool = False,
                     dot: tuple[int, int, int] | None = None,
                     keys: torch.Tensor | None = None):
-    """One launch for what takes two: `linear(rmsnorm(x + residual))` (norm_weight given;
-    returns (y, x + residual), or y without a residual), `linear(silu_mul(x))` (silu), or a
-    plain `linear(x)`. weight is nn.Linear's [N, K]; each activation rounds exactly where
-    `add_rmsnorm` / `silu_mul` round, so only the GEMM's summation order differs from the
-    separate kernels. dot: 16-row tensor-core tiles (BLOCK_N, BLOCK_K, warps) for up to
-    DOT_MAX_ROWS rows instead of the GEMV (`linear_tiles`). keys ([M] int64 filled with
-    KEY_EMPTY): the output is not written; each row's argmax goes into keys instead
-    (`decode_keys`), and keys takes y's place in what is returned."""
+    """One launch for `linear(rmsnorm(x + residual))` (norm_weight given; returns (y, x +
+    residual), or y without a residual), `linear(silu_mul(x))` (silu), or plain `linear(x)`.
+    weight is nn.Linear's [N, K]; activations round as `add_rmsnorm` / `silu_mul` do. dot:
+    16-row tensor-core tiles (BLOCK_N, BLOCK_K, warps) up to DOT_MAX_ROWS rows. keys ([M] int64
+    filled with KEY_EMPTY): y is not written; each row's argmax goes into keys, returned in y's
+    place."""
     m = x.shape[0]
     assert keys is None or (keys.shape == (m,) and keys.dtype == torch.int64)
     n, k = weight.shape

@@ -75,10 +75,10 @@ def tune_gemv_silu(weights: list[torch.Tensor], reps: int = 8) -> dict:
 
 
 def tune_large_linear(weights: list[torch.Tensor], reps: int = 8) -> dict:
-    """Choose, on this GPU, the kernel for one row (GEMV tiles or cuBLAS) and for several rows
-    (dot tiles or cuBLAS) of projections with these weights (one shape; several copies, e.g.
-    every layer's, so each call of a timing graph reads its weight from HBM as a forward
-    does). Records the choice in LARGE_LINEAR and returns it with the timings (us)."""
+    """Choose, on this GPU, the kernel for one row (GEMV or cuBLAS) and for several rows (dot
+    tiles or cuBLAS) of projections with these weights (several copies, so each timed call reads
+    its weight from HBM as a forward does). Records it in LARGE_LINEAR and returns it with the
+    timings (us)."""
     x, us = _tuning(weights, DOT_TUNE_ROWS, reps)
     one = {"cublas": us(lambda w: torch.nn.functional.linear(x[:1], w))}
     for t in GEMV_CANDIDATES:

@@ -38,12 +38,10 @@ class DraftBudget:
         return k if seq.max_draft is None else min(k, seq.max_draft)
 
     def ks_for(self, seqs, needs: list[int], blocks, want: int | None) -> list[int | None]:
-        """`k_for` over a batch (seqs[i]'s pending token will be token number needs[i]): None
-        for a sequence whose pending token does not fit. A batch given one K (`want`, what the
-        fused step's batch policy says) takes its caps and, when the blocks for every pending
-        token and its drafts fit together, one check of the total and the grows instead of
-        the per-sequence checks (the host's step shrinks). Otherwise, or without `want`,
-        sequence by sequence."""
+        """`k_for` over a batch (seqs[i]'s pending token will be token number needs[i]): None for a
+        sequence whose pending token does not fit. Given one K (`want`, the fused batch policy's),
+        the blocks are checked once for the whole batch when they all fit, to shrink the host's
+        step; otherwise sequence by sequence."""
         if want is not None:
             ks = [self.cap(s, n, want) for s, n in zip(seqs, needs)] if want else \
                 [0] * len(seqs)

@@ -1,10 +1,8 @@
-"""The acceptance-collapse detector: when the drafts of an engine's traffic stop being accepted
-(a shift in what users send, a head trained for another target or another template), the
-tokens a verify emits fall below what drafting and verifying cost, and speculation makes every
-stream slower. The watch tracks acceptance by draft position over recent verifies; below the
-break-even it turns speculation off (K=0) for the engine, logs it, and drafts again only in
-sparse probes until acceptance recovers. Dynamic K prices each step by measured costs and
-usually stops drafting first; the watch is the floor that also holds for a fixed K."""
+"""The acceptance-collapse detector: when drafts stop being accepted (shifted traffic, a head
+trained for another target or template), speculation makes every stream slower. The watch
+tracks acceptance by draft position over recent verifies; below break-even it turns speculation
+off (K=0), logs it, and drafts again only in sparse probes until acceptance recovers. It is the
+floor that also holds for a fixed K."""
 
 from __future__ import annotations
 

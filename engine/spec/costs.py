@@ -26,23 +26,14 @@ def _bucket(batch_size: int) -> int:
 
 
 class StepCosts:
-    """Measured step times per batch-size bucket (powers of two): a plain step's seconds, and
-    what drafting adds to it, relative to it: a fixed part (`fixed`: what any drafting step
-    pays, the head's launches and the host's extra work) and a price per draft per sequence
-    (`per_draft`). Measured, because the real overhead of speculating depends on the
-    machine and model far more than a configured guess can.
+    """Measured step times per batch-size bucket (powers of two): a plain step's seconds, and what
+    drafting adds relative to it as a fixed part (`fixed`) plus a price per draft per sequence
+    (`per_draft`); measured because the overhead depends on machine and model.
 
-    The plain time is the lower quartile of its last WINDOW samples (`_low`); drafting steps
-    are kept per level (drafts per sequence, as the fused step's padded graphs run them),
-    the median of each level's last LEVEL_WINDOW samples one point, and the two parts are
-    the line through those points (`_fit_line`), so one stalled step cannot skew K. Two
-    parts, because most of what drafting costs does not grow with K: a price per draft
-    alone, read from shallow steps, prices deep K far too high.
-
-    Only steps in a steady regime are timed: a step whose previous timed step was of the
-    other kind (plain after drafting, or drafting after plain) is a transition, holding work
-    neither regime pays once settled (a relaunch from host-packed inputs) and, with
-    overlapped steps, the launch of the next one."""
+    The plain time is the lower quartile of its last WINDOW samples; drafting steps are kept per
+    level, each level's median one point of a fitted line (`_fit_line`), so one stalled step
+    cannot skew K. Only steady-regime steps are timed: a step following one of the other kind
+    (plain vs drafting) is a transition and skipped."""
 
     WINDOW = 15  # plain steps kept per bucket
     LEVEL_WINDOW = 8  # drafting steps kept per level (drafts per sequence)
@@ -79,12 +70,10 @@ class StepCosts:
 
     def record(self, batch_size: int, drafts_per_seq: float, seconds: float,
                tokens: int | None = None, how: str = "", switch: bool = False) -> None:
-        """One pure decode step: `drafts_per_seq` drafts verified and proposed per sequence
-        on average (0: a plain step), `tokens` emitted. Draft steps are kept raw and priced
-        against the current plain time, so those seen before the first plain step count
-        too. `switch`: a drafting step whose K differs from the one before (a fused step
-        verifying one K's drafts and proposing another's): it counts toward the measured
-        tokens/s but is no point of the cost fit, whose shallow end it would bend."""
+        """One pure decode step: `drafts_per_seq` drafts per sequence on average (0: a plain step),
+        `tokens` emitted. Draft steps are priced against the current plain time. `switch`: a step
+        whose K differs from the one before; it counts toward tokens/s but is no point of the cost
+        fit, whose shallow end it would bend."""
         b = _bucket(batch_size)
         self._n += 1
         kind = (b, drafts_per_seq == 0) if drafts_per_seq == 0 or drafts_per_seq >= MIN_DRAFTS \

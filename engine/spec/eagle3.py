@@ -180,12 +180,9 @@ class _MidLayer(nn.Module):
 
     def _forward_fused(self, embeds, hidden, positions, kv_cache, meta, ids=None,
                        parts: bool = False):
-        """The same math in the target layer's launches (`LlamaModel._forward_fused`): both
-        input norms in one, one qkv projection, rotary + KV store in one, attention, o, then
-        gate|up with the post-attention norm folded in and down with SiLU-and-mul folded in
-        (GEMVs at `prologue_rows` rows, cuBLAS with separate norm and SiLU kernels above).
-        ids: token ids, embeds the embedding table (`_qkv_stored`). parts: the output's two
-        terms (residual, mlp) unsummed, for a next launch that adds them in its prologue."""
+        """The same math in the target layer's fused launches (`LlamaModel._forward_fused`). ids:
+        token ids, embeds the embedding table (`_qkv_stored`). parts: return the output's two terms
+        (residual, mlp) unsummed, for a next launch that adds them in its prologue."""
         attn = self.self_attn
         qkv, gate_up = self.merged_weights()
         x, heads = self._qkv_stored(qkv, embeds, hidden, positions, kv_cache, meta, ids)
@@ -258,15 +255,11 @@ class Eagle3Head(nn.Module):
                    positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                    prob: torch.Tensor | None = None, keys: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One chained greedy draft step on the fused path, (hidden state, next tokens):
-        `forward(table[tokens], hidden, ...)` then `greedy_tokens` of it, the same numbers
-        in two launches fewer where the LM head is a prologue GEMV: the embedding lookup
-        happens inside the input norms, and the layer's last residual add inside the LM
-        head's prologue (which also writes the sum, the next step's hidden state). prob:
-        where the drafts' probabilities go (`greedy_tokens`). keys ([T] int64 filled with
-        `ops.KEY_EMPTY`; where `fuses_argmax`): the argmax is folded into the LM head's GEMV,
-        one launch fewer, and the tokens are left packed in keys, returned in their place
-        (as `ops.Keyed`, the next step's input norm decodes them). tokens may be `ops.Keyed`."""
+        """One chained greedy draft step on the fused path, (hidden state, next tokens): the same
+        numbers as `forward(table[tokens], hidden, ...)` then `greedy_tokens`, in fewer launches.
+        prob: where the drafts' probabilities go (`greedy_tokens`). keys ([T] int64 filled with
+        `ops.KEY_EMPTY`; where `fuses_argmax`): the argmax is folded into the LM head's GEMV and
+        the tokens are returned packed in keys (as `ops.Keyed`). tokens may be `ops.Keyed`."""
         mid = self.midlayer
         assert mid.fused, "chain_step is the fused path's (Triton backend)"
         h, mlp = mid._forward_fused(table, hidden, positions, kv_cache, meta, ids=tokens,

@@ -1,24 +1,19 @@
 """One graph per greedy speculative decode step.
 
-A pure decode step of greedy EAGLE-3 requests does, per sequence: verify the pending token and
-its k drafts with the target, emit the accepted drafts and one target token, run the head's
-first step over the accepted positions, and chain the next k' drafts. Run as separate pieces
-that is three graph replays, an eager feature fuse and LM head, and two host syncs. Here it is
-one replay and one sync, because every data-dependent quantity stays on the device:
+A pure decode step of greedy EAGLE-3 requests verifies each sequence's pending token and k
+drafts, emits the accepted drafts and one target token, runs the head over the accepted
+positions and chains the next drafts, all in one graph replay and one host sync, because every
+data-dependent quantity stays on the device:
 
-- Every sequence gets the same number of rows, q: its pending token, its drafts, then padding
-  rows that store no KV (slot -1) and sit causally after the real rows, so they change nothing
-  the real rows compute. The batch is then a [B, q] grid.
-- Accepted drafts = the prefix where draft i+1 equals the target's argmax at row i. For
-  accepted rows that argmax *is* the next token, so the head's first step reads the argmax row
-  by row; it stores draft KV only up to the last accepted row.
-- The chain starts from the head's state at the last accepted row, at position
-  lo + accepted + 1, each step computing its positions and KV slots on the device.
+- Every sequence gets q rows: pending token, drafts, then padding rows that store no KV (slot
+  -1) and sit causally after the real rows, so the batch is a [B, q] grid.
+- Accepted drafts are the prefix where draft i+1 equals the target's argmax at row i; the
+  head's first step reads that argmax and stores draft KV only up to the last accepted row.
+- The chain starts from the head's state at the last accepted row, computing positions and KV
+  slots on the device.
 
-The host then reads (argmax grid, accepted counts, next drafts) in one copy. The result is what
-the step-by-step path computes (`SpecRunner.propose` after `Engine._run`), token for token:
-verification is the same comparison, and the head sees the same tokens, features and
-positions. Sampled requests, prefill chunks and hand-offs keep the step-by-step path.
+The result equals the step-by-step path token for token. Sampled requests, prefill chunks and
+hand-offs keep the step-by-step path.
 """
 
 from __future__ import annotations

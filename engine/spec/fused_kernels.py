@@ -134,14 +134,11 @@ def accepted(am: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, b: int, q
 
 def accept(am: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
            seq_lens: torch.Tensor, b: int, q: int, kernel: bool = True) -> tuple:
-    """A fused step's verify bookkeeping for its [b, q] grid (argmax `am`, token `ids`, KV
-    `slots`, positions `pos`, all [b * q]): per sequence the accepted drafts nacc (the
-    prefix where draft i+1 equals the argmax at row i, on rows that store KV), then (nacc,
-    the head's KV slots [b * q] (rows past the last accepted store nothing: -1), the chain's
-    start position pos[row 0] + nacc + 1, the target's token after the accepted drafts
-    am[nacc], that row's index in the step, live (seq_lens > 0), the chain's query starts
-    0..b). `kernel`: one Triton launch (needs Triton; under its interpreter off CUDA), else
-    the torch ops it replaces."""
+    """A fused step's verify bookkeeping for its [b, q] grid (argmax `am`, token `ids`, KV `slots`,
+    positions `pos`, all [b * q]). Returns (accepted drafts nacc per sequence, the head's KV slots
+    [b * q] (-1 past the last accepted), the chain's start position pos[row 0] + nacc + 1, the
+    target token am[nacc], that row's index, live (seq_lens > 0), the chain's query starts 0..b).
+    `kernel`: one Triton launch, else the equivalent torch ops."""
     dev = ids.device
     if not kernel:
         nacc, hslots = accepted(am, ids, slots, b, q)
@@ -164,11 +161,9 @@ def accept(am: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor, pos: torch.
 def chain_positions(k, start, has_queries, tables, block_size: int, s: int, kernel: bool,
                     steps: int | None = None, keys: bool = False):
     """Chained draft step s's (positions, KV slots, context lengths), one row per sequence:
-    position start + s - 1 where the sequence's own k goes past s (else 0, slot -1 and the
-    context of a padded row). `kernel` (the head's fused path, so Triton is there): in one
-    Triton launch instead of about ten. steps: those of steps s .. s + steps - 1 at once,
-    each [steps, b] (one launch, a program per step). keys (with kernel and steps): also a
-    fourth [steps, b], every entry `ops.KEY_EMPTY` (each step's argmax keys)."""
+    position start + s - 1 where the sequence's k goes past s (else a padded row: 0, slot -1).
+    `kernel`: one Triton launch instead of about ten. steps: steps s .. s + steps - 1 at once,
+    each [steps, b]. keys (with kernel and steps): also a fourth [steps, b] of `ops.KEY_EMPTY`."""
     if kernel:
         b, n = k.shape[0], steps or 1
         p = torch.empty(n, b, dtype=torch.int64, device=k.device)

@@ -1,16 +1,13 @@
-"""EAGLE-3 head folders: read the public layouts as their trainers meant them, write one
-that every runtime loads.
+"""EAGLE-3 head folders: read the public layouts as their trainers meant them, write one every
+runtime loads.
 
 Read (`config.json` + `*.safetensors` or `pytorch_model*.bin`):
-- EAGLE (the reference runtime, SpecForge, sglang, vLLM, tandem): a flat Llama config with
-  `draft_vocab_size`; tensors `fc`, `midlayer.*`, `norm`, `lm_head`, `d2t`, `t2d`, with or
-  without a `model.` prefix.
+- EAGLE: a flat Llama config with `draft_vocab_size`; tensors `fc`, `midlayer.*`, `norm`,
+  `lm_head`, `d2t`, `t2d`, with or without a `model.` prefix.
 - speculators: `speculators_model_type: "eagle3"`, the layer's shape in
-  `transformer_layer_config` (stored as a diff against LlamaConfig's defaults), the decoder
-  layer's tensors under `layers.0.*`.
+  `transformer_layer_config` (a diff against LlamaConfig's defaults), tensors under `layers.0.*`.
 
-Taps count as tandem, vLLM, speculators and the EAGLE reference runtime count them: tap i is
-the hidden state entering target layer i (0: the embeddings).
+Tap i is the hidden state entering target layer i (0: the embeddings).
 """
 
 from __future__ import annotations
@@ -45,11 +42,10 @@ README_MARK = "<!-- written by save_head; rewritten on every save -->"
 
 
 def resolve_taps(d: dict, num_layers: int) -> tuple[tuple[int, ...], str]:
-    """The target layers whose input hidden states the head reads, ascending (every runtime
-    concatenates them in layer order), and a line saying where they came from. Top-level ids
-    (vLLM, speculators) are the input of layer i; ids nested in `eagle_config` (SpecForge,
-    sglang, which adds one) the output of layer i, the input of layer i + 1. Neither (or
-    empty, as vLLM reads it): every runtime's default (2, L//2, L-3)."""
+    """The target layers whose input hidden states the head reads, ascending, and a line saying
+    where they came from. Top-level ids (vLLM, speculators) are layer i's input; ids nested in
+    `eagle_config` (SpecForge, sglang) are layer i's output, i.e. layer i + 1's input. Neither
+    (or empty): the common default (2, L//2, L-3)."""
     given = {}  # key -> (ids as written, the layers they mean, the rule)
     nested = (d.get("eagle_config") or {}).get(TAPS)
     for key, raw, shift, rule in ((TAPS, d.get(TAPS), 0, "input of layer i"),

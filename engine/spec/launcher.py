@@ -62,13 +62,10 @@ class FusedLauncher:
 
     def launch_after(self, prev: FusedHandle, blocks, step: int,
                      keep: list[int] | None = None, join=()) -> FusedHandle | None:
-        """Launch the step after `prev` before reading it: the pending tokens, drafts,
-        positions and KV slots come from prev's outputs on the device, so the host's work
-        on prev's results overlaps this step's. K for the step after is chosen now (a
-        two-step lag) and capped as if prev and this step accept everything. `keep`: only
-        these of prev's rows continue (the others' requests finished meanwhile). `join`:
-        sequences prefilled beside prev, whose pending token and drafts the host knows,
-        take rows after prev's (packed as `launch` packs them)."""
+        """Launch the step after `prev` before reading it: pending tokens, drafts, positions and KV
+        slots come from prev's outputs on the device, so host work on prev overlaps this step. K for
+        the step after is chosen now, capped as if everything is accepted. `keep`: only these of
+        prev's rows continue. `join`: sequences prefilled beside prev take rows after prev's."""
         f = self.fused
         rows = range(len(prev.seqs)) if keep is None else keep
         old = [prev.seqs[i] for i in rows]
@@ -113,11 +110,10 @@ class FusedLauncher:
     def _run(self, seqs, kcur, kn, q, inp, prev: FusedHandle | None,
              known: bool = False, sel: torch.Tensor | None = None,
              cont_rows: int | None = None) -> FusedHandle:
-        """Replay the fused step for inp; after `prev`, the device-side inputs of its first
-        `cont_rows` rows (default all) come from prev's outputs (its rows `sel`, default
-        all): all of them (`continuation`), or only the token ids when the host knew the
-        rest (`known`: prev and this step are one row per sequence). Rows after those
-        (sequences joining) keep what the host packed."""
+        """Replay the fused step for inp; after `prev`, the device inputs of its first `cont_rows`
+        rows (default all) come from prev's rows `sel` (default all): all of them (`continuation`),
+        or only token ids (`known`). Rows after those (joining sequences) keep what the host
+        packed."""
         b = len(seqs)
         c = b if cont_rows is None else cont_rows
         cont, drafting = not known and prev is not None, any(kn)

@@ -1,9 +1,9 @@
 """Drafting from the context on the device: `ngram.ngram_search` inside the fused step.
 
 With `SpecConfig.context_drafts` a greedy EAGLE-3 step also drafts what followed the latest
-earlier copy of the current suffix, which beats the head on answers that repeat themselves. The
-next step launches before the host reads this one's tokens, so every forward writes its token
-ids into a store, one per KV slot (`store_tokens`), and `lookup` searches it on the device.
+earlier copy of the current suffix. Since the next step launches before the host reads tokens,
+every forward writes its token ids into a per-KV-slot store (`store_tokens`) that `lookup`
+searches on the device.
 """
 
 from __future__ import annotations

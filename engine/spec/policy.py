@@ -62,14 +62,10 @@ RUNS_PRIOR = 2.0
 class KPolicy:
     """Maximizes expected tokens per unit of step cost.
 
-    With per-token acceptance a, K drafts emit (1 - a^(K+1)) / (1 - a) tokens per target
-    forward; the step costs 1 + f + K * c relative to a plain decode step (f: what any
-    drafting step adds, c: the price of a draft). Both are measured (`StepCosts`, with plain
-    probes); until then f is 0 and c SpecConfig's verify + draft cost, the verify part
-    growing with the batch. Above the model sit the measured checks (GAIN_FLOOR, WIN_FLOOR).
-    A fused batch step runs graphs captured at padded sizes (`levels`), so K is priced by
-    what it runs (`paid`): with levels 1, 2, 4, 8 and 0, 1, 2, 4, 7, K=5 runs the K=7 chain
-    and verifies 8 rows.
+    With per-token acceptance a, K drafts emit (1 - a^(K+1)) / (1 - a) tokens per target forward
+    at a cost of 1 + f + K * c plain steps (f: fixed drafting overhead, c: price per draft), both
+    measured (`StepCosts`) or, until then, f = 0 and c from SpecConfig. GAIN_FLOOR and WIN_FLOOR
+    guard the model. A fused batch step prices K by the padded graph it runs (`paid`).
     """
 
     def __init__(self, spec: SpecConfig, prior: float = 0.6, batch_knee: int = 16):
@@ -147,14 +143,10 @@ class KPolicy:
         return best_k
 
     def choose_batch(self, seqs: list[Sequence], batch_size: int) -> int:
-        """One K for a whole fused step (greedy decodes only). Its rows form a [B, K+1]
-        grid and its draft chain runs K steps for everyone, so a sequence drafting fewer
-        than the batch's K saves nothing; per-sequence choices would instead make the whole
-        batch pay for whichever sequence drafts most (a K=0 sequence probing every
-        PROBE_EVERY steps, at 64 streams, makes nearly every step a drafting one). So K
-        maximizes the batch's expected tokens per unit of step cost, and a batch at K=0
-        probes together, every BATCH_PROBE_EVERY steps (PROBE_EVERY at SMALL_BATCH
-        sequences or fewer, where a probe costs little)."""
+        """One K for a whole fused step (greedy decodes only): its draft chain runs K steps for
+        everyone, so per-sequence K saves nothing. K maximizes the batch's expected tokens per unit
+        of step cost; a batch at K=0 probes together every BATCH_PROBE_EVERY steps (PROBE_EVERY at
+        SMALL_BATCH sequences or fewer, where a probe costs little)."""
         k = self._choose_batch(seqs, batch_size)
         self.batch_ks[k] += 1
         self.batch_k = k
@@ -303,13 +295,11 @@ class KPolicy:
     def _best_k(self, rates: list, per_token: float, start: float = MARGIN,
                 kmax: int | None = None, padded: bool = False, fixed: float = 0.0,
                 batch_size: int | None = None) -> int:
-        """argmax over K of the sequences' expected tokens per forward, over the step's cost
-        1 + fixed + K c (fixed: what any drafting step adds; c: a draft's price): for a
-        rate a, (1 - a^(K+1)) / (1 - a); a sequence given as an array (`_tokens`) brings
-        its own per-K expectation. Drafting at all must beat plain decoding by `start`,
-        each deeper K the best shallower one by MARGIN (no speculating for a rounding-error
-        win); K at most kmax (default: SpecConfig.num_tokens); `padded`: K priced by the
-        fused graphs' padded sizes at batch_size (`paid`)."""
+        """argmax over K of the sequences' expected tokens per forward over the step cost 1 + fixed
+        + K c; a sequence given as an array (`_tokens`) brings its own per-K expectation. Drafting
+        must beat plain decoding by `start`, each deeper K the best shallower one by MARGIN; K at
+        most kmax (default SpecConfig.num_tokens); `padded`: price K by the fused graphs' padded
+        sizes at batch_size (`paid`)."""
         kmax = self.spec.num_tokens if kmax is None else kmax
         if kmax == 0:
             return 0

@@ -49,15 +49,11 @@ def verify_sampled(draft: Sequence[int], q: torch.Tensor | None, target_logits: 
     """Sampled verification: accept draft i with probability min(1, p_i(x) / q_i(x)).
 
     draft: K tokens, draft[i] drawn from q[i]. q: [K, vocab], or None for a point mass at each
-    draft (n-gram, argmax drafters). target_logits: [K+1, vocab] raw logits; p is
-    processed_probs(target_logits, params), i.e. after temperature, top-k and top-p, exactly
-    what plain sampling uses. On the first rejection a token is drawn from
-    normalize(max(0, p_i - q_i)) and verification stops; if all pass, a bonus is drawn from p_K.
-    All randomness comes from `generator`, so a seeded request replays exactly; the work runs
-    on the generator's device (logits on another device are copied there first, so create the
-    generator where the logits live to avoid the copy). temperature=0 falls through to
-    verify_greedy on the logits' argmax. (The engine uses `verify_sampled_device` and reads
-    the results of a whole batch with one host sync.)
+    draft. target_logits: [K+1, vocab] raw; p = processed_probs(target_logits, params), as plain
+    sampling uses. On the first rejection a token is drawn from normalize(max(0, p_i - q_i)) and
+    verification stops; if all pass, a bonus is drawn from p_K. All randomness comes from
+    `generator` (seeded requests replay exactly) on its device; logits elsewhere are copied
+    there. temperature=0 falls through to verify_greedy.
     """
     k = len(draft)
     if target_logits.shape[0] != k + 1:
