@@ -45,16 +45,13 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
     """Connect to (or start) Ray, place the actors, and return the router's backend.
     `engine_kwargs` configure prefill engines, `decode_kwargs` (default: the same) decode;
     `transport_kwargs` every actor's `kvtransfer` transport (`TransferSection`);
-    `ipc_across_gpus`: GPU actors see every GPU of their node (`actor_options`);
-    `*_restarts`: Ray restarts of a dead actor (-1: always); `resume_attempts`: moves of one
-    stream after a worker died (`DisaggBackend`); `chat_special_tokens`: special-token strings
-    in chat content read as the tokens (`PromptEncoder`); `kv_wait_s`: how long a request
-    waits for KV room on a decode actor; `metrics_host` and `metrics_ports` (per actor,
-    prefills then decodes; 0 or None: a free port) where each actor serves /metrics;
-    `net_devices`: the interfaces UCX uses (`UCX_NET_DEVICES`); `*_resources`: Ray custom
-    resources each replica of the role books (the nodes it may run on). Engine arguments
-    may name the dtype ("bfloat16") and give the speculation config as a dict
-    (`node_common.node.engine_types`), so that they pickle without torch."""
+    `ipc_across_gpus`: GPU actors see every GPU of their node (`actor_options`); `*_restarts`: Ray
+    restarts of a dead actor (-1: always); `resume_attempts`: moves of one stream after a worker
+    died; `chat_special_tokens`: special-token strings in chat content read as tokens;
+    `kv_wait_s`: wait for KV room on a decode actor; `metrics_host`, `metrics_ports` (per actor,
+    prefills then decodes; 0 or None: free port): /metrics; `net_devices`: `UCX_NET_DEVICES`;
+    `*_resources`: Ray custom resources each replica books. Engine arguments may name the
+    dtype ("bfloat16") and give the speculation config as a dict, so they pickle without torch."""
     import ray
 
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -107,13 +104,10 @@ def join(address: str) -> None:
 def actor_options(num_gpus: float, ipc_across_gpus: bool = False,
                   max_restarts: int = -1, net_devices: str | None = None,
                   resources: dict | None = None) -> dict:
-    """Ray options of a node actor. With `ipc_across_gpus`, a GPU actor keeps every GPU of
-    its node visible (Ray leaves CUDA_VISIBLE_DEVICES alone) and runs on its own by index
-    (`node_common.node.node_device`), so the KV can move between their GPUs by CUDA IPC
-    (`kvtransfer.ipc`: push or pull); otherwise Ray pins it to its own GPUs.
-    `max_restarts`: how often Ray brings a dead one back (-1: always); `net_devices`: the
-    interfaces its UCX binds and reaches peers on (`UCX_NET_DEVICES`); `resources`: Ray
-    custom resources it books, which keep it to the nodes that have them."""
+    """Ray options of a node actor. `ipc_across_gpus`: a GPU actor sees every GPU of its node and
+    picks its own by index, so KV can move between GPUs by CUDA IPC; otherwise Ray pins it.
+    `max_restarts`: Ray restarts of a dead one (-1: always); `net_devices`: `UCX_NET_DEVICES`;
+    `resources`: Ray custom resources it books, limiting the nodes it runs on."""
     opts: dict = {"num_gpus": num_gpus, "num_cpus": 0, "max_concurrency": 1000,
                   "max_restarts": max_restarts}
     if resources:

@@ -1,8 +1,6 @@
-"""Prompt sets for self-distillation and the benchmarks' held-out prompts, built from what
-every machine has: the Python standard library's documentation plus templated chat, code and
-JSON requests, no benchmark text. The documentation questions depend on the Python that reads
-the docs, so the prompts are generated once and kept in `FROZEN`: every machine splits the
-same prompts the same way.
+"""Prompt sets for self-distillation and the benchmarks' held-out prompts, built from the
+Python standard library's documentation and templated chat, code and JSON requests. Generated
+once and kept in `FROZEN` so every machine splits the same prompts the same way.
 
     python -m cluster.prompt_sets --out assets/prompt_sets.json.gz   # generate again
 """
@@ -161,10 +159,9 @@ def build(n: int | None = None, seed: int = 0, eval_frac: float = 0.05,
           extended: bool = False, path: str = FROZEN, name_split: bool = False
           ) -> tuple[list[str], list[str]]:
     """(train, eval) user messages from the kept prompts, split by a hash of the text so the
-    split never moves. `extended`: a larger self-distillation set (more questions per name,
-    modules, templates and fillers) in which the base set's prompts keep their side.
-    `name_split`: also leave out of training every prompt that `mentions` a name a held-out
-    prompt (this set's or the benchmarks') mentions."""
+    split never moves. `extended`: a larger self-distillation set keeping the base prompts' sides.
+    `name_split`: also leave out of training every prompt mentioning a name a held-out prompt
+    mentions."""
     train, held = _split(n, seed, eval_frac, extended, path)
     if name_split:
         bench_held = build(path=path)[1]  # what the benchmarks' `build()` holds out

@@ -1,14 +1,11 @@
 """`tandem train-eagle3`: self-distil an EAGLE-3 head for a target with the engine itself.
 
-1. The target answers a prompt set (engine, greedy); every computed position's final hidden
-   state and the three aux taps are captured from the same forwards that produce the tokens
-   (`cluster/eagle3/records.py`).
-2. The draft vocabulary is the most frequent next tokens of the responses.
-3. The head trains with the multi-step "training-time test" unroll (`cluster/eagle3/ttt.py`,
-   `cluster/eagle3/loop.py`).
-4. Held-out prompts give teacher-forced accuracy per step as training goes, and real engine
-   acceptance (greedy, speculative) at the end. The head is written in the public layout
-   (`engine/spec/head_io.py`).
+1. The target answers a prompt set greedily; hidden states and aux taps are captured from
+   the same forwards (`cluster/eagle3/records.py`).
+2. The draft vocabulary is the responses' most frequent next tokens.
+3. The head trains with the multi-step "training-time test" unroll (`cluster/eagle3/ttt.py`).
+4. Held-out prompts give per-step accuracy during training and engine acceptance at the end;
+   the head is written in the public layout (`engine/spec/head_io.py`).
 """
 
 from __future__ import annotations

@@ -33,12 +33,11 @@ def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, e
           lr=1e-3, batch_size=16, log_every=50, aux_layers=None,
           init: Eagle3Head | None = None, max_seconds: float | None = None,
           checkpoint=None) -> tuple[Eagle3Head, dict]:
-    """Train a head on the records (`init`: continue from this head, its draft vocabulary
-    kept; vocab_ids is then ignored). `max_seconds`: fewer steps than `epochs` asks where
-    they would not fit, planned from the pace of the first steps (held-out evaluations
-    included) and again at every log; the learning-rate schedule ends with the plan.
-    `checkpoint(head, entry)`: called after every logged held-out evaluation but the last,
-    with the head as it stands and the log entry, so a run cut short still leaves a head."""
+    """Train a head on the records (`init`: continue from this head, keeping its draft vocabulary;
+    vocab_ids is then ignored). `max_seconds`: fewer steps than `epochs` where they would not fit,
+    planned from the observed pace; the learning-rate schedule ends with the plan.
+    `checkpoint(head, entry)`: called after every logged held-out evaluation but the last, so a
+    run cut short still leaves a head."""
     cfg = engine.config
     on_gpu = str(cfg.device).startswith("cuda")
     if on_gpu:

@@ -29,11 +29,9 @@ def self_distill(engine: Engine, prompts: list[str], max_tokens: int, layers: tu
                  store_dtype: torch.dtype, desc: str = "self-distil",
                  ignore_eos: bool = False, temperature: float = 0.0,
                  seed: int | None = None) -> list[Record]:
-    """Generate answers with the target and capture the features of every position
-    (`ignore_eos`: every answer runs to max_tokens, as figure 1's do). temperature > 0:
-    answers sampled (seeded by `seed`) rather than greedy, other contexts for the same
-    prompts; the head still learns the target's own next-token law at every position (from
-    the captured hidden states), whichever token the answer went on with."""
+    """Generate answers with the target and capture the features of every position (`ignore_eos`:
+    run every answer to max_tokens). temperature > 0: answers sampled (seeded by `seed`) for
+    other contexts; the head still learns the target's next-token law from the hidden states."""
     if engine.config.enable_prefix_caching:
         raise ValueError("self-distillation needs every position computed: build the engine "
                          "with enable_prefix_caching=False")

@@ -16,12 +16,10 @@ from engine.spec.eagle3 import Eagle3Head
 
 
 def extend_vocab(head: Eagle3Head, records: list[Record], size: int) -> Eagle3Head:
-    """A copy of `head` whose draft vocabulary also holds the most frequent response tokens
-    of `records` that it lacks, up to `size` ids in all (fewer where the records hold fewer
-    distinct tokens; ties: lower id). Its own rows are kept; a new id's row starts at zero,
-    to be learnt (by `fit_lm_head` or a continued training). Not the target's LM head row,
-    as a fresh head's are: on the trained head's outputs such rows win the argmax where they
-    should not, where a zero logit wins only where every known one is below zero."""
+    """A copy of `head` whose draft vocabulary adds the most frequent response tokens of
+    `records` it lacks, up to `size` ids in all (ties: lower id). Existing rows are kept; new
+    rows start at zero, to be learnt, since the target's LM head rows would wrongly win the
+    argmax on the trained head's outputs."""
     old = head.draft_to_target.cpu()
     counts = response_counts(records, head.cfg.vocab_size)
     counts[old] = -1
@@ -47,12 +45,10 @@ def extend_vocab(head: Eagle3Head, records: list[Record], size: int) -> Eagle3He
 def fit_lm_head(head: Eagle3Head, target, records: list[Record], *, unroll: int = 3,
                 epochs: int = 2, lr: float = 1e-3, batch_size: int = 4096,
                 train_ids: torch.Tensor | None = None, seed: int = 0) -> dict:
-    """Fit the head's LM head on its frozen body: the chain's outputs (teacher-forced, steps
-    0..unroll-1, as `ttt_forward` runs them; the LM head does not feed the chain, so they
-    are fixed) against the tokens the target produced there, cross-entropy over the draft
-    vocabulary (positions whose token lies outside it are left out). `train_ids`: only the
-    rows of these target ids move (the rest stay as trained); None: every row. Cheap
-    enough for a CPU: one forward of the body per record, then a linear softmax fit."""
+    """Fit the head's LM head on its frozen body: the teacher-forced chain outputs (steps
+    0..unroll-1) against the target's tokens, cross-entropy over the draft vocabulary (tokens
+    outside it left out). `train_ids`: only these target ids' rows move; None: every row. Cheap
+    enough for a CPU."""
     dev = head.lm_head.weight.device
     d2 = torch.full((head.cfg.vocab_size,), -1, dtype=torch.int64)
     d2[head.draft_to_target.cpu()] = torch.arange(head.cfg.draft_vocab_size)
