@@ -1,9 +1,8 @@
 """Admission: requests beyond what runs at once wait their turn instead of being refused.
 
-At most `max_running` requests run; up to `max_queued` more wait, first in first out, for at
-most `max_wait_s`; one client holds at most `per_client` requests, running or queued (0: no
-cap). RESOURCE_EXHAUSTED only when the queue is full, the wait ran out, or the client is at
-its cap."""
+At most `max_running` run; up to `max_queued` more wait FIFO for at most `max_wait_s`; one
+client holds at most `per_client` running or queued (0: no cap). RESOURCE_EXHAUSTED only when
+the queue is full, the wait ran out, or the client is at its cap."""
 
 from __future__ import annotations
 

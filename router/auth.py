@@ -2,9 +2,8 @@
 
 `server_security(section)` turns the `security` config section into `start_server`'s keyword
 arguments. Tokens come from a file (one a line) and an environment variable (comma-separated);
-none configured leaves auth off. Every method needs `authorization: Bearer <token>`, reflection
-included (it is one more way in; grpcurl sends the header with `-H`); health checks stay open
-with `health_open`, so load balancers and probes need no secret.
+none leaves auth off. Every method, reflection included, needs `authorization: Bearer
+<token>`; `health_open` keeps health checks open for probes.
 """
 
 from __future__ import annotations
@@ -61,10 +60,9 @@ def _digest(token: str) -> bytes:
 class BearerAuth(grpc.aio.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) any call without a valid `authorization: Bearer <token>`.
 
-    Only the first `authorization` entry counts, so one call cannot try many tokens. It is
-    compared in constant time against every token, with no early exit that would tell which
-    one (or whether any) came close. `refused` counts the calls turned away; `on_refused`, if
-    set, is told how many more each time it grows (the metrics count them).
+    Only the first `authorization` entry counts, compared in constant time against every token,
+    so a call cannot probe tokens. `refused` counts refusals; `on_refused`, if set, gets each
+    increase.
     """
 
     def __init__(self, tokens: Sequence[str], health_open: bool = True) -> None:

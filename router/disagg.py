@@ -1,15 +1,10 @@
 """Disaggregated backend: prefill on one actor, KV over UCX, decode on another, tokens
 streamed back. Routing: prefix-cache affinity for prefill, least loaded decode.
 
-A stream outlives the workers it runs on: when a prefill or decode actor dies mid-request, the
-request moves to live (or restarted) actors and continues where it stopped. The tokens already
-streamed become the new prompt's tail, marked as output (`Engine.add_request(resume=...)`), so
-the stream goes on with the same tokens (greedy), the same text, stop strings and usage; the
-client sees a pause, not an error. Ray restarts a dead actor (`max_restarts`); while it
-reloads, requests go to the others, or wait for it when it was the only one.
-
-A request whose decode actor has no KV room for it yet waits, in arrival order per actor, for
-a request there to end (at most `kv_wait_s`), instead of being refused."""
+When an actor dies mid-request, the stream moves to live (or restarted) actors: the tokens
+already streamed become the new prompt's tail, marked as output (`Engine.add_request(resume=
+...)`), so the client sees a pause, not an error. A request whose decode actor lacks KV room
+waits in arrival order for at most `kv_wait_s` instead of being refused."""
 
 from __future__ import annotations
 
@@ -218,10 +213,10 @@ class DisaggBackend:
         return task.result()
 
     async def _lost(self, p, d, error: Exception) -> bool:
-        """Whether the attempt failed because one of its actors died (or is restarting): the
-        one the error names, and each one that does not answer a ping in time, is marked down
-        until it answers again. The named one is not pinged (a restarting actor holds the
-        ping until it is back), so a stream moves to a live replica at once."""
+        """Whether the attempt failed because one of its actors died or is restarting: the one the
+        error names, and each that does not answer a ping in time, is marked down until it answers.
+        The named one is not pinged (a restarting actor holds the ping), so the stream moves at
+        once."""
         named = getattr(error, "actor_id", None)
         dead = [a for a in (p, d) if named is not None and _actor_hex(a) == named]
         rest = [a for a in (p, d) if a not in dead]

@@ -1,8 +1,6 @@
-"""Bounds on every field of the public API, checked before any work is done for a request,
-and the hygiene of what goes back out: error details and log fields short and inert.
-
-Each limit names its field in the error (INVALID_ARGUMENT), and an echoed value is clipped,
-so no request can turn its own refusal into an oversized or forged reply or log line."""
+"""Bounds on every field of the public API, checked before any work, and short, inert error
+details and log fields going back out. Each limit names its field in the INVALID_ARGUMENT
+error and echoed values are clipped, so a request cannot forge or bloat its refusal."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
 """The OpenAI-compatible HTTP API beside gRPC: /v1/models, /v1/completions,
 /v1/chat/completions (whole or streamed over server-sent events), /health.
 
-A request is converted to `tandem.v1` GenerateRequests (`router.openai_convert`) and run
-through the gRPC servicer itself (`GenerationService.Generate`), so limits, admission, the
-per-client cap, timeouts, drain, metrics and error codes are the same at both doors. Bearer
-tokens are the gRPC port's (`router.auth.BearerAuth`). aiohttp serves it: asyncio-native, on
-the router's event loop beside grpc.aio, and already installed with Ray."""
+Requests are converted to `tandem.v1` GenerateRequests (`router.openai_convert`) and run
+through `GenerationService.Generate`, so limits, admission, auth, timeouts, metrics and error
+codes match gRPC. aiohttp serves it on the router's event loop."""
 
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """The public gRPC server: validation, tokenization, admission, streaming, cancellation,
-health checks, reflection. Backends (colocated engine loop, or prefill/decode actors) do the
-generating.
-
-Every request is bounded before any work (`router.limits`), tokenized off the event loop, and
-admitted in arrival order (`router.admission`). Every failure ends the call with a short,
-inert status detail; the full story goes to the log under the request id."""
+health checks, reflection; backends (colocated engine loop, or prefill/decode actors)
+generate. Requests are bounded first (`router.limits`), tokenized off the event loop and
+admitted in order (`router.admission`); failures end with a short status detail and the full
+story is logged under the request id."""
 
 from __future__ import annotations
 

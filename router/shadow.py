@@ -1,11 +1,7 @@
-"""The drift check: a sample of finished greedy requests that speculated is run again without
-speculation, one at a time and off every caller's path, and the two outputs compared token for
-token. Speculation is lossless, so greedy output must not change; a mismatch is counted
-(`tandem_shadow_checks_total{outcome="mismatch"}`) and logged with where the outputs part.
-
-Where the guarantee is bit-exact (fp32) any mismatch is a bug; in bf16 on a GPU, batching and
-verify width change reduction order and a near-tie can flip, so the mismatch rate is the
-measure of that drift."""
+"""The drift check: a sample of finished greedy requests that speculated is rerun without
+speculation, off every caller's path, and the outputs compared token for token; a mismatch is
+counted (`tandem_shadow_checks_total{outcome="mismatch"}`) and logged. In fp32 any mismatch is
+a bug; in bf16 on a GPU near-ties can flip, so the rate measures that drift."""
 
 from __future__ import annotations
 
