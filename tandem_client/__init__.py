@@ -8,11 +8,10 @@
         reply = client.chat([{"role": "user", "content": "Name three colours."}])
         print(reply.text, reply.usage)
 
-`AsyncClient` is the same API on asyncio (`async for`, `await`). Failures raise a `TandemError`
-subclass carrying the gRPC status code. A server behind TLS and bearer tokens takes
-`Client(target, tls=TLS(ca="ca.pem"), token="...")` (`TLS(cert=..., key=...)` for mTLS). The
-generated stubs of `proto/tandem/v1/` are the `tandem_proto.v1` package (regenerate with
-`python tools/gen_proto.py`).
+`AsyncClient` is the same API on asyncio. Failures raise a `TandemError` subclass carrying the
+gRPC status code. With TLS and bearer tokens: `Client(target, tls=TLS(ca="ca.pem"),
+token="...")` (`TLS(cert=..., key=...)` for mTLS). Stubs: `tandem_proto.v1`
+(`python tools/gen_proto.py`).
 """
 
 from tandem_client.aio import AsyncClient, AsyncStream

@@ -34,24 +34,20 @@ class ClientBase(ABC, Generic[StreamT]):
         timeout: default deadline of each call in seconds, retries included; None: no deadline.
         retries, backoff, max_backoff: retry a call that failed UNAVAILABLE before any output,
             up to `retries` times, waiting `backoff` seconds doubling up to `max_backoff`.
-        resume: a stream that breaks off with UNAVAILABLE after some output (its router died,
-            the connection dropped) is retried too, continuing after what arrived: the server
-            is sent the tokens received so far (GenerateRequest.continuation) and streams only
-            what follows. Greedy, the joined output is the one an unbroken call gives; sampled,
-            a valid sample. False: such a break raises UnavailableError. The retry count starts
-            again each time output arrives. Another router behind the same target takes it at
-            once; to wait out a restart of the only one, allow for its start in `retries` and
-            `max_backoff` (e.g. retries=30, max_backoff=2.0 waits 27 to 53 s in all).
-        token: a bearer token for a server that asks for one (`authorization: Bearer ...`):
-            as call credentials over TLS; over plaintext as plain metadata (local use only:
-            anyone on the path can read it).
-        tls: a `TLS` (the roots to trust, and the client certificate for mTLS), or True for
-            TLS with the system's roots; None: plaintext.
+        resume: a stream that breaks off with UNAVAILABLE after some output is retried too, sending
+            the tokens received so far (GenerateRequest.continuation) so the server streams only
+            what follows; greedy output equals an unbroken call's. False: such a break raises
+            UnavailableError. The retry count restarts whenever output arrives; to wait out a
+            restart of the only router, raise `retries` and `max_backoff` (e.g. 30 and 2.0).
+        token: a bearer token (`authorization: Bearer ...`): call credentials over TLS; plain
+            metadata over plaintext (local use only: readable on the path).
+        tls: a `TLS` (roots to trust, client certificate for mTLS), or True for the system's
+            roots; None: plaintext.
         credentials: grpc channel credentials instead of `tls` (either, not both).
         metadata: sent with every call.
         options: extra gRPC channel arguments.
-        A server that refuses the token (or its absence) raises AuthenticationError, never
-        retried; a TLS handshake that fails is UNAVAILABLE (the server is not reached).
+        A refused token raises AuthenticationError, never retried; a failed TLS handshake is
+        UNAVAILABLE.
         """
         self.target = target
         self.timeout = timeout
@@ -92,12 +88,11 @@ class ClientBase(ABC, Generic[StreamT]):
         """Start generating; returns a stream of `Chunk`s (the RPC starts on the first read).
 
         The prompt is exactly one of `prompt` (plain text), `messages` (a chat, rendered with the
-        model's template) or `token_ids`. Sampling arguments left None keep the server's
-        defaults (temperature 1.0; 0 is greedy). `speculation` ("none", "eagle3", "ngram") and
-        `num_speculative_tokens` override the deployment's speculative decoding for this request;
-        outputs do not change, only speed. `timeout` overrides the client's default deadline.
-        Only the argument shapes are checked here (TypeError / ValueError); the server checks
-        values and answers InvalidArgumentError.
+        model's template) or `token_ids`. Sampling arguments left None keep the server's defaults
+        (temperature 1.0; 0 is greedy). `speculation` ("none", "eagle3", "ngram") and
+        `num_speculative_tokens` override speculative decoding for this request (speed only, not
+        outputs). `timeout` overrides the client's deadline. Argument shapes raise TypeError /
+        ValueError here; bad values raise InvalidArgumentError from the server.
         """
         sampling = _request.sampling_params(
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,

@@ -17,11 +17,9 @@ from tandem_proto.v1 import generation_pb2 as pb
 class RetryPolicy:
     """Exponential backoff with jitter, on UNAVAILABLE only.
 
-    UNAVAILABLE is the one code that says the request was not taken (no node, connection refused,
-    server draining) or that its server went away (the router died, the connection dropped), so
-    trying again cannot run it twice. Once output arrived, the stream's next attempt continues
-    it (`Progress`), or, with resuming off, the stream stops retrying: a second attempt would
-    generate those tokens again.
+    UNAVAILABLE means the request was not taken or its server went away, so retrying cannot run
+    it twice. Once output arrived, the next attempt continues the stream (`Progress`), or, with
+    resuming off, retrying stops so tokens are not generated again.
     """
 
     retries: int = 3  # attempts after the first

@@ -19,11 +19,9 @@ from tandem_proto.v1 import generation_pb2 as pb
 class Stream(Iterator[Chunk]):
     """One Generate call, as an iterator of `Chunk`s.
 
-    Stops the RPC on the server when cancelled: by `cancel()` (from any thread), by leaving a
-    `with` block, or when the stream is dropped (so `break` out of `for c in client.generate()`
-    cancels). After a cancel by this side, iteration simply ends. A call that breaks off after
-    some output is continued by the next attempt (the client's `resume`): the chunks go on
-    where they stopped.
+    Cancels the RPC on the server on `cancel()` (any thread), on leaving a `with` block, or when
+    the stream is dropped (so `break` cancels); iteration then simply ends. A call broken off
+    after some output is continued by the next attempt (the client's `resume`).
     """
 
     def __init__(self, start: Callable[[pb.GenerateRequest, Deadline], Any], policy: RetryPolicy,

@@ -17,11 +17,9 @@ Pem = str | Path | bytes  # a path to a PEM file, or the PEM itself
 class TLS:
     """Whom a client trusts and, for mTLS, who it is. Paths are read when the TLS is made.
 
-    ca: root certificates to check the server's against; None: the system's roots.
-    cert, key: the client's certificate (chain) and private key, for a server that asks for
-        one (mTLS); both or neither.
-    server_name: the name the server's certificate must carry, when the target's host is not
-        it (an IP address, a tunnel).
+    ca: root certificates for the server's; None: the system's roots.
+    cert, key: the client's certificate (chain) and private key for mTLS; both or neither.
+    server_name: the name the server's certificate must carry when the target's host is not it.
     """
 
     ca: Pem | None = None
