@@ -1,9 +1,8 @@
 """The disaggregated cluster on two GPUs: placement, UCX over CUDA memory, and equality.
 
-Starts `deploy/examples/two-gpu.yaml` (one prefill actor and one decode actor, one GPU each,
-EAGLE-3 on the decode side) behind the real gRPC router, streams N concurrent greedy chat
-requests through the SDK, and compares every token with one colocated engine on one GPU.
-Reports where each actor ran, KV bytes moved, TTFT and tokens/s, and writes JSON.
+Starts `deploy/examples/two-gpu.yaml` behind the gRPC router, streams N concurrent greedy chat
+requests through the SDK, and compares every token with one colocated engine. Reports actor
+placement, KV bytes moved, TTFT and tokens/s as JSON.
 
     python -m bench.cluster_gpu --model /path/SmolLM2-135M-Instruct.Q4_1.gguf \
         --out bench/results/cluster_two_gpu.json [--dtype float32]

@@ -282,13 +282,10 @@ def window_events(mark: tuple[int, int]) -> dict:
 
 def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3,
                       mixed: bool = False) -> SteadyRun:
-    """Tokens/s with `c` streams always in flight, as a server under steady load runs: each
-    finished request is replaced at once by the next prompt (its prefill counted), and the
-    window ends when the last of generations * c requests is admitted (the drain at the end,
-    where fewer than c streams remain, is not part of it). Every request decodes n tokens,
-    or with `mixed` a length from `mixed_lengths` (mean n): without speculation, equal
-    lengths make all c streams finish in the same step and be replaced in one admission,
-    which traffic of varied lengths does not do."""
+    """Tokens/s with `c` streams always in flight: each finished request is replaced at once
+    (its prefill counted), and the window ends when the last of generations * c requests is
+    admitted. Every request decodes n tokens, or with `mixed` a length from `mixed_lengths`
+    (mean n), so streams do not all finish in one step as equal lengths would."""
     total = generations * c
     lengths = mixed_lengths(n, total) if mixed else [n] * total
     steps: list[float] = []
@@ -305,11 +302,10 @@ def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3,
 
 def steady_run(eng, prompts, c: int, lengths: list[int],
                step_seconds: list[float] | None = None) -> tuple[int, set]:
-    """Keep c requests in flight, the i-th with max_tokens lengths[i], replacing each one
-    that finishes until all were admitted; returns the tokens generated and the ids of the
-    requests still running. Only this run's requests count: the first step may return
-    outputs of requests an earlier run aborted (read by the abort's drain of the step in
-    flight), and taking their finishes for this run's would admit extra streams."""
+    """Keep c requests in flight, the i-th with max_tokens lengths[i], replacing each that
+    finishes until all were admitted; returns the tokens generated and the ids still running.
+    Only this run's requests count, since the first step may return outputs of requests an
+    earlier run aborted."""
     from engine import SamplingParams
 
     started, tokens, live = 0, 0, set()

@@ -145,20 +145,13 @@ def prefill_times(args, counts: list[int], reps: int) -> list[dict]:
 
 
 def ucx_transfer(args, sizes, devices: tuple[str, str] = ("cuda:0", "cuda:1")) -> dict:
-    """UCX from GPU 0 (this process) to a receiver process holding its cache on GPU 1, with
-    kvtransfer/bench.py's machinery. Per size: blocks 0..n-1 to the same ids (one run, as a
-    fresh prefill into a fresh reservation often is) by the push path (the sender copies into
-    the receiver's cache, mapped through CUDA IPC; UCX carries header and ack), by the pull
-    path (the receiver copies out of the sender's cache), and as UCX messages by the direct
-    path and the staged path (whole, and in 8 layer chunks); the row's headline is the path
-    the transport picks by itself (push where the receiver offers its cache, else pull where
-    it offers to, else `wire.plan_direct`), `messages_gb_s` the message path it would pick
-    otherwise. At the largest size also scattered ids (random order on both sides, as after
-    much churn), each way. Where the two caches sit on two GPUs, the pull is measured with
-    either GPU's copy engines (`kvtransfer.ipc.pull`, `pull_gb_s`).
-    `args.fig4_progress`: ucxx's progress mode (process-wide: the first transport of this
-    process decides; the receivers' too). `devices`: (sender, receiver); host ones check
-    the plumbing on any machine."""
+    """UCX from GPU 0 (this process) to a receiver process with its cache on GPU 1. Per size,
+    blocks 0..n-1 move by the push path, the pull path, and as UCX messages (direct, and staged
+    whole and in 8 layer chunks); the headline is the path the transport picks by itself,
+    `messages_gb_s` the message path. The largest size also moves scattered ids each way, and
+    across two GPUs the pull is measured with either GPU's copy engines (`pull_gb_s`).
+    `args.fig4_progress`: ucxx's process-wide progress mode. `devices`: (sender, receiver);
+    host ones check the plumbing on any machine."""
     try:
         import ucxx  # noqa: F401
     except Exception as e:  # noqa: BLE001

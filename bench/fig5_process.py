@@ -266,10 +266,9 @@ class PrefillProcess:
 
 def run_disaggregated_process(args, pp: PrefillProcess, ucx: UcxLoop, rx, dec, w: Workload,
                               step_limit: int, deadline_s: float) -> dict:
-    """This process is the decode node (and the router's clock): on each arrival it reserves
-    blocks on `dec` and asks the prefill process to prefill into them; the prefill process
-    ships the KV over UCX and sends the Handoff; `dec` admits it once `rx` says the blocks
-    landed. The background streams decode on `dec` throughout; this loop is the one measured."""
+    """This process is the decode node and the router's clock: each arrival reserves blocks on
+    `dec` and asks the prefill process to fill them over UCX; `dec` admits it once `rx` says
+    the blocks landed. Background streams decode on `dec` throughout; this loop is measured."""
     plen = args.fig5_prompt_len
     pending: dict = {}  # rid -> (future of rx.recv_blocks, Handoff, transfer stats)
     reserved: dict[str, list[int]] = {}

@@ -3,20 +3,19 @@
     tandem bench --figures 1,2,3 --model /path/SmolLM2-135M-Instruct.Q4_1.gguf
     python -m bench.suite --figures 1,2,3,4 --out bench/results       # the same
 
-Figures (one JSON per figure in --out, `figN_<name>.json`, plus a PNG when matplotlib imports):
+Figures (`figN_<name>.json` in --out, plus a PNG when matplotlib imports):
 
-1. single_stream  SmolLM2 single-stream tokens/s: tandem without speculation, EAGLE-3 (fixed K
-                  and dynamic K), n-gram, HF `generate` eager and HF static cache + torch.compile.
-2. llama8b_shape  random-weight Llama-3.1-8B-shaped engine: HBM bandwidth measured here, decode
-                  step vs the weight-read floor, verify cost (K+1 tokens vs 1), batch 1..64.
+1. single_stream  SmolLM2 single-stream tokens/s: no speculation, EAGLE-3 (fixed and
+                  dynamic K), n-gram, HF `generate` eager and static cache + torch.compile.
+2. llama8b_shape  random-weight Llama-3.1-8B shape: decode step vs the weight-read floor,
+                  verify cost (K+1 tokens vs 1), batch 1..64.
 3. concurrency    SmolLM2 throughput vs concurrent streams, speculation vs none.
-4. kv_transfer    KV movement between two GPUs: peer copy, the in-process transport, UCX.
-5. itl_disagg     P50/P99 inter-token latency of running decodes while long prompts arrive:
-                  one engine (colocated) vs a decode engine on GPU 0 and a prefill engine in its
-                  own process on GPU 1, the KV shipped over UCX as the nodes do.
+4. kv_transfer    KV movement between two GPUs: peer copy, in-process transport, UCX.
+5. itl_disagg     P50/P99 inter-token latency of decodes while long prompts arrive:
+                  colocated vs prefill in its own process on GPU 1, KV over UCX.
 
-Every figure records the command line, date, GPU, library versions and every number; a figure
-that raises records its traceback and the next one still runs.
+Each figure records its command, date, GPU, versions and numbers; a failing figure records
+its traceback and the next still runs.
 """
 
 from __future__ import annotations
