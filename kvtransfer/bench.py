@@ -2,9 +2,8 @@
 
     python -m kvtransfer.bench --mode worker --chunks 1 31 --blocks 128 --direct on off
 
-The default shape is SmolLM2-135M with its EAGLE-3 draft layer (31 KV layers, fp32, 0.73 MiB
-per block of 16 tokens). `--raw` adds bare UCX (`measure_raw`: one buffer sent as tagged
-messages and acked) as the transport's baseline.
+The default shape is SmolLM2-135M with its EAGLE-3 draft layer (31 KV layers, fp32, 16-token
+blocks). `--raw` adds bare UCX (`measure_raw`) as the baseline.
 """
 
 from __future__ import annotations

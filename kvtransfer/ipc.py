@@ -1,9 +1,7 @@
-"""Same-host GPU to GPU: one end copies the blocks between the two caches itself.
-
-A copy through a CUDA IPC mapping of the peer's cache is one `cudaMemcpy2DAsync` per run of
-blocks, without the rendezvous per message UCX pays. Push: the sender copies into the
-receiver's cache; pull: the receiver copies out of the sender's. Failures fall back to UCX
-messages. `HOST_PULL` lets CPU tests run the protocol within one process.
+"""Same-host GPU to GPU: one end copies the blocks between the two caches through a CUDA IPC
+mapping, one `cudaMemcpy2DAsync` per run of blocks, avoiding UCX's per-message rendezvous.
+Push: the sender copies into the receiver's cache; pull: the receiver copies out. Failures fall
+back to UCX messages; `HOST_PULL` lets CPU tests run the protocol in one process.
 """
 
 from __future__ import annotations

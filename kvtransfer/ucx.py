@@ -1,9 +1,8 @@
 """UCX transport on ucxx: shared memory on one host, TCP (or RDMA) between hosts.
 
 A receiver publishes its worker address (`mode="worker"`) or a listener's host:port. A request
-is a header, its payload (`ucx_recv`: staged, direct, CUDA IPC push or pull), extras and an
-optional crc32 trailer, then an ack. A malformed message is dropped, counted and fails the
-request it names; the loop goes on.
+is a header, payload (`ucx_recv`), extras and an optional crc32 trailer, then an ack; a
+malformed message is dropped, counted and fails its request.
 """
 
 from __future__ import annotations
