@@ -1,9 +1,7 @@
-"""The part of a node actor that does not depend on its role: the engine started on the
-actor's own GPU with its loop and metrics, the liveness calls the router makes, and the
-stats, info and tokenizer it reads.
-
-The engine, torch and the transport are imported where an actor starts, not with this module:
-the router's process imports the actor classes to place them and stays without torch."""
+"""The role-independent part of a node actor: the engine on the actor's GPU with its loop and
+metrics, the router's liveness calls, and the stats, info and tokenizer it reads. The engine,
+torch and the transport are imported when an actor starts, so the router imports these
+classes without torch."""
 
 from __future__ import annotations
 
