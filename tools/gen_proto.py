@@ -4,13 +4,9 @@
     python tools/gen_proto.py             # regenerate in place
     python tools/gen_proto.py --out DIR   # write elsewhere (tests/client/test_proto_drift.py)
 
-The stubs are committed so that the SDK and the router need only grpcio and protobuf at run
-time. They are made by one pinned grpcio-tools, GRPC_TOOLS_VERSION: its protoc (25.1) predates
-the version guards that newer ones write into the stubs, so its output imports on grpcio >= 1.60
-and protobuf 4.21 to 7.x alike. (Stubs of grpcio-tools >= 1.63 raise on a grpcio older than the
-tools; those of protoc >= 26 need a protobuf runtime at least as new as the protoc.) protoc does
-not use the protobuf runtime, so `pip install --no-deps grpcio-tools==1.62.3` can sit next to
-any protobuf.
+Stubs are committed so the SDK and router need only grpcio and protobuf at run time. The pinned
+grpcio-tools (GRPC_TOOLS_VERSION, protoc 25.1) writes no version guards, so its stubs import on
+grpcio >= 1.60 and protobuf 4.21 to 7.x; install it with `--no-deps` beside any protobuf.
 """
 
 from __future__ import annotations
