@@ -1,12 +1,10 @@
 """Overlapped plain greedy decoding: step N+1 is launched before the host reads step N.
 
-A plain greedy step's only data-dependent input is the previous step's token (positions, slots
-and context lengths advance by one), so the next step is staged on the host and launched at
-once, its token ids copied on the device from this step's argmax; emitting and stop checks run
-while the GPU computes. It mirrors the fused speculative step (`fused_launch` /
-`fused_continue` / `fused_finish`): finished requests drop out of the next launch and the
-pipeline drains whenever the batch would otherwise change. Sampled requests, prefill chunks
-and hand-offs take the regular path.
+A plain greedy step's only data-dependent input is the previous token, so the next step is
+staged on the host and its token ids copied on the device from this step's argmax; emitting and
+stop checks run while the GPU computes. It mirrors the fused speculative step's
+`fused_launch` / `fused_continue` / `fused_finish`; sampled requests, prefill chunks and
+hand-offs take the regular path.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Triton attention over the paged KV cache: one store kernel, one attention kernel.
 
-The attention kernel serves prefill chunks, one-token decode and K+1-token verify alike: sequence
-i has `q_len` new queries at the end of a `seq_len`-token context, causal among themselves.
-Grouped-query heads are packed into the query tile (row r is query token r // G of head
-kv_head * G + r % G), so a GQA decode step still fills a matrix-unit tile.
-
-Launches are shape-static given (num_seqs, max_query_len), so they can be captured in CUDA graphs;
-a slot of -1 in `slot_mapping` skips the store (padding rows). On the CPU they run under
-`TRITON_INTERPRET=1`, which is wrong for bf16, so CPU tests use fp32/fp16.
+The attention kernel serves prefill chunks, decode and K+1-token verify alike: sequence i has
+`q_len` causal queries at the end of a `seq_len`-token context, with grouped-query heads packed
+into the query tile. Launches are shape-static given (num_seqs, max_query_len), so they can be
+captured in CUDA graphs; a slot of -1 in `slot_mapping` skips the store (padding rows). CPU
+tests run under `TRITON_INTERPRET=1` in fp32/fp16 (the interpreter is wrong for bf16).
 """
 
 from __future__ import annotations

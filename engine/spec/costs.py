@@ -28,12 +28,9 @@ def _bucket(batch_size: int) -> int:
 class StepCosts:
     """Measured step times per batch-size bucket (powers of two): a plain step's seconds, and what
     drafting adds relative to it as a fixed part (`fixed`) plus a price per draft per sequence
-    (`per_draft`); measured because the overhead depends on machine and model.
-
-    The plain time is the lower quartile of its last WINDOW samples; drafting steps are kept per
-    level, each level's median one point of a fitted line (`_fit_line`), so one stalled step
-    cannot skew K. Only steady-regime steps are timed: a step following one of the other kind
-    (plain vs drafting) is a transition and skipped."""
+    (`per_draft`), measured because the overhead depends on machine and model. The parts come from
+    a line fitted through per-level medians (`_fit_line`), so one stalled step cannot skew K; steps
+    right after a switch between plain and drafting are not timed."""
 
     WINDOW = 15  # plain steps kept per bucket
     LEVEL_WINDOW = 8  # drafting steps kept per level (drafts per sequence)

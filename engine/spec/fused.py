@@ -1,19 +1,11 @@
 """One graph per greedy speculative decode step.
 
-A pure decode step of greedy EAGLE-3 requests verifies each sequence's pending token and k
-drafts, emits the accepted drafts and one target token, runs the head over the accepted
-positions and chains the next drafts, all in one graph replay and one host sync, because every
-data-dependent quantity stays on the device:
-
-- Every sequence gets q rows: pending token, drafts, then padding rows that store no KV (slot
-  -1) and sit causally after the real rows, so the batch is a [B, q] grid.
-- Accepted drafts are the prefix where draft i+1 equals the target's argmax at row i; the
-  head's first step reads that argmax and stores draft KV only up to the last accepted row.
-- The chain starts from the head's state at the last accepted row, computing positions and KV
-  slots on the device.
-
-The result equals the step-by-step path token for token. Sampled requests, prefill chunks and
-hand-offs keep the step-by-step path.
+A pure decode step of greedy EAGLE-3 requests (verify pending token and drafts, emit the
+accepted ones, run the head, chain the next drafts) runs as one graph replay and one host sync,
+since every data-dependent quantity stays on the device. Each sequence gets q rows (pending
+token, drafts, then padding rows that store no KV), so the batch is a [B, q] grid; the result
+equals the step-by-step path token for token. Sampled requests, prefill chunks and hand-offs
+keep the step-by-step path.
 """
 
 from __future__ import annotations
