@@ -53,9 +53,8 @@ class Postprocessor:
                 row += n
                 continue
             k, res = r
-            v = res.verified(k)
-            if v:
-                record_verify(spec, seq, v, res)
+            if k:
+                record_verify(spec, seq, k, res)
             seq.draft_q = None
             out, reason = self.emit(seq, res.tokens)
             outs.append(out)

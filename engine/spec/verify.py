@@ -23,10 +23,6 @@ class VerifyResult:
     tokens: list[int]
     num_accepted: int
 
-    def verified(self, sent: int) -> int:
-        """Drafts this verify checked of the `sent` it was given: all of them."""
-        return sent
-
 
 def verify_greedy(draft: Sequence[int], target_argmax: Sequence[int]) -> VerifyResult:
     """Greedy verification: keep drafts while they equal the target's argmax.
