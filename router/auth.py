@@ -61,8 +61,8 @@ class BearerAuth(grpc.aio.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) any call without a valid `authorization: Bearer <token>`.
 
     Only the first `authorization` entry counts, compared in constant time against every token,
-    so a call cannot probe tokens. `refused` counts refusals; `on_refused`, if set, gets each
-    increase.
+    so a call cannot probe tokens. `refused` counts refusals (`refuse`); `on_refused`, if set, is
+    called for each.
     """
 
     def __init__(self, tokens: Sequence[str], health_open: bool = True) -> None:
@@ -70,18 +70,14 @@ class BearerAuth(grpc.aio.ServerInterceptor):
             raise ValueError("BearerAuth needs at least one token")
         self._digests = [_digest(t) for t in tokens]
         self.health_open = health_open
-        self.on_refused: Callable[[int], None] | None = None
-        self._refused = 0
+        self.on_refused: Callable[[], None] | None = None
+        self.refused = 0
 
-    @property
-    def refused(self) -> int:
-        return self._refused
-
-    @refused.setter
-    def refused(self, n: int) -> None:
-        if self.on_refused is not None and n > self._refused:
-            self.on_refused(n - self._refused)
-        self._refused = n
+    def refuse(self) -> None:
+        """Count one call turned away (and tell `on_refused`)."""
+        self.refused += 1
+        if self.on_refused is not None:
+            self.on_refused()
 
     def allows(self, method: str, metadata: Iterable[tuple[str, str | bytes]]) -> bool:
         """Whether a call of `method` ("/package.Service/Method") with `metadata` may go on."""
@@ -103,7 +99,7 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if self.allows(details.method, details.invocation_metadata or ()):
             return handler
-        self.refused += 1
+        self.refuse()
         return _denying(handler)
 
 

@@ -5,7 +5,6 @@ the gRPC path's (`router.limits`, `router.convert`), so both doors refuse the sa
 from __future__ import annotations
 
 import math
-import time
 
 import grpc
 
@@ -241,7 +240,3 @@ def envelope(kind: str, rid: str, model: str, created: int, choices: list,
     if use is not None or not kind.endswith("chunk"):
         out["usage"] = use
     return out
-
-
-def now() -> int:
-    return int(time.time())

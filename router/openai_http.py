@@ -44,6 +44,9 @@ class Aborted(Exception):
         super().__init__(details)
         self.code = code
 
+    def api_error(self) -> ApiError:
+        return ApiError.of_status(self.code, str(self))
+
 
 class Call:
     """What `GenerationService.Generate` reads of a gRPC context, for an HTTP request: the
@@ -107,19 +110,21 @@ class OpenAIServer:
         try:
             self._authorize(request)
             return await handler(request)
-        except ApiError as e:  # refused before the servicer saw it: counted here
-            if self.service.metrics is not None and e.status != 401:  # 401: counted by auth
-                self.service.metrics.count_error(_GRPC_CODE.get(e.status, "INTERNAL"))
-            return _error(e)
-        except Aborted as e:
-            return _error(ApiError.of_status(e.code, str(e)))
+        except Aborted as e:  # the servicer ended it and counted it
+            return _error(e.api_error())
+        except ApiError as e:
+            err = e
         except web.HTTPRequestEntityTooLarge:
-            return _error(ApiError("the request body is larger than this server takes "
-                                   f"({self.max_body} bytes)", 413))
+            err = ApiError(f"the request body is larger than this server takes "
+                           f"({self.max_body} bytes)", 413)
         except web.HTTPException as e:  # unknown path (404), wrong method (405)
             if e.status < 400:
                 raise
-            return _error(ApiError(f"{request.method} {request.path}: {e.reason}", e.status))
+            err = ApiError(f"{request.method} {request.path}: {e.reason}", e.status)
+        # refused before the servicer saw it: counted here (401 by the auth's own count)
+        if self.service.metrics is not None and err.status != 401:
+            self.service.metrics.count_error(_GRPC_CODE.get(err.status, "INTERNAL"))
+        return _error(err)
 
     def _authorize(self, request: web.Request) -> None:
         if self.auth is None:
@@ -127,7 +132,7 @@ class OpenAIServer:
         method = "/grpc.health.v1.Health/Check" if request.path == "/health" else request.path
         if not self.auth.allows(method, (("authorization", request.headers.get(
                 "Authorization")),)):
-            self.auth.refused += 1
+            self.auth.refuse()
             raise ApiError("missing or invalid bearer token", 401,
                            type_="authentication_error", code="invalid_api_key")
 
@@ -224,31 +229,46 @@ async def _merged(service: GenerationService, reqs, call: Call) -> AsyncIterator
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+class _Tally:
+    """Usage over a response's choices: the n choices of one prompt count its prompt (and its
+    cached tokens) once."""
+
+    def __init__(self, per_prompt: int):
+        self.per_prompt, self.prompt, self.cached, self.completion = per_prompt, {}, {}, 0
+
+    def add(self, i: int, resp) -> str | None:
+        """Counts choice `i`'s last response; its finish reason (None before the last)."""
+        if not resp.HasField("usage"):
+            return None
+        self.prompt[i // self.per_prompt] = resp.usage.prompt_tokens
+        self.cached[i // self.per_prompt] = resp.usage.cached_tokens
+        self.completion += resp.usage.completion_tokens
+        return finish_name(resp)
+
+    def usage(self) -> dict:
+        return usage(sum(self.prompt.values()), self.completion, sum(self.cached.values()))
+
+
 async def _whole(kind, rid, model, n, per_prompt, first, outs) -> web.Response:
-    texts, finish, prompt, completion, cached = [""] * n, [None] * n, {}, 0, {}
+    texts, finish, tally = [""] * n, [None] * n, _Tally(per_prompt)
     item = first
     while item is not None:
         i, resp = item
         texts[i] += resp.text
-        if resp.HasField("usage"):
-            finish[i] = finish_name(resp)
-            prompt[i // per_prompt] = resp.usage.prompt_tokens  # n choices: one prompt
-            completion += resp.usage.completion_tokens
-            cached[i] = resp.usage.cached_tokens
+        finish[i] = tally.add(i, resp) or finish[i]
         item = await anext(outs, None)
     chat = kind.startswith("chat")
     choices = [{"index": i, "logprobs": None, "finish_reason": finish[i],
                 **({"message": {"role": "assistant", "content": texts[i]}} if chat
                    else {"text": texts[i]})} for i in range(n)]
-    use = usage(sum(prompt.values()), completion, sum(cached.values()))
-    return web.json_response(envelope(kind, rid, model, _created(), choices, use))
+    return web.json_response(envelope(kind, rid, model, _created(), choices, tally.usage()))
 
 
 async def _streamed(request, kind, rid, model, n, per_prompt, first, outs,
                     include_usage: bool) -> web.StreamResponse:
-    chat, chunk_kind = kind.startswith("chat"), kind + ".chunk" if kind.startswith("chat") \
-        else kind
-    created, prompt, completion, cached = _created(), {}, 0, 0
+    chat = kind.startswith("chat")
+    chunk_kind = kind + ".chunk" if chat else kind  # OpenAI streams completions as is
+    created, tally = _created(), _Tally(per_prompt)
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
 
@@ -269,11 +289,7 @@ async def _streamed(request, kind, rid, model, n, per_prompt, first, outs,
     try:
         while item is not None:
             i, resp = item
-            done = finish_name(resp)
-            if resp.HasField("usage"):
-                prompt[i // per_prompt] = resp.usage.prompt_tokens
-                completion += resp.usage.completion_tokens
-                cached += resp.usage.cached_tokens
+            done = tally.add(i, resp)
             if resp.text or done is not None:
                 part = {"delta": {"content": resp.text} if resp.text else {}} if chat \
                     else {"text": resp.text}
@@ -281,9 +297,9 @@ async def _streamed(request, kind, rid, model, n, per_prompt, first, outs,
                                    "finish_reason": done}]))
             item = await anext(outs, None)
         if include_usage:
-            await send(chunk([], usage(sum(prompt.values()), completion, cached)))
+            await send(chunk([], tally.usage()))
     except (Aborted, ApiError) as e:  # after the 200 went out: an error event ends the stream
-        err = e if isinstance(e, ApiError) else ApiError.of_status(e.code, str(e))
+        err = e if isinstance(e, ApiError) else e.api_error()
         await send(err.body())
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()

@@ -76,7 +76,7 @@ def traffic():
         assert full.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         denied = generate(s.target, greedy(PROMPT, 5), token="wrong")
         assert denied.code() == grpc.StatusCode.UNAUTHENTICATED
-        auth.refused += 1  # the HTTP door counts its refusals on the same object
+        auth.refuse()  # the HTTP door counts its refusals on the same object
         yield router, node, auth
     finally:
         s.close()

@@ -227,9 +227,10 @@ def test_refusals_before_the_servicer_are_counted(smol_engine):
         assert a.raw("POST", "/v1/completions", b"{not json")[0] == 400
         assert a.raw("POST", "/v1/completions", json.dumps(
             {"model": "other", "prompt": "hi"}).encode())[0] == 404
+        assert a.raw("GET", "/v1/nowhere")[0] == 404
         fams = {f.name: f for f in text_string_to_metric_families(m.exposition().decode())}
         codes = {s.labels["code"]: s.value for s in fams["tandem_request_errors"].samples
                  if s.name.endswith("_total")}
-        assert codes == {"INVALID_ARGUMENT": 1.0, "NOT_FOUND": 1.0}
+        assert codes == {"INVALID_ARGUMENT": 1.0, "NOT_FOUND": 2.0}
     finally:
         a.close()
