@@ -1,6 +1,6 @@
 """What the engine of each role is built with, from the topology config: the keyword arguments
-of `engine.Engine.from_pretrained`, the torch dtype, the speculation config. `node_kwargs`
-gives the same without torch types, for the router process to send its actors."""
+of `engine.Engine.from_pretrained`. `node_kwargs` gives them without torch types (the dtype by
+name, the speculation config as a dict), as the router process sends them to its actors."""
 
 from __future__ import annotations
 
@@ -11,25 +11,19 @@ from cluster.config import ClusterConfig, SpecSection
 
 def engine_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
     """Keyword arguments for `engine.Engine.from_pretrained(cfg.model.path, **kwargs)`."""
-    device = cfg.role_section(role).resolved_device
-    return _kwargs(cfg, role, torch_dtype(cfg.model.dtype, device), spec_config(cfg.speculation))
+    from node_common.node import engine_types
+
+    return engine_types(node_kwargs(cfg, role))
 
 
 def node_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
     """`engine_kwargs` with the dtype by name and the speculation config as a dict, which a
     node actor turns into torch types (`node_common.node.engine_types`): building them would
     load torch into the router's process."""
-    device = cfg.role_section(role).resolved_device
-    spec = cfg.speculation
-    fields = None if spec.method == "none" else spec_fields(spec)
-    return _kwargs(cfg, role, dtype_name(cfg.model.dtype, device), fields)
-
-
-def _kwargs(cfg: ClusterConfig, role: str, dtype, spec) -> dict[str, Any]:
-    sec = cfg.role_section(role)
+    sec, spec = cfg.role_section(role), cfg.speculation
     kw: dict[str, Any] = {
         "device": sec.resolved_device,
-        "dtype": dtype,
+        "dtype": dtype_name(cfg.model.dtype, sec.resolved_device),
         "block_size": cfg.model.block_size,
         "max_num_seqs": sec.max_num_seqs,
         "max_num_batched_tokens": sec.max_num_batched_tokens,
@@ -37,7 +31,7 @@ def _kwargs(cfg: ClusterConfig, role: str, dtype, spec) -> dict[str, Any]:
         "admission_delay_steps": sec.admission_delay_steps,
         "admit_in_flight": sec.admit_in_flight,
         # Prefill needs the spec too: it fills the EAGLE-3 draft layer's KV that it ships.
-        "spec": spec,
+        "spec": None if spec.method == "none" else spec_fields(spec),
         "overlap": cfg.speculation.overlap,  # greedy decode steps, with speculation or not
     }
     if role == "prefill":
@@ -53,22 +47,6 @@ def dtype_name(name: str, device: str) -> str:
     if name == "auto":
         return "bfloat16" if device.startswith("cuda") else "float32"
     return name
-
-
-def torch_dtype(name: str, device: str):
-    """The torch dtype for a config dtype name (`dtype_name`)."""
-    import torch
-
-    return getattr(torch, dtype_name(name, device))
-
-
-def spec_config(spec: SpecSection):
-    """The engine's `SpecConfig` for this section, or None for method none."""
-    if spec.method == "none":
-        return None
-    from engine.config import SpecConfig
-
-    return SpecConfig(**spec_fields(spec))
 
 
 def spec_fields(spec: SpecSection) -> dict[str, Any]:
