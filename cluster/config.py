@@ -66,6 +66,19 @@ class ModelSection(_Section):
 
 
 @dataclass(frozen=True)
+class EngineSection(_Section):
+    """Engine-wide choices every role shares."""
+
+    # true: every kernel reduces a row in one fixed order, whatever else shares its launch, so
+    # output is bit-identical across batching, speculation, caching, chunking and roles
+    # (`EngineConfig.deterministic`); false: the fastest kernels, lossless only up to rounding
+    deterministic: bool = False
+    # where Triton keeps compiled kernels (TRITON_CACHE_DIR), so a restart loads them instead
+    # of compiling; null: Triton's default (~/.triton/cache)
+    triton_cache_dir: str | None = None
+
+
+@dataclass(frozen=True)
 class RouterSection(_Section):
     """The public gRPC endpoint and its admission limits (`router/admission.py`,
     `router/limits.py`)."""
@@ -297,6 +310,7 @@ class ClusterConfig(_Section):
     does prefill and decode) and the prefill section is unused."""
 
     model: ModelSection = field(default_factory=ModelSection)
+    engine: EngineSection = field(default_factory=EngineSection)
     router: RouterSection = field(default_factory=RouterSection)
     prefill: RoleSection = field(default_factory=RoleSection)
     decode: RoleSection = field(default_factory=RoleSection)
@@ -339,8 +353,8 @@ class ClusterConfig(_Section):
 
 
 _SECTIONS: dict[str, type[_Section]] = {
-    "model": ModelSection, "router": RouterSection, "prefill": RoleSection,
-    "decode": RoleSection, "speculation": SpecSection, "transfer": TransferSection,
+    "model": ModelSection, "engine": EngineSection, "router": RouterSection,
+    "prefill": RoleSection, "decode": RoleSection, "speculation": SpecSection, "transfer": TransferSection,
     "metrics": MetricsSection, "security": SecuritySection,
 }
 

@@ -33,6 +33,7 @@ def node_kwargs(cfg: ClusterConfig, role: str) -> dict[str, Any]:
         # Prefill needs the spec too: it fills the EAGLE-3 draft layer's KV that it ships.
         "spec": None if spec.method == "none" else spec_fields(spec),
         "overlap": cfg.speculation.overlap,  # greedy decode steps, with speculation or not
+        "deterministic": cfg.engine.deterministic,
     }
     if role == "prefill":
         kw["handoff_drafts"] = cfg.speculation.prefill_drafts

@@ -233,6 +233,10 @@ class EngineConfig:
     # at once; seeded sampling stays identical to one engine). False: ship only the head's
     # hidden state and let the decode side draft with the K its own load calls for.
     handoff_drafts: bool = True
+    # Every kernel reduces a row in one fixed order, independent of how many rows share the
+    # launch (batch, verify width), of chunking and of prefix-cache hits: bit-identical output
+    # across all of them, at some cost in speed. Seeded sampling draws per request and position.
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

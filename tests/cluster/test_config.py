@@ -202,8 +202,15 @@ def test_engine_kwargs_cpu_auto_dtype_and_eagle3():
         "max_model_len": 1024,
         "spec": SpecConfig(method="eagle3", num_tokens=5, head=None, dynamic=True,
                            collapse_below=1.1),
-        "overlap": True,
+        "overlap": True, "deterministic": False,
     }
+
+
+def test_engine_deterministic_reaches_every_role():
+    cfg = load_config(None, {"engine.deterministic": True})
+    assert all(engine_kwargs(cfg, r)["deterministic"] for r in ("prefill", "decode"))
+    with pytest.raises(ConfigError, match="deterministic"):
+        load_config(None, {"engine.deterministic": "sometimes"})
 
 
 def test_engine_kwargs_cuda_auto_dtype_is_bf16_and_spec_none():
