@@ -47,7 +47,7 @@ class Engine:
         self.config = cfg = config
         m = cfg.model
         backend = get_backend(cfg.backend_name)(m.num_heads, m.num_kv_heads, m.head_dim,
-                                                cfg.block_size)
+                                                cfg.block_size, deterministic=cfg.deterministic)
         with torch.device(cfg.device):
             self.model = LlamaModel(m, backend).to(cfg.dtype)
         if weights_of is not None:

@@ -36,10 +36,14 @@ class AttentionBackend(ABC):
 
     name: str = "base"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                 deterministic: bool = False):
         self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
         self.head_dim, self.block_size = head_dim, block_size
         self.scale = head_dim**-0.5
+        # Each query row reduces in one fixed order whatever shares the launch
+        # (`EngineConfig.deterministic`); the model's other kernels follow this flag too.
+        self.deterministic = deterministic
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,

@@ -343,10 +343,10 @@ class TritonAttention(AttentionBackend):
     name = "triton"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                 split_keys: int | None = None, min_tile: int = 32):
+                 split_keys: int | None = None, min_tile: int = 32, deterministic: bool = False):
         if triton is None:
             raise RuntimeError("the triton attention backend needs the `triton` package")
-        super().__init__(num_heads, num_kv_heads, head_dim, block_size)
+        super().__init__(num_heads, num_kv_heads, head_dim, block_size, deterministic)
         if num_heads % num_kv_heads:
             raise ValueError(f"{num_heads} heads do not group over {num_kv_heads} KV heads")
         self.group = num_heads // num_kv_heads
