@@ -103,7 +103,7 @@ def engine_info(e: Engine) -> dict:
     return {"model": c.model.name, "vocab_size": c.model.vocab_size,
             "max_model_len": c.max_model_len, "block_size": c.block_size,
             "dtype": str(c.dtype).removeprefix("torch."), "num_blocks": e.num_blocks,
-            "speculation": c.spec.method if c.spec else "none"}
+            "speculation": c.spec.method if c.spec else "none", "deterministic": c.deterministic}
 
 
 def node_info(node) -> dict:

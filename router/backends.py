@@ -6,6 +6,7 @@ import dataclasses
 
 from engine import Engine
 from engine.loop import EngineLoop
+from node_common.node import engine_info
 
 
 class LocalBackend:
@@ -27,11 +28,7 @@ class LocalBackend:
         return self.loop.generate(rid, ids, params, spec_cap, resume=resume)
 
     def info(self) -> dict:
-        cfg = self.engine.config
-        return {"model": cfg.model.name, "vocab_size": cfg.model.vocab_size,
-                "max_model_len": cfg.max_model_len, "block_size": cfg.block_size,
-                "dtype": str(cfg.dtype).removeprefix("torch."),
-                "speculation": cfg.spec.method if cfg.spec else "none"}
+        return engine_info(self.engine)
 
     def close(self) -> None:
         self.loop.stop()

@@ -264,7 +264,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         i = self.backend.info()
         return pb.ModelInfo(model=i["model"], vocab_size=i["vocab_size"],
                             max_model_len=i["max_model_len"], block_size=i["block_size"],
-                            dtype=i["dtype"], default_speculation=SPEC_ENUM[i["speculation"]])
+                            dtype=i["dtype"], default_speculation=SPEC_ENUM[i["speculation"]],
+                            deterministic=i.get("deterministic", False))
 
     def close(self) -> None:
         self._tokenize.shutdown(wait=False, cancel_futures=True)

@@ -92,9 +92,11 @@ class ModelInfo:
     default_speculation: SpeculationMethod
     block_size: int
     dtype: str
+    deterministic: bool = False  # bit-identical output whatever shares the server (see proto)
 
     @classmethod
     def from_pb(cls, m: pb.ModelInfo) -> ModelInfo:
         spec: SpeculationMethod = next(
             (k for k, v in SPECULATION.items() if v == m.default_speculation), "default")
-        return cls(m.model, m.vocab_size, m.max_model_len, spec, m.block_size, m.dtype)
+        return cls(m.model, m.vocab_size, m.max_model_len, spec, m.block_size, m.dtype,
+                   m.deterministic)

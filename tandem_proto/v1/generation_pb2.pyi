@@ -137,17 +137,19 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "vocab_size", "max_model_len", "default_speculation", "block_size", "dtype")
+    __slots__ = ("model", "vocab_size", "max_model_len", "default_speculation", "block_size", "dtype", "deterministic")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_SPECULATION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DETERMINISTIC_FIELD_NUMBER: _ClassVar[int]
     model: str
     vocab_size: int
     max_model_len: int
     default_speculation: SpeculationMethod
     block_size: int
     dtype: str
-    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., default_speculation: _Optional[_Union[SpeculationMethod, str]] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    deterministic: bool
+    def __init__(self, model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., default_speculation: _Optional[_Union[SpeculationMethod, str]] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., deterministic: bool = ...) -> None: ...

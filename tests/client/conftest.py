@@ -76,7 +76,7 @@ class FakeGeneration(pb_grpc.GenerationServicer):
             context.abort(self.fail_first.pop(0), "scripted failure")
         return pb.ModelInfo(model="fake-135m", vocab_size=49152, max_model_len=8192,
                             default_speculation=pb.SPECULATION_METHOD_EAGLE3, block_size=16,
-                            dtype="bfloat16")
+                            dtype="bfloat16", deterministic=True)
 
 
 def start_server(servicer: FakeGeneration, address: str = "127.0.0.1:0") -> grpc.Server:

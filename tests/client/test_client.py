@@ -195,6 +195,7 @@ def test_model_info(client):
     info = client.model_info()
     assert (info.model, info.vocab_size, info.max_model_len) == ("fake-135m", 49152, 8192)
     assert (info.default_speculation, info.block_size, info.dtype) == ("eagle3", 16, "bfloat16")
+    assert info.deterministic is True
 
 
 def test_model_info_is_retried_on_unavailable(client, fake):

@@ -117,7 +117,7 @@ class SlowBackend:
 
     def info(self):
         return {"model": "slow", "vocab_size": 256, "max_model_len": 128, "block_size": 16,
-                "dtype": "float32", "speculation": "none"}
+                "dtype": "float32", "speculation": "none", "deterministic": True}
 
     async def generate(self, rid, ids, params, cap=None, resume=None):
         from engine.output import RequestOutput
@@ -156,8 +156,9 @@ def test_tokenizing_runs_off_the_event_loop():
         _until(lambda: s.service.inflight)  # the slow request is tokenizing now
         t0 = time.perf_counter()
         with grpc.insecure_channel(s.target) as ch:
-            pb_grpc.GenerationStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+            info = pb_grpc.GenerationStub(ch).GetModelInfo(pb.ModelInfoRequest(), timeout=10)
         assert time.perf_counter() - t0 < 0.5
+        assert info.deterministic  # the engine's mode reaches GetModelInfo
         slow.join(30)
     finally:
         s.close()
