@@ -9,7 +9,8 @@ from engine.attention.base import AttentionBackend, AttentionMetadata
 
 
 class TorchAttention(AttentionBackend):
-    """Correct first, simple always; the oracle other backends are tested against."""
+    """Correct first, simple always; the oracle other backends are tested against. With
+    `deterministic`, every query row attends on its own, never batched with others."""
 
     name = "torch"
 
@@ -19,19 +20,28 @@ class TorchAttention(AttentionBackend):
         flat[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
     def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        if meta.max_query_len == 1 and q.is_cuda:
+        if meta.max_query_len == 1 and q.is_cuda and not self.deterministic:
             return self._decode_batched(q, kv_cache, meta)
         starts = meta.query_start_cpu or meta.query_start.tolist()
         lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
         out = torch.empty_like(q)
         bs = self.block_size
+        attend_seq = self._rows if self.deterministic else self._sdpa
         for i, ctx in enumerate(lens):
             q0, q1 = starts[i], starts[i + 1]
             blocks = meta.block_tables[i, : -(-ctx // bs)]
             k = kv_cache[0, blocks].flatten(0, 1)[:ctx]  # [ctx, kvh, d]
             v = kv_cache[1, blocks].flatten(0, 1)[:ctx]
-            out[q0:q1] = self._sdpa(q[q0:q1], k, v, ctx)
+            out[q0:q1] = attend_seq(q[q0:q1], k, v, ctx)
         return out
+
+    def _rows(self, q, k, v, ctx):
+        """Each query row on its own over the keys up to its position: the call a one-token
+        decode makes, so a row rounds alike in every batch, verify or prefill chunk (one SDPA
+        call per row, slow for long prefills)."""
+        first = ctx - q.shape[0]
+        return torch.cat([self._sdpa(q[i:i + 1], k[:first + i + 1], v[:first + i + 1],
+                                     first + i + 1) for i in range(q.shape[0])])
 
     def _decode_batched(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """All sequences decode one token: one padded SDPA instead of a Python loop. Used on

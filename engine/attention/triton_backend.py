@@ -38,6 +38,10 @@ INTERPRETER_SPLIT_KEYS = 1024
 DRAFT_SPLIT_KEYS = 64
 DRAFT_MIN_TILE = 16
 
+# Deterministic mode's one tile shape (rows, keys per inner step, warps), never chosen from
+# the batch or the device, so every launch compiles the same kernel and rounds a row alike.
+DETERMINISTIC_TILE = (64, 64, 8)
+
 
 def draft_attention(device: torch.device) -> dict:
     """`TritonAttention` keyword arguments for a draft head's layer on `device`."""
@@ -221,7 +225,9 @@ if triton is not None:
             q, t, head, row_ok, d, d_ok, q_pos = _load_queries(
                 Q, tile * BLOCK_M, q0, q_len, ctx, kvh, stride_qt, stride_qh,
                 G, HEAD_DIM, BLOCK_D, BLOCK_M)
-            # Keys this tile can see: up to the position of its last real query.
+            # Keys this tile can see: up to the position of its last real query. An earlier
+            # row finds the keys past its own position masked: its max stays, the rescale is
+            # exp2(0) = 1 and it adds zeros, so it rounds as it would at the end of the context.
             last_t = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
             kv_end = ctx - q_len + last_t + 1
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -338,7 +344,14 @@ def next_pow2(n: int, lo: int = 16) -> int:
 
 
 class TritonAttention(AttentionBackend):
-    """Paged attention in Triton: prefill, decode and verify through one kernel."""
+    """Paged attention in Triton: prefill, decode and verify through one kernel.
+
+    With `deterministic`, every launch takes the one-pass kernel with `DETERMINISTIC_TILE`,
+    so a row's keys reduce in fixed steps from key 0 in one order whatever shares its launch
+    or tile (fixed-size splits instead would need a split kernel for prefill tiles too). The
+    cost: without split-KV a long context in a small batch runs on few programs, so its
+    decode attention time grows with its length where split-KV spreads it over the GPU.
+    """
 
     name = "triton"
 
@@ -376,16 +389,28 @@ class TritonAttention(AttentionBackend):
     def block_n(self, device: torch.device) -> int:
         """Keys per inner step (both kernels): 4 pages, 16 to 64, within a split (one
         128-key step per split was slower)."""
+        if self.deterministic:
+            return DETERMINISTIC_TILE[1]
         return max(16, min(64, 4 * self.block_size, self.keys_per_split(device)))
 
     def tile_m(self, max_query_len: int) -> int:
         """Rows per program: enough for one step's grouped heads, between 32 and 64, so decode and
         verify share one tile shape and a row reduces in the same order in both (greedy
         speculation stays token-identical to no speculation)."""
+        if self.deterministic:
+            return DETERMINISTIC_TILE[0]
         return min(64, max(self.min_tile, next_pow2(max_query_len * self.group)))
+
+    def warps(self, block_m: int) -> int:
+        """Warps per program for a tile of block_m rows."""
+        if self.deterministic:
+            return DETERMINISTIC_TILE[2]
+        return 4 if block_m <= 32 else 8
 
     def max_split_seqs(self, device: torch.device) -> int:
         """The most sequences a batch may hold and still take the split-KV path."""
+        if self.deterministic:
+            return 0
         return (sm_count(device) - 1) // self.num_kv_heads
 
     def use_split(self, meta: AttentionMetadata, device: torch.device) -> int:
@@ -393,7 +418,8 @@ class TritonAttention(AttentionBackend):
         past `split_keys`, when one tile holds all of a sequence's queries and (KV head,
         sequence) programs alone would leave most of the GPU idle; the split count covers the
         block table's capacity, so it is static for a captured batch bucket."""
-        if (meta.block_tables is None or meta.max_query_len * self.group > 64
+        if (self.deterministic or meta.block_tables is None
+                or meta.max_query_len * self.group > 64
                 or meta.max_seq_len <= self.keys_per_split(device)):
             return 0
         if meta.num_seqs > self.max_split_seqs(device):
@@ -426,7 +452,7 @@ class TritonAttention(AttentionBackend):
             kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
             G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
             PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=self.block_n(q.device),
-            PRECISION=precision, num_warps=4 if block_m <= 32 else 8, **pdl_args(q),
+            PRECISION=precision, num_warps=self.warps(block_m), **pdl_args(q),
         )
         return out
 
@@ -447,7 +473,7 @@ class TritonAttention(AttentionBackend):
             G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
             PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=self.block_n(q.device),
             SPLIT_KEYS=self.keys_per_split(q.device), PRECISION=precision,
-            num_warps=4 if block_m <= 32 else 8, **pdl_args(q),
+            num_warps=self.warps(block_m), **pdl_args(q),
         )
         _split_reduce_kernel[(meta.max_query_len, self.num_heads, meta.num_seqs)](
             acc, ml, out, meta.query_start, meta.seq_lens,
