@@ -15,6 +15,8 @@ from engine.spec.fused import continuation
 from engine.spec.fused_kernels import FusedOut, continue_inputs
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
+# The kernel's tensors: on the GPU where there is one (compiled), else the CPU (interpreter).
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def buffers(rows: int, seqs: int, max_blocks: int):
@@ -50,7 +52,12 @@ def test_kernel_writes_what_the_torch_continuation_writes(pq, q, with_drafts, ke
     for _, _, meta in (got, want):
         meta.block_tables[:b] = tables
     continuation(prev, state, b, q, bs, sel)(*want)  # CPU tensors: the torch ops
-    continue_inputs(out, pq, pb, sel, state, b, q, bs, *got)
+    meta = SimpleNamespace(**{k: v.to(DEV) for k, v in vars(got[2]).items()})
+    ids, pos = got[0].to(DEV), got[1].to(DEV)
+    dev_out = FusedOut(*(None if x is None else x.to(DEV) for x in out))
+    continue_inputs(dev_out, pq, pb, None if sel is None else sel.to(DEV), state.to(DEV), b, q,
+                    bs, ids, pos, meta)
+    got = (ids.cpu(), pos.cpu(), SimpleNamespace(**{k: v.cpu() for k, v in vars(meta).items()}))
     for x, y in zip(got[:2], want[:2]):
         assert torch.equal(x, y)
     assert torch.equal(got[2].slot_mapping, want[2].slot_mapping)
