@@ -250,7 +250,7 @@ def stalls(step_seconds: list[float]) -> dict:
     """Steps of a window that took `STALL` times its median step or more (the threshold the
     dynamic-K policy leaves out of its rates): how many, the time they took beyond the
     median, and the longest step (ms)."""
-    from engine.spec.policy import STALL
+    from engine.spec.costs import STALL
 
     if not step_seconds:
         return {"steps": 0, "stalls": 0, "stalled_ms": 0.0, "median_step_ms": None,

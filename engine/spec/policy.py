@@ -12,10 +12,9 @@ import numpy as np
 from engine.config import SpecConfig
 from engine.sequence import Sequence
 from engine.spec.collapse import CollapseWatch
-from engine.spec.costs import STALL, StepCosts
+from engine.spec.costs import StepCosts
 
-# STALL: bench/fig3_concurrency.py reads it from here.
-__all__ = ["STALL", "KPolicy", "StepCosts", "fold_verify"]
+__all__ = ["KPolicy", "fold_verify"]
 
 # Probes: a policy that stopped drafting must still notice when drafting would pay again,
 # and the plain step time it compares against must stay current.
