@@ -94,6 +94,7 @@ class Engine:
         self.generators: dict[str, torch.Generator] = {}  # sampled requests' RNGs
         self.detoks: dict[str, Detokenizer] = {}  # per request, with a tokenizer
         self.stats = EngineStats()
+        self.ready: warmup.Ready | None = None  # set once prepared (`prepare_to_serve`)
         self.clock = time.perf_counter  # step timing for the dynamic-K cost model
         self._carry: list[RequestOutput] = []  # outputs read outside step(), returned next
         self.admitted_in_flight = 0  # requests prefilled beside a step in flight, no drain
@@ -254,13 +255,14 @@ class Engine:
         used past that context length, so the first long request does not stall its batch."""
         return warmup.capture_graphs(self, batch_sizes, progress, long_context)
 
-    def prepare_to_serve(self, progress: bool = False) -> int:
+    def prepare_to_serve(self, progress: bool = False, started: float | None = None) -> int:
         """What a serving process does once before its first request: capture every graph
         (`capture_graphs`; CUDA only), exempt the objects alive then from the garbage
-        collector (`collector.freeze_long_lived`), and from then on log each Triton kernel
-        compiled (`jit_watch.warn_after`): either would otherwise stall running streams.
-        Returns how many graphs were captured."""
-        return warmup.prepare_to_serve(self, progress)
+        collector (`collector.freeze_long_lived`), and from then on log and count each Triton
+        kernel compiled (`jit_watch.warn_after`): either would otherwise stall running streams.
+        Sets `ready` (`started`: `time.perf_counter()` when the build began, so its load
+        counts). Returns how many graphs were captured; a second call captures nothing."""
+        return warmup.prepare_to_serve(self, progress, started)
 
     # ---- disaggregation: the prefill side holds, the decode side reserves and admits -----
 
@@ -289,7 +291,9 @@ class Engine:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | str = False) -> list[Completion]:
         """Run prompts to completion with continuous batching; results in input order.
-        `use_tqdm`: a progress bar (a string: the bar's label)."""
+        `use_tqdm`: a progress bar (a string: the bar's label). The first call prepares the
+        engine where `prepare_to_serve` has not (`warmup.prepare_on_first_use`)."""
+        warmup.prepare_on_first_use(self)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = params if isinstance(params, list) else [params] * len(prompts)

@@ -2,16 +2,22 @@
 
 A kernel compiles on its first launch with a new specialization (constexprs, an integer's
 divisibility, a pointer's alignment) and stalls the batch; after start-up any compile is a stall
-a user sees. `install()` records each compile for the benchmarks; `warn_after()` logs them."""
+a user sees. `install()` records each compile for the benchmarks; `warn_after()` marks the
+process ready, after which each compile is logged and counted (`after_ready`). `use_cache_dir`
+keeps compiled kernels on disk, so a restarted process loads them instead of compiling."""
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+CACHE_ENV = "TRITON_CACHE_DIR"  # read by Triton when it looks a kernel up or stores one
 
 
 @dataclass(frozen=True)
@@ -25,7 +31,8 @@ _events: list[Compile] = []
 _lock = threading.Lock()
 _started: dict[int, float] = {}  # thread id -> perf_counter at its latest cache miss
 _installed = False
-_warn_from: float | None = None
+_warn_from: float | None = None  # the ready mark: compiles that start later are stalls
+_after_ready = 0  # compiles that started after the ready mark
 
 
 def install() -> bool:
@@ -46,14 +53,17 @@ def install() -> bool:
         return prev_miss(*args, **kw) if prev_miss else None
 
     def on_done(*args, **kw):
+        global _after_ready
         now = time.perf_counter()
         fn = kw.get("fn")
         name = getattr(fn, "name", None) or str(kw.get("key", "?"))[:60]
         t0 = _started.pop(threading.get_ident(), now)
         event = Compile(name, now, now - t0)
+        late = _warn_from is not None and t0 >= _warn_from
         with _lock:
             _events.append(event)
-        if _warn_from is not None and t0 >= _warn_from:
+            _after_ready += late
+        if late:
             log.warning("Triton kernel %s compiled while serving (%.0f ms): every stream of "
                         "the batch waited for it", name, event.seconds * 1e3)
         return prev_done(*args, **kw) if prev_done else None
@@ -75,10 +85,40 @@ def since(mark: int) -> list[Compile]:
 
 
 def warn_after(now: float | None = None) -> None:
-    """Log a warning for every compile that starts from now on (installs the hook)."""
+    """Mark the process ready: log a warning for, and count, every compile that starts from
+    now on (installs the hook)."""
     global _warn_from
     install()
     _warn_from = time.perf_counter() if now is None else now
+
+
+def after_ready() -> int:
+    """Compiles that started after the process was marked ready (`warn_after`), each one a
+    stall of the batch that launched it."""
+    return _after_ready
+
+
+@contextmanager
+def starting_up() -> Iterator[None]:
+    """Compiles inside are start-up work, not stalls (another engine of the process preparing
+    after a first one was ready): the ready mark is lifted while the body runs and set anew
+    when it ends; an error puts the old mark back."""
+    global _warn_from
+    before, _warn_from = _warn_from, None
+    try:
+        yield
+    except BaseException:
+        _warn_from = before
+        raise
+    warn_after()
+
+
+def use_cache_dir(path: str | None) -> None:
+    """Keep Triton's compiled kernels in `path` (None: Triton's default, ~/.triton/cache), so
+    that a restarted process loads them instead of compiling. Takes effect for kernels not
+    compiled yet: call it before the engine is built."""
+    if path:
+        os.environ[CACHE_ENV] = path
 
 
 def summary(events: list[Compile]) -> dict:

@@ -23,6 +23,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine import jit_watch
+
 ROLES = ("router", "prefill", "decode", "colocated")
 # Per-token gaps (ITL, TPOT): a fast GPU decode step up to a stalled CPU one.
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
@@ -318,7 +320,8 @@ class Metrics:
 class EngineCounters:
     """Counts the engine keeps where they happen, exposed at scrape time: prefix-cache lookups
     and hits (tokens, `BlockManager`), preemptions (`Scheduler`), acceptance collapses
-    (`spec.collapse.CollapseWatch`)."""
+    (`spec.collapse.CollapseWatch`); once an engine is watched (its process runs it), Triton
+    compiles after ready (`jit_watch.after_ready`) and time to ready (`Engine.ready`)."""
 
     def __init__(self, label_names: tuple[str, ...], bound: tuple[str, ...]) -> None:
         self.label_names, self.bound = list(label_names), list(bound)
@@ -350,6 +353,25 @@ class EngineCounters:
             "(only probes draft), else 0.", labels=self.label_names)
         family.add_metric(self.bound, int(getattr(watch, "collapsed", False)))
         yield family
+        if e is not None:
+            yield from self._start_up(e)
+
+    def _start_up(self, e):
+        """What start-up left undone: kernels compiled after ready (each stalled its batch),
+        and how long start-up took."""
+        family = CounterMetricFamily(
+            "tandem_jit_compiles_after_ready", "Triton kernels compiled after this process "
+            "reported ready; each stalled every stream of its batch and is logged.",
+            labels=self.label_names)
+        family.add_metric(self.bound, jit_watch.after_ready())
+        yield family
+        ready = getattr(e, "ready", None)
+        if ready is not None:
+            family = GaugeMetricFamily(
+                "tandem_ready_seconds", "Seconds from the start of the engine's build to ready "
+                "to serve: model load, graph capture and warm-up.", labels=self.label_names)
+            family.add_metric(self.bound, ready.total)
+            yield family
 
     def describe(self):
         return self.collect()  # the names, for the registry's duplicate check

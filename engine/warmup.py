@@ -1,9 +1,13 @@
 """What a serving engine does once before its first request, so that nothing stalls running
 streams later: capture every CUDA graph, freeze the objects alive then out of the garbage
-collector, and watch for Triton kernels compiled afterwards."""
+collector, and watch for Triton kernels compiled afterwards. `Engine.generate` does it on first
+use where the engine has graphs to capture."""
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,6 +19,20 @@ from engine.collector import freeze_long_lived
 
 if TYPE_CHECKING:
     from engine.engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ready:
+    """How long an engine took to become ready to serve, in seconds."""
+
+    load: float  # building the engine (weights, KV cache) before it was prepared; 0: not timed
+    graphs: float  # capturing CUDA graphs
+    total: float  # from the start of the build to ready: load, graphs and the rest
+
+    def __str__(self) -> str:
+        return f"ready in {self.total:.1f} s (load {self.load:.1f} s, graphs {self.graphs:.1f} s)"
 
 
 def split_max_seqs(eng: Engine) -> int:
@@ -28,9 +46,9 @@ def split_max_seqs(eng: Engine) -> int:
     return max((b.max_split_seqs(dev) for b in backends.values()), default=0)
 
 
-def capture_graphs(eng: Engine, batch_sizes=None, progress: bool = False,
-                   long_context: bool | None = None) -> int:
-    """`Engine.capture_graphs`: capture the graphs batches of `batch_sizes` will replay."""
+def pending_graphs(eng: Engine, batch_sizes=None, long_context: bool | None = None) -> list:
+    """(graph set, key) of each graph not captured yet that batches of `batch_sizes` (None:
+    every bucket) would replay; none off CUDA."""
     if long_context is None:
         long_context = eng.config.max_model_len > _long_context(torch.device(eng.config.device))
     spec = eng.spec
@@ -42,10 +60,17 @@ def capture_graphs(eng: Engine, batch_sizes=None, progress: bool = False,
         if spec.fused is not None:
             sets += spec.fused.all_sets()
     sets = [g for g in sets if g is not None]
-    split_max = split_max_seqs(eng)
+    split_max = split_max_seqs(eng) if sets else 0
     for g in sets:
         g.long_max_batch = split_max
-    keys = [(g, key) for g in sets for key in g.pending(batch_sizes, long_context)]
+    return [(g, key) for g in sets for key in g.pending(batch_sizes, long_context)]
+
+
+def capture_graphs(eng: Engine, batch_sizes=None, progress: bool = False,
+                   long_context: bool | None = None) -> int:
+    """`Engine.capture_graphs`: capture the graphs batches of `batch_sizes` will replay."""
+    spec = eng.spec
+    keys = pending_graphs(eng, batch_sizes, long_context)
     bar = tqdm(total=len(keys), disable=not progress, desc="cuda graphs", unit="graph")
     with eng.on_device(), torch.inference_mode():
         for g, key in keys:
@@ -57,10 +82,38 @@ def capture_graphs(eng: Engine, batch_sizes=None, progress: bool = False,
     return len(keys)
 
 
-def prepare_to_serve(eng: Engine, progress: bool = False) -> int:
-    """`Engine.prepare_to_serve`: graphs, garbage collector, JIT watch; returns how many
-    graphs were captured."""
-    n = eng.capture_graphs(progress=progress)
-    freeze_long_lived()
-    jit_watch.warn_after()
+def prepare_to_serve(eng: Engine, progress: bool = False, started: float | None = None) -> int:
+    """`Engine.prepare_to_serve`: graphs, garbage collector, JIT watch, `eng.ready`; returns how
+    many graphs were captured (0 once the engine is ready)."""
+    if eng.ready is not None:
+        return 0
+    t0 = time.perf_counter()
+    with jit_watch.starting_up():
+        n = eng.capture_graphs(progress=progress)
+        graphs = time.perf_counter() - t0
+        freeze_long_lived()
+    _mark_ready(eng, started, t0, graphs)
     return n
+
+
+def prepare_on_first_use(eng: Engine) -> None:
+    """`Engine.generate`'s first call: `prepare_to_serve` where the engine has graphs to
+    capture, so no capture stalls the batches that follow; otherwise (the CPU) only the JIT
+    watch and `eng.ready` are set."""
+    if eng.ready is not None:
+        return
+    if not pending_graphs(eng):
+        jit_watch.warn_after()
+        _mark_ready(eng, None, time.perf_counter(), 0.0)
+        return
+    n = eng.prepare_to_serve()
+    log.info("generate: the engine prepared itself on first use in %.1f s (%d CUDA graphs "
+             "captured in %.1f s)", eng.ready.total, n, eng.ready.graphs)
+
+
+def _mark_ready(eng: Engine, started: float | None, prepared: float, graphs: float) -> None:
+    """Set `eng.ready`: `started` when the engine's build began (None: not timed, only the
+    preparation from `prepared` counts)."""
+    now = time.perf_counter()
+    start = prepared if started is None else started
+    eng.ready = Ready(prepared - start, graphs, now - start)
