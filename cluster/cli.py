@@ -206,10 +206,15 @@ def cmd_serve(args) -> int:
     print(f"starting {cfg.mode} serving…", file=sys.stderr, flush=True)
     if cfg.mode == "colocated":
         from engine import Engine
+        from engine.jit_watch import use_cache_dir
         from router.backends import LocalBackend
 
+        use_cache_dir(cfg.engine.triton_cache_dir)  # before anything compiles
+        started = time.perf_counter()
         engine = Engine.from_pretrained(cfg.model.path, **engine_kwargs(cfg, "colocated"))
-        engine.prepare_to_serve(progress=True)  # graphs, frozen objects, compiles logged
+        # graphs, frozen objects, compiles logged and counted from here on
+        engine.prepare_to_serve(progress=True, started=started)
+        print(f"engine {engine.ready}", file=sys.stderr, flush=True)
         backend = LocalBackend(engine, cfg.router.chat_special_tokens)
         close = backend.close
     else:

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass
 
 from decode_node.node import DecodeNode
+from engine.jit_watch import CACHE_ENV
 from engine.prompt import PromptEncoder
 from engine.tokenizer_spec import SpecTokenizer
 from node_common.node import NOSET_ENV
@@ -41,7 +42,7 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
           chat_special_tokens: bool = False, kv_wait_s: float = 120.0,
           metrics_host: str = "127.0.0.1", metrics_ports: list[int] | None = None,
           net_devices: str | None = None, prefill_resources: dict | None = None,
-          decode_resources: dict | None = None) -> Cluster:
+          decode_resources: dict | None = None, triton_cache_dir: str | None = None) -> Cluster:
     """Connect to (or start) Ray, place the actors, and return the router's backend.
     `engine_kwargs` configure prefill engines, `decode_kwargs` (default: the same) decode;
     `transport_kwargs` every actor's `kvtransfer` transport (`TransferSection`);
@@ -50,7 +51,8 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
     died; `chat_special_tokens`: special-token strings in chat content read as tokens;
     `kv_wait_s`: wait for KV room on a decode actor; `metrics_host`, `metrics_ports` (per actor,
     prefills then decodes; 0 or None: free port): /metrics; `net_devices`: `UCX_NET_DEVICES`;
-    `*_resources`: Ray custom resources each replica books. Engine arguments may name the
+    `*_resources`: Ray custom resources each replica books; `triton_cache_dir`: where every
+    actor keeps Triton's compiled kernels (`TRITON_CACHE_DIR`). Engine arguments may name the
     dtype ("bfloat16") and give the speculation config as a dict, so they pickle without torch."""
     import ray
 
@@ -64,9 +66,11 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
                      include_dashboard=False,
                      log_to_driver=os.environ.get("TANDEM_RAY_LOGS") == "1")
     P = ray.remote(PrefillNode).options(**actor_options(
-        prefill_gpus, ipc_across_gpus, prefill_restarts, net_devices, prefill_resources))
+        prefill_gpus, ipc_across_gpus, prefill_restarts, net_devices, prefill_resources,
+        triton_cache_dir))
     D = ray.remote(DecodeNode).options(**actor_options(
-        decode_gpus, ipc_across_gpus, decode_restarts, net_devices, decode_resources))
+        decode_gpus, ipc_across_gpus, decode_restarts, net_devices, decode_resources,
+        triton_cache_dir))
     n = prefill_replicas + decode_replicas
     ports = [None] * n if not metrics else list(metrics_ports or [0] * n)  # see info()
     tkw = transport_kwargs or {}
@@ -103,11 +107,13 @@ def join(address: str) -> None:
 
 def actor_options(num_gpus: float, ipc_across_gpus: bool = False,
                   max_restarts: int = -1, net_devices: str | None = None,
-                  resources: dict | None = None) -> dict:
+                  resources: dict | None = None, triton_cache_dir: str | None = None) -> dict:
     """Ray options of a node actor. `ipc_across_gpus`: a GPU actor sees every GPU of its node and
     picks its own by index, so KV can move between GPUs by CUDA IPC; otherwise Ray pins it.
     `max_restarts`: Ray restarts of a dead one (-1: always); `net_devices`: `UCX_NET_DEVICES`;
-    `resources`: Ray custom resources it books, limiting the nodes it runs on."""
+    `resources`: Ray custom resources it books, limiting the nodes it runs on;
+    `triton_cache_dir`: Triton's cache (`TRITON_CACHE_DIR`), in the actor's environment from its
+    start, so it holds before anything compiles."""
     opts: dict = {"num_gpus": num_gpus, "num_cpus": 0, "max_concurrency": 1000,
                   "max_restarts": max_restarts}
     if resources:
@@ -117,6 +123,8 @@ def actor_options(num_gpus: float, ipc_across_gpus: bool = False,
         env[NOSET_ENV] = "1"
     if net_devices:
         env["UCX_NET_DEVICES"] = net_devices
+    if triton_cache_dir:
+        env[CACHE_ENV] = triton_cache_dir
     if env:
         opts["runtime_env"] = {"env_vars": env}
     return opts
@@ -140,4 +148,5 @@ def start_from_config(cfg) -> Cluster:
                  kv_wait_s=cfg.router.max_queue_wait_s, metrics_host=cfg.metrics.host,
                  metrics_ports=list(cfg.metrics_ports().values())[1:],
                  net_devices=cfg.transfer.net_devices,
-                 prefill_resources=cfg.prefill.resources, decode_resources=cfg.decode.resources)
+                 prefill_resources=cfg.prefill.resources, decode_resources=cfg.decode.resources,
+                 triton_cache_dir=cfg.engine.triton_cache_dir)

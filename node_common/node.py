@@ -9,6 +9,8 @@ import asyncio
 import logging
 import os
 import pickle
+import sys
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -182,8 +184,11 @@ class Node(Liveness):
         from engine.loop import EngineLoop
         from kvtransfer.layout import BlockLayout
 
+        started = time.perf_counter()
         self.engine = Engine.from_pretrained(model, **on_own_gpu(engine_types(engine_kwargs)))
-        self.engine.prepare_to_serve()  # graphs captured, objects frozen, compiles logged
+        # graphs captured, objects frozen, compiles logged and counted from here on
+        self.engine.prepare_to_serve(started=started)
+        print(f"{role} node {self.engine.ready}", file=sys.stderr, flush=True)
         self.metrics, self.metrics_port = serve_metrics(role, metrics_port, metrics_host,
                                                         self.engine.config.model.name)
         self.loop = EngineLoop(self.engine)
