@@ -1,6 +1,7 @@
 """The Helm chart (deploy/helm/tandem) renders, lints, and hands the router a config that
 `cluster.config` accepts; bad values and a config booking more GPUs than the workers have are
-refused; probes, Ray auth, metrics ports, monitors and the NetworkPolicy render as documented."""
+refused; probes, Ray auth, metrics ports, monitors, the NetworkPolicy and Triton's kernel cache
+render as documented."""
 
 from __future__ import annotations
 
@@ -119,6 +120,8 @@ def test_the_image_matches_the_chart_and_copies_what_exists():
     ("config.speculation.num_tokens=17", "config.speculation.num_tokens: Must be less than"),
     ("rayAuth.mode=none", "rayAuth.mode must be one of"),
     ("serviceMonitor.interval=often", "serviceMonitor.interval: Does not match pattern"),
+    ("tritonCache.mountPath=cache", "tritonCache.mountPath: Does not match pattern"),
+    ("tritonCache.size=1Gi", "Additional property size is not allowed"),
 ])
 def test_bad_values_fail_lint(setting, message):
     done = lint(setting)
@@ -245,3 +248,41 @@ def test_the_network_policy_opens_only_the_public_ports():
     assert docs["NetworkPolicy"]["spec"]["ingress"][1]["ports"] == [
         {"port": "grpc", "protocol": "TCP"}]
     assert "NetworkPolicy" not in render("networkPolicy.enabled=false")
+
+
+def _cache_volumes(template: dict) -> tuple[list, list]:
+    """(mounts, volumes) named triton-cache in a pod template."""
+    spec = template["spec"]
+    mounts = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "triton-cache"]
+    return mounts, [v for v in spec["volumes"] if v["name"] == "triton-cache"]
+
+
+def _templates(docs) -> tuple[dict, dict]:
+    spec = docs["RayJob"]["spec"]["rayClusterSpec"]
+    return spec["headGroupSpec"]["template"], spec["workerGroupSpecs"][0]["template"]
+
+
+def test_tritons_kernel_cache_is_a_volume_where_the_engines_run(tmp_path):
+    """By default an emptyDir on the GPU workers at tritonCache.mountPath, which the config
+    names as engine.triton_cache_dir; an existing claim instead where given; on the head in
+    colocated mode (its engine runs in the router); nothing with the cache off."""
+    path = "/var/cache/tandem/triton"
+    docs = render()
+    assert router_config(docs, tmp_path).engine.triton_cache_dir == path
+    head, workers = _templates(docs)
+    assert _cache_volumes(head) == ([], [])
+    assert _cache_volumes(workers) == ([{"name": "triton-cache", "mountPath": path}],
+                                       [{"name": "triton-cache", "emptyDir": {"sizeLimit": "4Gi"}}])
+    docs = render("tritonCache.persistentVolumeClaim=kernels", "tritonCache.mountPath=/kc")
+    assert router_config(docs, tmp_path).engine.triton_cache_dir == "/kc"
+    _, volumes = _cache_volumes(_templates(docs)[1])
+    assert volumes == [{"name": "triton-cache", "persistentVolumeClaim": {"claimName": "kernels"}}]
+    head, workers = _templates(render("config.mode=colocated"))
+    assert _cache_volumes(head)[0] == [{"name": "triton-cache", "mountPath": path}]
+    assert _cache_volumes(workers) == ([], [])
+    docs = render("tritonCache.enabled=false", "config.engine.triton_cache_dir=/own")
+    assert router_config(docs, tmp_path).engine.triton_cache_dir == "/own"
+    assert all(_cache_volumes(t) == ([], []) for t in _templates(docs))
+    # A config naming another directory while the chart mounts one is refused, not overridden.
+    done = helm("template", "demo", CHART, "--set", "config.engine.triton_cache_dir=/elsewhere")
+    assert done.returncode != 0 and "tritonCache.mountPath" in done.stderr

@@ -39,6 +39,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $_ := set $metrics "host" "0.0.0.0" -}}
 {{- $_ := set $metrics "port_base" (int .Values.metrics.portBase) -}}
 {{- $_ := set $cfg "metrics" $metrics -}}
+{{- if .Values.tritonCache.enabled -}}
+{{- $engine := deepCopy (get $cfg "engine" | default dict) -}}
+{{- $dir := .Values.tritonCache.mountPath -}}
+{{- if and (get $engine "triton_cache_dir") (ne (get $engine "triton_cache_dir") $dir) -}}
+{{- fail (printf "config.engine.triton_cache_dir=%v: with tritonCache.enabled the chart sets it to tritonCache.mountPath (%s); set that instead, or tritonCache.enabled=false" (get $engine "triton_cache_dir") $dir) -}}
+{{- end -}}
+{{- $_ := set $engine "triton_cache_dir" $dir -}}
+{{- $_ := set $cfg "engine" $engine -}}
+{{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}
 
@@ -87,6 +96,31 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   mountPath: {{ .Values.models.mountPath }}
   readOnly: true
 {{- end }}
+{{- end -}}
+
+{{/* "true" where the head pod runs the engine (colocated mode), not only the router. */}}
+{{- define "tandem.engineOnHead" -}}
+{{- if eq (get (.Values.config | default dict) "mode" | default "disaggregated") "colocated" -}}true{{- end -}}
+{{- end -}}
+
+{{/* Triton's kernel cache (tritonCache) for a pod that runs engines: its volume ("volume") or
+its mount ("mount"); called with (list $ "volume"). */}}
+{{- define "tandem.tritonCache" -}}
+{{- $root := index . 0 -}}
+{{- $c := $root.Values.tritonCache -}}
+{{- if eq (index . 1) "volume" -}}
+- name: triton-cache
+{{- if $c.persistentVolumeClaim }}
+  persistentVolumeClaim:
+    claimName: {{ $c.persistentVolumeClaim }}
+{{- else }}
+  emptyDir:
+    sizeLimit: {{ $c.sizeLimit }}
+{{- end }}
+{{- else -}}
+- name: triton-cache
+  mountPath: {{ $c.mountPath }}
+{{- end -}}
 {{- end -}}
 
 {{- define "tandem.env" -}}
