@@ -15,8 +15,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine.metrics import ROLES, Metrics
+from engine.metrics import ROLES
 from tests.deploy.chart import ROOT
+from tests.deploy.test_promtool import component_metrics
 
 DASHBOARD = os.path.join(ROOT, "deploy", "grafana", "tandem.json")
 ALERTS = os.path.join(ROOT, "deploy", "prometheus", "alerts.yaml")
@@ -56,10 +57,11 @@ def exported() -> set[str]:
     builds it (router, prefill and decode nodes), in the text format."""
     names = set()
     for role in ("router", "prefill", "decode"):
-        text = Metrics(role).exposition().decode()
+        text = component_metrics(role).exposition().decode()
         for family in text_string_to_metric_families(text):
             names |= {family.name + s for s in SUFFIXES.get(family.type, ("",))}
     assert "tandem_requests_total" in names and "tandem_ttft_seconds_bucket" in names
+    assert {"tandem_ready_seconds", "tandem_jit_compiles_after_ready_total"} <= names
     return names
 
 
@@ -127,7 +129,8 @@ def test_the_dashboard_queries_exported_metrics(exported):
 
 def test_the_dashboard_shows_what_operators_ask_for():
     """TTFT / ITL / TPOT percentiles, tokens/s, acceptance by position, KV use, transfer GB/s
-    and failures, queue depth, errors by code; panels laid out without clashes."""
+    and failures, queue depth, errors by code, time to ready and compiles after it; panels laid
+    out without clashes."""
     with open(DASHBOARD) as f:
         dash = json.load(f)
     exprs = " ".join(expr for _, expr in dashboard_queries())
@@ -137,7 +140,8 @@ def test_the_dashboard_shows_what_operators_ask_for():
                    "sum by (position) (rate(tandem_spec_accepted_tokens_total",
                    "tandem_kv_blocks_used", "rate(tandem_kv_transfer_bytes_total",
                    "tandem_kv_transfer_failures_total", "tandem_queue_depth",
-                   "sum by (code) (rate(tandem_request_errors_total"):
+                   "sum by (code) (rate(tandem_request_errors_total",
+                   "tandem_ready_seconds", "increase(tandem_jit_compiles_after_ready_total"):
         assert needle in exprs, needle
     ids = [p["id"] for p in dash["panels"]]
     assert len(ids) == len(set(ids))
@@ -194,7 +198,8 @@ def test_the_alerts_cover_the_failure_modes():
     wanted = {"TandemAcceptanceCollapse": "tandem_spec_accepted_tokens_total",
               "TandemITLSLOBreached": "tandem_itl_seconds_bucket",
               "TandemKVTransferFailures": "tandem_kv_transfer_failures_total",
-              "TandemQueueGrowing": "tandem_queue_depth"}
+              "TandemQueueGrowing": "tandem_queue_depth",
+              "TandemCompilesAfterReady": "tandem_jit_compiles_after_ready_total"}
     for alert, metric in wanted.items():
         assert metric in {s.name for s in selectors(rules[alert]["expr"])}, alert
     assert all(r["labels"]["severity"] in ("warning", "critical") for r in rules.values())
