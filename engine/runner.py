@@ -12,7 +12,12 @@ from engine.graphs import GraphSet, HostStager, PackedInputs, pack, to_device
 from engine.model import LlamaModel
 from engine.scheduler import Batch
 from engine.spec.lookup import store_tokens
-from engine.spec.verify import VerifyResult, verify_greedy, verify_sampled_device
+from engine.spec.verify import (
+    VerifyResult,
+    verify_greedy,
+    verify_sampled_device,
+    verify_seeded_device,
+)
 
 
 class ForwardOutput:
@@ -176,8 +181,11 @@ class ModelRunner:
             if not seq.params.greedy:
                 x = self.stager.index(seq.draft[:k])
                 q = seq.draft_q[:k] if seq.draft_q is not None and k else None
-                n, tok = verify_sampled_device(x, q, fwd.logits[r : r + k + 1], seq.params,
-                                               generators[seq.request_id])
+                g, logits = generators[seq.request_id], fwd.logits[r : r + k + 1]
+                if self.cfg.deterministic:  # row 0 draws the token at index len(seq)
+                    n, tok = verify_seeded_device(x, logits, seq.params, g.initial_seed(), len(seq))
+                else:
+                    n, tok = verify_sampled_device(x, q, logits, seq.params, g)
                 sampled.append(i)
                 parts += [n.view(1), tok.view(1)]
             r += k + 1

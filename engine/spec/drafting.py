@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.graphs import GraphSet, HostStager, pack, to_device
 from engine.model import LlamaModel
 from engine.runner import prefill_graph_set
-from engine.sampler import processed_probs, sample_from
+from engine.sampler import gumbel_tokens, processed_probs, sample_from
 from engine.sequence import Sequence
 from engine.spec.eagle3 import Eagle3Head
 from engine.spec.fused import chain_steps
@@ -127,7 +127,7 @@ class HeadDrafter:
         qs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
         step = 0
         while True:
-            tok = self._sample_drafts(spans, live, h, tok, qs, generators)
+            tok = self._sample_drafts(spans, live, h, tok, qs, generators, step)
             # A graph's outputs live in its pool and the next replay overwrites them: keep a copy.
             steps.append((live, tok.clone()))
             keep = [j for j, i in enumerate(live) if step + 1 < ks[i]]
@@ -166,18 +166,26 @@ class HeadDrafter:
             spans[i].seq.draft_q = None
         return True
 
-    def _sample_drafts(self, spans, live, h, greedy_tok, qs, generators) -> torch.Tensor:
+    def _sample_drafts(self, spans, live, h, greedy_tok, qs, generators,
+                       step: int) -> torch.Tensor:
         """Greedy requests keep the head's argmax; sampled ones draw from q (kept for
-        verification), written into the same device tensor."""
+        verification), written into the same device tensor. In the deterministic mode they draw
+        with the noise the target's draw at the same index uses (verification then accepts a
+        draft iff it equals the target's token, and shared noise makes that likelier)."""
         sampled = [j for j, i in enumerate(live) if not spans[i].seq.params.greedy]
         if not sampled:
             return greedy_tok
         tok = greedy_tok.clone()
         logits = self.head.full_vocab_logits(h[self.stager.index(sampled)])
         for r, j in enumerate(sampled):
-            seq = spans[live[j]].seq
+            s = spans[live[j]]
+            seq, g = s.seq, generators[s.seq.request_id]
+            if self.cfg.deterministic:  # this step drafts the token at index lo + m + 1 + step
+                tok[j : j + 1] = gumbel_tokens(logits[r : r + 1], seq.params, g.initial_seed(),
+                                               s.lo + s.m + 1 + step)
+                continue
             q = processed_probs(logits[r : r + 1], seq.params)
-            tok[j : j + 1] = sample_from(q, generators[seq.request_id])
+            tok[j : j + 1] = sample_from(q, g)
             qs[live[j]].append(q[0])
         return tok
 

@@ -2,7 +2,9 @@
 
 Rejection sampling (Leviathan et al. 2023; Chen et al. 2023): every emitted token is
 distributed exactly as plain sampling from the target would be, whatever the drafter does.
-Batching over sequences is the caller's loop.
+The deterministic mode verifies sampled drafts like greedy ones instead, against the target's
+seeded Gumbel-max tokens (`verify_seeded`): the output is then the very sequence plain sampling
+gives, token for token. Batching over sequences is the caller's loop.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampler import processed_probs, sample_from
+from engine.sampler import gumbel_tokens, processed_probs, sample_from
 from engine.sequence import SamplingParams
 
 
@@ -98,3 +100,30 @@ def verify_sampled_device(x: torch.Tensor, q: torch.Tensor | None, target_logits
         residual = p[0]
     token = sample_from(residual.unsqueeze(0), generator)[0]
     return n, token
+
+
+def verify_seeded(draft: Sequence[int], target_logits: torch.Tensor, params: SamplingParams,
+                  seed: int, first: int) -> VerifyResult:
+    """The deterministic mode's verification: keep drafts while they equal the target's own
+    draw at their index (`gumbel_tokens` from index `first` on), then emit the target's draw.
+    Lossless token for token: the result is what plain seeded sampling emits there."""
+    x = torch.tensor(list(draft), dtype=torch.int64, device=target_logits.device)
+    n, token = verify_seeded_device(x, target_logits, params, seed, first)
+    n = int(n)
+    return VerifyResult([*(int(t) for t in draft[:n]), int(token)], n)
+
+
+def verify_seeded_device(x: torch.Tensor, target_logits: torch.Tensor, params: SamplingParams,
+                         seed: int, first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify_seeded` without a host sync: x is the K drafts as a device tensor, target_logits
+    [K+1, vocab] raw, `first` the index in the sequence of the token row 0 draws. Returns
+    (number accepted, the token after them) as 0-d device tensors. temperature=0 is greedy."""
+    k = x.shape[0]
+    if target_logits.shape[0] != k + 1:
+        raise ValueError(f"need {k + 1} target rows for {k} drafts, got {target_logits.shape[0]}")
+    if params.greedy:
+        tgt = target_logits.argmax(dim=-1)
+    else:
+        tgt = gumbel_tokens(target_logits, params, seed, first)
+    n = (x.to(tgt.device) == tgt[:k]).to(torch.int64).cumprod(0).sum()
+    return n, tgt.index_select(0, n.view(1))[0]
