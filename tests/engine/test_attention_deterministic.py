@@ -1,0 +1,144 @@
+"""Deterministic mode's attention: a query row (a prompt's query at position p, all heads) is
+bit-identical as a lone decode, inside a batch of 64 decodes, as any row of a K+1-token verify,
+and inside a whole or chunked prefill whose earlier keys are already in the cache. The Triton
+backend under the interpreter in fp32/fp16 (contexts past the split threshold, GQA group 3),
+the torch backend in fp32; the default mode is shown to differ where it splits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import TorchAttention, TritonAttention, triton_available
+from tests.engine.test_triton_attention import DEV, _meta
+
+HEADS, KV_HEADS, HEAD_DIM, BS, NUM_BLOCKS = 6, 2, 16, 16, 256
+LENS = (300, 131, 40)  # prompt lengths: the first spans five 64-key steps
+# (prompt, position) rows checked everywhere: tile edges, past the split threshold, short.
+TARGETS = [(0, 0), (0, 63), (0, 64), (0, 200), (0, 299), (1, 130), (2, 5)]
+SPLIT_KEYS = 64  # the default mode splits contexts past this for batches of few sequences
+
+
+def _prompts(dtype) -> dict[str, list[torch.Tensor]]:
+    """Per prompt, the queries, keys and values a forward computes at each position."""
+    g = torch.Generator().manual_seed(0)
+    rnd = lambda n, h: torch.randn(n, h, HEAD_DIM, generator=g).to(dtype).to(DEV)  # noqa: E731
+    return {"q": [rnd(n, HEADS) for n in LENS], "k": [rnd(n, KV_HEADS) for n in LENS],
+            "v": [rnd(n, KV_HEADS) for n in LENS]}
+
+
+def _launch(be, data, steps, seed: int = 0) -> dict[tuple[int, int], torch.Tensor]:
+    """One forward of `steps`, (prompt, context, queries) per sequence, on blocks handed out
+    at random: each sequence's keys before its queries are in the cache already (written by an
+    earlier forward), its queries' own K/V go through `forward`. Output row per (prompt, pos)."""
+    meta = _meta([(ctx, n) for _, ctx, n in steps], BS, NUM_BLOCKS,
+                 torch.Generator().manual_seed(seed))
+    dtype = data["q"][0].dtype
+    # Slots no sequence owns hold NaN: a key read past a sequence's context would show.
+    cache = torch.full((2, NUM_BLOCKS, BS, KV_HEADS, HEAD_DIM), float("nan"), dtype=dtype,
+                       device=DEV)
+    flat = cache.view(2, -1, KV_HEADS, HEAD_DIM)
+    for i, (s, ctx, n) in enumerate(steps):
+        pos = torch.arange(ctx - n, device=DEV)
+        slots = meta.block_tables[i].long()[pos // BS] * BS + pos % BS
+        flat[0, slots], flat[1, slots] = data["k"][s][: ctx - n], data["v"][s][: ctx - n]
+    q, k, v = (torch.cat([data[x][s][ctx - n: ctx] for s, ctx, n in steps]) for x in "qkv")
+    out = be.forward(q, k, v, cache, meta)
+    keys = [(s, p) for s, ctx, n in steps for p in range(ctx - n, ctx)]
+    return dict(zip(keys, out))
+
+
+def _decodes(be, data) -> dict[tuple[int, int], torch.Tensor]:
+    """Each target row as a lone one-token decode."""
+    return {t: _launch(be, data, [(t[0], t[1] + 1, 1)])[t] for t in TARGETS}
+
+
+def _decode_batch(be, data):
+    """The targets among 57 short decoding sequences: a batch of 64, in shuffled order."""
+    g = torch.Generator().manual_seed(1)
+    fill = [(j % 3, int(torch.randint(0, 40, (1,), generator=g))) for j in range(57)]
+    rows = [TARGETS[i] if i < len(TARGETS) else fill[i - len(TARGETS)]
+            for i in torch.randperm(64, generator=g).tolist()]
+    return _launch(be, data, [(s, p + 1, 1) for s, p in rows], seed=2)
+
+
+def _verifies(be, data, k: int):
+    """One verify step of k + 1 rows per target, all in one launch; target j sits at row
+    (j + k) % (k + 1) of its step where the prompt allows."""
+    steps = []
+    for j, (s, p) in enumerate(TARGETS):
+        r = min(p, max((j + k) % (k + 1), p + k + 1 - LENS[s]))
+        steps.append((s, p - r + k + 1, k + 1))
+    return _launch(be, data, steps, seed=10 + k)
+
+
+def _prefills(be, data):
+    """The whole prompts in one launch, then the prompts in chunks (a chunk's earlier keys
+    in the cache), chunks of different prompts and decodes sharing launches."""
+    yield _launch(be, data, [(s, n, n) for s, n in enumerate(LENS)], seed=3)
+    yield _launch(be, data, [(0, 96, 96), (1, 100, 100)], seed=4)
+    yield _launch(be, data, [(0, 192, 96), (1, 131, 31), (2, 10, 7)], seed=5)
+    yield _launch(be, data, [(0, 300, 108), (2, 40, 1)], seed=6)
+
+
+def _backend(kind: str, deterministic: bool):
+    if kind == "torch":
+        return TorchAttention(HEADS, KV_HEADS, HEAD_DIM, BS, deterministic=deterministic)
+    return TritonAttention(HEADS, KV_HEADS, HEAD_DIM, BS, split_keys=SPLIT_KEYS,
+                           deterministic=deterministic)
+
+
+def _mismatches(be, data, launches):
+    """(launch, row) pairs whose row differs from the lone decode of that row, and every
+    (launch kind, row) pair compared."""
+    alone = _decodes(be, data)
+    bad, seen = [], set()
+    for name, rows in launches:
+        for t in set(rows) & set(alone):
+            if not torch.equal(rows[t], alone[t]):
+                bad.append((name, t))
+            seen.add((name.split()[0], t))
+    return bad, seen
+
+
+CONFIGS = [("torch", torch.float32)]
+if triton_available():
+    CONFIGS += [("triton", torch.float32), ("triton", torch.float16)]
+
+
+@pytest.mark.parametrize("kind,dtype", CONFIGS)
+def test_a_row_rounds_alike_in_every_launch(kind, dtype):
+    """Every target row equals its lone decode bit for bit in a 64-sequence decode batch,
+    in K+1-row verifies (K = 1..7), in whole and chunked prefills."""
+    be, data = _backend(kind, True), _prompts(dtype)
+    launches = [("batch of 64", _decode_batch(be, data))]
+    launches += [(f"verify K={k}", _verifies(be, data, k)) for k in range(1, 8)]
+    launches += [(f"prefill {i}", rows) for i, rows in enumerate(_prefills(be, data))]
+    bad, seen = _mismatches(be, data, launches)
+    assert not bad
+    # Each target was compared in a batch, in verifies and in prefills.
+    assert sorted(seen) == sorted((n, t) for n in ("batch", "verify", "prefill") for t in TARGETS)
+
+
+@pytest.mark.parametrize("kind,dtype", CONFIGS)
+def test_default_mode_rounds_a_row_by_its_launch(kind, dtype):
+    """Negative control: in the default mode some row of the same batch or verify differs
+    from its lone decode (Triton: lone decodes past SPLIT_KEYS split the keys, a batch of 64
+    does not; torch: a verify's rows share one masked call)."""
+    be, data = _backend(kind, False), _prompts(dtype)
+    bad, _ = _mismatches(be, data, [("batch", _decode_batch(be, data)),
+                                    ("verify", _verifies(be, data, 7))])
+    assert bad
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_deterministic_triton_never_splits_and_keeps_one_tile():
+    """Deterministic mode picks no split and one tile shape whatever the batch or the device,
+    where the default mode splits a lone long decode."""
+    default, det = _backend("triton", False), _backend("triton", True)
+    lone = _meta([(300, 1)], BS, NUM_BLOCKS, torch.Generator().manual_seed(0))
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default.use_split(lone, cpu) > 1 and det.use_split(lone, cpu) == 0
+    assert det.max_split_seqs(cpu) == 0 and default.max_split_seqs(cpu) > 0
+    assert {det.tile_m(n) for n in (1, 2, 8, 300)} == {64}
+    assert det.block_n(cpu) == det.block_n(cuda) == 64 and det.warps(64) == 8
