@@ -291,8 +291,8 @@ class Engine:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | str = False) -> list[Completion]:
         """Run prompts to completion with continuous batching; results in input order.
-        `use_tqdm`: a progress bar (a string: the bar's label). The first call prepares the
-        engine where `prepare_to_serve` has not (`warmup.prepare_on_first_use`)."""
+        `use_tqdm`: a progress bar (a string: the bar's label). The first call captures the
+        engine's graphs where nothing has prepared it (`warmup.prepare_on_first_use`)."""
         warmup.prepare_on_first_use(self)
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

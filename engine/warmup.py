@@ -82,33 +82,38 @@ def capture_graphs(eng: Engine, batch_sizes=None, progress: bool = False,
     return len(keys)
 
 
-def prepare_to_serve(eng: Engine, progress: bool = False, started: float | None = None) -> int:
-    """`Engine.prepare_to_serve`: graphs, garbage collector, JIT watch, `eng.ready`; returns how
-    many graphs were captured (0 once the engine is ready)."""
-    if eng.ready is not None:
-        return 0
+def prepare_to_serve(eng: Engine, progress: bool = False, started: float | None = None,
+                     freeze: bool = True) -> int:
+    """`Engine.prepare_to_serve`: graphs, JIT watch and `eng.ready` once, then the garbage
+    collector (`freeze`); returns how many graphs were captured (none once ready)."""
+    first = eng.ready is None
     t0 = time.perf_counter()
-    with jit_watch.starting_up():
-        n = eng.capture_graphs(progress=progress)
+    n, graphs = 0, 0.0
+    if first:
+        with jit_watch.starting_up():
+            n = eng.capture_graphs(progress=progress)
         graphs = time.perf_counter() - t0
+    if freeze:
         freeze_long_lived()
-    _mark_ready(eng, started, t0, graphs)
+    if first:
+        _mark_ready(eng, started, t0, graphs)
     return n
 
 
 def prepare_on_first_use(eng: Engine) -> None:
-    """`Engine.generate`'s first call: `prepare_to_serve` where the engine has graphs to
-    capture, so no capture stalls the batches that follow; otherwise (the CPU) only the JIT
-    watch and `eng.ready` are set."""
+    """`Engine.generate`'s first call: where the engine has graphs to capture, capture them all
+    now so no capture stalls the batches that follow; otherwise (the CPU) only the JIT watch and
+    `eng.ready` are set. The collector is left alone: a process that discards engines would
+    never free a frozen one (its cycles, its GPU memory)."""
     if eng.ready is not None:
         return
     if not pending_graphs(eng):
         jit_watch.warn_after()
         _mark_ready(eng, None, time.perf_counter(), 0.0)
         return
-    n = eng.prepare_to_serve()
+    n = prepare_to_serve(eng, freeze=False)
     log.info("generate: the engine prepared itself on first use in %.1f s (%d CUDA graphs "
-             "captured in %.1f s)", eng.ready.total, n, eng.ready.graphs)
+             "captured)", eng.ready.total, n)
 
 
 def _mark_ready(eng: Engine, started: float | None, prepared: float, graphs: float) -> None:

@@ -40,18 +40,18 @@ def capture_counter(eng, monkeypatch) -> list[bool]:
 
 
 def test_the_first_generate_prepares_an_engine_with_graphs_once(watch, monkeypatch, caplog):
+    """Graphs captured and compiles watched before the first batch; the collector is left
+    alone (a script that drops the engine must get its memory back)."""
     eng = tiny_engine(0)
     calls = capture_counter(eng, monkeypatch)
     monkeypatch.setattr(warmup, "pending_graphs", lambda e: [("set", (1, 1, False))])
-    try:
-        with caplog.at_level(logging.INFO, logger="engine.warmup"):
-            first = eng.generate([[1, 2, 3]], PARAMS)
-            assert calls == [False] and eng.ready is not None
-            assert gc.get_freeze_count() > 0 and jit_watch._warn_from is not None
-            ready = eng.ready
-            second = eng.generate([[1, 2, 3]], PARAMS)
-    finally:
-        unfreeze()
+    frozen = gc.get_freeze_count()
+    with caplog.at_level(logging.INFO, logger="engine.warmup"):
+        first = eng.generate([[1, 2, 3]], PARAMS)
+        assert calls == [False] and eng.ready is not None and jit_watch._warn_from is not None
+        assert gc.get_freeze_count() == frozen
+        ready = eng.ready
+        second = eng.generate([[1, 2, 3]], PARAMS)
     assert calls == [False] and eng.ready is ready  # the second call prepared nothing
     assert first[0].token_ids == second[0].token_ids
     lines = [r.getMessage() for r in caplog.records if r.name == "engine.warmup"]
@@ -79,6 +79,7 @@ def test_prepare_to_serve_is_idempotent(watch, monkeypatch):
         assert eng.prepare_to_serve(progress=True) == 3
         ready = eng.ready
         assert eng.prepare_to_serve(progress=True) == 0 and calls == [True]
+        assert gc.get_freeze_count() > 0
         eng.generate([[1, 2]], PARAMS)  # already prepared: generate prepares nothing either
     finally:
         unfreeze()
