@@ -191,11 +191,13 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                     residual: torch.Tensor | None = None, silu: bool = False,
                     dot: tuple[int, int, int] | None = None,
+                    tiles: tuple[int, int, int, int] | None = None,
                     keys: torch.Tensor | None = None):
     """One launch for `linear(rmsnorm(x + residual))` (norm_weight given; returns (y, x +
     residual), or y without a residual), `linear(silu_mul(x))` (silu), or plain `linear(x)`.
     weight is nn.Linear's [N, K]; activations round as `add_rmsnorm` / `silu_mul` do. dot:
-    16-row tensor-core tiles (BLOCK_N, BLOCK_K, warps) up to DOT_MAX_ROWS rows. keys ([M] int64
+    16-row tensor-core tiles (BLOCK_N, BLOCK_K, warps) up to DOT_MAX_ROWS rows. tiles: (BLOCK_M,
+    BLOCK_N, BLOCK_K, warps) at every row count instead of `linear_tiles`'. keys ([M] int64
     filled with KEY_EMPTY): y is not written; each row's argmax goes into keys, returned in y's
     place."""
     m = x.shape[0]
@@ -206,7 +208,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     y = torch.empty(m if keys is None else 1, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
     if m:
-        bm, bn, bk, warps = linear_tiles(m, n, k, dot)
+        bm, bn, bk, warps = tiles or linear_tiles(m, n, k, dot)
         assert bm == 1 or bm >= 16, "row blocks are GEMVs (1) or tl.dot tiles (16+)"
         r = residual if residual is not None else x
         _prologue_linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](

@@ -1,0 +1,123 @@
+"""The deterministic mode's kernels (`ops.invariant_linear` and the row-wise kernels around it):
+a row computed alone equals, bit for bit, the same row inside a launch of 5, 17 or 64 rows
+whose other rows hold random values; fp32 and fp16 under Triton's interpreter on the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import ops
+from engine.attention import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
+COUNTS = (5, 17, 64)
+
+
+def _rnd(g, dtype):
+    return lambda *s: torch.randn(*s, generator=g).to(dtype).to(DEV)
+
+
+def _alone_equals_batched(fn, rows: torch.Tensor, picks=(0, 3)) -> None:
+    """fn(rows[:m]) for each m in COUNTS: its row i equals fn(rows[i:i + 1]) bit for bit."""
+    for m in COUNTS:
+        out = fn(rows[:m])
+        for i in (*picks, m - 1):
+            alone = fn(rows[i:i + 1])
+            for a, b in zip(out if isinstance(out, tuple) else (out,),
+                            alone if isinstance(alone, tuple) else (alone,)):
+                assert torch.equal(a[i], b[0]), (m, i)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(40, 48), (24, 300), (1024, 48)],
+                         ids=["one-tile", "k-loop", "vocab"])
+def test_invariant_linear_rows_do_not_depend_on_the_launch(dtype, n, k):
+    """Plain (with a bias), norm + residual, norm alone and SiLU-and-mul projections: each row
+    alone equals the row among 4..63 random others, K in one tile or over a loop with a
+    masked tail, and an LM-head-shaped weight (its own tiles)."""
+    g = torch.Generator().manual_seed(n + k)
+    rnd = _rnd(g, dtype)
+    w, b, nw = rnd(n, k) / 7, rnd(n), rnd(k)
+    x, gu = rnd(64, 2 * k), rnd(64, 2 * k)
+    xr = x.view(64, 2, k)  # [x | residual] per row, so slicing rows slices both alike
+
+    def norm_res(t):
+        return ops.invariant_linear(t[:, 0], w, norm_weight=nw, eps=1e-5, residual=t[:, 1])
+
+    _alone_equals_batched(lambda t: ops.invariant_linear(t[:, 0], w, b), xr)
+    _alone_equals_batched(norm_res, xr)
+    _alone_equals_batched(lambda t: ops.invariant_linear(t[:, 0], w, norm_weight=nw,
+                                                         eps=1e-5), xr)
+    _alone_equals_batched(lambda t: ops.invariant_linear(t, w, silu=True), gu)
+
+
+def test_tiles_come_from_the_weight_shape_alone():
+    """One tile per weight shape, 16-row tensor-core blocks; the LM head takes its own."""
+    from engine.ops.invariant import BLOCK_M
+
+    for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]:
+        bm, bn, bk, warps = ops.invariant_tiles(n, k)
+        assert bm == BLOCK_M == 16 and bn >= 16 and 16 <= bk <= 1024 and warps in (1, 2, 4, 8)
+    assert ops.invariant_tiles(49152, 576)[1:] == ops.LOGITS_DOT_TILES
+
+
+def test_invariant_linear_matches_the_gemm():
+    """The tiles compute the projection: against F.linear to fp32 rounding."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(1)
+    x, w, b = (torch.randn(*s, generator=g).to(DEV) for s in [(9, 300), (24, 300), (24,)])
+    torch.testing.assert_close(ops.invariant_linear(x, w, b), F.linear(x, w, b),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_default_tiles_differ_by_row_count():
+    """Negative control: the default prologue linear takes a GEMV at one row and 16-row dot
+    tiles at 17, which sum in other orders, so a row alone and in a launch of 17 part."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(17, 300, generator=g).to(DEV), torch.randn(24, 300, generator=g).to(DEV)
+    assert ops.linear_tiles(1, 24, 300)[0] != ops.linear_tiles(17, 24, 300)[0]
+    batched = ops.prologue_linear(x, w)
+    alone = torch.cat([ops.prologue_linear(x[i:i + 1], w) for i in range(17)])
+    assert not torch.equal(batched, alone)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rowwise_kernels_do_not_depend_on_the_launch(dtype):
+    """add + RMSNorm (alone and with a residual), SiLU-and-mul and the row argmax of a vocabulary
+    past ARGMAX_SPLIT (two launches, chunks side by side) take one program per row."""
+    g = torch.Generator().manual_seed(4)
+    rnd = _rnd(g, dtype)
+    nw = rnd(48)
+    xr = rnd(64, 2, 48)
+    _alone_equals_batched(lambda t: ops.add_rmsnorm(t[:, 0], nw, 1e-5, t[:, 1]), xr)
+    _alone_equals_batched(lambda t: ops.add_rmsnorm(t[:, 0].contiguous(), nw, 1e-5), xr)
+    _alone_equals_batched(ops.silu_mul, rnd(64, 80))
+    logits = rnd(64, ops.ARGMAX_SPLIT + 100)
+    logits[:, 7] = logits[:, 8200] = 1e4  # a tie across chunks: the lower index wins
+    _alone_equals_batched(ops.argmax_rows, logits)
+    assert ops.argmax_rows(logits[:5]).tolist() == [7] * 5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_rows_do_not_depend_on_the_launch(dtype):
+    """Rotary + KV store per token: elementwise with no fused multiply-add, so a token's q, k and
+    cached k, v are the same bits alone or beside others."""
+    g = torch.Generator().manual_seed(5)
+    rnd = _rnd(g, dtype)
+    nq, nkv, d, t = 4, 2, 16, 17
+    cos, sin = torch.rand(64, d, generator=g).to(DEV), torch.rand(64, d, generator=g).to(DEV)
+    heads = rnd(t, nq + 2 * nkv, d)
+    pos = torch.randint(0, 64, (t,), generator=g).to(DEV)
+    cache = torch.zeros(2, 8, 4, nkv, d, dtype=dtype, device=DEV)
+    slots = torch.arange(t, device=DEV)
+    together = ops.rope_store_(heads.clone(), nq, nkv, pos, cos, sin, cache, slots)
+    cache1 = torch.zeros_like(cache)
+    for i in range(t):
+        alone = ops.rope_store_(heads[i:i + 1].clone(), nq, nkv, pos[i:i + 1], cos, sin,
+                                cache1, slots[i:i + 1])
+        assert torch.equal(together[i], alone[0]), i
+    assert torch.equal(cache, cache1)
