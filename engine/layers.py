@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from engine.config import RopeConfig
+
+
+def whole(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn(x): all rows in one call."""
+    return fn(x)
+
+
+def rowwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """fn of each row of x ([T, ...]) alone, each a fresh [1, ...] tensor, concatenated: a row's
+    result then does not depend on how many rows x holds nor on what they hold (a GEMM's
+    blocking, a thread split and where a vectorized loop's tail falls follow the row count;
+    a BLAS kernel may follow the input's address)."""
+    if x.shape[0] == 0:
+        return fn(x)
+    return torch.cat([fn(x[i:i + 1].clone()) for i in range(x.shape[0])])
 
 
 class RMSNorm(nn.Module):

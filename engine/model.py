@@ -12,7 +12,7 @@ from engine import ops
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig
 from engine.graphs import graph_time_us
-from engine.layers import RMSNorm, Rotary
+from engine.layers import RMSNorm, Rotary, rowwise, whole
 
 
 class Attention(nn.Module):
@@ -24,15 +24,17 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=cfg.o_bias)
         self.backend, self.rotary = backend, rotary
 
-    def forward(self, x, positions, kv_cache, meta: AttentionMetadata):
-        qkv = self.qkv_proj(x)
+    def forward(self, x, positions, kv_cache, meta: AttentionMetadata, each=whole):
+        """Attention output (after o_proj); `each(fn, x)` runs the projections (`rowwise`: a row
+        at a time)."""
+        qkv = each(self.qkv_proj, x)
         q, k, v = qkv.split([self.nh * self.hd, self.nkv * self.hd, self.nkv * self.hd], dim=-1)
         q = q.view(-1, self.nh, self.hd)
         k = k.view(-1, self.nkv, self.hd)
         v = v.view(-1, self.nkv, self.hd)
         q, k = self.rotary(positions, q, k)
         o = self.backend.forward(q, k, v, kv_cache, meta)
-        return self.o_proj(o.reshape(-1, self.nh * self.hd))
+        return each(self.o_proj, o.reshape(-1, self.nh * self.hd))
 
     def attend_qkv(self, qkv, positions, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention output [T, heads * head_dim] (before o_proj) from the projected qkv: q and
@@ -64,9 +66,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, positions, kv_cache, meta):
-        h = h + self.self_attn(self.input_layernorm(h), positions, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, positions, kv_cache, meta, each=whole):
+        """The layer's output; `each(fn, x)` runs the norms, projections and MLP (`rowwise`: a
+        row at a time, norm to down_proj in one go)."""
+        h = h + self.self_attn(each(self.input_layernorm, h), positions, kv_cache, meta, each)
+        return h + each(self._mlp, h)
+
+    def _mlp(self, h):
+        return self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
@@ -87,6 +94,10 @@ class LlamaModel(nn.Module):
         # Fused elementwise kernels ride with the Triton backend (the fast path); the torch
         # backend keeps the plain reference code.
         self.fused = backend.name == "triton" and ops.triton_available()
+        # Deterministic mode (`EngineConfig.deterministic`, carried by the backend): each row's
+        # bits do not depend on the rows sharing a launch. Fused: every projection and the LM
+        # head take `ops.invariant_linear`; reference: projections and norms run a row at a time.
+        self.deterministic = bool(getattr(backend, "deterministic", False))
         # On the fused path, forwards of few rows (`prologue_rows`) fold each norm and the
         # SiLU-and-mul into the projection after it (`_forward_fused`): 6 launches a layer
         # instead of 9, all Triton (programmatic dependent launch where supported).
@@ -108,35 +119,37 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.fused:
             return self._forward_fused(h, positions, kv_cache, meta, aux_layers)
-        taps = {}
+        taps, each = {}, rowwise if self.deterministic else whole
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 taps[i] = h
-            h = layer(h, positions, kv_cache[i], meta)
-        return self.norm(h), [taps[i] for i in aux_layers]
+            h = layer(h, positions, kv_cache[i], meta, each)
+        return each(self.norm, h), [taps[i] for i in aux_layers]
 
     def _forward_fused(self, h, positions, kv_cache, meta, aux_layers):
         """Same math, residual adds folded into the norms: norm(x + r) also returns x + r.
         Forwards of `prologue_rows` rows also fold each norm into the projection that reads
         it and SiLU-and-mul into down_proj (`ops.prologue_linear`): qkv, rotary+store,
-        attention, o, gate_up, down, each one Triton launch."""
-        fold = self.prologue_linears and h.shape[0] in self.prologue_rows
+        attention, o, gate_up, down, each one Triton launch. Deterministic: so do forwards of
+        every row count, through `ops.invariant_linear`."""
+        inv = self.deterministic
+        fold = inv or (self.prologue_linears and h.shape[0] in self.prologue_rows)
         taps, res = {}, None
         for i, layer in enumerate(self.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, res = norm_proj(attn.qkv_proj, h, layer.input_layernorm, res, fold)
+            qkv, res = norm_proj(attn.qkv_proj, h, layer.input_layernorm, res, fold, inv)
             if i in aux_layers:
                 taps[i] = res
             o = attn.attend_qkv(qkv, positions, kv_cache[i], meta)
-            a = project(attn.o_proj, o, fold)
+            a = project(attn.o_proj, o, fold, inv)
             ln = layer.post_attention_layernorm
             if not fold and ops.gemv_silu_suits(a.shape[0], mlp.gate_up_proj):
                 # One row of a large model: SiLU-and-mul in the gate_up GEMV's epilogue.
                 y, res = ops.add_rmsnorm(a, ln.weight, ln.eps, res)
                 h = project(mlp.down_proj, ops.gemv_silu(y, mlp.gate_up_proj.weight), False)
             else:
-                gu, res = norm_proj(mlp.gate_up_proj, a, ln, res, fold)
-                h = silu_proj(mlp.down_proj, gu, fold)
+                gu, res = norm_proj(mlp.gate_up_proj, a, ln, res, fold, inv)
+                h = silu_proj(mlp.down_proj, gu, fold, inv)
         out, _ = ops.add_rmsnorm(h, self.norm.weight, self.norm.eps, res)
         return out, [taps[i] for i in aux_layers]
 
@@ -146,8 +159,10 @@ class LlamaModel(nn.Module):
         """Time a layer's four projections on this GPU through the prologue linears and through the
         separate kernels + cuBLAS at 1..max_rows rows, and keep the prologue linears where faster.
         Returns {rows: (prologue us, separate us)} (also in `prologue_calibration`); None where
-        there is nothing to decide (CPU, or projections too large for the prologue linears)."""
-        if not self.prologue_linears or not self.embed_tokens.weight.is_cuda:
+        there is nothing to decide (CPU, projections too large for the prologue linears, or the
+        deterministic mode, whose kernels never depend on the row count)."""
+        if (not self.prologue_linears or not self.embed_tokens.weight.is_cuda
+                or self.deterministic):
             return None
         with torch.cuda.device(self.embed_tokens.weight.device):
             timings = {m: self._time_projections(m, reps) for m in range(1, max_rows + 1)}
@@ -160,9 +175,9 @@ class LlamaModel(nn.Module):
         """On a GPU, on the fused path: for each projection too large for the prologue linears, time
         our GEMV and 16-row tiles against cuBLAS with the model's weights and keep the fastest per
         weight shape (`ops.tune_large_linear`). Returns {projection: choice and timings}; None where
-        nothing is large or off CUDA."""
+        nothing is large, off CUDA or in the deterministic mode (`ops.invariant_linear` alone)."""
         w = self.embed_tokens.weight
-        if not self.fused or not w.is_cuda:
+        if not self.fused or not w.is_cuda or self.deterministic:
             return None
         groups = {"qkv": [la.self_attn.qkv_proj.weight for la in self.layers],
                   "o": [la.self_attn.o_proj.weight for la in self.layers],
@@ -227,11 +242,17 @@ class LlamaModel(nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype. Through the prologue linears, the LM head takes
         16-row tensor-core tiles (`ops.LOGITS_DOT_TILES`): its weight is read once for all
-        rows of a verify step, and each row still rounds as it does alone. Leading
-        dimensions other than rows (a trainer's [batch, length, hidden]) count as rows."""
+        rows of a verify step, and each row still rounds as it does alone. Deterministic: every
+        row count takes such tiles (`ops.invariant_linear`), or on the reference path one row at
+        a time. Leading dimensions other than rows (a trainer's [batch, length, hidden]) count
+        as rows."""
         if hidden.dim() != 2:
             return self._logits(hidden.reshape(-1, hidden.shape[-1])).view(
                 *hidden.shape[:-1], -1)
+        if self.deterministic:
+            if self.fused:
+                return ops.invariant_linear(hidden, self.lm_head.weight, self.lm_head.bias)
+            return rowwise(self.lm_head, hidden)
         if self.prologue_linears and hidden.is_cuda and hidden.shape[0] in self.prologue_rows:
             return ops.prologue_linear(hidden.contiguous(), self.lm_head.weight,
                                        self.lm_head.bias, dot=ops.LOGITS_DOT_TILES)
@@ -259,28 +280,33 @@ class Projection(NamedTuple):
     bias: torch.Tensor | None = None
 
 
-def norm_proj(p, x, ln: RMSNorm, res, fold: bool):
-    """(p(norm(x + res)), x + res); res None (the embedding): (p(norm(x)), x)."""
-    if fold:
+def _folded(invariant: bool):
+    """The one-launch projection: row-invariant tiles (deterministic) or `linear_tiles`'."""
+    return ops.invariant_linear if invariant else ops.prologue_linear
+
+
+def norm_proj(p, x, ln: RMSNorm, res, fold: bool, invariant: bool = False):
+    """(p(norm(x + res)), x + res); res None (the embedding): (p(norm(x)), x). invariant:
+    folded, through `ops.invariant_linear`."""
+    if fold or invariant:
+        lin = _folded(invariant)
         if res is None:
-            return ops.prologue_linear(x, p.weight, p.bias, norm_weight=ln.weight,
-                                       eps=ln.eps), x
-        return ops.prologue_linear(x, p.weight, p.bias, norm_weight=ln.weight,
-                                   eps=ln.eps, residual=res)
+            return lin(x, p.weight, p.bias, norm_weight=ln.weight, eps=ln.eps), x
+        return lin(x, p.weight, p.bias, norm_weight=ln.weight, eps=ln.eps, residual=res)
     if res is None:
         return ops.linear(ops.add_rmsnorm(x, ln.weight, ln.eps), p.weight, p.bias), x
     y, res = ops.add_rmsnorm(x, ln.weight, ln.eps, res)
     return ops.linear(y, p.weight, p.bias), res
 
 
-def project(p, x, fold: bool):
-    if fold:
-        return ops.prologue_linear(x, p.weight, p.bias)
+def project(p, x, fold: bool, invariant: bool = False):
+    if fold or invariant:
+        return _folded(invariant)(x, p.weight, p.bias)
     return ops.linear(x, p.weight, p.bias)
 
 
-def silu_proj(p, gate_up, fold: bool):
+def silu_proj(p, gate_up, fold: bool, invariant: bool = False):
     """p(silu(gate) * up) for gate_up = [gate | up]."""
-    if fold:
-        return ops.prologue_linear(gate_up, p.weight, p.bias, silu=True)
+    if fold or invariant:
+        return _folded(invariant)(gate_up, p.weight, p.bias, silu=True)
     return ops.linear(ops.silu_mul(gate_up), p.weight, p.bias)
