@@ -1,8 +1,9 @@
 """Deterministic mode's attention: a query row (a prompt's query at position p, all heads) is
 bit-identical as a lone decode, inside a batch of 64 decodes, as any row of a K+1-token verify,
 and inside a whole or chunked prefill whose earlier keys are already in the cache. The Triton
-backend under the interpreter in fp32/fp16 (contexts past the split threshold, GQA group 3),
-the torch backend in fp32; the default mode is shown to differ where it splits."""
+backend under the interpreter in fp32/fp16 (contexts past the split threshold),
+the torch backend in fp32; the default mode is shown to differ where it splits. One KV head
+(a group of 3 query heads): the interpreter's time grows with the programs a launch runs."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from engine.attention import TorchAttention, TritonAttention, triton_available
 from tests.engine.test_triton_attention import DEV, _meta
 
-HEADS, KV_HEADS, HEAD_DIM, BS, NUM_BLOCKS = 6, 2, 16, 16, 256
+HEADS, KV_HEADS, HEAD_DIM, BS, NUM_BLOCKS = 3, 1, 16, 16, 256
 LENS = (300, 131, 40)  # prompt lengths: the first spans five 64-key steps
 # (prompt, position) rows checked everywhere: tile edges, past the split threshold, short.
 TARGETS = [(0, 0), (0, 63), (0, 64), (0, 200), (0, 299), (1, 130), (2, 5)]
@@ -76,9 +77,8 @@ def _prefills(be, data):
     """The whole prompts in one launch, then the prompts in chunks (a chunk's earlier keys
     in the cache), chunks of different prompts and decodes sharing launches."""
     yield _launch(be, data, [(s, n, n) for s, n in enumerate(LENS)], seed=3)
-    yield _launch(be, data, [(0, 96, 96), (1, 100, 100)], seed=4)
-    yield _launch(be, data, [(0, 192, 96), (1, 131, 31), (2, 10, 7)], seed=5)
-    yield _launch(be, data, [(0, 300, 108), (2, 40, 1)], seed=6)
+    yield _launch(be, data, [(0, 96, 96), (2, 10, 7)], seed=4)
+    yield _launch(be, data, [(0, 300, 108), (1, 131, 31)], seed=5)
 
 
 def _backend(kind: str, deterministic: bool):
@@ -104,6 +104,7 @@ def _mismatches(be, data, launches):
 CONFIGS = [("torch", torch.float32)]
 if triton_available():
     CONFIGS += [("triton", torch.float32), ("triton", torch.float16)]
+    CONFIGS += [("triton", torch.bfloat16)] if DEV == "cuda" else []
 
 
 @pytest.mark.parametrize("kind,dtype", CONFIGS)
@@ -122,12 +123,11 @@ def test_a_row_rounds_alike_in_every_launch(kind, dtype):
 
 @pytest.mark.parametrize("kind,dtype", CONFIGS)
 def test_default_mode_rounds_a_row_by_its_launch(kind, dtype):
-    """Negative control: in the default mode some row of the same batch or verify differs
-    from its lone decode (Triton: lone decodes past SPLIT_KEYS split the keys, a batch of 64
-    does not; torch: a verify's rows share one masked call)."""
+    """Negative control: in the default mode some row of a whole-prompt prefill differs from
+    its lone decode (Triton: lone decodes past SPLIT_KEYS split the keys, a prefill never
+    does; torch: a prompt's rows share one masked call)."""
     be, data = _backend(kind, False), _prompts(dtype)
-    bad, _ = _mismatches(be, data, [("batch", _decode_batch(be, data)),
-                                    ("verify", _verifies(be, data, 7))])
+    bad, _ = _mismatches(be, data, [("prefill", next(_prefills(be, data)))])
     assert bad
 
 
