@@ -1,9 +1,9 @@
 """Deterministic mode's attention: a query row (a prompt's query at position p, all heads) is
 bit-identical as a lone decode, inside a batch of 64 decodes, as any row of a K+1-token verify,
-and inside a whole or chunked prefill whose earlier keys are already in the cache. The Triton
-backend under the interpreter in fp32/fp16 (contexts past the split threshold),
-the torch backend in fp32; the default mode is shown to differ where it splits. One KV head
-(a group of 3 query heads): the interpreter's time grows with the programs a launch runs."""
+and inside a whole or chunked prefill whose earlier keys are already in the cache: the Triton
+backend under the interpreter in fp32/fp16 (contexts past the split threshold), the torch
+backend in fp32, and the default mode as negative control. One KV head for 3 query heads:
+the interpreter's time grows with the programs a launch runs."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def _verifies(be, data, k: int):
 
 def _prefills(be, data):
     """The whole prompts in one launch, then the prompts in chunks (a chunk's earlier keys
-    in the cache), chunks of different prompts and decodes sharing launches."""
+    in the cache), chunks of different prompts sharing a launch."""
     yield _launch(be, data, [(s, n, n) for s, n in enumerate(LENS)], seed=3)
     yield _launch(be, data, [(0, 96, 96), (2, 10, 7)], seed=4)
     yield _launch(be, data, [(0, 300, 108), (1, 131, 31)], seed=5)
