@@ -130,9 +130,12 @@ def run(eng: Engine, ps, params=SAMPLED) -> list[list[int]]:
     return out
 
 
-def with_spec(base: Engine, head, deterministic: bool = True, **spec) -> Engine:
-    cfg = replace(base.config, spec=SpecConfig(**spec), deterministic=deterministic)
-    return Engine(cfg, weights_of=base, draft_head=head if spec["method"] == "eagle3" else None)
+def with_spec(base: Engine, head, deterministic: bool = True, handoff_drafts: bool = True,
+              **spec) -> Engine:
+    """`base`'s weights with speculation `spec` (none when empty)."""
+    cfg = replace(base.config, spec=SpecConfig(**spec) if spec else None,
+                  deterministic=deterministic, handoff_drafts=handoff_drafts)
+    return Engine(cfg, weights_of=base, draft_head=head if spec.get("method") == "eagle3" else None)
 
 
 def test_same_seed_same_tokens_alone_and_in_a_batch(base):
@@ -180,7 +183,7 @@ def test_sampled_drafts_share_the_targets_noise(base):
 
 
 @pytest.mark.parametrize("spec,handoff_drafts", [
-    (None, True), (dict(method="ngram", num_tokens=3, dynamic=False), True),
+    ({}, True), (dict(method="ngram", num_tokens=3, dynamic=False), True),
     (dict(method="eagle3", num_tokens=3, dynamic=False), True),
     (dict(method="eagle3", num_tokens=5, dynamic=True), False),
 ])
@@ -188,13 +191,8 @@ def test_disaggregated_gives_the_colocated_tokens(base, head, spec, handoff_draf
     ps = prompts(4, seed=5)
     want = run(base, ps)
 
-    def engine():
-        if spec is None:
-            return base.with_config(handoff_drafts=handoff_drafts)
-        e = with_spec(base, head, **spec)
-        return e.with_config(handoff_drafts=handoff_drafts) if not handoff_drafts else e
-
-    assert disaggregated(engine(), engine(), ps, SAMPLED) == want
+    pre, dec = (with_spec(base, head, handoff_drafts=handoff_drafts, **spec) for _ in range(2))
+    assert disaggregated(pre, dec, ps, SAMPLED) == want
 
 
 def test_restart_resume_and_preemption_give_the_same_tokens(base):
