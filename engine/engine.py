@@ -255,14 +255,18 @@ class Engine:
         used past that context length, so the first long request does not stall its batch."""
         return warmup.capture_graphs(self, batch_sizes, progress, long_context)
 
-    def prepare_to_serve(self, progress: bool = False, started: float | None = None) -> int:
+    def prepare_to_serve(self, progress: bool = False, started: float | None = None,
+                         batch_sizes=None, long_context: bool | None = None) -> int:
         """What a serving process does once before its first request: capture every graph
         (`capture_graphs`; CUDA only), exempt the objects alive then from the garbage
         collector (`collector.freeze_long_lived`), and from then on log and count each Triton
         kernel compiled (`jit_watch.warn_after`): either would otherwise stall running streams.
         Sets `ready` (`started`: `time.perf_counter()` when the build began, so its load
-        counts). Returns how many graphs were captured; a second call captures nothing."""
-        return warmup.prepare_to_serve(self, progress, started)
+        counts). `batch_sizes` / `long_context`: only those graphs (`capture_graphs`), for a
+        caller that knows its batches. Returns how many graphs were captured; a second call
+        captures nothing."""
+        return warmup.prepare_to_serve(self, progress, started, batch_sizes=batch_sizes,
+                                       long_context=long_context)
 
     # ---- disaggregation: the prefill side holds, the decode side reserves and admits -----
 

@@ -83,15 +83,17 @@ def capture_graphs(eng: Engine, batch_sizes=None, progress: bool = False,
 
 
 def prepare_to_serve(eng: Engine, progress: bool = False, started: float | None = None,
-                     freeze: bool = True) -> int:
-    """`Engine.prepare_to_serve`: graphs, JIT watch and `eng.ready` once, then the garbage
-    collector (`freeze`); returns how many graphs were captured (none once ready)."""
+                     freeze: bool = True, batch_sizes=None,
+                     long_context: bool | None = None) -> int:
+    """`Engine.prepare_to_serve`: graphs (of `batch_sizes`, default all), JIT watch and
+    `eng.ready` once, then the garbage collector (`freeze`); returns how many graphs were
+    captured (none once ready)."""
     first = eng.ready is None
     t0 = time.perf_counter()
     n, graphs = 0, 0.0
     if first:
         with jit_watch.starting_up():
-            n = eng.capture_graphs(progress=progress)
+            n = eng.capture_graphs(batch_sizes, progress=progress, long_context=long_context)
         graphs = time.perf_counter() - t0
     if freeze:
         freeze_long_lived()

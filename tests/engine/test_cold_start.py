@@ -31,7 +31,7 @@ def capture_counter(eng, monkeypatch) -> list[bool]:
     """Stand in for `capture_graphs` (no CUDA here): records each call, reports 3 graphs."""
     calls = []
 
-    def capture(progress=False):
+    def capture(batch_sizes=None, progress=False, long_context=None):
         calls.append(progress)
         return 3
 

@@ -38,7 +38,7 @@ def test_prepare_to_serve_captures_freezes_and_watches_compiles(monkeypatch):
     eng = tiny_engine(0)
     captured = []
 
-    def capture(progress=False):
+    def capture(batch_sizes=None, progress=False, long_context=None):
         captured.append(progress)
         return 3
 
