@@ -235,7 +235,7 @@ def cmd_serve(args) -> int:
     if cfg.mode != "colocated":
         backend.metrics = metrics  # streams moved off dead workers
     elif metrics is not None:  # one process: the engine's gauges and counters are the router's
-        metrics.watch_engine(engine)
+        backend.watch(metrics)
     if metrics is not None:
         _, mport = metrics.serve(cfg.metrics.host, cfg.metrics_ports()["router"])
         print(f"metrics on http://{cfg.metrics.host}:{mport}/metrics", file=sys.stderr)

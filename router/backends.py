@@ -30,5 +30,12 @@ class LocalBackend:
     def info(self) -> dict:
         return engine_info(self.engine)
 
+    def watch(self, metrics) -> None:
+        """Export the engine on `metrics` (an `engine.metrics.Metrics`, the router's in one
+        process): its gauges at scrape time, its step and speculation counters after each
+        step."""
+        metrics.watch_engine(self.engine)
+        self.loop.on_step = metrics.engine_step
+
     def close(self) -> None:
         self.loop.stop()

@@ -85,3 +85,24 @@ def test_nothing_is_checked_without_speculation_or_when_off():
     assert not on.wants(SamplingParams(temperature=0), 0, False)  # drafts off for it
     for b in (plain, off, on):
         b.backend.close()
+
+
+def test_a_colocated_router_exports_its_engines_steps_and_speculation():
+    """`LocalBackend.watch`: one process, so the router's endpoint carries the engine's step and
+    speculation counters as well as its gauges (they stayed at zero when only the gauges were
+    watched)."""
+    engine = _speculating()
+    backend, m = LocalBackend(engine), Metrics("router")
+    backend.watch(m)
+    s = Served(engine, backend=backend, metrics=m)
+    try:
+        with Client(s.target, retries=0) as c:
+            c.complete(token_ids=PROMPTS[1], temperature=0, max_tokens=12, ignore_eos=True)
+        text = m.exposition().decode()
+        steps = sum(float(ln.split()[-1]) for ln in text.splitlines()
+                    if ln.startswith("tandem_engine_steps_total{"))
+        drafted = sum(float(ln.split()[-1]) for ln in text.splitlines()
+                      if ln.startswith("tandem_spec_drafted_tokens_total{"))
+        assert steps >= 1 and drafted >= 1, text
+    finally:
+        s.close()
