@@ -56,7 +56,7 @@ def pending_graphs(eng: Engine, batch_sizes=None, long_context: bool | None = No
     if spec is not None and spec.graphs is not None:
         k = spec.spec.num_tokens
         sets += [spec.first_graphs, spec.prefill_graphs, spec.graphs]
-        sets += [spec._chain_graph(s) for s in range(1, k)]
+        sets += [spec.drafter.chain_graph(s) for s in range(1, k)]
         if spec.fused is not None:
             sets += spec.fused.all_sets()
     sets = [g for g in sets if g is not None]

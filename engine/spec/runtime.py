@@ -134,10 +134,6 @@ class SpecRunner:
             if f.small != f.large:
                 self.policy.levels_at = f.levels_at
 
-    def _chain_graph(self, steps: int):
-        """The head's graph for `steps` chained greedy draft steps (warm-up captures them)."""
-        return self.drafter.chain_graph(steps)
-
     def fused_launch(self, batch, blocks, step: int, capture=None) -> FusedHandle | None:
         """`FusedLauncher.launch`: a fused step for the batch, or None (step-by-step path)."""
         return self.launcher.launch(batch, blocks, step, capture)
