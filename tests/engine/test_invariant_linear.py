@@ -55,10 +55,12 @@ def test_invariant_linear_rows_do_not_depend_on_the_launch(dtype, n, k):
 
 
 def test_tiles_come_from_the_weight_shape_alone():
-    """One tile per weight shape: the one-row GEMV's tiles for a decoder layer's projections
-    (BLOCK_M 1, ROWS rows a program), 16-row tensor-core tiles for an LM head."""
+    """16-row tensor-core tiles from the weight's shape: the decoder layer's projections one
+    tile, an LM head its own."""
+    from engine.ops.invariant import BLOCK_M, LAYER_TILES
+
     for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
-        assert ops.invariant_tiles(n, k) == ops.linear_tiles(1, n, k)
+        assert ops.invariant_tiles(n, k) == (BLOCK_M, *LAYER_TILES) and BLOCK_M == 16
     assert ops.invariant_tiles(49152, 576) == (16, *ops.LOGITS_DOT_TILES)
 
 
