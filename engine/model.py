@@ -130,8 +130,8 @@ class LlamaModel(nn.Module):
         """Same math, residual adds folded into the norms: norm(x + r) also returns x + r.
         Forwards of `prologue_rows` rows also fold each norm into the projection that reads
         it and SiLU-and-mul into down_proj (`ops.prologue_linear`): qkv, rotary+store,
-        attention, o, gate_up, down, each one Triton launch. Deterministic: so do forwards of
-        every row count, through `ops.invariant_linear`."""
+        attention, o, gate_up, down, each one Triton launch. Deterministic: forwards of every
+        row count take `ops.invariant_linear` (the norm or SiLU-and-mul, then the projection)."""
         inv = self.deterministic
         fold = inv or (self.prologue_linears and h.shape[0] in self.prologue_rows)
         taps, res = {}, None
