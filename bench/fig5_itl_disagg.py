@@ -1,6 +1,7 @@
 """Figure 5: inter-token latency of running decodes while long prompts arrive, one engine
 (colocated) against disaggregated: the prefill engine in its own process with the KV over
-UCX (`bench.fig5_process`), and both engines in this process with an in-process copy."""
+UCX, and both engines in this process with an in-process copy. The workload and the prefill
+process live in `bench.fig5_process`; the runs and the figure here."""
 
 from __future__ import annotations
 
@@ -8,18 +9,22 @@ import argparse
 import sys
 import time
 
+from bench import fig5_process as proc  # its timeouts read at call time (--set changes them)
 from bench.common import free_memory, is_cuda, lazy_torch, log, random_engine, ratio, rnd
-from bench.fig5_process import PrefillProcess, fig5_process_row, fig5_ucx_problem
-from bench.fig5_workload import (
+from bench.fig5_process import (
     FIG5_SMOKE,
+    PrefillProcess,
+    UcxLoop,
     Workload,
     fig5_blocks,
     fig5_devices,
     fig5_model,
+    fig5_ucx_problem,
     kv_checksum,
     start_background,
     transfer_summary,
     warm_engine,
+    weights_fingerprint,
 )
 
 
@@ -170,6 +175,124 @@ def copy_kv(src_kv, dst_kv, src_ids, dst_ids, stream=None) -> None:
         dst_kv.index_copy_(2, torch.tensor(dst_ids, device=dst_kv.device), data)
     if stream is not None:
         stream.synchronize()
+
+
+def run_disaggregated_process(args, pp: PrefillProcess, ucx: UcxLoop, rx, dec, w: Workload,
+                              step_limit: int, deadline_s: float) -> dict:
+    """This process is the decode node and the router's clock: each arrival reserves blocks on
+    `dec` and asks the prefill process to fill them over UCX; `dec` admits it once `rx` says
+    the blocks landed. Background streams decode on `dec` throughout; this loop is measured."""
+    plen = args.fig5_prompt_len
+    pending: dict = {}  # rid -> (future of rx.recv_blocks, Handoff, transfer stats)
+    reserved: dict[str, list[int]] = {}
+    transfers: list[dict] = []
+
+    def handle(msg) -> None:
+        kind, rid = msg[0], msg[1]
+        if kind == "out":  # the long request's first token, straight from prefill
+            _, _, toks, t, finished = msg
+            w.tokens.setdefault(rid, []).extend(toks)
+            if toks and rid not in w.first:
+                w.first[rid] = t
+            if finished:  # done at its first token: nothing will arrive
+                w.done[rid] = t
+                dec.release(rid)
+        elif kind == "handoff":
+            _, _, h, st = msg
+            pending[rid] = (ucx.submit(rx.recv_blocks(rid, proc.FIG5_UCX_TIMEOUT_S)), h, st)
+        else:
+            raise RuntimeError(f"unexpected message from the prefill process: {msg[:2]}")
+
+    steps = start_background(dec, w)
+    while not w.finished() and steps < step_limit and time.perf_counter() - w.t0 < deadline_s:
+        for rid, _ in w.due(time.perf_counter()):
+            reserved[rid] = dec.reserve(rid, plen)
+            pp.send(("prefill", rid, int(rid.removeprefix("long")), reserved[rid]))
+        for msg in pp.messages():
+            handle(msg)
+        for rid, (fut, h, st) in list(pending.items()):
+            if fut.done():
+                del pending[rid]
+                fut.result()  # a transfer the receiver failed fails the figure
+                same = None
+                if w.check_kv:  # before admit: decoding appends to the last block
+                    blocks = reserved[rid][: st["blocks"]]
+                    same = kv_checksum(dec.kv_cache, blocks) == st["src_checksum"]
+                dec.admit(h)
+                t = time.perf_counter()
+                transfers.append({"request_id": rid, "blocks": st["blocks"],
+                                  "bytes": st["bytes"], "seconds": rnd(st["seconds"], 5),
+                                  "gb_s": rnd(st["bytes"] / max(st["seconds"], 1e-9) / 1e9, 2),
+                                  "first_token_to_admit_ms": rnd(
+                                      (t - st["first_token_at"]) * 1e3),
+                                  "kv_identical": same, "path": st.get("path")})
+        if dec.has_unfinished():
+            w.record(dec.step(), time.perf_counter())
+            steps += 1
+        else:
+            time.sleep(0.0002)
+    t_end = time.perf_counter()
+    for rid in list(dec.seqs) + list(dec.reserved):
+        dec.abort(rid)
+    for rid, (fut, _, _) in pending.items():
+        fut.cancel()
+        rx.inbox.discard(rid)
+    out = w.summary(t_end)
+    out["decode_steps"] = steps
+    out["complete"] = w.finished()
+    out["kv_transfers"] = transfer_summary(transfers)
+    out["kv_transfer_rows"] = transfers
+    return out
+
+
+def fig5_process_row(args, res: dict, dec, w: Workload, pp: PrefillProcess, dev_prefill: str,
+                     batches) -> tuple[dict, Workload]:
+    """Start the UCX receiver on `dec`'s cache, let the prefill process build and connect,
+    warm the link with one transfer, then measure. Everything it started is closed here."""
+    from kvtransfer.factory import make_transport
+    from kvtransfer.layout import BlockLayout
+
+    torch = lazy_torch()
+    layout = BlockLayout.from_engine_config(dec.config)
+    ucx = UcxLoop()
+    rx = make_transport("ucx", layout, dec.kv_cache)
+    started = False
+    try:
+        ucx.run(rx.start())
+        started = True
+        pp.send(("go", rx.address))  # the child builds its engine while we warm ours
+        res["graphs"]["decode"] = warm_engine(dec, w, batches)
+        ready = pp.expect("ready", proc.FIG5_CHILD_TIMEOUT_S)[1]
+        res["graphs"]["prefill"] = ready["graphs"]
+        same = ready.pop("fingerprint") == weights_fingerprint(dec)
+        res["prefill_process"] = {**ready, "weights_identical_to_decode": same}
+        log(f"fig 5: prefill process {ready['pid']} ready on {dev_prefill} "
+            f"({ready['build_and_warm_s']} s); same weights: {same}")
+        blocks = dec.reserve("warm", args.fig5_prompt_len)
+        pp.send(("warm", blocks))
+        warm = pp.expect("warmed", proc.FIG5_UCX_TIMEOUT_S)[1]
+        ucx.run(rx.recv_blocks("warm", proc.FIG5_UCX_TIMEOUT_S))
+        dec.release("warm")
+        res["prefill_process"]["warmup_transfer"] = {
+            "blocks": warm["blocks"], "bytes": warm["bytes"],
+            "ms": rnd(warm["seconds"] * 1e3)}
+        if torch.device(dec.config.device).type == "cuda":
+            torch.cuda.synchronize(dec.config.device)
+        log("fig 5: disaggregated (separate processes, UCX)")
+        w2 = Workload(args, dec.config.model.vocab_size)
+        row = run_disaggregated_process(args, pp, ucx, rx, dec, w2, args.fig5_step_limit,
+                                        args.fig5_deadline_s)
+        row["path"] = "processes+ucx"
+        return row, w2
+    finally:
+        exitcode = pp.close()
+        res.setdefault("prefill_process", {}).update(exit_code=exitcode, bye=pp.bye)
+        if started:
+            try:
+                ucx.run(rx.close(), 15)
+            except Exception as e:  # noqa: BLE001
+                res["prefill_process"]["receiver_close"] = f"{type(e).__name__}: {e}"
+        ucx.close()
 
 
 def fig5_in_process_row(args, res: dict, dec, w: Workload, dev_prefill: str, batches):

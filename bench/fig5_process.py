@@ -1,28 +1,203 @@
-"""Figure 5's product path: the prefill engine in a spawned process, its KV shipped over UCX
-into blocks the decode engine in this process reserved, as the nodes do."""
+"""Figure 5's workload and its prefill process: background decode streams, long prompts
+arriving on a clock and the inter-token latency summary (shared by the colocated, in-process
+and separate-process runs), and the prefill engine in a spawned process shipping its KV over
+UCX into blocks the decode engine reserved, as the nodes do."""
 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 import traceback
 
-from bench.common import lazy_torch, log, random_engine, rnd
-from bench.fig5_workload import (
-    Workload,
-    fig5_blocks,
-    fig5_model,
-    kv_checksum,
-    start_background,
-    transfer_summary,
-    warm_engine,
-    weights_fingerprint,
-)
+from bench.common import is_cuda, lazy_torch, precapture, random_engine, rnd
+from engine.testing import llama8b_shape
 
 FIG5_CHILD_TIMEOUT_S = 120.0  # the prefill process: start, build, warm, connect
 
 
 FIG5_UCX_TIMEOUT_S = 60.0
+
+
+def pct(xs: list[float], q: float):
+    """Nearest-rank percentile (q in 0..100)."""
+    import math
+
+    if not xs:
+        return None
+    ys = sorted(xs)
+    return ys[max(0, math.ceil(q / 100 * len(ys)) - 1)]
+
+
+def itl_summary(gaps_s: list[float]) -> dict:
+    ms = [g * 1e3 for g in gaps_s]
+    return {"count": len(ms), "p50_ms": rnd(pct(ms, 50)), "p90_ms": rnd(pct(ms, 90)),
+            "p99_ms": rnd(pct(ms, 99)), "max_ms": rnd(max(ms) if ms else None),
+            "mean_ms": rnd(statistics.mean(ms) if ms else None)}
+
+
+class Workload:
+    """Background decode streams that keep running, and long prompts arriving on a clock.
+    Records when each background stream got each token (host time after the step)."""
+
+    def __init__(self, args, vocab: int):
+        import random
+
+        from engine import SamplingParams
+
+        rng = random.Random(0)
+        self.streams, self.arrivals = args.fig5_streams, args.fig5_arrivals
+        self.interval = args.fig5_interval_ms / 1e3
+        self.short = [[rng.randrange(vocab) for _ in range(args.fig5_short_len)]
+                      for _ in range(self.streams)]
+        self.long = [[rng.randrange(vocab) for _ in range(args.fig5_prompt_len)]
+                     for _ in range(self.arrivals)]
+        self.bg_params = SamplingParams(temperature=0, max_tokens=args.fig5_max_steps,
+                                        ignore_eos=True)
+        self.long_params = SamplingParams(temperature=0, max_tokens=args.fig5_long_tokens,
+                                          ignore_eos=True)
+        self.stamps: dict[str, list[float]] = {f"bg{i}": [] for i in range(self.streams)}
+        self.arrived: dict[str, float] = {}
+        self.first: dict[str, float] = {}  # long request -> time of its first token
+        self.done: dict[str, float] = {}  # long request -> time it finished decoding
+        self.tokens: dict[str, list[int]] = {}  # long request -> its output tokens
+        self.t0 = None
+        self.check_kv = bool(getattr(args, "fig5_check_kv", False))
+
+    def record(self, outs, t: float) -> None:
+        for o in outs:
+            rid = o.request_id
+            if rid in self.stamps and o.token_ids:
+                self.stamps[rid].append(t)
+            elif rid in self.arrived:
+                self.tokens.setdefault(rid, []).extend(o.token_ids)
+                if rid not in self.first and o.token_ids:
+                    self.first[rid] = t
+                if o.finished:
+                    self.done[rid] = t
+
+    def warm(self) -> bool:
+        return all(len(v) >= 8 for v in self.stamps.values())
+
+    def due(self, now: float) -> list[tuple[str, list[int]]]:
+        """Long prompts whose arrival time has come and that were not added yet."""
+        out = []
+        for i in range(len(self.arrived), self.arrivals):
+            rid = f"long{i}"
+            if now < self.t0 + i * self.interval:
+                break
+            self.arrived[rid] = now
+            out.append((rid, self.long[i]))
+        return out
+
+    def finished(self) -> bool:
+        return len(self.done) == self.arrivals
+
+    def summary(self, t_end: float) -> dict:
+        quiet, busy = [], []
+        for ts in self.stamps.values():
+            for a, b in zip(ts, ts[1:]):
+                (busy if self.t0 <= b <= t_end else quiet if b < self.t0 else []).append(b - a)
+        ttft = [self.first[r] - self.arrived[r] for r in self.first]
+        return {"itl_while_prompts_arrive": itl_summary(busy),
+                "itl_before_arrivals": itl_summary(quiet),
+                "window_s": rnd(t_end - self.t0),
+                "long_ttft_ms": {"p50": rnd(pct([x * 1e3 for x in ttft], 50)),
+                                 "max": rnd(max(ttft) * 1e3 if ttft else None),
+                                 "all": [rnd(x * 1e3, 1) for x in ttft]},
+                "background_tokens_in_window": len(busy),
+                "background_tokens_per_stream": {r: len(ts) for r, ts in self.stamps.items()}}
+
+
+FIG5_SMOKE = {"fig5_model": "tiny", "fig5_streams": 2, "fig5_short_len": 32,
+              "fig5_arrivals": 2, "fig5_prompt_len": 128, "fig5_interval_ms": 50.0,
+              "fig5_long_tokens": 8, "fig5_max_steps": 400, "fig5_step_limit": 2000,
+              "fig5_check_kv": True}
+
+
+def fig5_model(args, prompt_len: int):
+    from engine.config import tiny_config
+
+    need = max(prompt_len + args.fig5_long_tokens, args.fig5_short_len + args.fig5_max_steps)
+    max_pos = -(-(need + 64) // 256) * 256
+    if args.fig5_model == "tiny":
+        return tiny_config(max_position=max_pos, vocab_size=256, name="tiny (random)")
+    return llama8b_shape(max_position=max_pos)
+
+
+def fig5_blocks(args) -> int:
+    per_bg = -(-(args.fig5_short_len + args.fig5_max_steps + 16) // 16)
+    per_long = -(-(args.fig5_prompt_len + args.fig5_long_tokens + 16) // 16)
+    # + one long prompt's worth: the transport warm-up transfer lands in reserved blocks
+    return args.fig5_streams * per_bg + (args.fig5_arrivals + 1) * per_long + 64
+
+
+def fig5_devices(args) -> tuple[str, str]:
+    """(decode, prefill): the decode engine (and the colocated one) on GPU 0, the prefill
+    engine on GPU 1; on a CPU both are the CPU (a smoke test of the mechanics)."""
+    return ("cuda:0", "cuda:1") if is_cuda(args) else (args.device, args.device)
+
+
+def weights_fingerprint(eng) -> list[float]:
+    """A strided sample of every weight, summed per tensor: equal lists mean the two engines
+    (built in two processes from the same seed) hold the same random weights."""
+    torch = lazy_torch()
+    with torch.no_grad():
+        return [float(p.detach().reshape(-1)[::4099].double().sum())
+                for p in eng.model.parameters()]
+
+
+def kv_checksum(kv, ids) -> int:
+    """Exact, order-sensitive fingerprint of blocks `ids` of a KV tensor (all layers, K and
+    V): the raw bits as 16-bit integers, summed per block, weighted by the block's position.
+    (Random tiny models decode nearly the same tokens from any context: equal outputs alone
+    would not show that the right KV arrived.)"""
+    torch = lazy_torch()
+    idx = torch.tensor(list(ids), dtype=torch.long, device=kv.device)
+    bits = kv.index_select(2, idx).view(torch.int16).to(torch.int64)
+    per_block = bits.sum(dim=(0, 1, 3, 4, 5))
+    weight = torch.arange(1, len(ids) + 1, dtype=torch.int64, device=kv.device)
+    return int((per_block * weight).sum())
+
+
+def warm_engine(eng, w: Workload, batch_sizes) -> str:
+    """Capture the decode graphs and JIT the prefill kernels once, outside the measurement."""
+    note = precapture(eng, batch_sizes)  # with the split-KV variants: 8k contexts
+    eng.generate([w.long[0]], w.long_params)
+    return note
+
+
+def start_background(eng, w: Workload) -> int:
+    """Start the background decode streams and step them until warm (32 steps at least);
+    the measured window starts now. Returns the steps taken."""
+    for i, p in enumerate(w.short):
+        eng.add_request(p, w.bg_params, request_id=f"bg{i}")
+    steps = 0
+    while not w.warm() or steps < 32:
+        w.record(eng.step(), time.perf_counter())
+        steps += 1
+    w.t0 = time.perf_counter()
+    return steps
+
+
+def transfer_summary(rows: list[dict]) -> dict:
+    if not rows:
+        return {"count": 0}
+    secs = [r["seconds"] for r in rows]
+    total_b, total_s = sum(r["bytes"] for r in rows), sum(secs)
+    out = {"count": len(rows), "bytes_total": total_b, "seconds_total": rnd(total_s, 4),
+           "median_ms": rnd(statistics.median(secs) * 1e3),
+           "max_ms": rnd(max(secs) * 1e3),
+           "gb_s_overall": rnd(total_b / total_s / 1e9, 2) if total_s else None}
+    paths = [r["path"] for r in rows if r.get("path")]
+    if paths:  # how the blocks travelled (kvtransfer's pull, direct or staged path)
+        out["paths"] = {p: paths.count(p) for p in sorted(set(paths))}
+    checked = [r["kv_identical"] for r in rows if r.get("kv_identical") is not None]
+    out["kv_identical"] = f"{sum(checked)}/{len(checked)}" if checked else "not checked"
+    if rows[0].get("first_token_to_admit_ms") is not None:
+        lat = [r["first_token_to_admit_ms"] for r in rows]
+        out["first_token_to_admit_ms"] = {"p50": rnd(pct(lat, 50)), "max": rnd(max(lat))}
+    return out
 
 
 def fig5_ucx_problem(kind: str):
@@ -262,121 +437,3 @@ class PrefillProcess:
             self.proc.join(10)
         self.pipe.close()
         return self.proc.exitcode
-
-
-def run_disaggregated_process(args, pp: PrefillProcess, ucx: UcxLoop, rx, dec, w: Workload,
-                              step_limit: int, deadline_s: float) -> dict:
-    """This process is the decode node and the router's clock: each arrival reserves blocks on
-    `dec` and asks the prefill process to fill them over UCX; `dec` admits it once `rx` says
-    the blocks landed. Background streams decode on `dec` throughout; this loop is measured."""
-    plen = args.fig5_prompt_len
-    pending: dict = {}  # rid -> (future of rx.recv_blocks, Handoff, transfer stats)
-    reserved: dict[str, list[int]] = {}
-    transfers: list[dict] = []
-
-    def handle(msg) -> None:
-        kind, rid = msg[0], msg[1]
-        if kind == "out":  # the long request's first token, straight from prefill
-            _, _, toks, t, finished = msg
-            w.tokens.setdefault(rid, []).extend(toks)
-            if toks and rid not in w.first:
-                w.first[rid] = t
-            if finished:  # done at its first token: nothing will arrive
-                w.done[rid] = t
-                dec.release(rid)
-        elif kind == "handoff":
-            _, _, h, st = msg
-            pending[rid] = (ucx.submit(rx.recv_blocks(rid, FIG5_UCX_TIMEOUT_S)), h, st)
-        else:
-            raise RuntimeError(f"unexpected message from the prefill process: {msg[:2]}")
-
-    steps = start_background(dec, w)
-    while not w.finished() and steps < step_limit and time.perf_counter() - w.t0 < deadline_s:
-        for rid, _ in w.due(time.perf_counter()):
-            reserved[rid] = dec.reserve(rid, plen)
-            pp.send(("prefill", rid, int(rid.removeprefix("long")), reserved[rid]))
-        for msg in pp.messages():
-            handle(msg)
-        for rid, (fut, h, st) in list(pending.items()):
-            if fut.done():
-                del pending[rid]
-                fut.result()  # a transfer the receiver failed fails the figure
-                same = None
-                if w.check_kv:  # before admit: decoding appends to the last block
-                    blocks = reserved[rid][: st["blocks"]]
-                    same = kv_checksum(dec.kv_cache, blocks) == st["src_checksum"]
-                dec.admit(h)
-                t = time.perf_counter()
-                transfers.append({"request_id": rid, "blocks": st["blocks"],
-                                  "bytes": st["bytes"], "seconds": rnd(st["seconds"], 5),
-                                  "gb_s": rnd(st["bytes"] / max(st["seconds"], 1e-9) / 1e9, 2),
-                                  "first_token_to_admit_ms": rnd(
-                                      (t - st["first_token_at"]) * 1e3),
-                                  "kv_identical": same, "path": st.get("path")})
-        if dec.has_unfinished():
-            w.record(dec.step(), time.perf_counter())
-            steps += 1
-        else:
-            time.sleep(0.0002)
-    t_end = time.perf_counter()
-    for rid in list(dec.seqs) + list(dec.reserved):
-        dec.abort(rid)
-    for rid, (fut, _, _) in pending.items():
-        fut.cancel()
-        rx.inbox.discard(rid)
-    out = w.summary(t_end)
-    out["decode_steps"] = steps
-    out["complete"] = w.finished()
-    out["kv_transfers"] = transfer_summary(transfers)
-    out["kv_transfer_rows"] = transfers
-    return out
-
-
-def fig5_process_row(args, res: dict, dec, w: Workload, pp: PrefillProcess, dev_prefill: str,
-                     batches) -> tuple[dict, Workload]:
-    """Start the UCX receiver on `dec`'s cache, let the prefill process build and connect,
-    warm the link with one transfer, then measure. Everything it started is closed here."""
-    from kvtransfer.factory import make_transport
-    from kvtransfer.layout import BlockLayout
-
-    torch = lazy_torch()
-    layout = BlockLayout.from_engine_config(dec.config)
-    ucx = UcxLoop()
-    rx = make_transport("ucx", layout, dec.kv_cache)
-    started = False
-    try:
-        ucx.run(rx.start())
-        started = True
-        pp.send(("go", rx.address))  # the child builds its engine while we warm ours
-        res["graphs"]["decode"] = warm_engine(dec, w, batches)
-        ready = pp.expect("ready", FIG5_CHILD_TIMEOUT_S)[1]
-        res["graphs"]["prefill"] = ready["graphs"]
-        same = ready.pop("fingerprint") == weights_fingerprint(dec)
-        res["prefill_process"] = {**ready, "weights_identical_to_decode": same}
-        log(f"fig 5: prefill process {ready['pid']} ready on {dev_prefill} "
-            f"({ready['build_and_warm_s']} s); same weights: {same}")
-        blocks = dec.reserve("warm", args.fig5_prompt_len)
-        pp.send(("warm", blocks))
-        warm = pp.expect("warmed", FIG5_UCX_TIMEOUT_S)[1]
-        ucx.run(rx.recv_blocks("warm", FIG5_UCX_TIMEOUT_S))
-        dec.release("warm")
-        res["prefill_process"]["warmup_transfer"] = {
-            "blocks": warm["blocks"], "bytes": warm["bytes"],
-            "ms": rnd(warm["seconds"] * 1e3)}
-        if torch.device(dec.config.device).type == "cuda":
-            torch.cuda.synchronize(dec.config.device)
-        log("fig 5: disaggregated (separate processes, UCX)")
-        w2 = Workload(args, dec.config.model.vocab_size)
-        row = run_disaggregated_process(args, pp, ucx, rx, dec, w2, args.fig5_step_limit,
-                                        args.fig5_deadline_s)
-        row["path"] = "processes+ucx"
-        return row, w2
-    finally:
-        exitcode = pp.close()
-        res.setdefault("prefill_process", {}).update(exit_code=exitcode, bye=pp.bye)
-        if started:
-            try:
-                ucx.run(rx.close(), 15)
-            except Exception as e:  # noqa: BLE001
-                res["prefill_process"]["receiver_close"] = f"{type(e).__name__}: {e}"
-        ucx.close()

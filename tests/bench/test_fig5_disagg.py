@@ -102,8 +102,7 @@ def test_every_prompt_s_kv_was_shipped_and_accounted(fig5):
 def test_a_failing_prefill_process_raises_and_leaves_no_child():
     """The child's traceback reaches the parent, and close() leaves no process behind."""
     from bench import suite
-    from bench.fig5_process import PrefillProcess
-    from bench.fig5_workload import FIG5_SMOKE
+    from bench.fig5_process import FIG5_SMOKE, PrefillProcess
 
     p = argparse.ArgumentParser()
     suite.add_arguments(p)
