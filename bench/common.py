@@ -1,5 +1,6 @@
 """Helpers the benchmark figures share: logging, the environment record, ratios and rounding,
-graph pre-capture, the SmolLM2 engines and random-weight ones, speculation counters."""
+graph pre-capture, the SmolLM2 engines and random-weight ones, speculation counters, and ways
+to run prompts (each alone, arriving apart, handed from a prefill engine to a decode one)."""
 
 from __future__ import annotations
 
@@ -321,6 +322,49 @@ def acceptance(before: tuple[int, int], after: tuple[int, int]):
 def first_diff(a: list[int], b: list[int]):
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
                 None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def single(args, eng, prompts, params) -> tuple[list[list[int]], float]:
+    """Each prompt alone (params: one, or one per prompt): its tokens, and the seconds all took."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    sync(args)
+    t0 = time.perf_counter()
+    outs = [eng.generate([p], sp)[0].token_ids for p, sp in zip(prompts, plist)]
+    sync(args)
+    return outs, time.perf_counter() - t0
+
+
+def staggered(eng, prompts, params, every: int) -> list[list[int]]:
+    """All prompts as concurrent streams, one arriving every `every` engine steps (at once
+    when nothing runs); their tokens, in arrival order."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    pending, seqs, step = list(zip(prompts, plist)), [], 0
+    while pending or eng.has_unfinished():
+        if pending and (step % every == 0 or not eng.has_unfinished()):
+            seqs.append(eng.seqs[eng.add_request(*pending.pop(0))])
+        eng.step()
+        step += 1
+    return [s.output_ids for s in seqs]
+
+
+def handed_off(pre, dec, prompt, params) -> list[int]:
+    """One prompt prefilled on `pre`, its KV blocks copied into blocks `dec` reserved, decoded
+    on `dec` (in process, as a prefill node hands a request to a decode node)."""
+    rid = pre.add_request(prompt, params, hold=True)
+    out: list[int] = []
+    while pre.has_unfinished() or dec.has_unfinished():
+        for o in pre.step():
+            out += o.token_ids
+            if o.handoff:
+                h = pre.export_handoff(rid)
+                dst = dec.reserve(rid, h.num_computed)
+                src = pre.held_blocks(rid)[:len(dst)]
+                dec.kv_cache[:, :, dst] = pre.kv_cache[:, :, src].to(dec.kv_cache)
+                pre.release(rid)
+                dec.admit(h)
+        for o in dec.step():
+            out += o.token_ids
+    return out
 
 
 def timed_ms(fn, reps: int, warmup: int = 3) -> list[float]:

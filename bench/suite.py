@@ -13,6 +13,9 @@ Figures (`figN_<name>.json` in --out, plus a PNG when matplotlib imports):
 4. kv_transfer    KV movement between two GPUs: peer copy, in-process transport, UCX.
 5. itl_disagg     P50/P99 inter-token latency of decodes while long prompts arrive:
                   colocated vs prefill in its own process on GPU 1, KV over UCX.
+6. deterministic  SmolLM2 output identical to a lone no-speculation run across speculation,
+                  streams, prefix cache, chunking, disaggregation, sampling and a restart,
+                  deterministic mode beside the default; its cost in tokens/s.
 
 Each figure records its command, date, GPU, versions and numbers; a failing figure records
 its traceback and the next still runs.
@@ -48,6 +51,7 @@ from bench.fig3_concurrency import (  # noqa: F401 - window_*: read from here by
 )
 from bench.fig4_kv_transfer import fig_kv_transfer, plot_kv
 from bench.fig5_itl_disagg import fig_itl_disagg, plot_itl
+from bench.fig6_deterministic import fig_deterministic, plot_deterministic
 
 FIGURES = {
     1: ("single_stream", fig_single_stream, plot_single_stream),
@@ -55,13 +59,15 @@ FIGURES = {
     3: ("concurrency", fig_concurrency, plot_concurrency),
     4: ("kv_transfer", fig_kv_transfer, plot_kv),
     5: ("itl_disagg", fig_itl_disagg, plot_itl),
+    6: ("deterministic", fig_deterministic, plot_deterministic),
 }
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--figures", default="1,2,3,4,5",
                    help="comma-separated figure numbers: 1 single_stream, 2 llama8b_shape, "
-                        "3 concurrency, 4 kv_transfer, 5 itl_disagg (default: all)")
+                        "3 concurrency, 4 kv_transfer, 5 itl_disagg, 6 deterministic "
+                        "(default: 1-5)")
     p.add_argument("--out", default="bench/results", help="folder for figN_<name>.json/.png")
     p.add_argument("--model", default=None,
                    help="SmolLM2 .gguf file or HF folder (default: the embedded model)")
@@ -152,6 +158,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fig5-smoke", action="store_true",
                    help="tiny sizes (tiny random model, 2 streams, 2 prompts of 128 tokens): "
                         "a smoke test of the mechanics, e.g. with --device cpu")
+    g = p.add_argument_group("figure 6 (deterministic mode against the default)")
+    g.add_argument("--fig6-prompts", type=int, default=32,
+                   help="held-out code-completion prompts (stdlib signatures + docstrings)")
+    g.add_argument("--fig6-tokens", type=int, default=256,
+                   help="greedy tokens of the references, speculation rows and restart")
+    g.add_argument("--fig6-short-tokens", type=int, default=128,
+                   help="tokens of the stream, cache, chunking, disaggregation and sampling rows")
+    g.add_argument("--fig6-min-len", type=int, default=64, help="shortest prompt, about")
+    g.add_argument("--fig6-max-len", type=int, default=2048, help="longest prompt, about")
+    g.add_argument("--fig6-streams", default="64,8", metavar="MANY,FEW",
+                   help="concurrent streams of the stream rows and the cost table")
+    g.add_argument("--fig6-stagger", type=int, default=2,
+                   help="engine steps between arrivals in the stream rows")
+    g.add_argument("--fig6-chunk", type=int, default=96,
+                   help="max_num_batched_tokens of the chunked-prefill row")
+    g.add_argument("--fig6-seed", type=int, default=1234, help="seed of prompt 0 (i: +i)")
+    g.add_argument("--fig6-ks", default="1,2,3,4,5,6,7", help="EAGLE-3 fixed K rows")
+    g.add_argument("--fig6-cost-prompts", type=int, default=8,
+                   help="prompts of the cost table's one-stream measure")
+    g.add_argument("--fig6-cost-reps", type=int, default=2)
+    g.add_argument("--fig6-deadline-s", type=float, default=390.0,
+                   help="start no comparison after this many seconds (skipped ones are listed)")
+    g.add_argument("--fig6-smoke", action="store_true",
+                   help="tiny sizes on a tiny random model: a smoke test, e.g. --device cpu")
 
 
 def run(args) -> int:
