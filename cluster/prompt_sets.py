@@ -2,7 +2,13 @@
 Python standard library's documentation and templated chat, code and JSON requests. Generated
 once and kept in `FROZEN` so every machine splits the same prompts the same way.
 
+`domains()` adds per-domain sets, each a training and a held-out side drawn from disjoint
+sources (`cluster/prompt_domains.py`, kept in `prompt_domains.DOMAINS_FROZEN`): code
+completion, multi-turn chat, JSON output, summarization of long inputs, math word problems,
+and the general set above. `mix("code:800,chat,...")` is a training mix of them.
+
     python -m cluster.prompt_sets --out assets/prompt_sets.json.gz   # generate again
+    python -m cluster.prompt_sets --domains-out assets/prompt_domains.json.gz   # the domains
 """
 
 from __future__ import annotations
@@ -203,6 +209,42 @@ def unseen(held_out: list[str], *train_sets: list[str]) -> list[str]:
     return [p for p in held_out if (m := mentions(p)) and not m & seen]
 
 
+DOMAINS = ("code", "chat", "json", "summarize", "math", "general")
+
+
+def domains(path: str | None = None) -> dict[str, tuple[list[list[dict]], list[list[dict]]]]:
+    """{domain: (train, held out)} as chat-message lists, from the kept files. "general": the
+    extended set's training prompts with the name split, and `build()`'s held-out prompts
+    (the benchmarks' split, unchanged)."""
+    from cluster import prompt_domains
+
+    kept = prompt_domains.frozen(path or prompt_domains.DOMAINS_FROZEN)["domains"]
+    out = {d: (kept[d]["train"], kept[d]["held_out"]) for d in DOMAINS if d in kept}
+    user = lambda ps: [[{"role": "user", "content": p}] for p in ps]  # noqa: E731
+    out["general"] = (user(build(extended=True, name_split=True)[0]), user(build()[1]))
+    return out
+
+
+def mix(spec: str, path: str | None = None, seed: int = 0
+        ) -> tuple[list[list[dict]], dict[str, list[list[dict]]]]:
+    """The training messages of a domain mix, "code:800,chat,general:2000" (a domain alone:
+    all its training prompts; domain:N its first N), shuffled together by `seed`; and each
+    named domain's held-out messages."""
+    sets = domains(path)
+    train, held = [], {}
+    for part in spec.split(","):
+        name, _, count = part.strip().partition(":")
+        if name not in sets or name in held:
+            raise ValueError(f"domain {name!r} unknown or named twice: pick from {DOMAINS}")
+        tr, held[name] = sets[name]
+        n = int(count) if count.isdigit() else 0 if count else len(tr)
+        if not 0 < n <= len(tr):
+            raise ValueError(f"domain {name}: {count} prompts asked, 1..{len(tr)} held")
+        train += tr[:n]
+    random.Random(seed).shuffle(train)
+    return train, held
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -212,7 +254,16 @@ def main(argv=None) -> int:
     p.add_argument("--no-torch", action="store_true",
                    help="do not import torch first (every user of the sets imports it, and "
                         "it changes what inspect reports)")
+    p.add_argument("--domains-out", default=None, metavar="PATH",
+                   help="generate the prompt domains (`domains()`) into PATH instead")
     args = p.parse_args(argv)
+    if args.domains_out:
+        from cluster import prompt_domains
+
+        kept = prompt_domains.write(args.domains_out)["domains"]
+        print(f"{args.domains_out}: " + ", ".join(
+            f"{d} {len(v['train'])} / {len(v['held_out'])}" for d, v in kept.items()))
+        return 0
     if not args.no_torch:
         import torch  # noqa: F401
     sets = write(args.out)
