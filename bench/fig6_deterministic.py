@@ -24,6 +24,7 @@ from bench.common import (
     free_memory,
     handed_off,
     head_summary,
+    lazy_torch,
     load_smol,
     log,
     ngram,
@@ -195,8 +196,11 @@ def restarted(args, prompts, n: int, timeout: float) -> dict[str, list[str]]:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
+        # The same thread count: on a CPU it may change how a reduction splits.
+        env = {**os.environ, "OMP_NUM_THREADS": str(lazy_torch().get_num_threads())}
         proc = subprocess.run([sys.executable, "-m", "bench.fig6_deterministic", f.name],
-                              cwd=root, capture_output=True, text=True, timeout=timeout)
+                              cwd=root, env=env, capture_output=True, text=True,
+                              timeout=timeout)
     finally:
         os.unlink(f.name)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(DIGESTS)]
