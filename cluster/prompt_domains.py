@@ -138,7 +138,7 @@ def _pack(parts: list[str], lo: int, hi: int) -> list[str]:
     not nearly all ASCII, which take more tokens a character, skipped)."""
     pages, cur = [], ""
     for p in parts:
-        if sum(not c.isascii() for c in p) > len(p) // 200:
+        if len(p.encode()) - len(p) > len(p) // 100:  # UTF-8's extra bytes
             continue
         if len(cur) + len(p) > hi:
             if len(cur) >= lo:
@@ -197,10 +197,10 @@ def held_sources(by_source: list[dict], need: list[int], cap: int) -> set[str]:
 
 
 def split(by_source: dict, held: set[str], sizes: tuple[int, int], cap: int, seed: int
-          ) -> tuple[list, list]:
-    """(train, held out) of one domain: up to `cap` prompts of each held source on one side,
-    the other sources' prompts on the other, no text on both; each side shuffled and cut to
-    its size."""
+          ) -> dict[str, list]:
+    """One domain's {"train", "held_out"} messages and the source of each ("train_sources",
+    "held_out_sources"): up to `cap` prompts of each held source on one side, the other
+    sources' prompts on the other, no text on both; each side shuffled and cut to its size."""
     def msgs(p):
         return [{"role": "user", "content": p}] if isinstance(p, str) else p
 
@@ -212,29 +212,35 @@ def split(by_source: dict, held: set[str], sizes: tuple[int, int], cap: int, see
             random.Random(f"{seed}:{s}").shuffle(got)
             got = got[:cap]
         for m in got:
-            side[s in held].setdefault(key(m), m)
-    train = [m for k, m in side[False].items() if k not in side[True]]
-    out = []
-    for part, n in ((train, sizes[0]), (list(side[True].values()), sizes[1])):
+            side[s in held].setdefault(key(m), (s, m))
+    train = [v for k, v in side[False].items() if k not in side[True]]
+    out = {}
+    for name, part, n in (("train", train, sizes[0]),
+                          ("held_out", list(side[True].values()), sizes[1])):
         random.Random(seed).shuffle(part)
-        out.append(part[:n])
-    return out[0], out[1]
+        out[name] = [m for _, m in part[:n]]
+        out[f"{name}_sources"] = [s for s, _ in part[:n]]
+    return out
+
+
+def templated(name: str) -> dict[str, list]:
+    """`split` of a templated domain (chat, json, math): the same on every Python."""
+    fn = {"chat": prompt_templates.chat, "json": prompt_templates.json_tasks,
+          "math": prompt_templates.math_problems}[name]
+    d = fn()
+    cap = PER_SOURCE[name]
+    return split(d, held_sources([d], [SIZES[name][1]], cap), SIZES[name], cap, 0)
 
 
 def generate() -> dict:
-    """Every domain's (train, held out), as this Python builds them, and the sources used."""
+    """Every domain's split, as this Python builds them, and the sources used."""
     code, summ, digests = from_sources()
     held = held_sources([code, summ], [SIZES["code"][1], SIZES["summarize"][1]], MODULE_CAP)
     out = {"code": split(code, held, SIZES["code"], MODULE_CAP, 0),
            "summarize": split(summ, held, SIZES["summarize"], MODULE_CAP, 0)}
-    for name, fn in (("chat", prompt_templates.chat), ("json", prompt_templates.json_tasks),
-                     ("math", prompt_templates.math_problems)):
-        d = fn()
-        cap = PER_SOURCE[name]
-        out[name] = split(d, held_sources([d], [SIZES[name][1]], cap), SIZES[name], cap, 0)
+    out |= {name: templated(name) for name in PER_SOURCE}
     return {"python": sys.version.split()[0], "sources": digests,
-            "held_out_modules": sorted(held),
-            "domains": {k: {"train": t, "held_out": h} for k, (t, h) in sorted(out.items())}}
+            "held_out_modules": sorted(held), "domains": dict(sorted(out.items()))}
 
 
 def write(path: str = DOMAINS_FROZEN, sets: dict | None = None) -> dict:
