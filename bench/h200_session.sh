@@ -22,6 +22,7 @@ M=${MODEL:-/tmp/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 R=/tmp/results/$part
 mkdir -p "$R"
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 UCX_WARN_UNUSED_ENV_VARS=n
+export TANDEM_TEST_MODEL=${TANDEM_TEST_MODEL:-$M}  # the GPU tests that load SmolLM2
 export RAY_USAGE_STATS_ENABLED=0
 nvidia-smi -L > "$R/gpus.txt"
 
