@@ -6,6 +6,16 @@
 3. The head trains with the multi-step "training-time test" unroll (`cluster/eagle3/ttt.py`).
 4. Held-out prompts give per-step accuracy during training and engine acceptance at the end;
    the head is written in the public layout (`engine/spec/head_io.py`).
+
+The prompts: the general set (`--prompt-set`), or a mix of domains (`--domains`, from
+`cluster.prompt_sets.domains()`: code completion, multi-turn chat, JSON, summarization of long
+inputs, math, general), each evaluated on its own held-out side. A run that must fit calls of
+limited time takes `--resume --stop-after SECONDS`: it keeps its records a chunk at a time and
+its training state in --out, and ends with exit status 3 until done; the same command run
+again goes on where the last one stopped, on the same schedule:
+
+    until tandem train-eagle3 --domains code,chat,json,summarize,math,general:3000 \
+        --ignore-eos --out runs/head --resume --stop-after 420; do [ $? = 3 ] || break; done
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from dataclasses import replace
 
 import torch
 
+from cluster.eagle3 import resume
 from cluster.eagle3.loop import head_backend, train
 from cluster.eagle3.records import draft_vocab, load_records, save_records, self_distill
 from cluster.eagle3.ttt import evaluate, expected_acceptance
@@ -29,16 +40,16 @@ from engine.spec.head_io import load_head, save_head
 
 DISTIL_SEQS = 256  # answers self-distilled side by side
 DISTIL_SEQ_TOKENS = 1280  # a prompt and its answer, at most, in the KV pool of self-distillation
+UNFINISHED = 3  # exit status of a run --stop-after ended: the same command goes on from there
 
 
 def run(args) -> int:
     """The CLI entry: self-distil (or load the records), train, evaluate, save."""
-    from cluster import prompt_sets
-
     bad = _refused(args)
     if bad:  # before the model loads and the target answers for minutes
         print(f"error: {bad}")
         return 2
+    stop = _stopper(args)
     torch.manual_seed(args.seed)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     # On a GPU a KV pool for DISTIL_SEQS answers of up to DISTIL_SEQ_TOKENS, not 85% of the
@@ -48,15 +59,18 @@ def run(args) -> int:
                                     enable_prefix_caching=False, max_num_seqs=DISTIL_SEQS,
                                     max_num_batched_tokens=8192,
                                     num_blocks=pool if device.startswith("cuda") else None)
-    train_p, eval_p = prompt_sets.build(args.num_prompts, seed=args.seed,
-                                        extended=args.prompt_set == "extended",
-                                        name_split=args.name_split)
+    train_p, eval_p, held = _prompts(args)
     m = engine.config.model
     t0 = time.perf_counter()
-    tr, ev = _records(args, engine, train_p, eval_p, device)
+    key = _records_key(args, engine, train_p, eval_p)
+    got = _records(args, engine, train_p, eval_p, device, key, stop)
+    if got is None:
+        return _unfinished("self-distillation")
+    tr, ev = got
     t_data = time.perf_counter() - t0
     if args.data_only:
-        print(f"records: {len(tr)} + {len(ev)} in {t_data:.1f} s -> {args.records}")
+        print(f"records: {len(tr)} + {len(ev)} in {t_data:.1f} s -> "
+              f"{args.records or os.path.join(args.out, 'records')}")
         return 0
     init, added = _initial_head(args, engine, tr, device)
     vocab_ids = init.draft_to_target.cpu() if init is not None else \
@@ -82,25 +96,80 @@ def run(args) -> int:
 
         head, info = train(engine, tr, ev, vocab_ids, unroll=args.unroll, epochs=args.epochs,
                            lr=args.lr, batch_size=args.batch_size, log_every=args.log_every,
-                           init=init, max_seconds=args.max_seconds, checkpoint=checkpoint)
+                           init=init, max_seconds=args.max_seconds, checkpoint=checkpoint,
+                           stop=stop, **_resumed(args, key))
+        if info["stopped"]:
+            save_head(head, args.out, dtype=torch.bfloat16, target=m)
+            _write(args.out, {**recipe, **info, "unfinished": True})
+            return _unfinished(f"training at step {info['steps']} of {info['steps_asked']}")
     recipe.update(info)
     save_head(head, args.out, dtype=torch.bfloat16, target=m)
     _write(args.out, recipe)  # the head is safe before the (slower) acceptance runs
-    acc = [engine_acceptance(engine, head, eval_p[: args.eval_prompts], k, args.max_tokens)
-           for k in sorted({1, 3, args.k_eval})]
-    recipe["held_out_engine_acceptance"] = acc
+    ks = sorted({1, 3, args.k_eval})
+    accept = {d: [engine_acceptance(engine, head, ps[: args.eval_prompts], k, args.max_tokens)
+                  for k in ks] for d, ps in (held or {None: eval_p}).items()}
+    recipe["held_out_engine_acceptance"] = accept if held else accept[None]
     _write(args.out, recipe)
-    print(json.dumps({"held_out_engine_acceptance": acc}, indent=2))
+    print(json.dumps({"held_out_engine_acceptance": recipe["held_out_engine_acceptance"]},
+                     indent=2))
     return 0
+
+
+def _prompts(args) -> tuple[list, list, dict | None]:
+    """(training prompts, held-out prompts, {domain: held-out prompts} or None): the domain
+    mix of --domains, else the general set."""
+    from cluster import prompt_sets
+
+    if getattr(args, "domains", None):
+        train_p, held = prompt_sets.mix(args.domains, seed=args.seed)
+        return train_p, [msgs for ps in held.values() for msgs in ps], held
+    train_p, eval_p = prompt_sets.build(args.num_prompts, seed=args.seed,
+                                        extended=args.prompt_set == "extended",
+                                        name_split=args.name_split)
+    return train_p, eval_p, None
+
+
+def _stopper(args):
+    """--stop-after's `stop()`: true once this run has taken that long (None: no limit)."""
+    limit = getattr(args, "stop_after", None)
+    if not limit:
+        return None
+    end = time.monotonic() + limit
+    return lambda: time.monotonic() >= end
+
+
+def _resumed(args, key: dict) -> dict:
+    """With --resume: train()'s state saved in --out by an earlier run of these settings (if
+    any) and the callback that saves it there."""
+    if not getattr(args, "resume", False):
+        return {}
+    path = os.path.join(args.out, "resume.pt")
+    key = {"records": key, **{k: getattr(args, k, None) for k in (
+        "init", "draft_vocab", "unroll", "epochs", "lr", "batch_size", "max_seconds",
+        "log_every")}}
+    state = resume.load_state(path, key)
+    if state is not None:
+        print(f"resuming training at step {state['step']} of {state['plan']}")
+    return {"state": state, "save_state": lambda st: resume.save_state(path, key, st)}
+
+
+def _unfinished(what: str) -> int:
+    print(f"stopped in {what} (--stop-after): run the same command again to go on")
+    return UNFINISHED
 
 
 def _refused(args) -> str | None:
     """Why the CLI's arguments are refused before anything loads (None: they are not)."""
-    if args.data_only and not args.records:
-        return "--data-only needs --records FILE to write the records to"
+    resuming = getattr(args, "resume", False)
+    if args.data_only and not (args.records or resuming):
+        return "--data-only needs --records FILE (or --resume) to write the records to"
     if args.lm_head_only and not args.init:
         return "--lm-head-only fits the LM head of an --init head"
-    bad = _bad_numbers(args)
+    if getattr(args, "stop_after", None) and not resuming:
+        return "--stop-after needs --resume: a run it ends is continued by the next"
+    if resuming and args.lm_head_only:
+        return "--resume does not apply to --lm-head-only (a fit of minutes)"
+    bad = _bad_numbers(args) or _bad_domains(args)
     if bad:
         return bad
     if args.init and not os.path.isfile(os.path.join(args.init, "config.json")):
@@ -108,33 +177,68 @@ def _refused(args) -> str | None:
     return None
 
 
-def _records(args, engine: Engine, train_p: list[str], eval_p: list[str], device: str):
-    """The training and held-out records: loaded from --records where that file exists (and
-    was made from the same prompts, model and length), else self-distilled (and written
-    there when --records is given)."""
+def _bad_domains(args) -> str | None:
+    """What is wrong with --domains, if anything (None: nothing, or no --domains)."""
+    if not getattr(args, "domains", None):
+        return None
+    if args.num_prompts or args.name_split or args.prompt_set != "base":
+        return ("--domains chooses the prompts itself: drop --prompt-set, --name-split and "
+                "--num-prompts (its general domain is the extended set, name split)")
+    from cluster import prompt_sets
+
+    try:
+        prompt_sets.mix(args.domains)
+    except ValueError as e:
+        return f"--domains {args.domains}: {e}"
+    return None
+
+
+def _records_key(args, engine: Engine, train_p: list, eval_p: list) -> dict:
+    """What records are made from: records of another key hold other answers."""
     key = {"target": engine.config.model.name, "prompt_set": args.prompt_set,
            "num_prompts": args.num_prompts, "seed": args.seed, "max_tokens": args.max_tokens,
            "prompts": [len(train_p), len(eval_p)]}
+    if getattr(args, "domains", None):
+        key["domains"] = args.domains
     if args.name_split:  # records made without it hold other prompts
         key["name_split"] = True
     if args.ignore_eos:  # records made without it stop at the answers' ends
         key["ignore_eos"] = True
     if args.sampled:  # records made without it hold greedy answers only
         key["sampled"] = args.sampled
+    return key
+
+
+def _records(args, engine: Engine, train_p: list, eval_p: list, device: str, key: dict,
+             stop=None):
+    """The training and held-out records: loaded from --records where that file exists (and
+    was made from the same `key`), else self-distilled (and written there when --records is
+    given). With --resume each part is self-distilled a chunk at a time into --out/records,
+    where a later run finds the chunks done; None where `stop()` ended it first."""
     if args.records and os.path.exists(args.records):
         tr, ev = load_records(args.records, key)
         print(f"records: {len(tr)} + {len(ev)} from {args.records}")
         return tr, ev
     layers = Eagle3Config.for_target(engine.config.model, 1).aux_layer_ids
     store = torch.bfloat16 if device == "cuda" else torch.float32
-    tr = self_distill(engine, train_p, args.max_tokens, layers, store,
-                      ignore_eos=args.ignore_eos)
+
+    def distil(desc: str, **kw):
+        return lambda ps: self_distill(engine, ps, args.max_tokens, layers, store, desc=desc,
+                                       ignore_eos=args.ignore_eos, **kw)
+
+    parts = [("train", train_p, distil("self-distil"))]
     if args.sampled:  # each training prompt once more, its answer sampled
-        tr += self_distill(engine, train_p, args.max_tokens, layers, store,
-                           desc="self-distil, sampled", ignore_eos=args.ignore_eos,
-                           temperature=args.sampled, seed=args.seed)
-    ev = self_distill(engine, eval_p, args.max_tokens, layers, store, desc="held-out",
-                      ignore_eos=args.ignore_eos)
+        parts.append(("sampled", train_p, distil("self-distil, sampled",
+                                                 temperature=args.sampled, seed=args.seed)))
+    parts.append(("eval", eval_p, distil("held-out")))
+    if getattr(args, "resume", False):
+        folder = os.path.join(args.out, "records")
+        got = [resume.distill_chunks(folder, part, key, ps, fn, stop) for part, ps, fn in parts]
+        if any(g is None for g in got):
+            return None
+    else:
+        got = [fn(ps) for _, ps, fn in parts]
+    tr, ev = [r for g in got[:-1] for r in g], got[-1]
     if args.records:
         save_records(args.records, key, tr, ev)
     return tr, ev
@@ -165,6 +269,9 @@ def _recipe(args, target: str, device: str, train_p, eval_p, tr, vocab_size: int
                     "name_split": args.name_split,
                     "source": "assets/prompt_sets.json.gz (cluster/prompt_sets.py: stdlib "
                               "docs + templated chat/code/JSON)"},
+        **({"domains": args.domains, "domains_source": "assets/prompt_domains.json.gz "
+            "(cluster/prompt_domains.py) + the general set"}
+           if getattr(args, "domains", None) else {}),
         "init": args.init, "records": args.records,
         "responses": f"target greedy, max {args.max_tokens} tokens"
                      + (f", and once more sampled at temperature {args.sampled}"
@@ -178,12 +285,13 @@ def _recipe(args, target: str, device: str, train_p, eval_p, tr, vocab_size: int
     }
 
 
-def engine_acceptance(engine: Engine, head: Eagle3Head, prompts: list[str], k: int,
+def engine_acceptance(engine: Engine, head: Eagle3Head, prompts: list, k: int,
                       max_tokens: int) -> dict:
     """Greedy speculative decoding on `prompts`: acceptance length and per-position rates of
     the head's own drafts (context drafts off: copies from the context are not the head's).
     The engine gets the KV blocks every prompt's answer can fill at once, and no more."""
-    ids = [engine.encode_prompt([{"role": "user", "content": p}]) for p in prompts]
+    ids = [engine.encode_prompt(p if isinstance(p, list) else [{"role": "user", "content": p}])
+           for p in prompts]
     bs = engine.config.block_size
     blocks = sum(-(-(len(i) + max_tokens + k + 1) // bs) for i in ids)
     spec = Engine(replace(engine.config, spec=SpecConfig(num_tokens=k, dynamic=False,
@@ -209,7 +317,8 @@ def _bad_numbers(args) -> str | None:
         v = getattr(args, name, None)
         if v is not None and not v > 0:
             return f"{flag} must be positive, got {v}"
-    for flag, name in {"--max-seconds": "max_seconds", "--num-prompts": "num_prompts"}.items():
+    for flag, name in {"--max-seconds": "max_seconds", "--num-prompts": "num_prompts",
+                       "--stop-after": "stop_after"}.items():
         v = getattr(args, name, None)
         if v is not None and not v > 0:
             return f"{flag} must be positive where given, got {v}"
@@ -228,7 +337,10 @@ def _write(folder: str, recipe: dict) -> None:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("train-eagle3", help="self-distil and train an EAGLE-3 draft head")
+    import argparse
+
+    p = sub.add_parser("train-eagle3", help="self-distil and train an EAGLE-3 draft head",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="target (default: embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output folder (public EAGLE-3 layout)")
     p.add_argument("--device", default=None)
@@ -246,6 +358,22 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-prompts", type=int, default=32)
     p.add_argument("--k-eval", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--domains", default=None, metavar="MIX",
+                   help="train on a mix of prompt domains instead (cluster/prompt_sets.py "
+                        "domains(): code, chat, json, summarize, math, general), e.g. "
+                        "code,chat,json,summarize,math,general:3000: a domain alone takes all "
+                        "its training prompts, domain:N its first N; every named domain's "
+                        "held-out prompts evaluate, engine acceptance is reported per domain; "
+                        "its general domain is the extended set, name split")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the run's state in --out and go on from it: records "
+                        "self-distilled a chunk at a time into --out/records, the training "
+                        "state in --out/resume.pt (every few minutes); the first run takes it "
+                        "too, and later runs need the same arguments")
+    p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
+                   help="with --resume: end this run after about this long, its state saved, "
+                        f"with exit status {UNFINISHED}; the same command again goes on (leave "
+                        "room for loading the model and the final evaluation)")
     p.add_argument("--prompt-set", choices=("base", "extended"), default="base",
                    help="extended: ~3.3x the training prompts (every documentation question, "
                         "more stdlib modules, every template with every filler)")

@@ -25,13 +25,14 @@ def on_device(r: Record, device) -> Record:
     return Record(r.ids.to(device), r.prompt_len, r.aux.to(device), r.hidden.to(device))
 
 
-def self_distill(engine: Engine, prompts: list[str], max_tokens: int, layers: tuple[int, ...],
+def self_distill(engine: Engine, prompts: list, max_tokens: int, layers: tuple[int, ...],
                  store_dtype: torch.dtype, desc: str = "self-distil",
                  ignore_eos: bool = False, temperature: float = 0.0,
                  seed: int | None = None) -> list[Record]:
-    """Generate answers with the target and capture the features of every position (`ignore_eos`:
-    run every answer to max_tokens). temperature > 0: answers sampled (seeded by `seed`) for
-    other contexts; the head still learns the target's next-token law from the hidden states."""
+    """Generate answers with the target to `prompts` (user messages or chat-message lists) and
+    capture the features of every position (`ignore_eos`: run every answer to max_tokens).
+    temperature > 0: answers sampled (seeded by `seed`) for other contexts; the head still
+    learns the target's next-token law from the hidden states."""
     if engine.config.enable_prefix_caching:
         raise ValueError("self-distillation needs every position computed: build the engine "
                          "with enable_prefix_caching=False")
@@ -45,7 +46,7 @@ def self_distill(engine: Engine, prompts: list[str], max_tokens: int, layers: tu
     engine.capture_dtype = store_dtype
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
                             ignore_eos=ignore_eos, seed=seed if temperature > 0 else None)
-    msgs = [[{"role": "user", "content": p}] for p in prompts]
+    msgs = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
     records = []
     try:
         # All prompts queued at once: continuous batching refills a finished answer's slot,
@@ -81,13 +82,20 @@ def draft_vocab(records: list[Record], size: int, vocab: int) -> torch.Tensor:
     return most_frequent(response_counts(records, vocab), size).sort().values
 
 
+def pack(records: list[Record]) -> list[dict]:
+    """Records as plain dicts of tensors, for `torch.save` (`unpack` reads them back)."""
+    return [{"ids": r.ids, "prompt_len": r.prompt_len, "aux": r.aux, "hidden": r.hidden}
+            for r in records]
+
+
+def unpack(packed: list[dict]) -> list[Record]:
+    return [Record(**r) for r in packed]
+
+
 def save_records(path: str, key: dict, train_records: list[Record],
                  eval_records: list[Record]) -> None:
     """Self-distilled records to a file, with what they were made from (`key`), so that
     training can run apart from the generation (another process, another device call)."""
-    def pack(rs):
-        return [{"ids": r.ids, "prompt_len": r.prompt_len, "aux": r.aux, "hidden": r.hidden}
-                for r in rs]
     torch.save({"key": key, "train": pack(train_records), "eval": pack(eval_records)}, path)
 
 
@@ -96,4 +104,4 @@ def load_records(path: str, key: dict) -> tuple[list[Record], list[Record]]:
     got = torch.load(path, map_location="cpu", weights_only=True)
     if got["key"] != key:
         raise ValueError(f"{path} holds records of {got['key']}, not {key}")
-    return ([Record(**r) for r in got["train"]], [Record(**r) for r in got["eval"]])
+    return unpack(got["train"]), unpack(got["eval"])

@@ -57,6 +57,31 @@ def ttt_forward(head: Eagle3Head, embed: torch.nn.Embedding, aux: torch.Tensor,
     return outs
 
 
+# Attention scores a batch may hold per record of its batch size: a batch of records longer
+# than 1024 positions holds fewer of them (each unroll step keeps a [B, H, L, L] score tensor).
+PAIRS_PER_RECORD = 1024 * 1024
+
+
+def plan_batches(lengths: list[int], batch_size: int, by_length: bool = True
+                 ) -> list[list[int]]:
+    """Indices of records in batches of at most `batch_size` and at most batch_size *
+    PAIRS_PER_RECORD score pairs (B * L * L, L the batch's longest); `by_length`: sorted by
+    length first (stable), else in their order."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__) if by_length \
+        else range(len(lengths))
+    out: list[list[int]] = []
+    longest = 0
+    for i in order:
+        L = max(longest, lengths[i])
+        if not out or len(out[-1]) == batch_size or \
+                (len(out[-1]) + 1) * L * L > batch_size * PAIRS_PER_RECORD:
+            out.append([])
+            L = lengths[i]
+        out[-1].append(i)
+        longest = L
+    return out
+
+
 def batch(records: list[Record], device: str, dtype: torch.dtype):
     """Records padded into one batch: aux [B, L, 3h], hidden [B, L, h], next ids [B, L] and
     which positions predict a response token."""
@@ -106,8 +131,8 @@ def evaluate(head, target, records, unroll, device, dtype, batch_size=16) -> lis
     tot = [0.0] * unroll
     n = 0
     with torch.no_grad():
-        for i in range(0, len(records), batch_size):
-            chunk = records[i : i + batch_size]
+        for idx in plan_batches([len(r.ids) for r in records], batch_size, by_length=False):
+            chunk = [records[i] for i in idx]
             _, accs = step_losses(head, target, *batch(chunk, device, dtype), unroll)
             for j, a in enumerate(torch.stack(accs).tolist()):
                 tot[j] += a * len(chunk)
