@@ -184,6 +184,20 @@ def load_smol(args, spec=None, num_blocks: int = 1024):
     return _SMOL[key]
 
 
+def variant(base, head, deterministic: bool, **kw):
+    """A fresh engine on `base`'s weights (and EAGLE-3 `head`, where `spec` asks for EAGLE-3) in
+    the deterministic mode or not, no speculation unless `spec` is given, other `EngineConfig`
+    fields from `kw`."""
+    from dataclasses import replace
+
+    from engine import Engine
+
+    kw.setdefault("spec", None)
+    cfg = replace(base.config, deterministic=deterministic, **kw)
+    eagle3 = cfg.spec is not None and cfg.spec.method == "eagle3"
+    return Engine(cfg, weights_of=base, draft_head=head if eagle3 else None)
+
+
 def decode_path() -> str | None:
     """How the loaded SmolLM2 engines' tokenizer decoded: "byte table" (`Tokenizer.decode`
     joining token bytes), "tokenizer", or None before any decode (or engine)."""

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import replace
 
 from bench.common import (
@@ -37,6 +38,7 @@ from bench.common import (
     staggered,
     sync,
     torch_dtype,
+    variant,
 )
 
 MODES = (("deterministic", True), ("default", False))
@@ -49,7 +51,7 @@ STDLIB = ("posixpath", "shutil", "textwrap", "statistics", "difflib", "inspect",
 DOC_CHARS = 900  # of one docstring, so no single stub makes a prompt jump past its length
 SHARE_EVERY = 4  # every fourth prompt asks about another function after its predecessor's text
 FIG6_SMOKE = {"fig6_prompts": 4, "fig6_tokens": 8, "fig6_short_tokens": 6, "fig6_min_len": 16,
-              "fig6_max_len": 64, "fig6_streams": "8,4", "fig6_chunk": 16, "fig6_ks": "1,4,7",
+              "fig6_max_len": 64, "fig6_streams": "8,4", "fig6_chunk": 16, "fig6_ks": "1,7",
               "fig6_cost_prompts": 2, "fig6_cost_reps": 1}
 DIGESTS = "fig6 digests:"  # the restarted process's answer line
 
@@ -160,17 +162,6 @@ def fig6_base(args):
     return base, random_head(base), lambda text: list(text.encode())[:args.fig6_max_len]
 
 
-def variant(base, head, deterministic: bool, **kw):
-    """A fresh engine on `base`'s weights: the mode, no speculation unless `spec` is given,
-    other `EngineConfig` fields from `kw`."""
-    from engine import Engine
-
-    kw.setdefault("spec", None)
-    cfg = replace(base.config, deterministic=deterministic, **kw)
-    eagle3 = cfg.spec is not None and cfg.spec.method == "eagle3"
-    return Engine(cfg, weights_of=base, draft_head=head if eagle3 else None)
-
-
 def digests(outs: list[list[int]]) -> list[str]:
     return [hashlib.sha256(json.dumps(o).encode()).hexdigest()[:16] for o in outs]
 
@@ -186,12 +177,13 @@ def agreement(outs, refs, n: int) -> dict:
     return {"identical": len(outs) - len(diverged), "of": len(outs), "diverged_at": diverged}
 
 
-def restarted(args, prompts, n: int, timeout: float) -> dict[str, list[str]]:
+def restarted(args, prompts, n: int, blocks: int, timeout: float) -> dict[str, list[str]]:
     """Per mode, digests of each prompt's tokens from a fresh process running the single-stream
-    reference again (`child_main`)."""
+    reference again (`child_main`), on engines of `blocks` KV blocks like this process's."""
     keys = ("model", "head", "device", "dtype", "fig6_smoke", "fig6_max_len", "context_drafts",
             "accept_model")
-    spec = {"args": {k: getattr(args, k, None) for k in keys}, "prompts": prompts, "tokens": n}
+    spec = {"args": {k: getattr(args, k, None) for k in keys}, "prompts": prompts, "tokens": n,
+            "num_blocks": blocks}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
@@ -221,7 +213,7 @@ def child_main(path: str) -> None:
     params = SamplingParams(temperature=0, max_tokens=spec["tokens"], ignore_eos=True)
     out = {}
     for mode, det in MODES:
-        eng = variant(base, head, det)
+        eng = variant(base, head, det, num_blocks=spec["num_blocks"])
         precapture(eng, (1,))
         out[mode] = digests(single(args, eng, spec["prompts"], params)[0])
     print(DIGESTS + json.dumps(out), flush=True)
@@ -247,7 +239,7 @@ def cost_table(args, main, prompts, n: int, many: int) -> dict:
             rates[(m, k)]["1"].append(sum(map(len, outs)) / secs)
             sync(args)
             t0 = time.perf_counter()
-            outs = [c.token_ids for c in eng.generate(burst, params)]
+            outs = [done.token_ids for done in eng.generate(burst, params)]
             sync(args)
             rates[(m, k)][str(many)].append(sum(map(len, outs)) / (time.perf_counter() - t0))
     table: dict = {}
@@ -308,17 +300,20 @@ def fig_deterministic(args, res: dict) -> None:
             skipped.append(name)
             return
         row: dict = {"what": what, "tokens_compared": tokens}
-        for m, d in MODES:
-            t0 = time.perf_counter()
-            outs, info = run(m, d)
-            want = [refs[m][i] for i in (idx or range(len(outs)))]
-            row[m] = {**agreement(outs, want, tokens), **info,
-                      "seconds": rnd(time.perf_counter() - t0, 2)}
-        free_memory()  # the engines this comparison built
         cmp[name] = row
-        log(f"fig 6: {name}: deterministic {row['deterministic']['identical']}/"
-            f"{row['deterministic']['of']}, default {row['default']['identical']}/"
-            f"{row['default']['of']}")
+        try:
+            for m, d in MODES:
+                t0 = time.perf_counter()
+                outs, info = run(m, d)
+                want = [refs[m][i] for i in (idx or range(len(outs)))]
+                row[m] = {**agreement(outs, want, tokens), **info,
+                          "seconds": rnd(time.perf_counter() - t0, 2)}
+        except Exception:  # noqa: BLE001 - recorded; the next comparison still runs
+            row["error"] = traceback.format_exc()
+        free_memory()  # the engines this comparison built
+        log(f"fig 6: {name}: " + ", ".join(
+            f"{m} {row[m]['identical']}/{row[m]['of']}" for m, _ in MODES if m in row)
+            + (" (failed)" if "error" in row else ""))
         save(args.out, dict(res, partial=f"running; {name} done"))
 
     def fresh(d, **kw):
@@ -326,9 +321,9 @@ def fig_deterministic(args, res: dict) -> None:
         precapture(eng, (1,))
         return eng
 
-    def alone(eng, params, ps=prompts):
+    def alone(eng, params):
         before = spec_counts(eng)
-        outs = single(args, eng, ps, params)[0]
+        outs = single(args, eng, prompts, params)[0]
         return outs, {"acceptance_length": acceptance(before, spec_counts(eng))}
 
     def streams(k: int, spec: str, params):
@@ -365,7 +360,10 @@ def fig_deterministic(args, res: dict) -> None:
                 f"({spec}), {arrive}", short, run, idx, refs=sref)
     if time.perf_counter() - start <= args.fig6_deadline_s:
         log("fig 6: cost, the main engines in turns")
-        res["cost"] = cost_table(args, main, prompts, n, many)
+        try:
+            res["cost"] = cost_table(args, main, prompts, n, many)
+        except Exception:  # noqa: BLE001 - recorded; the comparisons go on
+            res["cost_error"] = traceback.format_exc()
         save(args.out, dict(res, partial="running; cost done"))
     else:
         skipped.append("cost")
@@ -395,16 +393,20 @@ def restart_row(args, res: dict, prompts, n: int, start: float, skipped: list) -
         skipped.append("restarted_process")
         return
     t0 = time.perf_counter()
-    kid = restarted(args, prompts, n, timeout=max(60.0, left))
     row: dict = {"what": "the single-stream reference again in a new process (digests of each "
                          "prompt's tokens)", "tokens_compared": n}
+    res["comparisons"]["restarted_process"] = row
+    try:
+        kid = restarted(args, prompts, n, res["config"]["num_blocks"], timeout=max(60.0, left))
+    except Exception:  # noqa: BLE001 - recorded; the comparisons go on
+        row["error"] = traceback.format_exc()
+        return
     for m, _ in MODES:
         mine = res["references"][m]["digests"]
         diverged = [i for i, (a, b) in enumerate(zip(kid[m], mine)) if a != b]
         row[m] = {"identical": len(mine) - len(diverged), "of": len(mine),
                   "diverged": diverged}
     row["seconds"] = rnd(time.perf_counter() - t0, 1)
-    res["comparisons"]["restarted_process"] = row
     log(f"fig 6: restarted_process: deterministic {row['deterministic']['identical']}/"
         f"{len(prompts)}, default {row['default']['identical']}/{len(prompts)}")
 
@@ -445,7 +447,8 @@ def fig6_config(args, base, prompts, shared, nb: int, spec0) -> dict:
 
 
 def fig6_goals(res: dict) -> dict:
-    rows = res["comparisons"].values()
+    rows = [r for r in res["comparisons"].values() if "error" not in r]
+    failed = [k for k, r in res["comparisons"].items() if "error" in r]
 
     def total(mode: str) -> str:
         return f"{sum(r[mode]['identical'] for r in rows)}/{sum(r[mode]['of'] for r in rows)}"
@@ -456,10 +459,11 @@ def fig6_goals(res: dict) -> dict:
                  if c["deterministic_over_default"] is not None), default=None)
     return {"deterministic_identical": total("deterministic"),
             "default_identical": total("default"),
-            # None: every comparison that ran was identical, but some did not run
+            # None: every comparison that ran was identical, but some did not run or failed
             "deterministic_100pct_identical": False if differs or not rows
-            else (None if res["skipped_comparisons"] else True),
+            else (None if res["skipped_comparisons"] or failed else True),
             "comparisons_skipped": list(res["skipped_comparisons"]),
+            "comparisons_failed": failed,
             "deterministic_min_speed_vs_default": worst,
             "cost_at_most_10pct": None if worst is None else worst >= 0.90,
             "cost_at_most_5pct": None if worst is None else worst >= 0.95}
@@ -467,7 +471,7 @@ def fig6_goals(res: dict) -> dict:
 
 def plot_deterministic(plt, res):
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [3, 2]})
-    names = list(res["comparisons"])
+    names = [k for k, r in res["comparisons"].items() if "error" not in r]
     for j, (m, _) in enumerate(MODES):
         vals = [res["comparisons"][k][m]["identical"] / res["comparisons"][k][m]["of"]
                 for k in names]
