@@ -26,10 +26,11 @@ def _save(obj, path: str) -> None:
 
 def distill_chunks(folder: str, part: str, key: dict, prompts: list,
                    distil: Callable[[list], list[Record]], stop: Callable[[], bool] | None = None,
-                   chunk: int = CHUNK) -> list[Record] | None:
+                   chunk: int | None = None) -> list[Record] | None:
     """`distil(prompts)` a chunk at a time, each chunk's records written to
     folder/{part}-NNNNN.pt as it finishes; chunks already there (made from the same `key` and
     prompts) are loaded instead. None where `stop()` ended it before the last chunk."""
+    chunk = chunk or CHUNK
     os.makedirs(folder, exist_ok=True)
     out: list[Record] = []
     for n, i in enumerate(range(0, len(prompts), chunk)):

@@ -1,0 +1,152 @@
+"""`tandem train-eagle3 --resume` on a tiny random target (CPU): a run cut short, by its
+training loop's `stop` or between self-distillation chunks, and continued in further runs
+gives the same records, step count, history and bit-equal head as one uninterrupted run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from cluster import prompt_sets, train_eagle3
+from cluster.eagle3 import resume
+from cluster.eagle3.loop import train
+from cluster.eagle3.records import draft_vocab, self_distill
+from engine.spec.eagle3 import Eagle3Config
+from tests.spec.test_trainer import _distilled, _Tok
+
+
+def _stop_after(n: int):
+    """A `stop()` that ends the run at its n-th question."""
+    asked = [0]
+
+    def stop() -> bool:
+        asked[0] += 1
+        return asked[0] >= n
+
+    return stop
+
+
+def _same_heads(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_training_cut_short_twice_and_resumed_gives_the_same_head(tmp_path):
+    prompts = [f"resume prompt {i} about {w}" for i, w in enumerate("abcdefgh")]
+    eng, recs, held = _distilled(prompts, 6, 10)
+    vocab = draft_vocab(recs, 64, 256)
+    kw = dict(unroll=2, epochs=4, lr=3e-3, batch_size=3, log_every=3)  # 2 batches an epoch
+    torch.manual_seed(0)  # the fresh head's weights (the command seeds with --seed)
+    whole, info = train(eng, recs, held, vocab, **kw)
+    assert info["steps"] == 8 and not info["stopped"]
+    path, key = str(tmp_path / "resume.pt"), {"run": 1}
+    assert resume.load_state(path, key) is None
+
+    def save(st):
+        resume.save_state(path, key, st)
+
+    state = None
+    torch.manual_seed(0)
+    for stop_at, steps in ((3, 3), (3, 6), (None, 8)):  # cut mid-epoch, then past a log
+        head, got = train(eng, recs, held, vocab, state=state, save_state=save,
+                          stop=_stop_after(stop_at) if stop_at else None, **kw)
+        assert got["steps"] == steps and got["stopped"] == (stop_at is not None)
+        state = resume.load_state(path, key)
+        assert state["step"] == steps
+    assert _same_heads(head, whole)
+    assert got["history"] == info["history"] and got["final_lr"] == info["final_lr"]
+    assert got["resumed_at_step"] == 6
+    # a finished state trains no further; a state of other settings is refused
+    again, done = train(eng, recs, held, vocab, state=state, **kw)
+    assert done["steps"] == 8 and _same_heads(again, whole)
+    with pytest.raises(ValueError, match="other settings"):
+        resume.load_state(path, {"run": 2})
+
+
+def test_distillation_cut_short_resumes_from_the_chunks_it_wrote(tmp_path):
+    prompts = [f"chunk prompt {i} on {w}" for i, w in enumerate("abcde")]
+    eng, _, _ = _distilled(prompts[:1], 1, 4)
+    layers = Eagle3Config.for_target(eng.config.model, 1).aux_layer_ids
+    made = []
+
+    def distil(ps):
+        made.append(len(ps))
+        return self_distill(eng, ps, 12, layers, torch.float32, desc=None)
+
+    key = {"max_tokens": 12}
+    whole = resume.distill_chunks(str(tmp_path / "a"), "train", key, prompts, distil,
+                                  chunk=2)
+    assert made == [2, 2, 1] and len(whole) == 5
+    made.clear()
+    cut = str(tmp_path / "b")
+    assert resume.distill_chunks(cut, "train", key, prompts, distil, _stop_after(2),
+                                 chunk=2) is None
+    assert made == [2] and sorted(os.listdir(cut)) == ["train-00000.pt"]
+    made.clear()
+    got = resume.distill_chunks(cut, "train", key, prompts, distil, chunk=2)
+    assert made == [2, 1]  # the first chunk is read back, not answered again
+    assert all(torch.equal(a.ids, b.ids) and torch.equal(a.aux, b.aux)
+               and torch.equal(a.hidden, b.hidden) and a.prompt_len == b.prompt_len
+               for a, b in zip(got, whole, strict=True))
+    with pytest.raises(ValueError, match="other prompts or settings"):
+        resume.distill_chunks(cut, "train", {"max_tokens": 13}, prompts, distil, chunk=2)
+
+
+def _cli(monkeypatch, out: str, *extra: str, stop_at: int | None = None) -> int:
+    """`tandem train-eagle3` on the tiny target, a two-domain mix of chat messages, chunks
+    of 4 prompts; `stop_at`: the run's `stop()` ends it at that question."""
+    eng, _, _ = _distilled(["x"], 1, 1)
+    eng.tokenizer = _Tok()
+    monkeypatch.setattr(train_eagle3.Engine, "from_pretrained", lambda *a, **kw: eng)
+
+    def mix(spec, path=None, seed=0):
+        talk = [[{"role": "user", "content": f"talk {i}"}, {"role": "assistant", "content":
+                 "ok"}, {"role": "user", "content": f"more {i} on {w}"}]
+                for i, w in enumerate("abcdefghij")]
+        return talk[:8], {"chat": talk[8:], "math": [[{"role": "user", "content": "1+1"}]]}
+
+    monkeypatch.setattr(prompt_sets, "mix", mix)
+    monkeypatch.setattr(resume, "CHUNK", 4)
+    monkeypatch.setattr(train_eagle3, "_stopper",
+                        lambda args: _stop_after(stop_at) if stop_at else None)
+    monkeypatch.setattr(train_eagle3, "engine_acceptance",
+                        lambda engine, head, ps, k, n: {"k": k, "prompts": len(ps)})
+    p = argparse.ArgumentParser()
+    train_eagle3.add_parser(p.add_subparsers())
+    argv = ["train-eagle3", "--domains", "chat,math", "--out", out, "--device", "cpu",
+            "--max-tokens", "8", "--draft-vocab", "64", "--unroll", "2", "--epochs", "2",
+            "--batch-size", "2", "--log-every", "5", "--eval-prompts", "2", *extra]
+    args = p.parse_args(argv)
+    args.argv = argv
+    return train_eagle3.run(args)
+
+
+def test_the_command_cut_short_and_run_again_equals_one_run(monkeypatch, tmp_path):
+    """Cut once in self-distillation (after its first chunk) and once in training: the same
+    command run again ends with exit status 0, the same head (bit-equal), steps and history
+    as a run never cut; acceptance is reported per domain."""
+    whole, cut = str(tmp_path / "whole"), str(tmp_path / "cut")
+    os.makedirs(whole)
+    os.makedirs(cut)
+    assert _cli(monkeypatch, whole, "--resume") == 0
+    assert _cli(monkeypatch, cut, "--resume", "--stop-after", "60", stop_at=2) == 3
+    assert sorted(os.listdir(os.path.join(cut, "records"))) == ["train-00000.pt"]
+    assert _cli(monkeypatch, cut, "--resume", "--stop-after", "60", stop_at=4) == 3
+    with open(os.path.join(cut, "training.json")) as f:
+        assert json.load(f)["unfinished"]
+    assert _cli(monkeypatch, cut, "--resume", "--stop-after", "60") == 0
+    a, b = (load_file(os.path.join(d, "model.safetensors")) for d in (whole, cut))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = (json.load(open(os.path.join(d, "training.json"))) for d in (whole, cut))
+    assert ra["steps"] == rb["steps"] == ra["steps_asked"] == 8  # 4 batches x 2 epochs
+    assert ra["history"] == rb["history"] and rb["resumed_at_step"] > 0
+    assert rb["held_out_engine_acceptance"]["chat"][0] == {"k": 1, "prompts": 2}
+    assert set(rb["held_out_engine_acceptance"]) == {"chat", "math"}
+    # other settings on the same folder are refused rather than mixed in
+    with pytest.raises(ValueError, match="other"):
+        _cli(monkeypatch, cut, "--resume", "--max-tokens", "9")
