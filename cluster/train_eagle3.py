@@ -265,7 +265,8 @@ def _recipe(args, target: str, device: str, train_p, eval_p, tr, vocab_size: int
     """What training.json records of how the head was made."""
     return {
         "command": "tandem " + " ".join(args.argv), "target": target, "device": device,
-        "prompts": {"train": len(train_p), "held_out": len(eval_p), "set": args.prompt_set,
+        "prompts": {"train": len(train_p), "held_out": len(eval_p),
+                    "set": "domains" if getattr(args, "domains", None) else args.prompt_set,
                     "name_split": args.name_split,
                     "source": "assets/prompt_sets.json.gz (cluster/prompt_sets.py: stdlib "
                               "docs + templated chat/code/JSON)"},

@@ -4,4 +4,5 @@
 - `ttt`: the unrolled "training-time test" chain, its losses and held-out accuracy.
 - `loop`: the training loop (schedule, time budget, checkpoints).
 - `vocab`: growing a trained head's draft vocabulary and refitting its LM head.
+- `resume`: records written a chunk at a time and the training state, to go on in another run.
 """
