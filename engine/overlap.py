@@ -7,6 +7,7 @@ next launch; any other change to the running set drains the pipeline first."""
 
 from __future__ import annotations
 
+from operator import is_not
 from typing import TYPE_CHECKING
 
 from engine.output import RequestOutput
@@ -106,7 +107,7 @@ class Overlap:
         if not e.config.overlap or e.capture is not None:
             return None
         run, n = e.scheduler.running, len(live.seqs)
-        if len(run) < n or any(a is not b for a, b in zip(run, live.seqs)):
+        if len(run) < n or any(map(is_not, run, live.seqs)):
             return None
         join = Batch()
         for s in run[n:]:
@@ -173,6 +174,8 @@ class Overlap:
         for seq in self.deferred:
             e.blocks.release(seq)
         self.deferred = []
+        if len(keep) == len(h.seqs) == len(results) == len(drafts):  # every entry, in order
+            return results, drafts
         return ({j: results[i] for j, i in enumerate(keep)},
                 {j: drafts[i] for j, i in enumerate(keep)})
 

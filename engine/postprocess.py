@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cost_feed import record_verify
+from engine.cost_feed import record_verifies
 from engine.output import RequestOutput, cut, emit_each, stop_prefix_len
 from engine.scheduler import Batch
 from engine.sequence import Sequence
@@ -31,10 +31,14 @@ class Postprocessor:
         next drafts: `drafts` if the fused step made them, else proposed from `fwd` (`draft` off:
         the head steps over the new positions but proposes nothing)."""
         e = self.eng
-        stats, spec, commit = e.stats, e.spec, e.blocks.commit
+        stats, spec = e.stats, e.spec
+        # Only a prefix cache registers full blocks (a call per sequence saved without one).
+        commit = e.blocks.commit if e.blocks.enable_prefix_caching else None
         stats.steps += count_step
         cap = self._captured(fwd)
         propose = drafts is None and spec is not None
+        if spec is not None:  # before emitting: an output carries the accepted count
+            record_verifies(spec, batch.seqs, results)
         outs, spans, row = [], [], 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             lo, r = seq.num_computed, results.get(i)
@@ -47,20 +51,20 @@ class Postprocessor:
                 stats.decode_tokens += n
             if r is None:
                 seq.num_computed += n
-                commit(seq)
+                if commit:
+                    commit(seq)
                 if propose:
                     spans.append(Span(seq, lo, n, row, draft=False))
                 row += n
                 continue
             k, res = r
-            if k:
-                record_verify(spec, seq, k, res)
             seq.draft_q = None
             out, reason = self.emit(seq, res.tokens)
             outs.append(out)
             # KV is valid for the real tokens and the accepted drafts; the last token is pending.
             seq.num_computed = min(lo + n - k + res.num_accepted, len(seq.token_ids) - 1)
-            commit(seq)
+            if commit:
+                commit(seq)
             seq.draft = [] if reason or drafts is None else drafts[i]
             if propose and reason in (None, "handoff"):
                 # A hand-off drafts here exactly as one engine would, so the decode side

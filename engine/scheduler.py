@@ -24,7 +24,9 @@ class Batch:
 
     def select(self, indices) -> Batch:
         """The entries at `indices`, in that order (no out-of-blocks list)."""
-        return Batch([self.seqs[i] for i in indices], [self.num_tokens[i] for i in indices])
+        # (map: the per-entry loop runs in C, twice a step for every running sequence)
+        return Batch(list(map(self.seqs.__getitem__, indices)),
+                     list(map(self.num_tokens.__getitem__, indices)))
 
     def __len__(self) -> int:
         return len(self.seqs)

@@ -4,6 +4,8 @@ from its device outputs, and read a finished step back."""
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 import torch
 
@@ -20,6 +22,13 @@ from engine.spec.fused import (
 )
 from engine.spec.policy import KPolicy
 from engine.spec.verify import VerifyResult
+
+_TABLE = attrgetter("block_table")
+
+
+def _widest(seqs) -> int:
+    """The longest block table of `seqs`."""
+    return max(map(len, map(_TABLE, seqs)))
 
 
 class FusedLauncher:
@@ -45,7 +54,7 @@ class FusedLauncher:
         seqs = batch.seqs
         if not all(s.greedy_decode(n) for s, n in zip(seqs, batch.num_tokens)):
             return None
-        if len(seqs) > f.max_batch or max(len(s.block_table) for s in seqs) > f.max_blocks:
+        if len(seqs) > f.max_batch or _widest(seqs) > f.max_blocks:
             return None
         kcur = [len(s.draft) for s in seqs]
         # Next drafts are chosen before this step's acceptance is known (a one-step lag): the
@@ -67,13 +76,15 @@ class FusedLauncher:
         the step after is chosen now, capped as if everything is accepted. `keep`: only these of
         prev's rows continue. `join`: sequences prefilled beside prev take rows after prev's."""
         f = self.fused
+        # (The per-row picks and table widths below map in C: they run for every sequence of
+        # every overlapped step.)
         rows = range(len(prev.seqs)) if keep is None else keep
-        old = [prev.seqs[i] for i in rows]
+        old = list(map(prev.seqs.__getitem__, rows))
         seqs = old + list(join)
-        if not prev.continuable or max(len(s.block_table) for s in seqs) > f.max_blocks:
+        if not prev.continuable or _widest(seqs) > f.max_blocks:
             return None
-        kprev = [prev.kcur[i] for i in rows]
-        kcur = [prev.kn[i] for i in rows] + [len(s.draft) for s in join]
+        kprev = list(map(prev.kcur.__getitem__, rows))
+        kcur = list(map(prev.kn.__getitem__, rows)) + [len(s.draft) for s in join]
         self.policy.begin_propose(step, len(seqs))
         want = self.policy.choose_batch(seqs, len(seqs))
         # This step's tokens were given blocks when prev chose its drafts (or, joining, when
@@ -82,11 +93,11 @@ class FusedLauncher:
         needs = [len(s) + kp + kc + 2 for s, kp, kc in zip(old, kprev, kcur)] + \
             [len(s) + len(s.draft) + 1 for s in join]
         kn = self.budget.ks_for(seqs, needs, blocks, want)
-        if None in kn or max(len(s.block_table) for s in seqs) > f.max_blocks:
+        if None in kn or _widest(seqs) > f.max_blocks:
             return None
         q = next(x for x in f.levels_at(len(seqs))[0] if x > max(kcur))
         b, bs = len(old), self.cfg.block_size
-        tab = self._tables([s.block_table for s in seqs])
+        tab = self._tables(list(map(_TABLE, seqs)))
         sel = None if keep is None else self.stager.index(keep)
         self.overlapped_runs += 1
         self.compacted_runs += keep is not None

@@ -89,6 +89,7 @@ class KPolicy:
         self.levels: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.levels_at: Callable[[int], tuple[tuple[int, ...], tuple[int, ...]]] | None = None
         self._paid: dict[tuple, np.ndarray] = {}  # `_paid_costs`
+        self._depths = spec.num_tokens if spec.accept_model == "runs" else 0  # `fold_verify`
 
     def begin_propose(self, step: int, batch_size: int) -> None:
         """Called before a step's drafts are chosen: decides whether this is a plain probe
@@ -325,10 +326,11 @@ class KPolicy:
         return best_k
 
     def update(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """Fold one verify result into the sequence's acceptance estimate (`fold_verify`)."""
-        runs = self.spec.accept_model == "runs"
-        fold_verify(seq, drafted, accepted, self.spec.num_tokens if runs else 0)
-        self.watch.record(drafted, accepted)
+        """Fold one verify result into the sequence's acceptance estimate (`fold_verify`) and
+        the collapse watch (when it watches: this runs per sequence and step)."""
+        fold_verify(seq, drafted, accepted, self._depths)
+        if self.watch.below > 0:
+            self.watch.record(drafted, accepted)
 
     def _batch_tokens(self, seqs: list[Sequence]) -> list:
         """`_tokens` of every sequence of a fused batch (the geometric model's rates read in
