@@ -171,7 +171,10 @@ def test_a_time_budget_shortens_training_and_its_schedule():
     # No bound on the wall time: the plan follows the pace of the first steps, which a loaded
     # host slows, so only the step count (far below the 10000 asked) shows the budget.
     assert info["train_seconds"] <= round(took, 1)
-    assert info["final_lr"] < 1e-3 * 3e-3  # the cosine ended with the plan
+    if info["steps"] > PLAN_AFTER:
+        assert info["final_lr"] < 1e-3 * 3e-3  # the cosine ended with the plan
+    else:  # the first steps alone spent the budget (a loaded host): training stops there
+        assert info["train_seconds"] >= 2.0
     assert [h["step"] for h in info["history"]] == [info["steps"]]
     _, full = train(eng, recs, held, vocab, unroll=2, epochs=2, lr=3e-3, batch_size=4,
                     log_every=10**6, max_seconds=600.0)
