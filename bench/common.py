@@ -1,6 +1,7 @@
 """Helpers the benchmark figures share: logging, the environment record, ratios and rounding,
-graph pre-capture, the SmolLM2 engines and random-weight ones, speculation counters, and ways
-to run prompts (each alone, arriving apart, handed from a prefill engine to a decode one)."""
+held-out prompts, graph pre-capture, the SmolLM2 engines and random-weight ones, speculation
+counters, and ways to run prompts (each alone, arriving apart, handed from a prefill engine to
+a decode one)."""
 
 from __future__ import annotations
 
@@ -34,38 +35,6 @@ def is_cuda(args) -> bool:
 def sync(args) -> None:
     if is_cuda(args):
         lazy_torch().cuda.synchronize()
-
-
-def host_probe_us(reps: int = 2000) -> dict:
-    """The host's speed now, in microseconds per call of what an engine step does most:
-    a pure-Python loop (per-sequence bookkeeping) and a small torch op on the host (op
-    dispatch). Best of five stretches. The host's speed varies between processes: figure 3
-    records this around each concurrency so its ratios can be read against the host they
-    ran on."""
-    import time
-
-    torch = lazy_torch()
-    x = torch.zeros(8)
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) / reps * 1e6)
-        return round(min(times), 3)
-
-    def python_loop():
-        acc = 0
-        for i in range(reps):
-            acc += len(str(i)) % 3
-        return acc
-
-    def torch_ops():
-        for _ in range(reps):
-            x.add_(1.0)
-
-    return {"python_loop_us": best(python_loop), "torch_op_us": best(torch_ops)}
 
 
 def free_memory() -> None:
@@ -162,6 +131,105 @@ def held_out_messages(n: int, offset: int = 0) -> list[list[dict]]:
         raise RuntimeError("cluster.prompt_sets.build() gave no held-out prompts")
     return [[{"role": "user", "content": held_out[(offset + i) % len(held_out)]}]
             for i in range(n)]
+
+
+# Python's own standard library: signatures and docstrings, text no prompt set here holds.
+STDLIB = ("posixpath", "shutil", "textwrap", "statistics", "difflib", "inspect", "fractions",
+          "calendar", "ipaddress", "string", "json", "csv", "fnmatch", "heapq", "bisect", "html",
+          "urllib.parse", "email.utils", "random", "tempfile", "argparse", "functools",
+          "zipfile", "gzip", "pprint", "shlex", "copy", "dataclasses", "base64",
+          "configparser", "logging", "pathlib", "tarfile", "mailbox", "ftplib", "imaplib")
+DOC_CHARS = 900  # of one docstring, so no single stub makes a prompt jump past its length
+SHARE_EVERY = 4  # every fourth prompt asks about another function after its predecessor's text
+
+
+def stdlib_stubs() -> list[str]:
+    """"def name(signature): docstring" of the documented pure-Python functions and methods of
+    `STDLIB`, in a fixed order; signatures showing an object's address are left out (they
+    change between processes)."""
+    import importlib
+    import inspect
+
+    out = []
+    for name in STDLIB:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        for qual, fn in _functions(mod):
+            doc = inspect.getdoc(fn)
+            try:
+                sig = str(inspect.signature(fn))
+            except (TypeError, ValueError):
+                continue
+            if doc and " at 0x" not in sig:
+                body = "\n".join("    " + ln for ln in doc[:DOC_CHARS].splitlines())
+                out.append(f"# {name}.{qual}\ndef {qual.rpartition('.')[2]}{sig}:\n"
+                           f'    """\n{body}\n    """\n')
+    return out
+
+
+def _functions(mod) -> list[tuple[str, object]]:
+    import inspect
+
+    out = []
+    for n, obj in sorted(vars(mod).items()):
+        if n.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
+            continue
+        if inspect.isfunction(obj):
+            out.append((n, obj))
+        elif inspect.isclass(obj):
+            out += [(f"{n}.{m}", f) for m, f in sorted(vars(obj).items())
+                    if not m.startswith("_") and inspect.isfunction(f)]
+    return out
+
+
+def task(context: list[str], target: str) -> str:
+    head = "Here are signatures and docstrings from Python's standard library:\n\n" \
+        if context else ""
+    return (f"{head}{''.join(context)}\nWrite the body of this function, then explain it in "
+            f"two sentences:\n\n{target}")
+
+
+def code_tasks(n: int, lo: int, hi: int, encode) -> tuple[list[list[int]], list]:
+    """`n` code-completion prompts (token ids): stdlib stubs as context, then a function to
+    write. Lengths rise geometrically from about `lo` to `hi` tokens; every `SHARE_EVERY`-th
+    prompt keeps its predecessor's context and asks for the next function (a long shared
+    prefix). Returns the prompts and, per prompt, the index it shares a prefix with."""
+    stubs = stdlib_stubs()
+    own = [i for i in range(n) if i % SHARE_EVERY != SHARE_EVERY - 1]
+    goal = {i: lo * (hi / lo) ** (k / max(1, len(own) - 1)) for k, i in enumerate(own)}
+    prompts, shared, windows = [], [], []
+    for i in range(n):
+        if i in goal:  # context stubs [start, end), then stub `end` to write
+            start = (i * 97) % len(stubs)
+            windows.append((start, _fill(stubs, start, goal[i], encode)))
+            shared.append(None)
+        else:  # the previous prompt's context, the function after its target
+            windows.append((windows[-1][0], windows[-1][1] + 1))
+            shared.append(i - 1)
+        start, target = windows[-1]
+        end = target if i in goal else windows[-2][1]
+        text = task(_ring(stubs, start, end), _ring(stubs, target, target + 1)[0])
+        if start == end and len(encode(text)) > goal.get(i, hi):  # the function's first line
+            doc = text.split('"""')[1].strip().split("\n")[0]
+            text = f'{text[:text.index(chr(34) * 3) + 3]}{doc}"""\n'
+        prompts.append(encode(text))
+    return prompts, shared
+
+
+def _fill(stubs: list[str], start: int, goal: float, encode) -> int:
+    """The end of the longest run of stubs from `start` whose task (the stub after it to
+    write) stays within `goal` tokens."""
+    end = start
+    while end + 1 < start + len(stubs) and len(encode(task(
+            _ring(stubs, start, end + 1), _ring(stubs, end + 1, end + 2)[0]))) <= goal:
+        end += 1
+    return end
+
+
+def _ring(stubs: list[str], a: int, b: int) -> list[str]:
+    return [stubs[j % len(stubs)] for j in range(a, b)]
 
 
 def torch_dtype(args):
@@ -291,41 +359,8 @@ def step_paths(eng) -> dict:
     return out
 
 
-def start_trace(eng) -> bool:
-    """Start recording every step a speculative engine's dynamic-K cost model is offered
-    (`StepCosts.trace`); whether it records (False without speculation)."""
-    if eng.spec is None:
-        return False
-    eng.spec.policy.costs.trace = []
-    eng.spec.policy.picks = []
-    return True
-
-
-def take_trace(eng, picks: bool = False) -> list | tuple[list, list]:
-    """The steps recorded since `start_trace` (with `picks`, also dynamic K's (K, why) of
-    every fused step, `KPolicy.picks`), and stop recording."""
-    pol = eng.spec.policy
-    out, pol.costs.trace = pol.costs.trace, None
-    chosen, pol.picks = pol.picks, None
-    return (out, chosen) if picks else out
-
-
 def paths_delta(before: dict, after: dict) -> dict:
     return {k: v - before.get(k, 0) for k, v in sorted(after.items()) if v - before.get(k, 0)}
-
-
-def step_costs(eng) -> dict | None:
-    """The dynamic-K cost model as measured per batch bucket: plain step ms, the relative
-    price of a draft and fixed cost of drafting, and drafting's measured tokens/s over
-    plain's (`StepCosts.measured_gain`)."""
-    if eng.spec is None or not eng.spec.spec.dynamic:
-        return None
-    c = eng.spec.policy.costs.fitted()
-    gains = {b: c.measured_gain(b) for b in sorted(c.plain)}
-    return {"plain_ms": {str(b): rnd(t * 1e3, 3) for b, t in sorted(c.plain.items())},
-            "per_draft": {str(b): rnd(x, 3) for b, x in sorted(c.per_draft.items())},
-            "fixed": {str(b): rnd(x, 3) for b, x in sorted(c.fixed.items())},
-            "gain": {str(b): rnd(g, 3) for b, g in gains.items() if g is not None}}
 
 
 def acceptance(before: tuple[int, int], after: tuple[int, int]):
@@ -379,62 +414,6 @@ def handed_off(pre, dec, prompt, params) -> list[int]:
         for o in dec.step():
             out += o.token_ids
     return out
-
-
-def timed_ms(fn, reps: int, warmup: int = 3) -> list[float]:
-    """Milliseconds per call of fn, one CUDA-event pair per call; the host never waits between
-    calls, so this is device time (host overhead shows only where it starves the GPU)."""
-    torch = lazy_torch()
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(reps)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in ev]
-
-
-def setting(path: str):
-    """(module, NAME) of a "module.NAME" module constant; refuses a name the module lacks."""
-    import importlib
-
-    module, _, name = path.strip().rpartition(".")
-    if not module or not name:
-        raise ValueError(f"{path!r} is not module.NAME")
-    mod = importlib.import_module(module)
-    if not hasattr(mod, name):
-        raise AttributeError(f"{module} has no {name}")
-    return mod, name
-
-
-def parse_setting(item: str) -> tuple[str, object]:
-    """("module.NAME", VALUE) of a "module.NAME=VALUE" string (VALUE a Python literal, else a
-    string), checked against the module (`setting`) but not set."""
-    import ast
-
-    path, sep, raw = item.partition("=")
-    if not sep:
-        raise ValueError(f"{item!r} is not module.NAME=VALUE")
-    setting(path)
-    try:
-        return path.strip(), ast.literal_eval(raw.strip())
-    except (ValueError, SyntaxError):
-        return path.strip(), raw.strip()
-
-
-def apply_settings(items: list[str]) -> dict:
-    """Set module constants from "module.NAME=VALUE" strings (`parse_setting`) for an A/B
-    process; only names the module already has. Returns what was set."""
-    done = {}
-    for item in items:
-        path, value = parse_setting(item)
-        setattr(*setting(path), value)
-        done[path] = value
-    return done
 
 
 def save(out_dir: str, res: dict, plot=None) -> str:

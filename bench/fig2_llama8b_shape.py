@@ -14,9 +14,25 @@ from bench.common import (
     random_engine,
     ratio,
     rnd,
-    timed_ms,
 )
 from engine.testing import llama8b_shape
+
+
+def timed_ms(fn, reps: int, warmup: int = 3) -> list[float]:
+    """Milliseconds per call of fn, one CUDA-event pair per call; the host never waits between
+    calls, so this is device time (host overhead shows only where it starves the GPU)."""
+    torch = lazy_torch()
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(reps)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) for a, b in ev]
 
 
 def hbm_bandwidth(gib: float, reps: int = 10) -> dict:

@@ -15,7 +15,7 @@ from bench.common import (
     free_memory,
     head_summary,
     held_out_messages,
-    host_probe_us,
+    lazy_torch,
     load_smol,
     log,
     paths_delta,
@@ -24,11 +24,8 @@ from bench.common import (
     rnd,
     spec_counts,
     spec_fields,
-    start_trace,
-    step_costs,
     step_paths,
     sync,
-    take_trace,
 )
 from engine.loader import shipped_head
 
@@ -196,6 +193,71 @@ def fig_concurrency(args, res: dict) -> None:
     res["goals"] = goals
     dyn_min = goals["dynamic_min_ratio_burst"]
     log(f"fig 3: fixed K=5 break-even {res['break_even_fixed_k5']}; dynamic min {dyn_min}")
+
+
+def host_probe_us(reps: int = 2000) -> dict:
+    """The host's speed now, in microseconds per call of what an engine step does most:
+    a pure-Python loop (per-sequence bookkeeping) and a small torch op on the host (op
+    dispatch). Best of five stretches. The host's speed varies between processes: figure 3
+    records this around each concurrency so its ratios can be read against the host they
+    ran on."""
+    import time
+
+    torch = lazy_torch()
+    x = torch.zeros(8)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) / reps * 1e6)
+        return round(min(times), 3)
+
+    def python_loop():
+        acc = 0
+        for i in range(reps):
+            acc += len(str(i)) % 3
+        return acc
+
+    def torch_ops():
+        for _ in range(reps):
+            x.add_(1.0)
+
+    return {"python_loop_us": best(python_loop), "torch_op_us": best(torch_ops)}
+
+
+def start_trace(eng) -> bool:
+    """Start recording every step a speculative engine's dynamic-K cost model is offered
+    (`StepCosts.trace`); whether it records (False without speculation)."""
+    if eng.spec is None:
+        return False
+    eng.spec.policy.costs.trace = []
+    eng.spec.policy.picks = []
+    return True
+
+
+def take_trace(eng, picks: bool = False) -> list | tuple[list, list]:
+    """The steps recorded since `start_trace` (with `picks`, also dynamic K's (K, why) of
+    every fused step, `KPolicy.picks`), and stop recording."""
+    pol = eng.spec.policy
+    out, pol.costs.trace = pol.costs.trace, None
+    chosen, pol.picks = pol.picks, None
+    return (out, chosen) if picks else out
+
+
+def step_costs(eng) -> dict | None:
+    """The dynamic-K cost model as measured per batch bucket: plain step ms, the relative
+    price of a draft and fixed cost of drafting, and drafting's measured tokens/s over
+    plain's (`StepCosts.measured_gain`)."""
+    if eng.spec is None or not eng.spec.spec.dynamic:
+        return None
+    c = eng.spec.policy.costs.fitted()
+    gains = {b: c.measured_gain(b) for b in sorted(c.plain)}
+    return {"plain_ms": {str(b): rnd(t * 1e3, 3) for b, t in sorted(c.plain.items())},
+            "per_draft": {str(b): rnd(x, 3) for b, x in sorted(c.per_draft.items())},
+            "fixed": {str(b): rnd(x, 3) for b, x in sorted(c.fixed.items())},
+            "gain": {str(b): rnd(g, 3) for b, g in gains.items() if g is not None}}
 
 
 def candidate_variants(dyn: str, texts: list[str] | str | None) -> dict[str, dict]:

@@ -20,6 +20,7 @@ from dataclasses import replace
 
 from bench.common import (
     acceptance,
+    code_tasks,
     eagle,
     first_diff,
     free_memory,
@@ -42,107 +43,10 @@ from bench.common import (
 )
 
 MODES = (("deterministic", True), ("default", False))
-# Python's own standard library: signatures and docstrings, text no prompt set here holds.
-STDLIB = ("posixpath", "shutil", "textwrap", "statistics", "difflib", "inspect", "fractions",
-          "calendar", "ipaddress", "string", "json", "csv", "fnmatch", "heapq", "bisect", "html",
-          "urllib.parse", "email.utils", "random", "tempfile", "argparse", "functools",
-          "zipfile", "gzip", "pprint", "shlex", "copy", "dataclasses", "base64",
-          "configparser", "logging", "pathlib", "tarfile", "mailbox", "ftplib", "imaplib")
-DOC_CHARS = 900  # of one docstring, so no single stub makes a prompt jump past its length
-SHARE_EVERY = 4  # every fourth prompt asks about another function after its predecessor's text
 FIG6_SMOKE = {"fig6_prompts": 4, "fig6_tokens": 8, "fig6_short_tokens": 6, "fig6_min_len": 16,
               "fig6_max_len": 64, "fig6_streams": "8,4", "fig6_chunk": 16, "fig6_ks": "1,7",
               "fig6_cost_prompts": 2, "fig6_cost_reps": 1}
 DIGESTS = "fig6 digests:"  # the restarted process's answer line
-
-
-def stdlib_stubs() -> list[str]:
-    """"def name(signature): docstring" of the documented pure-Python functions and methods of
-    `STDLIB`, in a fixed order; signatures showing an object's address are left out (they
-    change between processes)."""
-    import importlib
-    import inspect
-
-    out = []
-    for name in STDLIB:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        for qual, fn in _functions(mod):
-            doc = inspect.getdoc(fn)
-            try:
-                sig = str(inspect.signature(fn))
-            except (TypeError, ValueError):
-                continue
-            if doc and " at 0x" not in sig:
-                body = "\n".join("    " + ln for ln in doc[:DOC_CHARS].splitlines())
-                out.append(f"# {name}.{qual}\ndef {qual.rpartition('.')[2]}{sig}:\n"
-                           f'    """\n{body}\n    """\n')
-    return out
-
-
-def _functions(mod) -> list[tuple[str, object]]:
-    import inspect
-
-    out = []
-    for n, obj in sorted(vars(mod).items()):
-        if n.startswith("_") or getattr(obj, "__module__", None) != mod.__name__:
-            continue
-        if inspect.isfunction(obj):
-            out.append((n, obj))
-        elif inspect.isclass(obj):
-            out += [(f"{n}.{m}", f) for m, f in sorted(vars(obj).items())
-                    if not m.startswith("_") and inspect.isfunction(f)]
-    return out
-
-
-def task(context: list[str], target: str) -> str:
-    head = "Here are signatures and docstrings from Python's standard library:\n\n" \
-        if context else ""
-    return (f"{head}{''.join(context)}\nWrite the body of this function, then explain it in "
-            f"two sentences:\n\n{target}")
-
-
-def code_tasks(n: int, lo: int, hi: int, encode) -> tuple[list[list[int]], list]:
-    """`n` code-completion prompts (token ids): stdlib stubs as context, then a function to
-    write. Lengths rise geometrically from about `lo` to `hi` tokens; every `SHARE_EVERY`-th
-    prompt keeps its predecessor's context and asks for the next function (a long shared
-    prefix). Returns the prompts and, per prompt, the index it shares a prefix with."""
-    stubs = stdlib_stubs()
-    own = [i for i in range(n) if i % SHARE_EVERY != SHARE_EVERY - 1]
-    goal = {i: lo * (hi / lo) ** (k / max(1, len(own) - 1)) for k, i in enumerate(own)}
-    prompts, shared, windows = [], [], []
-    for i in range(n):
-        if i in goal:  # context stubs [start, end), then stub `end` to write
-            start = (i * 97) % len(stubs)
-            windows.append((start, _fill(stubs, start, goal[i], encode)))
-            shared.append(None)
-        else:  # the previous prompt's context, the function after its target
-            windows.append((windows[-1][0], windows[-1][1] + 1))
-            shared.append(i - 1)
-        start, target = windows[-1]
-        end = target if i in goal else windows[-2][1]
-        text = task(_ring(stubs, start, end), _ring(stubs, target, target + 1)[0])
-        if start == end and len(encode(text)) > goal.get(i, hi):  # the function's first line
-            doc = text.split('"""')[1].strip().split("\n")[0]
-            text = f'{text[:text.index(chr(34) * 3) + 3]}{doc}"""\n'
-        prompts.append(encode(text))
-    return prompts, shared
-
-
-def _fill(stubs: list[str], start: int, goal: float, encode) -> int:
-    """The end of the longest run of stubs from `start` whose task (the stub after it to
-    write) stays within `goal` tokens."""
-    end = start
-    while end + 1 < start + len(stubs) and len(encode(task(
-            _ring(stubs, start, end + 1), _ring(stubs, end + 1, end + 2)[0]))) <= goal:
-        end += 1
-    return end
-
-
-def _ring(stubs: list[str], a: int, b: int) -> list[str]:
-    return [stubs[j % len(stubs)] for j in range(a, b)]
 
 
 def fig6_base(args):
@@ -258,49 +162,62 @@ def blocks_needed(prompts, streams: int, n: int, block_size: int) -> int:
     return sum(per[i % len(per)] for i in range(streams)) + 64
 
 
-def fig_deterministic(args, res: dict) -> None:
-    from engine import SamplingParams
-    from engine.config import SpecConfig
+class Rows:
+    """Figure 6's comparisons, each run in both modes against that mode's reference (each
+    prompt alone on a no-speculation engine); the main engines (no-spec and EAGLE-3 default,
+    per mode) serve the references, the stream and sampling rows and the cost table."""
 
-    if getattr(args, "fig6_smoke", False):
-        args = argparse.Namespace(**{**vars(args), **FIG6_SMOKE})
-    start = time.perf_counter()
-    n, short = args.fig6_tokens, min(args.fig6_short_tokens, args.fig6_tokens)
-    many, few = (int(x) for x in str(args.fig6_streams).split(","))
-    every = args.fig6_stagger
-    log("fig 6: loading the model, building the prompts")
-    base, head, encode = fig6_base(args)
-    prompts, shared = code_tasks(args.fig6_prompts, args.fig6_min_len, args.fig6_max_len, encode)
-    nb = blocks_needed(prompts, many, n, base.config.block_size)
-    greedy = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    brief = replace(greedy, max_tokens=short)
-    sampled = [SamplingParams(temperature=0.8, top_p=0.95, seed=args.fig6_seed + i,
-                              max_tokens=short, ignore_eos=True) for i in range(len(prompts))]
-    spec0 = SpecConfig(head=args.head)  # what an engine speculates with unless told
-    res["config"] = fig6_config(args, base, prompts, shared, nb, spec0)
-    main = {m: {"no_spec": variant(base, head, d, num_blocks=nb),
-                "eagle3": variant(base, head, d, spec=spec0, num_blocks=nb)} for m, d in MODES}
-    res["graphs"] = {f"{m}_{k}": precapture(e, range(1, many + 1))
-                     for m in main for k, e in main[m].items()}
-    log(f"fig 6: {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
-        f"tokens; references (each prompt alone, no speculation)")
-    ref, sref = {}, {}
-    res["references"] = {}
-    for m, _ in MODES:
-        ref[m], secs = single(args, main[m]["no_spec"], prompts, greedy)
-        sref[m] = single(args, main[m]["no_spec"], prompts, sampled)[0]
-        res["references"][m] = {"tokens_per_s": rnd(sum(map(len, ref[m])) / secs, 1),
-                                "digests": digests(ref[m])}
-    cmp: dict = {}
-    skipped: list[str] = []
-    res["comparisons"], res["skipped_comparisons"] = cmp, skipped
+    def __init__(self, args, res: dict, base, head, prompts):
+        from engine import SamplingParams
 
-    def compare(name: str, what: str, tokens: int, run, idx=None, refs=ref) -> None:
-        if time.perf_counter() - start > args.fig6_deadline_s:
-            skipped.append(name)
+        self.args, self.res, self.base, self.head, self.prompts = args, res, base, head, prompts
+        self.start = time.perf_counter()
+        self.n, self.short = args.fig6_tokens, min(args.fig6_short_tokens, args.fig6_tokens)
+        self.many, self.few = (int(x) for x in str(args.fig6_streams).split(","))
+        self.nb = blocks_needed(prompts, self.many, self.n, base.config.block_size)
+        self.greedy = SamplingParams(temperature=0, max_tokens=self.n, ignore_eos=True)
+        self.brief = replace(self.greedy, max_tokens=self.short)
+        self.sampled = [SamplingParams(temperature=0.8, top_p=0.95, seed=args.fig6_seed + i,
+                                       max_tokens=self.short, ignore_eos=True)
+                        for i in range(len(prompts))]
+        self.main: dict = {}
+        self.ref: dict = {}
+        self.sref: dict = {}
+        res["comparisons"], res["skipped_comparisons"] = {}, []
+
+    def references(self, spec0) -> None:
+        """Build and capture the main engines, then each mode's greedy and sampled references."""
+        self.main = {m: {"no_spec": variant(self.base, self.head, d, num_blocks=self.nb),
+                         "eagle3": variant(self.base, self.head, d, spec=spec0,
+                                           num_blocks=self.nb)} for m, d in MODES}
+        self.res["graphs"] = {f"{m}_{k}": precapture(e, range(1, self.many + 1))
+                              for m in self.main for k, e in self.main[m].items()}
+        self.res["references"] = {}
+        for m, _ in MODES:
+            self.ref[m], secs = single(self.args, self.main[m]["no_spec"], self.prompts,
+                                       self.greedy)
+            self.sref[m] = single(self.args, self.main[m]["no_spec"], self.prompts,
+                                  self.sampled)[0]
+            self.res["references"][m] = {
+                "tokens_per_s": rnd(sum(map(len, self.ref[m])) / secs, 1),
+                "digests": digests(self.ref[m])}
+
+    def late(self, name: str) -> bool:
+        """Past --fig6-deadline-s: `name` is listed as skipped."""
+        if time.perf_counter() - self.start <= self.args.fig6_deadline_s:
+            return False
+        self.res["skipped_comparisons"].append(name)
+        return True
+
+    def compare(self, name: str, what: str, tokens: int, run, idx=None,
+                sampled: bool = False) -> None:
+        """`run(mode, deterministic)` -> (outputs, extra fields), in both modes; stream i is
+        compared with the reference of prompt idx[i] (default: i)."""
+        if self.late(name):
             return
         row: dict = {"what": what, "tokens_compared": tokens}
-        cmp[name] = row
+        self.res["comparisons"][name] = row
+        refs = self.sref if sampled else self.ref
         try:
             for m, d in MODES:
                 t0 = time.perf_counter()
@@ -314,101 +231,126 @@ def fig_deterministic(args, res: dict) -> None:
         log(f"fig 6: {name}: " + ", ".join(
             f"{m} {row[m]['identical']}/{row[m]['of']}" for m, _ in MODES if m in row)
             + (" (failed)" if "error" in row else ""))
-        save(args.out, dict(res, partial=f"running; {name} done"))
+        save(self.args.out, dict(self.res, partial=f"running; {name} done"))
 
-    def fresh(d, **kw):
-        eng = variant(base, head, d, num_blocks=nb, **kw)
+    def fresh(self, deterministic: bool, **kw):
+        eng = variant(self.base, self.head, deterministic, num_blocks=self.nb, **kw)
         precapture(eng, (1,))
         return eng
 
-    def alone(eng, params):
+    def alone(self, eng, params) -> tuple[list, dict]:
         before = spec_counts(eng)
-        outs = single(args, eng, prompts, params)[0]
+        outs = single(self.args, eng, self.prompts, params)[0]
         return outs, {"acceptance_length": acceptance(before, spec_counts(eng))}
 
-    def streams(k: int, spec: str, params):
-        idx = [i % len(prompts) for i in range(k)]
+    def streams(self, k: int, key: str, params):
+        """(run, idx): k streams of the prompts cycled on main engine `key`, arriving apart."""
+        idx = [i % len(self.prompts) for i in range(k)]
         plist = [params[i] for i in idx] if isinstance(params, list) else params
-        return (lambda m, d: (staggered(main[m][spec], [prompts[i] for i in idx], plist,
-                                        every), {})), idx
+        ps = [self.prompts[i] for i in idx]
+        return (lambda m, d: (staggered(self.main[m][key], ps, plist, self.args.fig6_stagger),
+                              {})), idx
 
-    def prefix_hit(m, d):
-        eng = fresh(d, enable_prefix_caching=True)
-        single(args, eng, prompts, replace(greedy, max_tokens=1))  # every prompt's blocks cached
+    def prefix_hit(self, m: str, d: bool):
+        eng = self.fresh(d, enable_prefix_caching=True)
+        single(self.args, eng, self.prompts, replace(self.greedy, max_tokens=1))  # all cached
         hits = eng.blocks.prefix_hit_tokens
-        outs = single(args, eng, prompts, brief)[0]
+        outs = single(self.args, eng, self.prompts, self.brief)[0]
         return outs, {"prefix_hit_tokens": eng.blocks.prefix_hit_tokens - hits,
-                      "prompt_tokens": sum(map(len, prompts))}
+                      "prompt_tokens": sum(map(len, self.prompts))}
 
-    def disaggregated(m, d):
-        pre, dec = fresh(d), fresh(d)
-        return [handed_off(pre, dec, p, brief) for p in prompts], {}
+    def disaggregated(self, m: str, d: bool):
+        pre, dec = self.fresh(d), self.fresh(d)
+        return [handed_off(pre, dec, p, self.brief) for p in self.prompts], {}
 
-    arrive = f"one arriving every {every} engine steps"
-    compare("eagle3_default", "EAGLE-3 as engines run it unless told (dynamic K, context "
-            "drafts), one stream", n, lambda m, d: alone(main[m]["eagle3"], greedy))
-    for k, spec in ((many, "no_spec"), (many, "eagle3"), (few, "eagle3")):
-        run, idx = streams(k, spec, brief)
-        compare(f"streams{k}_staggered_{spec}", f"{k} concurrent streams ({spec}), {arrive}",
-                short, run, idx)
-    compare("sampled_eagle3", "seeded sampling (T=0.8, top-p 0.95, one seed per prompt), "
-            "EAGLE-3 default, one stream", short,
-            lambda m, d: alone(main[m]["eagle3"], sampled), refs=sref)
-    for spec in ("no_spec", "eagle3"):
-        run, idx = streams(many, spec, sampled)
-        compare(f"sampled_streams{many}_staggered_{spec}", f"seeded sampling, {many} streams "
-                f"({spec}), {arrive}", short, run, idx, refs=sref)
-    if time.perf_counter() - start <= args.fig6_deadline_s:
-        log("fig 6: cost, the main engines in turns")
+    def restart(self) -> None:
+        """A fresh process's single-stream references against this one's, per prompt digest."""
+        if self.late("restarted_process"):
+            return
+        row: dict = {"what": "the single-stream reference again in a new process (digests of "
+                             "each prompt's tokens)", "tokens_compared": self.n}
+        self.res["comparisons"]["restarted_process"] = row
+        left = self.args.fig6_deadline_s - (time.perf_counter() - self.start)
+        t0 = time.perf_counter()
         try:
-            res["cost"] = cost_table(args, main, prompts, n, many)
+            kid = restarted(self.args, self.prompts, self.n, self.nb, timeout=max(60.0, left))
         except Exception:  # noqa: BLE001 - recorded; the comparisons go on
-            res["cost_error"] = traceback.format_exc()
-        save(args.out, dict(res, partial="running; cost done"))
-    else:
-        skipped.append("cost")
-    main = None
+            row["error"] = traceback.format_exc()
+            return
+        for m, _ in MODES:
+            mine = self.res["references"][m]["digests"]
+            diverged = [i for i, (a, b) in enumerate(zip(kid[m], mine)) if a != b]
+            row[m] = {"identical": len(mine) - len(diverged), "of": len(mine),
+                      "diverged": diverged}
+        row["seconds"] = rnd(time.perf_counter() - t0, 1)
+        log(f"fig 6: restarted_process: deterministic {row['deterministic']['identical']}/"
+            f"{len(mine)}, default {row['default']['identical']}/{len(mine)}")
+
+
+def fig_deterministic(args, res: dict) -> None:
+    from engine.config import SpecConfig
+
+    if getattr(args, "fig6_smoke", False):
+        args = argparse.Namespace(**{**vars(args), **FIG6_SMOKE})
+    log("fig 6: loading the model, building the prompts")
+    base, head, encode = fig6_base(args)
+    prompts, shared = code_tasks(args.fig6_prompts, args.fig6_min_len, args.fig6_max_len, encode)
+    r = Rows(args, res, base, head, prompts)
+    spec0 = SpecConfig(head=args.head)  # what an engine speculates with unless told
+    res["config"] = fig6_config(args, base, prompts, shared, r.nb, spec0)
+    log(f"fig 6: {len(prompts)} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} "
+        f"tokens; references (each prompt alone, no speculation)")
+    r.references(spec0)
+    main_rows(r)
+    r.main = {}
     free_memory()
-    compare("prefix_cache_hit", "each prompt again on an engine whose prefix cache holds its "
-            "full blocks (shared-prefix prompts hit from the first pass too)", short, prefix_hit)
-    compare("chunked_prefill", f"prefill in chunks of at most {args.fig6_chunk} tokens "
-            "(max_num_batched_tokens)", short,
-            lambda m, d: (single(args, fresh(d, max_num_batched_tokens=args.fig6_chunk),
-                                 prompts, brief)[0], {}))
-    compare("disaggregated", "prefill engine -> KV blocks copied -> decode engine, in process, "
-            "one prompt at a time", short, disaggregated)
-    restart_row(args, res, prompts, n, start, skipped)
-    compare("ngram_k5", "n-gram drafts, fixed K=5, one stream", n,
-            lambda m, d: alone(fresh(d, spec=ngram(5)), greedy))
-    for k in (int(x) for x in str(args.fig6_ks).split(",")):
-        compare(f"eagle3_k{k}", f"EAGLE-3 fixed K={k}, one stream", n,
-                lambda m, d, k=k: alone(fresh(d, spec=eagle(args, k, False)), greedy))
+    fresh_rows(r)
     res["goals"] = fig6_goals(res)
 
 
-def restart_row(args, res: dict, prompts, n: int, start: float, skipped: list) -> None:
-    """A fresh process's single-stream reference against this one's, per prompt digest."""
-    left = args.fig6_deadline_s - (time.perf_counter() - start)
-    if left <= 0:
-        skipped.append("restarted_process")
+def main_rows(r: Rows) -> None:
+    """The comparisons on the main engines, then the cost table."""
+    arrive = f"one arriving every {r.args.fig6_stagger} engine steps"
+    r.compare("eagle3_default", "EAGLE-3 as engines run it unless told (dynamic K, context "
+              "drafts), one stream", r.n, lambda m, d: r.alone(r.main[m]["eagle3"], r.greedy))
+    for k, key in ((r.many, "no_spec"), (r.many, "eagle3"), (r.few, "eagle3")):
+        r.compare(f"streams{k}_staggered_{key}", f"{k} concurrent streams ({key}), {arrive}",
+                  r.short, *r.streams(k, key, r.brief))
+    r.compare("sampled_eagle3", "seeded sampling (T=0.8, top-p 0.95, one seed per prompt), "
+              "EAGLE-3 default, one stream", r.short,
+              lambda m, d: r.alone(r.main[m]["eagle3"], r.sampled), sampled=True)
+    for key in ("no_spec", "eagle3"):
+        r.compare(f"sampled_streams{r.many}_staggered_{key}", f"seeded sampling, {r.many} "
+                  f"streams ({key}), {arrive}", r.short, *r.streams(r.many, key, r.sampled),
+                  sampled=True)
+    if r.late("cost"):
         return
-    t0 = time.perf_counter()
-    row: dict = {"what": "the single-stream reference again in a new process (digests of each "
-                         "prompt's tokens)", "tokens_compared": n}
-    res["comparisons"]["restarted_process"] = row
+    log("fig 6: cost, the main engines in turns")
     try:
-        kid = restarted(args, prompts, n, res["config"]["num_blocks"], timeout=max(60.0, left))
+        r.res["cost"] = cost_table(r.args, r.main, r.prompts, r.n, r.many)
     except Exception:  # noqa: BLE001 - recorded; the comparisons go on
-        row["error"] = traceback.format_exc()
-        return
-    for m, _ in MODES:
-        mine = res["references"][m]["digests"]
-        diverged = [i for i, (a, b) in enumerate(zip(kid[m], mine)) if a != b]
-        row[m] = {"identical": len(mine) - len(diverged), "of": len(mine),
-                  "diverged": diverged}
-    row["seconds"] = rnd(time.perf_counter() - t0, 1)
-    log(f"fig 6: restarted_process: deterministic {row['deterministic']['identical']}/"
-        f"{len(prompts)}, default {row['default']['identical']}/{len(prompts)}")
+        r.res["cost_error"] = traceback.format_exc()
+    save(r.args.out, dict(r.res, partial="running; cost done"))
+
+
+def fresh_rows(r: Rows) -> None:
+    """The comparisons that build engines of their own, one comparison at a time."""
+    r.compare("prefix_cache_hit", "each prompt again on an engine whose prefix cache holds "
+              "its full blocks (shared-prefix prompts hit from the first pass too)", r.short,
+              r.prefix_hit)
+    r.compare("chunked_prefill", f"prefill in chunks of at most {r.args.fig6_chunk} tokens "
+              "(max_num_batched_tokens)", r.short,
+              lambda m, d: (single(r.args, r.fresh(d, max_num_batched_tokens=r.args.fig6_chunk),
+                                   r.prompts, r.brief)[0], {}))
+    r.compare("disaggregated", "prefill engine -> KV blocks copied -> decode engine, in "
+              "process, one prompt at a time", r.short, r.disaggregated)
+    r.restart()
+    r.compare("ngram_k5", "n-gram drafts, fixed K=5, one stream", r.n,
+              lambda m, d: r.alone(r.fresh(d, spec=ngram(5)), r.greedy))
+    for k in (int(x) for x in str(r.args.fig6_ks).split(",")):
+        r.compare(f"eagle3_k{k}", f"EAGLE-3 fixed K={k}, one stream", r.n,
+                  lambda m, d, k=k: r.alone(r.fresh(d, spec=eagle(r.args, k, False)),
+                                            r.greedy))
 
 
 def fig6_config(args, base, prompts, shared, nb: int, spec0) -> dict:

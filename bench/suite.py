@@ -30,7 +30,6 @@ import time
 import traceback
 
 from bench.common import (
-    apply_settings,
     decode_path,
     free_memory,
     header,
@@ -61,6 +60,45 @@ FIGURES = {
     5: ("itl_disagg", fig_itl_disagg, plot_itl),
     6: ("deterministic", fig_deterministic, plot_deterministic),
 }
+
+
+def setting(path: str):
+    """(module, NAME) of a "module.NAME" module constant; refuses a name the module lacks."""
+    import importlib
+
+    module, _, name = path.strip().rpartition(".")
+    if not module or not name:
+        raise ValueError(f"{path!r} is not module.NAME")
+    mod = importlib.import_module(module)
+    if not hasattr(mod, name):
+        raise AttributeError(f"{module} has no {name}")
+    return mod, name
+
+
+def parse_setting(item: str) -> tuple[str, object]:
+    """("module.NAME", VALUE) of a "module.NAME=VALUE" string (VALUE a Python literal, else a
+    string), checked against the module (`setting`) but not set."""
+    import ast
+
+    path, sep, raw = item.partition("=")
+    if not sep:
+        raise ValueError(f"{item!r} is not module.NAME=VALUE")
+    setting(path)
+    try:
+        return path.strip(), ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        return path.strip(), raw.strip()
+
+
+def apply_settings(items: list[str]) -> dict:
+    """Set module constants from "module.NAME=VALUE" strings (`parse_setting`) for an A/B
+    process; only names the module already has. Returns what was set."""
+    done = {}
+    for item in items:
+        path, value = parse_setting(item)
+        setattr(*setting(path), value)
+        done[path] = value
+    return done
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

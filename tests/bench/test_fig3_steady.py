@@ -77,8 +77,7 @@ def test_fig3_trace_records_what_dynamic_k_saw():
     """--fig3-trace: a dynamic-K engine's cost model records every step it is offered in a
     window (batch size, drafts per sequence, ms, tokens, path, timed), and stops after;
     engines without dynamic K record nothing."""
-    from bench.common import take_trace
-    from bench.fig3_concurrency import steady_throughput, trace_start
+    from bench.fig3_concurrency import steady_throughput, take_trace, trace_start
     from engine.config import SpecConfig
     from engine.testing import tiny_engine
 
@@ -99,7 +98,7 @@ def test_host_probe_reports_both_speeds():
     """Figure 3's host probe: per-call microseconds of a Python loop and a host torch op,
     each a best of stretches (positive, and a torch op dispatch costs more than a loop
     iteration)."""
-    from bench.common import host_probe_us
+    from bench.fig3_concurrency import host_probe_us
 
     p = host_probe_us(reps=200)
     assert set(p) == {"python_loop_us", "torch_op_us"}

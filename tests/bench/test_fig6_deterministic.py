@@ -71,7 +71,7 @@ def test_the_cost_table_and_goals_are_recorded(fig6):
 
 
 def test_held_out_prompts_rise_in_length_and_some_share_a_long_prefix():
-    from bench.fig6_deterministic import SHARE_EVERY, code_tasks
+    from bench.common import SHARE_EVERY, code_tasks
 
     prompts, shared = code_tasks(8, 64, 1200, lambda text: list(text.encode()))
     own = [len(p) for i, p in enumerate(prompts) if shared[i] is None]

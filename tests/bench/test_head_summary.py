@@ -70,7 +70,7 @@ def test_set_changes_module_constants_and_refuses_unknown_names():
     import pytest
 
     from bench import fig5_process
-    from bench.common import apply_settings
+    from bench.suite import apply_settings
 
     before = fig5_process.FIG5_UCX_TIMEOUT_S
     try:

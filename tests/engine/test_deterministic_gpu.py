@@ -14,8 +14,7 @@ import warnings
 import pytest
 import torch
 
-from bench.common import staggered, variant
-from bench.fig6_deterministic import code_tasks
+from bench.common import code_tasks, staggered, variant
 from engine import SamplingParams
 from engine.config import SpecConfig
 from tests.engine.test_deterministic_engine import assert_same, kv_of
