@@ -187,22 +187,55 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def smol_engine():
-    """The embedded SmolLM2-135M-Instruct, fp32 on CPU, through the engine's own loader."""
+    """The embedded SmolLM2-135M-Instruct, fp32 on CPU, through the engine's own loader, from
+    the model's export to safetensors (`embedded_export`: the same config, tokenizer and
+    weights, made once per machine), which loads without parsing the GGUF's metadata again."""
+    from cluster.soak_cluster import embedded_export
     from engine import Engine
 
-    return Engine.from_pretrained(None, dtype=torch.float32, device="cpu")
+    return Engine.from_pretrained(embedded_export(), dtype=torch.float32, device="cpu")
+
+
+def _hf_oracle_folder() -> str:
+    """The embedded checkpoint as transformers reads it from the GGUF, saved once per machine
+    by transformers itself (beside the engine's export, keyed by the same GGUF)."""
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM
+
+    from cluster.soak_cluster import embedded_export
+    from engine.loader import embedded_checkpoint
+
+    out = os.path.join(os.path.dirname(embedded_export()), "hf-oracle")
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    ck = embedded_checkpoint()
+    hf = AutoModelForCausalLM.from_pretrained(ck.folder, gguf_file=ck.gguf_file,
+                                              dtype=torch.float32)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(out))  # renamed into place whole
+    # (save_pretrained refuses a model read from a GGUF: its tensors, config and generation
+    # config are written as save_pretrained would.)
+    try:
+        save_model(hf, os.path.join(tmp, "model.safetensors"))
+        hf.config.save_pretrained(tmp)
+        hf.generation_config.save_pretrained(tmp)
+        os.rename(tmp, out)
+    except OSError:  # another worker finished first (or the disk refused): nothing left half
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.isfile(os.path.join(out, "model.safetensors")):
+            raise
+    return out
 
 
 @pytest.fixture(scope="session")
 def hf_smol():
-    """The same checkpoint loaded by transformers alone: the oracle."""
+    """The same checkpoint loaded by transformers alone: the oracle (transformers' own copy
+    of what it read from the GGUF, `_hf_oracle_folder`)."""
     from transformers import AutoModelForCausalLM
 
-    from engine.loader import embedded_checkpoint
-
-    ck = embedded_checkpoint()
-    m = AutoModelForCausalLM.from_pretrained(ck.folder, gguf_file=ck.gguf_file,
-                                             dtype=torch.float32)
+    m = AutoModelForCausalLM.from_pretrained(_hf_oracle_folder(), dtype=torch.float32)
     return m.eval()
 
 
