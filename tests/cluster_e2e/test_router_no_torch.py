@@ -1,11 +1,13 @@
 """The disaggregated router process imports no torch: a fresh process starts the cluster as
 `tandem serve` does (the launcher's Ray prefill and decode actors, KV over UCX, the gRPC
-router), serves a text and a chat request through the SDK with the outputs the engine alone
-gives, and has loaded neither torch nor transformers."""
+router), on the session's Ray instance as `tandem serve` joins one by `RAY_ADDRESS`, serves a
+text and a chat request through the SDK with the outputs the engine alone gives, and has
+loaded neither torch nor transformers."""
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import subprocess
 import sys
@@ -68,7 +70,9 @@ def _lines(stream, out: queue.Queue) -> None:
     out.put(None)
 
 
-def test_the_disaggregated_router_serves_without_torch(smol_engine):
+def test_the_disaggregated_router_serves_without_torch(smol_engine, served_cluster):
+    import ray
+
     from cluster.soak_cluster import embedded_export
     from engine import SamplingParams
     from tandem_client import Client
@@ -76,9 +80,12 @@ def test_the_disaggregated_router_serves_without_torch(smol_engine):
     want = smol_engine.with_config(enable_prefix_caching=False).generate(
         [TEXT, CHAT], SamplingParams(temperature=0, max_tokens=16))
     with tempfile.TemporaryFile("w+") as err:
+        # Its own actors on the Ray instance the session's cluster runs on (no second instance
+        # to start and stop); it stops only those.
+        env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
         proc = subprocess.Popen([sys.executable, "-c", ROUTER, embedded_export()], cwd=ROOT,
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                text=True)
+                                text=True, env=env)
         said: queue.Queue = queue.Queue()
         threading.Thread(target=_lines, args=(proc.stdout, said), daemon=True).start()
 

@@ -20,7 +20,7 @@ def served(served_cluster):
 
 
 def test_a_short_soak_loses_nothing_and_leaks_nothing(served, tmp_path):
-    cfg = soak.SoakConfig(streams=4, seconds=40, cancel_fraction=0.25, seed=1, prompts=8,
+    cfg = soak.SoakConfig(streams=4, seconds=20, cancel_fraction=0.25, seed=1, prompts=8,
                           min_tokens=16, max_tokens=40, drain_s=60, progress_s=0)
     result = soak.soak(served.target, cfg, served)
     (tmp_path / "soak.json").write_text(json.dumps(result, indent=1))
