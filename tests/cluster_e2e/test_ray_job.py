@@ -54,10 +54,15 @@ def test_readme_exports_the_token_settings():
 
 @pytest.mark.skipif(RAY is None or TANDEM is None, reason="ray / tandem executables not found")
 def test_readme_ray_job_submit_serves_with_token_auth_on(tmp_path):
+    from cluster import soak
+
     readme_env, argv = readme_submit()
     topology = tmp_path / "my-topology.yaml"
+    # The embedded model's safetensors export: the same model, its actors up without parsing
+    # the GGUF (`tandem serve` reading the GGUF itself: tests/cluster/test_serve_drain.py).
     topology.write_text(yaml.safe_dump({
-        "model": {"max_model_len": 2048}, "router": {"port": free_port(), "http_port": 0},
+        "model": {"path": soak.embedded_export(), "max_model_len": 2048},
+        "router": {"port": free_port(), "http_port": 0},
         "prefill": {"kv_cache_bytes": "256MiB"}, "decode": {"kv_cache_bytes": "256MiB"},
         "metrics": {"enabled": False}}))
     with RayNodes() as nodes:
