@@ -354,8 +354,8 @@ class ClusterConfig(_Section):
 
 _SECTIONS: dict[str, type[_Section]] = {
     "model": ModelSection, "engine": EngineSection, "router": RouterSection,
-    "prefill": RoleSection, "decode": RoleSection, "speculation": SpecSection, "transfer": TransferSection,
-    "metrics": MetricsSection, "security": SecuritySection,
+    "prefill": RoleSection, "decode": RoleSection, "speculation": SpecSection,
+    "transfer": TransferSection, "metrics": MetricsSection, "security": SecuritySection,
 }
 
 
