@@ -3,11 +3,22 @@ rule."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.testing import tiny_engine
 
-__all__ = ["TIE_EPS", "compare_with_ties", "tiny_engine"]
+__all__ = ["TIE_EPS", "compare_with_ties", "one_thread", "tiny_engine"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny tensors: on a busy 2-core host a second intra-op thread only adds contention (up to
+    100x slower). A module uses it by importing it (`from tests.helpers import one_thread`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 TIE_EPS = 1e-4
 

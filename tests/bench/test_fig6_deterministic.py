@@ -7,22 +7,13 @@ import json
 
 import pytest
 
+from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
+
 SMOKE_ROWS = {"eagle3_default", "streams8_staggered_no_spec", "streams8_staggered_eagle3",
               "streams4_staggered_eagle3", "sampled_eagle3",
               "sampled_streams8_staggered_no_spec", "sampled_streams8_staggered_eagle3",
               "prefix_cache_hit", "chunked_prefill", "disaggregated", "restarted_process",
               "ngram_k5", "eagle3_k1", "eagle3_k7"}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors on a busy 2-core host: a second intra-op thread only spins."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def run_fig6(out, *extra: str) -> dict:

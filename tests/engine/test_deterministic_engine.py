@@ -13,28 +13,22 @@ import os
 import random
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 import torch
 
+from bench.common import variant
 from engine import Engine, SamplingParams
 from engine.block_manager import block_hash
 from engine.config import SpecConfig
 from engine.testing import random_head, tiny_engine
 from tests.engine.test_handoff import disaggregated
+from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 ENGINE = dict(max_num_batched_tokens=256, deterministic=True)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add contention on a busy 2-core host."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +47,10 @@ def prompts(n: int, seed: int = 11) -> list[list[int]]:
     return [[rng.randrange(30) for _ in range(rng.randrange(3, 14))] * 2 for _ in range(n)]
 
 
-def engine_like(base: Engine, head=None, **cfg) -> Engine:
-    """`base`'s weights with other engine settings (`spec` as SpecConfig keywords)."""
-    spec = cfg.pop("spec", None)
-    c = replace(base.config, spec=SpecConfig(**spec) if spec else None, **cfg)
-    return Engine(c, weights_of=base, draft_head=head if spec and spec["method"] == "eagle3"
-                  else None)
+def engine_like(base: Engine, head=None, spec: dict | None = None, deterministic: bool = True,
+                **cfg) -> Engine:
+    """`bench.common.variant` with the speculation as SpecConfig keywords (none when empty)."""
+    return variant(base, head, deterministic, spec=SpecConfig(**spec) if spec else None, **cfg)
 
 
 def kv_of(eng: Engine, seq: list[int]) -> dict[bytes, torch.Tensor]:

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
-from engine.config import SpecConfig
 from engine.sampler import gumbel_noise, gumbel_tokens, mix32, processed_logits, processed_probs
 from engine.spec.verify import verify_seeded
 from engine.testing import random_head, tiny_engine
+from tests.engine.test_deterministic_engine import engine_like
 from tests.engine.test_handoff import disaggregated
+from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 from tests.spec.test_verify import assert_matches, chi2_pvalue, tv
 
 SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=1234, max_tokens=24)
@@ -25,13 +26,6 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=1234, max_t
 NARROW = SamplingParams(temperature=1.0, top_k=2, seed=1234, max_tokens=24)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add contention on a busy 2-core host."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_mix32_equals_the_modular_reference_on_ints_and_tensors():
@@ -130,14 +124,6 @@ def run(eng: Engine, ps, params=SAMPLED) -> list[list[int]]:
     return out
 
 
-def with_spec(base: Engine, head, deterministic: bool = True, handoff_drafts: bool = True,
-              **spec) -> Engine:
-    """`base`'s weights with speculation `spec` (none when empty)."""
-    cfg = replace(base.config, spec=SpecConfig(**spec) if spec else None,
-                  deterministic=deterministic, handoff_drafts=handoff_drafts)
-    return Engine(cfg, weights_of=base, draft_head=head if spec.get("method") == "eagle3" else None)
-
-
 def test_same_seed_same_tokens_alone_and_in_a_batch(base):
     ps = prompts(4)
     alone = run(base, ps[:1])[0]
@@ -158,7 +144,7 @@ SPECS = [dict(method="ngram", num_tokens=k, dynamic=False) for k in (1, 3, 7)] +
                          f"{'-dyn' if s['dynamic'] else ''}")
 def test_speculation_gives_the_no_speculation_tokens(base, head, spec):
     ps = prompts(3)
-    eng = with_spec(base, head, **spec)
+    eng = engine_like(base, head, spec)
     for params in (SAMPLED, NARROW):
         want = run(base, ps, params)
         assert run(eng, ps[:1], params) == want[:1]  # alone: each verify row as it runs alone
@@ -173,8 +159,8 @@ def test_sampled_drafts_share_the_targets_noise(base):
     """At a temperature so high that every token is almost equally likely, the draw at an index
     is the argmax of its noise alone: drafts that use the noise of the index they draft are
     then nearly always accepted (the head drafts over the whole vocabulary here)."""
-    eng = with_spec(base, random_head(base, draft_vocab=base.config.model.vocab_size),
-                    method="eagle3", num_tokens=4, dynamic=False)
+    eng = engine_like(base, random_head(base, draft_vocab=base.config.model.vocab_size),
+                      dict(method="eagle3", num_tokens=4, dynamic=False))
     hot = SamplingParams(temperature=1e5, seed=3, max_tokens=24)
     ps = prompts(2)
     assert run(eng, ps, hot) == run(base, ps, hot)
@@ -191,7 +177,7 @@ def test_disaggregated_gives_the_colocated_tokens(base, head, spec, handoff_draf
     ps = prompts(4, seed=5)
     want = run(base, ps)
 
-    pre, dec = (with_spec(base, head, handoff_drafts=handoff_drafts, **spec) for _ in range(2))
+    pre, dec = (engine_like(base, head, spec, handoff_drafts=handoff_drafts) for _ in range(2))
     assert disaggregated(pre, dec, ps, SAMPLED) == want
 
 
@@ -225,9 +211,9 @@ def test_default_mode_sampling_differs_with_speculation(base, head):
     plain = base.with_config(deterministic=False)
     ps = prompts(4)
     want = run(plain, ps, NARROW)
-    eng = with_spec(base, head, deterministic=False, method="ngram", num_tokens=3, dynamic=False)
+    ngram = dict(method="ngram", num_tokens=3, dynamic=False)
+    eng = engine_like(base, head, ngram, deterministic=False)
     got = run(eng, ps, NARROW)
     assert eng.spec.stats.verify_steps > 0 and got != want
     # The same engines in the deterministic mode agree.
-    assert run(with_spec(base, head, method="ngram", num_tokens=3, dynamic=False), ps,
-               NARROW) == run(base, ps, NARROW)
+    assert run(engine_like(base, head, ngram), ps, NARROW) == run(base, ps, NARROW)

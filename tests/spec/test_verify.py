@@ -19,6 +19,7 @@ import torch
 from engine.sampler import new_generator, processed_probs, sample_from
 from engine.sequence import SamplingParams
 from engine.spec.verify import VerifyResult, verify_greedy, verify_sampled
+from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 ALPHA = 1e-3  # chi-square significance: a correct rule fails with p-value < ALPHA
 TV_BOUND = 0.015  # for 5-6 categories at N = 20000 the expected TV is ~0.005
@@ -29,13 +30,6 @@ Q = [0.40, 0.05, 0.25, 0.10, 0.20]
 N = 20000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors: intra-op threads only add contention (100x slower on busy 2-core hosts)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def tv(counts: torch.Tensor, expected: torch.Tensor) -> float:
