@@ -253,15 +253,21 @@ def write(path: str = DOMAINS_FROZEN, sets: dict | None = None) -> dict:
     return sets
 
 
+def read_kept(path: str, missing: str) -> dict:
+    """A kept gzipped JSON file (these domains, `prompt_sets`' sets); `missing`: the error's
+    message, saying how to make the file, when there is none."""
+    try:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(missing) from None
+
+
 @functools.lru_cache(maxsize=4)
 def frozen(path: str = DOMAINS_FROZEN) -> dict:
     """The kept domains (`write`'s file)."""
-    try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            sets = json.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no prompt domains at {path}: run `python -m "
-                                f"cluster.prompt_sets --domains-out {path}`") from None
+    sets = read_kept(path, f"no prompt domains at {path}: run `python -m cluster.prompt_sets "
+                           f"--domains-out {path}`")
     if not isinstance(sets.get("domains"), dict):
         raise ValueError(f"{path} has no 'domains'")
     return sets

@@ -150,12 +150,10 @@ def write(path: str = FROZEN, sets: dict | None = None) -> dict:
 @functools.lru_cache(maxsize=4)
 def frozen(path: str = FROZEN) -> dict:
     """The kept prompts (`write`'s file)."""
-    try:
-        with gzip.open(path, "rt", encoding="utf-8") as f:
-            sets = json.load(f)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no prompt sets at {path}: run `python -m cluster.prompt_sets"
-                                f" --out {path}` to generate them") from None
+    from cluster.prompt_domains import read_kept
+
+    sets = read_kept(path, f"no prompt sets at {path}: run `python -m cluster.prompt_sets --out "
+                           f"{path}` to generate them")
     if not isinstance(sets.get("base"), list) or not isinstance(sets.get("extended"), list):
         raise ValueError(f"{path} has no 'base' and 'extended' prompt lists")
     return sets
