@@ -384,36 +384,39 @@ def single(args, eng, prompts, params) -> tuple[list[list[int]], float]:
 
 
 def staggered(eng, prompts, params, every: int) -> list[list[int]]:
-    """All prompts as concurrent streams, one arriving every `every` engine steps (at once
-    when nothing runs); their tokens, in arrival order."""
+    """All prompts as concurrent streams, one arriving every `every` engine steps (all at once
+    for 0, and whenever nothing runs); their tokens, in arrival order."""
     plist = params if isinstance(params, list) else [params] * len(prompts)
     pending, seqs, step = list(zip(prompts, plist)), [], 0
     while pending or eng.has_unfinished():
-        if pending and (step % every == 0 or not eng.has_unfinished()):
+        while pending and (not every or step % every == 0 or not eng.has_unfinished()):
             seqs.append(eng.seqs[eng.add_request(*pending.pop(0))])
+            if every:
+                break
         eng.step()
         step += 1
     return [s.output_ids for s in seqs]
 
 
-def handed_off(pre, dec, prompt, params) -> list[int]:
-    """One prompt prefilled on `pre`, its KV blocks copied into blocks `dec` reserved, decoded
-    on `dec` (in process, as a prefill node hands a request to a decode node)."""
-    rid = pre.add_request(prompt, params, hold=True)
-    out: list[int] = []
+def handed_off(pre, dec, prompts, params) -> list[list[int]]:
+    """Each prompt prefilled on `pre` (all in flight at once), its KV blocks copied into blocks
+    `dec` reserved, decoded on `dec` (in process, as a prefill node hands a request to a decode
+    node); their tokens, in order."""
+    rids = [pre.add_request(p, params, hold=True) for p in prompts]
+    outs: dict[str, list[int]] = {r: [] for r in rids}
     while pre.has_unfinished() or dec.has_unfinished():
         for o in pre.step():
-            out += o.token_ids
+            outs[o.request_id] += o.token_ids
             if o.handoff:
-                h = pre.export_handoff(rid)
-                dst = dec.reserve(rid, h.num_computed)
-                src = pre.held_blocks(rid)[:len(dst)]
+                h = pre.export_handoff(o.request_id)
+                dst = dec.reserve(o.request_id, h.num_computed)
+                src = pre.held_blocks(o.request_id)[:len(dst)]
                 dec.kv_cache[:, :, dst] = pre.kv_cache[:, :, src].to(dec.kv_cache)
-                pre.release(rid)
+                pre.release(o.request_id)
                 dec.admit(h)
         for o in dec.step():
-            out += o.token_ids
-    return out
+            outs[o.request_id] += o.token_ids
+    return [outs[r] for r in rids]
 
 
 def save(out_dir: str, res: dict, plot=None) -> str:

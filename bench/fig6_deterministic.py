@@ -261,7 +261,7 @@ class Rows:
 
     def disaggregated(self, m: str, d: bool):
         pre, dec = self.fresh(d), self.fresh(d)
-        return [handed_off(pre, dec, p, self.brief) for p in self.prompts], {}
+        return [handed_off(pre, dec, [p], self.brief)[0] for p in self.prompts], {}
 
     def restart(self) -> None:
         """A fresh process's single-stream references against this one's, per prompt digest."""

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from bench.common import variant
+from bench.common import staggered, variant
 from engine import Engine, SamplingParams
 from engine.block_manager import block_hash
 from engine.config import SpecConfig
@@ -68,18 +68,8 @@ def kv_of(eng: Engine, seq: list[int]) -> dict[bytes, torch.Tensor]:
 def run(eng: Engine, ps, stagger: int = 0):
     """Greedy tokens of each prompt and the KV each left in the prefix cache. `stagger`: a new
     request joins every `stagger` engine steps instead of all at once."""
-    rids, outs = [], {}
-    pending = list(ps)
-    step = 0
-    while pending or eng.has_unfinished():
-        if pending and (not stagger or step % stagger == 0 or not eng.has_unfinished()):
-            rids.append(eng.add_request(pending.pop(0), GREEDY))
-            outs[rids[-1]] = []
-        for o in eng.step():
-            outs[o.request_id] += o.token_ids
-        step += 1
+    toks = staggered(eng, ps, GREEDY, stagger)
     eng.blocks.check_all_free()
-    toks = [outs[r] for r in rids]
     return toks, [kv_of(eng, p + t) for p, t in zip(ps, toks)]
 
 

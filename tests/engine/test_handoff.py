@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from bench.common import handed_off
 from engine import Engine, SamplingParams
 from engine.config import SpecConfig
 from tests.helpers import tiny_engine
@@ -18,27 +19,12 @@ def copy_blocks(src: Engine, dst: Engine, src_ids, dst_ids) -> None:
 
 
 def disaggregated(prefill: Engine, decode: Engine, prompts, params) -> list[list[int]]:
-    """Run every prompt prefill→decode, several in flight at once, like the cluster does."""
-    outs: dict[str, list[int]] = {}
-    order = []
-    for p in prompts:
-        rid = prefill.add_request(p, params, hold=True)
-        order.append(rid)
-        outs[rid] = []
-    while prefill.has_unfinished() or decode.has_unfinished():
-        for o in prefill.step():
-            outs[o.request_id] += o.token_ids
-            if o.handoff:
-                h = prefill.export_handoff(o.request_id)
-                dst = decode.reserve(o.request_id, h.num_computed)
-                copy_blocks(prefill, decode, prefill.held_blocks(o.request_id)[: len(dst)], dst)
-                prefill.release(o.request_id)
-                decode.admit(h)
-        for o in decode.step():
-            outs[o.request_id] += o.token_ids
+    """Run every prompt prefill→decode, several in flight at once, like the cluster does
+    (`bench.common.handed_off`); no block stays in use on either side."""
+    outs = handed_off(prefill, decode, prompts, params)
     prefill.blocks.check_all_free()
     decode.blocks.check_all_free()
-    return [outs[r] for r in order]
+    return outs
 
 
 @pytest.mark.parametrize("params", [
