@@ -1,10 +1,13 @@
-"""Figure 1: SmolLM2 single-stream tokens/s, tandem with and without speculation against HF
-`generate` (eager, and static cache + torch.compile) in the same run."""
+"""Figure 1: SmolLM2 single-stream tokens/s. Headline: the engine's default speculation
+against none on each domain's held-out split, and time to ready (`bench/fig1_domains.py`).
+Beside it, a table of speculation variants against HF `generate` (eager, and static cache +
+torch.compile) on the general held-out prompts, in the same run."""
 
 from __future__ import annotations
 
 import time
 import traceback
+from dataclasses import asdict
 
 from bench.common import (
     acceptance,
@@ -28,6 +31,16 @@ from bench.common import (
     sync,
     torch_dtype,
 )
+from bench.fig1_domains import (
+    domain_names,
+    domain_prompts,
+    domain_summary,
+    engine_default,
+    per_position,
+    plot_domains,
+    spec_hists,
+    time_to_ready,
+)
 from engine.loader import shipped_head
 
 
@@ -37,14 +50,14 @@ def run_single(args, eng, msgs, n: int) -> dict:
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    note = precapture(eng, (1,))
+    note = "prepared before" if eng.ready is not None else precapture(eng, (1,))
     # Warm-up: the full length on a prompt not in the timed set (Triton JIT, lazy graphs),
     # then each timed prompt alone for a few tokens, since a prompt length not seen before
     # may compile prefill and head kernels. Prefix caching is off, so nothing is reused.
     eng.generate(held_out_messages(1, offset=len(msgs) + args.prompt_offset + 7), params)
     for m in msgs:
         eng.generate([m], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    before, paths = spec_counts(eng), step_paths(eng)
+    before, hists, paths = spec_counts(eng), spec_hists(eng), step_paths(eng)
     per, outs, secs = [], [], 0.0
     for m in msgs:
         sync(args)
@@ -58,7 +71,8 @@ def run_single(args, eng, msgs, n: int) -> dict:
                     "tokens_per_s": rnd(len(c.token_ids) / dt, 1)})
     toks = sum(len(o) for o in outs)
     return {"tokens": toks, "seconds": rnd(secs, 4), "tokens_per_s": rnd(toks / secs, 1),
-            "acceptance_length": acceptance(before, spec_counts(eng)), "per_prompt": per,
+            "acceptance_length": acceptance(before, spec_counts(eng)),
+            **per_position(hists, spec_hists(eng)), "per_prompt": per,
             # how the timed steps ran: fused / overlapped, and dynamic K's picks and reasons
             "paths": paths_delta(paths, step_paths(eng)), "graphs": note, "_outs": outs}
 
@@ -105,16 +119,70 @@ def run_hf(args, model, prompts: list[list[int]], n: int, **kw) -> dict:
             "per_prompt": per, "_outs": outs}
 
 
-def fig_single_stream(args, res: dict) -> None:
-    from engine.config import SpecConfig
+def headline(args, res: dict, spec, n: int) -> None:
+    """Time to ready and the first request (an engine with the default speculation, built
+    before any other of this figure), then each domain's held-out prompts on that engine and
+    on one without speculation; `res["ready"]`, `res["domains"]`, the headline and goals."""
+    names = domain_names(args.fig1_domains)
+    prompts = domain_prompts(names, args.fig1_domain_prompts)
+    res["config"]["domains"] = {d: len(p) for d, p in prompts.items()}
+    res["domains"], outs = {}, {}
+    try:
+        log("fig 1: time to ready (Engine.from_pretrained, default speculation)")
+        first = held_out_messages(1, args.prompt_offset + args.fig1_prompts + 3)[0]
+        eng, res["ready"] = time_to_ready(args, spec, first, n)
+        log(f"fig 1: {eng.ready}; first request {res['ready']['first_over_steady']}x steady")
+        for name in ("engine_default", "no_spec"):
+            eng = eng if name == "engine_default" else eng.with_config(spec=None)
+            for d, msgs in prompts.items():
+                row = res["domains"].setdefault(d, {"prompts": len(msgs)})
+                try:
+                    ids = [eng.encode_prompt(m) for m in msgs]
+                    row["prompt_tokens"] = [len(p) for p in ids]
+                    row[name] = run_single(args, eng, ids, n)
+                    outs.setdefault(d, {})[name] = row[name].pop("_outs")
+                except Exception:  # noqa: BLE001 - one domain failing leaves the others
+                    row[name] = {"error": traceback.format_exc()}
+                log(f"fig 1: {d} {name}: {row[name].get('tokens_per_s')} tok/s, "
+                    f"acceptance {row[name].get('acceptance_length')}")
+    except Exception:  # noqa: BLE001 - the variant table still runs
+        res["ready"] = res.get("ready") or {"error": traceback.format_exc()}
+        res["domains_error"] = traceback.format_exc()
+    eng = None
+    free_memory()
+    domain_summary(res, outs)
 
+
+def table_variants(args, spec) -> dict:
+    """The variant table's speculation settings by name, those --fig1-table keeps."""
+    dyn = f"eagle3_dynamic_k{args.dynamic_k}"
+    variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False, False),
+                "eagle3_k7": eagle(args, 7, False, False),
+                dyn: eagle(args, args.dynamic_k, True, False),
+                "eagle3_k5_context": eagle(args, 5, False, True),
+                "eagle3_k7_context": eagle(args, 7, False, True),
+                f"{dyn}_context": eagle(args, args.dynamic_k, True, True),
+                "ngram_k5": ngram(5), "engine_default": spec}
+    if args.fig1_table.strip() == "all":
+        return variants
+    keep = [v.strip() for v in args.fig1_table.split(",") if v.strip() and v.strip() != "none"]
+    bad = [v for v in keep if v not in variants]
+    if bad:
+        raise ValueError(f"--fig1-table: unknown {bad}; have {list(variants)}, all or none")
+    return {v: variants[v] for v in keep}
+
+
+def fig_single_stream(args, res: dict) -> None:
     n = args.fig1_tokens
     msgs = held_out_messages(args.fig1_prompts, args.prompt_offset)
+    spec = engine_default(args)
     res["config"] = {"prompts": len(msgs), "max_tokens": n, "ignore_eos": True,
                      "greedy": True, "prefix_caching": False, "num_blocks": args.num_blocks,
                      "prompt_source": "held-out split of cluster/prompt_sets.py",
                      "tokens_per_s": "generated tokens / wall time of each generate call, "
-                                     "prefill included, one prompt at a time"}
+                                     "prefill included, one prompt at a time",
+                     "engine_default_spec": asdict(spec)}
+    headline(args, res, spec, n)
     log("fig 1: loading SmolLM2 + EAGLE-3 head")
     base = load_smol(args, spec=eagle(args, 5, False))
     res["config"]["model"] = base.config.model.name
@@ -130,27 +198,13 @@ def fig_single_stream(args, res: dict) -> None:
     # beside tandem's over all of them
     hf_prompts = prompts[:args.fig1_hf_prompts or None]
     res["config"]["hf_prompts"] = len(hf_prompts)
-    dyn = f"eagle3_dynamic_k{args.dynamic_k}"
-    variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False, False),
-                "eagle3_k7": eagle(args, 7, False, False),
-                dyn: eagle(args, args.dynamic_k, True, False),
-                "eagle3_k5_context": eagle(args, 5, False, True),
-                "eagle3_k7_context": eagle(args, 7, False, True),
-                f"{dyn}_context": eagle(args, args.dynamic_k, True, True),
-                "ngram_k5": ngram(5)}
-    # What an engine runs without a SpecConfig of its own (SpecConfig's defaults), where
-    # --dynamic-k asks for another K
-    k_default = SpecConfig().num_tokens
-    default = f"eagle3_dynamic_k{k_default}_context"
-    if default not in variants:
-        variants[default] = eagle(args, k_default, True, True)
-    res["config"]["engine_default"] = default
+    variants = table_variants(args, spec)
     runs: dict[str, dict] = {}
     res["tandem"] = runs
-    for name, spec in variants.items():
+    for name, cfg in variants.items():
         log(f"fig 1: tandem {name}")
         try:
-            eng = base.with_config(spec=spec, num_blocks=args.num_blocks)
+            eng = base.with_config(spec=cfg, num_blocks=args.num_blocks)
             runs[name] = run_single(args, eng, prompts, n)
         except Exception:  # noqa: BLE001 - one variant failing leaves the others
             runs[name] = {"error": traceback.format_exc()}
@@ -209,12 +263,12 @@ def single_stream_ratios(res: dict, outs: dict) -> None:
             r["token_identical_to_no_spec"] = sum(a == b for a, b in zip(mine, ref))
             r["first_divergence"] = [first_diff(a, b) for a, b in zip(mine, ref)]
     best_eagle = max((r.get("vs_tandem_no_spec") or 0 for k, r in runs.items()
-                      if k.startswith("eagle3")), default=None)
-    res["goals"] = {
+                      if k.startswith("eagle3") or k == "engine_default"), default=None)
+    res.setdefault("goals", {}).update({
         "no_spec_at_least_1500_tok_s": None if nospec is None else nospec >= 1500,
         "best_eagle3_at_least_2.5x_no_spec": None if not best_eagle else best_eagle >= 2.5,
         "best_eagle3_vs_no_spec": best_eagle,
-    }
+    })
 
 
 def hf_compiled(args, model, prompts, n) -> dict:
@@ -291,11 +345,13 @@ def plot_single_stream(plt, res):
         if r.get("tokens_per_s"):
             names.append(f"HF\n{k}")
             vals.append(r["tokens_per_s"])
-    fig, ax = plt.subplots(figsize=(11, 4.8))
+    fig, (top, ax) = plt.subplots(2, 1, figsize=(11, 9.6))
+    plot_domains(top, res)
     ax.bar(names, vals)
     ax.tick_params(axis="x", labelsize=8)
     ax.set_ylabel("tokens/s (single stream)")
-    ax.set_title(f"fig 1: single stream, {res['environment'].get('gpu') or 'cpu'}")
+    ax.set_title("variants on the general held-out prompts, HF generate on the first "
+                 f"{res['config'].get('hf_prompts')}")
     for i, v in enumerate(vals):
         ax.text(i, v, f"{v:.0f}", ha="center", va="bottom")
     return fig

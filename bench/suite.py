@@ -51,6 +51,7 @@ from bench.fig3_concurrency import (  # noqa: F401 - window_*: read from here by
 from bench.fig4_kv_transfer import fig_kv_transfer, plot_kv
 from bench.fig5_itl_disagg import fig_itl_disagg, plot_itl
 from bench.fig6_deterministic import fig_deterministic, plot_deterministic
+from bench.fig7_cold_start import fig_cold_start, plot_cold_start
 
 FIGURES = {
     1: ("single_stream", fig_single_stream, plot_single_stream),
@@ -59,6 +60,7 @@ FIGURES = {
     4: ("kv_transfer", fig_kv_transfer, plot_kv),
     5: ("itl_disagg", fig_itl_disagg, plot_itl),
     6: ("deterministic", fig_deterministic, plot_deterministic),
+    7: ("cold_start", fig_cold_start, plot_cold_start),
 }
 
 
@@ -137,6 +139,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fig1-hf-prompts", type=int, default=4, metavar="N",
                    help="the HF baselines generate the first N prompts (0: all)")
     g.add_argument("--fig1-tokens", type=int, default=256)
+    g.add_argument("--fig1-domains", default="all", metavar="D,D",
+                   help="the headline's domains (cluster/prompt_sets.py: code, chat, json, "
+                        "summarize, math, general; default all): the engine's default "
+                        "speculation against none on each held-out split")
+    g.add_argument("--fig1-domain-prompts", type=int, default=16, metavar="N",
+                   help="held-out prompts per domain, one at a time")
+    g.add_argument("--fig1-table", default="all", metavar="V,V",
+                   help="variants of the table on the --fig1-prompts prompts (no_spec, "
+                        "eagle3_k5, ..., ngram_k5, engine_default; all; none)")
     g.add_argument("--no-hf-compile", action="store_true",
                    help="skip the HF static cache + torch.compile baseline (minutes of compile)")
     g = p.add_argument_group("figure 2 (Llama-3.1-8B shape)")
@@ -220,6 +231,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="start no comparison after this many seconds (skipped ones are listed)")
     g.add_argument("--fig6-smoke", action="store_true",
                    help="tiny sizes on a tiny random model: a smoke test, e.g. --device cpu")
+    g = p.add_argument_group("figure 7 (cold start through the Python API)")
+    g.add_argument("--fig7-concurrency", default="1,8,64",
+                   help="streams of figure 3's workload (--fig3-tokens each), one fresh "
+                        "process per variant and concurrency")
+    g.add_argument("--fig7-triton-cache", choices=("cold", "warm"), default="cold",
+                   help="each process's TRITON_CACHE_DIR: cold = a fresh empty folder per "
+                        "process; warm = this process's (TRITON_CACHE_DIR, else Triton's "
+                        "default), shared")
+    g.add_argument("--fig7-ready-reps", type=int, default=3,
+                   help="after prepare_to_serve and one request, the same request this many "
+                        "times (its median: the steady latency)")
+    g.add_argument("--fig7-deadline-s", type=float, default=400.0,
+                   help="start no process after this many seconds (skipped ones are listed)")
+    g.add_argument("--fig7-child-timeout-s", type=float, default=300.0,
+                   help="a process running longer is killed and recorded as failed")
+    g.add_argument("--fig7-smoke", action="store_true",
+                   help="tiny sizes on a tiny random model with SmolLM2's tokenizer and a "
+                        "random EAGLE-3 head: a smoke test, e.g. --device cpu")
 
 
 def run(args) -> int:
