@@ -170,5 +170,9 @@ def plot_domains(ax, res: dict) -> None:
                     ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("tokens/s (single stream)")
-    ax.legend(fontsize=8)
-    ax.set_title(f"fig 1: held-out split per domain, {res['environment'].get('gpu') or 'cpu'}")
+    ax.margins(y=0.2)
+    ax.legend(fontsize=8, loc="upper left", ncols=3)
+    ready = res.get("ready", {})
+    ax.set_title(f"fig 1: held-out split per domain, {res['environment'].get('gpu') or 'cpu'}; "
+                 f"ready in {ready.get('total_s')} s, first request "
+                 f"{ready.get('first_over_steady')}x steady")
