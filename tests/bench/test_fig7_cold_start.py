@@ -48,6 +48,8 @@ def test_each_variant_and_concurrency_ran_in_a_fresh_process_of_its_own(fig7):
                 assert r[p]["tokens"] == r["concurrency"] * n and r[p]["tokens_per_s"] > 0
             assert r["first_over_second_wall"] == ratio(r["first_pass"]["wall_s"],
                                                         r["second_pass"]["wall_s"])
+            assert r["first_pass"]["served_wall_s"] == pytest.approx(
+                r["first_pass"]["wall_s"] - r["prepare_s"], abs=2e-3)
         ready = fig7["ready"][v]
         assert ready["ready"]["load_s"] > 0 and ready["first_request"]["tokens"] == n
         assert len(ready["steady_reps_s"]) == fig7["config"]["ready_reps"]
