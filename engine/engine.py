@@ -48,8 +48,9 @@ class Engine:
         m = cfg.model
         backend = get_backend(cfg.backend_name)(m.num_heads, m.num_kv_heads, m.head_dim,
                                                 cfg.block_size, deterministic=cfg.deterministic)
-        with torch.device(cfg.device):
-            self.model = LlamaModel(m, backend).to(cfg.dtype)
+        # Weights given (loaded or shared) are assigned: none are drawn at random first.
+        self.model = LlamaModel.build(m, backend, cfg.device, cfg.dtype,
+                                      init=state_dict is None and weights_of is None)
         if weights_of is not None:
             self.model.load_state_dict(weights_of.model.state_dict(), assign=True)
             if m.tie_word_embeddings:
@@ -57,7 +58,7 @@ class Engine:
             tokenizer = tokenizer or weights_of.tokenizer
             self.model.share_calibration(weights_of.model)
         elif state_dict is not None:
-            loader.load_weights(self.model, state_dict)
+            loader.load_weights(self.model, state_dict, cfg.device)
         self.model.eval()
         self.num_blocks = cfg.num_blocks or cache_blocks(cfg)
         self.kv_cache = allocate_kv_cache(cfg, self.num_blocks)
@@ -105,10 +106,9 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str | None = None, **overrides) -> Engine:
         """Load a checkpoint (None → the embedded SmolLM2-135M-Instruct) and build the engine."""
-        ckpt = loader.resolve(model)
-        mcfg = loader.load_config(ckpt)
-        cfg = EngineConfig(model=mcfg, **overrides)
-        return cls(cfg, loader.load_state_dict(ckpt, cfg.dtype), loader.Tokenizer.load(ckpt))
+        src = loader.Source(loader.resolve(model))  # a GGUF is parsed here, once
+        cfg = EngineConfig(model=src.config(), **overrides)
+        return cls(cfg, src.state_dict(cfg.dtype), src.tokenizer())
 
     def with_config(self, **overrides) -> Engine:
         """A fresh engine (own KV cache and queues) sharing this one's weights, and its

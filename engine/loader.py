@@ -80,33 +80,63 @@ def resolve(path: str | None) -> Checkpoint:
     raise FileNotFoundError(f"{path!r} holds no *.safetensors and not exactly one *.gguf")
 
 
+class Source:
+    """A checkpoint read for one build: a GGUF file is parsed here, once, and its config,
+    tokenizer and weights all come from that parse (dropped with this object)."""
+
+    def __init__(self, ckpt: Checkpoint):
+        from engine.gguf_file import GgufFile, hf_sections
+
+        self.ckpt = ckpt
+        self.gguf = GgufFile(os.path.join(ckpt.folder, ckpt.gguf_file)) if ckpt.gguf_file \
+            else None
+        self.sections = hf_sections(self.gguf) if self.gguf else None
+
+    def config(self) -> ModelConfig:
+        from transformers import AutoConfig
+
+        from engine.config import ModelConfig
+
+        hf = AutoConfig.for_model(**self.sections["config"]) if self.gguf \
+            else AutoConfig.from_pretrained(self.ckpt.folder)
+        return ModelConfig.from_hf(hf, name=self.ckpt.name)
+
+    def state_dict(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """HF-named tensors in `dtype` (a GGUF's dequantized)."""
+        if self.gguf:
+            from engine.gguf_file import hf_state_dict
+
+            return hf_state_dict(self.gguf, self.sections, dtype)
+        from safetensors.torch import load_file
+
+        sd: dict[str, torch.Tensor] = {}
+        for f in sorted(glob.glob(os.path.join(self.ckpt.folder, "*.safetensors"))):
+            sd.update({k: v.to(dtype) for k, v in load_file(f).items()})
+        return sd
+
+    def tokenizer(self) -> Tokenizer:
+        if self.gguf:
+            from engine.gguf_file import hf_tokenizer
+
+            return Tokenizer(hf_tokenizer(self.gguf, self.sections, self.ckpt.folder))
+        from transformers import AutoTokenizer
+
+        return Tokenizer(AutoTokenizer.from_pretrained(self.ckpt.folder))
+
+
 def load_config(ckpt: Checkpoint) -> ModelConfig:
-    from transformers import AutoConfig
-
-    from engine.config import ModelConfig
-
-    hf = AutoConfig.from_pretrained(ckpt.folder, **ckpt.hf_kwargs())
-    return ModelConfig.from_hf(hf, name=ckpt.name)
+    return Source(ckpt).config()
 
 
 def load_state_dict(ckpt: Checkpoint, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """HF-named tensors; GGUF files are dequantized through transformers' GGUF reader."""
-    if ckpt.gguf_file:
-        from transformers import AutoModelForCausalLM
-
-        hf = AutoModelForCausalLM.from_pretrained(ckpt.folder, gguf_file=ckpt.gguf_file,
-                                                  dtype=dtype)
-        return dict(hf.state_dict())
-    from safetensors.torch import load_file
-
-    sd: dict[str, torch.Tensor] = {}
-    for f in sorted(glob.glob(os.path.join(ckpt.folder, "*.safetensors"))):
-        sd.update({k: v.to(dtype) for k, v in load_file(f).items()})
-    return sd
+    """HF-named tensors; a GGUF's dequantized (a tied LM head is left out)."""
+    return Source(ckpt).state_dict(dtype)
 
 
-def load_weights(model: torch.nn.Module, hf_sd: dict[str, torch.Tensor]) -> None:
-    """Copy HF-named weights into the engine's model, fusing q/k/v and gate/up."""
+def load_weights(model: torch.nn.Module, hf_sd: dict[str, torch.Tensor], device) -> None:
+    """Give the engine's model HF-named weights, fusing q/k/v and gate/up. Each is copied to
+    `device` in the model's dtype and assigned, so a model built with its weights on the meta
+    device (`LlamaModel.build(init=False)`) is filled once, sharing no memory with `hf_sd`."""
     import torch
 
     cfg = model.cfg
@@ -133,8 +163,11 @@ def load_weights(model: torch.nn.Module, hf_sd: dict[str, torch.Tensor]) -> None
     if missing or unexpected:
         raise ValueError(f"checkpoint does not fit the model: missing {missing[:8]}, "
                          f"unexpected {unexpected[:8]}")
-    with torch.no_grad():
-        for k, v in out.items():
-            if own[k].shape != v.shape:
-                raise ValueError(f"{k}: checkpoint shape {tuple(v.shape)} != {tuple(own[k].shape)}")
-            own[k].copy_(v)
+    for k, v in out.items():
+        if own[k].shape != v.shape:
+            raise ValueError(f"{k}: checkpoint shape {tuple(v.shape)} != {tuple(own[k].shape)}")
+        out[k] = v.to(device=device, dtype=own[k].dtype, copy=True,
+                      memory_format=torch.contiguous_format)
+    model.load_state_dict(out, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight

@@ -80,11 +80,17 @@ class LlamaModel(nn.Module):
     """Decoder stack plus LM head. Parameter names follow the HF checkpoint layout, except that
     q/k/v and gate/up are stored fused (`qkv_proj`, `gate_up_proj`)."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, rotary: Rotary | None = None,
+                 init: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position) if rotary is None else rotary
+        # Drawn only where asked: a normal fill on the meta device costs a second (it imports
+        # torch's compiler).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        if init:
+            self.embed_tokens.reset_parameters()
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, self.rotary)
                                     for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -111,6 +117,20 @@ class LlamaModel(nn.Module):
         self.prologue_calibration: dict | None = None
         # Large projections' kernels as `tune_large_linears` chose them on this GPU.
         self.large_linear_tuning: dict | None = None
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, backend: AttentionBackend, device, dtype: torch.dtype,
+              init: bool = True) -> LlamaModel:
+        """The model on `device` in `dtype`, its weights randomly initialized; `init=False`: its
+        weights left on the meta device, for a caller that assigns every one (no time or
+        memory goes to weights it would drop). The RoPE tables are computed either way."""
+        with torch.device(device):
+            if init:
+                return cls(cfg, backend).to(dtype)
+            rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position)
+        with torch.device("meta"):
+            model = cls(cfg, backend, rotary, init=False)
+        return model.to(dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, aux_layers: tuple[int, ...] = ()

@@ -143,9 +143,9 @@ class Tokenizer(ChatEncoding):
 
     @classmethod
     def load(cls, ckpt: Checkpoint) -> Tokenizer:
-        from transformers import AutoTokenizer
+        from engine.loader import Source
 
-        return cls(AutoTokenizer.from_pretrained(ckpt.folder, **ckpt.hf_kwargs()))
+        return Source(ckpt).tokenizer()
 
     @property
     def eos_token_id(self) -> int | None:
