@@ -138,8 +138,8 @@ def hf_tokenizer(g: GgufFile, sections: dict[str, dict], folder: str):
         i = parts.get(f"{name}_token_id")
         kwargs[f"{name}_token"] = parts["tokens"][i] if i is not None else None
     backend, extra = convert_gguf_tokenizer(g.architecture, parts)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=folder, **kwargs,
-                                   **extra)
+    kwargs.update(extra)  # what the converter names (transformers 4) wins, as in transformers
+    return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=folder, **kwargs)
 
 
 def hf_state_dict(g: GgufFile, sections: dict[str, dict], dtype) -> dict:
@@ -149,13 +149,15 @@ def hf_state_dict(g: GgufFile, sections: dict[str, dict], dtype) -> dict:
 
     cfg = sections["config"]
     heads = {"attn_q": cfg.get("num_attention_heads"), "attn_k": cfg.get("num_key_value_heads")}
+    if g.architecture != "llama" or None in heads.values():  # as transformers: left as stored
+        heads = {}
     out = {}
     for name in g.tensors:
         hf = hf_name(name)
         if hf is None:
             continue
         w = g.array(name)
-        n = heads.get(name.split(".")[-2]) if g.architecture == "llama" else None
+        n = heads.get(name.split(".")[-2])
         if n:
             w = w.reshape(n, -1, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         out[hf] = torch.from_numpy(w if w.flags.writeable else w.copy()).to(dtype)
