@@ -7,8 +7,12 @@ from __future__ import annotations
 import mmap
 import re
 import struct
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 # Metadata value types (the GGUF spec's numbering): fixed-size scalars by struct format; 8 is a
 # string, 9 an array.
@@ -142,7 +146,8 @@ def hf_tokenizer(g: GgufFile, sections: dict[str, dict], folder: str):
     return PreTrainedTokenizerFast(tokenizer_object=backend, name_or_path=folder, **kwargs)
 
 
-def hf_state_dict(g: GgufFile, sections: dict[str, dict], dtype) -> dict:
+def hf_state_dict(g: GgufFile, sections: dict[str, dict], dtype: torch.dtype
+                  ) -> dict[str, torch.Tensor]:
     """HF-named tensors in `dtype`, dequantized. llama.cpp stores the llama architecture's q and
     k rows with each head's rotary pairs interleaved; they come back as HF's two halves."""
     import torch
