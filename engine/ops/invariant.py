@@ -6,15 +6,18 @@ count, no choice by timing (a restarted process must pick the same tiles).
 
 A projection is `prologue_linear` with 16-row tensor-core tiles: rows past the count are masked
 to zeros and an MMA computes each output row from its own inputs, so the rows of a tile do not
-mix. A norm or SiLU-and-mul before it runs as its own kernel (`add_rmsnorm`, `silu_mul`: one
-program per row or per row and column block, no reduction across rows)."""
+mix. A norm before it is the kernel's prologue: each tile computes its rows' mean squares
+over all of K in a fixed order, one row at a time, so a row's norm does not depend on the
+tile's other rows either (a separate norm launch per projection cost a decode step more than
+the norm itself). SiLU-and-mul runs as its own kernel (`silu_mul`, one program per row and
+column block): the tiles' SiLU prologue was slower than the extra launch."""
 
 from __future__ import annotations
 
 import torch
 
 from engine.attention.triton_backend import next_pow2
-from engine.ops.elementwise import add_rmsnorm, silu_mul
+from engine.ops.elementwise import silu_mul
 from engine.ops.prologue import LOGITS_DOT_TILES, prologue_linear
 
 BLOCK_M = 16  # rows of every tile: the smallest tensor-core block, so one row wastes least
@@ -35,15 +38,11 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                      residual: torch.Tensor | None = None, silu: bool = False):
     """What `prologue_linear` computes with the same arguments and returns (`linear(rmsnorm(x +
     residual))`, `linear(silu_mul(x))` or `linear(x)`), each row's bits the same at any row
-    count: the activation's kernel, then the projection through `invariant_tiles`."""
+    count: the norm in the projection's prologue, SiLU-and-mul as its own kernel before it,
+    the projection through `invariant_tiles`."""
     if x.stride(1) != 1:
         x = x.contiguous()
-    res = None
     if silu:
         x = silu_mul(x)
-    elif norm_weight is not None:
-        x = add_rmsnorm(x, norm_weight, eps, residual)
-        if residual is not None:
-            x, res = x
-    y = prologue_linear(x, weight, bias, tiles=invariant_tiles(*weight.shape))
-    return y if residual is None else (y, res)
+    return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
+                           residual=residual, tiles=invariant_tiles(*weight.shape))
