@@ -5,8 +5,9 @@
 
 Figures (`figN_<name>.json` in --out, plus a PNG when matplotlib imports):
 
-1. single_stream  SmolLM2 single-stream tokens/s: no speculation, EAGLE-3 (fixed and
-                  dynamic K), n-gram, HF `generate` eager and static cache + torch.compile.
+1. single_stream  SmolLM2 single-stream tokens/s: the engine's default speculation against
+                  none per prompt domain, time to ready; a table of EAGLE-3 settings,
+                  n-gram, HF `generate` eager and static cache + torch.compile.
 2. llama8b_shape  random-weight Llama-3.1-8B shape: decode step vs the weight-read floor,
                   verify cost (K+1 tokens vs 1), batch 1..64.
 3. concurrency    SmolLM2 throughput vs concurrent streams, speculation vs none.
@@ -16,6 +17,8 @@ Figures (`figN_<name>.json` in --out, plus a PNG when matplotlib imports):
 6. deterministic  SmolLM2 output identical to a lone no-speculation run across speculation,
                   streams, prefix cache, chunking, disaggregation, sampling and a restart,
                   deterministic mode beside the default; its cost in tokens/s.
+7. cold_start     the Python API's first pass over figure 3's workload in fresh processes,
+                  speculation vs none; time to ready; compiles after ready.
 
 Each figure records its command, date, GPU, versions and numbers; a failing figure records
 its traceback and the next still runs.
@@ -106,8 +109,8 @@ def apply_settings(items: list[str]) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--figures", default="1,2,3,4,5",
                    help="comma-separated figure numbers: 1 single_stream, 2 llama8b_shape, "
-                        "3 concurrency, 4 kv_transfer, 5 itl_disagg, 6 deterministic "
-                        "(default: 1-5)")
+                        "3 concurrency, 4 kv_transfer, 5 itl_disagg, 6 deterministic, "
+                        "7 cold_start (default: 1-5)")
     p.add_argument("--out", default="bench/results", help="folder for figN_<name>.json/.png")
     p.add_argument("--model", default=None,
                    help="SmolLM2 .gguf file or HF folder (default: the embedded model)")
