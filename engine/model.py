@@ -151,7 +151,8 @@ class LlamaModel(nn.Module):
         Forwards of `prologue_rows` rows also fold each norm into the projection that reads
         it and SiLU-and-mul into down_proj (`ops.prologue_linear`): qkv, rotary+store,
         attention, o, gate_up, down, each one Triton launch. Deterministic: forwards of every
-        row count take `ops.invariant_linear` (the norm or SiLU-and-mul, then the projection)."""
+        row count take `ops.invariant_linear` (the norm in its prologue, SiLU-and-mul in gate_up's
+        epilogue)."""
         inv = self.deterministic
         fold = inv or (self.prologue_linears and h.shape[0] in self.prologue_rows)
         taps, res = {}, None
@@ -163,7 +164,12 @@ class LlamaModel(nn.Module):
             o = attn.attend_qkv(qkv, positions, kv_cache[i], meta)
             a = project(attn.o_proj, o, fold, inv)
             ln = layer.post_attention_layernorm
-            if not fold and ops.gemv_silu_suits(a.shape[0], mlp.gate_up_proj):
+            if inv and mlp.gate_up_proj.bias is None:
+                # SiLU-and-mul in the gate_up projection's epilogue, row-invariant as well.
+                act, res = ops.invariant_linear(a, mlp.gate_up_proj.weight, norm_weight=ln.weight,
+                                                eps=ln.eps, residual=res, glu=True)
+                h = project(mlp.down_proj, act, fold, inv)
+            elif not fold and ops.gemv_silu_suits(a.shape[0], mlp.gate_up_proj):
                 # One row of a large model: SiLU-and-mul in the gate_up GEMV's epilogue.
                 y, res = ops.add_rmsnorm(a, ln.weight, ln.eps, res)
                 h = project(mlp.down_proj, ops.gemv_silu(y, mlp.gate_up_proj.weight), False)

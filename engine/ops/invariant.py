@@ -9,8 +9,9 @@ to zeros and an MMA computes each output row from its own inputs, so the rows of
 mix. A norm before it is the kernel's prologue: each tile computes its rows' mean squares
 over all of K in a fixed order, one row at a time, so a row's norm does not depend on the
 tile's other rows either (a separate norm launch per projection cost a decode step more than
-the norm itself). SiLU-and-mul runs as its own kernel (`silu_mul`, one program per row and
-column block): the tiles' SiLU prologue was slower than the extra launch."""
+the norm itself). SiLU-and-mul is gate_up's epilogue (`glu`): each program computes matching
+gate and up columns and combines them as `silu_mul` would (the tiles' SiLU prologue on
+down_proj was slower); `silu=True` still runs `silu_mul` before the projection."""
 
 from __future__ import annotations
 
@@ -35,14 +36,18 @@ def invariant_tiles(n: int, k: int) -> tuple[int, int, int, int]:
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                     residual: torch.Tensor | None = None, silu: bool = False):
+                     residual: torch.Tensor | None = None, silu: bool = False,
+                     glu: bool = False):
     """What `prologue_linear` computes with the same arguments and returns (`linear(rmsnorm(x +
     residual))`, `linear(silu_mul(x))` or `linear(x)`), each row's bits the same at any row
     count: the norm in the projection's prologue, SiLU-and-mul as its own kernel before it,
-    the projection through `invariant_tiles`."""
+    the projection through `invariant_tiles`. glu: weight is [gate | up] and the result is
+    `silu_mul` of the projection, in its epilogue."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if silu:
         x = silu_mul(x)
+    n, k = weight.shape
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
-                           residual=residual, tiles=invariant_tiles(*weight.shape))
+                           residual=residual, glu=glu,
+                           tiles=invariant_tiles(n // 2 if glu else n, k))

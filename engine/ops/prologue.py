@@ -95,7 +95,8 @@ if triton_available():
                                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 PREC: tl.constexpr, ONE_LOAD: tl.constexpr,
-                                ARGMAX: tl.constexpr, USE_PDL: tl.constexpr):
+                                ARGMAX: tl.constexpr, USE_PDL: tl.constexpr,
+                                GLU: tl.constexpr = False):
         """Y[M, N] = a(X) @ W[N, K].T (+ B), a() computed per K tile and rounded where the separate
         kernels round:
         PRO 0: a(x) = x;
@@ -103,7 +104,9 @@ if triton_available():
         PRO 2: a([g | u]) = silu(g) * u for X = [M, 2K], `silu_mul`'s rounding.
         Programs sharing a weight tile run side by side so it comes from HBM once. ONE_LOAD (PRO 1
         with K in one tile): x (+ r) is read once. ARGMAX: Y is not written; each program
-        atomically maxes its columns' largest output into KEYS[row] (pre-filled with KEY_EMPTY)."""
+        atomically maxes its columns' largest output into KEYS[row] (pre-filled with KEY_EMPTY).
+        GLU: W is [2N, K] = [gate | up] and Y = silu(a(X) @ gate.T) * (a(X) @ up.T), each
+        product rounded to Y's dtype first and combined as `silu_mul` combines them (no bias)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -113,6 +116,11 @@ if triton_available():
         n_ok = rn < N
         w = tl.load(W + rn[:, None] * stride_w + rk0[None, :],
                     mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
+        w2 = w
+        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if GLU:  # the up rows matching this program's gate rows
+            w2 = tl.load(W + (rn + N)[:, None] * stride_w + rk0[None, :],
+                         mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -129,7 +137,10 @@ if triton_available():
             rstd = tl.math.rsqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if ONE_LOAD:
-            acc = _mac(acc, _prologue_norm(xs, NW, rk0, rstd, K), w, BLOCK_M, PREC)
+            a = _prologue_norm(xs, NW, rk0, rstd, K)
+            acc = _mac(acc, a, w, BLOCK_M, PREC)
+            if GLU:
+                acc2 = _mac(acc2, a, w2, BLOCK_M, PREC)
         else:
             for k0 in range(0, K, BLOCK_K):
                 rk = k0 + rk0
@@ -140,6 +151,16 @@ if triton_available():
                 w = tl.load(W + rn[:, None] * stride_w + nk[None, :],
                             mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
                 acc = _mac(acc, a, cur, BLOCK_M, PREC)
+                if GLU:
+                    cur2 = w2
+                    w2 = tl.load(W + (rn + N)[:, None] * stride_w + nk[None, :],
+                                 mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
+                    acc2 = _mac(acc2, a, cur2, BLOCK_M, PREC)
+        if GLU:  # silu(gate) * up, rounded where `silu_mul` rounds
+            dt = Y.dtype.element_ty
+            gf = acc.to(dt).to(tl.float32)
+            sg = (gf / (1.0 + tl.exp(-gf))).to(dt)
+            acc = sg.to(tl.float32) * acc2.to(dt).to(tl.float32)
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if ARGMAX:
@@ -192,17 +213,20 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     residual: torch.Tensor | None = None, silu: bool = False,
                     dot: tuple[int, int, int] | None = None,
                     tiles: tuple[int, int, int, int] | None = None,
-                    keys: torch.Tensor | None = None):
+                    keys: torch.Tensor | None = None, glu: bool = False):
     """One launch for `linear(rmsnorm(x + residual))` (norm_weight given; returns (y, x +
     residual), or y without a residual), `linear(silu_mul(x))` (silu), or plain `linear(x)`.
     weight is nn.Linear's [N, K]; activations round as `add_rmsnorm` / `silu_mul` do. dot:
     16-row tensor-core tiles (BLOCK_N, BLOCK_K, warps) up to DOT_MAX_ROWS rows. tiles: (BLOCK_M,
     BLOCK_N, BLOCK_K, warps) at every row count instead of `linear_tiles`'. keys ([M] int64
-    filled with KEY_EMPTY): y is not written; each row's argmax goes into keys, returned in y's
-    place."""
+    place. glu: weight is [gate | up] ([2N, K]) and y = silu_mul(x' @ weight.T), [M, N] (no
+    bias, no keys)."""
     m = x.shape[0]
     assert keys is None or (keys.shape == (m,) and keys.dtype == torch.int64)
     n, k = weight.shape
+    if glu:
+        assert bias is None and keys is None and not silu and n % 2 == 0
+        n //= 2
     pro = 1 if norm_weight is not None else 2 if silu else 0
     assert x.shape[1] == (2 * k if silu else k) and x.stride(1) == 1 and weight.stride(1) == 1
     y = torch.empty(m if keys is None else 1, n, dtype=x.dtype, device=x.device)
@@ -218,7 +242,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             x.stride(0), r.stride(0), weight.stride(0), y.stride(0), N=n, K=k, PRO=pro,
             HAS_RES=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-            ONE_LOAD=pro == 1 and k <= bk, ARGMAX=keys is not None, num_warps=warps,
+            ONE_LOAD=pro == 1 and k <= bk, ARGMAX=keys is not None, GLU=glu, num_warps=warps,
             **pdl_args(x, always=True))
     if keys is not None:
         y = keys

@@ -54,6 +54,28 @@ def test_invariant_linear_rows_do_not_depend_on_the_launch(dtype, n, k):
     _alone_equals_batched(lambda t: ops.invariant_linear(t, w, silu=True), gu)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(40, 48), (24, 1100)], ids=["one-tile", "k-loop"])
+def test_gate_up_epilogue_rows_do_not_depend_on_the_launch(dtype, n, k):
+    """gate_up with SiLU-and-mul in its epilogue (`glu`), after a norm of x + residual: each row
+    alone equals the row among others, and every row equals `silu_mul` of the plain projection
+    bit for bit (the epilogue rounds where the separate kernel does)."""
+    g = torch.Generator().manual_seed(n * k)
+    rnd = _rnd(g, dtype)
+    w, nw = rnd(2 * n, k) / 7, rnd(k)
+    xr = rnd(64, 2 * k).view(64, 2, k)
+
+    def glu(t):
+        return ops.invariant_linear(t[:, 0], w, norm_weight=nw, eps=1e-5, residual=t[:, 1],
+                                    glu=True)
+
+    _alone_equals_batched(glu, xr)
+    act, res = glu(xr)
+    gu, res2 = ops.invariant_linear(xr[:, 0], w, norm_weight=nw, eps=1e-5, residual=xr[:, 1])
+    assert act.shape == (64, n) and torch.equal(res, res2)
+    assert torch.equal(act, ops.silu_mul(gu))
+
+
 def test_tiles_come_from_the_weight_shape_alone():
     """16-row tensor-core tiles from the weight's shape: the decoder layer's projections one
     tile, an LM head its own."""
