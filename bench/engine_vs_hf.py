@@ -1,9 +1,10 @@
-"""Benchmark: CPU decode throughput of tandem's `Engine.generate` vs HF transformers `generate`.
+"""Tandem against HF transformers: `make bench`'s CPU comparison, and figure 1's HF baselines
+(`load_hf`, `hf_generate`, `run_hf`, `hf_compiled`).
 
-One process, one run, same prompts and weights (the embedded SmolLM2-135M-Instruct, fp32, CPU),
-so HF is a same-run baseline. Greedy decoding of exactly --max-tokens tokens per prompt, EOS
-ignored on both sides. Writes JSON (default bench/results/engine_vs_hf_cpu.json); `make bench`
-runs it:
+The CPU comparison: decode throughput of tandem's `Engine.generate` vs HF `generate` in one
+process, one run, same prompts and weights (the embedded SmolLM2-135M-Instruct, fp32, CPU), so
+HF is a same-run baseline. Greedy decoding of exactly --max-tokens tokens per prompt, EOS
+ignored on both sides. Writes JSON (default bench/results/engine_vs_hf_cpu.json):
 
     .venv/bin/python -m bench.engine_vs_hf [--max-tokens 64] [--out PATH] [--threads N]
 """
@@ -17,14 +18,14 @@ import os
 import platform
 import sys
 import time
+import traceback
 
 import torch
-import transformers
 from tqdm import tqdm
 
-from bench.common import first_diff
+from bench.common import first_diff, log, rnd
 from engine import Engine, SamplingParams
-from engine.loader import embedded_checkpoint
+from engine.loader import resolve
 
 PROMPTS = [
     "Explain in three sentences why the sky is blue.",
@@ -40,6 +41,8 @@ DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 
 
 def machine_info(device: str) -> dict:
+    import transformers
+
     return {
         "platform": platform.platform(), "machine": platform.machine(),
         "processor": platform.processor(), "python": platform.python_version(),
@@ -48,27 +51,116 @@ def machine_info(device: str) -> dict:
     }
 
 
-def load_hf():
-    ck = embedded_checkpoint()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        ck.folder, gguf_file=ck.gguf_file, dtype=torch.float32).eval()
+def load_hf(model: str | None = None, dtype=torch.float32, device: str = "cpu"):
+    """HF's model of the checkpoint tandem loads for `model` (None: the embedded SmolLM2)."""
+    import transformers  # on first use: `tandem bench` imports this module to build its parser
+
+    ck = resolve(model)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        ck.folder, dtype=dtype, **ck.hf_kwargs()).to(device).eval()
     # Never stop on EOS, so HF, like tandem with ignore_eos, takes the argmax at every step
     # (min_new_tokens would mask EOS instead, which changes the greedy path).
-    model.generation_config.eos_token_id = None
-    return model
+    hf.generation_config.eos_token_id = None
+    return hf
 
 
-def hf_run(model, ids: list[int], n: int) -> tuple[list[int], float]:
-    x = torch.tensor([ids])
+def hf_generate(model, ids: list[int], n: int, **kw) -> tuple[list[int], float, float]:
+    """HF `generate`, greedy, exactly n tokens after `ids` at batch 1 (`kw`: more of its
+    arguments): the tokens, the wall seconds and the process CPU seconds it took."""
+    x = torch.tensor([ids], device=model.device)
     # Explicit mask: otherwise HF infers one from pad_token_id (= <|im_end|> here) and masks
     # the prompt's own <|im_end|> tokens out.
     mask = torch.ones_like(x)
+    if x.is_cuda:
+        torch.cuda.synchronize()
     t0, c0 = time.perf_counter(), time.process_time()
-    out = model.generate(x, attention_mask=mask, max_new_tokens=n, do_sample=False)
+    with torch.inference_mode():
+        out = model.generate(x, attention_mask=mask, max_new_tokens=n, do_sample=False, **kw)
+    if x.is_cuda:
+        torch.cuda.synchronize()
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     toks = out[0, len(ids):].tolist()
-    assert len(toks) == n, f"HF generated {len(toks)} tokens, expected {n}"
+    if len(toks) != n:
+        raise RuntimeError(f"HF generated {len(toks)} tokens, expected {n}")
     return toks, dt, cpu
+
+
+def run_hf(model, prompts: list[list[int]], n: int, **kw) -> dict:
+    """Each prompt alone through `hf_generate`: tokens/s over all of them, each prompt's, and
+    the streams (`_outs`)."""
+    per, outs, secs = [], [], 0.0
+    for ids in prompts:
+        toks, dt, _ = hf_generate(model, ids, n, **kw)
+        secs += dt
+        outs.append(toks)
+        per.append({"tokens": len(toks), "seconds": rnd(dt, 4),
+                    "tokens_per_s": rnd(len(toks) / dt, 1)})
+    total = sum(len(o) for o in outs)
+    return {"tokens": total, "seconds": rnd(secs, 4), "tokens_per_s": rnd(total / secs, 1),
+            "per_prompt": per, "_outs": outs}
+
+
+def hf_compiled(model, prompts: list[list[int]], n: int) -> dict:
+    """HF generate with a static cache and torch.compile(mode="reduce-overhead",
+    fullgraph=True). transformers compiles the decode step itself when the cache is static
+    (prefill stays eager); that built-in path is tried first, then the manual
+    `model.forward = torch.compile(...)` recipe, then the built-in path without fullgraph.
+    The result names the path that ran and keeps the errors of those that failed."""
+    import transformers
+
+    longest = max(prompts, key=len)
+
+    def auto(fullgraph: bool):
+        model.__dict__.pop("_compiled_call", None)
+        cc = transformers.CompileConfig(fullgraph=fullgraph, mode="reduce-overhead")
+        return (dict(cache_implementation="static", compile_config=cc),
+                lambda: model.__dict__.pop("_compiled_call", None))
+
+    def manual():
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        return (dict(cache_implementation="static", disable_compile=True),
+                lambda: model.__dict__.pop("forward", None))
+
+    attempts = [
+        ("transformers auto-compile: cache_implementation='static', "
+         "CompileConfig(fullgraph=True, mode='reduce-overhead')", lambda: auto(True)),
+        ("manual: model.forward = torch.compile(model.forward, mode='reduce-overhead', "
+         "fullgraph=True), cache_implementation='static', disable_compile=True", manual),
+        ("transformers auto-compile: cache_implementation='static', "
+         "CompileConfig(fullgraph=False, mode='reduce-overhead')", lambda: auto(False)),
+    ]
+    errors = []
+    for how, setup in attempts:
+        undo = None
+        try:
+            kw, undo = setup()
+            log(f"fig 1: HF compiled ({how[:60]}...): compiling on the longest prompt")
+            t0 = time.perf_counter()
+            # Longest prompt first: the static cache keeps the largest size seen, so timed
+            # calls reuse its shape and do not recompile.
+            hf_generate(model, longest, n, **kw)
+            compile_s = time.perf_counter() - t0
+            if "compile_config" in kw and "_compiled_call" not in model.__dict__:
+                # transformers skips compilation silently when its criteria are not met
+                raise RuntimeError("transformers did not compile the decode step")
+            # A second prompt length: where the prefill is compiled too (the manual recipe),
+            # dynamo recompiles once with dynamic shapes here rather than in a timed call.
+            hf_generate(model, longest[:-1], n, **kw)
+            hf_generate(model, longest, n, **kw)
+            r = run_hf(model, prompts, n, **kw)
+            r["method"] = how
+            r["warmup_compile_seconds"] = rnd(compile_s, 1)
+            if errors:
+                r["earlier_attempts_failed"] = errors
+            log(f"fig 1: HF compiled {r['tokens_per_s']} tok/s")
+            return r
+        except Exception:  # noqa: BLE001
+            errors.append(f"{how}:\n{traceback.format_exc()}")
+            log(f"fig 1: HF compiled attempt failed: {how[:60]}...")
+            if undo is not None:
+                undo()
+            torch._dynamo.reset()
+    return {"error": "\n\n".join(errors)}
 
 
 def tandem_run(eng: Engine, prompts: list[list[int]], params: SamplingParams):
@@ -106,7 +198,7 @@ def main() -> None:
     prompts = [chat(p) for p in PROMPTS]
 
     print("warming up ...", flush=True)
-    hf_run(hf, chat(WARMUP[0]), n)
+    hf_generate(hf, chat(WARMUP[0]), n)
     tandem_run(eng, [chat(WARMUP[0])], params)
     tandem_run(eng, [chat(w) for w in WARMUP], params)  # a batch > 1, for the batched mode
 
@@ -115,11 +207,11 @@ def main() -> None:
     rows = []
     for i, ids in enumerate(tqdm(prompts, desc="single-stream", unit="prompt")):
         if i % 2 == 0:
-            hf_toks, hf_s, hf_cpu = hf_run(hf, ids, n)
+            hf_toks, hf_s, hf_cpu = hf_generate(hf, ids, n)
             (tc,), t_s, t_cpu = tandem_run(eng, [ids], params)
         else:
             (tc,), t_s, t_cpu = tandem_run(eng, [ids], params)
-            hf_toks, hf_s, hf_cpu = hf_run(hf, ids, n)
+            hf_toks, hf_s, hf_cpu = hf_generate(hf, ids, n)
         rows.append({
             "prompt": PROMPTS[i], "prompt_tokens": len(ids), "generated_tokens": n,
             "hf_seconds": hf_s, "hf_cpu_seconds": hf_cpu, "hf_tok_s": n / hf_s,
