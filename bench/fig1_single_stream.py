@@ -1,10 +1,12 @@
 """Figure 1: SmolLM2 single-stream tokens/s. Headline: the engine's default speculation
-against none on each domain's held-out split, and time to ready (`bench/fig1_domains.py`).
-Beside it, a table of speculation variants against HF `generate` (eager, and static cache +
-torch.compile) on the general held-out prompts, in the same run."""
+against none on each domain's held-out split (`cluster.prompt_sets.domains()`), the acceptance
+of its drafts by position, and how long an engine takes to be ready and to serve its first
+request. Beside it, a table of speculation variants against HF `generate` (eager, and static
+cache + torch.compile; `bench.engine_vs_hf`) on the general held-out prompts, in the same run."""
 
 from __future__ import annotations
 
+import statistics
 import time
 import traceback
 from dataclasses import asdict
@@ -17,7 +19,6 @@ from bench.common import (
     head_summary,
     held_out_messages,
     is_cuda,
-    lazy_torch,
     load_smol,
     log,
     ngram,
@@ -31,17 +32,71 @@ from bench.common import (
     sync,
     torch_dtype,
 )
-from bench.fig1_domains import (
-    domain_names,
-    domain_prompts,
-    domain_summary,
-    engine_default,
-    per_position,
-    plot_domains,
-    spec_hists,
-    time_to_ready,
-)
+from bench.engine_vs_hf import hf_compiled, load_hf, run_hf
 from engine.loader import shipped_head
+
+GOAL_EVERY = 2.5  # the default's tokens/s over no speculation, on every domain's split
+GOAL_BEST = 3.0  # ... and beyond this on the best domain
+GOAL_FIRST = 1.2  # the first request after ready, over the same request's steady latency
+STEADY_REPS = 3  # runs of that request after the first: their median is the steady latency
+
+
+
+def engine_default(args):
+    """What an engine given `spec=SpecConfig()` runs: every field at its default (--head
+    names another EAGLE-3 head)."""
+    from engine.config import SpecConfig
+
+    return SpecConfig(head=args.head)
+
+
+def domain_names(text: str) -> list[str]:
+    """The domains --fig1-domains names ("all": every one `cluster.prompt_sets` keeps)."""
+    from cluster.prompt_sets import DOMAINS
+
+    names = list(DOMAINS) if text.strip() == "all" else \
+        [d.strip() for d in text.split(",") if d.strip()]
+    bad = [d for d in names if d not in DOMAINS]
+    if bad or not names:
+        raise ValueError(f"--fig1-domains: unknown {bad or text!r}; have {DOMAINS} or all")
+    return names
+
+
+def domain_prompts(names: list[str], n: int) -> dict[str, list[list[dict]]]:
+    """The first n held-out chat-message lists of each named domain."""
+    from cluster.prompt_sets import domains
+
+    sets = domains()
+    return {d: sets[d][1][:n] for d in names}
+
+
+def spec_hists(eng) -> tuple[list[int], list[int]] | None:
+    """(verifies by drafts carried, verifies by drafts accepted) of the engine so far; None
+    without speculation."""
+    if eng.spec is None:
+        return None
+    st = eng.spec.stats
+    return list(st.drafted_hist), list(st.accepted_hist)
+
+
+def per_position(before, after) -> dict:
+    """Of the verifies between two `spec_hists`, at each draft position i = 1..K: the share
+    whose draft i was accepted, the share that carried a draft i, and accepted of carried."""
+    from engine.spec.stats import SpecStats
+
+    if before is None or after is None:
+        return {}
+    window = SpecStats(len(after[0]) - 1)
+    window.drafted_hist = [a - b for a, b in zip(after[0], before[0])]
+    window.accepted_hist = [a - b for a, b in zip(after[1], before[1])]
+    steps = sum(window.drafted_hist)  # only verifies that carried drafts are counted
+    if not steps:
+        return {}
+    acc, drafted = window.accepted_per_pos, window.drafted_per_pos
+    return {"verify_steps": steps,
+            "per_position_acceptance": [rnd(a / steps, 4) for a in acc],
+            "per_position_drafted": [rnd(d / steps, 4) for d in drafted],
+            "per_position_given_drafted": [ratio(a, d) for a, d in zip(acc, drafted)]}
 
 
 def run_single(args, eng, msgs, n: int) -> dict:
@@ -77,46 +132,45 @@ def run_single(args, eng, msgs, n: int) -> dict:
             "paths": paths_delta(paths, step_paths(eng)), "graphs": note, "_outs": outs}
 
 
-def load_hf(args):
-    import transformers
+def time_to_ready(args, spec, prompt: list[int] | list[dict], n: int) -> tuple[object, dict]:
+    """Build an engine as a serving process does (`Engine.from_pretrained`, then
+    `prepare_to_serve`, timed as `eng.ready`), then send it one request right after ready and
+    STEADY_REPS times more: the first latency against the steady one (their median), and the
+    Triton compiles of each phase. Returns the engine too, for the domains."""
+    from engine import Engine, SamplingParams, jit_watch, warmup
 
-    from engine import loader
-
-    ck = loader.resolve(args.model)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        ck.folder, dtype=torch_dtype(args), **ck.hf_kwargs()).to(args.device).eval()
-    # Never stop on EOS, like tandem's ignore_eos: HF takes the argmax at every step.
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def hf_generate(args, model, ids: list[int], n: int, **kw) -> tuple[list[int], float]:
-    torch = lazy_torch()
-    x = torch.tensor([ids], device=args.device)
-    sync(args)
+    jit_watch.install()
+    mark = jit_watch.count()
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                             do_sample=False, **kw)
-    sync(args)
-    dt = time.perf_counter() - t0
-    toks = out[0, len(ids):].tolist()
-    if len(toks) != n:
-        raise RuntimeError(f"HF generated {len(toks)} tokens, expected {n}")
-    return toks, dt
-
-
-def run_hf(args, model, prompts: list[list[int]], n: int, **kw) -> dict:
-    per, outs, secs = [], [], 0.0
-    for ids in prompts:
-        toks, dt = hf_generate(args, model, ids, n, **kw)
-        secs += dt
-        outs.append(toks)
-        per.append({"tokens": len(toks), "seconds": rnd(dt, 4),
-                    "tokens_per_s": rnd(len(toks) / dt, 1)})
-    total = sum(len(o) for o in outs)
-    return {"tokens": total, "seconds": rnd(secs, 4), "tokens_per_s": rnd(total / secs, 1),
-            "per_prompt": per, "_outs": outs}
+    eng = Engine.from_pretrained(args.model, device=args.device, dtype=torch_dtype(args),
+                                 num_blocks=args.num_blocks, enable_prefix_caching=False,
+                                 spec=spec)
+    # `Engine.prepare_to_serve` without freezing the collector: this process discards its
+    # engines, and a frozen one would never be freed
+    warmup.prepare_to_serve(eng, started=t0, freeze=False)
+    ready, at_ready = eng.ready, jit_watch.count()
+    ids = eng.encode_prompt(prompt)
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    secs, compiles = [], []
+    for _ in range(1 + STEADY_REPS):
+        before = jit_watch.count()
+        sync(args)
+        t = time.perf_counter()
+        eng.generate([ids], params)
+        sync(args)
+        secs.append(time.perf_counter() - t)
+        compiles.append(len(jit_watch.since(before)))
+    steady = statistics.median(secs[1:])
+    return eng, {
+        "how": "Engine.from_pretrained + prepare_to_serve (every batch size), prefix cache "
+               "off; then one request, greedy, EOS ignored, new to the engine",
+        "load_s": rnd(ready.load), "graphs_s": rnd(ready.graphs), "total_s": rnd(ready.total),
+        "compiles_to_ready": jit_watch.summary(jit_watch.since(mark)[:at_ready - mark]),
+        "prompt_tokens": len(ids), "max_tokens": n,
+        "first_request_s": rnd(secs[0], 4), "steady_request_s": rnd(steady, 4),
+        "steady_runs_s": [rnd(s, 4) for s in secs[1:]],
+        "first_over_steady": ratio(secs[0], steady),
+        "compiles_per_request": compiles}
 
 
 def headline(args, res: dict, spec, n: int) -> None:
@@ -151,6 +205,45 @@ def headline(args, res: dict, spec, n: int) -> None:
     eng = None
     free_memory()
     domain_summary(res, outs)
+
+
+def domain_summary(res: dict, outs: dict) -> None:
+    """Per domain (`res["domains"]`): the default's ratio to no speculation, its acceptance,
+    and how many of its streams are token-identical to no speculation's (`outs`: {domain:
+    {variant: streams}}); then `res["headline"]` and the goals, from those numbers."""
+    ratios = {}
+    for d, row in res["domains"].items():
+        mine, ref = row.get("engine_default", {}), row.get("no_spec", {})
+        ratios[d] = row["vs_no_spec"] = ratio(mine.get("tokens_per_s"), ref.get("tokens_per_s"))
+        row["acceptance_length"] = mine.get("acceptance_length")
+        row["per_position_acceptance"] = mine.get("per_position_acceptance")
+        a, b = outs.get(d, {}).get("engine_default"), outs.get(d, {}).get("no_spec")
+        if a is not None and b is not None:
+            row["token_identical"] = {"identical": sum(x == y for x, y in zip(a, b)),
+                                      "of": min(len(a), len(b))}
+    measured = {d: r for d, r in ratios.items() if r is not None}
+    best = max(measured, key=measured.get, default=None)
+    worst = min(measured.values(), default=None)
+    res["headline"] = {
+        "variant": "engine_default", "spec": res["config"].get("engine_default_spec"),
+        "per_domain": {d: {"no_spec": row.get("no_spec", {}).get("tokens_per_s"),
+                           "engine_default": row.get("engine_default", {}).get("tokens_per_s"),
+                           "vs_no_spec": row["vs_no_spec"],
+                           "acceptance_length": row["acceptance_length"]}
+                       for d, row in res["domains"].items()},
+        "min_vs_no_spec": worst, "best_domain": best, "best_vs_no_spec": measured.get(best)}
+    first = res.get("ready", {}).get("first_over_steady")
+    res.setdefault("goals", {}).update({
+        # a domain that failed to measure fails the goal
+        f"engine_default_at_least_{GOAL_EVERY}x_no_spec_every_domain":
+            None if not ratios else len(measured) == len(ratios) and worst >= GOAL_EVERY,
+        f"engine_default_best_domain_above_{GOAL_BEST:g}x":
+            None if best is None else measured[best] > GOAL_BEST,
+        "engine_default_min_vs_no_spec": worst,
+        "engine_default_best_domain": best,
+        f"first_request_within_{GOAL_FIRST}x_steady": None if first is None else
+            first <= GOAL_FIRST,
+    })
 
 
 def table_variants(args, spec) -> dict:
@@ -218,9 +311,9 @@ def fig_single_stream(args, res: dict) -> None:
     res["hf"] = hf
     try:
         log("fig 1: loading the HF model")
-        model = load_hf(args)
+        model = load_hf(args.model, torch_dtype(args), args.device)
         log("fig 1: HF generate, eager (dynamic cache)")
-        hf["eager"] = run_hf(args, model, hf_prompts, n)
+        hf["eager"] = run_hf(model, hf_prompts, n)
         log(f"fig 1: HF eager {hf['eager']['tokens_per_s']} tok/s")
     except Exception:  # noqa: BLE001
         hf["eager"] = {"error": traceback.format_exc()}
@@ -231,7 +324,7 @@ def fig_single_stream(args, res: dict) -> None:
     if model is not None and is_cuda(args) and not args.no_hf_compile:
         # Compiling can take minutes: keep what is measured so far if the run dies here.
         save(args.out, dict(res, partial="HF static cache + torch.compile still running"))
-        hf["compiled"] = hf_compiled(args, model, hf_prompts, n)
+        hf["compiled"] = hf_compiled(model, hf_prompts, n)
         outs["hf_compiled"] = hf["compiled"].pop("_outs", None)
     elif model is not None:
         hf["compiled"] = {"skipped": "--no-hf-compile" if args.no_hf_compile else
@@ -271,68 +364,30 @@ def single_stream_ratios(res: dict, outs: dict) -> None:
     })
 
 
-def hf_compiled(args, model, prompts, n) -> dict:
-    """HF generate with a static cache and torch.compile(mode="reduce-overhead",
-    fullgraph=True). transformers compiles the decode step itself when the cache is static
-    (prefill stays eager); that built-in path is tried first, then the manual
-    `model.forward = torch.compile(...)` recipe, then the built-in path without fullgraph.
-    The result names the path that ran and keeps the errors of those that failed."""
-    import transformers
-
-    torch = lazy_torch()
-    longest = max(prompts, key=len)
-
-    def auto(fullgraph: bool):
-        model.__dict__.pop("_compiled_call", None)
-        cc = transformers.CompileConfig(fullgraph=fullgraph, mode="reduce-overhead")
-        return (dict(cache_implementation="static", compile_config=cc),
-                lambda: model.__dict__.pop("_compiled_call", None))
-
-    def manual():
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-        return (dict(cache_implementation="static", disable_compile=True),
-                lambda: model.__dict__.pop("forward", None))
-
-    attempts = [
-        ("transformers auto-compile: cache_implementation='static', "
-         "CompileConfig(fullgraph=True, mode='reduce-overhead')", lambda: auto(True)),
-        ("manual: model.forward = torch.compile(model.forward, mode='reduce-overhead', "
-         "fullgraph=True), cache_implementation='static', disable_compile=True", manual),
-        ("transformers auto-compile: cache_implementation='static', "
-         "CompileConfig(fullgraph=False, mode='reduce-overhead')", lambda: auto(False)),
-    ]
-    errors = []
-    for how, setup in attempts:
-        undo = None
-        try:
-            kw, undo = setup()
-            log(f"fig 1: HF compiled ({how[:60]}...): compiling on the longest prompt")
-            t0 = time.perf_counter()
-            # Longest prompt first: the static cache keeps the largest size seen, so timed
-            # calls reuse its shape and do not recompile.
-            hf_generate(args, model, longest, n, **kw)
-            compile_s = time.perf_counter() - t0
-            if "compile_config" in kw and "_compiled_call" not in model.__dict__:
-                # transformers skips compilation silently when its criteria are not met
-                raise RuntimeError("transformers did not compile the decode step")
-            # A second prompt length: where the prefill is compiled too (the manual recipe),
-            # dynamo recompiles once with dynamic shapes here rather than in a timed call.
-            hf_generate(args, model, longest[:-1], n, **kw)
-            hf_generate(args, model, longest, n, **kw)
-            r = run_hf(args, model, prompts, n, **kw)
-            r["method"] = how
-            r["warmup_compile_seconds"] = rnd(compile_s, 1)
-            if errors:
-                r["earlier_attempts_failed"] = errors
-            log(f"fig 1: HF compiled {r['tokens_per_s']} tok/s")
-            return r
-        except Exception:  # noqa: BLE001
-            errors.append(f"{how}:\n{traceback.format_exc()}")
-            log(f"fig 1: HF compiled attempt failed: {how[:60]}...")
-            if undo is not None:
-                undo()
-            torch._dynamo.reset()
-    return {"error": "\n\n".join(errors)}
+def plot_domains(ax, res: dict) -> None:
+    """Grouped bars per domain, no speculation beside the engine's default, with the goal
+    (GOAL_EVERY x no speculation) over each group and the ratio over each default bar."""
+    rows = res.get("domains", {})
+    names, w = list(rows), 0.38
+    tps = {v: [rows[d].get(v, {}).get("tokens_per_s") or 0 for d in names]
+           for v in ("no_spec", "engine_default")}
+    ax.bar([i - w / 2 for i in range(len(names))], tps["no_spec"], w, label="no speculation")
+    ax.bar([i + w / 2 for i in range(len(names))], tps["engine_default"], w,
+           label="engine default speculation")
+    for i, d in enumerate(names):
+        ax.hlines(GOAL_EVERY * tps["no_spec"][i], i - w, i + w, colors="red", linestyles="--",
+                  label=f"goal: {GOAL_EVERY}x no speculation" if i == 0 else None)
+        if rows[d].get("vs_no_spec") is not None:
+            ax.text(i + w / 2, tps["engine_default"][i], f"{rows[d]['vs_no_spec']:.2f}x",
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("tokens/s (single stream)")
+    ax.margins(y=0.2)
+    ax.legend(fontsize=8, loc="upper left", ncols=3)
+    ready = res.get("ready", {})
+    ax.set_title(f"fig 1: held-out split per domain, {res['environment'].get('gpu') or 'cpu'}; "
+                 f"ready in {ready.get('total_s')} s, first request "
+                 f"{ready.get('first_over_steady')}x steady")
 
 
 def plot_single_stream(plt, res):

@@ -1,6 +1,6 @@
-"""Figure 1's headline (bench/fig1_domains.py): the engine's default speculation against none
-on each domain's held-out split, per-position acceptance, time to ready and the first
-request; every derived field and goal follows from the measured numbers."""
+"""Figure 1's headline (bench/fig1_single_stream.py): the engine's default speculation
+against none on each domain's held-out split, per-position acceptance, time to ready and the
+first request; every derived field and goal follows from the measured numbers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ DOMAINS = ("code", "math")
 
 
 def test_per_position_counts_the_verifies_between_two_readings():
-    from bench.fig1_domains import per_position
+    from bench.fig1_single_stream import per_position
 
     before = ([0, 2, 0, 1], [1, 1, 1, 0])
     # since then: one verify of 1 draft, three of 3; accepted 0, 1, 2 and 3 drafts
@@ -38,7 +38,7 @@ def summary_input(default_tps: dict) -> dict:
 
 
 def test_the_headline_and_goals_follow_from_each_domains_numbers():
-    from bench.fig1_domains import domain_summary
+    from bench.fig1_single_stream import domain_summary
 
     res = summary_input({"code": 320.0, "math": 260.0})
     outs = {"code": {"engine_default": [[1, 2], [3, 4]], "no_spec": [[1, 2], [3, 0]]}}
