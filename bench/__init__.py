@@ -1,2 +1,2 @@
-"""Benchmarks: the figures `tandem bench` runs (`bench.suite`), the CPU comparison with HF
-transformers (`bench.engine_vs_hf`) and the two-GPU cluster check (`bench.cluster_gpu`)."""
+"""Benchmarks: the figures `tandem bench` runs (`bench.suite`) and tandem against HF
+transformers (`bench.engine_vs_hf`: the CPU comparison and figure 1's HF baselines)."""

@@ -14,6 +14,8 @@ import sys
 import time
 import traceback
 
+from cluster.gpu_check import first_diff  # noqa: F401 - the figures compare streams with it
+
 T0 = time.perf_counter()
 
 
@@ -366,11 +368,6 @@ def paths_delta(before: dict, after: dict) -> dict:
 def acceptance(before: tuple[int, int], after: tuple[int, int]):
     steps = after[1] - before[1]
     return round((after[0] - before[0]) / steps, 3) if steps else None
-
-
-def first_diff(a: list[int], b: list[int]):
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
-                None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def single(args, eng, prompts, params) -> tuple[list[list[int]], float]:

@@ -9,7 +9,7 @@
 #             messages and a same-device copy (PULL_BLOCKS, PULL_PROGRESS)
 #   gputests  the GPU tests (GPU_TESTS narrows them)
 #   isolated  the GPU tests, each in its own process (a crash takes only that one down)
-#   cluster   the GPU tests, then the two-GPU cluster (bench.cluster_gpu; CLUSTER_ARGS, e.g.
+#   cluster   the GPU tests, then the two-GPU cluster (cluster.gpu_check; CLUSTER_ARGS, e.g.
 #             "--set transfer.ipc_across_gpus=true --kill-decode")
 #   train     a new EAGLE-3 head: TRAIN_STAGE=data self-distils the records to /tmp, then
 #             the default stage fits (TRAIN_ARGS, TRAIN_SECONDS; TRAIN_RECORDS=none does both
@@ -97,7 +97,7 @@ elif [ "$part" = gputests ] || [ "$part" = cluster ]; then
     ${GPU_TESTS:-tests/engine tests/spec tests/kvtransfer} > "$R/gpu_tests.log" 2>&1
   tail -6 "$R/gpu_tests.log"
   if [ "$part" = cluster ]; then
-    TANDEM_RAY_LOGS=1 timeout "${CLUSTER_TIMEOUT:-240}" python3 -m bench.cluster_gpu --model "$M" \
+    TANDEM_RAY_LOGS=1 timeout "${CLUSTER_TIMEOUT:-240}" python3 -m cluster.gpu_check --model "$M" \
       --out "$R/cluster_two_gpu.json" ${CLUSTER_ARGS:-} > "$R/cluster.log" 2>&1
     tail -25 "$R/cluster.log"
   fi

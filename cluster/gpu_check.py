@@ -4,7 +4,7 @@ Starts `deploy/examples/two-gpu.yaml` behind the gRPC router, streams N concurre
 requests through the SDK, and compares every token with one colocated engine. Reports actor
 placement, KV bytes moved, TTFT and tokens/s as JSON.
 
-    python -m bench.cluster_gpu --model /path/SmolLM2-135M-Instruct.Q4_1.gguf \
+    python -m cluster.gpu_check --model /path/SmolLM2-135M-Instruct.Q4_1.gguf \
         --out bench/results/cluster_two_gpu.json [--dtype float32]
 """
 
@@ -18,16 +18,19 @@ import sys
 import threading
 import time
 
-import torch
-
-from bench.common import first_diff
-
 PROMPTS = ["What is the capital of France? Answer in one sentence.",
            "Write a Python function that returns the n-th Fibonacci number.",
            "List three fruits that are red.", "Translate 'good morning, my friend' into Spanish.",
            "Explain what a hash table is to a ten-year-old.",
            'Give me a JSON object with keys "name" and "age" for a fictional person.',
            "Write a haiku about the ocean at night.", "What is 17 times 23? Show your steps."]
+
+
+def first_diff(a: list[int], b: list[int]) -> int | None:
+    """The first position where two token lists differ (the shorter one's length where it is
+    the other's head); None where they are equal."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def kill_decode_mid_stream(c, target: str, messages, max_tokens: int, want) -> dict:
@@ -56,7 +59,9 @@ def kill_decode_mid_stream(c, target: str, messages, max_tokens: int, want) -> d
 
 
 def main() -> int:
+    # imported here, so that `first_diff` costs its importers no torch or Ray
     import ray
+    import torch
 
     from cluster import launcher
     from cluster.config import apply_overrides, load_config
