@@ -194,9 +194,11 @@ class TritonAttention(AttentionBackend):
         v = v.reshape(t, row)
         kc, vc = kv_cache[0], kv_cache[1]
         kern.store_kv_kernel[(t,)](k, v, kc, vc, meta.slot_mapping, k.stride(0), v.stride(0),
-                               kc.stride(1), ROW=row, BLOCK=next_pow2(row))
+                                   kc.stride(1), ROW=row, BLOCK=next_pow2(row))
 
     def keys_per_split(self, device: torch.device) -> int:
+        """Keys per split: the deterministic mode's one size on every device, or the default
+        mode's `long_from`."""
         if self.deterministic and self.split_keys is None:
             return DETERMINISTIC_SPLIT_KEYS
         return self.long_from(device)
@@ -286,8 +288,8 @@ class TritonAttention(AttentionBackend):
         """The deterministic mode's launch: `splits` from `use_split` spreads each sequence's
         splits over programs (partials, then `fold_splits_kernel`); 0 folds in the tile's."""
         programs = self.split_programs(splits, meta.num_seqs, q.device) if splits else 1
-        # One program per tile touches no partials: a stand-in of the same dtype keeps one
-        # compiled kernel for both cases.
+        # One program per tile touches no partials: a stand-in of the same dtype and head
+        # stride keeps one compiled kernel for both cases.
         acc, ml = self._partials(q, splits) if programs > 1 else self._partials(q[:1, :1], 1)
         block_m, precision = DETERMINISTIC_TILE[0], "ieee" if q.dtype == torch.float32 else "tf32"
         tiles = triton.cdiv(meta.max_query_len * self.group, block_m)

@@ -307,7 +307,7 @@ if triton is not None:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if i < q_len:
-            n = (ctx - q_len + i) // SPLIT_KEYS + 1
+            n = tl.cdiv(ctx - q_len + i + 1, SPLIT_KEYS)  # through the row's own position
             d = tl.arange(0, BLOCK_D)
             d_ok = d < HEAD_DIM
             ml = ML + (q0 + i) * stride_mt + h * 2

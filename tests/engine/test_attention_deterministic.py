@@ -141,7 +141,7 @@ def test_default_mode_rounds_a_row_by_its_launch(kind, dtype):
     assert bad
 
 
-TRITON = [torch.float32, torch.float16] if triton_available() else []
+TRITON = [dtype for kind, dtype in CONFIGS if kind == "triton"]
 
 
 @pytest.mark.parametrize("dtype", TRITON)
