@@ -28,6 +28,25 @@ if triton is not None:
             tl.store(VC + slot * stride_cs + offs, v.to(VC.dtype.element_ty), mask=mask)
 
     @triton.jit
+    def _sequence(query_start, seq_lens, b, USE_PDL: tl.constexpr):
+        """(first query token, query count, context length) of sequence b. The launch's
+        metadata is never written by the kernel before (the KV store): read it while that
+        kernel still runs, then (PDL) wait for that kernel's results."""
+        q0 = tl.load(query_start + b)
+        q_len = tl.load(query_start + b + 1) - q0
+        ctx = tl.load(seq_lens + b)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        return q0, q_len, ctx
+
+    @triton.jit
+    def _tile_keys(tile, q_len, ctx, G: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Keys a row tile can see: up to the position of its last real query."""
+        last_t = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
+        return ctx - q_len + last_t + 1
+
+    @triton.jit
     def _load_queries(Q, row0, q0, q_len, ctx, kvh, stride_qt, stride_qh, G: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
         """A tile of query rows from row0: row r is query token r // G of head kvh*G + r % G.
@@ -84,14 +103,7 @@ if triton is not None:
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
-        # The launch's metadata is never written by the kernel before (the KV store): read
-        # it while that kernel still runs.
-        q0 = tl.load(query_start + b)
-        q_len = tl.load(query_start + b + 1) - q0
-        ctx = tl.load(seq_lens + b)
-        if USE_PDL:  # launched while the kernel before runs: wait for its results
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        q0, q_len, ctx = _sequence(query_start, seq_lens, b, USE_PDL)
         if tile * BLOCK_M < q_len * G:
             q, t, head, row_ok, d, d_ok, q_pos = _load_queries(
                 Q, tile * BLOCK_M, q0, q_len, ctx, kvh, stride_qt, stride_qh,
@@ -99,8 +111,7 @@ if triton is not None:
             # Keys this tile can see: up to the position of its last real query. An earlier
             # row finds the keys past its own position masked: its max stays, the rescale is
             # exp2(0) = 1 and it adds zeros, so it rounds as it would at the end of the context.
-            last_t = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
-            kv_end = ctx - q_len + last_t + 1
+            kv_end = _tile_keys(tile, q_len, ctx, G, BLOCK_M)
             m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_M], tl.float32)
             acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -134,12 +145,7 @@ if triton is not None:
         b = tl.program_id(2)
         programs = tl.num_programs(0)
         table = block_tables + b * stride_bt
-        q0 = tl.load(query_start + b)  # launch metadata: the kernel before never writes it
-        q_len = tl.load(query_start + b + 1) - q0
-        ctx = tl.load(seq_lens + b)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        q0, q_len, ctx = _sequence(query_start, seq_lens, b, USE_PDL)
         q, t, head, row_ok, d, d_ok, q_pos = _load_queries(
             Q, 0, q0, q_len, ctx, kvh, stride_qt, stride_qh, G, HEAD_DIM, BLOCK_D, BLOCK_M)
         qk_scale = scale * 1.4426950408889634
@@ -174,12 +180,7 @@ if triton is not None:
         i = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.program_id(2)
-        q0 = tl.load(query_start + b)  # launch metadata: no kernel before writes it
-        q_len = tl.load(query_start + b + 1) - q0
-        ctx = tl.load(seq_lens + b)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        q0, q_len, ctx = _sequence(query_start, seq_lens, b, USE_PDL)
         if i < q_len:
             n = tl.cdiv(ctx, SPLIT_KEYS)
             d = tl.arange(0, BLOCK_D)
@@ -244,20 +245,14 @@ if triton is not None:
         kvh = tl.program_id(1)
         b = tl.program_id(2)
         tile = pid // programs
-        q0 = tl.load(query_start + b)  # launch metadata: the kernel before never writes it
-        q_len = tl.load(query_start + b + 1) - q0
-        ctx = tl.load(seq_lens + b)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        q0, q_len, ctx = _sequence(query_start, seq_lens, b, USE_PDL)
         if tile * BLOCK_M < q_len * G:
             q, t, head, row_ok, d, d_ok, q_pos = _load_queries(
                 Q, tile * BLOCK_M, q0, q_len, ctx, kvh, stride_qt, stride_qh,
                 G, HEAD_DIM, BLOCK_D, BLOCK_M)
             # Keys up to the tile's last real query; a split or step past a row's own
             # position leaves its max, sum and acc as they were (bit for bit).
-            last_t = tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // G, q_len - 1)
-            kv_end = ctx - q_len + last_t + 1
+            kv_end = _tile_keys(tile, q_len, ctx, G, BLOCK_M)
             qk_scale = scale * 1.4426950408889634
             table = block_tables + b * stride_bt
             m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -300,12 +295,7 @@ if triton is not None:
         i = tl.program_id(0)
         h = tl.program_id(1)
         b = tl.program_id(2)
-        q0 = tl.load(query_start + b)  # launch metadata: no kernel before writes it
-        q_len = tl.load(query_start + b + 1) - q0
-        ctx = tl.load(seq_lens + b)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+        q0, q_len, ctx = _sequence(query_start, seq_lens, b, USE_PDL)
         if i < q_len:
             n = tl.cdiv(ctx - q_len + i + 1, SPLIT_KEYS)  # through the row's own position
             d = tl.arange(0, BLOCK_D)
