@@ -21,7 +21,9 @@ get() {  # pip download, CPython $py on manylinux x86_64, into $tmp/pack
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d "$tmp/pack" "$@"
 }
-get ray==2.60.0 grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1 \
+# Health checking and reflection at 1.62: their generated code (protobuf 4.25, as tandem_proto's)
+# runs on whatever protobuf from 4.25 on the machine has; later releases want protobuf >= 7.35.
+get ray==2.60.0 grpcio==1.85.3 grpcio-health-checking==1.62.3 grpcio-reflection==1.62.3 \
   prometheus-client==0.26.0 aiohttp==3.14.5 jinja2==3.1.6
 get --no-deps tokenizers==0.23.3  # its huggingface-hub comes with the machine's transformers
 
@@ -94,7 +96,8 @@ import os
 import sys
 
 site = os.path.realpath(sys.argv[2])
-sys.path = [p for p in sys.path if not os.path.realpath(p or ".").startswith(site)]
+sys.path = [p for p in sys.path
+            if os.path.commonpath([site, os.path.realpath(p or ".")]) != site]
 
 
 def found(mod):
@@ -119,7 +122,8 @@ for f in $need; do
 done
 [ ${#whls[@]} -eq 0 ] || python3 -m pip install -q --no-index --no-deps --no-compile --upgrade \
   --target "$site" "${whls[@]}"
-echo "part @PART@/@PARTS@ into $site:" ${need:-nothing the machine lacks}
+names=$(for f in $need; do f=${f%.tar.xz}; echo "${f%%-[0-9]*}"; done)
+echo "part @PART@/@PARTS@ into $site:" ${names:-nothing the machine lacks}
 cp "$here/manifest" "$site/.stage_ray/@PART@"
 for k in $(seq 1 @PARTS@); do
   [ -f "$site/.stage_ray/$k" ] || { echo "part $k still to assemble"; exit 0; }
@@ -133,6 +137,7 @@ import os
 import sys
 
 mods = {m for f in glob.glob(sys.argv[2] + "/*") for line in open(f) for m in line.split()[1:]}
+mods |= {"grpc_health.v1.health", "grpc_reflection.v1alpha.reflection"}  # protobuf gencode
 for m in sorted(mods):
     importlib.import_module(m)
 import ray
