@@ -16,8 +16,8 @@
 #             in one process) and runs figure 1 with the new head (HEADS=0 skips it);
 #             TRAIN_STAGE=fig1 runs figure 1 with a head fitted earlier
 #   soak      `tandem soak` on one GPU: 16 streams for 3 minutes (SOAK_MINUTES), SOAK_REPLICAS
-#             (2) prefill and decode actors each in bf16 (SOAK_DEVICE, SOAK_DTYPE) sharing the
-#             GPU by fractional num_gpus, the first decode and prefill actor killed (SOAK_ARGS);
+#             (2) prefill and decode actors each in bf16 sharing the GPU (--gpu-share), the
+#             first decode and prefill actor killed (SOAK_ARGS: more flags);
 #             needs ray and ucxx: run every .stage_ray/N/assemble and .stage_ucx/one/assemble
 # Results land in $OUT/<part>.tgz (over 16 MB: in 15 MB parts, <part>.tgz.00, .01, ...).
 set -u
@@ -54,29 +54,10 @@ if [ "$part" = pull ]; then  # sender and receiver processes on one GPU (a proxy
     done
   done
   done
-elif [ "$part" = soak ]; then
-  # `tandem soak` runs its engines on the CPU in fp32, one whole actor per role: here they get
-  # the device and dtype, and each of the 2 x replicas actors a share of the one GPU.
-  SOAK_DEVICE=${SOAK_DEVICE:-cuda} SOAK_DTYPE=${SOAK_DTYPE:-bfloat16} TANDEM_RAY_LOGS=1 \
-    timeout "${SOAK_TIMEOUT:-560}" python3 - --streams 16 --minutes "${SOAK_MINUTES:-3}" \
-    --replicas "${SOAK_REPLICAS:-2}" --faults decode,prefill --model "$M" \
-    --out "$R/soak_gpu.json" ${SOAK_ARGS:-} > "$R/soak.log" 2>&1 <<'EOF'
-import functools
-import os
-import sys
-
-from cluster import cli, launcher, soak
-
-dev, dtype = os.environ["SOAK_DEVICE"], os.environ["SOAK_DTYPE"]
-actors = 2 * int(sys.argv[sys.argv.index("--replicas") + 1])
-share = int(10_000 / actors) / 10_000 if dev.startswith("cuda") else 0.0  # Ray: 4 decimals
-kw, env = soak.engine_kwargs, soak.environment
-soak.engine_kwargs = lambda mb=256: {**kw(mb), "device": dev, "dtype": dtype}
-soak.environment = lambda argv: {**env(argv), "session": {
-    "device": dev, "dtype": dtype, "num_gpus_per_actor": share}}
-launcher.start = functools.partial(launcher.start, prefill_gpus=share, decode_gpus=share)
-sys.exit(cli.main(["soak", *sys.argv[1:]]))
-EOF
+elif [ "$part" = soak ]; then  # every actor books 1 / (2 x replicas) of the GPU (--gpu-share)
+  timeout "${SOAK_TIMEOUT:-560}" python3 -m cluster.cli soak --streams 16 \
+    --minutes "${SOAK_MINUTES:-3}" --replicas "${SOAK_REPLICAS:-2}" --faults decode,prefill \
+    --device cuda --model "$M" --out "$R/soak_gpu.json" ${SOAK_ARGS:-} > "$R/soak.log" 2>&1
   grep -q " streams in " "$R/soak.log" && sed -n '/ streams in /,$p' "$R/soak.log" ||
     tail -30 "$R/soak.log"
 elif [ "$part" = train ]; then

@@ -148,7 +148,7 @@ def environment(argv: list[str]) -> dict:
             return None
 
     return {"command": "tandem " + " ".join(argv),
-            "machine": {"cpu_count": os.cpucount(), "platform": platform.platform(),
+            "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                         "python": platform.python_version(), "processor": platform.processor()},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "git_commit": git("rev-parse", "HEAD"),
@@ -180,9 +180,29 @@ def add_parser(sub) -> None:
     p.add_argument("--kv-cache-mb", type=int, default=256, help="KV cache of each actor")
     p.add_argument("--replicas", type=int, default=1,
                    help="prefill and decode actors each (faults kill the first of a role)")
+    p.add_argument("--device", default="cpu", help="the actors' device: cpu or cuda")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="the actors' dtype (default: float32 on the CPU, bfloat16 on a GPU)")
+    p.add_argument("--gpu-share", type=float, default=None,
+                   help="GPU share each actor books from Ray (default on a GPU: one GPU split "
+                        "over all 2 x --replicas actors)")
     p.add_argument("--out", default=None,
                    help="JSON file (default: bench/results/soak_<date>.json)")
     p.set_defaults(fn=cmd_soak)
+
+
+def placement(args) -> tuple[str, str, float]:
+    """(device, dtype, GPU share per actor) of the soak's actors."""
+    gpu = args.device.startswith("cuda")
+    if not gpu and args.device != "cpu":
+        raise ValueError(f"--device: cpu or cuda, got {args.device!r}")
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    share = args.gpu_share
+    if share is None:  # Ray takes fractions to four decimals
+        share = int(10_000 / (2 * args.replicas)) / 10_000 if gpu else 0.0
+    if not 0 <= share <= 1 or gpu != (share > 0):
+        raise ValueError(f"--gpu-share must be in (0, 1] on a GPU, 0 on the CPU; got {share}")
+    return args.device, dtype, share
 
 
 def _config(args) -> SoakConfig:
@@ -206,6 +226,7 @@ def _config(args) -> SoakConfig:
 def cmd_soak(args) -> int:
     try:
         cfg = _config(args)
+        device, dtype, share = placement(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -214,10 +235,13 @@ def cmd_soak(args) -> int:
     if args.address is None:
         print("starting the cluster…", file=sys.stderr, flush=True)
         model = args.model or embedded_export()
-        served = Served(model, engine_kwargs(args.kv_cache_mb), replicas=args.replicas)
+        served = Served(model, engine_kwargs(args.kv_cache_mb, device, dtype),
+                        replicas=args.replicas, gpus=share)
         env["cluster"] = {"model": model, "engine": {**ENGINE_KW, "kv_cache_bytes":
                                                      args.kv_cache_mb << 20,
+                                                     "device": device, "dtype": dtype,
                                                      "spec": f"eagle3, {SPEC_TOKENS} drafts"},
+                          "gpu_share_per_actor": share,
                           "transport": "ucx, checksums on", "prefill": args.replicas,
                           "decode": args.replicas}
     elif cfg.faults:

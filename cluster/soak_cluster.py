@@ -15,11 +15,14 @@ ENGINE_KW = {"enable_prefix_caching": False, "kv_cache_bytes": 256 << 20, "max_m
 SPEC_TOKENS = 3
 
 
-def engine_kwargs(kv_cache_mb: int = 256) -> dict:
-    """The actors' engine settings (`ENGINE_KW`, with EAGLE-3 at `SPEC_TOKENS` drafts)."""
+def engine_kwargs(kv_cache_mb: int = 256, device: str | None = None,
+                  dtype: str | None = None) -> dict:
+    """The actors' engine settings (`ENGINE_KW`, with EAGLE-3 at `SPEC_TOKENS` drafts), on
+    `device` in `dtype` where given (else the engine's defaults: the CPU, fp32)."""
     from engine.config import SpecConfig
 
-    return {**ENGINE_KW, "kv_cache_bytes": kv_cache_mb << 20,
+    placed = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+    return {**ENGINE_KW, "kv_cache_bytes": kv_cache_mb << 20, **placed,
             "spec": SpecConfig(num_tokens=SPEC_TOKENS, dynamic=False)}
 
 
@@ -75,10 +78,12 @@ def settled_stats(cluster, tries: int = 100) -> list[dict]:
 class Served:
     """What `tandem serve` runs, in this process: the disaggregated cluster (Ray prefill and
     decode actors, KV over UCX with checksums) and the gRPC router on its own event-loop thread,
-    which `restart_router` can kill and bring back on the same port."""
+    which `restart_router` can kill and bring back on the same port. `gpus`: the GPU share each
+    actor books from Ray (fractions let every actor share one GPU)."""
 
     def __init__(self, model: str | None = None, engine_kw: dict | None = None, *,
-                 host: str = "127.0.0.1", port: int = 0, replicas: int = 1):
+                 host: str = "127.0.0.1", port: int = 0, replicas: int = 1,
+                 gpus: float = 0.0):
         import ray
 
         from cluster import launcher
@@ -88,7 +93,8 @@ class Served:
         self.cluster = launcher.start(model, engine_kw or engine_kwargs(), transport="ucx",
                                       transport_kwargs=TransferSection(
                                           checksum=True).transport_kwargs(),
-                                      prefill_replicas=replicas, decode_replicas=replicas)
+                                      prefill_replicas=replicas, decode_replicas=replicas,
+                                      prefill_gpus=gpus, decode_gpus=gpus)
         self.host = host
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True, name="soak-router").start()

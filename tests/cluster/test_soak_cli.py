@@ -1,0 +1,57 @@
+"""`tandem soak`'s command line: its run record, where its actors go, and clear errors, without
+starting a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from cluster import soak
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    soak.add_parser(p.add_subparsers())
+    return p.parse_args(["soak", *argv])
+
+
+def test_the_run_record_names_the_machine_and_command():
+    env = soak.environment(["soak", "--streams", "2"])
+    assert env["command"] == "tandem soak --streams 2"
+    assert env["machine"]["cpu_count"] == os.cpu_count()
+    assert env["date"] and "git_dirty" in env
+
+
+def test_actors_stay_on_the_cpu_in_fp32_by_default():
+    assert soak.placement(_args()) == ("cpu", "float32", 0.0)
+
+
+def test_on_a_gpu_the_actors_share_it_in_bf16():
+    assert soak.placement(_args("--device", "cuda", "--replicas", "2")) == \
+        ("cuda", "bfloat16", 0.25)
+    assert soak.placement(_args("--device", "cuda:0", "--replicas", "3")) == \
+        ("cuda:0", "bfloat16", 0.1666)
+    assert soak.placement(_args("--device", "cuda", "--dtype", "float32",
+                                "--gpu-share", "0.5"))[1:] == ("float32", 0.5)
+
+
+@pytest.mark.parametrize("argv,word", [(("--device", "tpu"), "--device"),
+                                       (("--device", "cuda", "--gpu-share", "0"), "--gpu-share"),
+                                       (("--gpu-share", "1.5"), "--gpu-share"),
+                                       (("--gpu-share", "0.5"), "--gpu-share")])
+def test_bad_placement_is_a_clear_error(argv, word, capsys):
+    args = _args(*argv)
+    with pytest.raises(ValueError, match=word):
+        soak.placement(args)
+    assert soak.cmd_soak(args) == 2
+    assert word in capsys.readouterr().err
+
+
+def test_engine_settings_carry_the_placement():
+    from cluster.soak_cluster import engine_kwargs
+
+    kw = engine_kwargs(64, "cuda", "bfloat16")
+    assert (kw["device"], kw["dtype"], kw["kv_cache_bytes"]) == ("cuda", "bfloat16", 64 << 20)
+    assert "device" not in engine_kwargs()
