@@ -201,12 +201,18 @@ class DisaggBackend:
     async def _unless_dead(self, actor, coro):
         """`coro`'s result, or RayActorError as soon as `actor` dies."""
         task = asyncio.ensure_future(coro)
+        # Read by nobody when this request is cancelled meanwhile: its end is consumed here.
+        task.add_done_callback(lambda f: f.cancelled() or f.exception())
         watch = self._watches.get(id(actor))
         if watch is None or watch.done():
             watch = self._watches[id(actor)] = asyncio.ensure_future(actor.watch.remote())
             # Its failure is read here, or by nobody when no request was waiting on it.
             watch.add_done_callback(lambda f: f.cancelled() or f.exception())
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the request went: so does the step it waited for
+            task.cancel()
+            raise
         if not task.done():
             task.cancel()
             watch.result()  # raises: the actor died

@@ -261,3 +261,35 @@ def test_the_actor_an_error_names_is_not_probed_and_the_stream_moves_at_once(mon
     assert outs[-1].finished and id(d1) in b._down
     assert [c for c in d2.calls if c[0] == "generate"] == [("generate", "r#1")]
     assert took < 0.5 if named else took >= 1.0, took
+
+
+def test_a_cancelled_request_cancels_the_prefill_step_it_waited_for():
+    """The client goes while the router waits for the prefill's hand-off: that wait is
+    cancelled too, not left to finish (or fail) unread."""
+
+    async def scenario():
+        started, ended = asyncio.Event(), []
+
+        async def prefill_step():
+            started.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                ended.append("cancelled")
+                raise
+
+        class Decode:  # alive throughout: its watch never returns
+            watch = Method(lambda: asyncio.sleep(3600))
+
+        backend = object.__new__(DisaggBackend)
+        backend._watches = {}
+        waiting = asyncio.ensure_future(backend._unless_dead(Decode(), prefill_step()))
+        await started.wait()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await asyncio.sleep(0)
+        backend._watches.popitem()[1].cancel()
+        return list(ended)  # before asyncio.run cancels what is left
+
+    assert asyncio.run(scenario()) == ["cancelled"]
