@@ -34,7 +34,7 @@ from engine.jit_watch import CACHE_ENV
 
 VARIANTS = ("no_spec", "eagle3_default")
 RESULT = "fig7 child:"  # the line a child answers with
-FIG7_SMOKE = {"fig7_concurrency": "1,2", "fig3_tokens": 4, "num_blocks": 256,
+FIG7_SMOKE = {"fig7_concurrency": "1", "fig3_tokens": 4, "num_blocks": 256,
               "fig7_ready_reps": 2}
 SMOKE_SHAPE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
