@@ -1,6 +1,7 @@
 """What a serving engine does once before its first request, so that nothing stalls running
-streams later: capture every CUDA graph, freeze the objects alive then out of the garbage
-collector, and watch for Triton kernels compiled afterwards. `Engine.generate` does it on first
+streams later: capture every CUDA graph, run one short request through the step path, freeze
+the objects alive then out of the garbage collector, and watch for Triton kernels compiled
+afterwards. `Engine.generate` does it on first
 use where the engine has graphs to capture."""
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ if TYPE_CHECKING:
     from engine.engine import Engine
 
 log = logging.getLogger(__name__)
+# The warm-up request: prompt and output tokens (greedy, EOS ignored).
+WARM_PROMPT_TOKENS = 24
+WARM_OUTPUT_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -84,22 +88,43 @@ def capture_graphs(eng: Engine, batch_sizes=None, progress: bool = False,
 
 def prepare_to_serve(eng: Engine, progress: bool = False, started: float | None = None,
                      freeze: bool = True, batch_sizes=None,
-                     long_context: bool | None = None) -> int:
-    """`Engine.prepare_to_serve`: graphs (of `batch_sizes`, default all), JIT watch and
-    `eng.ready` once, then the garbage collector (`freeze`); returns how many graphs were
-    captured (none once ready)."""
+                     long_context: bool | None = None, warm: bool = True) -> int:
+    """`Engine.prepare_to_serve`: graphs (of `batch_sizes`, default all), a warm-up request
+    (`warm`: a generate preparing itself leaves it out, as its own request follows at once),
+    JIT watch and `eng.ready` once, then the garbage collector (`freeze`); returns how many
+    graphs were captured (none once ready)."""
     first = eng.ready is None
     t0 = time.perf_counter()
     n, graphs = 0, 0.0
     if first:
         with jit_watch.starting_up():
             n = eng.capture_graphs(batch_sizes, progress=progress, long_context=long_context)
-        graphs = time.perf_counter() - t0
+            graphs = time.perf_counter() - t0
+            if warm:
+                warm_request(eng)
     if freeze:
         freeze_long_lived()
     if first:
         _mark_ready(eng, started, t0, graphs)
     return n
+
+
+def warm_request(eng: Engine) -> bool:
+    """One short greedy request through the whole step path (admission, prefill, decode or
+    speculative steps, output), so the first real request does not pay for what is built on
+    first use (allocator pools, caches, first-call paths). Only on an idle engine, whose
+    requests it would otherwise step; returns whether it ran. Its blocks are free after."""
+    from engine.sequence import SamplingParams
+
+    if eng.has_unfinished() or eng.held or eng.reserved:
+        return False
+    vocab = eng.config.model.vocab_size
+    ids = [(7 * i + 3) % vocab for i in range(WARM_PROMPT_TOKENS)]
+    eng.add_request(ids, SamplingParams(temperature=0, max_tokens=WARM_OUTPUT_TOKENS,
+                                        ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step()
+    return True
 
 
 def prepare_on_first_use(eng: Engine) -> None:
@@ -113,7 +138,7 @@ def prepare_on_first_use(eng: Engine) -> None:
         jit_watch.warn_after()
         _mark_ready(eng, None, time.perf_counter(), 0.0)
         return
-    n = prepare_to_serve(eng, freeze=False)
+    n = prepare_to_serve(eng, freeze=False, warm=False)
     log.info("generate: the engine prepared itself on first use in %.1f s (%d CUDA graphs "
              "captured)", eng.ready.total, n)
 

@@ -86,6 +86,35 @@ def test_prepare_to_serve_is_idempotent(watch, monkeypatch):
     assert calls == [True] and eng.ready is ready
 
 
+def test_prepare_to_serve_runs_one_request_through_an_idle_engine(watch, monkeypatch):
+    """The warm-up request: one short greedy request stepped to its end before ready (its
+    blocks free after, nothing of it in a later step's outputs); an engine that already
+    holds requests is not stepped for it, and a generate preparing itself runs none."""
+    steps = []
+    for busy in (False, True):
+        eng = tiny_engine(0)
+        real = eng.step
+        monkeypatch.setattr(eng, "step", lambda real=real: steps.append(1) or real())
+        rid = eng.add_request([5, 6, 7], PARAMS) if busy else None
+        try:
+            eng.prepare_to_serve()
+        finally:
+            unfreeze()
+        if busy:  # untouched: its request still waits for the caller's steps
+            assert steps == [] and eng.has_unfinished() and rid in eng.seqs
+            while eng.has_unfinished():
+                eng.step()
+        else:
+            assert len(steps) > 1 and not eng.has_unfinished()
+            steps.clear()
+        eng.blocks.check_all_free()
+    fresh = tiny_engine(0)
+    ran = []
+    monkeypatch.setattr(warmup, "warm_request", lambda e: ran.append(e))
+    fresh.generate([[5, 6]], PARAMS)
+    assert ran == [] and fresh.ready is not None
+
+
 def ready_seconds(m: Metrics) -> float | None:
     return m.registry.get_sample_value("tandem_ready_seconds", {"role": m.role})
 
