@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from engine import SamplingParams
 from engine.config import SpecConfig
@@ -98,11 +99,21 @@ def test_a_colocated_router_exports_its_engines_steps_and_speculation():
     try:
         with Client(s.target, retries=0) as c:
             c.complete(token_ids=PROMPTS[1], temperature=0, max_tokens=12, ignore_eos=True)
+
+        def total(text, name):
+            return sum(float(ln.split()[-1]) for ln in text.splitlines()
+                       if ln.startswith(name + "{"))
+
+        # The loop thread records a step after sending its outputs: the last step's counts
+        # may land just after the client has its answer.
+        deadline = time.monotonic() + 30
         text = m.exposition().decode()
-        steps = sum(float(ln.split()[-1]) for ln in text.splitlines()
-                    if ln.startswith("tandem_engine_steps_total{"))
-        drafted = sum(float(ln.split()[-1]) for ln in text.splitlines()
-                      if ln.startswith("tandem_spec_drafted_tokens_total{"))
-        assert steps >= 1 and drafted >= 1, text
+        while total(text, "tandem_engine_steps_total") < engine.stats.steps \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+            text = m.exposition().decode()
+        steps = total(text, "tandem_engine_steps_total")
+        drafted = total(text, "tandem_spec_drafted_tokens_total")
+        assert steps == engine.stats.steps >= 1 and drafted >= 1, text
     finally:
         s.close()
