@@ -304,13 +304,7 @@ class TritonAttention(AttentionBackend):
             num_warps=DETERMINISTIC_TILE[2], **pdl_args(q),
         )
         if programs > 1:
-            kern.fold_splits_kernel[(meta.max_query_len, self.num_heads, meta.num_seqs)](
-                acc, ml, out, meta.query_start, meta.seq_lens,
-                acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
-                out.stride(0), out.stride(1), SPLIT_KEYS=self.keys_per_split(q.device),
-                HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim), num_warps=1,
-                **pdl_args(q),
-            )
+            self._combine(kern.fold_splits_kernel, q, acc, ml, out, meta)
         return out
 
     def _attend_split(self, q, kc, vc, out, meta: AttentionMetadata, splits: int):
@@ -330,7 +324,12 @@ class TritonAttention(AttentionBackend):
             SPLIT_KEYS=self.keys_per_split(q.device), PRECISION=precision,
             num_warps=self.warps(block_m), **pdl_args(q),
         )
-        kern.split_reduce_kernel[(meta.max_query_len, self.num_heads, meta.num_seqs)](
+        return self._combine(kern.split_reduce_kernel, q, acc, ml, out, meta)
+
+    def _combine(self, kernel, q, acc, ml, out, meta: AttentionMetadata):
+        """Launch `kernel` (the default or the deterministic fold) over each query token and head
+        to combine the split partials into `out`."""
+        kernel[(meta.max_query_len, self.num_heads, meta.num_seqs)](
             acc, ml, out, meta.query_start, meta.seq_lens,
             acc.stride(0), acc.stride(1), acc.stride(2), ml.stride(0), ml.stride(1),
             out.stride(0), out.stride(1), SPLIT_KEYS=self.keys_per_split(q.device),
