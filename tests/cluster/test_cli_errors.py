@@ -85,3 +85,37 @@ def test_version(capsys):
         main(["--version"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and out.startswith("tandem ") and out.split()[1][0].isdigit()
+
+
+def test_serve_binds_grpc_and_http_on_the_host_given(capsys, monkeypatch):
+    """`serve --host`: both ports listen on that interface only (127.0.0.2 here, so the
+    default 127.0.0.1 refuses a connection); the demo's client is pointed at it."""
+    import re
+    import socket
+
+    import engine
+    from cluster import cli
+    from engine.testing import tiny_engine
+
+    monkeypatch.setattr(engine.Engine, "from_pretrained", lambda *a, **k: tiny_engine(0))
+    seen = {}
+
+    def reach(host: str, port: int) -> bool:
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            return True
+        except OSError:
+            return False
+
+    def demo(args) -> int:  # instead of a chat completion: where the servers listen
+        host, port = args.address.rsplit(":", 1)
+        http = int(re.search(r"OpenAI-compatible API on http://[\d.]+:(\d+)/v1",
+                             capsys.readouterr().err)[1])
+        seen.update(host=host, grpc=[reach(h, int(port)) for h in ("127.0.0.2", "127.0.0.1")],
+                    http=[reach(h, http) for h in ("127.0.0.2", "127.0.0.1")])
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_remote_generate", demo)
+    assert main(["serve", "--colocated", "--host", "127.0.0.2", "--port", "0",
+                 "--set", "metrics.enabled=false", "--demo", "hi"]) == 0
+    assert seen == {"host": "127.0.0.2", "grpc": [True, False], "http": [True, False]}
