@@ -1,8 +1,8 @@
 """The vLLM-parity metrics, moved by real traffic through `GenerationService` over a tiny
 engine: requests by outcome and by refusal code (INVALID_ARGUMENT, RESOURCE_EXHAUSTED,
-UNAUTHENTICATED at both doors), prefill / decode time and prompt / output length histograms,
-prefix-cache lookups and hits, preemptions, the model_name label, process metrics; the
-exposition passes promtool."""
+UNAUTHENTICATED at both doors), queue / prefill / decode time and prompt / output length
+histograms, prefix-cache lookups and hits, preemptions, the model_name label, process metrics;
+the exposition passes promtool."""
 
 from __future__ import annotations
 
@@ -108,6 +108,9 @@ def test_length_and_phase_histograms_move_per_finished_request(traffic):
         assert get(router, f"{name}_sum") > 0, name
     # Arrival to first token holds admission to first token.
     assert get(router, "tandem_ttft_seconds_sum") >= get(router, "tandem_prefill_seconds_sum")
+    # Queue time: one observation per admitted request (the refused ones never waited).
+    assert get(router, "tandem_queue_seconds_count") == 2
+    assert get(router, "tandem_queue_seconds_bucket", le="+Inf") == 2
 
 
 def test_prefix_cache_lookups_and_hits_are_counted(traffic):
