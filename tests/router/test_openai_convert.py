@@ -1,0 +1,51 @@
+"""`router.openai_convert` on its own: each OpenAI sampling field lands in the GenerateRequest
+the gRPC path runs, with OpenAI's defaults where a body leaves a field out, and each gRPC
+status becomes one HTTP status and OpenAI error type."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from router.openai_convert import ApiError, chat_requests, completion_requests
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+def test_sampling_fields_reach_the_request():
+    (req,) = chat_requests({"messages": CHAT, "temperature": 0.7, "top_p": 0.9, "seed": -1,
+                            "stop": ["\n\n", "END"], "max_tokens": 5,
+                            "max_completion_tokens": 9}, "r1", 2048)
+    s = req.sampling
+    assert (s.temperature, s.top_p) == (0.7, 0.9)
+    assert s.seed == (1 << 64) - 1  # taken modulo 2**64, as the gRPC field holds it
+    assert list(s.stop) == ["\n\n", "END"]
+    assert s.max_tokens == 9  # max_completion_tokens wins over the older max_tokens
+    assert req.request_id == "r1" and req.chat.messages[0].content == "hi"
+    (one,) = completion_requests({"prompt": "x", "stop": "END"}, "r2", 2048)
+    assert list(one.sampling.stop) == ["END"]
+
+
+def test_left_out_fields_take_openais_defaults():
+    (chat,) = chat_requests({"messages": CHAT}, "r", 2048)
+    (text,) = completion_requests({"prompt": "x"}, "r", 2048)
+    assert chat.sampling.max_tokens == 2048 and text.sampling.max_tokens == 16
+    for req in (chat, text):
+        assert not req.sampling.HasField("seed") and not req.sampling.stop
+        assert not req.sampling.HasField("temperature") and not req.sampling.HasField("top_p")
+
+
+@pytest.mark.parametrize("code, status, kind", [
+    (grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error"),
+    (grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error"),
+    (grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error"),
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error"),
+    (grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable_error"),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error"),
+    (grpc.StatusCode.INTERNAL, 500, "server_error"),
+])
+def test_a_grpc_status_is_one_http_status_and_error_type(code, status, kind):
+    err = ApiError.of_status(code, "why")
+    assert err.status == status
+    assert err.body() == {"error": {"message": "why", "type": kind, "param": None,
+                                    "code": code.name.lower()}}
