@@ -184,16 +184,16 @@ def _our_names(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _vocab(sd: dict, cfg: Eagle3Config) -> torch.Tensor:
+def _vocab(sd: dict, cfg: Eagle3Config, layout: str) -> torch.Tensor:
     """Each draft id's target id, from d2t (identity when the draft vocabulary is the
     target's and d2t is left out); t2d is always rebuilt from it, as no runtime reads it."""
     n, vocab = cfg.draft_vocab_size, cfg.vocab_size
     d2t = sd.pop("d2t", None)
     if d2t is None:
         if n != vocab:
-            raise ValueError(f"missing tensor d2t: a head drafting {n} of {vocab} target "
-                             "tokens needs it to map its ids (d2t [draft] int: target id - "
-                             "draft id)")
+            raise ValueError(f"EAGLE-3 head ({layout} layout): missing tensor d2t: a head "
+                             f"drafting {n} of {vocab} target tokens needs it to map its ids "
+                             "(d2t [draft] int: target id - draft id)")
         d2t = torch.zeros(n, dtype=torch.int64)
     if d2t.shape != (n,):
         raise ValueError(f"d2t has shape {tuple(d2t.shape)}, the config's draft_vocab_size "
@@ -208,13 +208,20 @@ def _vocab(sd: dict, cfg: Eagle3Config) -> torch.Tensor:
     return ids
 
 
+def _their_name(name: str, layout: str) -> str:
+    """A tensor's name as the layout's files spell it (speculators: `layers.0.*`)."""
+    if layout == "speculators" and name.startswith("midlayer."):
+        return "layers.0." + name.removeprefix("midlayer.")
+    return name
+
+
 def _check(sd: dict, head: Eagle3Head, layout: str, optional: set[str]) -> None:
     """Refuse tensors that are missing (but `optional`), left over or of another shape,
-    naming them."""
+    naming them as the layout's files do."""
     want = head.state_dict()
-    missing = sorted(k for k in want if k not in sd and k not in optional)
-    extra = sorted(k for k in sd if k not in want)
-    shapes = [f"{k} {tuple(v.shape)} (expected {tuple(want[k].shape)})"
+    missing = sorted(_their_name(k, layout) for k in want if k not in sd and k not in optional)
+    extra = sorted(_their_name(k, layout) for k in sd if k not in want)
+    shapes = [f"{_their_name(k, layout)} {tuple(v.shape)} (expected {tuple(want[k].shape)})"
               for k, v in sd.items() if k in want and v.shape != want[k].shape]
     if missing or extra or shapes:
         raise ValueError(f"EAGLE-3 head ({layout} layout) cannot run here: missing tensors "
@@ -236,9 +243,9 @@ def load_head(folder: str, target: ModelConfig, make_backend,
     sd = _our_names(_read_tensors(folder))
     shared = "lm_head.weight" not in sd
     if shared:
-        cfg = _full_vocab(raw, cfg, target_model)
+        cfg = _full_vocab(raw, cfg, target_model, layout)
     cfg = replace(cfg, max_position=max(cfg.max_position, target.max_position))
-    ids = _vocab(sd, cfg)
+    ids = _vocab(sd, cfg, layout)
     with torch.device(device):
         head = Eagle3Head(cfg, make_backend(cfg))
     _check(sd, head, layout, {"d2t", "t2d"} | ({"lm_head.weight"} if shared else set()))
@@ -256,16 +263,17 @@ def load_head(folder: str, target: ModelConfig, make_backend,
     return head
 
 
-def _full_vocab(raw: dict, cfg: Eagle3Config, target_model: nn.Module | None) -> Eagle3Config:
+def _full_vocab(raw: dict, cfg: Eagle3Config, target_model: nn.Module | None,
+                layout: str) -> Eagle3Config:
     """A head without lm_head drafts over the whole target vocabulary with the target's LM
     head, as sglang runs it; refused where that is not what its config says."""
+    said = f"EAGLE-3 head ({layout} layout): missing tensor lm_head.weight: the target's LM head"
     if raw.get("draft_vocab_size") not in (None, cfg.vocab_size):
-        raise ValueError(f"missing tensor lm_head.weight: the target's LM head stands in only "
-                         f"for a full-vocabulary head, and draft_vocab_size is "
-                         f"{cfg.draft_vocab_size} of {cfg.vocab_size}")
+        raise ValueError(f"{said} stands in only for a full-vocabulary head, and "
+                         f"draft_vocab_size is {cfg.draft_vocab_size} of {cfg.vocab_size}")
     if target_model is None:
-        raise ValueError("missing tensor lm_head.weight: the target's LM head stands in "
-                         "(full-vocabulary drafting) only where the target model is given")
+        raise ValueError(f"{said} stands in (full-vocabulary drafting) only where the target "
+                         "model is given")
     return replace(cfg, draft_vocab_size=cfg.vocab_size)
 
 
@@ -348,4 +356,12 @@ def _caveats(cfg: Eagle3Config, target: ModelConfig | None) -> list[str]:
                    "twice")
     if min(ids) == 0:
         out.append("sglang's nested ids cannot name tap 0, so it reads its default taps")
+    if (target is not None and default_taps(target.num_layers) != ids) or \
+            cfg.norm_before_residual:
+        out.append("speculators' converter reads neither the taps nor norm_before_residual "
+                   f"from config.json: pass it eagle_aux_hidden_state_layer_ids {list(ids)} "
+                   f"and norm_before_residual {str(cfg.norm_before_residual).lower()}")
+    if cfg.head_dim * cfg.num_heads != cfg.hidden_size:
+        out.append(f"speculators' converter sizes the attention as hidden size / heads "
+                   f"({cfg.hidden_size // cfg.num_heads}), not head_dim {cfg.head_dim}")
     return out

@@ -1,7 +1,7 @@
 """EAGLE-3 heads in every public layout (SpecForge, the EAGLE reference, speculators) load as
 their trainer meant them: taps, vocabulary map, weights, and greedy output equal to no
-speculation. A saved head maps every tensor under sglang's, vLLM's and the EAGLE reference
-runtime's published loading rules, re-implemented here from those rules."""
+speculation. A saved head maps every tensor under sglang's, vLLM's, the EAGLE reference
+runtime's and speculators' published loading rules, re-implemented here from those rules."""
 
 from __future__ import annotations
 
@@ -183,9 +183,15 @@ def test_what_cannot_run_is_refused_naming_it(tmp_path, base):
         with pytest.raises(ValueError, match=match):
             load_head(str(tmp_path), m, backend, target_model=target_model)
 
-    refused("specforge", r"missing tensor d2t", drop=("d2t",))
-    refused("specforge", r"missing tensor lm_head\.weight.*128 of 256", drop=("lm_head.weight",),
-            target_model=base.model)
+    refused("specforge", r"\(EAGLE layout\): missing tensor d2t", drop=("d2t",))
+    refused("speculators", r"\(speculators layout\): missing tensor d2t", drop=("d2t",))
+    refused("specforge", r"\(EAGLE layout\): missing tensor lm_head\.weight.*128 of 256",
+            drop=("lm_head.weight",), target_model=base.model)
+    refused("speculators", r"\(speculators layout\).*missing tensors "
+            r"\['layers\.0\.mlp\.down_proj\.weight'\].*Expected: fc\.weight",
+            drop=("layers.0.mlp.down_proj.weight",))
+    refused("speculators", r"wrong shapes \['layers\.0\.hidden_norm\.weight \(3,\)",
+            extra={"layers.0.hidden_norm.weight": torch.ones(3)})
     refused("specforge", r"missing tensors \['fc\.weight'\].*Expected: fc\.weight",
             drop=("fc.weight",))
     refused("speculators", r"layers\.1\.mlp\.down_proj\.weight.*one decoder layer runs",
@@ -205,6 +211,8 @@ def test_saved_folder_names_target_and_taps(tmp_path, base):
     readme = (tmp_path / "README.md").read_text()
     assert "tiny-llama" in readme and "[1, 4, 6]" in readme and "[0, 3, 5]" in readme
     assert "(2, L//2, L-3)" in readme  # the reference runtime taps other layers than these
+    assert "converter reads neither the taps" in readme  # speculators takes them as arguments
+    assert "eagle_aux_hidden_state_layer_ids [1, 4, 6]" in readme
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert "target_hidden_size" not in cfg  # else the reference runtime skips the embedding
     (tmp_path / "README.md").write_text("kept\n")
@@ -336,3 +344,89 @@ def test_the_engine_loads_a_head_folder_without_lm_head(tmp_path, base, plain):
                  weights_of=base)
     assert eng.spec.head.lm_head.weight is eng.model.lm_head.weight
     assert [c.token_ids for c in eng.generate(PROMPTS, GREEDY)] == plain
+
+
+def test_model_prefixed_names_load(tmp_path, base):
+    """Tensors saved under `model.` (a whole-model state dict's names) load as the bare ones."""
+    src = source_head(base, full_vocab=False)
+    write(str(tmp_path), base, src, "specforge", "top", True, True)
+    path = str(tmp_path / "model.safetensors")
+    save_file({"model." + k: v for k, v in load_file(path).items()}, path)
+    head = load_head(str(tmp_path), base.config.model, backend)
+    assert torch.equal(head.draft_to_target, src.draft_to_target)
+    want = src.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in head.state_dict().items())
+
+
+SPECULATORS_KEPT = ("d2t", "t2d", "embed_tokens.", "fc.", "lm_head.", "norm.", "layers.0.")
+
+
+def speculators_convert(folder: str, embed: torch.Tensor, taps: list[int],
+                        norm_before_residual: bool) -> tuple[dict, dict[str, torch.Tensor]]:
+    """speculators' converter for an EAGLE-3 research checkpoint, from its published rules:
+    names lose `model.`, `midlayer.` becomes `layers.0.`, and only d2t, t2d, embed_tokens, fc,
+    lm_head and norm are otherwise kept (any other name fails its format check); the target
+    vocabulary is t2d's length (128000 without it); the layer takes hidden_size,
+    intermediate_size, the head counts (8 KV heads if unsaid), rms_norm_eps and rope_theta,
+    its head_dim being hidden_size / heads; draft_vocab_size and target_hidden_size are read;
+    the taps and norm_before_residual are the converter's arguments; a missing embedding is
+    the verifier's. Checks every tensor against Eagle3DraftModel's, whose embedding, verifier
+    copies, d2t and t2d may be missing at load (d2t and t2d exist only for a reduced
+    vocabulary, t2d marking exactly draft_vocab_size ids)."""
+    cfg = json.loads(open(os.path.join(folder, "config.json")).read())
+    sd = {}
+    for name, w in load_file(os.path.join(folder, "model.safetensors")).items():
+        name = name.removeprefix("model.")
+        name = "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") \
+            else name
+        assert name.startswith(SPECULATORS_KEPT), f"speculators cannot convert {name}"
+        sd[name] = w
+    sd.setdefault("embed_tokens.weight", embed)
+    h, nh = cfg.get("hidden_size", 4096), cfg.get("num_attention_heads", 32)
+    layer = {"model_type": "llama", "vocab_size": sd["t2d"].shape[0] if "t2d" in sd else 128000,
+             "hidden_size": h, "intermediate_size": cfg.get("intermediate_size", 11008),
+             "num_hidden_layers": 1, "num_attention_heads": nh,
+             "num_key_value_heads": cfg.get("num_key_value_heads", 8),
+             "max_position_embeddings": cfg.get("max_position_embeddings", 4096),
+             "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+             "rope_theta": cfg.get("rope_theta", 10000.0)}
+    out = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+           "transformer_layer_config": layer,
+           "draft_vocab_size": cfg.get("draft_vocab_size", 32000),
+           "target_hidden_size": cfg.get("target_hidden_size"),
+           "norm_before_residual": norm_before_residual, TAPS: taps}
+    vocab, draft, inter = layer["vocab_size"], out["draft_vocab_size"], layer["intermediate_size"]
+    hd, nkv, lp = h // nh, layer["num_key_value_heads"], "layers.0."
+    want = {"embed_tokens.weight": (vocab, h), "fc.weight": (h, 3 * h), "norm.weight": (h,),
+            "lm_head.weight": (draft, h), lp + "self_attn.q_proj.weight": (nh * hd, 2 * h),
+            lp + "self_attn.k_proj.weight": (nkv * hd, 2 * h),
+            lp + "self_attn.v_proj.weight": (nkv * hd, 2 * h),
+            lp + "self_attn.o_proj.weight": (h, nh * hd), lp + "mlp.gate_proj.weight": (inter, h),
+            lp + "mlp.up_proj.weight": (inter, h), lp + "mlp.down_proj.weight": (h, inter),
+            lp + "input_layernorm.weight": (h,), lp + "hidden_norm.weight": (h,),
+            lp + "post_attention_layernorm.weight": (h,)}
+    if draft != vocab:
+        want |= {"d2t": (draft,), "t2d": (vocab,)}
+        assert int(sd["t2d"].sum()) == draft
+    assert {k: tuple(v.shape) for k, v in sd.items()} == want  # every tensor, every parameter
+    return out, sd
+
+
+def test_saved_head_maps_every_tensor_under_speculators(tmp_path, base):
+    """A saved head converted by speculators' rules (taps and norm_before_residual passed as
+    the README says) maps every tensor, and the converted folder loads back as the same head."""
+    src = source_head(base, full_vocab=False)
+    src.cfg = replace(src.cfg, norm_before_residual=True)
+    save_head(src, str(tmp_path / "saved"), dtype=torch.float32, target=base.config.model)
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    embed = base.model.embed_tokens.weight.detach().clone()
+    cfg, sd = speculators_convert(str(tmp_path / "saved"), embed, saved[TAPS],
+                                  saved["norm_before_residual"])
+    ours = src.state_dict()
+    assert all(torch.equal(sd[k.replace("midlayer.", "layers.0.")], v) for k, v in ours.items())
+    (tmp_path / "conv").mkdir()
+    save_file(sd, str(tmp_path / "conv" / "model.safetensors"))
+    (tmp_path / "conv" / "config.json").write_text(json.dumps(cfg))
+    head = load_head(str(tmp_path / "conv"), base.config.model, backend)
+    assert head.cfg == src.cfg
+    assert all(torch.equal(v, ours[k]) for k, v in head.state_dict().items())
