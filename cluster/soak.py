@@ -235,11 +235,12 @@ def cmd_soak(args) -> int:
     if args.address is None:
         print("starting the cluster…", file=sys.stderr, flush=True)
         model = args.model or embedded_export()
-        served = Served(model, engine_kwargs(args.kv_cache_mb, device, dtype),
+        served = Served(model, engine_kwargs(args.kv_cache_mb, device, dtype, share),
                         replicas=args.replicas, gpus=share)
         env["cluster"] = {"model": model, "engine": {**ENGINE_KW, "kv_cache_bytes":
                                                      args.kv_cache_mb << 20,
                                                      "device": device, "dtype": dtype,
+                                                     "gpu_memory_utilization": share / 2,
                                                      "spec": f"eagle3, {SPEC_TOKENS} drafts"},
                           "gpu_share_per_actor": share,
                           "transport": "ucx, checksums on", "prefill": args.replicas,

@@ -55,3 +55,6 @@ def test_engine_settings_carry_the_placement():
     kw = engine_kwargs(64, "cuda", "bfloat16")
     assert (kw["device"], kw["dtype"], kw["kv_cache_bytes"]) == ("cuda", "bfloat16", 64 << 20)
     assert "device" not in engine_kwargs()
+    # on a shared GPU the KV cache is sized from the actor's share, not 0.85 of the GPU
+    assert "gpu_memory_utilization" not in kw
+    assert engine_kwargs(64, "cuda", "bfloat16", 0.25)["gpu_memory_utilization"] == 0.125
