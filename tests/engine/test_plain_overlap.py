@@ -39,9 +39,11 @@ def graph_engine(ref, num_blocks=None, **kw):
 
 
 def workload(n=6, seed=5):
+    """n prompts of 3-15 tokens (short: every prefill chunk runs padded under the
+    interpreter), greedy, 5-15 new tokens each."""
     rng = random.Random(seed)
-    prompts = [[rng.randrange(200) for _ in range(rng.randrange(3, 30))] for _ in range(n)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(5, 25), ignore_eos=True)
+    prompts = [[rng.randrange(200) for _ in range(rng.randrange(3, 16))] for _ in range(n)]
+    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(5, 16), ignore_eos=True)
               for _ in prompts]
     return prompts, params
 
@@ -53,7 +55,7 @@ def test_overlapped_lockstep_with_the_regular_path(ref):
     params = [replace(p, max_tokens=40) for p in params]
     on, off = graph_engine(ref), graph_engine(ref, overlap=False)
     ids = [[e.add_request(p, sp) for e in (on, off)] for p, sp in zip(prompts, params)]
-    for _ in range(20):
+    for _ in range(12):
         on.step()
         off.step()
         for a, b in ids:
@@ -63,14 +65,14 @@ def test_overlapped_lockstep_with_the_regular_path(ref):
     assert off.plain.overlapped_runs == 0 and off.plain.fused_runs >= 10
 
 
-@pytest.mark.parametrize("num_blocks", [None, 24])
+@pytest.mark.parametrize("num_blocks", [None, 16])
 def test_overlapped_decoding_is_exact_to_the_end(ref, num_blocks):
     """Requests of different lengths (finishes inside the pipeline), arrivals mid-way, a
     stop token, a sampled neighbour (regular forward beside the greedy ones' decode graph)
-    and, with 24 blocks, a KV cache so small that requests are preempted: every greedy
+    and, with 16 blocks, a KV cache so small that requests are preempted: every greedy
     output equals the torch backend's, and all blocks come back."""
     prompts, params = workload()
-    params[1] = replace(params[1], max_tokens=30)
+    params[1] = replace(params[1], max_tokens=20)
     expect = [c.token_ids for c in ref.generate(prompts, params)]
     stop_tok = expect[1][7]
     params[1] = replace(params[1], stop_token_ids=[stop_tok])
@@ -107,7 +109,7 @@ def test_a_request_that_finishes_in_flight_drops_out_without_a_drain(ref):
     request's row is read and discarded, its blocks are freed once no step in flight writes
     into them, and every output stays exact."""
     prompts, params = workload(3)
-    params = [replace(p, max_tokens=30) for p in params]
+    params = [replace(p, max_tokens=14) for p in params]
     expect = [c.token_ids for c in ref.generate(prompts, params)]
     stop_tok = expect[0][6]
     params[0] = replace(params[0], stop_token_ids=[stop_tok])
@@ -135,7 +137,7 @@ def test_requests_reaching_max_tokens_leave_the_pipeline_without_a_drain(ref):
     read: the step launched after it leaves that request out, so the others keep decoding
     from the device, and only the last request's end drains the pipeline."""
     prompts, params = workload(3)
-    params = [replace(p, max_tokens=n) for p, n in zip(params, (7, 12, 20))]
+    params = [replace(p, max_tokens=n) for p, n in zip(params, (6, 10, 14))]
     expect = [c.token_ids for c in ref.generate(prompts, params)]
     eng = graph_engine(ref)
     drains, drain = [], eng.overlap.drain
@@ -159,7 +161,7 @@ def test_abort_while_a_step_is_in_flight(ref):
     """An abort drains the step in flight: the others' tokens come with the next step(), the
     aborted request's blocks are free at once, and decoding goes on exactly."""
     prompts, params = workload(3)
-    params = [replace(p, max_tokens=30) for p in params]
+    params = [replace(p, max_tokens=12) for p in params]
     expect = [c.token_ids for c in ref.generate(prompts, params)]
     eng = graph_engine(ref)
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -184,7 +186,7 @@ def test_abort_of_a_request_prefilled_beside_the_step_in_flight(ref):
     its blocks come back, the pipeline goes on exactly for the others, and an arrival after
     it is prefilled beside and joins as usual."""
     prompts, params = workload(4)
-    params = [replace(p, max_tokens=12) for p in params]
+    params = [replace(p, max_tokens=10) for p in params]
     expect = [c.token_ids for c in ref.generate(prompts, params)]
     eng = graph_engine(ref, admission_delay_steps=0)
     seqs = [eng.seqs[eng.add_request(p, sp)] for p, sp in zip(prompts[:2], params[:2])]
@@ -231,7 +233,8 @@ def test_streams_crossing_a_block_boundary_together_never_overrun_the_cache(ref,
     """Four requests of equal length need a new block in the same step; with fewer free
     blocks than that, the overlapped continuation must drain (and the scheduler preempt)
     instead of taking blocks that are not there: same tokens, every block back."""
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    # 3 prompt tokens + 8 new: the streams cross into their 2nd and 3rd blocks together.
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[5 + i, 6 + i, 7 + i] for i in range(4)]
     expect = [c.token_ids for c in ref.generate(prompts, [sp] * 4)]
     eng = graph_engine(ref, num_blocks=num_blocks)
@@ -246,7 +249,7 @@ def test_a_full_batch_keeps_overlapping_while_arrivals_wait(ref, delay=2):
     or it has waited `admission_delay_steps` steps; with a full batch it waits without
     draining until a request finishes. Output stays exact and every block comes back."""
     prompts, params = workload(5)
-    params = [replace(p, max_tokens=m) for p, m in zip(params, (16, 16, 16, 6, 8))]
+    params = [replace(p, max_tokens=m) for p, m in zip(params, (12, 12, 12, 6, 8))]
     expect = [c.token_ids for c in ref.generate(prompts, params)]
     eng = graph_engine(ref, admission_delay_steps=delay, admission_share=1, max_num_seqs=4)
     rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:4], params[:4])]
@@ -279,7 +282,7 @@ def test_an_arrival_waits_for_the_admission_delay_beside_a_running_batch(ref, be
     admit_in_flight off, the pipeline drains and the step after admits it. Output stays
     exact either way."""
     prompts, params = workload(4)
-    params = [replace(p, max_tokens=12) for p in params]
+    params = [replace(p, max_tokens=10) for p in params]
     expect = [c.token_ids for c in ref.generate(prompts, params)]
     eng = graph_engine(ref, admission_delay_steps=delay, admission_share=1,
                        admit_in_flight=beside)
