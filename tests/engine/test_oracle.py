@@ -1,41 +1,43 @@
-"""Greedy output equals HF transformers `generate` token for token (the engine's oracle)."""
+"""Greedy output equals HF transformers' greedy decoding token for token (the engine's oracle)."""
 
 from __future__ import annotations
 
 import torch
 
 from engine import SamplingParams
-from tests.helpers import compare_with_ties
+from tests.helpers import TIE_EPS
 
 NEW_TOKENS = 64
 
 
-def hf_greedy(hf, ids: list[int], n: int) -> tuple[list[int], torch.Tensor]:
-    """HF greedy for exactly n tokens (EOS does not stop it) and its logits at each step."""
-    saved = hf.generation_config.eos_token_id
-    hf.generation_config.eos_token_id = None
-    try:
+def hf_logits(hf, prompt: list[int], out: list[int]) -> torch.Tensor:
+    """HF's logits for each token of `out`, given the prompt and the tokens of `out` before
+    it: one forward over both, where HF's `generate` would take one step per token. Greedy
+    decoding is the argmax at each of these positions."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt + out])
         # An explicit mask: the prompt holds <|im_end|> (id 2), which HF would take for padding.
-        x = torch.tensor([ids])
-        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-                          return_dict_in_generate=True, output_logits=True, pad_token_id=2)
-    finally:
-        hf.generation_config.eos_token_id = saved
-    toks = out.sequences[0, len(ids):].tolist()
-    return toks, torch.cat(out.logits, dim=0)
+        return hf(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt) - 1 : -1]
 
 
-def test_greedy_matches_hf_generate_token_for_token(smol_engine, hf_smol, chat_ids):
+def test_greedy_matches_hf_greedy_token_for_token(smol_engine, hf_smol, chat_ids):
+    """Every generated token is HF's argmax after the same prefix, or that position is a
+    numerical tie (HF's top-2 logits within TIE_EPS). Each position is judged on the engine's
+    own prefix, so a tie does not end the comparison: every one of the 8 x 64 tokens counts."""
     prompts = chat_ids[:8]
-    # EOS does not stop either side: every prompt compares all 64 tokens.
+    # EOS does not stop the engine: every prompt compares all 64 tokens.
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     ours = smol_engine.generate(prompts, params)  # one continuous batch
     ties, compared = 0, 0
     for ids, got in zip(prompts, ours):
-        ref, logits = hf_greedy(hf_smol, ids, NEW_TOKENS)
-        equal, tie = compare_with_ties(got.token_ids, ref, logits)
-        assert equal or tie, f"diverged from HF without a tie:\n ours {got.token_ids}\n ref  {ref}"
-        ties += tie
+        logits = hf_logits(hf_smol, ids, got.token_ids)
+        ref = logits.argmax(-1).tolist()
+        for j in (j for j, (a, b) in enumerate(zip(got.token_ids, ref)) if a != b):
+            top2 = torch.topk(logits[j], 2).values
+            assert top2[0] - top2[1] < TIE_EPS, (
+                f"diverged from HF at token {j} without a tie:\n ours {got.token_ids}\n"
+                f" HF's argmax {ref}")
+            ties += 1
         compared += len(ref)
     print(f"\noracle: {len(prompts)} prompts, {compared} reference tokens, {ties} numerical ties")
     assert compared == 8 * NEW_TOKENS
