@@ -12,7 +12,9 @@ from engine import Engine, SamplingParams
 from engine.config import SpecConfig
 from tests.helpers import compare_with_ties
 
-NEW_TOKENS = 64
+# Losslessness does not depend on how far a request runs: 32 tokens give each batch of 8
+# dozens of verify steps with drafts accepted fully, partly and not at all.
+NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # Measured on CPU fp32: tokens per target forward of the shipped head at K=5 on the first 8
 # held-out prompts of the kept prompt sets (assets/prompt_sets.json.gz, never trained on), 64
@@ -20,6 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # it: 2.717; the one before that, trained on the base set alone: 2.586). The floor leaves a
 # margin for numerics across machines.
 ACCEPTANCE_FLOOR_K5 = 3.0
+FLOOR_TOKENS = 64  # as when the floor was measured
 RUNS = [("eagle3", 1), ("eagle3", 3), ("eagle3", 5), ("ngram", 5)]
 
 
@@ -28,7 +31,7 @@ def runs(smol_engine, chat_ids):
     """Greedy outputs without speculation and with each drafter and K of RUNS, one batch of 8
     each. EAGLE-3 runs K=1, 3, 5 (test_more_drafts_give_more_tokens_per_forward compares
     them); n-gram only K=5, its longest verify: the tiny-model tests cover every K of both
-    drafters, and each real-model run costs ~25 s of the CI budget."""
+    drafters, and each real-model run costs a share of the CI budget."""
     prompts = chat_ids[:8]
     plain = smol_engine.with_config(enable_prefix_caching=False)
     out = {"none": ([c.token_ids for c in plain.generate(prompts, GREEDY)], None)}
@@ -78,7 +81,7 @@ def test_shipped_head_acceptance_floor(smol_engine):
     spec = SpecConfig(num_tokens=5, dynamic=False, context_drafts=False)
     eng = Engine(replace(smol_engine.config, spec=spec, enable_prefix_caching=False),
                  weights_of=smol_engine)
-    eng.generate(msgs, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+    eng.generate(msgs, SamplingParams(temperature=0, max_tokens=FLOOR_TOKENS))
     stats = eng.spec.stats
     rates = [a / d for a, d in zip(stats.accepted_per_pos, stats.drafted_per_pos)]
     print(f"\nshipped head K=5 on held-out prompts: acceptance length "
