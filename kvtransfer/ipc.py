@@ -123,15 +123,24 @@ def pooled_event(pool: list[torch.cuda.Event], seq: int, device: torch.device
 
 
 def new_event(device: torch.device) -> torch.cuda.Event:
-    """An event another process can open (`open_event`), created on `device`."""
-    ev = torch.cuda.Event(interprocess=True)
+    """An event another process can open (`open_event`), created on `device`; it lives as
+    long as the process (`_immortal`)."""
+    ev = _immortal(torch.cuda.Event(interprocess=True))
     with torch.cuda.device(device):
         ev.record(torch.cuda.current_stream(device))
     return ev
 
 
-# Handles given out by this process: opened here, they are the events themselves.
-_local_events: weakref.WeakValueDictionary[str, torch.cuda.Event] = weakref.WeakValueDictionary()
+def _immortal(ev: torch.cuda.Event) -> torch.cuda.Event:
+    """Never free `ev`: torch's Event destructor releases the GIL in cudaEventDestroy, and an
+    event freed by the cyclic collector while other threads run Python (staging workers, UCX's
+    notifier) crashes the process. IPC events are a few per link and die with the process."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(ev))
+    return ev
+
+
+# IPC events by handle, made or opened in this process (kept for its life, as `_immortal`).
+_local_events: dict[str, torch.cuda.Event] = {}
 
 
 def event_handle(ev: torch.cuda.Event) -> str:
@@ -158,10 +167,12 @@ def open_event(uuid: str, handle: str) -> torch.cuda.Event:
     except ValueError:
         raise IpcUnavailable(f"GPU {uuid} is not visible to this process") from None
     try:
-        return torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(handle))
+        ev = torch.cuda.Event.from_ipc_handle(device, bytes.fromhex(handle))
     except Exception as e:
         raise IpcUnavailable(f"could not open the peer's event: {type(e).__name__}: {e}"
                              ) from None
+    _local_events[handle] = _immortal(ev)
+    return ev
 
 
 # ---- the copies --------------------------------------------------------------------------------
