@@ -186,6 +186,9 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu-share", type=float, default=None,
                    help="GPU share each actor books from Ray (default on a GPU: one GPU split "
                         "over all 2 x --replicas actors)")
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine.deterministic on the actors (default: on a GPU, where only "
+                        "this mode makes a moved stream's output equal the fault-free run)")
     p.add_argument("--out", default=None,
                    help="JSON file (default: bench/results/soak_<date>.json)")
     p.set_defaults(fn=cmd_soak)
@@ -235,12 +238,14 @@ def cmd_soak(args) -> int:
     if args.address is None:
         print("starting the cluster…", file=sys.stderr, flush=True)
         model = args.model or embedded_export()
-        served = Served(model, engine_kwargs(args.kv_cache_mb, device, dtype, share),
+        det = args.deterministic if args.deterministic is not None else share > 0
+        served = Served(model, engine_kwargs(args.kv_cache_mb, device, dtype, share, det),
                         replicas=args.replicas, gpus=share)
         env["cluster"] = {"model": model, "engine": {**ENGINE_KW, "kv_cache_bytes":
                                                      args.kv_cache_mb << 20,
                                                      "device": device, "dtype": dtype,
                                                      "gpu_memory_utilization": share / 2,
+                                                     "deterministic": det,
                                                      "spec": f"eagle3, {SPEC_TOKENS} drafts"},
                           "gpu_share_per_actor": share,
                           "transport": "ucx, checksums on", "prefill": args.replicas,

@@ -16,7 +16,8 @@ SPEC_TOKENS = 3
 
 
 def engine_kwargs(kv_cache_mb: int = 256, device: str | None = None,
-                  dtype: str | None = None, gpu_share: float = 0.0) -> dict:
+                  dtype: str | None = None, gpu_share: float = 0.0,
+                  deterministic: bool = False) -> dict:
     """The actors' engine settings (`ENGINE_KW`, with EAGLE-3 at `SPEC_TOKENS` drafts), on
     `device` in `dtype` where given (else the engine's defaults: the CPU, fp32). On a GPU
     shared by actors (`gpu_share` each) the KV cache takes half an actor's share of the free
@@ -26,6 +27,8 @@ def engine_kwargs(kv_cache_mb: int = 256, device: str | None = None,
     placed = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
     if gpu_share > 0:
         placed["gpu_memory_utilization"] = round(gpu_share / 2, 4)
+    if deterministic:
+        placed["deterministic"] = True
     return {**ENGINE_KW, "kv_cache_bytes": kv_cache_mb << 20, **placed,
             "spec": SpecConfig(num_tokens=SPEC_TOKENS, dynamic=False)}
 

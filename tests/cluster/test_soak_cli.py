@@ -58,3 +58,5 @@ def test_engine_settings_carry_the_placement():
     # on a shared GPU the KV cache is sized from the actor's share, not 0.85 of the GPU
     assert "gpu_memory_utilization" not in kw
     assert engine_kwargs(64, "cuda", "bfloat16", 0.25)["gpu_memory_utilization"] == 0.125
+    assert engine_kwargs(64, "cuda", "bfloat16", 0.25, True)["deterministic"] is True
+    assert "deterministic" not in kw
