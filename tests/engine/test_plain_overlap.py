@@ -25,7 +25,10 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def ref():
-    return tiny_engine(0, max_num_batched_tokens=64, attention_backend="torch")
+    """The reference engine (torch backend), whose weights the graph engines share. One
+    layer: overlap pipelines whole forwards, so depth changes nothing it does, and every
+    step under the interpreter costs half."""
+    return tiny_engine(0, max_num_batched_tokens=64, attention_backend="torch", num_layers=1)
 
 
 def graph_engine(ref, num_blocks=None, **kw):
