@@ -26,8 +26,8 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def ref():
     """The reference engine (torch backend), whose weights the graph engines share. One
-    layer: overlap pipelines whole forwards, so depth changes nothing it does, and every
-    step under the interpreter costs half."""
+    layer: overlap pipelines whole forwards, so depth changes nothing it does, and each
+    interpreted step runs half the kernels."""
     return tiny_engine(0, max_num_batched_tokens=64, attention_backend="torch", num_layers=1)
 
 

@@ -12,8 +12,8 @@ from engine import Engine, SamplingParams
 from engine.config import SpecConfig
 from tests.helpers import compare_with_ties
 
-# Losslessness does not depend on how far a request runs: 32 tokens give each batch of 8
-# dozens of verify steps with drafts accepted fully, partly and not at all.
+# Losslessness does not depend on how far a request runs: 32 tokens still give each batch of
+# 8 a run of verify steps with drafts accepted fully, partly and not at all.
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # Measured on CPU fp32: tokens per target forward of the shipped head at K=5 on the first 8
