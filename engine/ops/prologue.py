@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.triton_backend import next_pow2, pdl_args, triton, triton_available
+from engine.ops import splitk
 
 # Row counts the prologue linears serve before calibration: single-stream decode, where a
 # layer is a chain of latency-bound launches.
@@ -29,12 +30,13 @@ if triton_available():
     import triton.language as tl
 
     from engine.ops.argmax import argmax_key
+    from engine.ops.splitk import fold_splits
 
     @triton.jit
     def _prologue_sum(X, R, RES_OUT, rm, m_ok, rk, stride_x, stride_r, pid_n,
                       K: tl.constexpr, HAS_RES: tl.constexpr):
         """x (+ r, rounded as `add_rmsnorm` rounds it) over the K columns rk; the sum also goes
-        to RES_OUT (by the first column block)."""
+        to RES_OUT (by the program whose pid_n is 0: the first column block's first split)."""
         ok = m_ok[:, None] & (rk < K)[None, :]
         x = tl.load(X + rm[:, None] * stride_x + rk[None, :], mask=ok, other=0.0)
         if HAS_RES:
@@ -89,14 +91,15 @@ if triton_available():
         return a
 
     @triton.jit(do_not_specialize=["M"])  # the row count varies by the step
-    def _prologue_linear_kernel(X, R, NW, W, B, Y, RES_OUT, KEYS, M, eps, stride_x, stride_r,
-                                stride_w, stride_y, N: tl.constexpr, K: tl.constexpr,
+    def _prologue_linear_kernel(X, R, NW, W, B, Y, RES_OUT, KEYS, WS, CNT, M, eps, stride_x,
+                                stride_r, stride_w, stride_y, N: tl.constexpr, K: tl.constexpr,
                                 PRO: tl.constexpr, HAS_RES: tl.constexpr,
                                 HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 PREC: tl.constexpr, ONE_LOAD: tl.constexpr,
                                 ARGMAX: tl.constexpr, USE_PDL: tl.constexpr,
-                                GLU: tl.constexpr = False):
+                                GLU: tl.constexpr = False, SPLITS: tl.constexpr = 1,
+                                SPLIT_K: tl.constexpr = 0):
         """Y[M, N] = a(X) @ W[N, K].T (+ B), a() computed per K tile and rounded where the separate
         kernels round:
         PRO 0: a(x) = x;
@@ -106,21 +109,32 @@ if triton_available():
         with K in one tile): x (+ r) is read once. ARGMAX: Y is not written; each program
         atomically maxes its columns' largest output into KEYS[row] (pre-filled with KEY_EMPTY).
         GLU: W is [2N, K] = [gate | up] and Y = silu(a(X) @ gate.T) * (a(X) @ up.T), each
-        product rounded to Y's dtype first and combined as `silu_mul` combines them (no bias)."""
+        product rounded to Y's dtype first and combined as `silu_mul` combines them (no bias).
+        SPLITS > 1: program_id(2) takes the K columns [s * SPLIT_K, (s + 1) * SPLIT_K) and the
+        splits' partial tiles are summed in split order (`splitk.fold_splits`, workspace WS,
+        counters CNT) before the epilogue."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        pid_s = 0
+        k_lo = 0
+        k_hi = K
+        if SPLITS > 1:
+            pid_s = tl.program_id(2)
+            k_lo = pid_s * SPLIT_K
+            k_hi = tl.minimum(k_lo + SPLIT_K, K)
         rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk0 = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
-        w = tl.load(W + rn[:, None] * stride_w + rk0[None, :],
-                    mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
+        rw = k_lo + rk0  # the program's first weight tile
+        w = tl.load(W + rn[:, None] * stride_w + rw[None, :],
+                    mask=n_ok[:, None] & (rw < k_hi)[None, :], other=0.0)
         w2 = w
         acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if GLU:  # the up rows matching this program's gate rows
-            w2 = tl.load(W + (rn + N)[:, None] * stride_w + rk0[None, :],
-                         mask=n_ok[:, None] & (rk0 < K)[None, :], other=0.0)
+            w2 = tl.load(W + (rn + N)[:, None] * stride_w + rw[None, :],
+                         mask=n_ok[:, None] & (rw < k_hi)[None, :], other=0.0)
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -133,7 +147,7 @@ if triton_available():
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, k0 + rk0, stride_x,
-                                               stride_r, pid_n, K, HAS_RES))
+                                               stride_r, pid_n + pid_s, K, HAS_RES))
             rstd = tl.math.rsqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if ONE_LOAD:
@@ -142,20 +156,24 @@ if triton_available():
             if GLU:
                 acc2 = _mac(acc2, a, w2, BLOCK_M, PREC)
         else:
-            for k0 in range(0, K, BLOCK_K):
+            for k0 in range(k_lo, k_hi, BLOCK_K):
                 rk = k0 + rk0
                 a = _prologue_act(X, R, NW, rm, m_ok, rk, stride_x, stride_r, rstd, K, PRO,
                                   HAS_RES)
                 cur = w
-                nk = rk + BLOCK_K  # the next tile's weights (masked off past K: no traffic)
+                nk = rk + BLOCK_K  # the next tile's weights (masked off past the range: no traffic)
                 w = tl.load(W + rn[:, None] * stride_w + nk[None, :],
-                            mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
+                            mask=n_ok[:, None] & (nk < k_hi)[None, :], other=0.0)
                 acc = _mac(acc, a, cur, BLOCK_M, PREC)
                 if GLU:
                     cur2 = w2
                     w2 = tl.load(W + (rn + N)[:, None] * stride_w + nk[None, :],
-                                 mask=n_ok[:, None] & (nk < K)[None, :], other=0.0)
+                                 mask=n_ok[:, None] & (nk < k_hi)[None, :], other=0.0)
                     acc2 = _mac(acc2, a, cur2, BLOCK_M, PREC)
+        if SPLITS > 1:  # the program that finishes the tile last sums it and writes it
+            acc, acc2, mine = fold_splits(WS, CNT, acc, acc2, pid_m * tl.num_programs(1) + pid_n,
+                                          pid_s, SPLITS, GLU, BLOCK_M, BLOCK_N)
+            m_ok = m_ok & mine
         if GLU:  # silu(gate) * up, rounded where `silu_mul` rounds
             dt = Y.dtype.element_ty
             gf = acc.to(dt).to(tl.float32)
@@ -213,14 +231,15 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     residual: torch.Tensor | None = None, silu: bool = False,
                     dot: tuple[int, int, int] | None = None,
                     tiles: tuple[int, int, int, int] | None = None,
-                    keys: torch.Tensor | None = None, glu: bool = False):
+                    keys: torch.Tensor | None = None, glu: bool = False, splits: int = 1):
     """One launch for `linear(rmsnorm(x + residual))` (norm_weight given; returns (y, x +
     residual), or y without a residual), `linear(silu_mul(x))` (silu), or plain `linear(x)`.
     weight is nn.Linear's [N, K]; activations round as `add_rmsnorm` / `silu_mul` do. dot:
     16-row tensor-core tiles (BLOCK_N, BLOCK_K, warps) up to DOT_MAX_ROWS rows. tiles: (BLOCK_M,
     BLOCK_N, BLOCK_K, warps) at every row count instead of `linear_tiles`'. keys ([M] int64
     place. glu: weight is [gate | up] ([2N, K]) and y = silu_mul(x' @ weight.T), [M, N] (no
-    bias, no keys)."""
+    bias, no keys). splits: K cut into up to this many ranges of whole K tiles, summed in
+    range order (`splitk`); the ranges follow from K and the tiles, not from M."""
     m = x.shape[0]
     assert keys is None or (keys.shape == (m,) and keys.dtype == torch.int64)
     n, k = weight.shape
@@ -235,15 +254,18 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         bm, bn, bk, warps = tiles or linear_tiles(m, n, k, dot)
         assert bm == 1 or bm >= 16, "row blocks are GEMVs (1) or tl.dot tiles (16+)"
         r = residual if residual is not None else x
-        _prologue_linear_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        s, split_k = splitk.split_plan(k, bk, splits)
+        ws, cnt = splitk.workspace(x, grid[0] * grid[1], s, glu, bm, bn) if s > 1 else (y, y)
+        _prologue_linear_kernel[grid + (s,)](
             x, r, norm_weight if norm_weight is not None else weight,
             weight, bias if bias is not None else weight, y,
-            res_out if res_out is not None else y, keys if keys is not None else y, m, eps,
-            x.stride(0), r.stride(0), weight.stride(0), y.stride(0), N=n, K=k, PRO=pro,
+            res_out if res_out is not None else y, keys if keys is not None else y, ws, cnt, m,
+            eps, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), N=n, K=k, PRO=pro,
             HAS_RES=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-            ONE_LOAD=pro == 1 and k <= bk, ARGMAX=keys is not None, GLU=glu, num_warps=warps,
-            **pdl_args(x, always=True))
+            ONE_LOAD=pro == 1 and k <= bk, ARGMAX=keys is not None, GLU=glu, SPLITS=s,
+            SPLIT_K=split_k if s > 1 else 0, num_warps=warps, **pdl_args(x, always=True))
     if keys is not None:
         y = keys
     return y if residual is None else (y, res_out)
