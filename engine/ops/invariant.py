@@ -30,8 +30,9 @@ BLOCK_M = 16  # rows of every tile: the smallest tensor-core block, so one row w
 VOCAB_RATIO = 16  # N / K from which a weight is an LM head: LOGITS_DOT_TILES
 # (BLOCK_N, BLOCK_K, warps) of the decoder layer's projections.
 LAYER_TILES = (32, 128, 4)
-# K-splits of the decoder layer's projections (1: none). More programs for a projection of
-# few column blocks and a long K, which at few rows is latency-bound walking K.
+# K-splits of the decoder layer's projections (1: none; an A/B process sets it with
+# `--set engine.ops.invariant.LAYER_SPLITS=4`). More programs for a projection of few column
+# blocks and a long K, which at few rows is latency-bound walking K.
 LAYER_SPLITS = 1
 
 
