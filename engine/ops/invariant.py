@@ -57,8 +57,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """What `prologue_linear` computes with the same arguments and returns (`linear(rmsnorm(x +
     residual))`, `linear(silu_mul(x))` or `linear(x)`), each row's bits the same at any row
     count: the norm in the projection's prologue, SiLU-and-mul as its own kernel before it,
-    the projection through `invariant_tiles`. glu: weight is [gate | up] and the result is
-    `silu_mul` of the projection, in its epilogue."""
+    the projection through `invariant_tiles` and `invariant_splits`. glu: weight is [gate |
+    up] and the result is `silu_mul` of the projection, in its epilogue."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if silu:

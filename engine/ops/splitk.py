@@ -10,7 +10,11 @@ itself done on its tile's counter; the program that counts last reads the S part
 order and goes on to the epilogue, then puts the counter back to 0 for the next launch (or
 graph replay). A second fold launch would add a launch to each of a decode layer's four
 projections, which are latency-bound chains at few rows; the interpreter runs the programs one
-after another, so the counter elects a folder there as well."""
+after another, so the counter elects a folder there as well.
+
+A device's split launches share its counters: launches in one stream never overlap on them
+(with programmatic dependent launch, a kernel touches them only after `gdc_wait`, when the
+kernel before it has finished), launches on two streams at once would."""
 
 from __future__ import annotations
 
