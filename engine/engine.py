@@ -96,6 +96,8 @@ class Engine:
         self.detoks: dict[str, Detokenizer] = {}  # per request, with a tokenizer
         self.stats = EngineStats()
         self.ready: warmup.Ready | None = None  # set once prepared (`prepare_to_serve`)
+        # Largest batch `generate` captured graphs for (None: prepared to serve, or not yet).
+        self.prepared_for: int | None = None
         self.clock = time.perf_counter  # step timing for the dynamic-K cost model
         self._carry: list[RequestOutput] = []  # outputs read outside step(), returned next
         self.admitted_in_flight = 0  # requests prefilled beside a step in flight, no drain
@@ -296,14 +298,15 @@ class Engine:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool | str = False) -> list[Completion]:
         """Run prompts to completion with continuous batching; results in input order.
-        `use_tqdm`: a progress bar (a string: the bar's label). The first call captures the
-        engine's graphs where nothing has prepared it (`warmup.prepare_on_first_use`)."""
-        warmup.prepare_on_first_use(self)
+        `use_tqdm`: a progress bar (a string: the bar's label). First, the graphs its batches
+        replay that nothing captured yet (`warmup.prepare_on_first_use`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequestError("one SamplingParams per prompt, or a single one")
+        running = len(prompts) + sum(not s.finished for s in self.seqs.values())
+        warmup.prepare_on_first_use(self, min(running, self.config.max_num_seqs))
         seqs = {}
         for p, sp in zip(prompts, plist):
             rid = self.add_request(p, sp)

@@ -96,6 +96,9 @@ def prepare_to_serve(eng: Engine, progress: bool = False, started: float | None 
     first = eng.ready is None
     t0 = time.perf_counter()
     n, graphs = 0, 0.0
+    if eng.prepared_for is not None:  # `generate` captured only its batches' buckets
+        eng.prepared_for = None
+        n = eng.capture_graphs(batch_sizes, progress=progress, long_context=long_context)
     if first:
         with jit_watch.starting_up():
             n = eng.capture_graphs(batch_sizes, progress=progress, long_context=long_context)
@@ -127,20 +130,31 @@ def warm_request(eng: Engine) -> bool:
     return True
 
 
-def prepare_on_first_use(eng: Engine) -> None:
-    """`Engine.generate`'s first call: where the engine has graphs to capture, capture them all
-    now so no capture stalls the batches that follow; otherwise (the CPU) only the JIT watch and
-    `eng.ready` are set. The collector is left alone: a process that discards engines would
-    never free a frozen one (its cycles, its GPU memory)."""
+def prepare_on_first_use(eng: Engine, batch: int) -> None:
+    """`Engine.generate` with up to `batch` sequences at once: before its first step, capture
+    the graphs of every bucket up to that batch, so no capture stalls the batches that follow
+    and a small first call does not wait for the large buckets; a later, larger call captures
+    its larger buckets the same way (`eng.prepared_for`). An engine prepared to serve has them
+    all. The first call also sets the JIT watch and `eng.ready`. The collector is left alone: a
+    process that discards engines would never free a frozen one (its cycles, its GPU memory)."""
+    sizes = range(1, batch + 1)
     if eng.ready is not None:
+        if eng.prepared_for is not None and batch > eng.prepared_for:
+            t0 = time.perf_counter()
+            with jit_watch.starting_up():  # compiles of a capture before stepping stall nothing
+                n = eng.capture_graphs(sizes)
+            eng.prepared_for = batch
+            log.info("generate: %d more CUDA graphs, for batches of up to %d sequences, in "
+                     "%.1f s", n, batch, time.perf_counter() - t0)
         return
-    if not pending_graphs(eng):
+    if not pending_graphs(eng, sizes):
         jit_watch.warn_after()
         _mark_ready(eng, None, time.perf_counter(), 0.0)
         return
-    n = prepare_to_serve(eng, freeze=False, warm=False)
-    log.info("generate: the engine prepared itself on first use in %.1f s (%d CUDA graphs "
-             "captured)", eng.ready.total, n)
+    n = prepare_to_serve(eng, freeze=False, warm=False, batch_sizes=sizes)
+    eng.prepared_for = batch
+    log.info("generate: the engine prepared itself on first use in %.1f s (%d CUDA graphs, "
+             "for batches of up to %d sequences)", eng.ready.total, n, batch)
 
 
 def _mark_ready(eng: Engine, started: float | None, prepared: float, graphs: float) -> None:

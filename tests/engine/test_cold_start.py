@@ -44,7 +44,7 @@ def test_the_first_generate_prepares_an_engine_with_graphs_once(watch, monkeypat
     alone (a script that drops the engine must get its memory back)."""
     eng = tiny_engine(0)
     calls = capture_counter(eng, monkeypatch)
-    monkeypatch.setattr(warmup, "pending_graphs", lambda e: [("set", (1, 1, False))])
+    monkeypatch.setattr(warmup, "pending_graphs", lambda e, sizes=None: [("set", (1, 1, False))])
     frozen = gc.get_freeze_count()
     with caplog.at_level(logging.INFO, logger="engine.warmup"):
         first = eng.generate([[1, 2, 3]], PARAMS)

@@ -314,3 +314,32 @@ def test_context_drafts_on_the_device_equal_the_host_path(random_smol):
     assert [x.output_ids for x, _ in seqs] == ref
     assert [y.output_ids for _, y in seqs] == ref
     a.blocks.check_all_free()
+
+
+def test_generate_captures_the_buckets_of_its_batches_before_stepping(random_smol):
+    """An unprepared engine's first call of one prompt captures the batch-1 graphs only; a
+    call of six captures the buckets up to six, all before its first step; tokens as eager."""
+    import engine.warmup as warmup
+    from engine import SamplingParams
+    from engine.graphs import GraphSet
+
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref = [c.token_ids for c in random_smol.generate(PROMPTS, sp)]
+    eng = random_smol.with_config(attention_backend="triton", cuda_graphs=True)
+    in_steps = []
+    real = eng.step
+
+    def step():
+        before = GraphSet.captures
+        out = real()
+        in_steps.append(GraphSet.captures - before)
+        return out
+
+    eng.step = step
+    assert eng.generate([PROMPTS[0]], sp)[0].token_ids == ref[0]
+    assert eng.prepared_for == 1 and not warmup.pending_graphs(eng, [1])
+    assert warmup.pending_graphs(eng)  # the larger buckets wait for a larger call
+    assert [c.token_ids for c in eng.generate(PROMPTS, sp)] == ref
+    assert eng.prepared_for == len(PROMPTS)
+    assert not warmup.pending_graphs(eng, range(1, len(PROMPTS) + 1))
+    assert in_steps and not any(in_steps)

@@ -1,0 +1,81 @@
+"""`Engine.generate` on an engine nothing prepared captures, before its first step, the graphs
+of the buckets its batches use, and a later larger call the larger ones
+(`warmup.prepare_on_first_use`). Off CUDA there are no graphs: the capture is stood in for
+here; tests/engine/test_gpu_engine.py checks the real one."""
+
+from __future__ import annotations
+
+import pytest
+
+import engine.warmup as warmup
+from engine import Engine, SamplingParams
+from engine.testing import tiny_engine
+
+SP = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+ALL = range(1, 65)
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """Buckets (as batch sizes) captured so far, and each capture call's largest size; the
+    capture runs only outside steps."""
+    state = {"captured": set(), "calls": [], "stepping": False}
+
+    def pending(eng, sizes=None, long_context=None):
+        return sorted(set(ALL if sizes is None else sizes) - state["captured"])
+
+    def capture(eng, sizes=None, progress=False, long_context=None):
+        assert not state["stepping"], "a capture inside a step stalls the batch"
+        new = set(ALL if sizes is None else sizes) - state["captured"]
+        state["captured"] |= new
+        state["calls"].append(max(ALL if sizes is None else sizes))
+        return len(new)
+
+    real_step = Engine.step
+
+    def step(eng):
+        state["stepping"] = True
+        try:
+            return real_step(eng)
+        finally:
+            state["stepping"] = False
+
+    monkeypatch.setattr(warmup, "pending_graphs", pending)
+    monkeypatch.setattr(Engine, "capture_graphs", capture)
+    monkeypatch.setattr(Engine, "step", step)
+    return state
+
+
+def test_each_call_captures_the_buckets_it_needs_before_stepping(graphs):
+    eng = tiny_engine(0)
+    eng.generate([[1, 2, 3]], SP)
+    assert graphs["calls"] == [1] and graphs["captured"] == {1}
+    assert eng.prepared_for == 1 and eng.ready is not None
+    eng.generate([[1, 2, 3]] * 5, SP)  # larger: its buckets, before its first step
+    assert graphs["calls"] == [1, 5] and graphs["captured"] == set(range(1, 6))
+    assert eng.prepared_for == 5
+    eng.generate([[4, 5]] * 2, SP)  # smaller: nothing to capture
+    assert graphs["calls"] == [1, 5]
+
+
+def test_batches_are_capped_at_max_num_seqs(graphs):
+    eng = tiny_engine(0, max_num_seqs=4)
+    eng.generate([[1, 2, 3]] * 9, SP)
+    assert graphs["calls"] == [4] and eng.prepared_for == 4
+
+
+def test_prepare_to_serve_after_generate_captures_the_rest(graphs):
+    eng = tiny_engine(0)
+    eng.generate([[1, 2, 3]] * 2, SP)
+    eng.prepare_to_serve()
+    assert graphs["captured"] == set(ALL) and eng.prepared_for is None
+    eng.generate([[1, 2, 3]] * 8, SP)  # prepared to serve: nothing more, ever
+    assert graphs["calls"] == [2, 64]
+
+
+def test_an_engine_prepared_to_serve_captures_nothing_in_generate(graphs):
+    eng = tiny_engine(0)
+    eng.prepare_to_serve(batch_sizes=(1, 2))
+    assert eng.prepared_for is None
+    eng.generate([[1, 2, 3]] * 6, SP)  # a caller that chose its batch sizes keeps them
+    assert graphs["calls"] == [2]
