@@ -41,10 +41,7 @@ class StepCosts:
     # Steps behind the measured tokens/s of each kind: a drafting step emits 1..K+1 tokens
     # per sequence, so its rate needs more samples than its time does.
     RATE_WINDOW = 32
-    MIN_RATE_SAMPLES = 2  # fresh drafting steps before a measured gain is read
-    # ...and plain ones: a plain step emits one token per sequence, so one steady step gives
-    # its rate (the start-up probe's one, and drafting is judged from its second timed step).
-    MIN_PLAIN_SAMPLES = 1
+    MIN_RATE_SAMPLES = 2  # fresh steps of each kind before a measured gain is read
 
     def __init__(self) -> None:
         self.plain: dict[int, float] = {}
@@ -142,9 +139,9 @@ class StepCosts:
     def measured_gain(self, batch_size: int, fresh: int | None = None) -> float | None:
         """Tokens/s per sequence of steady drafting steps over that of steady plain steps at
         this batch size's bucket (`_rate`), from steps of the last STALE (drafting steps: of
-        the last `fresh`, if given); None until drafting has MIN_RATE_SAMPLES there and plain
-        decoding MIN_PLAIN_SAMPLES. Read at most once per recorded step, bucket and `fresh` (a
-        fused step's K asks it twice: losing, then winning)."""
+        the last `fresh`, if given); None until both kinds have MIN_RATE_SAMPLES there. Read
+        at most once per recorded step, bucket and `fresh` (a fused step's K asks it twice:
+        losing, then winning)."""
         b = _bucket(batch_size)
         ages = (self.STALE if fresh is None else min(fresh, self.STALE), self.STALE)
         hit = self._gains.get((b, ages[0]))
@@ -156,7 +153,7 @@ class StepCosts:
             age = ages[plain]
             recent = [(tok, sec) for n, tok, sec in self._rates.get((b, plain), ())
                       if self._n - n <= age]
-            if len(recent) < (self.MIN_PLAIN_SAMPLES if plain else self.MIN_RATE_SAMPLES):
+            if len(recent) < self.MIN_RATE_SAMPLES:
                 break
             rates.append(_rate(recent))
         else:
