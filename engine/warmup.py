@@ -1,8 +1,8 @@
 """What a serving engine does once before its first request, so that nothing stalls running
 streams later: capture every CUDA graph, run one short request through the step path, freeze
 the objects alive then out of the garbage collector, and watch for Triton kernels compiled
-afterwards. `Engine.generate` does it on first
-use where the engine has graphs to capture."""
+afterwards. `Engine.generate` on an engine nothing prepared captures the graphs of its own
+batches first (`prepare_on_first_use`)."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def prepare_to_serve(eng: Engine, progress: bool = False, started: float | None 
     n, graphs = 0, 0.0
     if eng.prepared_for is not None:  # `generate` captured only its batches' buckets
         eng.prepared_for = None
-        n = eng.capture_graphs(batch_sizes, progress=progress, long_context=long_context)
+        n = _capture_more(eng, batch_sizes, progress, long_context)
     if first:
         with jit_watch.starting_up():
             n = eng.capture_graphs(batch_sizes, progress=progress, long_context=long_context)
@@ -141,8 +141,7 @@ def prepare_on_first_use(eng: Engine, batch: int) -> None:
     if eng.ready is not None:
         if eng.prepared_for is not None and batch > eng.prepared_for:
             t0 = time.perf_counter()
-            with jit_watch.starting_up():  # compiles of a capture before stepping stall nothing
-                n = eng.capture_graphs(sizes)
+            n = _capture_more(eng, sizes)
             eng.prepared_for = batch
             log.info("generate: %d more CUDA graphs, for batches of up to %d sequences, in "
                      "%.1f s", n, batch, time.perf_counter() - t0)
@@ -155,6 +154,15 @@ def prepare_on_first_use(eng: Engine, batch: int) -> None:
     eng.prepared_for = batch
     log.info("generate: the engine prepared itself on first use in %.1f s (%d CUDA graphs, "
              "for batches of up to %d sequences)", eng.ready.total, n, batch)
+
+
+def _capture_more(eng: Engine, batch_sizes, progress: bool = False,
+                  long_context: bool | None = None) -> int:
+    """The graphs of `batch_sizes` (None: every bucket) that an engine `generate` prepared for
+    smaller batches still lacks, captured as start-up work: it runs before any step, so the
+    compiles inside stall no stream."""
+    with jit_watch.starting_up():
+        return eng.capture_graphs(batch_sizes, progress=progress, long_context=long_context)
 
 
 def _mark_ready(eng: Engine, started: float | None, prepared: float, graphs: float) -> None:
