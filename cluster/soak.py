@@ -239,13 +239,9 @@ def cmd_soak(args) -> int:
         print("starting the cluster…", file=sys.stderr, flush=True)
         model = args.model or embedded_export()
         det = args.deterministic if args.deterministic is not None else share > 0
-        served = Served(model, engine_kwargs(args.kv_cache_mb, device, dtype, share, det),
-                        replicas=args.replicas, gpus=share)
-        env["cluster"] = {"model": model, "engine": {**ENGINE_KW, "kv_cache_bytes":
-                                                     args.kv_cache_mb << 20,
-                                                     "device": device, "dtype": dtype,
-                                                     "gpu_memory_utilization": share / 2,
-                                                     "deterministic": det,
+        engine = engine_kwargs(args.kv_cache_mb, device, dtype, share, det)
+        served = Served(model, engine, replicas=args.replicas, gpus=share)
+        env["cluster"] = {"model": model, "engine": {**engine, "deterministic": det,
                                                      "spec": f"eagle3, {SPEC_TOKENS} drafts"},
                           "gpu_share_per_actor": share,
                           "transport": "ucx, checksums on", "prefill": args.replicas,
