@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
-from engine import handoff, loader, warmup
+from engine import handoff, loader, warming, warmup
 from engine.attention import get_backend
 from engine.attention.triton_backend import draft_attention
 from engine.block_manager import BlockManager
@@ -77,8 +77,9 @@ class Engine:
                                       self.spec.aux_layers if self.spec else ())
             if self.spec is not None:
                 self.spec.enable_graphs(min(cfg.max_num_seqs, 256))
-        # Plain greedy decodes launched one step ahead (the fused path of a no-spec engine).
-        self.plain = PlainSteps(cfg, self.runner) if self.spec is None else None
+        # Plain greedy decodes launched one step ahead (the fused path of a no-spec engine,
+        # and of a speculative one while it warms).
+        self.plain = PlainSteps(cfg, self.runner)
         self.tokenizer = tokenizer
         self.eos_ids = set(m.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -98,6 +99,7 @@ class Engine:
         self.ready: warmup.Ready | None = None  # set once prepared (`prepare_to_serve`)
         # Largest batch `generate` captured graphs for (None: prepared to serve, or not yet).
         self.prepared_for: int | None = None
+        self.warming: warming.Warming | None = None  # set: plain decoding, spec graphs pending
         self.clock = time.perf_counter  # step timing for the dynamic-K cost model
         self._carry: list[RequestOutput] = []  # outputs read outside step(), returned next
         self.admitted_in_flight = 0  # requests prefilled beside a step in flight, no drain
@@ -235,8 +237,8 @@ class Engine:
     @property
     def pipe(self):
         """What launches, continues and reads one-graph decode steps: the speculative
-        runner, or `PlainSteps` without speculation."""
-        return self.spec if self.spec is not None else self.plain
+        runner, or `PlainSteps` without speculation or while it warms."""
+        return self.plain if self.spec is None or self.warming is not None else self.spec
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -299,7 +301,8 @@ class Engine:
                  use_tqdm: bool | str = False) -> list[Completion]:
         """Run prompts to completion with continuous batching; results in input order.
         `use_tqdm`: a progress bar (a string: the bar's label). First, the graphs its batches
-        replay that nothing captured yet (`warmup.prepare_on_first_use`)."""
+        replay that nothing captured yet (`warmup.prepare_on_first_use`); after, a warming
+        engine's share of its speculative graphs (`warming.after_generate`)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         plist = params if isinstance(params, list) else [params] * len(prompts)
@@ -307,10 +310,8 @@ class Engine:
             raise InvalidRequestError("one SamplingParams per prompt, or a single one")
         running = len(prompts) + sum(not s.finished for s in self.seqs.values())
         warmup.prepare_on_first_use(self, min(running, self.config.max_num_seqs))
-        seqs = {}
-        for p, sp in zip(prompts, plist):
-            rid = self.add_request(p, sp)
-            seqs[rid] = self.seqs[rid]
+        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        seqs = {rid: self.seqs[rid] for rid in rids}
         bar = tqdm(total=len(seqs), disable=not use_tqdm, unit="req",
                    desc=use_tqdm if isinstance(use_tqdm, str) else "generate")
         while any(not s.finished for s in seqs.values()):
@@ -318,6 +319,7 @@ class Engine:
                 if out.finished and out.request_id in seqs:
                     bar.update(1)
         bar.close()
+        warming.after_generate(self)
         return [Completion(rid, s.token_ids[: s.num_prompt_tokens], s.output_ids, s.text,
                            s.finish_reason, s.num_cached_tokens, s.num_accepted,
                            s.num_verify_steps) for rid, s in seqs.items()]

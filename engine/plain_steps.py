@@ -4,7 +4,8 @@ A plain greedy step's only data-dependent input is the previous token, so the ne
 staged on the host and its token ids copied on the device from this step's argmax; emitting and
 stop checks run while the GPU computes. It mirrors the fused speculative step's
 `fused_launch` / `fused_continue` / `fused_finish`; sampled requests, prefill chunks and
-hand-offs take the regular path.
+hand-offs take the regular path. A speculative engine steps here while it warms
+(`warming.py`): its decode graphs also return the head's layer inputs, which are left unread.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class PlainSteps:
         regular path (no graphs, a trainer's capture tap, an entry that is not a greedy
         decode)."""
         g = self.runner.graphs
-        if g is None or capture is not None or self.runner.graph_aux:
+        if g is None or capture is not None:
             return None
         if not all(s.greedy_decode(n) and n == 1 for s, n in zip(batch.seqs, batch.num_tokens)):
             return None
@@ -113,7 +114,7 @@ class PlainSteps:
                 ids[:c].copy_(prev.argmax if sel is None else prev.argmax[sel])
         out = self.runner.graphs.run(inp, prepare=prepare)
         self.fused_runs += 1
-        top = out[1][:b]
+        top = out[1][:b]  # (hidden, greedy tokens, the aux layers' inputs if any)
         return DecodeHandle(list(seqs), top, self.runner.stager.fetch(top))
 
     @staticmethod

@@ -1,5 +1,6 @@
 """After a step: each entry's verified tokens become its output (text, stop checks), its KV
-advances, and it takes its next drafts; requests that stop leave the engine."""
+advances, and it takes its next drafts (none while a speculative engine warms, `warming.py`);
+requests that stop leave the engine."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ class Postprocessor:
         commit = e.blocks.commit if e.blocks.enable_prefix_caching else None
         stats.steps += count_step
         cap = self._captured(fwd)
-        propose = drafts is None and spec is not None
+        # While warming, no head work: no drafts, and the head skips these positions.
+        propose = drafts is None and spec is not None and e.warming is None
         if spec is not None:  # before emitting: an output carries the accepted count
             record_verifies(spec, batch.seqs, results)
         outs, spans, row = [], [], 0

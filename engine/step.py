@@ -1,13 +1,15 @@
 """One engine step: schedule → run → postprocess.
 
 Greedy decodes run as one-graph steps (`SpecRunner.fused_launch` with EAGLE-3, `PlainSteps`
-without speculation), the next launched before this one is read where the batch allows
-(`overlap.py`); everything else runs through the regular forward (`ModelRunner.run`)."""
+without speculation or while it warms, `warming.py`), the next launched before this one is
+read where the batch allows (`overlap.py`); everything else runs through the regular forward
+(`ModelRunner.run`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from engine import warming
 from engine.cost_feed import time_step
 from engine.graphs import GraphSet
 from engine.output import RequestOutput
@@ -27,6 +29,8 @@ class Stepper:
     def step(self) -> list[RequestOutput]:
         """One step; returns what each touched request produced."""
         e = self.eng
+        if e.warming is not None and not e.warming.pending:
+            warming.leave(e)  # graphs all captured: speculate once no request holds KV
         t0, captures = e.clock(), GraphSet.captures
         with e.on_device():  # kernels, graphs, streams go to this engine's GPU
             if e.overlap.inflight is not None:
@@ -40,8 +44,11 @@ class Stepper:
                     return outs
                 batch, results, more = self.fresh(batch)
                 outs += more
-        # A graph captured inside would skew the cost model.
-        if e.spec is not None and GraphSet.captures == captures:
+        # A graph captured inside would skew the cost model, and plain steps while warming
+        # are no speculative steps it prices.
+        if e.warming is not None:
+            e.warming.sizes.add(len(batch.seqs))
+        elif e.spec is not None and GraphSet.captures == captures:
             time_step(e.spec, batch, results, e.clock() - t0, how)
         return outs
 
@@ -72,13 +79,14 @@ class Stepper:
 
     def splits(self) -> bool:
         """Whether a batch mixing greedy decodes with other entries runs the decodes apart
-        (`split`): with speculation's fused step, or plain decode graphs."""
+        (`split`): with speculation's fused step, or plain decode graphs (no speculation, or
+        while it warms)."""
         e = self.eng
         if e.capture is not None:
             return False
-        if e.spec is not None:
+        if e.spec is not None and e.warming is None:
             return e.spec.fused is not None
-        return e.runner.graphs is not None and not e.runner.graph_aux
+        return e.runner.graphs is not None
 
     def split(self, batch: Batch, dec: list[int]):
         """Greedy decodes beside entries the fused step cannot run (prefill chunks, sampled

@@ -2,7 +2,8 @@
 streams later: capture every CUDA graph, run one short request through the step path, freeze
 the objects alive then out of the garbage collector, and watch for Triton kernels compiled
 afterwards. `Engine.generate` on an engine nothing prepared captures the graphs of its own
-batches first (`prepare_on_first_use`)."""
+batches first (`prepare_on_first_use`); a speculative one on CUDA only those plain decoding
+replays, decodes plainly, and captures the speculative ones after its calls (`warming.py`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from engine import jit_watch
+from engine import jit_watch, warming
 from engine.attention.triton_backend import long_context as _long_context
 from engine.collector import freeze_long_lived
 
@@ -91,17 +92,21 @@ def prepare_to_serve(eng: Engine, progress: bool = False, started: float | None 
                      long_context: bool | None = None, warm: bool = True) -> int:
     """`Engine.prepare_to_serve`: graphs (of `batch_sizes`, default all), a warm-up request
     (`warm`: a generate preparing itself leaves it out, as its own request follows at once),
-    JIT watch and `eng.ready` once, then the garbage collector (`freeze`); returns how many
-    graphs were captured (none once ready)."""
+    JIT watch and `eng.ready` once, then the garbage collector (`freeze`); on an engine
+    `generate` prepared, the graphs it still lacks, speculative ones included (a warming engine
+    speculates from then on, or once no request holds KV, `warming.finish`). Returns how many
+    graphs were captured."""
     first = eng.ready is None
     t0 = time.perf_counter()
     n, graphs = 0, 0.0
     if eng.prepared_for is not None:  # `generate` captured only its batches' buckets
         eng.prepared_for = None
         n = _capture_more(eng, batch_sizes, progress, long_context)
+    if eng.warming is not None:
+        n += warming.finish(eng)
     if first:
         with jit_watch.starting_up():
-            n = eng.capture_graphs(batch_sizes, progress=progress, long_context=long_context)
+            n += eng.capture_graphs(batch_sizes, progress=progress, long_context=long_context)
             graphs = time.perf_counter() - t0
             if warm:
                 warm_request(eng)
@@ -134,21 +139,42 @@ def prepare_on_first_use(eng: Engine, batch: int) -> None:
     """`Engine.generate` with up to `batch` sequences at once: before its first step, capture
     the graphs of every bucket up to that batch, so no capture stalls the batches that follow
     and a small first call does not wait for the large buckets; a later, larger call captures
-    its larger buckets the same way (`eng.prepared_for`). An engine prepared to serve has them
-    all. The first call also sets the JIT watch and `eng.ready`. The collector is left alone: a
-    process that discards engines would never free a frozen one (its cycles, its GPU memory)."""
+    its larger buckets the same way (`eng.prepared_for`). A speculative engine on CUDA
+    captures only the graphs plain decoding replays and warms (`warming.py`): the call decodes
+    plainly and the speculative graphs are captured after it. An engine prepared to serve has
+    them all. The first call also sets the JIT watch and `eng.ready`. The collector is left
+    alone: a process that discards engines would never free a frozen one (its cycles, its GPU
+    memory)."""
+    _prepare_for(eng, batch)
+    if eng.warming is not None:  # the call's plain work, which earns capture time, starts
+        eng.warming.call_started = time.perf_counter()
+
+
+def _prepare_for(eng: Engine, batch: int) -> None:
     sizes = range(1, batch + 1)
     if eng.ready is not None:
         if eng.prepared_for is not None and batch > eng.prepared_for:
             t0 = time.perf_counter()
-            n = _capture_more(eng, sizes)
+            n = warming.begin(eng, pending_graphs(eng, sizes)) if eng.warming is not None \
+                else _capture_more(eng, sizes)
             eng.prepared_for = batch
             log.info("generate: %d more CUDA graphs, for batches of up to %d sequences, in "
                      "%.1f s", n, batch, time.perf_counter() - t0)
         return
-    if not pending_graphs(eng, sizes):
+    keys = pending_graphs(eng, sizes)
+    if not keys:
         jit_watch.warn_after()
         _mark_ready(eng, None, time.perf_counter(), 0.0)
+        return
+    if eng.warming is not None or warming.wanted(eng, keys):
+        t0 = time.perf_counter()
+        n = warming.begin(eng, keys)
+        _mark_ready(eng, None, t0, time.perf_counter() - t0)
+        eng.prepared_for = batch
+        log.info("generate: the engine prepared itself on first use in %.1f s (%d CUDA graphs "
+                 "of plain decoding, for batches of up to %d sequences); %d speculative graphs "
+                 "wait, decoding plainly meanwhile", eng.ready.total, n, batch,
+                 len(eng.warming.pending) if eng.warming else 0)
         return
     n = prepare_to_serve(eng, freeze=False, warm=False, batch_sizes=sizes)
     eng.prepared_for = batch
