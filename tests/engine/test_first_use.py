@@ -1,7 +1,8 @@
 """`Engine.generate` on an engine nothing prepared captures, before its first step, the graphs
-of the buckets its batches use, and a later larger call the larger ones
-(`warmup.prepare_on_first_use`). Off CUDA there are no graphs: the capture is stood in for
-here; tests/engine/test_gpu_engine.py checks the real one."""
+of the buckets its batches use (a speculative engine: those plain decoding replays), and a
+later larger call the larger ones (`warmup.prepare_on_first_use`). Off CUDA there are no
+graphs: the capture is stood in for here; tests/engine/test_gpu_engine.py checks the real
+one."""
 
 from __future__ import annotations
 
@@ -79,3 +80,41 @@ def test_an_engine_prepared_to_serve_captures_nothing_in_generate(graphs):
     assert eng.prepared_for is None
     eng.generate([[1, 2, 3]] * 6, SP)  # a caller that chose its batch sizes keeps them
     assert graphs["calls"] == [2]
+
+
+class Capturable:
+    """A graph set whose captures cost time as on CUDA (`capturable`), recorded here."""
+
+    capturable = True
+    buckets = (1, 2, 4)
+
+    def __init__(self):
+        self.graphs: dict = {}
+
+    def capture(self, b: int, q: int, long: bool = False) -> None:
+        self.graphs[(b, q, long)] = None
+
+
+def test_a_speculative_engine_captures_only_what_plain_decoding_replays(monkeypatch):
+    """With the head's graphs enabled, the first call captures the target's decode graphs at
+    one query (and its prefill graphs) only; verify graphs of longer queries and the head's
+    wait while the engine warms (tests/engine/test_spec_warming.py)."""
+    from dataclasses import replace
+
+    from engine.config import SpecConfig
+    from engine.spec.runtime import SpecRunner
+    from engine.testing import random_head
+
+    base = tiny_engine(0)
+    eng = Engine(replace(base.config, spec=SpecConfig(num_tokens=2, dynamic=False)),
+                 weights_of=base, draft_head=random_head(base))
+    target, head = Capturable(), Capturable()
+    keys = [(target, (4, q, False)) for q in (3, 2, 1)] + [(head, (4, 1, False))]
+    monkeypatch.setattr(warmup, "pending_graphs", lambda e, sizes=None, long_context=None:
+                        [(g, k) for g, k in keys if k not in g.graphs])
+    monkeypatch.setattr(SpecRunner, "graphs", head)  # the head's graphs enabled
+    monkeypatch.setattr(eng.runner, "graphs", target)
+    warmup.prepare_on_first_use(eng, 3)
+    assert set(target.graphs) == {(4, 1, False)} and not head.graphs
+    assert eng.ready is not None and eng.prepared_for == 3 and eng.pipe is eng.plain
+    assert [(g, k) for g, k in eng.warming.pending] == keys[:2] + keys[3:]

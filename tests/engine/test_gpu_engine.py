@@ -343,3 +343,55 @@ def test_generate_captures_the_buckets_of_its_batches_before_stepping(random_smo
     assert eng.prepared_for == len(PROMPTS)
     assert not warmup.pending_graphs(eng, range(1, len(PROMPTS) + 1))
     assert in_steps and not any(in_steps)
+
+
+def test_a_speculative_engine_warms_through_its_first_generate(random_smol):
+    """An unprepared EAGLE-3 engine's first call captures no speculative graph before its
+    first step (the target's decode graphs at one query and its prefill graphs only), none
+    inside a step, and makes no draft; `prepare_to_serve` captures everything pending, and
+    the next call speculates. Tokens as without speculation throughout."""
+    import engine.warmup as warmup
+    from engine import SamplingParams
+    from engine.collector import unfreeze
+    from engine.config import SpecConfig
+    from engine.graphs import GraphSet
+
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref = [c.token_ids for c in random_smol.generate(PROMPTS, sp)]
+    eng = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
+                                  spec=SpecConfig(num_tokens=4, dynamic=False))
+    target = (eng.runner.graphs, eng.runner.prefill_graphs)
+    spec_sets = [g for g in {id(g): g for g, _ in warmup.pending_graphs(eng)}.values()
+                 if not any(g is t for t in target)]
+    assert spec_sets and eng.spec.fused is not None
+    in_steps, before_first = [], []
+    real = eng.step
+
+    def step():
+        if not before_first:  # what the first step finds captured
+            before_first.append((sum(len(g.graphs) for g in spec_sets),
+                                 {q for _, q, _ in eng.runner.graphs.graphs}))
+        n = GraphSet.captures
+        out = real()
+        in_steps.append(GraphSet.captures - n)
+        return out
+
+    eng.step = step
+    first = eng.generate(PROMPTS, sp)
+    assert before_first == [(0, {1})] and eng.runner.prefill_graphs.graphs
+    assert [c.token_ids for c in first] == ref
+    assert sum(c.verify_steps for c in first) == 0 and eng.spec.stats.verify_steps == 0
+    assert eng.spec.fused_runs == 0 and eng.plain.fused_runs > 0
+    # A short call earns a small share of the ~700 speculative graphs' capture time.
+    assert eng.warming is not None and eng.warming.pending
+    sizes = range(1, len(PROMPTS) + 1)  # (all buckets: the same, ten times the graphs)
+    try:
+        eng.prepare_to_serve(batch_sizes=sizes)
+    finally:
+        unfreeze()
+    assert eng.warming is None and not warmup.pending_graphs(eng, sizes)
+    second = eng.generate(PROMPTS, sp)
+    assert [c.token_ids for c in second] == ref
+    assert sum(c.verify_steps for c in second) > 0 and eng.spec.fused_runs > 0
+    assert in_steps and not any(in_steps)
+    eng.blocks.check_all_free()
