@@ -103,8 +103,9 @@ class Warming:
 
 def wanted(eng: Engine, keys) -> bool:
     """Whether a generate preparing `eng` for `keys` warms: it speculates with the head's
-    graphs, and captures cost time (CUDA; elsewhere graphs run eagerly, registered for free)."""
-    return eng.spec is not None and eng.spec.graphs is not None and \
+    graphs, captures cost time (CUDA; elsewhere graphs run eagerly, registered for free), and
+    no request stepped before holds KV or drafts (those keep the speculative path)."""
+    return eng.spec is not None and eng.spec.graphs is not None and _clean(eng) and \
         any(getattr(g, "capturable", False) for g, _ in keys)
 
 

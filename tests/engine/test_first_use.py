@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import engine.warmup as warmup
-from engine import Engine, SamplingParams
+from engine import Engine, SamplingParams, warming
 from engine.testing import tiny_engine
 
 SP = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
@@ -113,6 +113,11 @@ def test_a_speculative_engine_captures_only_what_plain_decoding_replays(monkeypa
     monkeypatch.setattr(warmup, "pending_graphs", lambda e, sizes=None, long_context=None:
                         [(g, k) for g, k in keys if k not in g.graphs])
     monkeypatch.setattr(SpecRunner, "graphs", head)  # the head's graphs enabled
+    rid = eng.add_request([1, 2, 3], SP)
+    eng.step()  # a request stepped before holds KV (and drafts): no warming beside it
+    assert not warming.wanted(eng, keys)
+    eng.abort(rid)
+    assert warming.wanted(eng, keys)
     monkeypatch.setattr(eng.runner, "graphs", target)
     warmup.prepare_on_first_use(eng, 3)
     assert set(target.graphs) == {(4, 1, False)} and not head.graphs
