@@ -136,6 +136,12 @@ class BlockManager:
         self.ref[bid] = 1
         return bid
 
+    def forget_cached(self) -> None:
+        """Drop every cached prefix (their blocks stay free; none may be in use)."""
+        self.by_hash.clear()
+        self.hash_of = [None] * self.num_blocks
+        self.tokens_of = [None] * self.num_blocks
+
     def check_all_free(self) -> None:
         """Raise if any block is still held: the leak check tests and shutdown use."""
         held = [b for b, r in enumerate(self.ref) if r]

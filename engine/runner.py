@@ -113,6 +113,9 @@ class ModelRunner:
         self.graphs: GraphSet | None = None
         self.prefill_graphs: GraphSet | None = None
         self.graph_aux: tuple[int, ...] = ()
+        # Set while a speculative engine warms (engine/warming.py): only the one-query decode
+        # graphs are captured, so longer queries (short prefill chunks) take the prefill graphs.
+        self.plain_only = False
 
     def enable_graphs(self, max_batch: int, query_lens, aux_layers: tuple[int, ...]) -> GraphSet:
         model, kv = self.model, self.kv_cache
@@ -215,6 +218,8 @@ class ModelRunner:
                        aux_layers: tuple[int, ...] = (),
                        decode_graphs: bool = True) -> ForwardOutput:
         top = None
+        if self.plain_only and inp.max_query_len > 1:
+            decode_graphs = False
         sets = (self.graphs, self.prefill_graphs) if decode_graphs else (self.prefill_graphs,)
         g = next((g for g in sets if g is not None
                   and aux_layers == self.graph_aux and g.supports(inp)), None)

@@ -118,7 +118,7 @@ def begin(eng: Engine, keys) -> int:
     w = eng.warming or Warming()
     n = w.add(eng, keys)
     if fresh and w.pending:
-        eng.warming = w
+        eng.warming, eng.runner.plain_only = w, True
     return n
 
 
@@ -170,7 +170,7 @@ def leave(eng: Engine) -> bool:
         with eng.on_device(), jit_watch.starting_up():
             fused.warm_continuation()
     _forget_cached(eng)
-    eng.warming = None
+    eng.warming, eng.runner.plain_only = None, False
     return True
 
 
@@ -191,7 +191,5 @@ def _clean(eng: Engine) -> bool:
 def _forget_cached(eng: Engine) -> None:
     """Drop the prefix cache (no request holds a block here): blocks registered while warming
     have no head KV, so a request reusing them would draft from a context the head never saw."""
-    b = eng.blocks
-    if b.enable_prefix_caching:
-        b.by_hash.clear()
-        b.hash_of, b.tokens_of = [None] * b.num_blocks, [None] * b.num_blocks
+    if eng.blocks.enable_prefix_caching:
+        eng.blocks.forget_cached()
