@@ -15,6 +15,11 @@
 #             the default stage fits (TRAIN_ARGS, TRAIN_SECONDS; TRAIN_RECORDS=none does both
 #             in one process) and runs figure 1 with the new head (HEADS=0 skips it);
 #             TRAIN_STAGE=fig1 runs figure 1 with a head fitted earlier
+#   domains   the shipped head's recipe, resumable: `tandem train-eagle3 --domains` (DOMAINS,
+#             default code,chat,json,summarize,math,general:3000) from the shipped head, state
+#             in /tmp/domains_head; each call runs TRAIN_STOP seconds (default 480) and ends
+#             with exit status 3 until done: call it again on the same (warm) machine; once
+#             done, figure 1 with the new head (HEADS=0 skips it) and the head in $OUT
 #   soak      `tandem soak` on one GPU: 16 streams for 3 minutes (SOAK_MINUTES), SOAK_REPLICAS
 #             (2) prefill and decode actors each in bf16 sharing the GPU (--gpu-share), the
 #             first decode and prefill actor killed (SOAK_ARGS: more flags);
@@ -80,6 +85,20 @@ elif [ "$part" = train ]; then
     [ "${HEADS:-1}" != 0 ] && figure1_with_head "$R/head"
   else
     figure1_with_head "${HEAD:-$R/head}"
+  fi
+elif [ "$part" = domains ]; then
+  H=/tmp/domains_head
+  timeout $(( ${TRAIN_STOP:-480} + 90 )) python3 -m cluster.cli train-eagle3 --model "$M" \
+    --domains "${DOMAINS:-code,chat,json,summarize,math,general:3000}" --ignore-eos \
+    --init assets/eagle3-smollm2-135m-instruct --draft-vocab 7168 --epochs 30 --batch-size 32 \
+    --lr 5e-4 --max-seconds "${TRAIN_SECONDS:-420}" --eval-prompts 16 --log-every 500 \
+    --out "$H" --resume --stop-after "${TRAIN_STOP:-480}" ${TRAIN_ARGS:-} >> "$R/train.log" 2>&1
+  rc=$?
+  echo "train-eagle3 exit $rc (3: call again to go on)"
+  grep -v "it/s]" "$R/train.log" | tail -8 | cut -c1-300
+  if [ $rc = 0 ]; then
+    mkdir -p "$R/head" && cp "$H"/*.json "$H"/*.safetensors "$H"/*.md "$R/head/" 2>/dev/null
+    [ "${HEADS:-1}" != 0 ] && figure1_with_head "$H"
   fi
 elif [ "$part" = setab ]; then  # figure 3 as it is (a) and with SET_B's --set values (b)
   sets=""
