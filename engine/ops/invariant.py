@@ -1,10 +1,9 @@
 """Row-invariant projections of the deterministic mode (`EngineConfig.deterministic`): at any
-row count, each row of a projection is computed by the same kernel with the same tiles, chosen
-from the weight's shape alone, in the same K order with fp32 accumulation, so its bits are the
-same whether it is alone, in a verify step or in a prefill chunk. No choice by row count, no
-choice by timing (a restarted process must pick the same tiles).
+row count, each row of a projection is computed by the same kernel in the same K order with
+fp32 accumulation, so its bits are the same whether it is alone, in a verify step or in a
+prefill chunk. No choice by timing (a restarted process must pick the same tiles).
 
-A projection is `prologue_linear` with 16-row tensor-core tiles: rows past the count are masked
+A projection is `prologue_linear` with tensor-core tiles: rows past the count are masked
 to zeros and an MMA computes each output row from its own inputs, so the rows of a tile do not
 mix. A norm before it is the kernel's prologue: each tile computes its rows' mean squares
 over all of K in a fixed order, one row at a time, so a row's norm does not depend on the
@@ -13,12 +12,30 @@ the norm itself). SiLU-and-mul is gate_up's epilogue (`glu`): each program compu
 gate and up columns and combines them as `silu_mul` would (the tiles' SiLU prologue on
 down_proj was slower); `silu=True` still runs `silu_mul` before the projection.
 
+By default the tiles come from the weight's shape alone: 16 rows, LAYER_TILES for the decoder
+layer's projections, LOGITS_DOT_TILES for an LM head. ROW_TILES (opt-in, None by default)
+lets the decoder layer's projections take BLOCK_M and BLOCK_N by the launch's row count:
+narrow column tiles at one row (more programs for a latency-bound launch), 32-row tiles for a
+prefill. BLOCK_K and the warps stay LAYER_TILES', so each output element still accumulates the
+same k16 MMA steps in the same K order, and the norm prologue's per-row sums keep their layout
+along K. BLOCK_M stays 16 or 32: from 64 rows with 4 warps Triton computes `tl.dot` with
+Hopper's warp-group MMA instead of mma.sync, which need not round alike. Inside a CUDA graph
+the row count is the bucket's padded count, not the live rows': that is only sound because
+the tiles do not change a row's bits. Whether they do not is a property of the GPU's MMA, not
+shown by the interpreter: ROW_TILES stays opt-in until a GPU shows every row's bits unchanged
+across the table (tests/engine/test_invariant_row_tiles.py's GPU cases) and figure 6 stays
+100% identical. Set it for an A/B process with, e.g.,
+`--set engine.ops.invariant.ROW_TILES=((1,16,16),(16,16,32),(1000000000,32,64))` (a Python
+literal: `10**9` is not one).
+
 Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
 whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
 range order (`engine.ops.splitk`). A row still rounds the same at any row count; the sums
-differ from the unsplit ones in fp32 order only."""
+differ from the unsplit ones in fp32 order only. The splits never follow the row count."""
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
@@ -26,7 +43,7 @@ from engine.attention.triton_backend import next_pow2
 from engine.ops.elementwise import silu_mul
 from engine.ops.prologue import LOGITS_DOT_TILES, prologue_linear
 
-BLOCK_M = 16  # rows of every tile: the smallest tensor-core block, so one row wastes least
+BLOCK_M = 16  # rows of a tile by default: the smallest tensor-core block, so one row wastes least
 VOCAB_RATIO = 16  # N / K from which a weight is an LM head: LOGITS_DOT_TILES
 # (BLOCK_N, BLOCK_K, warps) of the decoder layer's projections.
 LAYER_TILES = (32, 128, 4)
@@ -34,13 +51,61 @@ LAYER_TILES = (32, 128, 4)
 # `--set engine.ops.invariant.LAYER_SPLITS=4`). More programs for a projection of few column
 # blocks and a long K, which at few rows is latency-bound walking K.
 LAYER_SPLITS = 1
+# Opt-in (BLOCK_M, BLOCK_N) of the decoder layer's projections by row count: None (the
+# tiles above at every count), or ((max_rows, BLOCK_M, BLOCK_N), ...) in increasing max_rows,
+# a launch of m rows taking the first entry with m <= max_rows (see the module docstring).
+ROW_TILES = None
+ROW_BLOCKS_M = (16, 32)  # mma.sync row blocks; 64 rows would take the warp-group MMA
 
 
-def invariant_tiles(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of the deterministic projection of an [n, k] weight,
-    from the shape alone."""
-    bn, bk, warps = LOGITS_DOT_TILES if n >= VOCAB_RATIO * k else LAYER_TILES
-    return BLOCK_M, bn, min(bk, next_pow2(k, 16)), warps
+@lru_cache(maxsize=8)
+def _checked(table) -> tuple[tuple[int, int, int], ...]:
+    """table if it is a valid ROW_TILES, else ValueError."""
+    form = "((max_rows, BLOCK_M, BLOCK_N), ...) of ints in increasing max_rows"
+    if not isinstance(table, tuple) or not table:
+        raise ValueError(f"ROW_TILES must be None or {form}, not {table!r}")
+    last = 0
+    for entry in table:
+        if (not isinstance(entry, tuple) or len(entry) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)):
+            raise ValueError(f"ROW_TILES entry {entry!r} is not (max_rows, BLOCK_M, BLOCK_N)")
+        rows, bm, bn = entry
+        if rows <= last:
+            raise ValueError(f"ROW_TILES max_rows must increase from 1: {rows} after {last}")
+        if bm not in ROW_BLOCKS_M:
+            raise ValueError(f"ROW_TILES BLOCK_M {bm} not in {ROW_BLOCKS_M}: larger row "
+                             "blocks take another MMA, which may round otherwise")
+        if bn < 16 or bn & (bn - 1):
+            raise ValueError(f"ROW_TILES BLOCK_N {bn} is not a power of two >= 16")
+        last = rows
+    return table
+
+
+def row_tiles(table, m: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of a launch of m rows by the ROW_TILES table `table` (validated)."""
+    try:
+        hash(table)
+    except TypeError:
+        raise ValueError(f"ROW_TILES must be a tuple of tuples, not {table!r}") from None
+    for rows, bm, bn in _checked(table):
+        if m <= rows:
+            return bm, bn
+    raise ValueError(f"ROW_TILES covers up to {table[-1][0]} rows, not {m}")
+
+
+def invariant_tiles(n: int, k: int, m: int | None = None) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of the deterministic projection of an [n, k] weight
+    in a launch of m rows: from the shape alone, but for a decoder layer's projection's BLOCK_M
+    and BLOCK_N by m where ROW_TILES is set (m None: only where they cannot depend on it)."""
+    if n >= VOCAB_RATIO * k:
+        bn, bk, warps = LOGITS_DOT_TILES
+        return BLOCK_M, bn, min(bk, next_pow2(k, 16)), warps
+    bm, (bn, bk, warps) = BLOCK_M, LAYER_TILES
+    if ROW_TILES is not None:
+        if m is None:
+            raise ValueError("ROW_TILES is set: a decoder layer's tiles need the row count")
+        bm, bn = row_tiles(ROW_TILES, m)
+    return bm, bn, min(bk, next_pow2(k, 16)), warps
 
 
 def invariant_splits(n: int, k: int) -> int:
@@ -57,8 +122,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """What `prologue_linear` computes with the same arguments and returns (`linear(rmsnorm(x +
     residual))`, `linear(silu_mul(x))` or `linear(x)`), each row's bits the same at any row
     count: the norm in the projection's prologue, SiLU-and-mul as its own kernel before it,
-    the projection through `invariant_tiles` and `invariant_splits`. glu: weight is [gate |
-    up] and the result is `silu_mul` of the projection, in its epilogue."""
+    the projection through `invariant_tiles` (of x's row count) and `invariant_splits`. glu:
+    weight is [gate | up] and the result is `silu_mul` of the projection, in its epilogue."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if silu:
@@ -66,5 +131,5 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n, k = weight.shape
     n = n // 2 if glu else n
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
-                           residual=residual, glu=glu, tiles=invariant_tiles(n, k),
+                           residual=residual, glu=glu, tiles=invariant_tiles(n, k, x.shape[0]),
                            splits=invariant_splits(n, k))
