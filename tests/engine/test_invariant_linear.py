@@ -77,13 +77,16 @@ def test_gate_up_epilogue_rows_do_not_depend_on_the_launch(dtype, n, k):
 
 
 def test_tiles_come_from_the_weight_shape_alone():
-    """16-row tensor-core tiles from the weight's shape: the decoder layer's projections one
-    tile, an LM head its own."""
-    from engine.ops.invariant import BLOCK_M, LAYER_TILES
+    """16-row tensor-core tiles from the weight's shape, at any row count (ROW_TILES unset):
+    the decoder layer's projections one tile, an LM head its own."""
+    from engine.ops.invariant import BLOCK_M, LAYER_TILES, ROW_TILES
 
+    assert ROW_TILES is None
     for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
-        assert ops.invariant_tiles(n, k) == (BLOCK_M, *LAYER_TILES) and BLOCK_M == 16
-    assert ops.invariant_tiles(49152, 576) == (16, *ops.LOGITS_DOT_TILES)
+        for m in (None, 1, 17, 2048):
+            assert ops.invariant_tiles(n, k, m) == (BLOCK_M, *LAYER_TILES) and BLOCK_M == 16
+    for m in (None, 1, 2048):
+        assert ops.invariant_tiles(49152, 576, m) == (16, *ops.LOGITS_DOT_TILES)
 
 
 def test_invariant_linear_matches_the_gemm():

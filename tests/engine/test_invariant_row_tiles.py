@@ -1,0 +1,232 @@
+"""The deterministic projections' opt-in tiles by row count (`invariant.ROW_TILES`). On the CPU:
+the table picks each launch's BLOCK_M and BLOCK_N by its row count for the decoder layer's
+projections only, bad tables are refused, `invariant_linear` hands the chosen tiles to
+`prologue_linear`, and the results match torch (Triton's interpreter, fp32 and fp16). On a GPU
+(bf16, SmolLM2-135M's and Llama-8B's projection shapes): each row's bits are the same alone and
+among 8, 64 and 2048 rows, with today's tiles and with a table that gives each of those counts
+other tiles, unsplit and in 4 K-splits; and whether the table's tiles give today's bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import ops
+from engine.attention import triton_available
+from engine.ops import invariant
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TABLE = ((1, 16, 16), (16, 16, 32), (1000000000, 32, 64))  # the module docstring's example
+# Distinct tiles at 1, 8, 64 and 2048 rows: each launch of the GPU cases takes its own.
+SPAN = ((1, 16, 16), (8, 16, 32), (64, 32, 64), (1000000000, 32, 128))
+
+
+@pytest.fixture
+def consts(monkeypatch):
+    """Sets `ROW_TILES` and `LAYER_SPLITS` for one test."""
+
+    def set_(table, splits: int = 1):
+        monkeypatch.setattr(invariant, "ROW_TILES", table)
+        monkeypatch.setattr(invariant, "LAYER_SPLITS", splits)
+
+    return set_
+
+
+def _parts(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def test_table_picks_tiles_by_row_count(consts):
+    """The first entry whose max_rows holds the launch's rows gives BLOCK_M and BLOCK_N; BLOCK_K
+    and the warps stay LAYER_TILES', an LM head keeps its tiles, the splits follow the shape."""
+    consts(TABLE)
+    _, bk, warps = invariant.LAYER_TILES
+    want = {0: (16, 16), 1: (16, 16), 2: (16, 32), 16: (16, 32), 17: (32, 64), 2048: (32, 64)}
+    for m, (bm, bn) in want.items():
+        for n, k in [(960, 576), (3072, 576), (576, 1536)]:
+            assert invariant.invariant_tiles(n, k, m) == (bm, bn, bk, warps)
+        assert invariant.invariant_tiles(40, 48, m) == (bm, bn, 64, warps)  # K in one tile
+        assert invariant.invariant_tiles(49152, 576, m) == (16, *ops.LOGITS_DOT_TILES)
+    assert invariant.invariant_splits(576, 1536) == 1
+    with pytest.raises(ValueError, match="row count"):
+        invariant.invariant_tiles(960, 576)
+    assert invariant.invariant_tiles(49152, 576) == (16, *ops.LOGITS_DOT_TILES)
+    consts(((8, 32, 16),))
+    with pytest.raises(ValueError, match="up to 8 rows, not 9"):
+        invariant.invariant_tiles(960, 576, 9)
+
+
+@pytest.mark.parametrize("table,match", [
+    ((), "must be None or"),
+    ("((1,16,16),(10**9,32,64))", "must be None or"),  # what --set makes of a non-literal
+    ([[1, 16, 16]], "tuple of tuples"),
+    (((1, 16),), "is not"),
+    (((1.0, 16, 16),), "is not"),
+    (((1, 64, 16),), "BLOCK_M 64"),
+    (((1, 8, 16),), "BLOCK_M 8"),
+    (((1, 16, 24),), "BLOCK_N 24"),
+    (((1, 16, 8),), "BLOCK_N 8"),
+    (((0, 16, 16),), "increase"),
+    (((16, 16, 32), (8, 16, 16)), "increase"),
+    (((1, 16, 16), (1, 16, 32)), "increase"),
+], ids=["empty", "string", "list", "pair", "float", "bm64", "bm8", "bn24", "bn8", "zero",
+        "decreasing", "repeated"])
+def test_bad_tables_raise(consts, table, match):
+    """A malformed table is refused with a ValueError naming what is wrong, at the first
+    projection of a decoder layer's shape."""
+    consts(table)
+    with pytest.raises(ValueError, match=match):
+        invariant.invariant_tiles(960, 576, 1)
+
+
+def test_the_documented_setting_parses_to_a_valid_table():
+    """The module docstring's `--set` value is a literal the bench turns into a valid table."""
+    from bench.suite import parse_setting
+
+    path, value = parse_setting(f"engine.ops.invariant.ROW_TILES={TABLE!r}".replace(" ", ""))
+    assert (path, value) == ("engine.ops.invariant.ROW_TILES", TABLE)
+    assert f"ROW_TILES={TABLE!r}".replace(" ", "") in invariant.__doc__.replace("\n", "")
+    assert invariant.row_tiles(value, 5) == (16, 32)
+
+
+def test_invariant_linear_hands_the_chosen_tiles_on(consts, monkeypatch):
+    """Each launch reaches `prologue_linear` with the tiles of its own row count (gate_up's
+    by its halves' shape), the splits from the shape; an LM head with its own tiles."""
+    consts(TABLE, 2)
+    seen = []
+    real = invariant.prologue_linear
+
+    def spy(x, w, *a, **kw):
+        seen.append((x.shape[0], kw["tiles"], kw["splits"]))
+        return real(x, w, *a, **kw)
+
+    monkeypatch.setattr(invariant, "prologue_linear", spy)
+    g = torch.Generator().manual_seed(7)
+    w, gu, head = (torch.randn(*s, generator=g).to(DEV) for s in [(40, 300), (80, 300),
+                                                                    (1024, 48)])
+    for m in (1, 10, 40):
+        ops.invariant_linear(torch.randn(m, 300, generator=g).to(DEV), w)
+        ops.invariant_linear(torch.randn(m, 300, generator=g).to(DEV), gu, glu=True)
+        ops.invariant_linear(torch.randn(m, 48, generator=g).to(DEV), head)
+    layer = {1: (16, 16), 10: (16, 32), 40: (32, 64)}
+    want = []
+    for m, (bm, bn) in layer.items():
+        want += [(m, (bm, bn, 128, 4), 2)] * 2 + [(m, (16, *ops.LOGITS_DOT_TILES[:1], 64, 4), 1)]
+    assert seen == want
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_row_tiles_match_torch(consts, dtype, splits):
+    """With the table set, at 1, 9 and 40 rows (one 16-row tile of 16 columns, 16 x 32, two
+    32-row tiles of 64 with masked rows), K over a loop with a masked tail: plain with a bias,
+    the norm of x + residual, gate_up's SiLU-and-mul epilogue equal torch's to rounding and
+    x + residual exactly."""
+    consts(TABLE, splits)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    n, k = 40, 300
+    g = torch.Generator().manual_seed(splits)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=g).to(dtype).to(DEV)
+
+    w, b, nw, gu_w = rnd(n, k) / 7, rnd(n), rnd(k), rnd(2 * n, k) / 7
+    for m in (1, 9, 40):
+        x, r = rnd(m, k), rnd(m, k)
+        xf, wf, nwf = x.float(), w.float(), nw.float()
+        torch.testing.assert_close(ops.invariant_linear(x, w, b).float(),
+                                   F.linear(xf, wf, b.float()), **tol)
+        y, res = ops.invariant_linear(x, w, norm_weight=nw, eps=1e-5, residual=r)
+        assert torch.equal(res, (xf + r.float()).to(dtype))
+        h = F.rms_norm(res.float(), (k,), nwf, 1e-5)
+        torch.testing.assert_close(y.float(), F.linear(h, wf), **tol)
+        act, _ = ops.invariant_linear(x, gu_w, norm_weight=nw, eps=1e-5, residual=r, glu=True)
+        gu = F.linear(h, gu_w.float())
+        torch.testing.assert_close(act.float(), F.silu(gu[:, :n]) * gu[:, n:], **tol)
+
+
+# GPU: the decoder layer's projections of SmolLM2-135M and Llama-8B as the deterministic
+# forward runs them: weight [N, K], gate_up with SiLU-and-mul in its epilogue, the norm of x +
+# residual in the prologue of qkv and gate_up; and a K of one tile, whose norm prologue loads
+# x + residual once for the sums and the products (`ONE_LOAD`).
+LAYER_SHAPES = [
+    pytest.param(64, 96, False, True, id="one-tile"),
+    pytest.param(960, 576, False, True, id="smol-qkv"),
+    pytest.param(576, 576, False, False, id="smol-o"),
+    pytest.param(3072, 576, True, True, id="smol-gate_up"),
+    pytest.param(576, 1536, False, False, id="smol-down"),
+    pytest.param(6144, 4096, False, True, id="llama8b-qkv"),
+    pytest.param(4096, 4096, False, False, id="llama8b-o"),
+    pytest.param(28672, 4096, True, True, id="llama8b-gate_up"),
+    pytest.param(4096, 14336, False, False, id="llama8b-down"),
+]
+BATCHES = (8, 64, 2048)
+ALONE = (0, 5, 7, 40, 63, 1031, 2047)  # rows computed alone: in each batch that holds them
+
+
+def _layer(n: int, k: int, glu: bool, norm: bool):
+    """(projection of rows [x | residual], 2048 such bf16 rows) for a weight of [n, k]."""
+    g = torch.Generator(device="cuda").manual_seed(n + k)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=g, device="cuda")
+
+    w = (rnd(n, k) * k ** -0.5).to(torch.bfloat16)
+    nw = (1 + 0.1 * rnd(k)).to(torch.bfloat16)
+    rows = rnd(2048, 2, k).to(torch.bfloat16)
+
+    def proj(t):
+        if norm:
+            return ops.invariant_linear(t[:, 0], w, norm_weight=nw, eps=1e-5, residual=t[:, 1],
+                                        glu=glu)
+        return ops.invariant_linear(t[:, 0], w, glu=glu)
+
+    return proj, rows
+
+
+def _alone(proj, rows) -> dict:
+    return {i: _parts(proj(rows[i:i + 1])) for i in ALONE}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("table,splits", [(None, 1), (None, 4), (SPAN, 1), (SPAN, 4)],
+                         ids=["default", "default-split4", "row-tiles", "row-tiles-split4"])
+@pytest.mark.parametrize("n,k,glu,norm", LAYER_SHAPES)
+def test_rows_alone_equal_batched_gpu(consts, table, splits, n, k, glu, norm):
+    """bf16 on the GPU: each row of ALONE computed alone equals, bit for bit, the same row among
+    8, 64 and 2048 (of those that hold it), outputs and x + residual, with today's tiles and
+    with SPAN's (other tiles at each of those counts), unsplit and in 4 K-splits. ROW_TILES
+    may leave opt-in only once every row-tiles case passes."""
+    consts(table, splits)
+    half = n // 2 if glu else n
+    counts = (1, *BATCHES)
+    assert len({invariant.invariant_tiles(half, k, m) for m in counts}) == (
+        1 if table is None else len(counts))
+    proj, rows = _layer(n, k, glu, norm)
+    alone = _alone(proj, rows)
+    for m in BATCHES:
+        out = _parts(proj(rows[:m]))
+        for i in (i for i in ALONE if i < m):
+            for a, b in zip(out, alone[i]):
+                assert torch.equal(a[i], b[0]), (m, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,glu,norm", LAYER_SHAPES)
+def test_row_tiles_give_the_default_bits_gpu(consts, n, k, glu, norm):
+    """The stronger form of the hypothesis behind ROW_TILES: bf16 on the GPU, SPAN's tiles give
+    every row today's bits (alone and among 2048), so setting the table would not change the
+    deterministic mode's outputs at all. Informative: the row-invariance above is what the
+    opt-in needs."""
+    proj, rows = _layer(n, k, glu, norm)
+    consts(None)
+    want = _alone(proj, rows), _parts(proj(rows))
+    consts(SPAN)
+    got = _alone(proj, rows), _parts(proj(rows))
+    for i in ALONE:
+        for a, b in zip(got[0][i], want[0][i]):
+            assert torch.equal(a, b), i
+    for a, b in zip(got[1], want[1]):
+        assert torch.equal(a, b)
