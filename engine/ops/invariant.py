@@ -95,8 +95,9 @@ def row_tiles(table, m: int) -> tuple[int, int]:
 
 def invariant_tiles(n: int, k: int, m: int | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of the deterministic projection of an [n, k] weight
-    in a launch of m rows: from the shape alone, but for a decoder layer's projection's BLOCK_M
-    and BLOCK_N by m where ROW_TILES is set (m None: only where they cannot depend on it)."""
+    in a launch of m rows (in a CUDA graph, its bucket's padded count): from the shape alone,
+    but for a decoder layer's projection's BLOCK_M and BLOCK_N by m where ROW_TILES is set (m
+    None: only where they cannot depend on it)."""
     if n >= VOCAB_RATIO * k:
         bn, bk, warps = LOGITS_DOT_TILES
         return BLOCK_M, bn, min(bk, next_pow2(k, 16)), warps
