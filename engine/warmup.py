@@ -132,6 +132,8 @@ def warm_request(eng: Engine) -> bool:
                                         ignore_eos=True))
     while eng.has_unfinished():
         eng.step()
+    if eng.spec is not None:  # its first-call step times would misprice drafting
+        eng.spec.policy.forget()
     return True
 
 

@@ -81,15 +81,19 @@ class KPolicy:
         # plain), "winning" (measured faster where the model said K=0), "retry" (a batch
         # at K=0 drafting one token)
         self.batch_why: Counter = Counter()
-        # When a list: (K, why) of every fused step's pick in order (for benchmarks)
-        self.picks: list | None = None
-        # (query levels, draft levels) of the fused step's graphs, set by its runner; where
-        # they depend on the batch size (`SpecConfig.dense_levels_min_batch`), `levels_at`
-        # gives them for a batch (and `levels` are the smallest batches')
+        self.picks: list | None = None  # when a list: (K, why) of each fused step's pick
+        # The fused step's (query levels, draft levels), set by its runner; per batch: levels_at
         self.levels: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         self.levels_at: Callable[[int], tuple[tuple[int, ...], tuple[int, ...]]] | None = None
         self._paid: dict[tuple, np.ndarray] = {}  # `_paid_costs`
         self._depths = spec.num_tokens if spec.accept_model == "runs" else 0  # `fold_verify`
+
+    def forget(self) -> None:
+        """Drop what steps taught (costs, verdicts, probes), keeping the runner's graph levels:
+        a warm-up's first-call step times misprice drafting (`warmup.warm_request`)."""
+        keep = self.levels, self.levels_at, self.picks
+        self.__init__(self.spec, self.prior, self.knee)
+        self.levels, self.levels_at, self.picks = keep
 
     def begin_propose(self, step: int, batch_size: int) -> None:
         """Called before a step's drafts are chosen: decides whether this is a plain probe

@@ -115,6 +115,33 @@ def test_prepare_to_serve_runs_one_request_through_an_idle_engine(watch, monkeyp
     assert ran == [] and fresh.ready is not None
 
 
+def test_the_warm_up_request_teaches_dynamic_k_nothing(watch):
+    """Dynamic K starts the first real request as a fresh engine would: the warm-up's steps
+    (first calls, mispriced) leave no step costs or verdicts behind, and the graph levels
+    the runner set on the policy stay."""
+    from dataclasses import replace
+
+    from engine import Engine
+    from engine.config import SpecConfig
+    from engine.testing import random_head
+
+    base = tiny_engine(0)
+    cfg = replace(base.config, spec=SpecConfig(num_tokens=3))
+    eng = Engine(cfg, weights_of=base, draft_head=random_head(base))
+    pol = eng.spec.policy
+    pol.levels = levels = ((1, 2, 4), (1, 3))
+    steps = []
+    real = eng.step
+    eng.step = lambda: steps.append(pol.costs.knows_plain(1) or bool(pol.costs._plain)) or real()
+    try:
+        eng.prepare_to_serve()
+    finally:
+        unfreeze()
+    assert any(steps) and eng.spec.stats.verify_steps > 0  # it ran, drafting, and learned
+    assert eng.spec.policy is pol and pol.levels == levels
+    assert not pol.costs.knows_plain(1) and not pol.costs._plain and not pol.batch_why
+
+
 def ready_seconds(m: Metrics) -> float | None:
     return m.registry.get_sample_value("tandem_ready_seconds", {"role": m.role})
 
