@@ -112,7 +112,7 @@ def timed_pass(args, eng, batch, params) -> dict:
     sync(args)
     wall = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
-    warming = getattr(eng, "warming", None)  # a speculative engine still decoding plainly
+    warming = eng.warming  # a speculative engine still decoding plainly
     return {"wall_s": rnd(wall, 4), "tokens": tokens, "tokens_per_s": rnd(tokens / wall, 1),
             "acceptance_length": acceptance(counts, spec_counts(eng)),
             "spec_graphs_pending": None if eng.spec is None else

@@ -99,11 +99,11 @@ def prepare_to_serve(eng: Engine, progress: bool = False, started: float | None 
     first = eng.ready is None
     t0 = time.perf_counter()
     n, graphs = 0, 0.0
+    if eng.warming is not None:  # first its pending speculative graphs, counted as such
+        n = warming.finish(eng)
     if eng.prepared_for is not None:  # `generate` captured only its batches' buckets
         eng.prepared_for = None
-        n = _capture_more(eng, batch_sizes, progress, long_context)
-    if eng.warming is not None:
-        n += warming.finish(eng)
+        n += _capture_more(eng, batch_sizes, progress, long_context)
     if first:
         with jit_watch.starting_up():
             n += eng.capture_graphs(batch_sizes, progress=progress, long_context=long_context)
