@@ -8,6 +8,8 @@ searches on the device.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from engine.attention.triton_backend import next_pow2, triton, triton_available
@@ -17,6 +19,7 @@ if triton_available():
     import triton.language as tl
 
 LOOKUP_BLOCK = 512  # candidate positions a lookup program compares at once
+STORE_BLOCK = 256  # rows a store program writes: one kernel variant for every row count
 
 
 def token_store(num_slots: int, device) -> torch.Tensor:
@@ -34,9 +37,8 @@ def store_tokens(store: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
     if kernel is None:
         kernel = ids.is_cuda and triton_available()
     if kernel:
-        block = next_pow2(min(n, 1024), 16)
-        _store_kernel[(triton.cdiv(n, block),)](store, ids, slots, n, store.shape[0] - 1,
-                                               BLOCK=block, num_warps=4)
+        _store_kernel[(triton.cdiv(n, STORE_BLOCK),)](store, ids, slots, n, store.shape[0] - 1,
+                                                     BLOCK=STORE_BLOCK, num_warps=4)
         return
     idx = torch.where(slots[:n] >= 0, slots[:n], store.shape[0] - 1)
     store.index_copy_(0, idx, ids.to(store.dtype))
@@ -99,7 +101,14 @@ def _lookup_torch(store, tables, block_size, known, bonus, live, k, max_n, min_n
 
 if triton_available():
 
-    @triton.jit
+    # Every forward stores its rows, at row counts and slice offsets that vary by the step:
+    # specialized on their values or alignment, the kernel would compile anew while serving.
+    _STORE_ARGS = ["IDS", "SLOTS", "n", "spare"]
+    _STORE_JIT = {k: v for k, v in (("do_not_specialize", ["n", "spare"]),
+                                    ("do_not_specialize_on_alignment", _STORE_ARGS))
+                  if k in inspect.signature(triton.jit).parameters}
+
+    @triton.jit(**_STORE_JIT)
     def _store_kernel(STORE, IDS, SLOTS, n, spare, BLOCK: tl.constexpr):
         r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = r < n
