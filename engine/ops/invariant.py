@@ -56,6 +56,11 @@ LAYER_SPLITS = 1
 # a launch of m rows taking the first entry with m <= max_rows (see the module docstring).
 ROW_TILES = None
 ROW_BLOCKS_M = (16, 32)  # mma.sync row blocks; 64 rows would take the warp-group MMA
+# Opt-in GEMV rows of the decoder layer's projections: None, or (BLOCK_N, warps, ROWS). Each
+# program then holds a column block's weights over all of K and computes up to ROWS rows one
+# after another, each row's products summed in one tl.sum by the same code at any row count:
+# row-invariant by construction, with no tensor-core tile (`prologue_linear`'s `rows`).
+LAYER_GEMV = None
 
 
 @lru_cache(maxsize=8)
@@ -131,6 +136,24 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         x = silu_mul(x)
     n, k = weight.shape
     n = n // 2 if glu else n
+    gemv = invariant_gemv(n, k)
+    if gemv is not None:
+        tiles, rows = gemv
+        return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
+                               residual=residual, glu=glu, tiles=tiles, rows=rows)
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
                            residual=residual, glu=glu, tiles=invariant_tiles(n, k, x.shape[0]),
                            splits=invariant_splits(n, k))
+
+
+def invariant_gemv(n: int, k: int) -> tuple[tuple[int, int, int, int], int] | None:
+    """(tiles, rows) of a decoder layer's projection of an [n, k] weight where LAYER_GEMV is
+    set (GEMV tiles holding all of K, from the shape alone); None otherwise or for an LM
+    head."""
+    if LAYER_GEMV is None or n >= VOCAB_RATIO * k:
+        return None
+    bn, warps, rows = LAYER_GEMV
+    if bn < 1 or bn & (bn - 1) or warps < 1 or rows < 1:
+        raise ValueError(f"LAYER_GEMV must be (BLOCK_N, warps, ROWS) with BLOCK_N a power of "
+                         f"two and warps, ROWS >= 1, not {LAYER_GEMV!r}")
+    return (1, bn, next_pow2(k, 16), warps), rows
