@@ -30,12 +30,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torch_threads() -> int:
+    """Torch threads of each process that computes at once in a cluster test (the test's own
+    and two actors'): OMP_NUM_THREADS where set (`make test` sets it per worker), else the
+    cores shared out between three."""
+    given = os.environ.get("OMP_NUM_THREADS")
+    return int(given) if given else max(1, (os.cpu_count() or 1) // 3)
+
+
 def client_env(env: dict | None = None) -> dict:
-    """This process's environment without Ray's address and auth settings, to set afresh."""
+    """This process's environment without Ray's address and auth settings, to set afresh,
+    with `torch_threads()` for the processes it starts."""
     env = dict(os.environ if env is None else env)
     for key in [k for k in env if k.startswith("RAY_AUTH") or k == "RAY_ADDRESS"]:
         del env[key]
-    return {**env, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    return {**env, "UCX_WARN_UNUSED_ENV_VARS": "n", "OMP_NUM_THREADS": str(torch_threads())}
 
 
 class RayNodes:
