@@ -3,6 +3,8 @@ UCX): GenerateRequests over every field, and raw bytes that may not even parse, 
 only in OK, INVALID_ARGUMENT, RESOURCE_EXHAUSTED or UNAUTHENTICATED. Afterwards the server is
 healthy, a fixed greedy request gives what it gave before, and no KV block is in use.
 
+Each run sends the same inputs: first fixed ones (every field out of its bounds in an otherwise
+valid request, every long or malformed shape the strategies know), then the draws.
 Every failing input is collected (not shrunk): the assertion lists them all, input -> status."""
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ pytest.importorskip("ucxx")
 pytest.importorskip("hypothesis")
 
 import grpc  # noqa: E402
-from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+from hypothesis import HealthCheck, Phase, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from cluster import soak  # noqa: E402
@@ -53,21 +55,24 @@ FLOATS = st.one_of(st.floats(), st.sampled_from(
 CHARS = st.characters(blacklist_categories=("Cs",))  # lone surrogates do not serialize
 # Long strings of one character (newlines, NULs, multi-byte, a special token's spelling),
 # from just past a limit up to past gRPC's 4 MiB message limit.
-HUGE_TEXT = st.builds(lambda s, n: s * n,
-                      st.sampled_from(["a", "\n", "\x00", "é", "🙂", "<|im_start|>", "\u202e"]),
-                      st.sampled_from([257, 600, 5_000, 300_000, 5_000_000]))
+HUGE_CHARS = ["a", "\n", "\x00", "é", "🙂", "<|im_start|>", "\u202e"]
+HUGE_LENGTHS = [257, 600, 5_000, 300_000, 5_000_000]
+HUGE_TEXT = st.builds(lambda s, n: s * n, st.sampled_from(HUGE_CHARS),
+                      st.sampled_from(HUGE_LENGTHS))
 TEXT = st.one_of(st.text(CHARS, max_size=40), HUGE_TEXT,
                  st.sampled_from(["", " ", "\n", "\r\n", "\x1b[31m", "<|im_end|>", "a\nb"]))
+LONG_IDS = [2047, 2048, 70_000, 1 << 20, (1 << 20) + 1]  # about max_model_len, and far past
 IDS = st.one_of(
     st.lists(st.one_of(st.integers(0, VOCAB - 1), U32), max_size=24),
     st.builds(lambda v, n: [v] * n, st.sampled_from([0, 1, 2, VOCAB - 1, VOCAB, 2**32 - 1]),
-              st.sampled_from([2047, 2048, 70_000, 1 << 20, (1 << 20) + 1])))
+              st.sampled_from(LONG_IDS)))
 ROLES = st.one_of(st.sampled_from(["system", "user", "assistant", "tool", "", "User",
                                    "bot", "user\n", "r" * 40]), st.text(CHARS, max_size=8))
+MANY_MESSAGES = [513, 5_000]
 MESSAGES = st.one_of(
     st.lists(st.builds(pb.ChatMessage, role=ROLES, content=TEXT), max_size=4),
     st.builds(lambda n: [pb.ChatMessage(role="user", content="hi")] * n,
-              st.sampled_from([513, 5_000])))
+              st.sampled_from(MANY_MESSAGES)))
 
 
 @st.composite
@@ -176,27 +181,70 @@ def requests():
     return st.one_of(wild(), near_valid(), valid())
 
 
+# A value out of its bounds for each of FIELDS (the sampling fields by their names, so a new
+# field fails here until it has one).
+_SAMPLING_OUT = {"temperature": math.nan, "top_p": -1.0, "top_k": 2**32 - 1, "seed": 2**64 - 1,
+                 "max_tokens": 2**32 - 1, "stop": ["x"] * 17, "stop_token_ids": [5] * 65,
+                 "ignore_eos": True}
+
+
+def _out_of_bounds(name: str) -> pb.GenerateRequest:
+    """A request whose field `name` (as FIELDS names it) holds a value out of its bounds."""
+    if name.startswith("sampling."):
+        key = name.split(".", 1)[1]
+        s, value = pb.SamplingParams(), _SAMPLING_OUT[key]
+        if isinstance(value, list):
+            getattr(s, key).extend(value)
+        else:
+            setattr(s, key, value)
+        return pb.GenerateRequest(sampling=s)
+    return {"request_id": pb.GenerateRequest(request_id="\x00" * 600),
+            "prompt": pb.GenerateRequest(text="a" * 300_000),
+            "speculation": pb.GenerateRequest(speculation=pb.Speculation(
+                method=99, num_tokens=2**32 - 1)),
+            "continuation": pb.GenerateRequest(continuation=pb.Continuation(
+                token_ids=[VOCAB, 2**32 - 1], text_length=2**32 - 1)),
+            }[name]
+
+
+def request_examples() -> list[pb.GenerateRequest]:
+    """Inputs every run sends besides the drawn ones: each of FIELDS out of bounds in an
+    otherwise valid request, the empty request, and every long shape the strategies draw from
+    (each long text length, each character, each long id list, each long chat)."""
+    out = [pb.GenerateRequest()]
+    for name in FIELDS:
+        req = pb.GenerateRequest(text="Once upon a time",
+                                 sampling=pb.SamplingParams(temperature=0, max_tokens=4))
+        _one_field(req, _out_of_bounds(name), name)
+        out.append(req)
+    out += [pb.GenerateRequest(text=c * HUGE_LENGTHS[i % len(HUGE_LENGTHS)])
+            for i, c in enumerate(HUGE_CHARS)]
+    out += [pb.GenerateRequest(token_ids=pb.TokenIds(ids=[VOCAB - 1] * n)) for n in LONG_IDS]
+    out += [pb.GenerateRequest(chat=pb.ChatMessages(
+        messages=[pb.ChatMessage(role="user", content="hi")] * n)) for n in MANY_MESSAGES]
+    return out
+
+
 def _garbage_of(req: pb.GenerateRequest, cut: int) -> bytes:
     """A valid request's bytes cut short (a length that runs past the end)."""
     data = req.SerializeToString()
     return data[: max(0, len(data) - cut)]
 
 
-GARBAGE = st.one_of(
-    st.binary(max_size=64),
-    st.builds(_garbage_of, wild(), st.integers(1, 8)),
-    st.sampled_from([
-        b"", b"\xff" * 16, b"\x0a\x01\xff",  # request_id that is not UTF-8
-        b"\x12\x02\xc3\x28",  # text: invalid UTF-8
-        b"\x22\x03\x0a\x01\x80",  # token_ids holding a truncated varint
-        b"\x0a\xff\xff\xff\xff\x0f",  # a length past the end
-        b"\x1a" + b"\x80" * 10 + b"\x01",  # an overlong varint length
-        b"\x2a\x05\x09" + b"\x00" * 4,  # sampling: a double cut short
-        (b"\x1a\x02\x0a\x00") * 1000,  # many empty chat messages
-        b"\x38\x01",  # field 7 (continuation) with the wrong wire type
-        b"\x78\x01" * 10_000,  # an unknown field, many times
-        b"\x00" * (5 << 20),  # past gRPC's 4 MiB
-    ]))
+MALFORMED = [
+    b"", b"\xff" * 16, b"\x0a\x01\xff",  # request_id that is not UTF-8
+    b"\x12\x02\xc3\x28",  # text: invalid UTF-8
+    b"\x22\x03\x0a\x01\x80",  # token_ids holding a truncated varint
+    b"\x0a\xff\xff\xff\xff\x0f",  # a length past the end
+    b"\x1a" + b"\x80" * 10 + b"\x01",  # an overlong varint length
+    b"\x2a\x05\x09" + b"\x00" * 4,  # sampling: a double cut short
+    (b"\x1a\x02\x0a\x00") * 1000,  # many empty chat messages
+    b"\x38\x01",  # field 7 (continuation) with the wrong wire type
+    b"\x78\x01" * 10_000,  # an unknown field, many times
+    b"\x00" * (5 << 20),  # past gRPC's 4 MiB
+]
+GARBAGE = st.one_of(st.binary(max_size=64), st.builds(_garbage_of, wild(), st.integers(1, 8)),
+                    st.sampled_from(MALFORMED))
 
 
 # --- calls --------------------------------------------------------------------------------
@@ -262,33 +310,35 @@ def inert(details: str) -> bool:
         bad in details for bad in ("\n", "\x1b", "Traceback", 'File "', "pid=", "ip="))
 
 
-def fuzz(strategy, n: int, call) -> list[tuple[str, str, str]]:
-    """`n` inputs drawn from `strategy`, each sent with `call`; the (input, status, details)
-    of those that ended outside ALLOWED or with details that are not `inert`. Prints how
-    many ended in each status."""
+def fuzz(strategy, n: int, call, examples=()) -> list[tuple[str, str, str]]:
+    """`examples`, then `n` inputs drawn from `strategy`, each sent with `call`; the (input,
+    status, details) of those that ended outside ALLOWED or with details that are not `inert`.
+    Prints how many ended in each status."""
     failures, tally = [], Counter()
 
-    @fuzz_settings(n)
-    @given(strategy)
     def one(x):
         code, details = status_of(call(x, timeout=CALL_TIMEOUT_S))
         tally[code.name] += 1
         if code not in ALLOWED or not inert(details):
             failures.append((describe(x), code.name, details))
 
-    one()
+    for x in examples:
+        one = example(x)(one)
+    fuzz_settings(n)(given(strategy)(one))()
     print(dict(tally))
+    assert sum(tally.values()) >= len(examples) + n // 2, tally  # the draws were sent too
     return failures
 
 
 def test_fuzzed_requests_end_in_an_allowed_status(channel):
-    failures = fuzz(requests(), 240, pb_grpc.GenerationStub(channel).Generate)
+    failures = fuzz(requests(), 100, pb_grpc.GenerationStub(channel).Generate,
+                    request_examples())
     assert not failures, report(failures)
 
 
 def test_garbage_bytes_end_in_an_allowed_status(channel):
     raw = channel.unary_stream(GEN, request_serializer=None, response_deserializer=None)
-    failures = fuzz(GARBAGE, 200, raw)
+    failures = fuzz(GARBAGE, 100, raw, MALFORMED)
     assert not failures, report(failures)
 
 
