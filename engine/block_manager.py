@@ -137,7 +137,8 @@ class BlockManager:
         return bid
 
     def forget_cached(self) -> None:
-        """Drop every cached prefix (their blocks stay free; none may be in use)."""
+        """Drop every cached prefix: free blocks stay free, blocks in use stay with their
+        requests, and no later request finds either."""
         self.by_hash.clear()
         self.hash_of = [None] * self.num_blocks
         self.tokens_of = [None] * self.num_blocks

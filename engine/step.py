@@ -29,8 +29,8 @@ class Stepper:
     def step(self) -> list[RequestOutput]:
         """One step; returns what each touched request produced."""
         e = self.eng
-        if e.warming is not None and not e.warming.pending:
-            warming.leave(e)  # graphs all captured: speculate once no request holds KV
+        if e.warming is not None:
+            warming.during(e)  # speculate once the graphs are captured, or worth capturing
         t0, captures = e.clock(), GraphSet.captures
         with e.on_device():  # kernels, graphs, streams go to this engine's GPU
             if e.overlap.inflight is not None:
@@ -48,6 +48,7 @@ class Stepper:
         # are no speculative steps it prices.
         if e.warming is not None:
             e.warming.sizes.add(len(batch.seqs))
+            e.warming.worked += e.clock() - t0
         elif e.spec is not None and GraphSet.captures == captures:
             time_step(e.spec, batch, results, e.clock() - t0, how)
         return outs

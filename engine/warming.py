@@ -6,8 +6,11 @@ decode graphs at one query and its prefill graphs, `begin`); the speculative gra
 graphs of longer queries, the head's, the fused step's) wait in `Warming.pending`. While
 warming, steps run through `PlainSteps`, propose no drafts and do no head work. After each
 `generate`, with no sequence holding KV the head skipped, a share of the call's time
-captures pending graphs (`plan`); once none is pending the engine speculates. A serving
-process (`prepare_to_serve`) captures everything at start-up and never warms."""
+captures pending graphs (`plan`); once none is pending the engine speculates. A long call
+does not wait for its end: once the plain work since warming began would have paid for every
+pending graph at EXPECTED_GAIN, the next step captures them all and the engine speculates
+from then on (`during`), the requests holding KV the head skipped finishing without drafts.
+A serving process (`prepare_to_serve`) captures everything at start-up and never warms."""
 
 from __future__ import annotations
 
@@ -55,6 +58,7 @@ class Warming:
     credit: float = 0.0  # capture time earned by plain work and not spent (`plan`)
     sizes: set = field(default_factory=set)  # batch sizes stepped since the last capture
     call_started: float = 0.0  # when the current generate's plain work began
+    worked: float = 0.0  # seconds of plain steps since warming began (`during`)
 
     @property
     def per_graph(self) -> float:
@@ -144,6 +148,32 @@ def after_generate(eng: Engine) -> None:
              "speculation on from the next step" if left else f"{len(w.pending)} pending")
 
 
+def during(eng: Engine) -> None:
+    """Before a step of a warming engine: leave warming if nothing is pending and no request
+    holds KV the head skipped; else, once the plain steps so far would have paid for every
+    pending graph at EXPECTED_GAIN (`plan`), capture them all now and speculate from this
+    step on, the requests holding KV the head skipped capped at no drafts (their drafts
+    would read head KV never written) and the prefix cache forgotten (its blocks lack head
+    KV as well)."""
+    w = eng.warming
+    if not w.pending:
+        leave(eng)
+        return
+    if plan(w.worked, w.per_graph, len(w.pending), 0.0) < len(w.pending):
+        return
+    eng._carry += eng.overlap.drain()  # no step in flight while graphs are captured
+    t0 = time.perf_counter()
+    done = w.capture(eng, w.ordered())
+    skipped = [s for s in eng.seqs.values() if s.block_table]
+    for seq in skipped:
+        seq.max_draft = 0
+    log.info("%d speculative CUDA graphs captured in %.2f s after %.1f s of plain decoding: "
+             "speculation on; %d running requests finish without drafts", done,
+             time.perf_counter() - t0, w.worked, len(skipped))
+    w.pending = []
+    _speculate(eng)
+
+
 def finish(eng: Engine) -> int:
     """`prepare_to_serve` on a warming engine: capture every pending graph, and leave warming
     where no sequence holds KV computed while warming; returns how many were captured."""
@@ -165,13 +195,18 @@ def leave(eng: Engine) -> bool:
         return True
     if any(key not in g.graphs for g, key in w.pending) or not _clean(eng):
         return False
+    _speculate(eng)
+    return True
+
+
+def _speculate(eng: Engine) -> None:
+    """Leave warming: the fused step's continuation compiled, the prefix cache forgotten."""
     fused = eng.spec.fused
     if fused is not None:
         with eng.on_device(), jit_watch.starting_up():
             fused.warm_continuation()
     _forget_cached(eng)
     eng.warming, eng.runner.plain_only = None, False
-    return True
 
 
 def _plain(eng: Engine, g, key) -> bool:
@@ -189,7 +224,8 @@ def _clean(eng: Engine) -> bool:
 
 
 def _forget_cached(eng: Engine) -> None:
-    """Drop the prefix cache (no request holds a block here): blocks registered while warming
-    have no head KV, so a request reusing them would draft from a context the head never saw."""
+    """Drop the prefix cache: blocks registered while warming have no head KV, so a request
+    reusing them would draft from a context the head never saw. Blocks in use stay with their
+    requests, unregistered (`forget_cached`)."""
     if eng.blocks.enable_prefix_caching:
         eng.blocks.forget_cached()

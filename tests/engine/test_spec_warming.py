@@ -1,7 +1,9 @@
 """A speculative engine warming (engine/warming.py): while its speculative graphs are pending
-it decodes plainly (no drafts, no head work, output as without speculation); warming ends
-only at the end of a generate, or in prepare_to_serve, where no request holds KV the head
-skipped, once nothing is pending; how many pending graphs a call captures (`plan`). Off
+it decodes plainly (no drafts, no head work, output as without speculation); the pending
+graphs are captured after a generate (its share, `plan`), in prepare_to_serve, or mid-call
+once the plain work would have paid for them all, when speculation starts at once and the
+requests holding KV the head skipped finish without drafts; with nothing pending, warming
+ends where no request holds such KV. Off
 CUDA nothing warms by itself: these tests force it with graph sets that stand in for the
 speculative ones; tests/engine/test_gpu_engine.py checks the real path."""
 
@@ -75,12 +77,18 @@ def head_calls(eng: Engine, monkeypatch) -> list[str]:
 
 def warm(eng: Engine, per_graph: float = 1e-9) -> StandIn:
     """Force `eng` into warming with a stand-in set's four graphs pending, captures measured
-    at `per_graph` seconds each (default: next to free, so a call captures them all)."""
+    at `per_graph` seconds each (default: next to free, so the first step's plain work pays
+    for them all and the second step captures them; 1e3: none is ever worth capturing)."""
     s = StandIn()
     warming.begin(eng, s.keys())
     assert eng.warming is not None and len(eng.warming.pending) == 4
-    eng.warming.seconds, eng.warming.graphs = per_graph, 1
+    cheap(eng, per_graph)
     return s
+
+
+def cheap(eng: Engine, per_graph: float = 1e-9) -> None:
+    """Price a warming engine's captures at `per_graph` seconds each from now on."""
+    eng.warming.seconds, eng.warming.graphs = per_graph, 1
 
 
 def verifies(completions) -> int:
@@ -88,22 +96,44 @@ def verifies(completions) -> int:
 
 
 def test_a_warming_engine_decodes_plainly_then_speculates(base, ref, monkeypatch):
-    """No draft and no head call while warming, output as without speculation; the end of
-    the generate captures what is pending (cheap here: all of it) and speculation runs in
-    the next call, with the same output."""
+    """No draft and no head call while warming, output as without speculation; once the
+    captures are worth it (here: made cheap), the next call's first step captures what is
+    pending and the whole call speculates, with the same output."""
     eng = spec_engine(base)
-    s = warm(eng)
+    s = warm(eng, per_graph=1e3)
     assert eng.runner.plain_only  # short prefill chunks keep off the verify graphs
     calls = head_calls(eng, monkeypatch)
     first = eng.generate(PROMPTS, SP)
     assert calls == [] and verifies(first) == 0 and eng.spec.stats.verify_steps == 0
     assert [c.token_ids for c in first] == ref
+    assert eng.warming is not None and s.order == []
+    cheap(eng)
+    second = eng.generate(PROMPTS, SP)
     assert eng.warming is None and sorted(s.order) == [1, 2, 4, 8]
     assert not eng.runner.plain_only
-    second = eng.generate(PROMPTS, SP)
     assert [c.token_ids for c in second] == ref
-    assert "propose" in calls and verifies(second) > 0 and eng.spec.stats.verify_steps > 0
+    assert "propose" in calls and all(c.verify_steps for c in second)
     assert [c.token_ids for c in spec_engine(base).generate(PROMPTS, SP)] == ref
+    eng.blocks.check_all_free()
+
+
+def test_speculation_starts_mid_call_once_the_plain_work_pays_for_the_graphs(base, ref):
+    """Cheap captures: the first step's plain work pays for them, so the second step captures
+    them all and speculates. The request running since warming (its KV has positions the head
+    skipped) finishes without drafts; one arriving after drafts; both as without
+    speculation."""
+    eng = spec_engine(base)
+    s = warm(eng)
+    old = eng.seqs[eng.add_request(PROMPTS[2], replace(SP, max_tokens=40))]
+    eng.step()
+    assert eng.warming is not None and old.block_table and s.order == []
+    eng.step()
+    assert eng.warming is None and sorted(s.order) == [1, 2, 4, 8] and old.max_draft == 0
+    new = eng.seqs[eng.add_request(PROMPTS[0], SP)]
+    while eng.has_unfinished():
+        eng.step()
+    assert old.num_verify_steps == 0 and old.output_ids[: len(ref[2])] == ref[2]
+    assert new.num_verify_steps > 0 and new.output_ids == ref[0]
     eng.blocks.check_all_free()
 
 
@@ -126,7 +156,7 @@ def test_warming_does_not_end_while_a_request_holds_kv(base, ref, monkeypatch):
     """A request stepped while warming has positions the head never saw: a generate ending
     beside it captures nothing and keeps warming; the next one ending idle ends it."""
     eng = spec_engine(base)
-    s = warm(eng)
+    s = warm(eng, per_graph=1e3)
     calls = head_calls(eng, monkeypatch)
     long = replace(SP, max_tokens=40)
     rid = eng.add_request(PROMPTS[2], long)
@@ -139,8 +169,9 @@ def test_warming_does_not_end_while_a_request_holds_kv(base, ref, monkeypatch):
         eng.step()
     assert eng.warming is not None and calls == [] and seq.num_verify_steps == 0
     assert seq.output_ids[: len(ref[2])] == ref[2]
-    eng.generate(PROMPTS[:1], replace(SP, max_tokens=2))
-    assert eng.warming is None and len(s.order) == 4
+    eng.warming.pending = []  # all captured (as by prepare_to_serve beside the request)
+    eng.step()  # no request holds KV: speculation from this step on
+    assert eng.warming is None
 
 
 def test_prepare_to_serve_ends_warming_on_an_idle_engine_only(base):
@@ -198,10 +229,12 @@ def test_warming_ends_with_the_prefix_cache_dropped(base):
     """Blocks cached while warming hold no head KV: leaving warming forgets them, so a
     request after it prefills (and the head steps over) its whole prompt."""
     eng = spec_engine(base, enable_prefix_caching=True)
-    warm(eng)
+    warm(eng, per_graph=1e3)
     eng.generate(PROMPTS[2:], SP)
-    assert eng.warming is None and not eng.blocks.by_hash
+    assert eng.warming is not None and eng.blocks.by_hash
+    cheap(eng)
     again = eng.generate(PROMPTS[2:], SP)[0]
+    assert eng.warming is None
     assert again.cached_tokens == 0 and eng.generate(PROMPTS[2:], SP)[0].cached_tokens
 
 
@@ -240,9 +273,11 @@ def test_warming_steps_replay_the_decode_graphs_that_return_the_heads_inputs(bas
     warming.begin(eng, keys)
     assert all(k[1] == 1 for k in eng.runner.graphs.graphs) and eng.warming.pending
     assert not eng.spec.graphs.graphs
+    cheap(eng, per_graph=1e3)
     assert [c.token_ids for c in eng.generate(PROMPTS, SP)] == ref
     assert eng.plain.fused_runs > 0 and eng.spec.fused_runs == 0
-    assert eng.warming is None  # cheap captures here: all of them after the call
+    cheap(eng)  # worth capturing now: the next call's first step does
     out = eng.generate(PROMPTS, SP)
+    assert eng.warming is None
     assert [c.token_ids for c in out] == ref and eng.spec.fused_runs > 0 and verifies(out) > 0
     eng.blocks.check_all_free()
