@@ -61,6 +61,9 @@ ROW_BLOCKS_M = (16, 32)  # mma.sync row blocks; 64 rows would take the warp-grou
 # after another, each row's products summed in one tl.sum by the same code at any row count:
 # row-invariant by construction, with no tensor-core tile (`prologue_linear`'s `rows`).
 LAYER_GEMV = None
+# Most weight elements (BLOCK_N x K padded to a power of two) a GEMV-rows program holds: a
+# larger model's projections keep the tiles above.
+GEMV_MAX_TILE = 16384
 
 
 @lru_cache(maxsize=8)
@@ -148,12 +151,13 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def invariant_gemv(n: int, k: int) -> tuple[tuple[int, int, int, int], int] | None:
     """(tiles, rows) of a decoder layer's projection of an [n, k] weight where LAYER_GEMV is
-    set (GEMV tiles holding all of K, from the shape alone); None otherwise or for an LM
-    head."""
+    set (GEMV tiles holding all of K, from the shape alone); None otherwise, for an LM head,
+    or where the tile would pass GEMV_MAX_TILE."""
     if LAYER_GEMV is None or n >= VOCAB_RATIO * k:
         return None
     bn, warps, rows = LAYER_GEMV
     if bn < 1 or bn & (bn - 1) or warps < 1 or rows < 1:
         raise ValueError(f"LAYER_GEMV must be (BLOCK_N, warps, ROWS) with BLOCK_N a power of "
                          f"two and warps, ROWS >= 1, not {LAYER_GEMV!r}")
-    return (1, bn, next_pow2(k, 16), warps), rows
+    bk = next_pow2(k, 16)
+    return None if bn * bk > GEMV_MAX_TILE else ((1, bn, bk, warps), rows)

@@ -100,6 +100,7 @@ def test_layer_gemv_sets_the_decoder_layers_projections(monkeypatch):
     assert invariant.invariant_gemv(960, 576) == ((1, 8, 1024, 4), 16)
     assert invariant.invariant_gemv(576, 1536) == ((1, 8, 2048, 4), 16)
     assert invariant.invariant_gemv(49152, 576) is None
+    assert invariant.invariant_gemv(4096, 14336) is None  # Llama-8B's down: the tiles instead
     x, w, kw = _case("norm", 6, 24, 48, torch.float32)
     want = _out(prologue_linear(x, w, tiles=(1, 8, 64, 4), rows=16, **kw))
     assert torch.equal(_out(ops.invariant_linear(x, w, **kw)), want)
