@@ -420,10 +420,17 @@ class GraphSet:
         # that metadata, or values of the capture's rows rather than the replay's).
         ids, pos, meta, extras = self._views(b, q, long)
         g = torch.cuda.CUDAGraph()
-        # thread_local: other threads (a UCX progress thread moving KV) may use CUDA meanwhile.
-        with torch.cuda.graph(g, pool=self.pool, stream=stream,
-                              capture_error_mode="thread_local"):
-            out = self.fn(ids, pos, meta, *extras)
+        # capture_begin / capture_end around the forward, as `torch.cuda.graph` does, without
+        # its device-wide synchronize and emptying of the device and pinned-host caches before
+        # every capture: warm-up allocations would then go back to the driver and come again
+        # for each of an engine's hundreds of graphs. thread_local: other threads (a UCX
+        # progress thread moving KV) may use CUDA meanwhile.
+        with torch.cuda.stream(stream):
+            g.capture_begin(self.pool, capture_error_mode="thread_local")
+            try:
+                out = self.fn(ids, pos, meta, *extras)
+            finally:
+                g.capture_end()
         self.graphs[(b, q, long)] = (g, out)
 
     def run(self, inp: PackedInputs, extras: Sequence[torch.Tensor] = (),
