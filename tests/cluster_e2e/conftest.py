@@ -6,12 +6,7 @@ import os
 
 import pytest
 
-from tests.cluster_e2e.ray_nodes import RAY, TANDEM, RayNodes, torch_threads
-
-# GPUs the session's Ray node is told it has, and the node's own CUDA_VISIBLE_DEVICES (as on a
-# shared host): Ray trusts the count, so test_gpu_visibility places GPU actors without a GPU.
-# Actors that book no GPU (the cluster's, on the CPU) are not affected by either.
-NODE_GPUS = "4,5,6,7"
+from tests.cluster_e2e.ray_nodes import NODE_GPUS, RAY, TANDEM, RayNodes, torch_threads
 
 
 @pytest.fixture(scope="session")

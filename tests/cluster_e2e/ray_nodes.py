@@ -1,6 +1,6 @@
-"""Ray nodes of a test's own on this machine, token auth on: `ray start --block` processes with
-ports, a temp dir and a token of their own. Stopping one kills its process group and nothing
-else (`ray stop` would stop every Ray on the machine)."""
+"""Ray nodes of the cluster tests' own on this machine, token auth on: `ray start --block`
+processes with ports, a temp dir and a token of their own. Stopping one kills its process group
+and nothing else (`ray stop` would stop every Ray on the machine)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ TANDEM = shutil.which("tandem", path=BIN) or shutil.which("tandem")
 # agent then cannot bind, and every submission says "No available agent").
 NODE_PORTS = ("node-manager", "object-manager", "dashboard-agent-listen", "dashboard-agent-grpc",
               "runtime-env-agent", "metrics-export")
+# GPUs the session's Ray instance is told it has, and its node's own CUDA_VISIBLE_DEVICES (as
+# on a shared host): Ray trusts the count, so test_gpu_visibility places GPU actors without a
+# GPU. Actors that book no GPU (the cluster's, on the CPU) are not affected by either.
+NODE_GPUS = "4,5,6,7"
 
 
 def free_port() -> int:

@@ -2,13 +2,13 @@
 has four (it trusts the number) and pins each GPU actor to its own by CUDA_VISIBLE_DEVICES,
 unless the launcher's options keep them all visible (`transfer.ipc_across_gpus`); then
 `node_device` finds the actor's own GPU by index. The node is the session's Ray instance,
-started with CUDA_VISIBLE_DEVICES of its own, as on a shared host (`conftest.NODE_GPUS`)."""
+started with CUDA_VISIBLE_DEVICES of its own, as on a shared host (`ray_nodes.NODE_GPUS`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.cluster_e2e.conftest import NODE_GPUS
+from tests.cluster_e2e.ray_nodes import NODE_GPUS
 
 pytest.importorskip("ray")
 
