@@ -96,7 +96,8 @@ async def _soak(target: str, cfg: SoakConfig, served: Served | None) -> dict:
                 [f"decode{i}" for i in range(len(c.decodes))]
             stats = await asyncio.get_running_loop().run_in_executor(None, settled_stats, c, 300)
             actors = list(zip(names, stats))
-        refs = await _references(client, pool, sorted({r.item for r in records}), cfg.streams)
+        used = sorted({r.item for r in records})  # at most the pool: all at once if it fits
+        refs = await _references(client, pool, used, max(cfg.streams, len(used)))
     return report(cfg, pool, records, faults, refs, actors, soak_s)
 
 
