@@ -387,9 +387,31 @@ def cmd_status(args) -> int:
     return 0 if health.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
+# Subcommands whose modules import torch at their top, with their help: registered in full
+# only when invoked, so that `tandem serve` (a router process must not load torch) and the
+# light commands build their parser without them.
+HEAVY = {"train-eagle3": "self-distil and train an EAGLE-3 draft head",
+         "bench": "run the benchmark figures (bench/suite.py), one JSON per figure"}
+
+
+def _add_heavy_parsers(sub, argv: list[str]) -> None:
+    """Register `HEAVY`'s subcommands: in full the one argv invokes, the others by name and
+    help alone (what `tandem --help` lists)."""
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, help_ in HEAVY.items():
+        if name != wanted:
+            sub.add_parser(name, help=help_)
+        elif name == "bench":
+            _add_bench_parser(sub)
+        else:
+            from cluster import train_eagle3
+
+            train_eagle3.add_parser(sub, help_)
+
+
 def _add_bench_parser(sub) -> None:
     """`tandem bench`: the figures of the `bench` package (`bench.suite`)."""
-    desc = "run the benchmark figures (bench/suite.py), one JSON per figure"
+    desc = HEAVY["bench"]
     try:
         from bench import suite
     except ImportError as e:
@@ -470,16 +492,14 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("--address", default="127.0.0.1:50051")
     _add_client_security_args(st)
     st.set_defaults(fn=cmd_status)
-    from cluster import train_eagle3
-
-    train_eagle3.add_parser(sub)
-    _add_bench_parser(sub)
+    argv = list(argv if argv is not None else sys.argv[1:])
+    _add_heavy_parsers(sub, argv)
     _add_diagnose_parser(sub)
     from cluster import soak
 
     soak.add_parser(sub)
     args = ap.parse_args(argv)
-    args.argv = list(argv if argv is not None else sys.argv[1:])
+    args.argv = argv
     return args.fn(args)
 
 

@@ -337,11 +337,12 @@ def _write(folder: str, recipe: dict) -> None:
         json.dump(recipe, f, indent=2)
 
 
-def add_parser(sub) -> None:
+def add_parser(sub, help_: str) -> None:
+    """Register `tandem train-eagle3` on the CLI's subparsers (`help_`: its one-line help)."""
     import argparse
 
-    p = sub.add_parser("train-eagle3", help="self-distil and train an EAGLE-3 draft head",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser("train-eagle3", help=help_, description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="target (default: embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output folder (public EAGLE-3 layout)")
     p.add_argument("--device", default=None)

@@ -117,7 +117,7 @@ def _cli(monkeypatch, out: str, *extra: str, stop_at: int | None = None) -> int:
     monkeypatch.setattr(train_eagle3, "engine_acceptance",
                         lambda engine, head, ps, k, n: {"k": k, "prompts": len(ps)})
     p = argparse.ArgumentParser()
-    train_eagle3.add_parser(p.add_subparsers())
+    train_eagle3.add_parser(p.add_subparsers(), "train an EAGLE-3 head")
     argv = ["train-eagle3", "--domains", "chat,math", "--out", out, "--device", "cpu",
             "--max-tokens", "8", "--draft-vocab", "64", "--unroll", "2", "--epochs", "2",
             "--batch-size", "2", "--log-every", "5", "--eval-prompts", "2", *extra]
