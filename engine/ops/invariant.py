@@ -31,7 +31,11 @@ literal: `10**9` is not one).
 Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
 whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
 range order (`engine.ops.splitk`). A row still rounds the same at any row count; the sums
-differ from the unsplit ones in fp32 order only. The splits never follow the row count."""
+differ from the unsplit ones in fp32 order only. The splits never follow the row count.
+
+GEMV rows are opt-in (`LAYER_GEMV`): the decoder layer's projections then run the default
+mode's one-row GEMV code for every row, a program computing several rows in turn over one load
+of its weights, so no tensor-core tile is involved at any row count."""
 
 from __future__ import annotations
 
