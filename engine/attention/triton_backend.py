@@ -9,6 +9,7 @@ tests run under `TRITON_INTERPRET=1` in fp32/fp16 (the interpreter is wrong for 
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -147,6 +148,16 @@ class FastLaunch:
 
 def next_pow2(n: int, lo: int = 16) -> int:
     return max(lo, 1 << (max(n, 1) - 1).bit_length())
+
+
+def no_specialize(ints: list[str], ptrs: list[str] = ()) -> dict:
+    """`triton.jit` keywords for arguments that change from launch to launch: no
+    specialization on the values of `ints`, nor on the alignment of `ints` and `ptrs` (each
+    would compile a new variant mid-run); only the keywords this Triton accepts."""
+    params = inspect.signature(triton.jit).parameters
+    return {k: v for k, v in (("do_not_specialize", list(ints)),
+                              ("do_not_specialize_on_alignment", list(ints) + list(ptrs)))
+            if k in params}
 
 
 class TritonAttention(AttentionBackend):

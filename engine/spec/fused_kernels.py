@@ -4,13 +4,18 @@ next step's inputs from this step's outputs (`continue_inputs`), each one launch
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from engine.attention.triton_backend import FastLaunch, next_pow2, triton, triton_available
+from engine.attention.triton_backend import (
+    FastLaunch,
+    next_pow2,
+    no_specialize,
+    triton,
+    triton_available,
+)
 
 
 class FusedOut(NamedTuple):
@@ -80,10 +85,7 @@ if triton_available():
     # alignment, the kernel would compile anew mid-run, stalling the step.
     _INTS = ["b", "pq", "d_stride", "t_stride", "bs", "q", "w"]
     _PTRS = ["GRID", "NACC", "DRAFTS", "SEL", "STATE", "TABLES", "IDS", "POS", "SLOTS", "LENS"]
-    _jit_params = inspect.signature(triton.jit).parameters
-    _NO_SPECIALIZE = {k: v for k, v in (("do_not_specialize", _INTS),
-                                        ("do_not_specialize_on_alignment", _INTS + _PTRS))
-                      if k in _jit_params}
+    _NO_SPECIALIZE = no_specialize(_INTS, _PTRS)
 
     @triton.jit(**_NO_SPECIALIZE)
     def _continue_kernel(GRID, NACC, DRAFTS, SEL, STATE, TABLES, IDS, POS, SLOTS, LENS,

@@ -8,11 +8,9 @@ searches on the device.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from engine.attention.triton_backend import next_pow2, triton, triton_available
+from engine.attention.triton_backend import next_pow2, no_specialize, triton, triton_available
 from engine.spec import ngram
 
 if triton_available():
@@ -103,12 +101,7 @@ if triton_available():
 
     # Every forward stores its rows, at row counts and slice offsets that vary by the step:
     # specialized on their values or alignment, the kernel would compile anew while serving.
-    _STORE_ARGS = ["IDS", "SLOTS", "n", "spare"]
-    _STORE_JIT = {k: v for k, v in (("do_not_specialize", ["n", "spare"]),
-                                    ("do_not_specialize_on_alignment", _STORE_ARGS))
-                  if k in inspect.signature(triton.jit).parameters}
-
-    @triton.jit(**_STORE_JIT)
+    @triton.jit(**no_specialize(["n", "spare"], ["IDS", "SLOTS"]))
     def _store_kernel(STORE, IDS, SLOTS, n, spare, BLOCK: tl.constexpr):
         r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = r < n
