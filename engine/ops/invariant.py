@@ -144,13 +144,10 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n, k = weight.shape
     n = n // 2 if glu else n
     gemv = invariant_gemv(n, k)
-    if gemv is not None:
-        tiles, rows = gemv
-        return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
-                               residual=residual, glu=glu, tiles=tiles, rows=rows)
+    tiles, rows = gemv if gemv is not None else (invariant_tiles(n, k, x.shape[0]), 0)
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
-                           residual=residual, glu=glu, tiles=invariant_tiles(n, k, x.shape[0]),
-                           splits=invariant_splits(n, k))
+                           residual=residual, glu=glu, tiles=tiles, rows=rows,
+                           splits=1 if rows else invariant_splits(n, k))
 
 
 def invariant_gemv(n: int, k: int) -> tuple[tuple[int, int, int, int], int] | None:
