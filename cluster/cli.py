@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from cluster import subcommands
+
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
 
@@ -387,55 +389,6 @@ def cmd_status(args) -> int:
     return 0 if health.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-# Subcommands whose modules import torch at their top, with their help: registered in full
-# only when invoked, so that `tandem serve` (a router process must not load torch) and the
-# light commands build their parser without them.
-HEAVY = {"train-eagle3": "self-distil and train an EAGLE-3 draft head",
-         "bench": "run the benchmark figures (bench/suite.py), one JSON per figure"}
-
-
-def _add_heavy_parsers(sub, argv: list[str]) -> None:
-    """Register `HEAVY`'s subcommands: in full the one argv invokes, the others by name and
-    help alone (what `tandem --help` lists)."""
-    wanted = next((a for a in argv if not a.startswith("-")), None)
-    for name, help_ in HEAVY.items():
-        if name != wanted:
-            sub.add_parser(name, help=help_)
-        elif name == "bench":
-            _add_bench_parser(sub)
-        else:
-            from cluster import train_eagle3
-
-            train_eagle3.add_parser(sub, help_)
-
-
-def _add_bench_parser(sub) -> None:
-    """`tandem bench`: the figures of the `bench` package (`bench.suite`)."""
-    desc = HEAVY["bench"]
-    try:
-        from bench import suite
-    except ImportError as e:
-        err = f"the bench package is not importable ({e}); install tandem from a source checkout"
-        b = sub.add_parser("bench", help=desc, description=err)
-        b.set_defaults(fn=lambda a: print(f"error: {err}", file=sys.stderr) or 2)
-        return
-    b = sub.add_parser("bench", help=desc, description=suite.__doc__.split("\n")[0],
-                       epilog="figures: " + ", ".join(f"{n} {v[0]}"
-                                                      for n, v in suite.FIGURES.items()))
-    suite.add_arguments(b)
-    b.set_defaults(fn=suite.run)
-
-
-def _add_diagnose_parser(sub) -> None:
-    """`tandem diagnose`: findings from a running deployment's metrics (`cluster.diagnose`)."""
-    from cluster import diagnose
-
-    d = sub.add_parser("diagnose", help="read a deployment's metrics endpoints and say what is "
-                       "wrong", description=diagnose.__doc__)
-    diagnose.add_arguments(d)
-    d.set_defaults(fn=diagnose.run)
-
-
 def _port(value: str) -> int:
     """An argparse type: a TCP port number, 0..65535."""
     try:
@@ -493,11 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_client_security_args(st)
     st.set_defaults(fn=cmd_status)
     argv = list(argv if argv is not None else sys.argv[1:])
-    _add_heavy_parsers(sub, argv)
-    _add_diagnose_parser(sub)
-    from cluster import soak
-
-    soak.add_parser(sub)
+    subcommands.add_parsers(sub, argv)
     args = ap.parse_args(argv)
     args.argv = argv
     return args.fn(args)

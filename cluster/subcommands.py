@@ -1,0 +1,64 @@
+"""The `tandem` subcommands beside generate, serve and status: train-eagle3, bench, diagnose
+and soak, each registered from its own module (`cluster.cli` builds the parser)."""
+
+from __future__ import annotations
+
+import sys
+
+# Subcommands whose modules import torch at their top, with their help: registered in full
+# only when invoked, so that `tandem serve` (a router process must not load torch) and the
+# light commands build their parser without them.
+HEAVY = {"train-eagle3": "self-distil and train an EAGLE-3 draft head",
+         "bench": "run the benchmark figures (bench/suite.py), one JSON per figure"}
+
+
+def _add_heavy_parsers(sub, argv: list[str]) -> None:
+    """Register `HEAVY`'s subcommands: in full the one argv invokes, the others by name and
+    help alone (what `tandem --help` lists)."""
+    wanted = next((a for a in argv if not a.startswith("-")), None)
+    for name, help_ in HEAVY.items():
+        if name != wanted:
+            sub.add_parser(name, help=help_)
+        elif name == "bench":
+            _add_bench_parser(sub)
+        else:
+            from cluster import train_eagle3
+
+            train_eagle3.add_parser(sub, help_)
+
+
+def _add_bench_parser(sub) -> None:
+    """`tandem bench`: the figures of the `bench` package (`bench.suite`)."""
+    desc = HEAVY["bench"]
+    try:
+        from bench import suite
+    except ImportError as e:
+        err = f"the bench package is not importable ({e}); install tandem from a source checkout"
+        b = sub.add_parser("bench", help=desc, description=err)
+        b.set_defaults(fn=lambda a: print(f"error: {err}", file=sys.stderr) or 2)
+        return
+    b = sub.add_parser("bench", help=desc, description=suite.__doc__.split("\n")[0],
+                       epilog="figures: " + ", ".join(f"{n} {v[0]}"
+                                                      for n, v in suite.FIGURES.items()))
+    suite.add_arguments(b)
+    b.set_defaults(fn=suite.run)
+
+
+def _add_diagnose_parser(sub) -> None:
+    """`tandem diagnose`: findings from a running deployment's metrics (`cluster.diagnose`)."""
+    from cluster import diagnose
+
+    d = sub.add_parser("diagnose", help="read a deployment's metrics endpoints and say what is "
+                       "wrong", description=diagnose.__doc__)
+    diagnose.add_arguments(d)
+    d.set_defaults(fn=diagnose.run)
+
+
+def add_parsers(sub, argv: list[str]) -> None:
+    """Register these subcommands on the CLI's subparsers, `HEAVY`'s in full only where argv
+    invokes them."""
+    _add_heavy_parsers(sub, argv)
+    _add_diagnose_parser(sub)
+    from cluster import soak
+
+    soak.add_parser(sub)
