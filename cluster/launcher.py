@@ -8,6 +8,8 @@ where they start, and the router encodes prompts with the tokenizer a prefill ac
 from __future__ import annotations
 
 import os
+import socket
+import threading
 from dataclasses import dataclass
 
 from decode_node.node import DecodeNode
@@ -17,6 +19,9 @@ from engine.tokenizer_spec import SpecTokenizer
 from node_common.node import NOSET_ENV
 from prefill_node.node import PrefillNode
 from router.disagg import DisaggBackend
+
+# How long `join` waits for the GCS to answer its token check; it answers in milliseconds.
+PROBE_S = 5.0
 
 
 @dataclass
@@ -42,7 +47,8 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
           chat_special_tokens: bool = False, kv_wait_s: float = 120.0,
           metrics_host: str = "127.0.0.1", metrics_ports: list[int] | None = None,
           net_devices: str | None = None, prefill_resources: dict | None = None,
-          decode_resources: dict | None = None, triton_cache_dir: str | None = None) -> Cluster:
+          decode_resources: dict | None = None, triton_cache_dir: str | None = None,
+          cpu_threads: int = 0) -> Cluster:
     """Connect to (or start) Ray, place the actors, and return the router's backend.
     `engine_kwargs` configure prefill engines, `decode_kwargs` (default: the same) decode;
     `transport_kwargs` every actor's `kvtransfer` transport (`TransferSection`);
@@ -52,8 +58,10 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
     `kv_wait_s`: wait for KV room on a decode actor; `metrics_host`, `metrics_ports` (per actor,
     prefills then decodes; 0 or None: free port): /metrics; `net_devices`: `UCX_NET_DEVICES`;
     `*_resources`: Ray custom resources each replica books; `triton_cache_dir`: where every
-    actor keeps Triton's compiled kernels (`TRITON_CACHE_DIR`). Engine arguments may name the
-    dtype ("bfloat16") and give the speculation config as a dict, so they pickle without torch."""
+    actor keeps Triton's compiled kernels (`TRITON_CACHE_DIR`); `cpu_threads`: torch threads of
+    an actor whose engine runs on the CPU (0: OMP_NUM_THREADS as the actor was started with,
+    else its CPUs: `engine.affinity.cpu_threads`). Engine arguments may name the dtype
+    ("bfloat16") and give the speculation config as a dict, so they pickle without torch."""
     import ray
 
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -74,10 +82,10 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
     n = prefill_replicas + decode_replicas
     ports = [None] * n if not metrics else list(metrics_ports or [0] * n)  # see info()
     tkw = transport_kwargs or {}
-    prefills = [P.remote(model, engine_kwargs, transport, ports[k], tkw, metrics_host)
-                for k in range(prefill_replicas)]
+    prefills = [P.remote(model, engine_kwargs, transport, ports[k], tkw, metrics_host,
+                         cpu_threads) for k in range(prefill_replicas)]
     decodes = [D.remote(model, decode_kwargs or engine_kwargs, transport,
-                        ports[prefill_replicas + k], tkw, metrics_host)
+                        ports[prefill_replicas + k], tkw, metrics_host, cpu_threads)
                for k in range(decode_replicas)]
     infos = ray.get([a.info.remote() for a in prefills + decodes])  # waits for the models
     info = infos[-1]
@@ -91,18 +99,57 @@ def start(model: str | None, engine_kwargs: dict, decode_kwargs: dict | None = N
 
 def join(address: str) -> None:
     """Connect this process to the Ray cluster at `address`. A cluster with token auth on
-    refuses a caller without its token: that is answered with what to set."""
+    refuses a caller without its token: that is answered at once with what to set, rather
+    than after `ray.init`'s retries (it tries again once a second, 20 times by default)."""
     import ray
 
+    if refuses_token(address):
+        raise token_error(address)
     try:
         ray.init(address=address, log_to_driver=False)
     except ConnectionError as e:  # its cause carries the last attempt's traceback as text
         if "AuthenticationError" not in str(e.__cause__):
             raise
-        raise ConnectionError(
-            f"the Ray cluster at {address} checks a token this process did not send: set"
-            " RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN or in a file named"
-            " by RAY_AUTH_TOKEN_PATH (`ray get-auth-token` on the head prints it)") from None
+        raise token_error(address) from None
+
+
+def token_error(address: str) -> ConnectionError:
+    return ConnectionError(
+        f"the Ray cluster at {address} checks a token this process did not send: set"
+        " RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN or in a file named"
+        " by RAY_AUTH_TOKEN_PATH (`ray get-auth-token` on the head prints it)")
+
+
+def refuses_token(address: str, wait_s: float = PROBE_S) -> bool:
+    """Whether the GCS at `address` ("host:port") answers this process's first call with an
+    authentication error, waited on for at most `wait_s`. Anything else is False: nothing
+    listening yet (a head still starting), another error, no answer in time; `ray.init` then
+    connects with its retries as it would have."""
+    host, _, port = address.rpartition(":")
+    if "://" in address or not port.isdigit():  # "auto", a Ray Client address
+        return False
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=wait_s).close()
+    except OSError:
+        return False
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError
+
+    refused: list[bool] = []
+
+    def probe() -> None:
+        try:
+            GcsClient(address=address)  # asks the GCS for the cluster id: checked like any call
+        except AuthenticationError:
+            refused.append(True)
+        except Exception:  # not for this check to judge: ray.init says what it is
+            pass
+
+    # A daemon thread: a port that holds no GCS keeps the client waiting far beyond `wait_s`.
+    t = threading.Thread(target=probe, name="ray-auth-probe", daemon=True)
+    t.start()
+    t.join(wait_s)
+    return bool(refused)
 
 
 def actor_options(num_gpus: float, ipc_across_gpus: bool = False,
@@ -114,6 +161,8 @@ def actor_options(num_gpus: float, ipc_across_gpus: bool = False,
     `resources`: Ray custom resources it books, limiting the nodes it runs on;
     `triton_cache_dir`: Triton's cache (`TRITON_CACHE_DIR`), in the actor's environment from its
     start, so it holds before anything compiles."""
+    # No CPUs booked, so Ray starts the actor with OMP_NUM_THREADS=1: a node on the CPU sets
+    # its torch threads itself (`cpu_threads` of `start`).
     opts: dict = {"num_gpus": num_gpus, "num_cpus": 0, "max_concurrency": 1000,
                   "max_restarts": max_restarts}
     if resources:

@@ -1,4 +1,5 @@
-"""Keeping the engine's host thread on quiet CPUs.
+"""The engine's CPUs: how many threads an engine on the CPU computes with, and keeping the
+engine's host thread on quiet CPUs.
 
 At many streams a step is host-bound, and a thread on a CPU shared with other work runs every
 step slower. `pin_quiet_cpus` times each allowed CPU and keeps the calling thread (and threads
@@ -8,6 +9,53 @@ from __future__ import annotations
 
 import os
 import time
+
+THREADS_ENV = "OMP_NUM_THREADS"
+
+
+def allowed_cpus() -> int:
+    """How many CPUs this process may run on (its affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def started_with(name: str) -> str | None:
+    """`name` in the environment this process was started with: /proc/self/environ, which
+    assignments to os.environ since leave as it was. None where it is unset or unreadable."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            entries = f.read().split(b"\0")
+    except OSError:
+        return None
+    key = name.encode() + b"="
+    found = [e[len(key):] for e in entries if e.startswith(key)]
+    return found[-1].decode(errors="replace") if found else None
+
+
+def cpu_threads(count: int = 0) -> int:
+    """Torch threads for an engine on the CPU: `count` when > 0; else OMP_NUM_THREADS as this
+    process was started with (its shell, `ray start`, a Ray runtime_env), when a positive
+    integer; else every CPU this process may run on. A Ray actor that books no CPUs finds
+    OMP_NUM_THREADS=1, which Ray sets after the start: that value is not the user's."""
+    if count > 0:
+        return count
+    given = (started_with(THREADS_ENV) or "").split(",")[0].strip()
+    return int(given) if given.isdigit() and int(given) > 0 else allowed_cpus()
+
+
+def use_cpu_threads(device: str | None, count: int | None = 0) -> int | None:
+    """Give torch `cpu_threads(count)` intra-op threads when the engine runs on the CPU
+    (`device` None is the engine's default, the CPU). Call it before the engine starts its
+    threads: a thread keeps the count it found at its first parallel op. Returns the count set;
+    None, changing nothing, for an engine on a GPU or `count` None."""
+    if count is None or not str(device or "cpu").startswith("cpu"):
+        return None
+    import torch
+
+    n = cpu_threads(count)
+    torch.set_num_threads(n)
+    return n
 
 
 def _probe_us(reps: int) -> float:
