@@ -27,17 +27,26 @@ pytestmark = [
 def ref():
     """The reference engine (torch backend), whose weights the graph engines share. One
     layer: overlap pipelines whole forwards, so depth changes nothing it does, and each
-    interpreted step runs half the kernels."""
-    return tiny_engine(0, max_num_batched_tokens=64, attention_backend="torch", num_layers=1)
+    interpreted step runs half the kernels. Three query heads on one KV head and an MLP of 44:
+    an interpreted launch costs per program, and each projection of a one-row step is then
+    at most 1.5 times as wide as long, so it takes 16-column programs (4 to 6 of them)."""
+    return tiny_engine(0, max_num_batched_tokens=64, attention_backend="torch", num_layers=1,
+                       num_heads=3, num_kv_heads=1, intermediate_size=44)
 
 
 def graph_engine(ref, num_blocks=None, **kw):
+    """A Triton engine on ref's weights through the static-bucket path. Its prefill chunks are
+    also padded to 8 or 16 tokens (the prompts here are 3-15 long): under the interpreter each
+    padded row runs every kernel's program, and a chunk of four prompts padded to 32 tokens
+    cost more than all the decode steps after it."""
     cfg = replace(ref.config, attention_backend="triton",
                   num_blocks=num_blocks or ref.config.num_blocks, **kw)
-    from engine import Engine
+    from engine import Engine, runner
 
     eng = Engine(cfg, weights_of=ref)
-    eng.runner.enable_graphs(8, (1,), ())
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(runner, "PREFILL_LENS", (8, 16) + runner.PREFILL_LENS)
+        eng.runner.enable_graphs(8, (1,), ())
     return eng
 
 
