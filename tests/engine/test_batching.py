@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 
 from engine import SamplingParams
-from tests.helpers import tiny_engine
+from tests.helpers import one_thread, tiny_engine  # noqa: F401  (autouse: one intra-op thread)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
+# The real model's runs: with 12 tokens the requests arriving at steps 3 and 7 still decode
+# when the last arrives (step 12), and each of its decode steps costs as much as a tiny run.
+REAL = SamplingParams(temperature=0, max_tokens=12)
 
 
 def alone(engine, prompts, params=GREEDY):
@@ -34,8 +37,8 @@ def staggered(engine, prompts, arrive_at, params=GREEDY):
 def test_mixed_batch_equals_alone_real_model(smol_engine, chat_ids):
     prompts = chat_ids[:6]
     engine = smol_engine.with_config(max_num_batched_tokens=64, enable_prefix_caching=False)
-    solo = alone(engine, prompts)
-    mixed = staggered(engine, prompts, arrive_at=[0, 0, 1, 3, 7, 12])
+    solo = alone(engine, prompts, REAL)
+    mixed = staggered(engine, prompts, arrive_at=[0, 0, 1, 3, 7, 12], params=REAL)
     assert mixed == solo
     engine.blocks.check_all_free()
 
@@ -56,11 +59,11 @@ def test_chunked_prefill_equals_one_shot_real_model(smol_engine, chat_ids):
     prompt = chat_ids[4]
     assert len(prompt) > 40
     one_shot = smol_engine.with_config(enable_prefix_caching=False)
-    ref = one_shot.generate([prompt], GREEDY)[0].token_ids
+    ref = one_shot.generate([prompt], REAL)[0].token_ids
     for budget in (7, 16, 33):
         eng = smol_engine.with_config(max_num_batched_tokens=budget, enable_prefix_caching=False)
         steps_before = eng.stats.steps
-        assert eng.generate([prompt], GREEDY)[0].token_ids == ref, f"chunk size {budget}"
+        assert eng.generate([prompt], REAL)[0].token_ids == ref, f"chunk size {budget}"
         # The prompt really was split into ceil(len/budget) prefill steps.
         assert eng.stats.steps - steps_before >= -(-len(prompt) // budget)
 
