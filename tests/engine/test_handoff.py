@@ -11,7 +11,7 @@ import pytest
 from bench.common import handed_off
 from engine import Engine, SamplingParams
 from engine.config import SpecConfig
-from tests.helpers import tiny_engine
+from tests.helpers import one_thread, tiny_engine  # noqa: F401  (autouse: one intra-op thread)
 
 
 def copy_blocks(src: Engine, dst: Engine, src_ids, dst_ids) -> None:
@@ -46,9 +46,10 @@ def test_real_model_disaggregated_equals_colocated_with_eagle3(smol_engine, chat
     cfg = replace(smol_engine.config, spec=spec, enable_prefix_caching=False)
     colo = Engine(cfg, weights_of=smol_engine)
     head = colo.spec.head
-    # 16 new tokens: the hand-off is at the first, the decode side verifies the rest.
-    for params in (SamplingParams(temperature=0, max_tokens=16),
-                   SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=16)):
+    # 8 new tokens: the hand-off is at the first, the decode side verifies the other 7 in two
+    # or more verify steps (K = 3).
+    for params in (SamplingParams(temperature=0, max_tokens=8),
+                   SamplingParams(temperature=0.7, top_p=0.9, seed=3, max_tokens=8)):
         want = [c.token_ids for c in colo.generate(prompts, params)]
         pre = Engine(cfg, weights_of=smol_engine, draft_head=head)
         dec = Engine(cfg, weights_of=smol_engine, draft_head=head)
