@@ -481,7 +481,9 @@ def test_dense_levels_from_a_batch_size_are_lossless():
     base = tiny_engine(0, max_num_batched_tokens=64)
     head = random_head(base)
     prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 2 for i in range(4)]
-    sps = [SamplingParams(temperature=0, max_tokens=6 + 8 * i) for i in range(4)]
+    # Ends far enough apart that K reaches the batch's level before a request's end caps it
+    # (6 tokens left at 3 sequences, 8 at 2), the last request alone for a few steps.
+    sps = [SamplingParams(temperature=0, max_tokens=m) for m in (6, 12, 20, 22)]
     ref = [c.token_ids for c in base.generate(prompts, sps)]
     top = max(set(sum(ref, [])), key=sum(ref, []).count)
     with torch.no_grad():
