@@ -19,11 +19,12 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEV == "cuda" else [])
 PICKS = (0, 37, 63)  # rows compared alone: first row block, a middle one, the last row
-# SmolLM2-135M's K (hidden 576: 4.5 tiles of 128, intermediate 1536: 12) with few columns,
-# and K=96 in 32-column tiles: fewer tiles than splits, K not a multiple of the splits. The
-# interpreter's dot adds each tile's product to the sum, so a split changes the bits only
-# where a split after the first holds two tiles or more: so do all but K=96's.
-SHAPES = [(40, 576, None), (24, 1536, None), (40, 96, (32, 32, 4))]
+# SmolLM2-135M's K (hidden 576: 4.5 tiles of 128, intermediate 1536: 12) in one partly
+# masked column tile, and K=96 in 32-column tiles: two column tiles, fewer K tiles than
+# splits, K not a multiple of the splits. The interpreter's dot adds each tile's product to
+# the sum, so a split changes the bits only where a split after the first holds two tiles or
+# more: so do all but K=96's.
+SHAPES = [(24, 576, None), (24, 1536, None), (40, 96, (32, 32, 4))]
 SHAPE_IDS = ["k576", "k1536", "k96-bk32"]
 
 
@@ -178,7 +179,7 @@ def test_any_program_may_fold(splits, monkeypatch):
 @pytest.mark.skipif(DEV == "cuda", reason="the CPU engine; GPU runs take the GPU tests")
 def test_engine_greedy_alone_equals_batched(monkeypatch):
     """Through the engine (fp32, the fused deterministic forward under the interpreter), with
-    4 splits of 16-column K tiles: down_proj (K 256) in ranges of 4 tiles, the other
+    4 splits of 16-column K tiles: down_proj (K 128) in ranges of 2 tiles, the other
     projections (K 64) of one tile each. Each prompt's greedy tokens and cached KV bits alone
     equal those it gets in a batch of three (the second layer's KV depends on the first's
     down_proj, so a row-count-dependent split fails this)."""
@@ -191,8 +192,10 @@ def test_engine_greedy_alone_equals_batched(monkeypatch):
     splits_run = set()
     real = splitk.workspace
     monkeypatch.setattr(splitk, "workspace", lambda *a: splits_run.add(a[2]) or real(*a))
+    # A vocabulary of 128 and an MLP of 128: gate_up and the LM head two column tiles each
+    # (every program is 16 interpreted rows per K tile).
     base = tiny_engine(0, deterministic=True, attention_backend="triton", num_layers=2,
-                       max_num_batched_tokens=64, intermediate_size=256)
+                       max_num_batched_tokens=64, intermediate_size=128, vocab_size=128)
     assert base.model.fused and base.model.deterministic
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
