@@ -16,6 +16,7 @@ import torch
 from engine.attention import TorchAttention, TritonAttention, triton_available
 from engine.attention.triton_backend import DETERMINISTIC_SPLIT_KEYS, DETERMINISTIC_TILE
 from tests.engine.test_triton_attention import DEV, _meta
+from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 HEADS, KV_HEADS, HEAD_DIM, BS, NUM_BLOCKS = 3, 1, 16, 16, 256
 LENS = (300, 131, 40)  # prompt lengths: the first spans five 64-key steps
@@ -120,10 +121,11 @@ if triton_available():
 @pytest.mark.parametrize("kind,dtype", CONFIGS)
 def test_a_row_rounds_alike_in_every_launch(kind, dtype):
     """Every target row equals its lone decode bit for bit in a 64-sequence decode batch,
-    in K+1-row verifies (K = 1, 2, 4, 7), in whole and chunked prefills and beside one."""
+    in K+1-row verifies (K = 1, 2, 7: two, three and eight rows), in whole and chunked
+    prefills and beside one."""
     be, data = _backend(kind, True), _prompts(dtype)
     launches = [("batch of 64", _decode_batch(be, data))]
-    launches += [(f"verify K={k}", _verifies(be, data, k)) for k in (1, 2, 4, 7)]
+    launches += [(f"verify K={k}", _verifies(be, data, k)) for k in (1, 2, 7)]
     launches += [(f"prefill {i}", rows) for i, rows in enumerate(_prefills(be, data))]
     bad, seen = _mismatches(be, data, launches)
     assert not bad
