@@ -19,6 +19,7 @@ from engine.attention import triton_available
 from engine.collector import unfreeze
 from engine.config import SpecConfig
 from engine.testing import random_head, tiny_engine
+from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 SP = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 2 for i in range(3)]
@@ -49,7 +50,9 @@ def watch(monkeypatch):
 
 @pytest.fixture(scope="module")
 def base():
-    return tiny_engine(0, max_num_batched_tokens=64)
+    """Three query heads on one KV head: the Triton case's interpreted attention and rotary
+    launches run a program per KV head and per token's heads."""
+    return tiny_engine(0, max_num_batched_tokens=64, num_heads=3, num_kv_heads=1)
 
 
 @pytest.fixture(scope="module")
@@ -274,10 +277,12 @@ def test_warming_steps_replay_the_decode_graphs_that_return_the_heads_inputs(bas
     assert all(k[1] == 1 for k in eng.runner.graphs.graphs) and eng.warming.pending
     assert not eng.spec.graphs.graphs
     cheap(eng, per_graph=1e3)
-    assert [c.token_ids for c in eng.generate(PROMPTS, SP)] == ref
+    # Half the tokens (each interpreted step runs every kernel): greedy, so ref's first half.
+    sp, want = replace(SP, max_tokens=6), [r[:6] for r in ref]
+    assert [c.token_ids for c in eng.generate(PROMPTS, sp)] == want
     assert eng.plain.fused_runs > 0 and eng.spec.fused_runs == 0
     cheap(eng)  # worth capturing now: the next call's first step does
-    out = eng.generate(PROMPTS, SP)
+    out = eng.generate(PROMPTS, sp)
     assert eng.warming is None
-    assert [c.token_ids for c in out] == ref and eng.spec.fused_runs > 0 and verifies(out) > 0
+    assert [c.token_ids for c in out] == want and eng.spec.fused_runs > 0 and verifies(out) > 0
     eng.blocks.check_all_free()
