@@ -293,10 +293,20 @@ def test_fused_step_equals_the_step_by_step_path(k=3):
         e.blocks.check_all_free()
 
 
+def arriving_requests(n: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """n short prompts (every prefill chunk runs padded under the interpreter) and greedy
+    params, the second half to arrive mid-way. Four requests end apart, so some finish while
+    others stay in the pipeline; six, their ends drawn at random, outgrow a small KV cache."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(30) for _ in range(rng.randrange(3, 16))] for _ in range(n)]
+    ends = (16, 12, 5, 8) if n == 4 else [rng.randrange(5, 18) for _ in prompts]
+    return prompts, [SamplingParams(temperature=0, max_tokens=m) for m in ends]
+
+
 @CPU_ONLY
-@pytest.mark.parametrize("dynamic,num_blocks,beside",
-                         [(False, None, True), (True, None, True), (False, 12, False)])
-def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, beside, k=4):
+@pytest.mark.parametrize("dynamic,num_blocks,beside,n",
+                         [(False, None, True, 4), (True, None, True, 4), (False, 12, False, 6)])
+def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, beside, n, k=4):
     """Fused (and overlapped) steps through max_tokens and EOS-free ends, with new requests
     arriving mid-way (prefilled beside the step in flight and joining its continuation at
     their pending token, or, `beside` off, after a drain beside the fused decodes), and with a KV
@@ -304,10 +314,7 @@ def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, beside, k=4):
     come back."""
     base = tiny_engine(0, max_num_batched_tokens=64)
     head = random_head(base)
-    rng = random.Random(5)
-    # Short prompts: every prefill chunk runs padded under the interpreter.
-    prompts = [[rng.randrange(30) for _ in range(rng.randrange(3, 16))] for _ in range(6)]
-    params = [SamplingParams(temperature=0, max_tokens=rng.randrange(5, 18)) for _ in prompts]
+    prompts, params = arriving_requests(n)
     ref = [c.token_ids for c in base.generate(prompts, params)]
     eng = fast_engine(base, head, num_tokens=k, dynamic=dynamic, num_blocks=num_blocks,
                       admit_in_flight=beside)
@@ -321,10 +328,11 @@ def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, beside, k=4):
         return outs
 
     eng.overlap.read_beside = read
-    rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:3], params[:3])]
+    first = n // 2
+    rids = [eng.add_request(p, sp) for p, sp in zip(prompts[:first], params[:first])]
     for _ in range(4):
         eng.step()
-    rids += [eng.add_request(p, sp) for p, sp in zip(prompts[3:], params[3:])]
+    rids += [eng.add_request(p, sp) for p, sp in zip(prompts[first:], params[first:])]
     seqs = {r: eng.seqs[r] for r in rids}
     overlapped = 0
     while eng.has_unfinished():
@@ -338,12 +346,13 @@ def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, beside, k=4):
     # positions the host knows (fixed K meets it only where max_tokens caps K).
     assert eng.spec.known_continuations > (5 if dynamic else 0)
     if beside:  # arrivals prefilled beside the step in flight, then joining the pipeline
-        assert eng.admitted_in_flight >= 3 and eng.spec.joined_runs > 0
+        arrivals = len(rids) - first
+        assert eng.admitted_in_flight >= arrivals and eng.spec.joined_runs > 0
         # ... at their pending token alone (drafting then would read drafts back, waiting
         # for the step launched after the one in flight); the fused steps draft for them.
-        assert len(beside_drafts) >= 3 and not any(beside_drafts)
+        assert len(beside_drafts) >= arrivals and not any(beside_drafts)
         if not dynamic:
-            assert all(seqs[r].num_drafted > 0 for r in rids[3:])
+            assert all(seqs[r].num_drafted > 0 for r in rids[first:])
     else:  # arrivals prefilled beside fused decodes, in the same step, after a drain
         assert split and eng.admitted_in_flight == 0
     assert eng.overlap.inflight is None and not eng.overlap.deferred
