@@ -12,9 +12,10 @@ from engine import Engine, SamplingParams
 from engine.config import SpecConfig
 from tests.helpers import compare_with_ties
 
-# Losslessness does not depend on how far a request runs: 32 tokens still give each batch of
-# 8 a run of verify steps with drafts accepted fully, partly and not at all.
-NEW_TOKENS = 32
+# Losslessness does not depend on how far a request runs: 20 tokens still give each batch of
+# 8 a run of verify steps with drafts accepted fully, partly and not at all, and EAGLE-3's
+# tokens per forward still grow with K.
+NEW_TOKENS = 20
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # Measured on CPU fp32: tokens per target forward of the shipped head at K=5 on the first 8
 # held-out prompts of the kept prompt sets (assets/prompt_sets.json.gz, never trained on), 64
