@@ -299,7 +299,7 @@ def arriving_requests(n: int) -> tuple[list[list[int]], list[SamplingParams]]:
     others stay in the pipeline; six, their ends drawn at random, outgrow a small KV cache."""
     rng = random.Random(5)
     prompts = [[rng.randrange(30) for _ in range(rng.randrange(3, 16))] for _ in range(n)]
-    ends = (16, 12, 5, 8) if n == 4 else [rng.randrange(5, 18) for _ in prompts]
+    ends = (16, 12, 5, 8) if n == 4 else [rng.randrange(4, 12) for _ in prompts]
     return prompts, [SamplingParams(temperature=0, max_tokens=m) for m in ends]
 
 
