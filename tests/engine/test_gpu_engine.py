@@ -105,6 +105,8 @@ def test_spec_with_graphs_is_lossless_fp32(random_smol):
     ref = _greedy(random_smol)
     spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
                                    spec=SpecConfig(num_tokens=4, dynamic=False))
+    # Every bucket `_greedy` steps: an engine missing one warms (decodes plainly) at first.
+    assert spec.capture_graphs(range(1, len(PROMPTS) + 1)) > 0
     assert _greedy(spec) == ref
     assert spec.spec.chain_graphs and any(g.graphs for g in spec.spec.chain_graphs.values())
     assert spec.spec.fused_runs > 0  # pure decode steps ran as one fused graph
@@ -116,7 +118,7 @@ def test_fused_step_is_lossless_with_dynamic_k_fp32(random_smol):
     ref = _greedy(random_smol)
     spec = random_smol.with_config(attention_backend="triton", cuda_graphs=True,
                                    spec=SpecConfig(num_tokens=6, dynamic=True))
-    assert spec.capture_graphs([1, 2, 4]) > 0
+    assert spec.capture_graphs(range(1, len(PROMPTS) + 1)) > 0
     pol = spec.spec.policy
     pol.costs.trace = []
     assert _greedy(spec) == ref
