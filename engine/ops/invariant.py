@@ -31,11 +31,7 @@ literal: `10**9` is not one).
 Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
 whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
 range order (`engine.ops.splitk`). A row still rounds the same at any row count; the sums
-differ from the unsplit ones in fp32 order only. The splits never follow the row count.
-
-GEMV rows are opt-in (`LAYER_GEMV`): the decoder layer's projections then run the default
-mode's one-row GEMV code for every row, a program computing several rows in turn over one load
-of its weights, so no tensor-core tile is involved at any row count."""
+differ from the unsplit ones in fp32 order only. The splits never follow the row count."""
 
 from __future__ import annotations
 
@@ -60,14 +56,6 @@ LAYER_SPLITS = 1
 # a launch of m rows taking the first entry with m <= max_rows (see the module docstring).
 ROW_TILES = None
 ROW_BLOCKS_M = (16, 32)  # mma.sync row blocks; 64 rows would take the warp-group MMA
-# Opt-in GEMV rows of the decoder layer's projections: None, or (BLOCK_N, warps, ROWS). Each
-# program then holds a column block's weights over all of K and computes up to ROWS rows one
-# after another, each row's products summed in one tl.sum by the same code at any row count:
-# row-invariant by construction, with no tensor-core tile (`prologue_linear`'s `rows`).
-LAYER_GEMV = None
-# Most weight elements (BLOCK_N x K padded to a power of two) a GEMV-rows program holds: a
-# larger model's projections keep the tiles above.
-GEMV_MAX_TILE = 16384
 
 
 @lru_cache(maxsize=8)
@@ -143,22 +131,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         x = silu_mul(x)
     n, k = weight.shape
     n = n // 2 if glu else n
-    gemv = invariant_gemv(n, k)
-    tiles, rows = gemv if gemv is not None else (invariant_tiles(n, k, x.shape[0]), 0)
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
-                           residual=residual, glu=glu, tiles=tiles, rows=rows,
-                           splits=1 if rows else invariant_splits(n, k))
-
-
-def invariant_gemv(n: int, k: int) -> tuple[tuple[int, int, int, int], int] | None:
-    """(tiles, rows) of a decoder layer's projection of an [n, k] weight where LAYER_GEMV is
-    set (GEMV tiles holding all of K, from the shape alone); None otherwise, for an LM head,
-    or where the tile would pass GEMV_MAX_TILE."""
-    if LAYER_GEMV is None or n >= VOCAB_RATIO * k:
-        return None
-    bn, warps, rows = LAYER_GEMV
-    if bn < 1 or bn & (bn - 1) or warps < 1 or rows < 1:
-        raise ValueError(f"LAYER_GEMV must be (BLOCK_N, warps, ROWS) with BLOCK_N a power of "
-                         f"two and warps, ROWS >= 1, not {LAYER_GEMV!r}")
-    bk = next_pow2(k, 16)
-    return None if bn * bk > GEMV_MAX_TILE else ((1, bn, bk, warps), rows)
+                           residual=residual, glu=glu, tiles=invariant_tiles(n, k, x.shape[0]),
+                           splits=invariant_splits(n, k))

@@ -99,7 +99,7 @@ if triton_available():
                                 PREC: tl.constexpr, ONE_LOAD: tl.constexpr,
                                 ARGMAX: tl.constexpr, USE_PDL: tl.constexpr,
                                 GLU: tl.constexpr = False, SPLITS: tl.constexpr = 1,
-                                SPLIT_K: tl.constexpr = 0, ROWS: tl.constexpr = 0):
+                                SPLIT_K: tl.constexpr = 0):
         """Y[M, N] = a(X) @ W[N, K].T (+ B), a() computed per K tile and rounded where the separate
         kernels round:
         PRO 0: a(x) = x;
@@ -112,16 +112,9 @@ if triton_available():
         product rounded to Y's dtype first and combined as `silu_mul` combines them (no bias).
         SPLITS > 1: program_id(2) takes the K columns [s * SPLIT_K, (s + 1) * SPLIT_K) and the
         splits' partial tiles are summed in split order (`splitk.fold_splits`, workspace WS,
-        counters CNT) before the epilogue. ROWS > 0 (GEMV tiles, K in one tile, one split):
-        program pid_m computes rows [pid_m * ROWS, (pid_m + 1) * ROWS) one after another with
-        the weight tile loaded once, each row by the same code whatever M (`_gemv_rows`)."""
+        counters CNT) before the epilogue."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
-        if ROWS > 0:
-            _gemv_rows(X, R, NW, W, B, Y, RES_OUT, KEYS, M, eps, stride_x, stride_r, stride_w,
-                       stride_y, pid_m, pid_n, N, K, PRO, HAS_RES, HAS_BIAS, BLOCK_N, BLOCK_K,
-                       ARGMAX, USE_PDL, GLU, ROWS)
-            return
         pid_s = 0
         k_lo = 0
         k_hi = K
@@ -207,46 +200,6 @@ if triton_available():
             tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
                      mask=m_ok[:, None] & n_ok[None, :])
 
-    @triton.jit
-    def _gemv_rows(X, R, NW, W, B, Y, RES_OUT, KEYS, M, eps, stride_x, stride_r, stride_w,
-                   stride_y, pid_m, pid_n, N: tl.constexpr, K: tl.constexpr,
-                   PRO: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ARGMAX: tl.constexpr,
-                   USE_PDL: tl.constexpr, GLU: tl.constexpr, ROWS: tl.constexpr):
-        """`_prologue_linear_kernel` with ROWS: the column block's weights (all of K) loaded
-        once, then each of the program's rows in turn, its products summed along K in one
-        tl.sum of the same layout whichever rows share the launch."""
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
-        n_ok = rn < N
-        w_ok = n_ok[:, None] & (rk < K)[None, :]
-        w = tl.load(W + rn[:, None] * stride_w + rk[None, :], mask=w_ok, other=0.0)
-        w2 = w
-        if GLU:
-            w2 = tl.load(W + (rn + N)[:, None] * stride_w + rk[None, :], mask=w_ok, other=0.0)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        first = pid_m * ROWS
-        for i in range(0, tl.minimum(ROWS, M - first)):
-            rm = first + i + tl.arange(0, 1)
-            m_ok = rm < M
-            rstd = tl.zeros([1], dtype=tl.float32)
-            if PRO == 1:
-                xs = _prologue_sum(X, R, RES_OUT, rm, m_ok, rk, stride_x, stride_r, pid_n, K,
-                                   HAS_RES)
-                rstd = tl.math.rsqrt(_row_sumsq(xs) / K + eps)
-                a = _prologue_norm(xs, NW, rk, rstd, K)
-            else:
-                a = _prologue_act(X, R, NW, rm, m_ok, rk, stride_x, stride_r, rstd, K, PRO,
-                                  HAS_RES)
-            acc = _mac(tl.zeros([1, BLOCK_N], dtype=tl.float32), a, w, 1, "ieee")
-            acc2 = acc
-            if GLU:
-                acc2 = _mac(tl.zeros([1, BLOCK_N], dtype=tl.float32), a, w2, 1, "ieee")
-            _epilogue(acc, acc2, B, Y, KEYS, rm, rn, m_ok, n_ok, pid_n, stride_y, HAS_BIAS,
-                      BLOCK_N, ARGMAX, GLU)
-
 
 def prologue_suits(weights) -> bool:
     """Whether projections of these weight shapes ([N, K] each) take the prologue linears."""
@@ -286,8 +239,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     residual: torch.Tensor | None = None, silu: bool = False,
                     dot: tuple[int, int, int] | None = None,
                     tiles: tuple[int, int, int, int] | None = None,
-                    keys: torch.Tensor | None = None, glu: bool = False, splits: int = 1,
-                    rows: int = 0):
+                    keys: torch.Tensor | None = None, glu: bool = False, splits: int = 1):
     """One launch for `linear(rmsnorm(x + residual))` (norm_weight given; returns (y, x +
     residual), or y without a residual), `linear(silu_mul(x))` (silu), or plain `linear(x)`.
     weight is nn.Linear's [N, K]; activations round as `add_rmsnorm` / `silu_mul` do. dot:
@@ -295,9 +247,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     BLOCK_N, BLOCK_K, warps) at every row count instead of `linear_tiles`'. keys ([M] int64
     place. glu: weight is [gate | up] ([2N, K]) and y = silu_mul(x' @ weight.T), [M, N] (no
     bias, no keys). splits: K cut into up to this many ranges of whole K tiles, summed in
-    range order (`splitk`); the ranges follow from K and the tiles, not from M. rows (with
-    GEMV tiles holding all of K, one split): each program computes this many rows in turn
-    with the weight tile loaded once, every row by the same code at any M."""
+    range order (`splitk`); the ranges follow from K and the tiles, not from M."""
     m = x.shape[0]
     assert keys is None or (keys.shape == (m,) and keys.dtype == torch.int64)
     n, k = weight.shape
@@ -312,9 +262,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         bm, bn, bk, warps = tiles or linear_tiles(m, n, k, dot)
         assert bm == 1 or bm >= 16, "row blocks are GEMVs (1) or tl.dot tiles (16+)"
         r = residual if residual is not None else x
-        if rows:
-            assert bm == 1 and bk >= k and splits == 1, "rows: GEMV tiles over all of K"
-        grid = (triton.cdiv(m, rows or bm), triton.cdiv(n, bn))
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         s, split_k = splitk.split_plan(k, bk, splits)
         ws, cnt = splitk.workspace(x, grid[0] * grid[1], s, glu, bm, bn) if s > 1 else (y, y)
         _prologue_linear_kernel[grid + (s,)](
@@ -325,8 +273,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             HAS_RES=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32",
             ONE_LOAD=pro == 1 and k <= bk, ARGMAX=keys is not None, GLU=glu, SPLITS=s,
-            SPLIT_K=split_k if s > 1 else 0, ROWS=rows, num_warps=warps,
-            **pdl_args(x, always=True))
+            SPLIT_K=split_k if s > 1 else 0, num_warps=warps, **pdl_args(x, always=True))
     if keys is not None:
         y = keys
     return y if residual is None else (y, res_out)
