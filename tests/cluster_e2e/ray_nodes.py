@@ -127,4 +127,4 @@ def retry_agent(run, timeout: float = 120):
         done = run()
         if "No available agent" not in done.stdout + done.stderr or time.monotonic() > end:
             return done
-        time.sleep(1)
+        time.sleep(0.25)

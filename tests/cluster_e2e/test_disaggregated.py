@@ -4,6 +4,7 @@ EAGLE-3 → gRPC stream, against the engine's own colocated output."""
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
@@ -22,13 +23,23 @@ def cluster(served_cluster):
     return served_cluster.cluster, served_cluster.target
 
 
+def colocated(engine, prompts, **params) -> Future:
+    """The engine's own outputs of `prompts` (no prefix caching, as the actors run), computed
+    on a thread of their own: the test's requests to the cluster go on meanwhile."""
+    pool = ThreadPoolExecutor(1)
+    try:
+        return pool.submit(engine.with_config(enable_prefix_caching=False).generate, prompts,
+                           SamplingParams(**params))
+    finally:
+        pool.shutdown(wait=False)
+
+
 def test_disaggregated_greedy_equals_colocated(cluster, smol_engine, chat_ids):
     import ray
 
     c, target = cluster
     prompts = chat_ids[:8]
-    want = [c_.token_ids for c_ in smol_engine.with_config(enable_prefix_caching=False).generate(
-        prompts, SamplingParams(temperature=0, max_tokens=32))]
+    want = colocated(smol_engine, prompts, temperature=0, max_tokens=32)
     got = [None] * len(prompts)
 
     def run(i):
@@ -39,7 +50,7 @@ def test_disaggregated_greedy_equals_colocated(cluster, smol_engine, chat_ids):
     ts = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     [t.start() for t in ts]
     [t.join(300) for t in ts]
-    assert got == want
+    assert got == [c_.token_ids for c_ in want.result()]
     stats = ray.get([a.stats.remote() for a in c.prefills + c.decodes])
     assert all(s["blocks_free"] == s["blocks_total"] for s in stats)
     moved, paths = ray.get(c.prefills[0].__ray_call__.remote(
@@ -122,9 +133,8 @@ def test_a_stream_goes_on_when_its_decode_actor_dies(cluster, smol_engine, chat_
     import ray
 
     c, target = cluster
-    prompt, n = chat_ids[3], 64
-    want = smol_engine.with_config(enable_prefix_caching=False).generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+    prompt, n = chat_ids[3], 32
+    want = colocated(smol_engine, [prompt], temperature=0, max_tokens=n, ignore_eos=True)
     pid = lambda: ray.get(c.decodes[0].__ray_call__.remote(lambda node: os.getpid()))
     before, resumes = pid(), c.backend.resumes
     tokens, text, last, killed_at = [], "", None, None
@@ -137,6 +147,7 @@ def test_a_stream_goes_on_when_its_decode_actor_dies(cluster, smol_engine, chat_
             tokens += chunk.token_ids
             text += chunk.text
             last = chunk
+    want = want.result()[0]
     assert killed_at is not None and killed_at < n
     assert tokens == want.token_ids and text == want.text
     assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), n)
@@ -153,8 +164,7 @@ def test_a_request_waits_out_its_prefill_actors_restart(cluster, smol_engine, ch
 
     c, target = cluster
     prompt = chat_ids[4]
-    want = smol_engine.with_config(enable_prefix_caching=False).generate(
-        [prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+    want = colocated(smol_engine, [prompt], temperature=0, max_tokens=12)
     resumes = c.backend.resumes
     ray.kill(c.prefills[0], no_restart=False)
     for _ in range(100):  # until it refuses calls: the request must find it restarting
@@ -167,6 +177,7 @@ def test_a_request_waits_out_its_prefill_actors_restart(cluster, smol_engine, ch
         pytest.fail("the killed prefill actor kept answering")
     with Client(target, retries=0, timeout=300) as cl:
         got = cl.complete(token_ids=prompt, temperature=0, max_tokens=12)
+    want = want.result()[0]
     assert list(got.token_ids) == want.token_ids and got.text == want.text
     assert c.backend.resumes == resumes + 1
     stats = settled_stats(c)

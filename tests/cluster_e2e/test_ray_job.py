@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -67,10 +68,13 @@ def test_readme_ray_job_submit_serves_with_token_auth_on(ray_nodes, tmp_path):
     nodes = ray_nodes
     argv = _filled(argv, nodes, topology) + ["--demo", "Say hello.", "--max-tokens=8"]
     env = {**client_env(), **readme_env, "RAY_AUTH_TOKEN_PATH": nodes.token_path}
-    refused = _submit(client_env(), argv)
-    wrong = _submit({**client_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
-                    argv)
-    code, out = _submit(env, argv)
+    # The three submissions at once, each its own `ray job submit` process (the refused ones
+    # start no job, so they do not contend with the one that serves).
+    with ThreadPoolExecutor(3) as pool:
+        runs = [pool.submit(_submit, e, argv) for e in (
+            client_env(), {**client_env(), "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0" * 64},
+            env)]
+    refused, wrong, (code, out) = [r.result() for r in runs]
     assert refused[0] != 0 and "Missing authentication token" in refused[1], refused[1][-3000:]
     assert wrong[0] != 0 and "Invalid authentication token" in wrong[1], wrong[1][-3000:]
     assert code == 0, out[-3000:]
