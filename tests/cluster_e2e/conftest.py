@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -60,14 +61,42 @@ def served_cluster(session_ray):
     s.close()
 
 
-@pytest.fixture(scope="session")
-def ray_nodes():
-    """A Ray cluster of `ray start` processes of the session's own, token auth on
-    (`RayNodes`): a head with the custom resource node_a and a worker node with node_b.
-    test_ray_job submits to it, test_two_nodes places one actor on each node; each stops what
-    it started there."""
-    if RAY is None or TANDEM is None:
-        pytest.skip("ray / tandem executables not found")
-    with RayNodes(head_cpus=2, head_resources='{"node_a": 1}') as nodes:
+def _start_nodes() -> RayNodes:
+    """The head with the custom resource node_a, and a worker node with node_b."""
+    nodes = RayNodes(head_cpus=2, head_resources='{"node_a": 1}')
+    try:
         nodes.add(1, '{"node_b": 1}')
-        yield nodes
+    except BaseException:
+        nodes.close()
+        raise
+    return nodes
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_nodes_starting(request):
+    """`ray_nodes`' cluster, starting on a thread from the session's first cluster test on
+    where some test of the session uses it: its `ray start` processes come up while the tests
+    before that one run. The future of the started `RayNodes` (None where no test uses it or
+    the executables are missing); stopped at the end of the session."""
+    wanted = RAY is not None and TANDEM is not None and any(
+        "ray_nodes" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    if not wanted:
+        yield None
+        return
+    pool = ThreadPoolExecutor(1, thread_name_prefix="ray-nodes")
+    future = pool.submit(_start_nodes)
+    pool.shutdown(wait=False)
+    yield future
+    if future.exception() is None:  # (waits for the start to end either way)
+        future.result().close()
+
+
+@pytest.fixture(scope="session")
+def ray_nodes(ray_nodes_starting):
+    """A Ray cluster of `ray start` processes of the session's own, token auth on
+    (`RayNodes`): a head with the custom resource node_a and a worker node with node_b, once
+    both are up. test_ray_job submits to it, test_two_nodes places one actor on each node;
+    each stops what it started there."""
+    if ray_nodes_starting is None:
+        pytest.skip("ray / tandem executables not found")
+    return ray_nodes_starting.result()
