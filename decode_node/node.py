@@ -17,17 +17,14 @@ RECV_TIMEOUT_S = 60.0
 class DecodeNode(Node):
     """Plain class; cluster/launcher.py runs it as a Ray actor. The engine and the transport
     are imported in the actor (`node_common.node`), not where the class is placed.
-    `cpu_threads`: torch threads of an engine on the CPU (`engine.affinity.cpu_threads`; 0:
-    OMP_NUM_THREADS as the actor was started with, else its CPUs); None: as they are."""
+    `cpu_threads`: as `Node`'s."""
 
     def __init__(self, model: str | None, engine_kwargs: dict, transport: str = "ucx",
                  metrics_port: int | None = None, transport_kwargs: dict | None = None,
                  metrics_host: str = "127.0.0.1", cpu_threads: int | None = None):
-        from engine.affinity import use_cpu_threads
         from kvtransfer.factory import make_transport
 
-        use_cpu_threads(engine_kwargs.get("device"), cpu_threads)  # before the engine's threads
-        super().__init__("decode", model, engine_kwargs, metrics_port, metrics_host)
+        super().__init__("decode", model, engine_kwargs, metrics_port, metrics_host, cpu_threads)
         self.transport = make_transport(transport, self.layout, self.engine.kv_cache,
                                         **(transport_kwargs or {}))
         self._started = False

@@ -176,15 +176,19 @@ class Liveness:
 
 class Node(Liveness):
     """A node actor's engine, started on its own GPU and ready to serve, run by an
-    `EngineLoop`, with its metrics; the subclass adds its role's transport and calls."""
+    `EngineLoop`, with its metrics; the subclass adds its role's transport and calls.
+    `cpu_threads`: torch threads of an engine on the CPU (`engine.affinity.cpu_threads`; 0:
+    OMP_NUM_THREADS as the actor was started with, else its CPUs); None: as they are."""
 
     def __init__(self, role: str, model: str | None, engine_kwargs: dict,
-                 metrics_port: int | None, metrics_host: str):
+                 metrics_port: int | None, metrics_host: str, cpu_threads: int | None = None):
         from engine import Engine
+        from engine.affinity import use_cpu_threads
         from engine.loop import EngineLoop
         from kvtransfer.layout import BlockLayout
 
         started = time.perf_counter()
+        use_cpu_threads(engine_kwargs.get("device"), cpu_threads)  # before the engine's threads
         self.engine = Engine.from_pretrained(model, **on_own_gpu(engine_types(engine_kwargs)))
         # graphs captured, objects frozen, compiles logged and counted from here on
         self.engine.prepare_to_serve(started=started)
