@@ -13,18 +13,19 @@ gate and up columns and combines them as `silu_mul` would (the tiles' SiLU prolo
 down_proj was slower); `silu=True` still runs `silu_mul` before the projection.
 
 By default the tiles come from the weight's shape alone: 16 rows, LAYER_TILES for the decoder
-layer's projections, LOGITS_DOT_TILES for an LM head. ROW_TILES (opt-in, None by default)
-lets the decoder layer's projections take BLOCK_M and BLOCK_N by the launch's row count:
-narrow column tiles at one row (more programs for a latency-bound launch), 32-row tiles for a
-prefill. BLOCK_K and the warps stay LAYER_TILES', so each output element still accumulates the
-same k16 MMA steps in the same K order, and the norm prologue's per-row sums keep their layout
-along K. BLOCK_M stays 16 or 32: from 64 rows with 4 warps Triton computes `tl.dot` with
-Hopper's warp-group MMA instead of mma.sync, which need not round alike. Inside a CUDA graph
-the row count is the bucket's padded count, not the live rows': that is only sound because
-the tiles do not change a row's bits. Whether they do not is a property of the GPU's MMA, not
-shown by the interpreter: ROW_TILES stays opt-in until a GPU shows every row's bits unchanged
-across the table (tests/engine/test_invariant_row_tiles.py's GPU cases) and figure 6 stays
-100% identical. Set it for an A/B process with, e.g.,
+layer's projections (a small one without GLU walks K in fewer, longer steps: `layer_tiles`),
+LOGITS_DOT_TILES for an LM head. ROW_TILES (opt-in, None by default) lets the decoder layer's
+projections take BLOCK_M and BLOCK_N by the launch's row count: narrow column tiles at one row
+(more programs for a latency-bound launch), 32-row tiles for a prefill. BLOCK_K and the warps
+stay the shape's (`layer_tiles`), so each output element still accumulates the same k16 MMA
+steps in the same K order, and the norm prologue's per-row sums keep their layout along K.
+BLOCK_M stays 16 or 32: from 64 rows with 4 warps Triton computes `tl.dot` with Hopper's
+warp-group MMA instead of mma.sync, which need not round alike. Inside a CUDA graph the row
+count is the bucket's padded count, not the live rows': that is only sound because the tiles do
+not change a row's bits. Whether they do not is a property of the GPU's MMA, not shown by the
+interpreter: ROW_TILES stays opt-in until a GPU shows every row's bits unchanged across the
+table (tests/engine/test_invariant_row_tiles.py's GPU cases) and figure 6 stays 100% identical.
+Set it for an A/B process with, e.g.,
 `--set engine.ops.invariant.ROW_TILES=((1,16,16),(16,16,32),(1000000000,32,64))` (a Python
 literal: `10**9` is not one).
 
@@ -41,12 +42,17 @@ import torch
 
 from engine.attention.triton_backend import next_pow2
 from engine.ops.elementwise import silu_mul
-from engine.ops.prologue import LOGITS_DOT_TILES, prologue_linear
+from engine.ops.prologue import LINEAR_MAX_WEIGHT, LOGITS_DOT_TILES, prologue_linear
 
 BLOCK_M = 16  # rows of a tile by default: the smallest tensor-core block, so one row wastes least
 VOCAB_RATIO = 16  # N / K from which a weight is an LM head: LOGITS_DOT_TILES
 # (BLOCK_N, BLOCK_K, warps) of the decoder layer's projections.
 LAYER_TILES = (32, 128, 4)
+# A decoder-layer projection of at most LINEAR_MAX_WEIGHT elements and no GLU, latency-bound at
+# few rows, takes all of K in one tile up to WHOLE_K keys, else (16 columns, 512 keys): 22% less
+# time a layer at one row on an H100, less at 64 too (profile/det_tiles_e80366d.json). GLU keeps
+# LAYER_TILES (two whole-row weight tiles run slower), and so does split-K (LAYER_SPLITS > 1).
+WHOLE_K = 1024
 # K-splits of the decoder layer's projections (1: none; an A/B process sets it with
 # `--set engine.ops.invariant.LAYER_SPLITS=4`). More programs for a projection of few column
 # blocks and a long K, which at few rows is latency-bound walking K.
@@ -93,15 +99,25 @@ def row_tiles(table, m: int) -> tuple[int, int]:
     raise ValueError(f"ROW_TILES covers up to {table[-1][0]} rows, not {m}")
 
 
-def invariant_tiles(n: int, k: int, m: int | None = None) -> tuple[int, int, int, int]:
+def layer_tiles(n: int, k: int, glu: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps) of a decoder layer's projection of an [n, k] weight (n: the
+    gate's columns with `glu`), from its shape alone (see WHOLE_K)."""
+    bn, bk, warps = LAYER_TILES
+    if glu or n * k > LINEAR_MAX_WEIGHT or LAYER_SPLITS > 1:  # split-K walks K in LAYER_TILES
+        return bn, bk, warps
+    return (32, next_pow2(k, 16), warps) if k <= WHOLE_K else (16, 512, warps)
+
+
+def invariant_tiles(n: int, k: int, m: int | None = None,
+                    glu: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of the deterministic projection of an [n, k] weight
-    in a launch of m rows (in a CUDA graph, its bucket's padded count): from the shape alone,
-    but for a decoder layer's projection's BLOCK_M and BLOCK_N by m where ROW_TILES is set (m
-    None: only where they cannot depend on it)."""
+    (n: the gate's columns with `glu`) in a launch of m rows (in a CUDA graph, its bucket's
+    padded count): from the shape alone, but for a decoder layer's projection's BLOCK_M and
+    BLOCK_N by m where ROW_TILES is set (m None: only where they cannot depend on it)."""
     if n >= VOCAB_RATIO * k:
         bn, bk, warps = LOGITS_DOT_TILES
         return BLOCK_M, bn, min(bk, next_pow2(k, 16)), warps
-    bm, (bn, bk, warps) = BLOCK_M, LAYER_TILES
+    bm, (bn, bk, warps) = BLOCK_M, layer_tiles(n, k, glu)
     if ROW_TILES is not None:
         if m is None:
             raise ValueError("ROW_TILES is set: a decoder layer's tiles need the row count")
@@ -132,5 +148,5 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n, k = weight.shape
     n = n // 2 if glu else n
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
-                           residual=residual, glu=glu, tiles=invariant_tiles(n, k, x.shape[0]),
+                           residual=residual, glu=glu, tiles=invariant_tiles(n, k, x.shape[0], glu),
                            splits=invariant_splits(n, k))

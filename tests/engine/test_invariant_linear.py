@@ -59,7 +59,7 @@ def test_invariant_linear_rows_do_not_depend_on_the_launch(dtype, n, k):
 def test_gate_up_epilogue_rows_do_not_depend_on_the_launch(dtype, n, k):
     """gate_up with SiLU-and-mul in its epilogue (`glu`), after a norm of x + residual: each row
     alone equals the row among others, and every row equals `silu_mul` of the plain projection
-    bit for bit (the epilogue rounds where the separate kernel does)."""
+    bit for bit through the same tiles (the epilogue rounds where the separate kernel does)."""
     g = torch.Generator().manual_seed(n * k)
     rnd = _rnd(g, dtype)
     w, nw = rnd(2 * n, k) / 7, rnd(k)
@@ -71,20 +71,26 @@ def test_gate_up_epilogue_rows_do_not_depend_on_the_launch(dtype, n, k):
 
     _alone_equals_batched(glu, xr)
     act, res = glu(xr)
-    gu, res2 = ops.invariant_linear(xr[:, 0], w, norm_weight=nw, eps=1e-5, residual=xr[:, 1])
+    gu, res2 = ops.prologue_linear(xr[:, 0], w, norm_weight=nw, eps=1e-5, residual=xr[:, 1],
+                                   tiles=ops.invariant_tiles(n, k, 64, glu=True))
     assert act.shape == (64, n) and torch.equal(res, res2)
     assert torch.equal(act, ops.silu_mul(gu))
 
 
 def test_tiles_come_from_the_weight_shape_alone():
-    """16-row tensor-core tiles from the weight's shape, at any row count (ROW_TILES unset):
-    the decoder layer's projections one tile, an LM head its own."""
-    from engine.ops.invariant import BLOCK_M, LAYER_TILES, ROW_TILES
+    """16-row tensor-core tiles from the weight's shape, at any row count (ROW_TILES unset): a
+    small decoder-layer projection all of K in one tile up to WHOLE_K keys, else 512-key
+    tiles; GLU and large weights LAYER_TILES; an LM head its own."""
+    from engine.ops.invariant import BLOCK_M, LAYER_TILES, ROW_TILES, WHOLE_K
 
-    assert ROW_TILES is None
-    for n, k in [(960, 576), (576, 576), (3072, 576), (576, 1536)]:
+    assert ROW_TILES is None and BLOCK_M == 16 and WHOLE_K == 1024
+    want = {(960, 576, False): (32, 1024), (576, 576, False): (32, 1024),
+            (40, 48, False): (32, 64), (576, 1536, False): (16, 512),
+            (1536, 576, True): LAYER_TILES[:2], (4096, 4096, False): LAYER_TILES[:2],
+            (14336, 4096, True): LAYER_TILES[:2]}
+    for (n, k, glu), (bn, bk) in want.items():
         for m in (None, 1, 17, 2048):
-            assert ops.invariant_tiles(n, k, m) == (BLOCK_M, *LAYER_TILES) and BLOCK_M == 16
+            assert ops.invariant_tiles(n, k, m, glu) == (16, bn, bk, LAYER_TILES[2])
     for m in (None, 1, 2048):
         assert ops.invariant_tiles(49152, 576, m) == (16, *ops.LOGITS_DOT_TILES)
 

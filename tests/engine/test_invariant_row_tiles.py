@@ -40,14 +40,14 @@ def _parts(out):
 
 def test_table_picks_tiles_by_row_count(consts):
     """The first entry whose max_rows holds the launch's rows gives BLOCK_M and BLOCK_N; BLOCK_K
-    and the warps stay LAYER_TILES', an LM head keeps its tiles, the splits follow the shape."""
+    and the warps stay the shape's, an LM head keeps its tiles, the splits follow the shape."""
     consts(TABLE)
-    _, bk, warps = invariant.LAYER_TILES
     want = {0: (16, 16), 1: (16, 16), 2: (16, 32), 16: (16, 32), 17: (32, 64), 2048: (32, 64)}
     for m, (bm, bn) in want.items():
-        for n, k in [(960, 576), (3072, 576), (576, 1536)]:
-            assert invariant.invariant_tiles(n, k, m) == (bm, bn, bk, warps)
-        assert invariant.invariant_tiles(40, 48, m) == (bm, bn, 64, warps)  # K in one tile
+        for n, k, glu in [(960, 576, False), (1536, 576, True), (576, 1536, False)]:
+            _, bk, warps = invariant.layer_tiles(n, k, glu)
+            assert invariant.invariant_tiles(n, k, m, glu) == (bm, bn, bk, warps)
+        assert invariant.invariant_tiles(40, 48, m) == (bm, bn, 64, 4)  # K in one tile
         assert invariant.invariant_tiles(49152, 576, m) == (16, *ops.LOGITS_DOT_TILES)
     assert invariant.invariant_splits(576, 1536) == 1
     with pytest.raises(ValueError, match="row count"):
@@ -202,7 +202,7 @@ def test_rows_alone_equal_batched_gpu(consts, table, splits, n, k, glu, norm):
     consts(table, splits)
     half = n // 2 if glu else n
     counts = (1, *BATCHES)
-    assert len({invariant.invariant_tiles(half, k, m) for m in counts}) == (
+    assert len({invariant.invariant_tiles(half, k, m, glu) for m in counts}) == (
         1 if table is None else len(counts))
     proj, rows = _layer(n, k, glu, norm)
     alone = _alone(proj, rows)
