@@ -262,7 +262,7 @@ class Engine:
     def prepare_to_serve(self, progress: bool = False, started: float | None = None,
                          batch_sizes=None, long_context: bool | None = None) -> int:
         """What a serving process does once before its first request: capture every graph
-        (`capture_graphs`; CUDA only), run one short request (`warmup.warm_request`, on an
+        (`capture_graphs`; CUDA only), run one request (`warmup.warm_request`, on an
         idle engine), exempt the objects alive then from the garbage
         collector (`collector.freeze_long_lived`), and from then on log and count each Triton
         kernel compiled (`jit_watch.warn_after`): either would otherwise stall running streams.

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from engine.engine import Engine
 
 log = logging.getLogger(__name__)
-# The warm-up request: prompt and output tokens (greedy, EOS ignored).
+# The warm-up request: prompt and output tokens (greedy, EOS ignored); on CUDA the prompt is
+# one whole prefill chunk where it fits (`warm_prompt_tokens`).
 WARM_PROMPT_TOKENS = 24
 WARM_OUTPUT_TOKENS = 8
 
@@ -118,7 +119,7 @@ def prepare_to_serve(eng: Engine, progress: bool = False, started: float | None 
 
 
 def warm_request(eng: Engine) -> bool:
-    """One short greedy request through the whole step path (admission, prefill, decode or
+    """One greedy request through the whole step path (admission, prefill, decode or
     speculative steps, output), so the first real request does not pay for what is built on
     first use (allocator pools, caches, first-call paths). Only on an idle engine, whose
     requests it would otherwise step; returns whether it ran. Its blocks are free after."""
@@ -127,7 +128,7 @@ def warm_request(eng: Engine) -> bool:
     if eng.has_unfinished() or eng.held or eng.reserved:
         return False
     vocab = eng.config.model.vocab_size
-    ids = [(7 * i + 3) % vocab for i in range(WARM_PROMPT_TOKENS)]
+    ids = [(7 * i + 3) % vocab for i in range(warm_prompt_tokens(eng))]
     eng.add_request(ids, SamplingParams(temperature=0, max_tokens=WARM_OUTPUT_TOKENS,
                                         ignore_eos=True))
     while eng.has_unfinished():
@@ -135,6 +136,21 @@ def warm_request(eng: Engine) -> bool:
     if eng.spec is not None:  # its first-call step times would misprice drafting
         eng.spec.policy.forget()
     return True
+
+
+def warm_prompt_tokens(eng: Engine) -> int:
+    """Prompt tokens of the warm-up request. On CUDA, a whole prefill chunk where the context
+    limit and half the free KV blocks hold it: a chunk longer than the captured prefill graphs
+    runs eagerly, with kernel variants of its own (heads per rotary program) that would
+    otherwise compile while the first long prompt waits. Elsewhere WARM_PROMPT_TOKENS."""
+    cfg = eng.config
+    if not str(cfg.device).startswith("cuda"):
+        return WARM_PROMPT_TOKENS
+    room = eng.blocks.num_free // 2 * cfg.block_size
+    lookahead = cfg.spec.num_tokens + 1 if cfg.spec is not None else 0
+    fits = min(cfg.max_num_batched_tokens, cfg.max_model_len - WARM_OUTPUT_TOKENS - lookahead,
+               room - WARM_OUTPUT_TOKENS - lookahead)
+    return max(WARM_PROMPT_TOKENS, fits)
 
 
 def prepare_on_first_use(eng: Engine, batch: int) -> None:

@@ -115,6 +115,29 @@ def test_prepare_to_serve_runs_one_request_through_an_idle_engine(watch, monkeyp
     assert ran == [] and fresh.ready is not None
 
 
+def test_on_cuda_the_warm_up_prompt_is_one_whole_prefill_chunk():
+    """A chunk past the captured prefill graphs runs eagerly with kernel variants of its own,
+    so the warm-up prompt on CUDA is one whole chunk, within the context limit (less the
+    output and the drafts' lookahead) and half the free KV blocks; never below the short
+    prompt, which is all the CPU runs."""
+    from types import SimpleNamespace as NS
+
+    from engine.config import SpecConfig
+
+    def eng(device="cuda:0", free=1000, spec=None, max_len=8192):
+        cfg = NS(device=device, block_size=16, spec=spec, max_num_batched_tokens=2048,
+                 max_model_len=max_len)
+        return NS(config=cfg, blocks=NS(num_free=free))
+
+    short, out = warmup.WARM_PROMPT_TOKENS, warmup.WARM_OUTPUT_TOKENS
+    assert warmup.warm_prompt_tokens(eng("cpu")) == short
+    assert warmup.warm_prompt_tokens(eng()) == 2048
+    assert warmup.warm_prompt_tokens(eng(spec=SpecConfig(num_tokens=5), max_len=1000)) == \
+        1000 - out - 6
+    assert warmup.warm_prompt_tokens(eng(free=41)) == 20 * 16 - out
+    assert warmup.warm_prompt_tokens(eng(free=2)) == short
+
+
 def test_the_warm_up_request_teaches_dynamic_k_nothing(watch):
     """Dynamic K starts the first real request as a fresh engine would: the warm-up's steps
     (first calls, mispriced) leave no step costs or verdicts behind, and the graph levels
