@@ -50,8 +50,9 @@ VOCAB_RATIO = 16  # N / K from which a weight is an LM head: LOGITS_DOT_TILES
 LAYER_TILES = (32, 128, 4)
 # A decoder-layer projection of at most LINEAR_MAX_WEIGHT elements and no GLU, latency-bound at
 # few rows, takes all of K in one tile up to WHOLE_K keys, else (16 columns, 512 keys): 22% less
-# time a layer at one row on an H100, less at 64 too (profile/det_tiles_e80366d.json). GLU keeps
-# LAYER_TILES (two whole-row weight tiles run slower), and so does split-K (LAYER_SPLITS > 1).
+# time a layer at one row on an H100, less at 64 too (profile/det_tiles_e80366d.json), but long
+# prefill chunks slower (profile/det64_cc08510.json). GLU keeps LAYER_TILES (two whole-row
+# weight tiles run slower), and so does split-K (LAYER_SPLITS > 1).
 WHOLE_K = 1024
 # K-splits of the decoder layer's projections (1: none; an A/B process sets it with
 # `--set engine.ops.invariant.LAYER_SPLITS=4`). More programs for a projection of few column
