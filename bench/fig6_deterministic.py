@@ -421,7 +421,7 @@ def plot_deterministic(plt, res):
     a.set_yticks([i + 0.2 for i in range(len(names))], names, fontsize=8)
     a.invert_yaxis()
     a.set_xlabel("share of streams identical to the lone no-speculation run")
-    a.legend(loc="lower left")
+    a.legend(loc="lower left", bbox_to_anchor=(0, 1), ncol=2, frameon=False)  # above the bars
     cells = [(f"{s.removeprefix('streams_')} x {k}", c)
              for s, row in res.get("cost", {}).items() for k, c in row.items()]
     for j, (m, _) in enumerate(MODES):
