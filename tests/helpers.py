@@ -3,12 +3,14 @@ rule."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import pytest
 import torch
 
 from engine.testing import tiny_engine
 
-__all__ = ["TIE_EPS", "compare_with_ties", "one_thread", "tiny_engine"]
+__all__ = ["TIE_EPS", "background", "compare_with_ties", "one_thread", "tiny_engine"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -34,3 +36,12 @@ def compare_with_ties(ours: list[int], ref: list[int], ref_logits: torch.Tensor 
         return False, False
     top2 = torch.topk(ref_logits[j].float(), 2).values
     return False, bool(top2[0] - top2[1] < TIE_EPS)
+
+
+def background(fn, *args, name: str = "background") -> Future:
+    """fn(*args) started on a thread of its own (named `name`), which ends with it; its Future."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.cluster_e2e.ray_nodes import NODE_GPUS, RAY, TANDEM, RayNodes, torch_threads
+from tests.helpers import background
 
 
 @pytest.fixture(scope="session")
@@ -83,9 +83,7 @@ def ray_nodes_starting(request):
     if not wanted:
         yield None
         return
-    pool = ThreadPoolExecutor(1, thread_name_prefix="ray-nodes")
-    future = pool.submit(_start_nodes)
-    pool.shutdown(wait=False)
+    future = background(_start_nodes, name="ray-nodes")
     yield future
     if future.exception() is None:  # (waits for the start to end either way)
         future.result().close()

@@ -4,7 +4,7 @@ EAGLE-3 → gRPC stream, against the engine's own colocated output."""
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import pytest
 
@@ -15,6 +15,7 @@ from cluster.soak import settled_stats  # noqa: E402
 from engine import SamplingParams  # noqa: E402
 from tandem_client import Client  # noqa: E402
 from tandem_client.errors import InvalidArgumentError  # noqa: E402
+from tests.helpers import background  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +27,8 @@ def cluster(served_cluster):
 def colocated(engine, prompts, **params) -> Future:
     """The engine's own outputs of `prompts` (no prefix caching, as the actors run), computed
     on a thread of their own: the test's requests to the cluster go on meanwhile."""
-    pool = ThreadPoolExecutor(1)
-    try:
-        return pool.submit(engine.with_config(enable_prefix_caching=False).generate, prompts,
-                           SamplingParams(**params))
-    finally:
-        pool.shutdown(wait=False)
+    return background(engine.with_config(enable_prefix_caching=False).generate, prompts,
+                      SamplingParams(**params))
 
 
 def test_disaggregated_greedy_equals_colocated(cluster, smol_engine, chat_ids):
