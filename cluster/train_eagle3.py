@@ -290,14 +290,16 @@ def engine_acceptance(engine: Engine, head: Eagle3Head, prompts: list, k: int,
                       max_tokens: int) -> dict:
     """Greedy speculative decoding on `prompts`: acceptance length and per-position rates of
     the head's own drafts (context drafts off: copies from the context are not the head's).
-    The engine gets the KV blocks every prompt's answer can fill at once, and no more."""
+    The engine gets the KV blocks every prompt's answer can fill at once, and no more, and
+    replays no graphs: on CUDA a fresh engine's `generate` would otherwise decode plainly while
+    its speculative graphs wait (`engine/warming.py`), and report no verify step at all."""
     ids = [engine.encode_prompt(p if isinstance(p, list) else [{"role": "user", "content": p}])
            for p in prompts]
     bs = engine.config.block_size
     blocks = sum(-(-(len(i) + max_tokens + k + 1) // bs) for i in ids)
     spec = Engine(replace(engine.config, spec=SpecConfig(num_tokens=k, dynamic=False,
                                                        context_drafts=False),
-                          num_blocks=blocks + 8),
+                          num_blocks=blocks + 8, cuda_graphs=False),
                   weights_of=engine, draft_head=head)
     t0 = time.perf_counter()
     spec.generate(ids, SamplingParams(temperature=0, max_tokens=max_tokens))

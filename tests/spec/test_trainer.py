@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from cluster import train_eagle3
 from cluster.eagle3.loop import PLAN_AFTER, train
 from cluster.eagle3.records import draft_vocab, self_distill
 from cluster.eagle3.ttt import expected_acceptance
@@ -15,6 +16,7 @@ from engine import Engine, SamplingParams
 from engine.attention import TorchAttention
 from engine.config import SpecConfig
 from engine.spec.eagle3 import Eagle3Config, load_head, save_head
+from engine.testing import random_head
 from tests.helpers import tiny_engine
 
 
@@ -273,3 +275,19 @@ def test_bad_numbers_and_a_missing_head_are_refused_before_the_model_loads(capsy
                                ("init", str(tmp_path), "no EAGLE-3 head there")]:
         assert run(SimpleNamespace(**{**ok, field: value})) == 2
         assert text in capsys.readouterr().out
+
+
+def test_engine_acceptance_speculates_from_its_first_step(monkeypatch):
+    """The held-out engine acceptance of `tandem train-eagle3`: its engine replays no graphs,
+    so on CUDA its first `generate` cannot decode plainly while speculative graphs wait
+    (`engine/warming.py`): a domain run there read 0 verify steps for every domain and K."""
+    eng = tiny_engine(0, enable_prefix_caching=False)
+    eng.tokenizer = _Tok()
+    built = []
+    real = train_eagle3.Engine
+    monkeypatch.setattr(train_eagle3, "Engine",
+                        lambda cfg, **kw: built.append(cfg) or real(cfg, **kw))
+    got = train_eagle3.engine_acceptance(eng, random_head(eng), ["first prompt", "second"], 3, 12)
+    assert [c.cuda_graphs for c in built] == [False]
+    assert got["k"] == 3 and got["verify_steps"] > 0 and got["acceptance_length"] >= 1
+    assert len(got["accept_rate_per_pos"]) == 3
