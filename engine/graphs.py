@@ -432,6 +432,11 @@ class GraphSet:
                 out = self.fn(ids, pos, meta, *extras)
             finally:
                 g.capture_end()
+        # A graph's first launch uploads it to the device, a cost per graph that would fall on
+        # the first request replaying it: launch it once now, on the stream that replays it
+        # (it repeats the warm-up run's writes, from the same static inputs).
+        torch.cuda.current_stream().wait_stream(stream)
+        g.replay()
         self.graphs[(b, q, long)] = (g, out)
 
     def run(self, inp: PackedInputs, extras: Sequence[torch.Tensor] = (),
