@@ -1,8 +1,9 @@
 """Figure 1: SmolLM2 single-stream tokens/s. Headline: the engine's default speculation
-against none on each domain's held-out split (`cluster.prompt_sets.domains()`), the acceptance
-of its drafts by position, and how long an engine takes to be ready and to serve its first
-request. Beside it, a table of speculation variants against HF `generate` (eager, and static
-cache + torch.compile; `bench.engine_vs_hf`) on the general held-out prompts, in the same run."""
+against none and against the --fig1-domain-variants challengers on each domain's held-out split
+(`cluster.prompt_sets.domains()`), the acceptance of its drafts by position, and how long an
+engine takes to be ready and to serve its first request. Beside it, a table of speculation
+variants against HF `generate` (eager, and static cache + torch.compile;
+`bench.engine_vs_hf`) on the general held-out prompts, in the same run."""
 
 from __future__ import annotations
 
@@ -173,36 +174,48 @@ def time_to_ready(args, spec, prompt: list[int] | list[dict], n: int) -> tuple[o
         "compiles_per_request": compiles}
 
 
-def headline(args, res: dict, spec, n: int) -> None:
+def headline(args, res: dict, spec, n: int, challengers: dict) -> None:
     """Time to ready and the first request (an engine with the default speculation, built
-    before any other of this figure), then each domain's held-out prompts on that engine and
-    on one without speculation; `res["ready"]`, `res["domains"]`, the headline and goals."""
+    before any other of this figure), then each domain's held-out prompts on that engine, on
+    one without speculation and on one per challenger ({name: SpecConfig}, derived from it as
+    the table derives its variants); `res["ready"]`, `res["domains"]`, the headline, goals."""
     names = domain_names(args.fig1_domains)
     prompts = domain_prompts(names, args.fig1_domain_prompts)
     res["config"]["domains"] = {d: len(p) for d, p in prompts.items()}
+    res["config"]["domain_variants"] = list(challengers)
     res["domains"], outs = {}, {}
     try:
         log("fig 1: time to ready (Engine.from_pretrained, default speculation)")
         first = held_out_messages(1, args.prompt_offset + args.fig1_prompts + 3)[0]
-        eng, res["ready"] = time_to_ready(args, spec, first, n)
-        log(f"fig 1: {eng.ready}; first request {res['ready']['first_over_steady']}x steady")
-        for name in ("engine_default", "no_spec"):
-            eng = eng if name == "engine_default" else eng.with_config(spec=None)
+        default, res["ready"] = time_to_ready(args, spec, first, n)
+        log(f"fig 1: {default.ready}; first request {res['ready']['first_over_steady']}x steady")
+        for name, cfg in {"engine_default": spec, "no_spec": None, **challengers}.items():
+            try:  # one engine at a time beside the default's, whose weights the others share
+                eng = default if name == "engine_default" else default.with_config(spec=cfg)
+            except Exception:  # noqa: BLE001 - each domain records it; the next variant runs
+                eng, failed = None, traceback.format_exc()
             for d, msgs in prompts.items():
                 row = res["domains"].setdefault(d, {"prompts": len(msgs)})
                 try:
+                    if eng is None:
+                        raise RuntimeError(f"engine not built:\n{failed}")
                     ids = [eng.encode_prompt(m) for m in msgs]
                     row["prompt_tokens"] = [len(p) for p in ids]
                     row[name] = run_single(args, eng, ids, n)
                     outs.setdefault(d, {})[name] = row[name].pop("_outs")
                 except Exception:  # noqa: BLE001 - one domain failing leaves the others
                     row[name] = {"error": traceback.format_exc()}
-                log(f"fig 1: {d} {name}: {row[name].get('tokens_per_s')} tok/s, "
-                    f"acceptance {row[name].get('acceptance_length')}")
+                tps = row[name].get("tokens_per_s")
+                vs = "" if name in ("engine_default", "no_spec") else \
+                    f", {ratio(tps, row.get('engine_default', {}).get('tokens_per_s'))}x default"
+                log(f"fig 1: {d} {name}: {tps} tok/s, "
+                    f"acceptance {row[name].get('acceptance_length')}{vs}")
+            eng = None
+            free_memory()
     except Exception:  # noqa: BLE001 - the variant table still runs
         res["ready"] = res.get("ready") or {"error": traceback.format_exc()}
         res["domains_error"] = traceback.format_exc()
-    eng = None
+    eng = default = None
     free_memory()
     domain_summary(res, outs)
 
@@ -210,11 +223,15 @@ def headline(args, res: dict, spec, n: int) -> None:
 def domain_summary(res: dict, outs: dict) -> None:
     """Per domain (`res["domains"]`): the default's ratio to no speculation, its acceptance,
     and how many of its streams are token-identical to no speculation's (`outs`: {domain:
-    {variant: streams}}); then `res["headline"]` and the goals, from those numbers."""
-    ratios = {}
+    {variant: streams}}), and each challenger's (`res["config"]["domain_variants"]`) ratio to
+    the default; then `res["headline"]` and the goals, from those numbers."""
+    ratios, names = {}, res["config"].get("domain_variants") or []
     for d, row in res["domains"].items():
         mine, ref = row.get("engine_default", {}), row.get("no_spec", {})
         ratios[d] = row["vs_no_spec"] = ratio(mine.get("tokens_per_s"), ref.get("tokens_per_s"))
+        for c in names:
+            if "tokens_per_s" in row.get(c, {}):
+                row[c]["vs_default"] = ratio(row[c]["tokens_per_s"], mine.get("tokens_per_s"))
         row["acceptance_length"] = mine.get("acceptance_length")
         row["per_position_acceptance"] = mine.get("per_position_acceptance")
         a, b = outs.get(d, {}).get("engine_default"), outs.get(d, {}).get("no_spec")
@@ -229,9 +246,13 @@ def domain_summary(res: dict, outs: dict) -> None:
         "per_domain": {d: {"no_spec": row.get("no_spec", {}).get("tokens_per_s"),
                            "engine_default": row.get("engine_default", {}).get("tokens_per_s"),
                            "vs_no_spec": row["vs_no_spec"],
-                           "acceptance_length": row["acceptance_length"]}
+                           "acceptance_length": row["acceptance_length"],
+                           "challengers": {c: {k: row.get(c, {}).get(k)
+                                               for k in ("tokens_per_s", "vs_default")}
+                                           for c in names}}
                        for d, row in res["domains"].items()},
-        "min_vs_no_spec": worst, "best_domain": best, "best_vs_no_spec": measured.get(best)}
+        "min_vs_no_spec": worst, "best_domain": best, "best_vs_no_spec": measured.get(best),
+        "challengers": challenger_summary(res["domains"], names)}
     first = res.get("ready", {}).get("first_over_steady")
     res.setdefault("goals", {}).update({
         # a domain that failed to measure fails the goal
@@ -243,19 +264,52 @@ def domain_summary(res: dict, outs: dict) -> None:
         "engine_default_best_domain": best,
         f"first_request_within_{GOAL_FIRST}x_steady": None if first is None else
             first <= GOAL_FIRST,
+        "engine_default_best_across_domains":
+            default_best(res["headline"]["challengers"], len(res["domains"])),
     })
+
+
+def challenger_summary(rows: dict, names: list[str]) -> dict:
+    """Per challenger, over the domains' rows: those where it is faster than engine_default
+    (both measured), and the least and mean of its measured ratios to engine_default."""
+    out = {}
+    for c in names:
+        got = [r[c]["vs_default"] for r in rows.values()
+               if r.get(c, {}).get("vs_default") is not None]
+        out[c] = {"beats_default_on": [
+            d for d, r in rows.items() if r.get(c, {}).get("tokens_per_s") is not None
+            and r.get("engine_default", {}).get("tokens_per_s") is not None
+            and r[c]["tokens_per_s"] > r["engine_default"]["tokens_per_s"]],
+            "min_vs_default": min(got, default=None),
+            "mean_vs_default": rnd(statistics.fmean(got)) if got else None}
+    return out
+
+
+def default_best(challengers: dict, domains: int) -> bool | None:
+    """False when some challenger is faster than engine_default on each of the `domains`
+    domains (one that failed to measure is not beaten), else True; None when no challenger
+    measured a ratio."""
+    ran = [s for s in challengers.values() if s["min_vs_default"] is not None]
+    if not ran or not domains:
+        return None
+    return not any(len(s["beats_default_on"]) == domains for s in ran)
+
+
+def spec_variants(args, spec) -> dict:
+    """Every speculation setting of the variant table, by name."""
+    dyn = f"eagle3_dynamic_k{args.dynamic_k}"
+    return {"no_spec": None, "eagle3_k5": eagle(args, 5, False, False),
+            "eagle3_k7": eagle(args, 7, False, False),
+            dyn: eagle(args, args.dynamic_k, True, False),
+            "eagle3_k5_context": eagle(args, 5, False, True),
+            "eagle3_k7_context": eagle(args, 7, False, True),
+            f"{dyn}_context": eagle(args, args.dynamic_k, True, True),
+            "ngram_k5": ngram(5), "engine_default": spec}
 
 
 def table_variants(args, spec) -> dict:
     """The variant table's speculation settings by name, those --fig1-table keeps."""
-    dyn = f"eagle3_dynamic_k{args.dynamic_k}"
-    variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False, False),
-                "eagle3_k7": eagle(args, 7, False, False),
-                dyn: eagle(args, args.dynamic_k, True, False),
-                "eagle3_k5_context": eagle(args, 5, False, True),
-                "eagle3_k7_context": eagle(args, 7, False, True),
-                f"{dyn}_context": eagle(args, args.dynamic_k, True, True),
-                "ngram_k5": ngram(5), "engine_default": spec}
+    variants = spec_variants(args, spec)
     if args.fig1_table.strip() == "all":
         return variants
     keep = [v.strip() for v in args.fig1_table.split(",") if v.strip() and v.strip() != "none"]
@@ -265,17 +319,33 @@ def table_variants(args, spec) -> dict:
     return {v: variants[v] for v in keep}
 
 
+def domain_variants(args, spec) -> dict:
+    """The table's settings --fig1-domain-variants names, by name: the headline's challengers
+    of engine_default on every domain (it and no_spec run there anyway, so are not named)."""
+    have = {k: v for k, v in spec_variants(args, spec).items()
+            if k not in ("no_spec", "engine_default")}
+    names = [v.strip() for v in args.fig1_domain_variants.split(",") if v.strip()]
+    bad = [v for v in names if v not in have]
+    if bad:
+        raise ValueError(f"--fig1-domain-variants: unknown {bad}; have {list(have)} "
+                         "(no_spec and engine_default run on every domain anyway), or empty")
+    return {v: have[v] for v in dict.fromkeys(names)}
+
+
 def fig_single_stream(args, res: dict) -> None:
     n = args.fig1_tokens
-    msgs = held_out_messages(args.fig1_prompts, args.prompt_offset)
     spec = engine_default(args)
+    # both lists checked before anything runs: a misspelt name fails in seconds, not after
+    # the headline
+    variants, challengers = table_variants(args, spec), domain_variants(args, spec)
+    msgs = held_out_messages(args.fig1_prompts, args.prompt_offset)
     res["config"] = {"prompts": len(msgs), "max_tokens": n, "ignore_eos": True,
                      "greedy": True, "prefix_caching": False, "num_blocks": args.num_blocks,
                      "prompt_source": "held-out split of cluster/prompt_sets.py",
                      "tokens_per_s": "generated tokens / wall time of each generate call, "
                                      "prefill included, one prompt at a time",
                      "engine_default_spec": asdict(spec)}
-    headline(args, res, spec, n)
+    headline(args, res, spec, n, challengers)
     log("fig 1: loading SmolLM2 + EAGLE-3 head")
     base = load_smol(args, spec=eagle(args, 5, False))
     res["config"]["model"] = base.config.model.name
@@ -291,7 +361,6 @@ def fig_single_stream(args, res: dict) -> None:
     # beside tandem's over all of them
     hf_prompts = prompts[:args.fig1_hf_prompts or None]
     res["config"]["hf_prompts"] = len(hf_prompts)
-    variants = table_variants(args, spec)
     runs: dict[str, dict] = {}
     res["tandem"] = runs
     for name, cfg in variants.items():

@@ -1,10 +1,12 @@
 """Figure 1's headline (bench/fig1_single_stream.py): the engine's default speculation
-against none on each domain's held-out split, per-position acceptance, time to ready and the
-first request; every derived field and goal follows from the measured numbers."""
+against none and against the --fig1-domain-variants challengers on each domain's held-out
+split, per-position acceptance, time to ready and the first request; every derived field and
+goal follows from the measured numbers."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 from tests.helpers import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 DOMAINS = ("code", "math")
+CHALLENGER = "eagle3_k7_context"
 
 
 def test_per_position_counts_the_verifies_between_two_readings():
@@ -51,7 +54,10 @@ def test_the_headline_and_goals_follow_from_each_domains_numbers():
     assert (head["best_domain"], head["best_vs_no_spec"], head["min_vs_no_spec"]) == \
         ("code", 3.2, 2.6)
     assert head["per_domain"]["math"] == {"no_spec": 100.0, "engine_default": 260.0,
-                                          "vs_no_spec": 2.6, "acceptance_length": 3.0}
+                                          "vs_no_spec": 2.6, "acceptance_length": 3.0,
+                                          "challengers": {}}
+    assert head["challengers"] == {}
+    assert res["goals"]["engine_default_best_across_domains"] is None
     goals = res["goals"]
     assert goals["engine_default_at_least_2.5x_no_spec_every_domain"] is True
     assert goals["engine_default_best_domain_above_3x"] is True
@@ -79,8 +85,10 @@ def fig1(tmp_path_factory) -> dict:
                        "--num-blocks", "256", "--fig1-prompts", "1", "--fig1-tokens", "6",
                        "--fig1-hf-prompts", "1", "--fig1-domains", ",".join(DOMAINS),
                        "--fig1-domain-prompts", "2", "--fig1-table", "no_spec,engine_default",
-                       "--out", str(out)])
+                       "--fig1-domain-variants", CHALLENGER, "--out", str(out)])
     res = json.loads((out / "fig1_single_stream.json").read_text())
+    # the plot ignores the challengers (skipped where matplotlib is not installed)
+    assert res["png"].startswith(("fig1_single_stream.png", "skipped")), res["png"]
     assert code == 0 and "error" not in res and "domains_error" not in res, res
     return res
 
@@ -123,3 +131,114 @@ def test_time_to_ready_first_request_and_goals_are_recorded(fig1):
     assert goals["engine_default_best_domain_above_3x"] == (max(ratios.values()) > 3)
     assert goals["first_request_within_1.2x_steady"] == (ready["first_over_steady"] <= 1.2)
     assert {"no_spec_at_least_1500_tok_s", "best_eagle3_vs_no_spec"} <= set(goals)
+
+
+def with_challengers(default_tps: dict, challengers: dict) -> dict:
+    """summary_input's result with each challenger's tokens/s per domain (None: it failed)."""
+    res = summary_input(default_tps)
+    res["config"]["domain_variants"] = list(challengers)
+    for c, tps in challengers.items():
+        for d, t in tps.items():
+            res["domains"][d][c] = {"error": "Traceback ..."} if t is None else \
+                {"tokens_per_s": t, "acceptance_length": 3.5}
+    return res
+
+
+def test_a_challenger_faster_on_every_domain_unseats_the_default():
+    from bench.fig1_single_stream import domain_summary
+
+    res = with_challengers({"code": 300.0, "math": 250.0},
+                           {"fast": {"code": 330.0, "math": 275.0},
+                            "slow": {"code": 150.0, "math": 200.0}})
+    domain_summary(res, {})
+    assert res["domains"]["code"]["fast"]["vs_default"] == 1.1
+    head = res["headline"]
+    assert head["per_domain"]["math"]["challengers"] == {
+        "fast": {"tokens_per_s": 275.0, "vs_default": 1.1},
+        "slow": {"tokens_per_s": 200.0, "vs_default": 0.8}}
+    assert head["challengers"] == {
+        "fast": {"beats_default_on": ["code", "math"], "min_vs_default": 1.1,
+                 "mean_vs_default": 1.1},
+        "slow": {"beats_default_on": [], "min_vs_default": 0.5, "mean_vs_default": 0.65}}
+    assert res["goals"]["engine_default_best_across_domains"] is False
+
+
+def test_a_challenger_faster_on_all_but_one_domain_leaves_the_default_best():
+    from bench.fig1_single_stream import domain_summary
+
+    res = with_challengers({"code": 300.0, "math": 250.0, "json": 200.0},
+                           {"fast": {"code": 330.0, "math": 275.0, "json": 190.0}})
+    domain_summary(res, {})
+    assert res["headline"]["challengers"]["fast"]["beats_default_on"] == ["code", "math"]
+    assert res["headline"]["challengers"]["fast"]["min_vs_default"] == 0.95
+    assert res["goals"]["engine_default_best_across_domains"] is True
+
+    # a domain the challenger failed on is not beaten there
+    res = with_challengers({"code": 300.0, "math": 250.0},
+                           {"fast": {"code": 330.0, "math": None}})
+    domain_summary(res, {})
+    assert res["headline"]["challengers"]["fast"] == {
+        "beats_default_on": ["code"], "min_vs_default": 1.1, "mean_vs_default": 1.1}
+    assert res["goals"]["engine_default_best_across_domains"] is True
+
+    # no challenger measured: no verdict
+    res = with_challengers({"code": 300.0}, {"fast": {"code": None}})
+    domain_summary(res, {})
+    assert res["goals"]["engine_default_best_across_domains"] is None
+
+
+def parsed(*argv: str):
+    import argparse
+
+    from bench import suite
+
+    p = argparse.ArgumentParser()
+    suite.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_domain_variants_are_the_tables_settings_by_name():
+    from bench.fig1_single_stream import domain_variants, engine_default, spec_variants
+
+    args = parsed()
+    spec = engine_default(args)
+    table = spec_variants(args, spec)
+    got = domain_variants(args, spec)
+    assert list(got) == ["eagle3_k7_context", "eagle3_dynamic_k7_context"]
+    assert all(got[v] == table[v] for v in got)
+    assert domain_variants(parsed("--fig1-domain-variants", ""), spec) == {}
+    args = parsed("--fig1-domain-variants", "ngram_k5, eagle3_k5,ngram_k5")
+    assert list(domain_variants(args, spec)) == ["ngram_k5", "eagle3_k5"]
+
+
+@pytest.mark.parametrize("names", ["eagle3_k9", "eagle3_k5,no_spec", "engine_default"])
+def test_an_unknown_domain_variant_fails_before_anything_runs(names, monkeypatch):
+    from bench import fig1_single_stream as fig1
+
+    def ran(*_a, **_k):
+        raise AssertionError("ran before the names were checked")
+
+    monkeypatch.setattr(fig1, "held_out_messages", ran)
+    monkeypatch.setattr(fig1, "headline", ran)
+    with pytest.raises(ValueError, match="--fig1-domain-variants: unknown"):
+        fig1.fig_single_stream(parsed("--fig1-domain-variants", names), {})
+
+
+def test_each_challenger_runs_on_every_domain_against_the_default(fig1):
+    from bench.common import ratio
+
+    assert fig1["config"]["domain_variants"] == [CHALLENGER]
+    head, beats = fig1["headline"], []
+    for d, row in fig1["domains"].items():
+        mine, ref = row[CHALLENGER], row["engine_default"]
+        assert mine["tokens"] == 2 * 6, d
+        assert mine["vs_default"] == ratio(mine["tokens_per_s"], ref["tokens_per_s"])
+        assert head["per_domain"][d]["challengers"][CHALLENGER] == {
+            "tokens_per_s": mine["tokens_per_s"], "vs_default": mine["vs_default"]}
+        if mine["tokens_per_s"] > ref["tokens_per_s"]:
+            beats.append(d)
+    vs = [r[CHALLENGER]["vs_default"] for r in fig1["domains"].values()]
+    assert head["challengers"][CHALLENGER] == {
+        "beats_default_on": beats, "min_vs_default": min(vs),
+        "mean_vs_default": round(statistics.fmean(vs), 3)}
+    assert fig1["goals"]["engine_default_best_across_domains"] == (beats != list(DOMAINS))
