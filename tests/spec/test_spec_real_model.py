@@ -19,10 +19,10 @@ NEW_TOKENS = 20
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 # Measured on CPU fp32: tokens per target forward of the shipped head at K=5 on the first 8
 # held-out prompts of the kept prompt sets (assets/prompt_sets.json.gz, never trained on), 64
-# tokens, stopping at EOS: 3.145 for the 7168-id head of 2026-12-04 (the 4096-id head before
-# it: 2.717; the one before that, trained on the base set alone: 2.586). The floor leaves a
-# margin for numerics across machines.
-ACCEPTANCE_FLOOR_K5 = 3.0
+# tokens, stopping at EOS: 2.948 for the domain-mix head of 2026-12-06, which gave up this
+# general set's last few percent for the other domains (the general-set heads before it: 3.145,
+# 2.717, 2.586). The floor leaves a margin for numerics across machines.
+ACCEPTANCE_FLOOR_K5 = 2.8
 FLOOR_TOKENS = 64  # as when the floor was measured
 RUNS = [("eagle3", 1), ("eagle3", 3), ("eagle3", 5), ("ngram", 5)]
 
