@@ -131,8 +131,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="EAGLE-3 drafts from the context too (SpecConfig.context_drafts; "
                         "default: its default). Figure 1 runs both.")
     p.add_argument("--quiet-cpus", type=int, default=4, metavar="N",
-                   help="on a GPU, keep the host thread on the N quietest CPUs, timed at start "
-                        "(engine/affinity.py; 0: leave the affinity alone)")
+                   help="on a GPU, keep the host thread on the N quietest CPUs, timed at start, "
+                        "less busy ones (engine/affinity.py; 0: leave the affinity alone)")
     p.add_argument("--accept-model", choices=("geometric", "runs"), default="geometric",
                    help="how dynamic K predicts a K-draft step's tokens (SpecConfig)")
     g = p.add_argument_group("figure 1 (single stream)")

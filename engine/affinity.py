@@ -91,16 +91,31 @@ def cpu_speeds(rounds: int = 3, reps: int = 300) -> dict[int, float]:
     return speeds
 
 
+# A CPU whose probe takes this many times the quietest CPU's is busy with other work: a thread
+# allowed onto it runs there part of the time, so it is left out even when fewer than asked
+# are quiet.
+BUSY_OVER_QUIETEST = 1.25
+
+
+def quiet_cpus(speeds: dict[int, float], count: int) -> list[int]:
+    """The `count` quietest CPUs of `speeds` (probe microseconds per CPU), less those busy
+    (BUSY_OVER_QUIETEST); at least the quietest one."""
+    order = sorted(speeds, key=speeds.get)
+    best = speeds[order[0]]
+    return sorted(c for c in order[:count] if speeds[c] <= BUSY_OVER_QUIETEST * best)
+
+
 def pin_quiet_cpus(count: int = 4, rounds: int = 3) -> dict:
     """Keep the calling thread, and threads it starts from now on, on the `count` quietest
-    allowed CPUs (`cpu_speeds`). Returns the CPUs' speeds and the choice (for a benchmark's
-    JSON); with `count` covering every allowed CPU, or off Linux, changes nothing."""
+    allowed CPUs that are not busy (`cpu_speeds`, `quiet_cpus`). Returns the CPUs' speeds and
+    the choice (for a benchmark's JSON); with `count` covering every allowed CPU, or off Linux,
+    changes nothing."""
     if not hasattr(os, "sched_setaffinity"):
         return {"pinned": None, "why": "no sched_setaffinity here"}
     allowed = sorted(os.sched_getaffinity(0))
     if count <= 0 or count >= len(allowed):
         return {"pinned": None, "why": f"{len(allowed)} CPUs allowed, {count} asked"}
     speeds = cpu_speeds(rounds)
-    chosen = sorted(sorted(speeds, key=speeds.get)[:count])
+    chosen = quiet_cpus(speeds, count)
     os.sched_setaffinity(0, chosen)
     return {"pinned": chosen, "probe_us": {c: round(t, 3) for c, t in speeds.items()}}
