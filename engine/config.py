@@ -272,13 +272,16 @@ class EngineConfig:
             return self.attention_backend
         from engine.attention import triton_available
 
-        on_cuda = str(self.device).startswith("cuda")
-        return "triton" if on_cuda and triton_available() else "torch"
+        return "triton" if self.on_cuda and triton_available() else "torch"
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the engine runs on a CUDA device ("cuda" or "cuda:N")."""
+        return str(self.device).startswith("cuda")
 
     @property
     def use_cuda_graphs(self) -> bool:
-        return (self.cuda_graphs and str(self.device).startswith("cuda")
-                and self.backend_name == "triton")
+        return self.cuda_graphs and self.on_cuda and self.backend_name == "triton"
 
     @property
     def num_kv_layers(self) -> int:

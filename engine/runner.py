@@ -66,7 +66,7 @@ def cache_blocks(cfg: EngineConfig) -> int:
     """How many KV blocks the engine's budget holds: `kv_cache_bytes`, or on CUDA a share of
     the memory free now (so engines sharing a GPU, or weights, each fit)."""
     budget = cfg.kv_cache_bytes
-    if str(cfg.device).startswith("cuda"):
+    if cfg.on_cuda:
         torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(cfg.device)
         budget = int(free * cfg.gpu_memory_utilization)

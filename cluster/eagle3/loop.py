@@ -46,7 +46,7 @@ def train(engine: Engine, train_records, eval_records, vocab_ids, *, unroll=5, e
     state, on the same records and settings, as if never stopped; `stop()`, asked after each
     step, ends this run early (info["stopped"])."""
     cfg = engine.config
-    on_gpu = str(cfg.device).startswith("cuda")
+    on_gpu = cfg.on_cuda
     if on_gpu:
         # The records on the device once, rather than each batch copying its answers'
         # features from host memory; and TF32 matmuls.
