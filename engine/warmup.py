@@ -144,7 +144,7 @@ def warm_prompt_tokens(eng: Engine) -> int:
     runs eagerly, with kernel variants of its own (heads per rotary program) that would
     otherwise compile while the first long prompt waits. Elsewhere WARM_PROMPT_TOKENS."""
     cfg = eng.config
-    if not str(cfg.device).startswith("cuda"):
+    if not cfg.on_cuda:
         return WARM_PROMPT_TOKENS
     room = eng.blocks.num_free // 2 * cfg.block_size
     lookahead = cfg.spec.num_tokens + 1 if cfg.spec is not None else 0

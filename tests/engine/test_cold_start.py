@@ -125,8 +125,8 @@ def test_on_cuda_the_warm_up_prompt_is_one_whole_prefill_chunk():
     from engine.config import SpecConfig
 
     def eng(device="cuda:0", free=1000, spec=None, max_len=8192):
-        cfg = NS(device=device, block_size=16, spec=spec, max_num_batched_tokens=2048,
-                 max_model_len=max_len)
+        cfg = NS(device=device, on_cuda=device.startswith("cuda"), block_size=16, spec=spec,
+                 max_num_batched_tokens=2048, max_model_len=max_len)
         return NS(config=cfg, blocks=NS(num_free=free))
 
     short, out = warmup.WARM_PROMPT_TOKENS, warmup.WARM_OUTPUT_TOKENS
