@@ -32,7 +32,7 @@ from cluster.eagle3 import resume
 from cluster.eagle3.loop import head_backend, train
 from cluster.eagle3.records import draft_vocab, load_records, save_records, self_distill
 from cluster.eagle3.ttt import evaluate, expected_acceptance
-from cluster.eagle3.vocab import extend_vocab, fit_lm_head
+from cluster.eagle3.vocab import extend_vocab, fit_lm_head, revise_vocab
 from engine import Engine, EngineConfig, SamplingParams, ops
 from engine.config import SpecConfig
 from engine.spec.eagle3 import Eagle3Config, Eagle3Head
@@ -145,7 +145,7 @@ def _resumed(args, key: dict) -> dict:
         return {}
     path = os.path.join(args.out, "resume.pt")
     key = {"records": key, **{k: getattr(args, k, None) for k in (
-        "init", "draft_vocab", "unroll", "epochs", "lr", "batch_size", "max_seconds",
+        "init", "draft_vocab", "revocab", "unroll", "epochs", "lr", "batch_size", "max_seconds",
         "log_every")}}
     state = resume.load_state(path, key)
     if state is not None:
@@ -165,6 +165,8 @@ def _refused(args) -> str | None:
         return "--data-only needs --records FILE (or --resume) to write the records to"
     if args.lm_head_only and not args.init:
         return "--lm-head-only fits the LM head of an --init head"
+    if getattr(args, "revocab", False) and not args.init:
+        return "--revocab rebuilds the draft vocabulary of an --init head"
     if getattr(args, "stop_after", None) and not resuming:
         return "--stop-after needs --resume: a run it ends is continued by the next"
     if resuming and args.lm_head_only:
@@ -246,18 +248,21 @@ def _records(args, engine: Engine, train_p: list, eval_p: list, device: str, key
 
 def _initial_head(args, engine: Engine, tr, device: str):
     """The --init head (None without one), its draft vocabulary grown to --draft-vocab ids
-    where that is larger, and the target ids that growth added (None where it added none)."""
+    where that is larger (with --revocab: rebuilt from these records' answers), and the
+    target ids that added (None where it added none)."""
     if not args.init:
         return None, None
     init = load_head(args.init, engine.config.model, head_backend(engine.config.block_size),
                      device=device)
-    if args.draft_vocab <= init.cfg.draft_vocab_size:
+    revise = getattr(args, "revocab", False)
+    if args.draft_vocab <= init.cfg.draft_vocab_size and not revise:
         return init, None
     before = init.draft_to_target.cpu()
-    init = extend_vocab(init, tr, args.draft_vocab)
+    init = (revise_vocab if revise else extend_vocab)(init, tr, args.draft_vocab)
     after = init.draft_to_target.cpu()
-    print(f"draft vocabulary {len(before)} -> {len(after)}")
-    return init, after[~torch.isin(after, before)]
+    added = after[~torch.isin(after, before)]
+    print(f"draft vocabulary {len(before)} -> {len(after)} ids, {len(added)} new")
+    return init, added if len(added) else None
 
 
 def _recipe(args, target: str, device: str, train_p, eval_p, tr, vocab_size: int,
@@ -351,6 +356,10 @@ def add_parser(sub, help_: str) -> None:
     p.add_argument("--num-prompts", type=int, default=None, help="cap the prompt set")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--draft-vocab", type=int, default=4096)
+    p.add_argument("--revocab", action="store_true",
+                   help="with --init: the draft vocabulary becomes the --draft-vocab most "
+                        "frequent tokens of these answers (rows of the tokens kept carry over, "
+                        "new ones start at zero), not the --init head's grown")
     p.add_argument("--unroll", type=int, default=5)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)

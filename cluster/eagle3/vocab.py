@@ -24,11 +24,29 @@ def extend_vocab(head: Eagle3Head, records: list[Record], size: int) -> Eagle3He
     counts = response_counts(records, head.cfg.vocab_size)
     counts[old] = -1
     new = most_frequent(counts, min(max(size - len(old), 0), int((counts > 0).sum())))
-    ids = torch.cat([old, new])
-    order = ids.argsort()
+    return with_vocab(head, torch.cat([old, new]))
+
+
+def revise_vocab(head: Eagle3Head, records: list[Record], size: int) -> Eagle3Head:
+    """A copy of `head` whose draft vocabulary is the `size` most frequent response tokens of
+    `records` (ties: lower id): for a head trained on other answers, whose vocabulary lacks
+    the new data's frequent tokens while holding tokens it seldom uses. Rows of the tokens it
+    keeps are kept, the others start at zero (as `extend_vocab`'s)."""
+    return with_vocab(head, most_frequent(response_counts(records, head.cfg.vocab_size), size))
+
+
+def with_vocab(head: Eagle3Head, ids: torch.Tensor) -> Eagle3Head:
+    """A copy of `head` drafting target ids `ids` (any order; stored sorted): the trained
+    rows of the ids it had, zero rows for the others; the body as it was."""
+    old = head.draft_to_target.cpu()
+    ids = ids.cpu().unique()  # sorted
     dev = head.lm_head.weight.device
-    rows = torch.cat([head.lm_head.weight.detach().float(),
-                      torch.zeros(len(new), head.lm_head.weight.shape[1], device=dev)])
+    at = torch.full((head.cfg.vocab_size,), -1, dtype=torch.int64)
+    at[old] = torch.arange(len(old))
+    src = at[ids]
+    rows = torch.zeros(len(ids), head.lm_head.weight.shape[1], device=dev)
+    kept = src >= 0
+    rows[kept.to(dev)] = head.lm_head.weight.detach().float()[src[kept].to(dev)]
     cfg = replace(head.cfg, draft_vocab_size=len(ids))
     with torch.device(dev):
         out = Eagle3Head(cfg, head.midlayer.self_attn.backend)
@@ -37,8 +55,8 @@ def extend_vocab(head: Eagle3Head, records: list[Record], size: int) -> Eagle3He
     missing, _ = out.load_state_dict(body, strict=False)
     assert set(missing) <= {"lm_head.weight", "d2t", "t2d"}, missing
     with torch.no_grad():
-        out.lm_head.weight.copy_(rows[order.to(dev)].to(out.lm_head.weight.dtype))
-    out.set_vocab(ids[order].to(dev))
+        out.lm_head.weight.copy_(rows.to(out.lm_head.weight.dtype))
+    out.set_vocab(ids.to(dev))
     return out.to(head.lm_head.weight.dtype).eval()
 
 

@@ -272,7 +272,8 @@ def test_bad_numbers_and_a_missing_head_are_refused_before_the_model_loads(capsy
                                ("batch_size", 0, "--batch-size must be positive"),
                                ("max_seconds", 0.0, "--max-seconds must be positive"),
                                ("eval_prompts", -1, "--eval-prompts must be 0 or more"),
-                               ("init", str(tmp_path), "no EAGLE-3 head there")]:
+                               ("init", str(tmp_path), "no EAGLE-3 head there"),
+                               ("revocab", True, "--revocab rebuilds the draft vocabulary")]:
         assert run(SimpleNamespace(**{**ok, field: value})) == 2
         assert text in capsys.readouterr().out
 
@@ -291,3 +292,35 @@ def test_engine_acceptance_speculates_from_its_first_step(monkeypatch):
     assert [c.cuda_graphs for c in built] == [False]
     assert got["k"] == 3 and got["verify_steps"] > 0 and got["acceptance_length"] >= 1
     assert len(got["accept_rate_per_pos"]) == 3
+
+
+def test_revised_vocab_is_the_new_answers_most_frequent_tokens_with_kept_rows():
+    """`revise_vocab`: the draft vocabulary becomes the records' `size` most frequent
+    response tokens, whatever the head had; rows of tokens it keeps are the trained ones, new
+    rows zero, the body unchanged; the head still serves losslessly."""
+    from cluster.eagle3.records import most_frequent, response_counts
+    from cluster.eagle3.vocab import revise_vocab
+
+    prompts = [f"revise prompt {i} of {w}" for i, w in enumerate("abcdefghijklmn")]
+    eng, recs, held = _distilled(prompts, 12, 24)
+    first = draft_vocab(recs[:3], 24, 256)  # a vocabulary of other (fewer) answers
+    head, _ = train(eng, recs[:3], held, first, unroll=2, epochs=1, lr=3e-3, batch_size=4,
+                    log_every=100)
+    new = revise_vocab(head, recs, 20)
+    ids = new.draft_to_target.cpu()
+    want = most_frequent(response_counts(recs, 256), 20).sort().values
+    assert torch.equal(ids, want) and new.cfg.draft_vocab_size == 20
+    kept = ids[torch.isin(ids, first)]
+    assert 0 < len(kept) < 20  # some rows carried over, some new
+    row = {int(t): i for i, t in enumerate(first)}
+    at = {int(t): i for i, t in enumerate(ids)}
+    for t in ids.tolist():
+        got = new.lm_head.weight[at[t]]
+        assert torch.equal(got, head.lm_head.weight[row[t]]) if t in row else (got == 0).all()
+    assert torch.equal(new.fc.weight, head.fc.weight)
+    spec = Engine(replace(eng.config, spec=SpecConfig(num_tokens=3, dynamic=False)),
+                  weights_of=eng, draft_head=new)
+    sp = SamplingParams(temperature=0, max_tokens=16)
+    ids_in = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    assert [c.token_ids for c in spec.generate(ids_in, sp)] == \
+        [c.token_ids for c in eng.generate(ids_in, sp)]
