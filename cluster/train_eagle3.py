@@ -249,7 +249,7 @@ def _records(args, engine: Engine, train_p: list, eval_p: list, device: str, key
 def _initial_head(args, engine: Engine, tr, device: str):
     """The --init head (None without one), its draft vocabulary grown to --draft-vocab ids
     where that is larger (with --revocab: rebuilt from these records' answers), and the
-    target ids that added (None where it added none)."""
+    target ids that added (None where the vocabulary stayed as it was)."""
     if not args.init:
         return None, None
     init = load_head(args.init, engine.config.model, head_backend(engine.config.block_size),
@@ -262,7 +262,7 @@ def _initial_head(args, engine: Engine, tr, device: str):
     after = init.draft_to_target.cpu()
     added = after[~torch.isin(after, before)]
     print(f"draft vocabulary {len(before)} -> {len(after)} ids, {len(added)} new")
-    return init, added if len(added) else None
+    return init, added
 
 
 def _recipe(args, target: str, device: str, train_p, eval_p, tr, vocab_size: int,
