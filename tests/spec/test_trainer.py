@@ -45,6 +45,16 @@ def _distilled(prompts: list[str], n_train: int, tokens: int):
     return eng, recs, held
 
 
+def _serves_like_plain(eng, head, max_tokens: int) -> bool:
+    """Whether greedy output with `head` drafting (K=3) equals plain decoding's."""
+    spec = Engine(replace(eng.config, spec=SpecConfig(num_tokens=3, dynamic=False)),
+                  weights_of=eng, draft_head=head)
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens)
+    ids = [[5, 6, 7, 8, 9], [40, 41, 42]]
+    return [c.token_ids for c in spec.generate(ids, sp)] == \
+        [c.token_ids for c in eng.generate(ids, sp)]
+
+
 def test_trainer_runs_end_to_end_and_learns(tmp_path):
     prompts = [f"prompt number {i} about {w}" for i, w in enumerate("abcdefghijklmnopqrst")]
     eng, recs, held = _distilled(prompts, 16, 24)
@@ -249,12 +259,7 @@ def test_vocab_extension_keeps_trained_rows_and_the_fit_moves_only_new_ones():
     assert torch.equal(after, old_rows)
     assert not torch.equal(big.lm_head.weight[pos[int(added[0])]],
                            eng.model.lm_head.weight[int(added[0])])
-    spec = Engine(replace(eng.config, spec=SpecConfig(num_tokens=3, dynamic=False)),
-                  weights_of=eng, draft_head=big)
-    sp = SamplingParams(temperature=0, max_tokens=20)
-    ids_in = [[5, 6, 7, 8, 9], [40, 41, 42]]
-    assert [c.token_ids for c in spec.generate(ids_in, sp)] == \
-        [c.token_ids for c in eng.generate(ids_in, sp)]
+    assert _serves_like_plain(eng, big, 20)
 
 
 def test_bad_numbers_and_a_missing_head_are_refused_before_the_model_loads(capsys, tmp_path):
@@ -318,9 +323,4 @@ def test_revised_vocab_is_the_new_answers_most_frequent_tokens_with_kept_rows():
         got = new.lm_head.weight[at[t]]
         assert torch.equal(got, head.lm_head.weight[row[t]]) if t in row else (got == 0).all()
     assert torch.equal(new.fc.weight, head.fc.weight)
-    spec = Engine(replace(eng.config, spec=SpecConfig(num_tokens=3, dynamic=False)),
-                  weights_of=eng, draft_head=new)
-    sp = SamplingParams(temperature=0, max_tokens=16)
-    ids_in = [[5, 6, 7, 8, 9], [40, 41, 42]]
-    assert [c.token_ids for c in spec.generate(ids_in, sp)] == \
-        [c.token_ids for c in eng.generate(ids_in, sp)]
+    assert _serves_like_plain(eng, new, 16)
