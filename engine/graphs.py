@@ -405,9 +405,8 @@ class GraphSet:
         self.buf[o["lens"]: o["lens"] + b] = q
         ids, pos, meta, extras = self._views(b, q, long)
         if self._stream is None:
-            # Our own side stream on this set's device: torch.cuda.graph's default capture
-            # stream is one per process, made on whichever device captured first, so a second
-            # engine on another GPU would capture onto the first GPU's stream.
+            # Our own side stream on this set's device: torch.cuda.graph's default one is made
+            # on whichever device captured first, so another GPU's engine would capture on it.
             self._stream = torch.cuda.Stream(device=self.device)
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
@@ -432,9 +431,8 @@ class GraphSet:
                 out = self.fn(ids, pos, meta, *extras)
             finally:
                 g.capture_end()
-        # A graph's first launch uploads it to the device, a cost per graph that would fall on
-        # the first request replaying it: launch it once now, on the stream that replays it
-        # (it repeats the warm-up run's writes, from the same static inputs).
+        # Launched once now, on the stream that replays it: a graph's first launch uploads it
+        # (else paid by the first request); same static inputs, so the warm-up run's writes.
         torch.cuda.current_stream().wait_stream(stream)
         g.replay()
         self.graphs[(b, q, long)] = (g, out)
