@@ -1,7 +1,7 @@
 """Helpers the benchmark figures share: logging, the environment record, ratios and rounding,
-held-out prompts, graph pre-capture, the SmolLM2 engines and random-weight ones, speculation
-counters, and ways to run prompts (each alone, arriving apart, handed from a prefill engine to
-a decode one)."""
+challengers against the engine's default speculation, held-out prompts, graph pre-capture, the
+SmolLM2 engines and random-weight ones, speculation counters, and ways to run prompts (each
+alone, arriving apart, handed from a prefill engine to a decode one)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import sys
 import time
 import traceback
@@ -123,6 +124,33 @@ def rnd(x, n: int = 3):
 
 def ratio(a, b):
     return None if a is None or not b else round(a / b, 3)
+
+
+def challenger_summary(rows: dict, names: list[str]) -> dict:
+    """Per challenger, over rows keyed by what was measured (a domain, a concurrency), each
+    {variant: {"tokens_per_s", "vs_default"}}: the keys where it is faster than engine_default
+    (both measured), and the least and mean of its measured ratios to engine_default."""
+    out = {}
+    for c in names:
+        got = [r[c]["vs_default"] for r in rows.values()
+               if r.get(c, {}).get("vs_default") is not None]
+        out[c] = {"beats_default_on": [
+            d for d, r in rows.items() if r.get(c, {}).get("tokens_per_s") is not None
+            and r.get("engine_default", {}).get("tokens_per_s") is not None
+            and r[c]["tokens_per_s"] > r["engine_default"]["tokens_per_s"]],
+            "min_vs_default": min(got, default=None),
+            "mean_vs_default": rnd(statistics.fmean(got)) if got else None}
+    return out
+
+
+def default_best(challengers: dict, rows: int) -> bool | None:
+    """False when some challenger (`challenger_summary`) is faster than engine_default on each
+    of the `rows` rows (one that failed to measure is not beaten), else True; None when no
+    challenger measured a ratio."""
+    ran = [s for s in challengers.values() if s["min_vs_default"] is not None]
+    if not ran or not rows:
+        return None
+    return not any(len(s["beats_default_on"]) == rows for s in ran)
 
 
 def held_out_messages(n: int, offset: int = 0) -> list[list[dict]]:
@@ -276,6 +304,14 @@ def decode_path() -> str | None:
         if table is not None:
             return "byte table" if table else "tokenizer"
     return None
+
+
+def engine_default(args):
+    """What an engine given `spec=SpecConfig()` runs: every field at its default (--head
+    names another EAGLE-3 head)."""
+    from engine.config import SpecConfig
+
+    return SpecConfig(head=args.head)
 
 
 def eagle(args, k: int, dynamic: bool, context: bool | None = None):

@@ -14,7 +14,10 @@ from dataclasses import asdict
 
 from bench.common import (
     acceptance,
+    challenger_summary,
+    default_best,
     eagle,
+    engine_default,
     first_diff,
     free_memory,
     head_summary,
@@ -40,15 +43,6 @@ GOAL_EVERY = 2.5  # the default's tokens/s over no speculation, on every domain'
 GOAL_BEST = 3.0  # ... and beyond this on the best domain
 GOAL_FIRST = 1.2  # the first request after ready, over the same request's steady latency
 STEADY_REPS = 3  # runs of that request after the first: their median is the steady latency
-
-
-
-def engine_default(args):
-    """What an engine given `spec=SpecConfig()` runs: every field at its default (--head
-    names another EAGLE-3 head)."""
-    from engine.config import SpecConfig
-
-    return SpecConfig(head=args.head)
 
 
 def domain_names(text: str) -> list[str]:
@@ -267,32 +261,6 @@ def domain_summary(res: dict, outs: dict) -> None:
         "engine_default_best_across_domains":
             default_best(res["headline"]["challengers"], len(res["domains"])),
     })
-
-
-def challenger_summary(rows: dict, names: list[str]) -> dict:
-    """Per challenger, over the domains' rows: those where it is faster than engine_default
-    (both measured), and the least and mean of its measured ratios to engine_default."""
-    out = {}
-    for c in names:
-        got = [r[c]["vs_default"] for r in rows.values()
-               if r.get(c, {}).get("vs_default") is not None]
-        out[c] = {"beats_default_on": [
-            d for d, r in rows.items() if r.get(c, {}).get("tokens_per_s") is not None
-            and r.get("engine_default", {}).get("tokens_per_s") is not None
-            and r[c]["tokens_per_s"] > r["engine_default"]["tokens_per_s"]],
-            "min_vs_default": min(got, default=None),
-            "mean_vs_default": rnd(statistics.fmean(got)) if got else None}
-    return out
-
-
-def default_best(challengers: dict, domains: int) -> bool | None:
-    """False when some challenger is faster than engine_default on each of the `domains`
-    domains (one that failed to measure is not beaten), else True; None when no challenger
-    measured a ratio."""
-    ran = [s for s in challengers.values() if s["min_vs_default"] is not None]
-    if not ran or not domains:
-        return None
-    return not any(len(s["beats_default_on"]) == domains for s in ran)
 
 
 def spec_variants(args, spec) -> dict:

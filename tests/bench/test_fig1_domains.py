@@ -198,7 +198,8 @@ def parsed(*argv: str):
 
 
 def test_domain_variants_are_the_tables_settings_by_name():
-    from bench.fig1_single_stream import domain_variants, engine_default, spec_variants
+    from bench.common import engine_default
+    from bench.fig1_single_stream import domain_variants, spec_variants
 
     args = parsed()
     spec = engine_default(args)
