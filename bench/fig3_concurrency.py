@@ -1,5 +1,7 @@
-"""Figure 3: SmolLM2 throughput against concurrent streams, speculation against none; burst
-and steady measures, the variants taking turns in every repetition."""
+"""Figure 3: SmolLM2 throughput against concurrent streams. Headline: the engine's default
+speculation against none, and its challengers (fixed K=5, dynamic K up to --dynamic-k,
+--fig3-candidate) against it; burst and steady measures, the variants taking turns in every
+repetition."""
 
 from __future__ import annotations
 
@@ -7,11 +9,14 @@ import json
 import os
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 from bench.common import (
     acceptance,
+    challenger_summary,
+    default_best,
     eagle,
+    engine_default,
     free_memory,
     head_summary,
     held_out_messages,
@@ -28,6 +33,12 @@ from bench.common import (
     sync,
 )
 from engine.loader import shipped_head
+
+DEFAULT = "engine_default"  # the variant the goals judge: what an engine speculates by default
+GOAL_NO_SPEC = 0.97  # the default's least ratio to no speculation, at every concurrency
+# Per measure: the prefix of its row keys (tokens_per_s, vs_no_spec, vs_default) and of its
+# summary's key (ratio_vs_no_spec).
+MEASURES = {"burst": "", "steady": "steady_", "steady_mixed": "steady_mixed_"}
 
 
 def fig_concurrency(args, res: dict) -> None:
@@ -48,7 +59,7 @@ def fig_concurrency(args, res: dict) -> None:
                                    "recorded. steady mixed: the same "
                                    "with output lengths uniform in [n/2, 3n/2] (one seeded "
                                    "list for all variants), so no-spec streams do not all "
-                                   "finish in one step. The three variants' engines stay "
+                                   "finish in one step. All variants' engines stay "
                                    "alive and take turns in every repetition (the order "
                                    "rotated each time, bench.suite.turns)",
                      "prompts": "held-out split of cluster/prompt_sets.py, cycled"}
@@ -58,18 +69,20 @@ def fig_concurrency(args, res: dict) -> None:
     msgs = held_out_messages(max(conc), args.prompt_offset)
     prompts = [base.encode_prompt(m) for m in msgs]
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-    dyn = f"eagle3_dynamic_k{args.dynamic_k}"
-    variants = {"no_spec": None, "eagle3_k5": eagle(args, 5, False),
-                dyn: eagle(args, args.dynamic_k, True)}
-    candidates = candidate_variants(dyn, args.fig3_candidate)
-    keys = {name: name[len(dyn) + 1:] for name in candidates}  # "candidate", "candidate2", ...
+    spec = engine_default(args)
+    res["config"]["engine_default_spec"] = asdict(spec)
+    variants = {"no_spec": None, DEFAULT: spec, "eagle3_k5": eagle(args, 5, False),
+                f"eagle3_dynamic_k{args.dynamic_k}": eagle(args, args.dynamic_k, True)}
+    candidates = candidate_variants(DEFAULT, args.fig3_candidate)
+    keys = {name: name[len(DEFAULT) + 1:] for name in candidates}  # "candidate", ...
     for name, fields in candidates.items():
-        # dynamic K with some SpecConfig fields changed, in turns with the rest
-        variants[name] = replace(variants[dyn], **fields)
+        # the default with some SpecConfig fields changed, in turns with the rest
+        variants[name] = replace(spec, **fields)
         key = keys[name]
         res["config"][key] = fields
         if fields.get("head"):  # a second head in turns with the first (head A/B at c streams)
             res["config"][f"{key}_eagle3_head"] = head_summary(fields["head"])
+    res["config"]["challengers"] = [v for v in variants if v not in ("no_spec", DEFAULT)]
     table: dict[str, list[dict]] = {name: [] for name in variants}
     res["runs"] = table
     traces: dict[str, list] = {}  # --fig3-trace
@@ -161,27 +174,7 @@ def fig_concurrency(args, res: dict) -> None:
         log(f"fig 3: c={c} host probe {probes[str(c)]}")
     engines = eng = base = None
     free_memory()
-    # Per measure: the rows' throughput key, their ratio key, the summary's key.
-    measures = {"burst": ("tokens_per_s", "vs_no_spec", "ratio_vs_no_spec"),
-                "steady": ("steady_tokens_per_s", "steady_vs_no_spec",
-                           "steady_ratio_vs_no_spec"),
-                "steady_mixed": ("steady_mixed_tokens_per_s", "steady_mixed_vs_no_spec",
-                                 "steady_mixed_ratio_vs_no_spec")}
-    goals = {}
-    for measure, (tps, vs, summary) in measures.items():
-        ref = {r["concurrency"]: r[tps] for r in table["no_spec"]}
-        res[summary] = {}
-        for name in variants:
-            if name == "no_spec":
-                continue
-            for r in table[name]:
-                r[vs] = ratio(r[tps], ref[r["concurrency"]])
-            res[summary][name] = {str(r["concurrency"]): r[vs] for r in table[name]}
-        low = min(r[vs] for r in table[dyn])
-        goals[f"dynamic_at_least_0.97x_no_spec_everywhere_{measure}"] = low >= 0.97
-        goals[f"dynamic_min_ratio_{measure}"] = low
-        for name, key in keys.items():
-            goals[f"{key}_min_ratio_{measure}"] = min(r[vs] for r in table[name])
+    concurrency_summary(res, list(keys.values()))
     if args.fig3_trace:
         os.makedirs(args.out, exist_ok=True)
         path = os.path.join(args.out, "fig3_trace.json")
@@ -190,9 +183,54 @@ def fig_concurrency(args, res: dict) -> None:
         res["trace"] = os.path.basename(path)
         res["trace_burst_wall_ms"] = walls
     res["break_even_fixed_k5"] = break_even(table["eagle3_k5"])
-    res["goals"] = goals
-    dyn_min = goals["dynamic_min_ratio_burst"]
-    log(f"fig 3: fixed K=5 break-even {res['break_even_fixed_k5']}; dynamic min {dyn_min}")
+    low = {m: res["goals"][f"{DEFAULT}_min_ratio_{m}"] for m in MEASURES}
+    log(f"fig 3: fixed K=5 break-even {res['break_even_fixed_k5']}; default min {low}")
+
+
+def concurrency_summary(res: dict, candidates: list[str]) -> None:
+    """From `res["runs"]` ({variant: a row per concurrency}): each speculative variant's ratio
+    to no speculation per row and measure (`vs_no_spec`, ...) and per measure
+    (`ratio_vs_no_spec`, ...); each challenger's (every variant but those two) ratio to the
+    default per row (`vs_default`, ...) and summed up per measure (`res["challengers"]`,
+    `challenger_summary`); then the goals. `candidates`: the --fig3-candidate keys
+    ("candidate", "candidate2", ...), each with its least ratio to no speculation."""
+    table, goals = res["runs"], {}
+    names = [v for v in table if v not in ("no_spec", DEFAULT)]
+    res["challengers"], every = {v: {} for v in names}, {}
+    for measure, pre in MEASURES.items():
+        tps, vs, vsd = f"{pre}tokens_per_s", f"{pre}vs_no_spec", f"{pre}vs_default"
+        ref = {r["concurrency"]: r.get(tps) for r in table["no_spec"]}
+        mine = {r["concurrency"]: r.get(tps) for r in table[DEFAULT]}
+        res[f"{pre}ratio_vs_no_spec"] = {}
+        for name in [DEFAULT, *names]:
+            for r in table[name]:
+                r[vs] = ratio(r.get(tps), ref.get(r["concurrency"]))
+                if name != DEFAULT:
+                    r[vsd] = ratio(r.get(tps), mine.get(r["concurrency"]))
+            res[f"{pre}ratio_vs_no_spec"][name] = {str(r["concurrency"]): r[vs]
+                                                   for r in table[name]}
+        rows = {str(c): {DEFAULT: {"tokens_per_s": t}} for c, t in mine.items()}
+        for name in names:
+            for r in table[name]:
+                rows.setdefault(str(r["concurrency"]), {})[name] = {
+                    "tokens_per_s": r.get(tps), "vs_default": r[vsd]}
+        for name, got in challenger_summary(rows, names).items():
+            res["challengers"][name][measure] = got
+        every.update({f"{measure} {c}": row for c, row in rows.items()})
+        got = [r[vs] for r in table[DEFAULT]]
+        low = None if not got or None in got else min(got)
+        goals[f"{DEFAULT}_at_least_{GOAL_NO_SPEC}x_no_spec_everywhere_{measure}"] = \
+            low is not None and low >= GOAL_NO_SPEC
+        goals[f"{DEFAULT}_min_ratio_{measure}"] = low
+        for key in candidates:
+            name = f"{DEFAULT}_{key}"
+            goals[f"{key}_min_ratio_{measure}"] = min(
+                (r[vs] for r in table[name] if r[vs] is not None), default=None)
+    # false where one challenger is faster than the default at every concurrency measured,
+    # in every measure
+    goals[f"{DEFAULT}_best_across_concurrencies"] = default_best(
+        challenger_summary(every, names), len(every))
+    res.setdefault("goals", {}).update(goals)
 
 
 def host_probe_us(reps: int = 2000) -> dict:
@@ -260,11 +298,11 @@ def step_costs(eng) -> dict | None:
             "gain": {str(b): rnd(g, 3) for b, g in gains.items() if g is not None}}
 
 
-def candidate_variants(dyn: str, texts: list[str] | str | None) -> dict[str, dict]:
+def candidate_variants(base: str, texts: list[str] | str | None) -> dict[str, dict]:
     """Figure 3's candidates, one per `--fig3-candidate` ("field=value,..."): the SpecConfig
-    fields each changes on dynamic K, named `<dyn>_candidate`, `<dyn>_candidate2`, ... in the
-    order given. An empty text or a field twice over is refused (ValueError), as is a bad
-    field or value (`spec_fields`)."""
+    fields each changes on the engine's default (`base` names it), named `<base>_candidate`,
+    `<base>_candidate2`, ... in the order given. An empty text or a field twice over is
+    refused (ValueError), as is a bad field or value (`spec_fields`)."""
     if texts is None:
         return {}
     out = {}
@@ -274,7 +312,7 @@ def candidate_variants(dyn: str, texts: list[str] | str | None) -> dict[str, dic
             raise ValueError(f"candidate {i + 1} changes no SpecConfig field: {text!r}")
         if fields in out.values():
             raise ValueError(f"candidate {i + 1} repeats an earlier one: {text!r}")
-        out[f"{dyn}_candidate" + (str(i + 1) if i else "")] = fields
+        out[f"{base}_candidate" + (str(i + 1) if i else "")] = fields
     return out
 
 
@@ -421,22 +459,24 @@ def break_even(rows: list[dict]) -> dict:
 def plot_concurrency(plt, res):
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for i, (name, rows) in enumerate(res["runs"].items()):
-        xs, color = [r["concurrency"] for r in rows], f"C{i}"
-        a.plot(xs, [r["tokens_per_s"] for r in rows], "o-", c=color, label=f"{name} burst")
-        a.plot(xs, [r.get("steady_tokens_per_s") for r in rows], "s--", c=color,
-               label=f"{name} steady")
+        xs = [r["concurrency"] for r in rows]
+        # the headline, the engine's default, drawn black and thicker than its challengers
+        kw = {"c": "k", "lw": 2.5} if name == DEFAULT else {"c": f"C{i}", "lw": 1.2}
+        a.plot(xs, [r["tokens_per_s"] for r in rows], "o-", label=f"{name} burst", **kw)
+        a.plot(xs, [r.get("steady_tokens_per_s") for r in rows], "s--",
+               label=f"{name} steady", **kw)
         if name != "no_spec":
-            b.plot(xs, [r["vs_no_spec"] for r in rows], "o-", c=color, label=f"{name} burst")
-            b.plot(xs, [r.get("steady_vs_no_spec") for r in rows], "s--", c=color,
-                   label=f"{name} steady")
-            b.plot(xs, [r.get("steady_mixed_vs_no_spec") for r in rows], "^:", c=color,
-                   label=f"{name} steady mixed")
+            b.plot(xs, [r["vs_no_spec"] for r in rows], "o-", label=f"{name} burst", **kw)
+            b.plot(xs, [r.get("steady_vs_no_spec") for r in rows], "s--",
+                   label=f"{name} steady", **kw)
+            b.plot(xs, [r.get("steady_mixed_vs_no_spec") for r in rows], "^:",
+                   label=f"{name} steady mixed", **kw)
     for ax in (a, b):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent streams")
-        ax.legend()
+        ax.legend(fontsize=6)
     a.set_ylabel("tokens/s")
     b.axhline(1.0, c="gray", ls="--")
-    b.axhline(0.97, c="gray", ls=":")
+    b.axhline(GOAL_NO_SPEC, c="gray", ls=":")
     b.set_ylabel("vs no speculation")
     return fig
