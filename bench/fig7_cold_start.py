@@ -2,9 +2,11 @@
 EAGLE-3 as an engine speculates unless told) and concurrency, a fresh process builds the engine
 (`Engine.from_pretrained`) and runs figure 3's workload twice through `Engine.generate`: the
 first pass prepares the engine on first use (`engine/warmup.py`), the second is the steady
-reference. Per variant, another fresh process prepares as a server does (`prepare_to_serve`)
-and times one request against the same request repeated. Every process counts the Triton
-kernels compiled after it was ready (`tandem_jit_compiles_after_ready_total`)."""
+reference; --fig7-reps repetitions, each a no-spec and an EAGLE-3 process side by side per
+concurrency (`fig7_pairs.py`: the order, and the ratio a median over pairs). Per variant, one
+more fresh process prepares as a server does (`prepare_to_serve`) and times one request against
+the same request repeated. Every process counts the Triton kernels compiled after it was ready
+(`tandem_jit_compiles_after_ready_total`)."""
 
 from __future__ import annotations
 
@@ -30,15 +32,15 @@ from bench.common import (
     sync,
     torch_dtype,
 )
+from bench.fig7_pairs import RATIOS, VARIANTS, cold_pairs, expected_s, fig7_goals, summarize
 from engine.jit_watch import CACHE_ENV
 
-VARIANTS = ("no_spec", "eagle3_default")
 RESULT = "fig7 child:"  # the line a child answers with
 FIG7_SMOKE = {"fig7_concurrency": "1", "fig3_tokens": 4, "num_blocks": 256,
-              "fig7_ready_reps": 2}
+              "fig7_ready_reps": 2, "fig7_reps": 2}
 SMOKE_SHAPE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
-GRACE_S = 120.0  # how long past --fig7-deadline-s the last process may run
+GRACE_S = 30.0  # how long past --fig7-deadline-s a process may run before it is killed
 CHILD_KEYS = ("model", "head", "device", "dtype", "num_blocks", "fig3_tokens", "prompt_offset",
               "fig7_ready_reps")
 
@@ -298,8 +300,6 @@ def smoke_checkpoint(folder: str) -> tuple[str, str]:
 
 
 def fig_cold_start(args, res: dict) -> None:
-    from bench.fig3_concurrency import turns
-
     smoke = bool(getattr(args, "fig7_smoke", False))
     scratch = tempfile.mkdtemp(prefix="tandem-fig7-") if smoke else None
     try:
@@ -311,9 +311,10 @@ def fig_cold_start(args, res: dict) -> None:
         cache = TritonCache(args.fig7_triton_cache)
         res["config"] = fig7_config(args, conc, smoke)
         res["triton_cache"] = cache.record()
-        jobs = [("ready", v, 1) for v in VARIANTS]
-        jobs += [("cold", v, c) for i, c in enumerate(conc) for v in turns(list(VARIANTS), i)]
-        run_jobs(args, res, cache, jobs)
+        groups = [[("ready", v, 1, None)] for v in VARIANTS]
+        groups += [[("cold", v, c, rep) for v in order]
+                   for rep, c, order in cold_pairs(conc, args.fig7_reps)]
+        run_jobs(args, res, cache, groups)
         if cache.shared:
             res["triton_cache"]["files_after"] = files_in(cache.shared)
     finally:
@@ -323,34 +324,49 @@ def fig_cold_start(args, res: dict) -> None:
     res["goals"] = fig7_goals(res, conc)
 
 
-def run_jobs(args, res: dict, cache: TritonCache, jobs: list[tuple[str, str, int]]) -> None:
-    """Each child in turn, until --fig7-deadline-s: later ones are listed as skipped; a failed
-    one records its error and the next still runs."""
+def job_name(kind: str, variant: str, c: int, rep: int | None) -> str:
+    return f"ready {variant}" if kind == "ready" else f"cold {variant} c={c} rep {rep}"
+
+
+def run_jobs(args, res: dict, cache: TritonCache, groups: list[list[tuple]]) -> None:
+    """Each group of children [(kind, variant, concurrency, rep)] in turn, a ready child alone
+    and a cold pair together: a group starts only if it is expected to end by
+    --fig7-deadline-s (`expected_s`), else its children are listed as skipped; any child
+    still running GRACE_S past the deadline is killed. A failed child records its error and
+    the next still runs."""
     start = time.perf_counter()
     res["ready"], res["runs"] = {}, {v: [] for v in VARIANTS}
     res["skipped_children"], res["failed_children"] = [], []
-    for kind, variant, c in jobs:
-        name = f"{kind} {variant}" + (f" c={c}" if kind == "cold" else "")
+    done = []  # (variant, concurrency, seconds) of each cold child so far
+    for group in groups:
         left = args.fig7_deadline_s - (time.perf_counter() - start)
-        if left <= 0:
-            res["skipped_children"].append(name)
+        if left <= 0 or expected_s(done, [(v, c) for k, v, c, _ in group if k == "cold"]) > left:
+            res["skipped_children"] += [job_name(*job) for job in group]
             continue
-        log(f"fig 7: {name}: a fresh process")
-        try:
-            # A process started just before the deadline may run GRACE_S past it, no more.
-            row = run_child(args, cache, kind, variant, c,
-                            min(args.fig7_child_timeout_s, left + GRACE_S))
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            res["failed_children"].append(name)
-            row = {"concurrency": c, "error": str(e)}
-            log(f"fig 7: {name}: failed")
-        if kind == "ready":
-            res["ready"][variant] = row
-        else:
-            res["runs"][variant].append(row)
-        if "error" not in row:
-            log(f"fig 7: {name}: {progress(kind, row)}")
-        save(args.out, dict(res, partial=f"running; {name} done"))
+        for kind, variant, c, rep in group:
+            name = job_name(kind, variant, c, rep)
+            hard = args.fig7_deadline_s + GRACE_S - (time.perf_counter() - start)
+            if hard <= 1:
+                res["skipped_children"].append(name)
+                continue
+            log(f"fig 7: {name}: a fresh process")
+            try:
+                row = run_child(args, cache, kind, variant, c,
+                                min(args.fig7_child_timeout_s, hard))
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                res["failed_children"].append(name)
+                row = {"concurrency": c, "error": str(e)}
+                log(f"fig 7: {name}: failed")
+            if kind == "ready":
+                res["ready"][variant] = row
+            else:
+                row.update({"rep": rep, "ran_first": group[0][1]})
+                res["runs"][variant].append(row)
+                if "error" not in row:
+                    done.append((variant, c, row["process_s"]))
+            if "error" not in row:
+                log(f"fig 7: {name}: {progress(kind, row)}")
+            save(args.out, dict(res, partial=f"running; {name} done"))
 
 
 def progress(kind: str, row: dict) -> str:
@@ -375,70 +391,39 @@ def fig7_config(args, conc: list[int], smoke: bool) -> dict:
             "engine_default_spec": {"method": spec0.method, "num_tokens": spec0.num_tokens,
                                     "dynamic": spec0.dynamic,
                                     "context_drafts": spec0.context_drafts},
-            "ready_reps": args.fig7_ready_reps, "deadline_s": args.fig7_deadline_s,
+            "ready_reps": args.fig7_ready_reps, "reps": args.fig7_reps, "ratios": RATIOS,
+            "deadline_s": args.fig7_deadline_s,
+            "deadline": "a ready child or cold pair starts only if expected to end by "
+                        "deadline_s (its processes' longest times so far); any process is "
+                        f"killed {GRACE_S:g} s past it",
             "measures": "per child (a fresh process): seconds from spawn to the engine built "
                         "(built_s) and to ready (ready_s); cold children: two generate calls "
                         "over the burst, the first preparing the engine on first use, the "
                         "second the steady reference (wall, tokens/s; the first's "
-                        "served_* leave its preparation out); ready children: "
+                        "served_* leave its preparation out), reps times per concurrency "
+                        "in no-spec/EAGLE-3 pairs run back to back, the first alternating; "
+                        "ready children, one per variant: "
                         "prepare_to_serve, one request, then the same request ready_reps "
                         "times (median: steady); compiles after ready as the engine's metric "
                         "counts them"}
 
 
-def summarize(res: dict, conc: list[int]) -> None:
-    """Speculation over no speculation per pass and concurrency, and time to ready."""
-    rows = {v: {r["concurrency"]: r for r in res["runs"][v] if "error" not in r}
-            for v in VARIANTS}
-    for key in ("first_pass", "second_pass"):
-        res[f"{key}_vs_no_spec"] = {str(c): ratio(
-            rows["eagle3_default"].get(c, {}).get(key, {}).get("tokens_per_s"),
-            rows["no_spec"].get(c, {}).get(key, {}).get("tokens_per_s")) for c in conc}
-    res["time_to_ready_s"] = {v: {"prepare_to_serve": res["ready"].get(v, {}).get("ready_s"),
-                                  "first_generate": {str(c): r["ready_s"]
-                                                     for c, r in rows[v].items()}}
-                              for v in VARIANTS}
-
-
-def fig7_goals(res: dict, conc: list[int]) -> dict:
-    first = res["first_pass_vs_no_spec"]
-    ran = [r for rows in res["runs"].values() for r in rows if "error" not in r]
-    ran += [r for r in res["ready"].values() if "error" not in r]
-    measured = [x for x in first.values() if x is not None]
-    low = min(measured) if measured else None
-    late = sum(r["compiles_after_ready"] for r in ran)
-    firsts = {v: r.get("first_over_steady") for v, r in res["ready"].items()}
-    worst = max((x for x in firsts.values() if x is not None), default=None)
-    complete = not res["skipped_children"] and not res["failed_children"]
-    return {"eagle3_first_pass_vs_no_spec": first,
-            "eagle3_first_pass_min_ratio": low,
-            # None: no failing measure, but some concurrency was not measured
-            "eagle3_first_pass_at_least_0.97x_no_spec": None if low is None
-            else (False if low < 0.97 else (True if len(measured) == len(conc) else None)),
-            "compiles_after_ready": late,
-            "no_compiles_after_ready": None if not ran
-            else (False if late else (True if complete else None)),
-            "first_request_after_ready_vs_steady": firsts,
-            "first_request_within_1.2x_steady": None if worst is None
-            else (False if worst > 1.2 else (True if len(firsts) == len(VARIANTS)
-                                              and None not in firsts.values() else None)),
-            "children_skipped": list(res["skipped_children"]),
-            "children_failed": list(res["failed_children"])}
-
-
 def plot_cold_start(plt, res):
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     for i, v in enumerate(VARIANTS):
-        rows = sorted((r for r in res["runs"][v] if "error" not in r),
-                      key=lambda r: r["concurrency"])
-        xs = [r["concurrency"] for r in rows]
-        a.plot(xs, [r["first_pass"]["tokens_per_s"] for r in rows], "o-", c=f"C{i}",
-               label=f"{v} first pass")
-        a.plot(xs, [r["second_pass"]["tokens_per_s"] for r in rows], "s--", c=f"C{i}",
-               label=f"{v} second pass")
-    for key, style in (("first_pass", "o-"), ("second_pass", "s--")):
+        rows = [r for r in res["runs"][v] if "error" not in r]
+        for key, style in (("first_pass", "o"), ("second_pass", "s")):
+            a.scatter([r["concurrency"] for r in rows],
+                      [r[key]["tokens_per_s"] for r in rows], marker=style, c=f"C{i}",
+                      label=f"{v} {key.replace('_', ' ')} (each rep)")
+    for i, (key, style) in enumerate((("first_pass", "o"), ("second_pass", "s"))):
         pts = sorted((int(c), x) for c, x in res[f"{key}_vs_no_spec"].items() if x is not None)
-        b.plot([c for c, _ in pts], [x for _, x in pts], style, c="C1", label=key)
+        b.plot([c for c, _ in pts], [x for _, x in pts], style + "-", c=f"C{i + 2}",
+               label=f"{key} (median over pairs)")
+        each = [(int(c), p[key]) for c, ps in res.get("pairs", {}).items() for p in ps
+                if p[key] is not None]
+        b.scatter([c for c, _ in each], [x for _, x in each], marker=style, c=f"C{i + 2}",
+                  alpha=0.4, s=12)
     for ax in (a, b):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent streams")
