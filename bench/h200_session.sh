@@ -131,7 +131,7 @@ elif [ "$part" = gputests ] || [ "$part" = cluster ]; then
     tail -25 "$R/cluster.log"
   fi
 else
-  timeout "${BENCH_TIMEOUT:-540}" python3 -m bench.suite --model "$M" \
+  timeout "${BENCH_TIMEOUT:-560}" python3 -m bench.suite --model "$M" \
     --figures "${FIGS:-1,2,3,4}" --out "$R" ${FIG3_TRACE:+--fig3-trace} ${BENCH_ARGS:-} \
     > "$R/bench.log" 2>&1
   tail -40 "$R/bench.log"
