@@ -172,11 +172,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fig3-reps", type=int, default=3)
     g.add_argument("--fig3-candidate", action="append", default=None,
                    metavar="FIELD=VALUE,...",
-                   help="one more variant: dynamic K with these SpecConfig fields changed "
-                        "(e.g. num_tokens=5; dense_levels_from=4; head=DIR: another EAGLE-3 "
-                        "head), taking turns with the others; its ratios beside dynamic K's, "
-                        "goals candidate_min_ratio_*. Repeatable: the second is "
-                        "<dynamic>_candidate2 (goals candidate2_min_ratio_*), and so on")
+                   help="one more variant: the engine's default speculation with these "
+                        "SpecConfig fields changed (e.g. num_tokens=7; dense_levels_from=4; "
+                        "head=DIR: another EAGLE-3 head), taking turns with the others and "
+                        "challenging the default; goals candidate_min_ratio_*. Repeatable: the "
+                        "second is engine_default_candidate2 (goals candidate2_min_ratio_*), "
+                        "and so on")
     g.add_argument("--fig3-trace", action="store_true",
                    help="write fig3_trace.json: each dynamic-K window's steps as the cost "
                         "model saw them (batch size, drafts per sequence, ms, tokens, path, "
