@@ -78,24 +78,34 @@ class RayNodes:
 
     def add(self, cpus: int, resources: str | None = None, flags: list[str] | None = None):
         """Start a node (a worker node of this head unless `flags` says --head) with `cpus`
-        CPUs and `resources` (JSON), once its processes are up."""
+        CPUs and `resources` (JSON), once its processes are up. A worker node that exits
+        before it is up is tried once more on fresh ports (another process may have taken
+        one of those `free_port` picked); the error carries `ray start`'s output."""
         # A head turns token auth on where it finds a token (Ray's default); a node joining
         # it is told to.
         env = self.env if flags is None else {k: v for k, v in self.env.items()
                                               if k != "RAY_AUTH_MODE"}
-        argv = [RAY, "start", "--block", *(flags or [f"--address={self.address}"]),
-                "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}", "--disable-usage-stats",
-                f"--temp-dir={self.root}/ray",
-                *[f"--{name}-port={free_port()}" for name in NODE_PORTS],
-                *([f"--resources={resources}"] if resources else [])]
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.procs.append(proc)
-        for line in proc.stdout:  # --block prints this once the node's processes are up
-            if "will now block forever" in line:
-                threading.Thread(target=proc.stdout.read, daemon=True).start()  # drained
-                return proc
-        raise AssertionError(f"ray start {' '.join(argv[3:5])} exited with {proc.wait()}")
+        for attempt in (1, 2):
+            argv = [RAY, "start", "--block", *(flags or [f"--address={self.address}"]),
+                    "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}",
+                    "--disable-usage-stats", f"--temp-dir={self.root}/ray",
+                    *[f"--{name}-port={free_port()}" for name in NODE_PORTS],
+                    *([f"--resources={resources}"] if resources else [])]
+            proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True,
+                                    start_new_session=True)
+            self.procs.append(proc)
+            lines = []
+            for line in proc.stdout:  # --block prints this once the node's processes are up
+                if "will now block forever" in line:
+                    threading.Thread(target=proc.stdout.read, daemon=True).start()  # drained
+                    return proc
+                lines.append(line)
+            code = proc.wait()  # stays in self.procs: close() clears what it left
+            if flags is not None or attempt == 2:
+                tail = "".join(lines[-20:])
+                raise AssertionError(
+                    f"ray start {' '.join(argv[3:5])} exited with {code}:\n{tail}")
 
     def close(self) -> None:
         """Stop the nodes, the last added first, then remove the temp dir."""
