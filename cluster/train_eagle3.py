@@ -31,7 +31,7 @@ import torch
 from cluster.eagle3 import resume
 from cluster.eagle3.loop import head_backend, train
 from cluster.eagle3.records import draft_vocab, load_records, save_records, self_distill
-from cluster.eagle3.ttt import evaluate, expected_acceptance
+from cluster.eagle3.ttt import evaluate
 from cluster.eagle3.vocab import extend_vocab, fit_lm_head, revise_vocab
 from engine import Engine, EngineConfig, SamplingParams, ops
 from engine.config import SpecConfig
@@ -85,9 +85,8 @@ def run(args) -> int:
         info = fit_lm_head(head, engine.model, tr, unroll=min(args.unroll, 3),
                            epochs=args.epochs, lr=args.lr, batch_size=args.batch_size,
                            train_ids=added)
-        ev_acc = evaluate(head, engine.model, ev, args.unroll, device, torch.float32)
-        info["eval_acc_per_step"] = [round(a, 4) for a in ev_acc]
-        info["eval_expected_acceptance"] = round(expected_acceptance(ev_acc), 3)
+        info.update(evaluate(head, engine.model, ev, args.unroll, device,
+                             torch.float32).entry())
         head = head.eval()
     else:
         def checkpoint(h, entry):  # the head so far, marked unfinished, replaced at the end

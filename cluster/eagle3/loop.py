@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from cluster.eagle3.records import Record, on_device
-from cluster.eagle3.ttt import batch, evaluate, expected_acceptance, plan_batches, step_losses
+from cluster.eagle3.ttt import batch, evaluate, plan_batches, step_losses
 from engine import Engine
 from engine.spec.eagle3 import Eagle3Config, Eagle3Head
 
@@ -82,8 +82,7 @@ def _logged(head, engine: Engine, eval_records: list[Record], unroll: int, histo
     """Evaluate on the held-out records and append the log entry (printed) to `history`."""
     ev = evaluate(head, engine.model, eval_records, unroll, engine.config.device,
                   torch.float32)
-    history.append({**entry, "eval_acc_per_step": [round(a, 4) for a in ev],
-                    "eval_expected_acceptance": round(expected_acceptance(ev), 3)})
+    history.append({**entry, **ev.entry()})
     tqdm.write(json.dumps(history[-1]))
     return history[-1]
 

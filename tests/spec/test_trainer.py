@@ -67,6 +67,7 @@ def test_trainer_runs_end_to_end_and_learns(tmp_path):
     hist = info["history"]
     assert hist and hist[-1]["loss"] < hist[0]["loss"]
     assert hist[-1]["eval_expected_acceptance"] > 1.0
+    assert 1.0 <= hist[-1]["eval_tokens_per_forward"] <= 1 + 3  # unroll 3
     assert expected_acceptance([0.5, 0.5]) == 1.75
     save_head(head, str(tmp_path), dtype=torch.float32)
     back = load_head(str(tmp_path), eng.config.model,
