@@ -114,7 +114,8 @@ def _head_summary(folder: str) -> dict:
         last = (t.get("history") or [{}])[-1]
         out["trained"] = {"date": t.get("date"), "steps": t.get("steps"),
                           "unfinished": t.get("unfinished", False),
-                          "eval_expected_acceptance": last.get("eval_expected_acceptance")}
+                          "eval_expected_acceptance": last.get("eval_expected_acceptance"),
+                          "eval_tokens_per_forward": last.get("eval_tokens_per_forward")}
     return out
 
 
