@@ -148,11 +148,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "speculation against none on each held-out split")
     g.add_argument("--fig1-domain-prompts", type=int, default=16, metavar="N",
                    help="held-out prompts per domain, one at a time")
-    g.add_argument("--fig1-domain-variants", default="eagle3_k7_context,eagle3_dynamic_k7_context",
+    g.add_argument("--fig1-domain-variants",
+                   default="eagle3_k5_context,eagle3_k7_context,eagle3_dynamic_k7_context",
                    metavar="V,V",
                    help="variants of the table also run on every domain, after engine_default "
-                        "and no_spec, each against engine_default (headline challengers; "
-                        "goal engine_default_best_across_domains); empty: none")
+                        "and no_spec, each against engine_default (headline challengers, "
+                        "figure 3's fixed K=5 and dynamic K<=7 among them; goal "
+                        "engine_default_best_across_domains); empty: none")
     g.add_argument("--fig1-table", default="all", metavar="V,V",
                    help="variants of the table on the --fig1-prompts prompts (no_spec, "
                         "eagle3_k5, ..., ngram_k5, engine_default; all; none)")

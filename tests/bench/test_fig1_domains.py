@@ -205,7 +205,7 @@ def test_domain_variants_are_the_tables_settings_by_name():
     spec = engine_default(args)
     table = spec_variants(args, spec)
     got = domain_variants(args, spec)
-    assert list(got) == ["eagle3_k7_context", "eagle3_dynamic_k7_context"]
+    assert list(got) == ["eagle3_k5_context", "eagle3_k7_context", "eagle3_dynamic_k7_context"]
     assert all(got[v] == table[v] for v in got)
     assert domain_variants(parsed("--fig1-domain-variants", ""), spec) == {}
     args = parsed("--fig1-domain-variants", "ngram_k5, eagle3_k5,ngram_k5")
