@@ -3,7 +3,8 @@ EAGLE-3 as an engine speculates unless told) and concurrency, a fresh process bu
 (`Engine.from_pretrained`) and runs figure 3's workload twice through `Engine.generate`: the
 first pass prepares the engine on first use (`engine/warmup.py`), the second is the steady
 reference; --fig7-reps repetitions, each a no-spec and an EAGLE-3 process side by side per
-concurrency (`fig7_pairs.py`: the order, and the ratio a median over pairs). Per variant, one
+concurrency (the first alternating; a ratio is the median over pairs, so one slow process
+moves one pair, not the headline). Per variant, one
 more fresh process prepares as a server does (`prepare_to_serve`) and times one request against
 the same request repeated. Every process counts the Triton kernels compiled after it was ready
 (`tandem_jit_compiles_after_ready_total`)."""
@@ -32,14 +33,20 @@ from bench.common import (
     sync,
     torch_dtype,
 )
-from bench.fig7_pairs import RATIOS, VARIANTS, cold_pairs, expected_s, fig7_goals, summarize
-from engine.jit_watch import CACHE_ENV
+from engine.jit_watch import CACHE_ENV, default_cache_dir
 
+VARIANTS = ("no_spec", "eagle3_default")
+RATIOS = ("per concurrency, each repetition's pair: EAGLE-3's cold process over the no-spec one "
+          "run next to it (tokens/s); the headline is the median over the pairs where both "
+          "processes succeeded (pairs: every pair's ratios); served_*: the first pass less "
+          "its preparation, information only")
+# Per pair: the key it is stored under, then the row's tokens/s it divides.
+PAIR_KEYS = (("first_pass", ("first_pass", "tokens_per_s")),
+             ("served_first_pass", ("first_pass", "served_tokens_per_s")),
+             ("second_pass", ("second_pass", "tokens_per_s")))
 RESULT = "fig7 child:"  # the line a child answers with
 FIG7_SMOKE = {"fig7_concurrency": "1", "fig3_tokens": 4, "num_blocks": 256,
               "fig7_ready_reps": 2, "fig7_reps": 2}
-SMOKE_SHAPE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
-               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 GRACE_S = 30.0  # how long past --fig7-deadline-s a process may run before it is killed
 CHILD_KEYS = ("model", "head", "device", "dtype", "num_blocks", "fig3_tokens", "prompt_offset",
               "fig7_ready_reps")
@@ -196,6 +203,90 @@ def ready_child(args, spawned: float) -> dict:
 # ---- the parent: one child per (variant, concurrency), one per variant after ready -----------
 
 
+def cold_pairs(conc: list[int], reps: int) -> list[tuple[int, int, tuple[str, str]]]:
+    """(rep, concurrency, order) of every pair, all of rep 1's concurrencies before rep 2's, so
+    a deadline drops the last repetitions' pairs, never a concurrency's first; no-spec runs
+    first at rep 1's first concurrency, the order swapped with each step of either."""
+    return [(r, c, VARIANTS[::1 if (r - 1 + i) % 2 == 0 else -1])
+            for r in range(1, reps + 1) for i, c in enumerate(conc)]
+
+
+def expected_s(done: list[tuple[str, int, float]], group: list[tuple[str, int]]) -> float:
+    """Seconds a group of cold processes [(variant, concurrency)] is expected to take, from
+    those done [(variant, concurrency, seconds)]: each the longest of its (variant,
+    concurrency) so far, else the longest of any, else 0 (nothing to go by)."""
+    longest = max((s for _, _, s in done), default=0.0)
+    return sum(max((s for v, c, s in done if (v, c) == job), default=longest) for job in group)
+
+
+def field(row: dict, path: tuple[str, str]):
+    return row.get(path[0], {}).get(path[1])
+
+
+def pair_rows(runs: dict, conc: list[int]) -> dict[int, list[dict]]:
+    """Per concurrency, every repetition where both variants' cold processes succeeded: the
+    rep, which ran first, and EAGLE-3's tokens/s over no-spec's (`PAIR_KEYS`)."""
+    out = {}
+    for c in conc:
+        by = {v: {r.get("rep", 1): r for r in runs.get(v, [])
+                  if r.get("concurrency") == c and "error" not in r} for v in VARIANTS}
+        pairs = []
+        for rep in sorted(set(by["no_spec"]) & set(by["eagle3_default"])):
+            base, spec = by["no_spec"][rep], by["eagle3_default"][rep]
+            pair = {"rep": rep, "ran_first": spec.get("ran_first")}
+            pair.update({k: ratio(field(spec, p), field(base, p)) for k, p in PAIR_KEYS})
+            pairs.append(pair)
+        out[c] = pairs
+    return out
+
+
+def median_of(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return rnd(statistics.median(xs)) if xs else None
+
+
+def summarize(res: dict, conc: list[int]) -> None:
+    """Per pass and concurrency, the median over pairs of EAGLE-3 over no speculation, every
+    pair's ratios, and time to ready (the median over a variant's cold processes)."""
+    pairs = pair_rows(res["runs"], conc)
+    res["pairs"] = {str(c): ps for c, ps in pairs.items()}
+    for key, _ in PAIR_KEYS:
+        res[f"{key}_vs_no_spec"] = {str(c): median_of([p[key] for p in ps])
+                                    for c, ps in pairs.items()}
+    res["time_to_ready_s"] = {v: {
+        "prepare_to_serve": res["ready"].get(v, {}).get("ready_s"),
+        "first_generate": {str(c): median_of([r["ready_s"] for r in res["runs"][v]
+                                              if r["concurrency"] == c and "error" not in r])
+                           for c in conc}} for v in VARIANTS}
+
+
+def fig7_goals(res: dict, conc: list[int]) -> dict:
+    first = res["first_pass_vs_no_spec"]
+    ran = [r for rows in res["runs"].values() for r in rows if "error" not in r]
+    ran += [r for r in res["ready"].values() if "error" not in r]
+    measured = [x for x in first.values() if x is not None]
+    low = min(measured) if measured else None
+    late = sum(r["compiles_after_ready"] for r in ran)
+    firsts = {v: r.get("first_over_steady") for v, r in res["ready"].items()}
+    worst = max((x for x in firsts.values() if x is not None), default=None)
+    complete = not res["skipped_children"] and not res["failed_children"]
+    return {"eagle3_first_pass_vs_no_spec": first,
+            "eagle3_first_pass_min_ratio": low,
+            "pairs_per_concurrency": {c: len(ps) for c, ps in res.get("pairs", {}).items()},
+            # None: no failing measure, but some concurrency was not measured
+            "eagle3_first_pass_at_least_0.97x_no_spec": None if low is None
+            else (False if low < 0.97 else (True if len(measured) == len(conc) else None)),
+            "compiles_after_ready": late,
+            "no_compiles_after_ready": None if not ran
+            else (False if late else (True if complete else None)),
+            "first_request_after_ready_vs_steady": firsts,
+            "first_request_within_1.2x_steady": None if worst is None
+            else (False if worst > 1.2 else (True if len(firsts) == len(VARIANTS)
+                                              and None not in firsts.values() else None)),
+            "children_skipped": list(res["skipped_children"]),
+            "children_failed": list(res["failed_children"])}
+
+
 class TritonCache:
     """The Triton disk cache each child gets (TRITON_CACHE_DIR): `cold`, a fresh empty temporary
     folder per child, removed after it; `warm`, the one this process would use (its
@@ -204,7 +295,7 @@ class TritonCache:
     def __init__(self, mode: str) -> None:
         self.mode, self.shared = mode, None
         if mode == "warm":
-            self.shared = os.environ.get(CACHE_ENV) or default_triton_cache()
+            self.shared = os.environ.get(CACHE_ENV) or default_cache_dir()
 
     def record(self) -> dict:
         if self.mode == "cold":
@@ -220,15 +311,6 @@ class TritonCache:
     def close(self, path: str) -> None:
         if self.mode == "cold":
             shutil.rmtree(path, ignore_errors=True)
-
-
-def default_triton_cache() -> str:
-    try:
-        from triton import knobs
-
-        return knobs.cache.dir
-    except (ImportError, AttributeError):
-        return os.path.join(os.path.expanduser("~"), ".triton", "cache")
 
 
 def files_in(path: str) -> int:
@@ -269,44 +351,17 @@ def run_child(args, cache: TritonCache, kind: str, variant: str, c: int,
     return row
 
 
-def smoke_checkpoint(folder: str) -> tuple[str, str]:
-    """A tiny random Llama with SmolLM2's tokenizer and chat template (`SMOKE_SHAPE`) and a
-    random EAGLE-3 head for it, saved where `Engine.from_pretrained` and `SpecConfig.head` read
-    them: (model folder, head folder)."""
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, LlamaForCausalLM
-
-    from cluster.soak_cluster import embedded_export
-    from engine import Engine
-    from engine.spec.eagle3 import save_head
-    from engine.testing import random_head
-
-    torch, src = lazy_torch(), embedded_export()
-    model, head = os.path.join(folder, "tiny-random-llama"), os.path.join(folder, "head")
-    cfg = AutoConfig.from_pretrained(src)
-    for k, v in SMOKE_SHAPE.items():
-        setattr(cfg, k, v)
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(cfg)
-    cfg.save_pretrained(model)
-    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    save_file(sd, os.path.join(model, "model.safetensors"))
-    for name in os.listdir(src):
-        if name.startswith(("tokenizer", "chat_template", "special_tokens")):
-            shutil.copy(os.path.join(src, name), model)
-    eng = Engine.from_pretrained(model, num_blocks=16)
-    save_head(random_head(eng), head, dtype=torch.float32, target=eng.config.model)
-    return model, head
-
-
 def fig_cold_start(args, res: dict) -> None:
+    from cluster.soak_cluster import embedded_export
+    from engine.testing import tiny_checkpoint
+
     smoke = bool(getattr(args, "fig7_smoke", False))
     scratch = tempfile.mkdtemp(prefix="tandem-fig7-") if smoke else None
     try:
         if smoke:
             args = argparse.Namespace(**{**vars(args), **FIG7_SMOKE})
             log("fig 7: smoke: a tiny random model with SmolLM2's tokenizer, a random head")
-            args.model, args.head = smoke_checkpoint(scratch)
+            args.model, args.head = tiny_checkpoint(scratch, embedded_export())
         conc = [int(c) for c in str(args.fig7_concurrency).split(",") if c.strip()]
         cache = TritonCache(args.fig7_triton_cache)
         res["config"] = fig7_config(args, conc, smoke)
@@ -400,12 +455,10 @@ def fig7_config(args, conc: list[int], smoke: bool) -> dict:
                         "(built_s) and to ready (ready_s); cold children: two generate calls "
                         "over the burst, the first preparing the engine on first use, the "
                         "second the steady reference (wall, tokens/s; the first's "
-                        "served_* leave its preparation out), reps times per concurrency "
-                        "in no-spec/EAGLE-3 pairs run back to back, the first alternating; "
-                        "ready children, one per variant: "
-                        "prepare_to_serve, one request, then the same request ready_reps "
-                        "times (median: steady); compiles after ready as the engine's metric "
-                        "counts them"}
+                        "served_* leave its preparation out), in pairs (`ratios`); ready "
+                        "children, one per variant: prepare_to_serve, one request, then the "
+                        "same request ready_reps times (median: steady); compiles after ready "
+                        "as the engine's metric counts them"}
 
 
 def plot_cold_start(plt, res):

@@ -121,6 +121,16 @@ def use_cache_dir(path: str | None) -> None:
         os.environ[CACHE_ENV] = path
 
 
+def default_cache_dir() -> str:
+    """The folder Triton keeps compiled kernels in when CACHE_ENV is unset."""
+    try:
+        from triton import knobs
+
+        return knobs.cache.dir
+    except (ImportError, AttributeError):
+        return os.path.join(os.path.expanduser("~"), ".triton", "cache")
+
+
 def summary(events: list[Compile]) -> dict:
     """{kernel name: [count, seconds]} of these compiles."""
     out: dict[str, list] = {}

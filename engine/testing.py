@@ -3,6 +3,8 @@ equality checks only, never text quality)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 from dataclasses import replace
 
 import torch
@@ -12,6 +14,9 @@ from engine.attention import TorchAttention
 from engine.config import ModelConfig, RopeConfig, tiny_config
 from engine.spec.eagle3 import Eagle3Config, Eagle3Head
 
+# The transformers fields `tiny_checkpoint` shrinks a real model's config to.
+TINY_HF_SHAPE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 TINY_MODEL_FIELDS = ("vocab_size", "num_layers", "tie_word_embeddings", "max_position",
                      "hidden_size", "intermediate_size", "num_heads", "num_kv_heads")
 
@@ -67,3 +72,29 @@ def llama8b_shape(max_position: int = 8192) -> ModelConfig:
         rope=RopeConfig(theta=500000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
                         high_freq_factor=4.0, original_max_position=8192),
         max_position=max_position, tie_word_embeddings=False, eos_token_ids=())
+
+
+def tiny_checkpoint(folder: str, like: str) -> tuple[str, str]:
+    """A tiny random Llama (`TINY_HF_SHAPE`) with the tokenizer and chat template of the
+    safetensors folder `like`, and a random EAGLE-3 head for it, saved under `folder` where
+    `Engine.from_pretrained` and `SpecConfig.head` read them: (model folder, head folder)."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    from engine.spec.eagle3 import save_head
+
+    model, head = os.path.join(folder, "tiny-random-llama"), os.path.join(folder, "head")
+    cfg = AutoConfig.from_pretrained(like)
+    for k, v in TINY_HF_SHAPE.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg)
+    cfg.save_pretrained(model)
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    save_file(sd, os.path.join(model, "model.safetensors"))
+    for name in os.listdir(like):
+        if name.startswith(("tokenizer", "chat_template", "special_tokens")):
+            shutil.copy(os.path.join(like, name), model)
+    eng = Engine.from_pretrained(model, num_blocks=16)
+    save_head(random_head(eng), head, dtype=torch.float32, target=eng.config.model)
+    return model, head

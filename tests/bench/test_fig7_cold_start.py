@@ -100,7 +100,7 @@ def rows(first: dict, late: int = 0, firsts=(1.1, 1.0)) -> dict:
 
 
 def test_goals_fail_on_a_slow_first_pass_or_a_late_compile_and_stay_open_when_unmeasured():
-    from bench.fig7_pairs import fig7_goals, summarize
+    from bench.fig7_cold_start import fig7_goals, summarize
 
     res = rows({("no_spec", 1): 100.0, ("eagle3_default", 1): 98.0,
                 ("no_spec", 8): 400.0, ("eagle3_default", 8): 380.0})
@@ -122,7 +122,7 @@ def test_goals_fail_on_a_slow_first_pass_or_a_late_compile_and_stay_open_when_un
 
 
 def test_a_ratio_is_the_median_over_pairs_not_the_ratio_of_medians():
-    from bench.fig7_pairs import fig7_goals, summarize
+    from bench.fig7_cold_start import fig7_goals, summarize
 
     # c=1: pairs 0.9 and 1.2, median 1.05, while both variants' medians are 75 (1.0).
     # c=8: rep 2's EAGLE-3 failed, so its no-spec row (a slow 100) pairs with nothing.
@@ -143,7 +143,7 @@ def test_a_ratio_is_the_median_over_pairs_not_the_ratio_of_medians():
 
 
 def test_pairs_alternate_and_every_rep_ends_before_the_next_begins():
-    from bench.fig7_pairs import cold_pairs, expected_s
+    from bench.fig7_cold_start import cold_pairs, expected_s
 
     pairs = cold_pairs([1, 8, 64], 2)
     assert [(rep, c) for rep, c, _ in pairs] == [(1, 1), (1, 8), (1, 64), (2, 1), (2, 8), (2, 64)]
