@@ -8,6 +8,8 @@ collections skip; what serving allocates afterwards is still collected as before
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def freeze_long_lived() -> int:
@@ -23,3 +25,16 @@ def freeze_long_lived() -> int:
 def unfreeze() -> None:
     """Return frozen objects to the collector (the oldest generation)."""
     gc.unfreeze()
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """No automatic collection inside (any thread's): one may free a discarded engine's CUDA
+    graphs, and destroying a graph while this thread captures another invalidates the capture."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from engine import collector
 from engine.attention import AttentionMetadata
 from engine.attention.triton_backend import long_context
 
@@ -394,7 +395,7 @@ class GraphSet:
         if not self.capturable:
             self.graphs[(b, q, long)] = (None, None)
             return
-        with torch.cuda.device(self.device):
+        with torch.cuda.device(self.device), collector.paused():
             self._capture_on_device(b, q, long)
 
     def _capture_on_device(self, b: int, q: int, long: bool) -> None:
@@ -411,8 +412,7 @@ class GraphSet:
         stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            # One run outside the graph compiles its kernels and makes what is built on first
-            # use; a second changed nothing a capture needs and cost a third of each capture.
+            # One run outside the graph compiles its kernels and makes what is built on first use.
             self.fn(ids, pos, meta, *extras)
         torch.cuda.current_stream().wait_stream(stream)
         # Fresh views for the capture: nothing a backend may have cached on the warm-up's
@@ -421,10 +421,10 @@ class GraphSet:
         ids, pos, meta, extras = self._views(b, q, long)
         g = torch.cuda.CUDAGraph()
         # capture_begin / capture_end around the forward, as `torch.cuda.graph` does, without
-        # its device-wide synchronize and emptying of the device and pinned-host caches before
-        # every capture: warm-up allocations would then go back to the driver and come again
-        # for each of an engine's hundreds of graphs. thread_local: other threads (a UCX
-        # progress thread moving KV) may use CUDA meanwhile.
+        # its device-wide synchronize, collection and emptying of the device and pinned-host
+        # caches before every capture (warm-up allocations would go back to the driver and come
+        # again for each of hundreds of graphs); `capture` pauses the collector instead.
+        # thread_local: other threads (a UCX progress thread moving KV) may use CUDA meanwhile.
         with torch.cuda.stream(stream):
             g.capture_begin(self.pool, capture_error_mode="thread_local")
             try:

@@ -1,10 +1,13 @@
 """engine/collector.py: objects alive at start-up leave the collector's walks; the
-benchmarks give them back before discarding an engine."""
+benchmarks give them back before discarding an engine; captures pause the collector."""
 
 from __future__ import annotations
 
 import gc
 import weakref
+
+import pytest
+import torch
 
 
 def test_frozen_objects_are_skipped_until_unfrozen():
@@ -49,3 +52,57 @@ def test_prepare_to_serve_captures_freezes_and_watches_compiles(monkeypatch):
         assert gc.get_freeze_count() > 0 and jit_watch._warn_from is not None
     finally:
         unfreeze()
+
+
+def test_paused_runs_no_automatic_collection_and_restores_the_state():
+    from engine.collector import paused
+
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), paused():
+        assert not gc.isenabled()
+        raise RuntimeError("inside")
+    assert gc.isenabled()  # back on, the exception notwithstanding
+    gc.disable()
+    try:
+        with paused():
+            pass
+        assert not gc.isenabled()  # a collector off before stays off
+    finally:
+        gc.enable()
+
+
+@pytest.mark.gpu
+def test_a_discarded_engines_graphs_are_not_freed_mid_capture(monkeypatch):
+    """Destroying a CUDA graph while a stream captures invalidates that capture, and an
+    automatic collection may free a discarded engine's graphs at any allocation: the last
+    reference to an old engine goes inside a capture, with collections due at every few
+    allocations; the capture holds, and the old engine is freed afterwards."""
+    from engine import Engine, EngineConfig
+    from engine.testing import smol_shape
+
+    cfg = EngineConfig(model=smol_shape(num_layers=2), dtype=torch.float32, device="cuda",
+                       num_blocks=256, attention_backend="triton")
+    old = Engine(cfg)
+    assert old.capture_graphs([1, 2]) > 0
+    cycle = {"engine": old}
+    cycle["self"] = cycle  # once unreachable, only the cyclic collector frees the old engine
+    box, gone = [cycle], weakref.ref(old)
+    del old, cycle
+    new = Engine(cfg)
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def begin_then_drop(self, *args, **kw):
+        begin(self, *args, **kw)
+        box.clear()  # the old engine is cyclic garbage from here on
+        _ = [[] for _ in range(1000)]  # allocations that make a collection due
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_then_drop)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)
+    try:
+        assert new.capture_graphs([1, 2, 4]) > 0
+    finally:
+        gc.set_threshold(*thresholds)
+    gc.collect()
+    assert gone() is None
+    assert all(g is not None for g, _ in new.runner.graphs.graphs.values())
