@@ -90,15 +90,15 @@ class Postprocessor:
 
     def _captured(self, fwd) -> tuple[torch.Tensor, torch.Tensor] | None:
         """For the capture tap: the forward's hidden states and captured layer inputs side by
-        side, concatenated and cast once for the whole step."""
+        side, concatenated and cast once for the whole step, into tensors of the tap's own (a
+        graph's outputs are overwritten by its next replay)."""
         e = self.eng
         if e.capture is None:
             return None
         h = fwd.hidden
         a = torch.cat(fwd.aux, -1) if fwd.aux else h[:, :0]
-        if e.capture_dtype is not None:
-            h, a = h.to(e.capture_dtype), a.to(e.capture_dtype)
-        return h, a
+        dtype = e.capture_dtype or h.dtype
+        return h.to(dtype, copy=True), a.to(dtype)
 
     def emit(self, seq: Sequence, tokens: list[int]) -> tuple[RequestOutput, str | None]:
         """Append tokens until one stops the request; the text delta holds back any tail that

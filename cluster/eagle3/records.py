@@ -42,8 +42,7 @@ def self_distill(engine: Engine, prompts: list, max_tokens: int, layers: tuple[i
         if len(hidden):
             caps.setdefault(seq.request_id, {})[lo] = (aux, hidden)
 
-    engine.capture, engine.capture_layers = capture, layers
-    engine.capture_dtype = store_dtype
+    engine.set_tap(capture, layers, store_dtype)
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens,
                             ignore_eos=ignore_eos, seed=seed if temperature > 0 else None)
     msgs = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
@@ -59,7 +58,7 @@ def self_distill(engine: Engine, prompts: list, max_tokens: int, layers: tuple[i
             hid = torch.cat([h for _, h in parts])[: len(ids) - 1]
             records.append(Record(ids, len(c.prompt_token_ids), aux, hid))
     finally:
-        engine.capture, engine.capture_layers, engine.capture_dtype = None, (), None
+        engine.set_tap(None)
     return records
 
 

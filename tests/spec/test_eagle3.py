@@ -106,12 +106,11 @@ def test_training_unroll_matches_paged_inference(nbr):
     eng = spec_engine(base, head, method="eagle3", num_tokens=2, dynamic=False)
     ids = list(range(3, 30))
     caps = {}
-    eng.capture_layers = head.cfg.aux_layer_ids
 
     def capture(seq, lo, hidden, aux):
         caps[lo] = aux
 
-    eng.capture = capture
+    eng.set_tap(capture, head.cfg.aux_layer_ids)
     eng.generate([ids], SamplingParams(temperature=0, max_tokens=1))
     aux = caps[0][None, :-1]  # [1, L, 3h]: positions 0..L-1, whose next token is known
     L = aux.shape[1]

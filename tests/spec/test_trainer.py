@@ -79,6 +79,32 @@ def test_trainer_runs_end_to_end_and_learns(tmp_path):
     assert spec.generate(ids, sp)[0].token_ids == eng.generate(ids, sp)[0].token_ids
 
 
+def test_self_distillation_replays_the_graphs_and_records_what_eager_steps_do(monkeypatch):
+    """A target with graph sets (as one on CUDA builds them; here they run eagerly) is tapped
+    through them: `set_tap` rebuilds them for the aux layers, so its steps replay them rather
+    than fall back to the eager path, and the records equal an engine's without graphs;
+    clearing the tap rebuilds them without."""
+    from engine.graphs import GraphSet
+
+    prompts = ["a prompt for the graphs", "and a second one"]
+    ref = tiny_engine(0, max_num_seqs=32, enable_prefix_caching=False,
+                      attention_backend="triton")  # graph sets need the Triton backend
+    eng = ref.with_config()
+    ref.tokenizer = eng.tokenizer = _Tok()
+    layers = Eagle3Config.for_target(eng.config.model, 1).aux_layer_ids
+    want = self_distill(ref, prompts, 12, layers, torch.float32, desc=None)
+    eng.runner.enable_graphs(32, range(1, 2), ())
+    replays, run = [], GraphSet.run
+    monkeypatch.setattr(GraphSet, "run", lambda g, *a, **kw: replays.append(g) or run(g, *a, **kw))
+    got = self_distill(eng, prompts, 12, layers, torch.float32, desc=None)
+    assert len(replays) >= 11  # the decode steps, at least
+    assert eng.runner.graph_aux == () and eng.capture is None  # the tap cleared
+    for g, w in zip(got, want, strict=True):
+        assert g.ids.tolist() == w.ids.tolist()
+        assert torch.allclose(g.aux, w.aux, atol=1e-5)
+        assert torch.allclose(g.hidden, w.hidden, atol=1e-5)
+
+
 def test_ignore_eos_runs_answers_past_the_end_of_turn():
     """`self_distill(ignore_eos=True)` writes every answer to max_tokens; without it an answer
     stops at EOS; before EOS both are the same answer."""
