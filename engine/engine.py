@@ -248,14 +248,13 @@ class Engine:
 
     def set_tap(self, capture, layers: tuple[int, ...] = (), dtype: torch.dtype | None = None):
         """Set the trainers' capture tap (None: clear it): `capture(seq, lo, hidden, aux)` with
-        the inputs of `layers` as aux, cast to `dtype`. A graph replays only the aux layers it
-        was built with, so an engine without speculation rebuilds its graphs for `layers`
-        (captured again on first use): tapped steps replay graphs instead of running eagerly."""
+        the inputs of `layers` as aux, cast to `dtype`. A graph returns only the aux layers it
+        was built with, so an engine without speculation switches to graph sets built for
+        `layers`: tapped steps replay graphs instead of running eagerly."""
         layers = tuple(layers) if capture is not None else ()
         self.capture, self.capture_layers, self.capture_dtype = capture, layers, dtype
-        r = self.runner
-        if self.spec is None and r.graphs is not None and r.graph_aux != layers:
-            r.enable_graphs(r.graphs.max_batch, r.graphs.query_lens, layers)
+        if self.spec is None:
+            self.runner.graphs_for(layers)
 
     def on_device(self):
         """A context where kernels, graphs and streams go to this engine's GPU."""

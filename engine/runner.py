@@ -113,6 +113,7 @@ class ModelRunner:
         self.graphs: GraphSet | None = None
         self.prefill_graphs: GraphSet | None = None
         self.graph_aux: tuple[int, ...] = ()
+        self._built: dict[tuple[int, ...], tuple] = {}  # graph sets of other aux layers
         # Set while a speculative engine warms (engine/warming.py): only the one-query decode
         # graphs are captured, so longer queries (short prefill chunks) take the prefill graphs.
         self.plain_only = False
@@ -152,6 +153,19 @@ class ModelRunner:
                                                 pool=self.graphs.pool)
         self.graph_aux = aux_layers
         return self.graphs
+
+    def graphs_for(self, aux_layers: tuple[int, ...]) -> None:
+        """Make the graph sets in use return the inputs of `aux_layers` (a trainer's tap):
+        those built for them before, else new ones of the same shape (captured on first use);
+        the sets they replace are kept for a later switch back."""
+        if self.graphs is None or aux_layers == self.graph_aux:
+            return
+        self._built[self.graph_aux] = (self.graphs, self.prefill_graphs)
+        if aux_layers in self._built:
+            self.graphs, self.prefill_graphs = self._built.pop(aux_layers)
+            self.graph_aux = aux_layers
+        else:
+            self.enable_graphs(self.graphs.max_batch, self.graphs.query_lens, aux_layers)
 
     @torch.inference_mode()
     def forward(self, batch: Batch, rows: list[int], aux_layers: tuple[int, ...] = (),

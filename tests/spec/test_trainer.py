@@ -81,9 +81,9 @@ def test_trainer_runs_end_to_end_and_learns(tmp_path):
 
 def test_self_distillation_replays_the_graphs_and_records_what_eager_steps_do(monkeypatch):
     """A target with graph sets (as one on CUDA builds them; here they run eagerly) is tapped
-    through them: `set_tap` rebuilds them for the aux layers, so its steps replay them rather
-    than fall back to the eager path, and the records equal an engine's without graphs;
-    clearing the tap rebuilds them without."""
+    through them: `set_tap` switches to sets built for the aux layers, so its steps replay
+    them rather than fall back to the eager path, and the records equal an engine's without
+    graphs; clearing the tap switches back, and a later tap reuses the tapped sets."""
     from engine.graphs import GraphSet
 
     prompts = ["a prompt for the graphs", "and a second one"]
@@ -96,9 +96,13 @@ def test_self_distillation_replays_the_graphs_and_records_what_eager_steps_do(mo
     eng.runner.enable_graphs(32, range(1, 2), ())
     replays, run = [], GraphSet.run
     monkeypatch.setattr(GraphSet, "run", lambda g, *a, **kw: replays.append(g) or run(g, *a, **kw))
+    plain = eng.runner.graphs
     got = self_distill(eng, prompts, 12, layers, torch.float32, desc=None)
     assert len(replays) >= 11  # the decode steps, at least
-    assert eng.runner.graph_aux == () and eng.capture is None  # the tap cleared
+    tapped, n = {id(g) for g in replays}, len(replays)
+    assert eng.capture is None and eng.runner.graphs is plain  # the tap cleared: back
+    self_distill(eng, prompts[:1], 4, layers, torch.float32, desc=None)
+    assert len(replays) > n and {id(g) for g in replays[n:]} <= tapped  # the same sets again
     for g, w in zip(got, want, strict=True):
         assert g.ids.tolist() == w.ids.tolist()
         assert torch.allclose(g.aux, w.aux, atol=1e-5)
