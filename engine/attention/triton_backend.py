@@ -33,6 +33,10 @@ SPLIT_KEYS = 128
 # work, so splits there only multiply programs: 1024-key splits keep engine-level CPU tests
 # on the one-pass kernel below 1024 keys (kernel tests pick their own split size).
 INTERPRETER_SPLIT_KEYS = 1024
+# Where the split-KV path starts on CUDA (None: past SPLIT_KEYS). Set later, more contexts take
+# the one pass, whose single launch may beat split plus reduce on short contexts of a model
+# with few KV heads; the splits stay SPLIT_KEYS long.
+SPLIT_FROM: int | None = None
 
 
 # The draft head's attention (`draft_attention`): its numbers need match no other path's, so
@@ -58,8 +62,15 @@ def draft_attention(device: torch.device) -> dict:
 
 
 def long_context(device: torch.device) -> int:
-    """Keys per split by default on `device`, and the context past which a batch of few
-    sequences takes the split-KV path: CUDA graph buckets are captured once per side of it."""
+    """The context past which a batch of few sequences takes the split-KV path on `device`:
+    CUDA graph buckets are captured once per side of it."""
+    if device.type != "cuda":
+        return INTERPRETER_SPLIT_KEYS
+    return SPLIT_FROM if SPLIT_FROM is not None else SPLIT_KEYS
+
+
+def split_size(device: torch.device) -> int:
+    """Keys per split of the default mode's split-KV path on `device`."""
     return SPLIT_KEYS if device.type == "cuda" else INTERPRETER_SPLIT_KEYS
 
 
@@ -210,11 +221,11 @@ class TritonAttention(AttentionBackend):
                                    kc.stride(1), ROW=row, BLOCK=next_pow2(row))
 
     def keys_per_split(self, device: torch.device) -> int:
-        """Keys per split: the deterministic mode's one size on every device, or the default
-        mode's `long_from`."""
-        if self.deterministic and self.split_keys is None:
-            return DETERMINISTIC_SPLIT_KEYS
-        return self.long_from(device)
+        """Keys per split: this backend's `split_keys`, else the deterministic mode's one size
+        on every device, else the default mode's (`split_size`)."""
+        if self.split_keys is not None:
+            return self.split_keys
+        return DETERMINISTIC_SPLIT_KEYS if self.deterministic else split_size(device)
 
     def long_from(self, device: torch.device) -> int:
         """Contexts past this many keys may take the split-KV path (`use_split`)."""

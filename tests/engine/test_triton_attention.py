@@ -698,3 +698,20 @@ def test_tuning_keeps_the_default_kernel_unless_another_wins_by_the_margin():
     assert tuning._rows_choice({"cublas": 50.0, (32, 256): 60.0, (64, 256): 56.4}) == "cublas"
     assert tuning._rows_choice({"cublas": 20.0, (32, 256): 15.2, (64, 256): 16.0}) == (32, 256)
     assert tuning._rows_choice({"cublas": 20.0}) == "cublas"
+
+
+def test_a_later_split_start_keeps_the_split_size(monkeypatch):
+    """`SPLIT_FROM` moves where CUDA's split-KV path (and the long-context graphs) starts, not
+    how long a split is; unset, both are `SPLIT_KEYS`. Off CUDA neither changes."""
+    from engine.attention import TritonAttention
+    from engine.attention import triton_backend as tb
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    be = TritonAttention(9, 3, 64, 16)
+    assert tb.long_context(cuda) == be.keys_per_split(cuda) == tb.SPLIT_KEYS
+    monkeypatch.setattr(tb, "SPLIT_FROM", 4 * tb.SPLIT_KEYS)
+    assert tb.long_context(cuda) == be.long_from(cuda) == 4 * tb.SPLIT_KEYS
+    assert be.keys_per_split(cuda) == tb.SPLIT_KEYS
+    assert tb.long_context(cpu) == be.keys_per_split(cpu) == tb.INTERPRETER_SPLIT_KEYS
+    draft = TritonAttention(9, 3, 64, 16, **tb.draft_attention(cuda))
+    assert draft.long_from(cuda) == draft.keys_per_split(cuda) == tb.DRAFT_SPLIT_KEYS
