@@ -8,6 +8,7 @@ collections skip; what serving allocates afterwards is still collected as before
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -27,14 +28,24 @@ def unfreeze() -> None:
     gc.unfreeze()
 
 
+_pause = threading.Lock()
+_paused = [0, False]  # threads inside `paused`, and whether the collector ran before the first
+
+
 @contextmanager
 def paused() -> Iterator[None]:
     """No automatic collection inside (any thread's): one may free a discarded engine's CUDA
-    graphs, and destroying a graph while this thread captures another invalidates the capture."""
-    was = gc.isenabled()
-    gc.disable()
+    graphs, and destroying a graph while this thread captures another invalidates the capture.
+    Nests across threads: the collector comes back when the last one leaves."""
+    with _pause:
+        if _paused[0] == 0:
+            _paused[1] = gc.isenabled()
+            gc.disable()
+        _paused[0] += 1
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        with _pause:
+            _paused[0] -= 1
+            if _paused[0] == 0 and _paused[1]:
+                gc.enable()

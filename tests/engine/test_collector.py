@@ -69,6 +69,13 @@ def test_paused_runs_no_automatic_collection_and_restores_the_state():
         assert not gc.isenabled()  # a collector off before stays off
     finally:
         gc.enable()
+    outer, inner = paused(), paused()  # two threads' captures overlapping, not nested
+    outer.__enter__()
+    inner.__enter__()
+    outer.__exit__(None, None, None)
+    assert not gc.isenabled()  # the second is still inside
+    inner.__exit__(None, None, None)
+    assert gc.isenabled()
 
 
 @pytest.mark.gpu
