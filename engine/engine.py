@@ -69,7 +69,8 @@ class Engine:
             if cfg.spec is not None and cfg.spec.context_drafts and cfg.spec.method == "eagle3" \
             else None
         self.runner = ModelRunner(cfg, self.model, self.kv_cache, self.token_store)
-        self.spec = SpecRunner(cfg, self.model, self.kv_cache, self._draft_head(draft_head),
+        self.spec = SpecRunner(cfg, self.model, self.kv_cache,
+                               engine_draft_head(cfg, self.model, draft_head),
                                self.token_store) if cfg.spec else None
         if cfg.use_cuda_graphs:
             k = cfg.spec.num_tokens if cfg.spec else 0
@@ -122,31 +123,6 @@ class Engine:
         same = self.spec is not None and mine is not None and new is not None \
             and new.method == "eagle3" and new.head == mine.head
         return Engine(cfg, weights_of=self, draft_head=self.spec.head if same else None)
-
-    def _draft_head(self, given):
-        """This engine's EAGLE-3 head: sharing the weights of `given`, or loaded from the spec's
-        checkpoint. Either way it gets its own attention backend (block size is per engine)."""
-        from engine.spec.eagle3 import Eagle3Head, load_head
-
-        spec, m, cfg = self.config.spec, self.config.model, self.config
-        if spec.method != "eagle3":
-            return None
-
-        def backend(hc):
-            kind = get_backend(cfg.backend_name)
-            kw = draft_attention(torch.device(cfg.device)) if kind.name == "triton" else {}
-            return kind(hc.num_heads, hc.num_kv_heads, hc.head_dim, cfg.block_size, **kw)
-
-        if given is None:
-            return load_head(spec.head or loader.shipped_head(m), m, backend, cfg.dtype,
-                             cfg.device, target_model=self.model)
-        given.cfg.check_target(m)
-        with torch.device("meta"):
-            head = Eagle3Head(given.cfg, backend(given.cfg))
-        head.load_state_dict(given.state_dict(), assign=True)
-        head.rotary = given.rotary
-        head.midlayer.self_attn.rotary = given.rotary
-        return head.eval()
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -343,3 +319,29 @@ class Engine:
                     yield out
                     if out.finished:
                         return
+
+
+def engine_draft_head(cfg: EngineConfig, model, given):
+    """An engine's EAGLE-3 head: sharing the weights of `given`, or loaded from the spec's
+    checkpoint. Either way it gets its own attention backend (block size is per engine)."""
+    from engine.spec.eagle3 import Eagle3Head, load_head
+
+    spec, m = cfg.spec, cfg.model
+    if spec.method != "eagle3":
+        return None
+
+    def backend(hc):
+        kind = get_backend(cfg.backend_name)
+        kw = draft_attention(torch.device(cfg.device)) if kind.name == "triton" else {}
+        return kind(hc.num_heads, hc.num_kv_heads, hc.head_dim, cfg.block_size, **kw)
+
+    if given is None:
+        return load_head(spec.head or loader.shipped_head(m), m, backend, cfg.dtype,
+                         cfg.device, target_model=model)
+    given.cfg.check_target(m)
+    with torch.device("meta"):
+        head = Eagle3Head(given.cfg, backend(given.cfg))
+    head.load_state_dict(given.state_dict(), assign=True)
+    head.rotary = given.rotary
+    head.midlayer.self_attn.rotary = given.rotary
+    return head.eval()
