@@ -18,6 +18,9 @@ CALIBRATE_MAX_ROWS = 8
 # Weights of at most this many elements take them: small models' projections, whose reads
 # are latency-bound; larger ones read faster through cuBLAS or `engine.ops.gemv`.
 LINEAR_MAX_WEIGHT = 4 << 20
+# The same bound for a draft head's LM head (its GEMV folds the argmax in): 7281 draft ids of
+# SmolLM2's 576-wide head. Its own, so a larger draft vocabulary can be measured on that path.
+LM_HEAD_MAX_WEIGHT = LINEAR_MAX_WEIGHT
 # Up to this many rows a projection runs one GEMV program per row and column block.
 GEMV_ROWS = 8
 GEMV_WARPS = 4  # warps of a GEMV program of a projection that is not wider than long

@@ -18,6 +18,7 @@ from engine.attention import AttentionBackend, AttentionMetadata
 from engine.config import ModelConfig, RopeConfig
 from engine.layers import RMSNorm, Rotary
 from engine.model import Projection, norm_proj, project, silu_proj
+from engine.ops import prologue
 
 
 @dataclass(frozen=True)
@@ -211,9 +212,9 @@ class Eagle3Head(nn.Module):
                              if cfg.draft_vocab_size == cfg.vocab_size
                              else torch.zeros(cfg.vocab_size, dtype=torch.bool))
         # The LM head takes the layer's prologue GEMV (the norm folded in) where its weight
-        # is as small as the layer's projections; a larger draft vocabulary goes through
-        # torch's linear, the layer keeping its GEMVs either way.
-        self.lm_prologue = ops.prologue_suits([(cfg.draft_vocab_size, cfg.hidden_size)])
+        # is at most `LM_HEAD_MAX_WEIGHT`; a larger draft vocabulary goes through torch's
+        # linear, the layer keeping its GEMVs either way.
+        self.lm_prologue = cfg.draft_vocab_size * cfg.hidden_size <= prologue.LM_HEAD_MAX_WEIGHT
 
     def set_vocab(self, target_ids: torch.Tensor) -> None:
         """Draft vocabulary = these target ids, in this order (d2t as offsets, t2d as a mask)."""

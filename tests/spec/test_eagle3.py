@@ -530,3 +530,22 @@ def test_dense_levels_at_every_batch_size_by_default():
     assert f.query_levels == (1, 2, 4, 6, 8)
     assert f.draft_levels == (0, 1, 2, 4, 6, 7)
     assert all(f.levels_at(b) == (f.query_levels, f.draft_levels) for b in (1, 2, 3, 8))
+
+
+def test_the_lm_head_bound_decides_its_gemv_path(monkeypatch):
+    """`prologue.LM_HEAD_MAX_WEIGHT` alone decides whether a head's LM head takes the fused
+    GEMV (argmax folded in): a draft vocabulary past it runs torch's linear unless the bound is
+    raised (how a larger vocabulary is measured on that path)."""
+    from engine.attention import TorchAttention
+    from engine.ops import prologue
+
+    hc = random_head(tiny_engine(0)).cfg
+    size = hc.draft_vocab_size * hc.hidden_size
+
+    def lm_prologue(bound: int) -> bool:
+        monkeypatch.setattr(prologue, "LM_HEAD_MAX_WEIGHT", bound)
+        return Eagle3Head(hc, TorchAttention(hc.num_heads, hc.num_kv_heads, hc.head_dim,
+                                             4)).lm_prologue
+
+    assert lm_prologue(size) and not lm_prologue(size - 1)
+    assert prologue.LINEAR_MAX_WEIGHT // 576 == 7281  # SmolLM2's head: the default's reach
