@@ -67,9 +67,9 @@ def draft_attention(device: torch.device) -> dict:
 def long_context(device: torch.device) -> int:
     """The context past which a batch of few sequences takes the split-KV path on `device`:
     CUDA graph buckets are captured once per side of it."""
-    if device.type != "cuda":
-        return INTERPRETER_SPLIT_KEYS
-    return SPLIT_FROM if SPLIT_FROM is not None else SPLIT_KEYS
+    if device.type == "cuda" and SPLIT_FROM is not None:
+        return SPLIT_FROM
+    return split_size(device)
 
 
 def split_size(device: torch.device) -> int:

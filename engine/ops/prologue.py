@@ -204,9 +204,11 @@ if triton_available():
                      mask=m_ok[:, None] & n_ok[None, :])
 
 
-def prologue_suits(weights) -> bool:
-    """Whether projections of these weight shapes ([N, K] each) take the prologue linears."""
-    return all(n * k <= LINEAR_MAX_WEIGHT for n, k in weights)
+def prologue_suits(weights, bound: int | None = None) -> bool:
+    """Whether projections of these weight shapes ([N, K] each) take the prologue linears:
+    each of at most `bound` elements (None: LINEAR_MAX_WEIGHT)."""
+    bound = LINEAR_MAX_WEIGHT if bound is None else bound
+    return all(n * k <= bound for n, k in weights)
 
 
 def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None

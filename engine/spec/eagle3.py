@@ -214,7 +214,8 @@ class Eagle3Head(nn.Module):
         # The LM head takes the layer's prologue GEMV (the norm folded in) where its weight
         # is at most `LM_HEAD_MAX_WEIGHT`; a larger draft vocabulary goes through torch's
         # linear, the layer keeping its GEMVs either way.
-        self.lm_prologue = cfg.draft_vocab_size * cfg.hidden_size <= prologue.LM_HEAD_MAX_WEIGHT
+        self.lm_prologue = ops.prologue_suits([(cfg.draft_vocab_size, cfg.hidden_size)],
+                                              prologue.LM_HEAD_MAX_WEIGHT)
 
     def set_vocab(self, target_ids: torch.Tensor) -> None:
         """Draft vocabulary = these target ids, in this order (d2t as offsets, t2d as a mask)."""
