@@ -37,9 +37,6 @@ INTERPRETER_SPLIT_KEYS = 1024
 # the one pass, whose single launch may beat split plus reduce on short contexts of a model
 # with few KV heads; the splits stay SPLIT_KEYS long.
 SPLIT_FROM: int | None = None
-# The split-KV path's last program per (KV head, sequence) combines the partials itself, saving
-# the reduce launch (off: a separate `split_reduce_kernel`; an A/B switch until measured).
-FUSED_SPLIT_REDUCE = False
 
 
 # The draft head's attention (`draft_attention`): its numbers need match no other path's, so
@@ -204,7 +201,6 @@ class TritonAttention(AttentionBackend):
         # on how many queries it brings (decode and verify reduce in the same order). None:
         # the device's `split_size` (deterministic: `DETERMINISTIC_SPLIT_KEYS`).
         self.split_keys = split_keys
-        self._split_counts: dict[str, torch.Tensor] = {}  # `_counts`, per device
         if deterministic and split_keys is not None and split_keys % DETERMINISTIC_TILE[1]:
             raise ValueError(f"split_keys={split_keys} is no multiple of the "
                              f"{DETERMINISTIC_TILE[1]}-key step")
@@ -340,31 +336,19 @@ class TritonAttention(AttentionBackend):
         block_m = self.tile_m(meta.max_query_len)
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
         programs = self.split_programs(splits, meta.num_seqs, q.device)
-        fused = FUSED_SPLIT_REDUCE
-        counts = self._counts(q.device) if fused else ml
         # Tiles, key blocks and warps as the one-pass kernel's: a context within one split
         # reduces in the same order on both paths.
         kern.paged_attention_split_kernel[(programs, self.num_kv_heads, meta.num_seqs)](
-            q, kc, vc, acc, ml, out, counts, meta.query_start, meta.seq_lens, meta.block_tables,
-            self.scale, q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
+            q, kc, vc, acc, ml, meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
+            q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
             meta.block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),
-            ml.stride(0), ml.stride(1), out.stride(0), out.stride(1),
+            ml.stride(0), ml.stride(1),
             G=self.group, HEAD_DIM=self.head_dim, BLOCK_D=next_pow2(self.head_dim),
             PAGE=self.block_size, BLOCK_M=block_m, BLOCK_N=self.block_n(q.device),
             SPLIT_KEYS=self.keys_per_split(q.device), PRECISION=precision,
-            num_warps=self.warps(block_m), FUSED=fused, **pdl_args(q),
+            num_warps=self.warps(block_m), **pdl_args(q),
         )
-        return out if fused else self._combine(kern.split_reduce_kernel, q, acc, ml, out, meta)
-
-    def _counts(self, device: torch.device) -> torch.Tensor:
-        """The fused split path's finished-program counters, one per (sequence, KV head) of
-        any batch that splits; zero between launches (the last program resets its own)."""
-        key = str(device)
-        got = self._split_counts.get(key)
-        if got is None:
-            n = (self.max_split_seqs(device) + 1) * self.num_kv_heads
-            got = self._split_counts[key] = torch.zeros(n, dtype=torch.int32, device=device)
-        return got
+        return self._combine(kern.split_reduce_kernel, q, acc, ml, out, meta)
 
     def _combine(self, kernel, q, acc, ml, out, meta: AttentionMetadata):
         """Launch `kernel` (the default or the deterministic fold) over each query token and head

@@ -129,20 +129,17 @@ if triton is not None:
     @triton.jit(do_not_specialize=["stride_bt", "stride_as", "stride_at", "stride_ms",
                                    "stride_mt"])
     def paged_attention_split_kernel(
-        Q, KC, VC, ACC, ML, Out, COUNT, query_start, seq_lens, block_tables, scale,
+        Q, KC, VC, ACC, ML, query_start, seq_lens, block_tables, scale,
         stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt,
-        stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_ot, stride_oh,
+        stride_as, stride_at, stride_ah, stride_ms, stride_mt,
         G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT_KEYS: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
-        FUSED: tl.constexpr = False,
     ):
         """Split-KV (flash-decoding) for short query counts: split s covers keys
         [s * SPLIT_KEYS, (s + 1) * SPLIT_KEYS) and writes unnormalized partials (acc, max, sum).
         Program (p, kv head, seq) takes splits p, p + P, ...; the partition depends on SPLIT_KEYS
-        alone, so a row's partials do not depend on the batch around it. FUSED: the last
-        program of each (kv head, seq) to finish (a counter in COUNT, reset after) combines the
-        partials into Out as `split_reduce_kernel` does, saving that launch."""
+        alone, so a row's partials do not depend on the batch around it."""
         pid = tl.program_id(0)
         kvh = tl.program_id(1)
         b = tl.program_id(2)
@@ -169,42 +166,6 @@ if triton is not None:
             ml = ML + split * stride_ms + base_t * stride_mt + head * 2
             tl.store(ml, m_i, mask=row_ok)
             tl.store(ml + 1, l_i, mask=row_ok)
-        if FUSED:
-            tl.debug_barrier()  # every thread's partials stored before the release below
-            count = COUNT + b * tl.num_programs(1) + kvh
-            if tl.atomic_add(count, 1, sem="acq_rel") == programs - 1:
-                _reduce_rows(ACC, ML, Out, q0 + t, head, row_ok, d, d_ok, tl.cdiv(ctx, SPLIT_KEYS),
-                             stride_as, stride_at, stride_ah, stride_ms, stride_mt, stride_ot,
-                             stride_oh, BLOCK_M, BLOCK_D)
-                tl.atomic_xchg(count, 0)  # ready for the next launch (or graph replay)
-
-    @triton.jit
-    def _reduce_rows(ACC, ML, Out, tok, head, row_ok, d, d_ok, n, stride_as, stride_at,
-                     stride_ah, stride_ms, stride_mt, stride_ot, stride_oh,
-                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-        """`split_reduce_kernel`'s combination for a tile of (token, head) rows: the largest
-        max, then sums and accumulators rescaled and added in split order, each element by the
-        same operations. Loads bypass L1: other programs wrote the partials."""
-        ml = ML + tok * stride_mt + head * 2
-        part = ACC + tok[:, None] * stride_at + head[:, None] * stride_ah + d[None, :]
-        m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        for s in range(0, n):
-            m = tl.maximum(m, tl.load(ml + s * stride_ms, mask=row_ok, other=float("-inf"),
-                                      cache_modifier=".cg"))
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        l_sum = tl.zeros([BLOCK_M], tl.float32)
-        ok = row_ok[:, None] & d_ok[None, :]
-        for s in range(0, n):
-            w = tl.exp2(tl.load(ml + s * stride_ms, mask=row_ok, other=float("-inf"),
-                                cache_modifier=".cg") - m_safe)
-            l_sum += tl.load(ml + s * stride_ms + 1, mask=row_ok, other=0.0,
-                             cache_modifier=".cg") * w
-            acc += w[:, None] * tl.load(part + s * stride_as, mask=ok, other=0.0,
-                                        cache_modifier=".cg")
-        out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
-        tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-                 out.to(Out.dtype.element_ty), mask=ok)
 
     @triton.jit(do_not_specialize=["stride_as", "stride_at", "stride_ms", "stride_mt"])
     def split_reduce_kernel(ACC, ML, Out, query_start, seq_lens,

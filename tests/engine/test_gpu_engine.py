@@ -46,18 +46,15 @@ def test_graphs_equal_eager_and_torch_backend(random_smol):
     assert graphs.plain.overlapped_runs > 0  # decode steps launched before the last was read
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_precaptured_long_context_graphs_equal_torch_backend(random_smol, fused, monkeypatch):
+def test_precaptured_long_context_graphs_equal_torch_backend(random_smol):
     """Contexts past SPLIT_KEYS (`long_context` on CUDA) decode through the captured split-KV
     graphs. Captured all at once, up front, as nodes do: a graph must not keep reading
     per-forward state that its warm-up made outside it (freed with that forward's metadata
     and soon reused: an illegal address, or other tensors' bytes), so every output must
-    equal the torch backend's; with the reduce fused into the split kernel too."""
+    equal the torch backend's."""
     from engine import SamplingParams
-    from engine.attention import triton_backend
     from engine.attention.triton_backend import SPLIT_KEYS
 
-    monkeypatch.setattr(triton_backend, "FUSED_SPLIT_REDUCE", fused)
     prompts = [[(37 * i + 11 * j) % 40000 + 100 for j in range(SPLIT_KEYS - 8 + 40 * i)]
                for i in range(5)]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

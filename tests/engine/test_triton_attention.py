@@ -514,32 +514,6 @@ def test_split_kv_matches_torch_reference(dtype, cases):
     assert err < (1e-5 if dtype == torch.float32 else 2e-3), f"relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("programs", [1, 3, 8])
-def test_fused_split_reduce_equals_the_reduce_launch(dtype, programs, monkeypatch):
-    """`FUSED_SPLIT_REDUCE`: the last program of each (KV head, sequence) combining the
-    partials gives bit for bit what `split_reduce_kernel` gives, for decode and verify rows,
-    however many programs share the splits, and again on the next launch (counters reset)."""
-    from engine.attention import TritonAttention
-    from engine.attention import triton_backend as tb
-
-    heads, kv_heads, head_dim, block_size = 6, 2, 32, 4
-    gen = torch.Generator().manual_seed(programs)
-    meta = _meta([(50, 6), (7, 1), (130, 3)], block_size, 64, gen)
-    meta.max_seq_len = 4096
-    be = TritonAttention(heads, kv_heads, head_dim, block_size, split_keys=16)
-    be.split_programs = lambda splits, n, device: programs
-    assert be.use_split(meta, torch.device(DEV)) > 1
-    total = int(meta.query_start_cpu[-1])
-    cache = torch.randn(2, 64, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(DEV)
-    q = torch.randn(total, heads, head_dim, generator=gen).to(dtype).to(DEV)
-    want = be.attend(q, cache, meta)
-    monkeypatch.setattr(tb, "FUSED_SPLIT_REDUCE", True)
-    for _ in range(2):
-        assert torch.equal(be.attend(q, cache, meta), want)
-    assert not be._counts(torch.device(DEV)).any()
-
-
 @pytest.mark.parametrize("heads_per_program", [None, 1, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_store_equals_rope_then_store(dtype, heads_per_program, monkeypatch):
