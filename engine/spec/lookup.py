@@ -8,6 +8,9 @@ searches on the device.
 
 from __future__ import annotations
 
+import logging
+import threading
+
 import torch
 
 from engine.attention.triton_backend import next_pow2, no_specialize, triton, triton_available
@@ -16,13 +19,51 @@ from engine.spec import ngram
 if triton_available():
     import triton.language as tl
 
+log = logging.getLogger(__name__)
 LOOKUP_BLOCK = 512  # candidate positions a lookup program compares at once
 STORE_BLOCK = 256  # rows a store program writes: one kernel variant for every row count
 
 
+# Per CUDA device, the thread compiling `_store_kernel` (`token_store`); joined before a launch.
+_compiling: dict[str, threading.Thread] = {}
+
+
 def token_store(num_slots: int, device) -> torch.Tensor:
-    """Token ids by KV slot, plus one spare element for rows that store no KV."""
-    return torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+    """Token ids by KV slot, plus one spare element for rows that store no KV. On CUDA, the
+    first store of the process also starts compiling `_store_kernel` on another thread: only
+    speculative engines launch it, and compiled on a first `generate`'s path (kernel and C
+    launcher, about 0.2 s cold) it would slow that call against an engine without speculation."""
+    store = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
+    if store.is_cuda and triton_available() and str(store.device) not in _compiling:
+        ids = torch.zeros(1, dtype=torch.int64, device=store.device)
+        t = threading.Thread(target=_compile_store, args=(store, ids), daemon=True,
+                             name="store-kernel-compile")
+        _compiling[str(store.device)] = t
+        t.start()
+    return store
+
+
+def _compile_store(store: torch.Tensor, ids: torch.Tensor) -> None:
+    """Compile `_store_kernel` as `store_tokens` launches it and build its launcher, loading
+    nothing on the device (a module load beside another thread's graph capture could break
+    the capture); the first launch then finds both in Triton's caches."""
+    try:
+        from triton.runtime import driver
+
+        with torch.cuda.device(store.device):
+            k = _store_kernel.warmup(store, ids, ids, 1, store.shape[0] - 1, BLOCK=STORE_BLOCK,
+                                     num_warps=4, grid=(1,))
+            launcher = getattr(driver.active, "launcher_cls", None)
+            if k is not None and launcher is not None:
+                launcher(k.src, k.metadata)
+    except Exception as e:  # noqa: BLE001 - the first launch compiles it instead
+        log.warning("compiling the token store kernel ahead failed: %r", e)
+
+
+def _await_compile(device: torch.device) -> None:
+    t = _compiling.get(str(device))
+    if t is not None and t.is_alive():
+        t.join()
 
 
 def store_tokens(store: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
@@ -35,6 +76,7 @@ def store_tokens(store: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
     if kernel is None:
         kernel = ids.is_cuda and triton_available()
     if kernel:
+        _await_compile(store.device)
         _store_kernel[(triton.cdiv(n, STORE_BLOCK),)](store, ids, slots, n, store.shape[0] - 1,
                                                      BLOCK=STORE_BLOCK, num_warps=4)
         return
