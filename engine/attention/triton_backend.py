@@ -25,18 +25,18 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
 
 
-# Keys per split of the split-KV path, and the context length past which a batch with too few
-# (KV head, sequence) programs to fill the GPU takes it. Below it one pass is faster; a single
-# split and one pass reduce in the same order, so a row rounds the same on both sides.
+# Keys per split of the split-KV path on CUDA. A context within one split reduces in the same
+# order there as in the one pass, so such a row rounds alike whichever kernel its batch takes.
 SPLIT_KEYS = 128
 # Off CUDA (Triton's interpreter: CPU tests) every program costs about the same whatever its
 # work, so splits there only multiply programs: 1024-key splits keep engine-level CPU tests
 # on the one-pass kernel below 1024 keys (kernel tests pick their own split size).
 INTERPRETER_SPLIT_KEYS = 1024
-# Where the split-KV path starts on CUDA (None: past SPLIT_KEYS). Set later, more contexts take
-# the one pass, whose single launch may beat split plus reduce on short contexts of a model
-# with few KV heads; the splits stay SPLIT_KEYS long.
-SPLIT_FROM: int | None = None
+# The context past which a CUDA batch with too few (KV head, sequence) programs to fill the GPU
+# takes the split-KV path (its splits stay SPLIT_KEYS long). Shorter contexts of a model with
+# few KV heads run faster in the one-pass kernel's single launch than split plus reduce
+# (figure 3's workload: bench/results/profile/split_from_512_7d33a0f.json).
+SPLIT_FROM = 512
 
 
 # The draft head's attention (`draft_attention`): its numbers need match no other path's, so
@@ -64,9 +64,7 @@ def draft_attention(device: torch.device) -> dict:
 def long_context(device: torch.device) -> int:
     """The context past which a batch of few sequences takes the split-KV path on `device`:
     CUDA graph buckets are captured once per side of it."""
-    if device.type == "cuda" and SPLIT_FROM is not None:
-        return SPLIT_FROM
-    return split_size(device)
+    return SPLIT_FROM if device.type == "cuda" else split_size(device)
 
 
 def split_size(device: torch.device) -> int:

@@ -47,15 +47,16 @@ def test_graphs_equal_eager_and_torch_backend(random_smol):
 
 
 def test_precaptured_long_context_graphs_equal_torch_backend(random_smol):
-    """Contexts past SPLIT_KEYS (`long_context` on CUDA) decode through the captured split-KV
-    graphs. Captured all at once, up front, as nodes do: a graph must not keep reading
+    """Contexts past `long_context` on CUDA (`SPLIT_FROM`) decode through the captured
+    split-KV graphs. Captured all at once, up front, as nodes do: a graph must not keep reading
     per-forward state that its warm-up made outside it (freed with that forward's metadata
     and soon reused: an illegal address, or other tensors' bytes), so every output must
     equal the torch backend's."""
     from engine import SamplingParams
-    from engine.attention.triton_backend import SPLIT_KEYS
+    from engine.attention.triton_backend import long_context
 
-    prompts = [[(37 * i + 11 * j) % 40000 + 100 for j in range(SPLIT_KEYS - 8 + 40 * i)]
+    start = long_context(torch.device("cuda"))
+    prompts = [[(37 * i + 11 * j) % 40000 + 100 for j in range(start - 8 + 40 * i)]
                for i in range(5)]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     ref = [c.token_ids for c in random_smol.generate(prompts, sp)]

@@ -78,10 +78,13 @@ def test_matches_torch_reference(dtype, heads, kv_heads, head_dim, block_size):
 def test_verify_rows_equal_decode_rows(dtype, heads, kv_heads):
     """A verify step's row for position p attends exactly as a one-token decode step at p
     does, bit for bit (one tile shape for both): what keeps greedy speculation identical to
-    no speculation. Also beside another sequence in the batch."""
+    no speculation. Also beside another sequence in the batch. On a GPU the contexts pass
+    `long_context`, so rows split their keys there (the interpreter's take the one pass)."""
     from engine.attention import TritonAttention
+    from engine.attention.triton_backend import long_context
 
-    head_dim, bs, nb, ctx, k1 = 64, 16, 32, 300, 6
+    head_dim, bs, nb, k1 = 64, 16, 64, 6
+    ctx = 300 if DEV == "cpu" else long_context(torch.device(DEV)) + 44
     gen = torch.Generator().manual_seed(heads)
     cache = torch.randn(2, nb, bs, kv_heads, head_dim, generator=gen).to(dtype).to(DEV)
     q = torch.randn(k1, heads, head_dim, generator=gen).to(dtype).to(DEV)
@@ -701,16 +704,19 @@ def test_tuning_keeps_the_default_kernel_unless_another_wins_by_the_margin():
 
 
 def test_a_later_split_start_keeps_the_split_size(monkeypatch):
-    """`SPLIT_FROM` moves where CUDA's split-KV path (and the long-context graphs) starts, not
-    how long a split is; unset, both are `SPLIT_KEYS`. Off CUDA neither changes."""
+    """`SPLIT_FROM` is where CUDA's split-KV path (and the long-context graphs) starts, not how
+    long a split is: that stays `SPLIT_KEYS`, wherever `SPLIT_FROM` moves. Off CUDA neither
+    changes."""
     from engine.attention import TritonAttention
     from engine.attention import triton_backend as tb
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     be = TritonAttention(9, 3, 64, 16)
-    assert tb.long_context(cuda) == be.keys_per_split(cuda) == tb.SPLIT_KEYS
-    monkeypatch.setattr(tb, "SPLIT_FROM", 4 * tb.SPLIT_KEYS)
-    assert tb.long_context(cuda) == be.long_from(cuda) == 4 * tb.SPLIT_KEYS
+    assert tb.long_context(cuda) == be.long_from(cuda) == tb.SPLIT_FROM
+    assert be.keys_per_split(cuda) == tb.SPLIT_KEYS
+    later = 2 * tb.SPLIT_FROM
+    monkeypatch.setattr(tb, "SPLIT_FROM", later)
+    assert tb.long_context(cuda) == be.long_from(cuda) == later
     assert be.keys_per_split(cuda) == tb.SPLIT_KEYS
     assert tb.long_context(cpu) == be.keys_per_split(cpu) == tb.INTERPRETER_SPLIT_KEYS
     draft = TritonAttention(9, 3, 64, 16, **tb.draft_attention(cuda))
