@@ -27,7 +27,7 @@ from engine.runner import ModelRunner, allocate_kv_cache, cache_blocks
 from engine.sampler import new_generator
 from engine.scheduler import Scheduler
 from engine.sequence import SamplingParams, Sequence
-from engine.spec.lookup import token_store
+from engine.spec.lookup import compile_store_ahead, needs_token_store, token_store
 from engine.spec.runtime import SpecRunner
 from engine.step import Stepper
 from engine.tokenizer import Detokenizer
@@ -66,8 +66,7 @@ class Engine:
         self.scheduler = Scheduler(cfg, self.blocks)
         # Token ids by KV slot, for drafting from the context on the device (lookup.py).
         self.token_store = token_store(self.num_blocks * cfg.block_size, cfg.device) \
-            if cfg.spec is not None and cfg.spec.context_drafts and cfg.spec.method == "eagle3" \
-            else None
+            if needs_token_store(cfg.spec) else None
         self.runner = ModelRunner(cfg, self.model, self.kv_cache, self.token_store)
         self.spec = SpecRunner(cfg, self.model, self.kv_cache,
                                engine_draft_head(cfg, self.model, draft_head),
@@ -113,6 +112,8 @@ class Engine:
         """Load a checkpoint (None → the embedded SmolLM2-135M-Instruct) and build the engine."""
         src = loader.Source(loader.resolve(model))  # a GGUF is parsed here, once
         cfg = EngineConfig(model=src.config(), **overrides)
+        if needs_token_store(cfg.spec):  # compiles while the weights load
+            compile_store_ahead(cfg.device)
         return cls(cfg, src.state_dict(cfg.dtype), src.tokenizer())
 
     def with_config(self, **overrides) -> Engine:

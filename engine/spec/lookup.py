@@ -24,23 +24,42 @@ LOOKUP_BLOCK = 512  # candidate positions a lookup program compares at once
 STORE_BLOCK = 256  # rows a store program writes: one kernel variant for every row count
 
 
-# Per CUDA device, the thread compiling `_store_kernel` (`token_store`); joined before a launch.
+# Per CUDA device, the thread compiling `_store_kernel` (`compile_store_ahead`), joined before
+# its first launch.
 _compiling: dict[str, threading.Thread] = {}
 
 
+def needs_token_store(spec) -> bool:
+    """Whether an engine of this `SpecConfig` (or None) drafts from the context on the device."""
+    return spec is not None and spec.context_drafts and spec.method == "eagle3"
+
+
 def token_store(num_slots: int, device) -> torch.Tensor:
-    """Token ids by KV slot, plus one spare element for rows that store no KV. On CUDA, the
-    first store of the process also starts compiling `_store_kernel` on another thread: only
-    speculative engines launch it, and compiled on a first `generate`'s path (kernel and C
-    launcher, about 0.2 s cold) it would slow that call against an engine without speculation."""
+    """Token ids by KV slot, plus one spare element for rows that store no KV."""
     store = torch.zeros(num_slots + 1, dtype=torch.int64, device=device)
-    if store.is_cuda and triton_available() and str(store.device) not in _compiling:
-        ids = torch.zeros(1, dtype=torch.int64, device=store.device)
-        t = threading.Thread(target=_compile_store, args=(store, ids), daemon=True,
-                             name="store-kernel-compile")
-        _compiling[str(store.device)] = t
-        t.start()
+    compile_store_ahead(store.device)
     return store
+
+
+def compile_store_ahead(device) -> None:
+    """On CUDA, start compiling `_store_kernel` on another thread (once per device): only
+    speculative engines launch it, and compiled on a first `generate`'s path (kernel and C
+    launcher, about 0.2 s cold) it would slow that call against an engine without speculation.
+    `Engine.from_pretrained` calls it before loading the weights, so it is done long before."""
+    device = torch.device(device)
+    if device.type != "cuda" or not triton_available():
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if str(device) in _compiling:
+        return
+    # Any int64 tensors will do: the kernel specializes on dtypes and the store's alignment.
+    store = torch.zeros(2, dtype=torch.int64, device=device)
+    ids = torch.zeros(1, dtype=torch.int64, device=device)
+    t = threading.Thread(target=_compile_store, args=(store, ids), daemon=True,
+                         name="store-kernel-compile")
+    _compiling[str(device)] = t
+    t.start()
 
 
 def _compile_store(store: torch.Tensor, ids: torch.Tensor) -> None:

@@ -53,3 +53,21 @@ def test_every_row_count_and_offset_runs_one_compiled_variant():
             store_tokens(token_store(4 * n + 8, DEV), ids, slots, kernel=True)
     torch.cuda.synchronize()
     assert [c.name for c in jit_watch.since(mark)] == []
+
+
+def test_only_context_drafting_engines_compile_the_store_kernel_ahead():
+    """`Engine.from_pretrained` starts compiling the store kernel while the weights load for an
+    EAGLE-3 engine with context drafts, on CUDA only (elsewhere nothing compiles ahead)."""
+    from dataclasses import replace
+
+    from engine.config import SpecConfig
+    from engine.spec import lookup
+
+    spec = SpecConfig()
+    assert lookup.needs_token_store(spec)
+    assert not lookup.needs_token_store(None)
+    assert not lookup.needs_token_store(replace(spec, context_drafts=False))
+    assert not lookup.needs_token_store(SpecConfig(method="ngram", num_tokens=3, dynamic=False))
+    before = dict(lookup._compiling)
+    lookup.compile_store_ahead("cpu")
+    assert lookup._compiling == before
