@@ -34,9 +34,12 @@ SPLIT_KEYS = 128
 INTERPRETER_SPLIT_KEYS = 1024
 # The context past which a CUDA batch with too few (KV head, sequence) programs to fill the GPU
 # takes the split-KV path (its splits stay SPLIT_KEYS long). Shorter contexts of a model with
-# few KV heads run faster in the one-pass kernel's single launch than split plus reduce
-# (figure 3's workload: bench/results/profile/split_from_512_7d33a0f.json).
-SPLIT_FROM = 512
+# few KV heads run faster in the one-pass kernel's single launch than split plus reduce; longer
+# ones slower: a step of the one pass grows ~0.7 us a key (SmolLM2, one stream, H100: the two
+# break even near 210 keys; at 586, 811 us against the split's 550;
+# bench/results/profile/spec_step_7d33a0f.json). Figure 3's contexts (<= ~175 keys) ran 2-5%
+# faster with the split past 512 rather than 128 (profile/split_from_512_7d33a0f.json).
+SPLIT_FROM = 192
 
 
 # The draft head's attention (`draft_attention`): its numbers need match no other path's, so
