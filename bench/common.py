@@ -359,7 +359,7 @@ def precapture(eng, batch_sizes, long_context: bool | None = None) -> str:
     """Capture the CUDA graphs the timed runs will replay, so no capture lands inside a timed
     region (`Engine.capture_graphs`); the returned note says what happened. By default with
     the split-KV variants (the engine's default, as nodes capture): contexts past
-    `long_context` (192 keys on CUDA) take them."""
+    `long_context` (one split) take them."""
     from engine import jit_watch
 
     jit_watch.install()  # the figures record the compiles inside their timed windows

@@ -25,21 +25,17 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
 
 
-# Keys per split of the split-KV path on CUDA. A context within one split reduces in the same
-# order there as in the one pass, so such a row rounds alike whichever kernel its batch takes.
+# Keys per split of the split-KV path on CUDA, and the context past which a batch of few
+# sequences takes it. A context within one split reduces in the same order there as in the one
+# pass, so a row rounds alike whichever kernel its batch takes (a verify row as its decode row):
+# the split path must not start past one split. (Starting it at 512 with 128-key splits ran
+# figure 3's short contexts 2-5% faster, profile/split_from_512_7d33a0f.json, but broke that;
+# past ~210 keys the split wins at one stream, profile/spec_step_7d33a0f.json.)
 SPLIT_KEYS = 128
 # Off CUDA (Triton's interpreter: CPU tests) every program costs about the same whatever its
 # work, so splits there only multiply programs: 1024-key splits keep engine-level CPU tests
 # on the one-pass kernel below 1024 keys (kernel tests pick their own split size).
 INTERPRETER_SPLIT_KEYS = 1024
-# The context past which a CUDA batch with too few (KV head, sequence) programs to fill the GPU
-# takes the split-KV path (its splits stay SPLIT_KEYS long). Shorter contexts of a model with
-# few KV heads run faster in the one-pass kernel's single launch than split plus reduce; longer
-# ones slower: a step of the one pass grows ~0.7 us a key (SmolLM2, one stream, H100: the two
-# break even near 210 keys; at 586, 811 us against the split's 550;
-# bench/results/profile/spec_step_7d33a0f.json). Figure 3's contexts (<= ~175 keys) ran 2-5%
-# faster with the split past 512 rather than 128 (profile/split_from_512_7d33a0f.json).
-SPLIT_FROM = 192
 
 
 # The draft head's attention (`draft_attention`): its numbers need match no other path's, so
@@ -65,13 +61,8 @@ def draft_attention(device: torch.device) -> dict:
 
 
 def long_context(device: torch.device) -> int:
-    """The context past which a batch of few sequences takes the split-KV path on `device`:
-    CUDA graph buckets are captured once per side of it."""
-    return SPLIT_FROM if device.type == "cuda" else split_size(device)
-
-
-def split_size(device: torch.device) -> int:
-    """Keys per split of the default mode's split-KV path on `device`."""
+    """Keys per split of the default mode on `device`, and the context past which a batch of
+    few sequences takes the split-KV path: CUDA graph buckets are captured once per side of it."""
     return SPLIT_KEYS if device.type == "cuda" else INTERPRETER_SPLIT_KEYS
 
 
@@ -200,7 +191,7 @@ class TritonAttention(AttentionBackend):
         self.group = num_heads // num_kv_heads
         # Keys per split of the split-KV path: fixed, so a sequence's partition never depends
         # on how many queries it brings (decode and verify reduce in the same order). None:
-        # the device's `split_size` (deterministic: `DETERMINISTIC_SPLIT_KEYS`).
+        # the device's `long_context` (deterministic: `DETERMINISTIC_SPLIT_KEYS`).
         self.split_keys = split_keys
         if deterministic and split_keys is not None and split_keys % DETERMINISTIC_TILE[1]:
             raise ValueError(f"split_keys={split_keys} is no multiple of the "
@@ -223,10 +214,10 @@ class TritonAttention(AttentionBackend):
 
     def keys_per_split(self, device: torch.device) -> int:
         """Keys per split: this backend's `split_keys`, else the deterministic mode's one size
-        on every device, else the default mode's (`split_size`)."""
+        on every device, else the default mode's (`long_context`)."""
         if self.split_keys is not None:
             return self.split_keys
-        return DETERMINISTIC_SPLIT_KEYS if self.deterministic else split_size(device)
+        return DETERMINISTIC_SPLIT_KEYS if self.deterministic else long_context(device)
 
     def long_from(self, device: torch.device) -> int:
         """Contexts past this many keys may take the split-KV path (`use_split`)."""

@@ -703,21 +703,17 @@ def test_tuning_keeps_the_default_kernel_unless_another_wins_by_the_margin():
     assert tuning._rows_choice({"cublas": 20.0}) == "cublas"
 
 
-def test_a_later_split_start_keeps_the_split_size(monkeypatch):
-    """`SPLIT_FROM` is where CUDA's split-KV path (and the long-context graphs) starts, not how
-    long a split is: that stays `SPLIT_KEYS`, wherever `SPLIT_FROM` moves. Off CUDA neither
-    changes."""
+def test_the_split_path_starts_where_one_split_ends():
+    """A context that takes either kernel fits in one split, so it reduces in the same order on
+    both and a verify row rounds as its decode row: the default mode's and a draft head's split
+    path start exactly one split in, on CUDA and off it."""
     from engine.attention import TritonAttention
     from engine.attention import triton_backend as tb
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    be = TritonAttention(9, 3, 64, 16)
-    assert tb.long_context(cuda) == be.long_from(cuda) == tb.SPLIT_FROM
-    assert be.keys_per_split(cuda) == tb.SPLIT_KEYS
-    later = 2 * tb.SPLIT_FROM
-    monkeypatch.setattr(tb, "SPLIT_FROM", later)
-    assert tb.long_context(cuda) == be.long_from(cuda) == later
-    assert be.keys_per_split(cuda) == tb.SPLIT_KEYS
-    assert tb.long_context(cpu) == be.keys_per_split(cpu) == tb.INTERPRETER_SPLIT_KEYS
-    draft = TritonAttention(9, 3, 64, 16, **tb.draft_attention(cuda))
-    assert draft.long_from(cuda) == draft.keys_per_split(cuda) == tb.DRAFT_SPLIT_KEYS
+    for be in (TritonAttention(9, 3, 64, 16), TritonAttention(9, 3, 64, 16, split_keys=32),
+               TritonAttention(9, 3, 64, 16, **tb.draft_attention(cuda))):
+        for dev in (cuda, cpu):
+            assert be.long_from(dev) == be.keys_per_split(dev)
+    assert tb.long_context(cuda) == tb.SPLIT_KEYS
+    assert tb.long_context(cpu) == tb.INTERPRETER_SPLIT_KEYS
