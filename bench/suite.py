@@ -260,7 +260,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fig7-deadline-s", type=float, default=500.0,
                    help="start no ready process or cold pair expected to end after this many "
                         "seconds (skipped ones are listed); 500 keeps reps=3 (~400 s) "
-                        "inside BENCH_TIMEOUT=560 on an H100")
+                        "inside BENCH_TIMEOUT=560 on an H100 when figure 7 runs alone")
     g.add_argument("--fig7-child-timeout-s", type=float, default=300.0,
                    help="a process running longer is killed and recorded as failed")
     g.add_argument("--fig7-smoke", action="store_true",

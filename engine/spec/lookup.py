@@ -25,8 +25,9 @@ STORE_BLOCK = 256  # rows a store program writes: one kernel variant for every r
 
 
 # Per CUDA device, the thread compiling `_store_kernel` (`compile_store_ahead`), joined before
-# its first launch.
-_compiling: dict[str, threading.Thread] = {}
+# its first launch (None once joined).
+_compiling: dict[str, threading.Thread | None] = {}
+_compiling_lock = threading.Lock()
 
 
 def needs_token_store(spec) -> bool:
@@ -51,15 +52,18 @@ def compile_store_ahead(device) -> None:
         return
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    if str(device) in _compiling:
-        return
-    # Any int64 tensors will do: the kernel specializes on dtypes and the store's alignment.
-    store = torch.zeros(2, dtype=torch.int64, device=device)
-    ids = torch.zeros(1, dtype=torch.int64, device=device)
-    t = threading.Thread(target=_compile_store, args=(store, ids), daemon=True,
-                         name="store-kernel-compile")
-    _compiling[str(device)] = t
-    t.start()
+    with _compiling_lock:
+        if str(device) in _compiling:
+            return
+        # Any int64 tensors will do: the kernel specializes on dtypes and the store's alignment.
+        store = torch.zeros(2, dtype=torch.int64, device=device)
+        ids = torch.zeros(1, dtype=torch.int64, device=device)
+        # Not a daemon: an exit meanwhile waits for it rather than stopping it inside Triton's
+        # C++ compiler.
+        t = threading.Thread(target=_compile_store, args=(store, ids),
+                             name="store-kernel-compile")
+        _compiling[str(device)] = t
+        t.start()
 
 
 def _compile_store(store: torch.Tensor, ids: torch.Tensor) -> None:
@@ -80,9 +84,11 @@ def _compile_store(store: torch.Tensor, ids: torch.Tensor) -> None:
 
 
 def _await_compile(device: torch.device) -> None:
-    t = _compiling.get(str(device))
-    if t is not None and t.is_alive():
+    key = str(device)
+    t = _compiling.get(key)
+    if t is not None:
         t.join()
+        _compiling[key] = None
 
 
 def store_tokens(store: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
