@@ -47,7 +47,7 @@ def test_graphs_equal_eager_and_torch_backend(random_smol):
 
 
 def test_precaptured_long_context_graphs_equal_torch_backend(random_smol):
-    """Contexts past `long_context` on CUDA (`SPLIT_FROM`) decode through the captured
+    """Contexts past `long_context` on CUDA (one split) decode through the captured
     split-KV graphs. Captured all at once, up front, as nodes do: a graph must not keep reading
     per-forward state that its warm-up made outside it (freed with that forward's metadata
     and soon reused: an illegal address, or other tensors' bytes), so every output must
