@@ -498,16 +498,19 @@ def test_split_path_rounds_as_the_one_pass_path(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("cases", [[(45, 1)], [(50, 6), (7, 1)], [(130, 3)]])
-def test_split_kv_matches_torch_reference(dtype, cases):
-    """The split-KV (flash-decoding) path for few sequences: partials per 16-key split,
-    combined in split order; decode and verify rows alike."""
+@pytest.mark.parametrize("split_keys, cases", [
+    (16, [(45, 1)]), (16, [(50, 6), (7, 1)]), (16, [(130, 3)]),
+    (48, [(50, 6), (7, 1)]), (48, [(130, 3)])])
+def test_split_kv_matches_torch_reference(dtype, split_keys, cases):
+    """The split-KV (flash-decoding) path for few sequences: partials per split (16 keys, or
+    48: three 16-key steps, a split size no power of two), combined in split order; decode and
+    verify rows alike."""
     from engine.attention import TritonAttention
 
     heads, kv_heads, head_dim, block_size = 6, 2, 32, 4
     gen = torch.Generator().manual_seed(len(cases) + cases[0][0])
     meta = _meta(cases, block_size, 64, gen)
-    tri_b = TritonAttention(heads, kv_heads, head_dim, block_size, split_keys=16)
+    tri_b = TritonAttention(heads, kv_heads, head_dim, block_size, split_keys=split_keys)
     meta.max_seq_len = 4096  # as a graph bucket captured for long contexts says
     assert tri_b.use_split(meta, torch.device(DEV)) > 1
     total = int(meta.query_start_cpu[-1])
