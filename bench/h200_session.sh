@@ -4,7 +4,8 @@
 #   bench     (default) the figures: FIGS (default 1,2,3,4), FIG3_TRACE=1 adds figure 3's
 #             dynamic-K step traces, BENCH_ARGS more arguments of bench.suite
 #   setab     figure 3 in two processes, the second with SET_B's settings
-#             (space-separated module.NAME=VALUE)
+#             (space-separated module.NAME=VALUE); SETAB_FIGS other figures, SETAB_ARGS
+#             their arguments (default --fig3-trace)
 #   pull      one GPU: the kvtransfer GPU tests and the push and pull paths against UCX
 #             messages and a same-device copy (PULL_BLOCKS, PULL_PROGRESS)
 #   gputests  the GPU tests (GPU_TESTS narrows them)
@@ -105,9 +106,10 @@ elif [ "$part" = setab ]; then  # figure 3 as it is (a) and with SET_B's --set v
   for x in ${SET_B:?SET_B names the settings of the second process}; do sets="$sets --set $x"; done
   for v in a b; do
     extra=""; [ "$v" = b ] && extra="$sets"
-    timeout "${BENCH_TIMEOUT:-250}" python3 -m bench.suite --model "$M" --figures 3 --out "$R/$v" \
-      --fig3-trace $extra > "$R/$v.log" 2>&1
-    grep "figure 3 goals" "$R/$v.log" | cut -c1-300
+    timeout "${BENCH_TIMEOUT:-250}" python3 -m bench.suite --model "$M" \
+      --figures "${SETAB_FIGS:-3}" --out "$R/$v" ${SETAB_ARGS:---fig3-trace} $extra \
+      > "$R/$v.log" 2>&1
+    grep "goals" "$R/$v.log" | cut -c1-300
   done
 elif [ "$part" = isolated ]; then
   python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider ${GPU_TESTS:-tests/kvtransfer} \
