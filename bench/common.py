@@ -18,6 +18,7 @@ import traceback
 from cluster.gpu_check import first_diff  # noqa: F401 - the figures compare streams with it
 
 T0 = time.perf_counter()
+SETTINGS_ENV = "TANDEM_BENCH_SET"  # a figure's --set values, for the processes it starts
 
 
 def log(msg: str) -> None:

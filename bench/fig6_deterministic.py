@@ -19,6 +19,7 @@ import traceback
 from dataclasses import replace
 
 from bench.common import (
+    SETTINGS_ENV,
     acceptance,
     code_tasks,
     eagle,
@@ -109,6 +110,10 @@ def restarted(args, prompts, n: int, blocks: int, timeout: float) -> dict[str, l
 def child_main(path: str) -> None:
     """The restarted process: the same model and prompts, each mode's single-stream reference."""
     from engine import SamplingParams
+
+    if os.environ.get(SETTINGS_ENV):  # the parent's --set values
+        from bench.suite import apply_inherited
+        apply_inherited()
 
     with open(path) as f:
         spec = json.load(f)

@@ -4,10 +4,9 @@ EAGLE-3 as an engine speculates unless told) and concurrency, a fresh process bu
 first pass prepares the engine on first use (`engine/warmup.py`), the second is the steady
 reference; --fig7-reps repetitions, each a no-spec and an EAGLE-3 process side by side per
 concurrency (the first alternating; a ratio is the median over pairs, so one slow process
-moves one pair, not the headline). Per variant, one
-more fresh process prepares as a server does (`prepare_to_serve`) and times one request against
-the same request repeated. Every process counts the Triton kernels compiled after it was ready
-(`tandem_jit_compiles_after_ready_total`)."""
+moves one pair, not the headline). Per variant, one more fresh process prepares as a server
+does (`prepare_to_serve`) and times one request against the same request repeated. Every
+process counts the Triton kernels compiled after ready (`tandem_jit_compiles_after_ready_total`)."""
 
 from __future__ import annotations
 
@@ -22,6 +21,7 @@ import tempfile
 import time
 
 from bench.common import (
+    SETTINGS_ENV,
     acceptance,
     held_out_messages,
     lazy_torch,
@@ -53,8 +53,7 @@ CHILD_KEYS = ("model", "head", "device", "dtype", "num_blocks", "fig3_tokens", "
 
 
 def engine_spec(variant: str, head: str | None):
-    """The SpecConfig a variant's engine is built with: none, or EAGLE-3 with every field at
-    its default (the head may be named)."""
+    """None, or EAGLE-3 with every field at its default (the head may be named)."""
     from engine.config import SpecConfig
 
     return None if variant == "no_spec" else SpecConfig(head=head)
@@ -72,6 +71,9 @@ def child_main(argv: list[str]) -> None:
     p.add_argument("--spawned", type=float, required=True)
     a = p.parse_args(argv)
     started = time.time() - a.spawned  # the interpreter and this module, imported
+    if os.environ.get(SETTINGS_ENV):  # the parent's --set values
+        from bench.suite import apply_inherited
+        apply_inherited()
     with open(a.child) as f:
         spec = json.load(f)
     row = {"python_started_s": rnd(started, 3)}

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import traceback
 
 from bench.common import (
+    SETTINGS_ENV,
     decode_path,
     free_memory,
     header,
@@ -97,13 +99,21 @@ def parse_setting(item: str) -> tuple[str, object]:
 
 def apply_settings(items: list[str]) -> dict:
     """Set module constants from "module.NAME=VALUE" strings (`parse_setting`) for an A/B
-    process; only names the module already has. Returns what was set."""
+    process; only names the module already has. Returns what was set. They are also left in
+    SETTINGS_ENV, so the processes a figure starts (`apply_inherited`) run as this one."""
     done = {}
     for item in items:
         path, value = parse_setting(item)
         setattr(*setting(path), value)
         done[path] = value
+    if items:
+        os.environ[SETTINGS_ENV] = json.dumps(list(items))
     return done
+
+
+def apply_inherited() -> dict:
+    """In a process a figure started: the parent's --set values (`apply_settings`)."""
+    return apply_settings(json.loads(os.environ.get(SETTINGS_ENV) or "[]"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -64,13 +64,16 @@ def test_figure_3_takes_several_candidates_in_order_and_refuses_bad_ones(capsys)
     assert "error: --fig3-candidate: " in capsys.readouterr().err
 
 
-def test_set_changes_module_constants_and_refuses_unknown_names():
+def test_set_changes_module_constants_and_refuses_unknown_names(monkeypatch):
     """`tandem bench --set module.NAME=VALUE`: a constant the module has is set (the value a
     Python literal); an unknown name or a malformed item is refused."""
     import pytest
 
     from bench import fig5_process
+    from bench.common import SETTINGS_ENV
     from bench.suite import apply_settings
+
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
 
     before = fig5_process.FIG5_UCX_TIMEOUT_S
     try:
@@ -83,3 +86,29 @@ def test_set_changes_module_constants_and_refuses_unknown_names():
         apply_settings(["bench.fig5_process.NO_SUCH_NAME=1"])
     with pytest.raises(ValueError):
         apply_settings(["FIG5_UCX_TIMEOUT_S"])
+
+
+def test_processes_a_figure_starts_inherit_its_settings(monkeypatch):
+    """A figure's child process (figure 6's restarted process, figure 7's cold ones) runs with
+    the parent's --set values (`apply_inherited`), or an A/B would compare the child unset."""
+    import os
+    import subprocess
+    import sys
+
+    from bench import fig5_process
+    from bench.common import SETTINGS_ENV
+    from bench.suite import apply_settings
+
+    monkeypatch.delenv(SETTINGS_ENV, raising=False)
+    before = fig5_process.FIG5_UCX_TIMEOUT_S
+    try:
+        apply_settings(["bench.fig5_process.FIG5_UCX_TIMEOUT_S=7.25"])
+        child = ("from bench.suite import apply_inherited; apply_inherited(); "
+                 "from bench import fig5_process; print(fig5_process.FIG5_UCX_TIMEOUT_S)")
+        out = subprocess.run([sys.executable, "-c", child], env=dict(os.environ),
+                             capture_output=True, text=True, timeout=120)
+    finally:
+        fig5_process.FIG5_UCX_TIMEOUT_S = before
+        os.environ.pop(SETTINGS_ENV, None)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "7.25"
