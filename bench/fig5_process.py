@@ -10,7 +10,7 @@ import statistics
 import time
 import traceback
 
-from bench.common import is_cuda, lazy_torch, precapture, random_engine, rnd
+from bench.common import SETTINGS_ENV, is_cuda, lazy_torch, precapture, random_engine, rnd
 from engine.testing import llama8b_shape
 
 FIG5_CHILD_TIMEOUT_S = 120.0  # the prefill process: start, build, warm, connect
@@ -256,6 +256,9 @@ def fig5_prefill_main(pipe, args, device: str) -> None:
     """The prefill process (spawned): the prefill engine on `device`, a UCX sender connected
     to the decode process, and a loop that prefills what the parent sends (hold=True), ships
     each request's blocks into the blocks the decode side reserved and reports the hand-off."""
+    if os.environ.get(SETTINGS_ENV):  # the parent's --set values
+        from bench.suite import apply_inherited
+        apply_inherited()
     try:
         msg = pipe.recv()  # ("go", decode address): waits here while the parent runs colocated
         if msg[0] == "go":
