@@ -26,11 +26,9 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 
 # Keys per split of the split-KV path on CUDA, and the context past which a batch of few
-# sequences takes it. A context within one split reduces in the same order there as in the one
-# pass, so a row rounds alike whichever kernel its batch takes (a verify row as its decode row):
-# the split path must not start past one split. (Starting it at 512 with 128-key splits ran
-# figure 3's short contexts 2-5% faster, profile/split_from_512_7d33a0f.json, but broke that;
-# past ~210 keys the split wins at one stream, profile/spec_step_7d33a0f.json.)
+# sequences takes it: a context within one split reduces in the same order on both paths, so a
+# row rounds alike whichever kernel its batch takes (a verify row as its decode row), which a
+# later start than one split would break.
 SPLIT_KEYS = 128
 # Off CUDA (Triton's interpreter: CPU tests) every program costs about the same whatever its
 # work, so splits there only multiply programs: 1024-key splits keep engine-level CPU tests
