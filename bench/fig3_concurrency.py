@@ -362,22 +362,26 @@ def stalls(step_seconds: list[float]) -> dict:
             "median_step_ms": rnd(med * 1e3, 3), "max_step_ms": rnd(max(step_seconds) * 1e3, 2)}
 
 
-def window_mark() -> tuple[int, int]:
-    """Where the Triton compile record and the graph-capture count stand now."""
-    from engine import jit_watch
+def window_mark() -> tuple:
+    """Where the Triton compile record, the graph-capture count and the collector's pauses
+    stand now."""
+    from engine import collector, jit_watch
     from engine.graphs import GraphSet
 
-    return jit_watch.count(), GraphSet.captures
+    collector.watch_pauses()
+    return jit_watch.count(), GraphSet.captures, collector.pauses()
 
 
-def window_events(mark: tuple[int, int]) -> dict:
-    """Kernels compiled ({name: [count, seconds]}) and CUDA graphs captured since `mark`:
-    one-time costs that, inside a timed window, are stalls no later run has."""
-    from engine import jit_watch
+def window_events(mark: tuple) -> dict:
+    """Kernels compiled ({name: [count, seconds]}), CUDA graphs captured and garbage
+    collections ([count, seconds]) since `mark`: stalls inside a timed window."""
+    from engine import collector, jit_watch
     from engine.graphs import GraphSet
 
+    n, sec = collector.pauses()
     return {"compiles": jit_watch.summary(jit_watch.since(mark[0])),
-            "captures": GraphSet.captures - mark[1]}
+            "captures": GraphSet.captures - mark[1],
+            "gc": [n - mark[2][0], round(sec - mark[2][1], 4)]}
 
 
 def steady_throughput(args, eng, prompts, c: int, n: int, generations: int = 3,

@@ -3,12 +3,15 @@
 A loaded engine holds hundreds of thousands of objects the cyclic collector tracks, so a full
 collection pauses every running stream. `freeze_long_lived`, called after start-up (weights
 loaded, graphs captured), moves every object alive then to the permanent generation, which
-collections skip; what serving allocates afterwards is still collected as before."""
+collections skip; what serving allocates afterwards is still collected as before.
+`watch_pauses` times every collection (`pauses`: the engine metrics' and the figures' GC
+pauses)."""
 
 from __future__ import annotations
 
 import gc
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -49,3 +52,29 @@ def paused() -> Iterator[None]:
             _paused[0] -= 1
             if _paused[0] == 0 and _paused[1]:
                 gc.enable()
+
+
+_pauses = [0, 0.0]  # collections finished, and their seconds, since `watch_pauses`
+_gc_began: dict[int, float] = {}  # thread id -> when its running collection started
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    me = threading.get_ident()
+    if phase == "start":
+        _gc_began[me] = time.perf_counter()
+        return
+    began = _gc_began.pop(me, None)
+    if began is not None:
+        _pauses[0] += 1
+        _pauses[1] += time.perf_counter() - began
+
+
+def watch_pauses() -> None:
+    """Time every collection from now on (once per process)."""
+    if _on_gc not in gc.callbacks:
+        gc.callbacks.append(_on_gc)
+
+
+def pauses() -> tuple[int, float]:
+    """(collections, seconds they paused the process) since `watch_pauses`."""
+    return _pauses[0], _pauses[1]

@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from engine import jit_watch
+from engine import collector, jit_watch
 
 ROLES = ("router", "prefill", "decode", "colocated")
 # Per-token gaps (ITL, TPOT): a fast GPU decode step up to a stalled CPU one.
@@ -257,6 +257,7 @@ class Metrics:
         self.blocks_used.set_function(lambda: engine.num_blocks - engine.blocks.num_free)
         self.blocks_total.set_function(lambda: engine.num_blocks)
         self._engine_counters.engine = engine
+        collector.watch_pauses()
 
     def count_error(self, code: str, n: int = 1) -> None:
         """`n` requests ended with gRPC status `code` (its name: "UNAUTHENTICATED")."""
@@ -365,6 +366,15 @@ class EngineCounters:
             labels=self.label_names)
         family.add_metric(self.bound, jit_watch.after_ready())
         yield family
+        n, seconds = collector.pauses()
+        for name, doc, v in (
+                ("tandem_gc_pauses", "Garbage collections since the engine was watched; each "
+                 "paused every stream.", n),
+                ("tandem_gc_pause_seconds", "Seconds those collections paused the process.",
+                 seconds)):
+            family = CounterMetricFamily(name, doc, labels=self.label_names)
+            family.add_metric(self.bound, v)
+            yield family
         ready = getattr(e, "ready", None)
         if ready is not None:
             family = GaugeMetricFamily(

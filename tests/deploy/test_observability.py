@@ -61,7 +61,8 @@ def exported() -> set[str]:
         for family in text_string_to_metric_families(text):
             names |= {family.name + s for s in SUFFIXES.get(family.type, ("",))}
     assert "tandem_requests_total" in names and "tandem_ttft_seconds_bucket" in names
-    assert {"tandem_ready_seconds", "tandem_jit_compiles_after_ready_total"} <= names
+    assert {"tandem_ready_seconds", "tandem_jit_compiles_after_ready_total",
+            "tandem_gc_pauses_total", "tandem_gc_pause_seconds_total"} <= names
     return names
 
 

@@ -1,5 +1,6 @@
 """engine/collector.py: objects alive at start-up leave the collector's walks; the
-benchmarks give them back before discarding an engine; captures pause the collector."""
+benchmarks give them back before discarding an engine; captures pause the collector; every
+collection's pause is timed."""
 
 from __future__ import annotations
 
@@ -113,3 +114,17 @@ def test_a_discarded_engines_graphs_are_not_freed_mid_capture(monkeypatch):
     gc.collect()
     assert gone() is None
     assert all(g is not None for g, _ in new.runner.graphs.graphs.values())
+
+
+def test_every_collection_is_counted_and_timed():
+    """`watch_pauses`: each collection, automatic or called, adds one pause and its seconds
+    (what `tandem_gc_pauses_total` and the figures' windows report)."""
+    from engine.collector import pauses, watch_pauses
+
+    watch_pauses()
+    watch_pauses()  # once per process: a second call adds no second callback
+    n0, s0 = pauses()
+    gc.collect()
+    gc.collect(0)
+    n1, s1 = pauses()
+    assert n1 - n0 == 2 and s1 > s0

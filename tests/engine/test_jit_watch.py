@@ -65,7 +65,10 @@ def test_compiles_after_start_up_are_logged(hooks, caplog):
 
 
 def test_steady_window_records_compiles_and_captures(hooks, monkeypatch):
-    """bench.suite's timed windows carry what compiled and what was captured inside them."""
+    """bench.suite's timed windows carry what compiled, what was captured and the garbage
+    collections inside them."""
+    import gc
+
     from bench.suite import window_events, window_mark
     from engine.graphs import GraphSet
 
@@ -74,9 +77,11 @@ def test_steady_window_records_compiles_and_captures(hooks, monkeypatch):
     mark = window_mark()
     compile_(rt, "_late")
     GraphSet.captures += 2
+    gc.collect()
     ev = window_events(mark)
     assert ev["compiles"] == {"_late": [1, pytest.approx(ev["compiles"]["_late"][1])]}
     assert ev["captures"] == 2
+    assert ev["gc"][0] >= 1 and ev["gc"][1] > 0
 
 
 @pytest.mark.parametrize("n_tokens,n_seqs", [(1, 1), (3, 2), (7, 3), (16, 5), (33, 8)])
