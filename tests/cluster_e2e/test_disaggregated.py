@@ -100,12 +100,14 @@ def test_fifty_requests_with_cancellations_leak_nothing(cluster, chat_ids):
     assert all(s["held"] == 0 and s["reserved"] == 0 and s["running"] == 0 for s in stats)
 
 
-def test_node_metrics_endpoints_parse_and_move(cluster):
+def test_node_metrics_endpoints_parse_and_move(cluster, chat_ids):
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    c, _ = cluster
+    c, target = cluster
+    with Client(target, retries=0, timeout=120) as cl:  # traffic of its own: runs alone too
+        assert cl.complete(token_ids=chat_ids[0], temperature=0, max_tokens=4).token_ids
     values = []
     for port in c.metrics_ports:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
