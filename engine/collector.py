@@ -9,6 +9,7 @@ pauses)."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import threading
 import time
@@ -70,9 +71,16 @@ def _on_gc(phase: str, info: dict) -> None:
 
 
 def watch_pauses() -> None:
-    """Time every collection from now on (once per process)."""
+    """Time every collection from now on (once per process; not during interpreter shutdown,
+    whose collections may outlive this module's globals)."""
     if _on_gc not in gc.callbacks:
         gc.callbacks.append(_on_gc)
+        atexit.register(_unwatch)
+
+
+def _unwatch() -> None:
+    if _on_gc in gc.callbacks:
+        gc.callbacks.remove(_on_gc)
 
 
 def pauses() -> tuple[int, float]:
