@@ -73,15 +73,10 @@ def test_set_changes_module_constants_and_refuses_unknown_names(monkeypatch):
     from bench.common import SETTINGS_ENV
     from bench.suite import apply_settings
 
-    monkeypatch.delenv(SETTINGS_ENV, raising=False)
-
-    before = fig5_process.FIG5_UCX_TIMEOUT_S
-    try:
-        got = apply_settings(["bench.fig5_process.FIG5_UCX_TIMEOUT_S=12.5"])
-        assert got == {"bench.fig5_process.FIG5_UCX_TIMEOUT_S": 12.5}
-        assert fig5_process.FIG5_UCX_TIMEOUT_S == 12.5
-    finally:
-        fig5_process.FIG5_UCX_TIMEOUT_S = before
+    settings_restored(monkeypatch, fig5_process, SETTINGS_ENV)
+    got = apply_settings(["bench.fig5_process.FIG5_UCX_TIMEOUT_S=12.5"])
+    assert got == {"bench.fig5_process.FIG5_UCX_TIMEOUT_S": 12.5}
+    assert fig5_process.FIG5_UCX_TIMEOUT_S == 12.5
     with pytest.raises(AttributeError):
         apply_settings(["bench.fig5_process.NO_SUCH_NAME=1"])
     with pytest.raises(ValueError):
@@ -99,16 +94,18 @@ def test_processes_a_figure_starts_inherit_its_settings(monkeypatch):
     from bench.common import SETTINGS_ENV
     from bench.suite import apply_settings
 
-    monkeypatch.delenv(SETTINGS_ENV, raising=False)
-    before = fig5_process.FIG5_UCX_TIMEOUT_S
-    try:
-        apply_settings(["bench.fig5_process.FIG5_UCX_TIMEOUT_S=7.25"])
-        child = ("from bench.suite import apply_inherited; apply_inherited(); "
-                 "from bench import fig5_process; print(fig5_process.FIG5_UCX_TIMEOUT_S)")
-        out = subprocess.run([sys.executable, "-c", child], env=dict(os.environ),
-                             capture_output=True, text=True, timeout=120)
-    finally:
-        fig5_process.FIG5_UCX_TIMEOUT_S = before
-        os.environ.pop(SETTINGS_ENV, None)
+    settings_restored(monkeypatch, fig5_process, SETTINGS_ENV)
+    apply_settings(["bench.fig5_process.FIG5_UCX_TIMEOUT_S=7.25"])
+    child = ("from bench.suite import apply_inherited; apply_inherited(); "
+             "from bench import fig5_process; print(fig5_process.FIG5_UCX_TIMEOUT_S)")
+    out = subprocess.run([sys.executable, "-c", child], env=dict(os.environ),
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "7.25"
+
+
+def settings_restored(monkeypatch, module, env: str) -> None:
+    """After the test: the constant `apply_settings` sets here, and the settings it leaves
+    for child processes in `env` (empty now: none), back as they were."""
+    monkeypatch.setattr(module, "FIG5_UCX_TIMEOUT_S", module.FIG5_UCX_TIMEOUT_S)
+    monkeypatch.setenv(env, "")
