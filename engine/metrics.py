@@ -368,8 +368,9 @@ class EngineCounters:
         yield family
         n, seconds = collector.pauses()
         for name, doc, v in (
-                ("tandem_gc_pauses", "Garbage collections since the engine was watched; each "
-                 "paused every stream.", n),
+                ("tandem_gc_pauses", "Garbage collections of this process since it began "
+                 "timing them (at the latest when its engine was watched); each paused every "
+                 "stream.", n),
                 ("tandem_gc_pause_seconds", "Seconds those collections paused the process.",
                  seconds)):
             family = CounterMetricFamily(name, doc, labels=self.label_names)
