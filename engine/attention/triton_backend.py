@@ -43,9 +43,10 @@ DRAFT_MIN_TILE = 16
 
 # Deterministic mode's one tile shape (rows, keys per inner step, warps), never chosen from
 # the batch or the device, so every launch compiles the same kernel and rounds a row alike.
-# 4 warps: the same bits as 8 in every launch kind measured, a 64-sequence decode 30% faster
-# (bench/results/profile/attn_tiles_61d01b8.json).
-DETERMINISTIC_TILE = (64, 64, 4)
+# 16 rows and 4 warps: the same bits as (64, 64, 8) in every launch kind measured, a
+# 64-sequence decode as fast as the default mode's (bench/results/profile/attn_tiles_61d01b8.json),
+# and figure 6 712/712 identical with it (bench/results/fig6_deterministic.json).
+DETERMINISTIC_TILE = (16, 64, 4)
 # Deterministic mode's keys per split, at fixed absolute positions on every device: two
 # 64-key steps, as the default mode's splits on CUDA, so a long context at small batch
 # spreads over as many programs as there, with partials (and folds) no more numerous.

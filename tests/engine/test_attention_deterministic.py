@@ -192,7 +192,7 @@ def test_deterministic_split_is_fixed():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert det.keys_per_split(cpu) == det.keys_per_split(cuda) == DETERMINISTIC_SPLIT_KEYS
     assert DETERMINISTIC_SPLIT_KEYS % DETERMINISTIC_TILE[1] == 0
-    assert {det.tile_m(n) for n in (1, 2, 8, 300)} == {64}
+    assert {det.tile_m(n) for n in (1, 2, 8, 300)} == {16}
     assert det.block_n(cpu) == det.block_n(cuda) == 64 and det.warps(64) == 4
     lone = _meta([(1500, 1)], BS, NUM_BLOCKS, torch.Generator().manual_seed(0))
     splits = det.use_split(lone, cpu)
