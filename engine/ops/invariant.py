@@ -31,9 +31,8 @@ literal: `10**9` is not one).
 
 Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
 whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
-range order (`engine.ops.splitk`); with LAYER_INNER one program walks all of them. A row
-still rounds the same at any row count; the sums differ from the unsplit ones in fp32 order
-only. The splits never follow the row count."""
+range order (`engine.ops.splitk`). A row still rounds the same at any row count; the sums
+differ from the unsplit ones in fp32 order only. The splits never follow the row count."""
 
 from __future__ import annotations
 
@@ -59,9 +58,6 @@ WHOLE_K = 1024
 # `--set engine.ops.invariant.LAYER_SPLITS=4`). More programs for a projection of few column
 # blocks and a long K, which at few rows is latency-bound walking K.
 LAYER_SPLITS = 1
-# Whether one program walks all of a projection's K-splits (up to 4), interleaved, instead of
-# one program each: the same bits, no workspace (`prologue_linear`'s inner).
-LAYER_INNER = False
 # Opt-in (BLOCK_M, BLOCK_N) of the decoder layer's projections by row count: None (the
 # tiles above at every count), or ((max_rows, BLOCK_M, BLOCK_N), ...) in increasing max_rows,
 # a launch of m rows taking the first entry with m <= max_rows (see the module docstring).
@@ -154,4 +150,4 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n = n // 2 if glu else n
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
                            residual=residual, glu=glu, tiles=invariant_tiles(n, k, x.shape[0], glu),
-                           splits=invariant_splits(n, k), inner=LAYER_INNER)
+                           splits=invariant_splits(n, k))

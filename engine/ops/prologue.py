@@ -93,20 +93,6 @@ if triton_available():
                 a = _prologue_norm(a, NW, rk, rstd, K)
         return a
 
-    @triton.jit
-    def _step(acc, acc2, X, R, NW, W, rm, m_ok, rn, n_ok, rk, stride_x, stride_r, stride_w,
-              rstd, N: tl.constexpr, K: tl.constexpr, PRO: tl.constexpr, HAS_RES: tl.constexpr,
-              BLOCK_M: tl.constexpr, PREC: tl.constexpr, GLU: tl.constexpr):
-        """One K tile rk of a range's chain: acc (+ acc2, GLU's up columns) + a(X) @ W.T."""
-        ok = n_ok[:, None] & (rk < K)[None, :]
-        w = tl.load(W + rn[:, None] * stride_w + rk[None, :], mask=ok, other=0.0)
-        a = _prologue_act(X, R, NW, rm, m_ok, rk, stride_x, stride_r, rstd, K, PRO, HAS_RES)
-        acc = _mac(acc, a, w, BLOCK_M, PREC)
-        if GLU:
-            w2 = tl.load(W + (rn + N)[:, None] * stride_w + rk[None, :], mask=ok, other=0.0)
-            acc2 = _mac(acc2, a, w2, BLOCK_M, PREC)
-        return acc, acc2
-
     @triton.jit(do_not_specialize=["M"])  # the row count varies by the step
     def _prologue_linear_kernel(X, R, NW, W, B, Y, RES_OUT, KEYS, WS, CNT, M, eps, stride_x,
                                 stride_r, stride_w, stride_y, N: tl.constexpr, K: tl.constexpr,
@@ -116,7 +102,7 @@ if triton_available():
                                 PREC: tl.constexpr, ONE_LOAD: tl.constexpr,
                                 ARGMAX: tl.constexpr, USE_PDL: tl.constexpr,
                                 GLU: tl.constexpr = False, SPLITS: tl.constexpr = 1,
-                                SPLIT_K: tl.constexpr = 0, INNER: tl.constexpr = False):
+                                SPLIT_K: tl.constexpr = 0):
         """Y[M, N] = a(X) @ W[N, K].T (+ B), a() computed per K tile and rounded where the separate
         kernels round:
         PRO 0: a(x) = x;
@@ -129,17 +115,13 @@ if triton_available():
         product rounded to Y's dtype first and combined as `silu_mul` combines them (no bias).
         SPLITS > 1: program_id(2) takes the K columns [s * SPLIT_K, (s + 1) * SPLIT_K) and the
         splits' partial tiles are summed in split order (`splitk.fold_splits`, workspace WS,
-        counters CNT) before the epilogue. INNER: one program walks all SPLITS ranges (up to 4),
-        their tiles interleaved, and sums them in split order itself: the same bits, no
-        workspace, and independent MMA chains for a latency-bound launch to overlap."""
+        counters CNT) before the epilogue."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = 0
         k_lo = 0
         k_hi = K
-        if INNER:
-            k_hi = tl.minimum(SPLIT_K, K)
-        elif SPLITS > 1:
+        if SPLITS > 1:
             pid_s = tl.program_id(2)
             k_lo = pid_s * SPLIT_K
             k_hi = tl.minimum(k_lo + SPLIT_K, K)
@@ -171,7 +153,6 @@ if triton_available():
                                                stride_r, pid_n + pid_s, K, HAS_RES))
             rstd = tl.math.rsqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        b, b2, c, c2, d, d2 = acc, acc2, acc, acc2, acc, acc2  # INNER's other ranges
         if ONE_LOAD:
             a = _prologue_norm(xs, NW, rk0, rstd, K)
             acc = _mac(acc, a, w, BLOCK_M, PREC)
@@ -192,29 +173,7 @@ if triton_available():
                     w2 = tl.load(W + (rn + N)[:, None] * stride_w + nk[None, :],
                                  mask=n_ok[:, None] & (nk < k_hi)[None, :], other=0.0)
                     acc2 = _mac(acc2, a, cur2, BLOCK_M, PREC)
-                if INNER:  # the same step of the other ranges, each its own chain
-                    if k0 + SPLIT_K < K:
-                        b, b2 = _step(b, b2, X, R, NW, W, rm, m_ok, rn, n_ok, rk + SPLIT_K,
-                                      stride_x, stride_r, stride_w, rstd, N, K, PRO, HAS_RES,
-                                      BLOCK_M, PREC, GLU)
-                    if SPLITS > 2 and k0 + 2 * SPLIT_K < K:
-                        c, c2 = _step(c, c2, X, R, NW, W, rm, m_ok, rn, n_ok, rk + 2 * SPLIT_K,
-                                      stride_x, stride_r, stride_w, rstd, N, K, PRO, HAS_RES,
-                                      BLOCK_M, PREC, GLU)
-                    if SPLITS > 3 and k0 + 3 * SPLIT_K < K:
-                        d, d2 = _step(d, d2, X, R, NW, W, rm, m_ok, rn, n_ok, rk + 3 * SPLIT_K,
-                                      stride_x, stride_r, stride_w, rstd, N, K, PRO, HAS_RES,
-                                      BLOCK_M, PREC, GLU)
-        if INNER:  # the ranges' sums in split order, as `fold_splits` adds them
-            acc += b
-            acc2 += b2
-            if SPLITS > 2:
-                acc += c
-                acc2 += c2
-            if SPLITS > 3:
-                acc += d
-                acc2 += d2
-        elif SPLITS > 1:  # the program that finishes the tile last sums it and writes it
+        if SPLITS > 1:  # the program that finishes the tile last sums it and writes it
             acc, acc2, mine = fold_splits(WS, CNT, acc, acc2, pid_m * tl.num_programs(1) + pid_n,
                                           pid_s, SPLITS, GLU, BLOCK_M, BLOCK_N)
             m_ok = m_ok & mine
@@ -285,8 +244,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     residual: torch.Tensor | None = None, silu: bool = False,
                     dot: tuple[int, int, int] | None = None,
                     tiles: tuple[int, int, int, int] | None = None,
-                    keys: torch.Tensor | None = None, glu: bool = False, splits: int = 1,
-                    inner: bool = False):
+                    keys: torch.Tensor | None = None, glu: bool = False, splits: int = 1):
     """One launch for `linear(rmsnorm(x + residual))` (norm_weight given; returns (y, x +
     residual), or y without a residual), `linear(silu_mul(x))` (silu), or plain `linear(x)`.
     weight is nn.Linear's [N, K]; activations round as `add_rmsnorm` / `silu_mul` do. dot:
@@ -294,8 +252,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     BLOCK_N, BLOCK_K, warps) at every row count instead of `linear_tiles`'. keys ([M] int64
     place. glu: weight is [gate | up] ([2N, K]) and y = silu_mul(x' @ weight.T), [M, N] (no
     bias, no keys). splits: K cut into up to this many ranges of whole K tiles, summed in
-    range order (`splitk`); the ranges follow from K and the tiles, not from M. inner: one
-    program walks up to 4 ranges itself (the same bits, no workspace)."""
+    range order (`splitk`); the ranges follow from K and the tiles, not from M."""
     m = x.shape[0]
     assert keys is None or (keys.shape == (m,) and keys.dtype == torch.int64)
     n, k = weight.shape
@@ -312,11 +269,8 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         r = residual if residual is not None else x
         grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
         s, split_k = splitk.split_plan(k, bk, splits)
-        inner = inner and s > 1
-        assert not inner or s <= 4, "a program walks at most 4 ranges"
-        split = s > 1 and not inner
-        ws, cnt = splitk.workspace(x, grid[0] * grid[1], s, glu, bm, bn) if split else (y, y)
-        _prologue_linear_kernel[grid + (1 if inner else s,)](
+        ws, cnt = splitk.workspace(x, grid[0] * grid[1], s, glu, bm, bn) if s > 1 else (y, y)
+        _prologue_linear_kernel[grid + (s,)](
             x, r, norm_weight if norm_weight is not None else weight,
             weight, bias if bias is not None else weight, y,
             res_out if res_out is not None else y, keys if keys is not None else y, ws, cnt, m,
@@ -324,8 +278,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             HAS_RES=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32",
             ONE_LOAD=pro == 1 and k <= bk, ARGMAX=keys is not None, GLU=glu, SPLITS=s,
-            SPLIT_K=split_k if s > 1 else 0, INNER=inner, num_warps=warps,
-            **pdl_args(x, always=True))
+            SPLIT_K=split_k if s > 1 else 0, num_warps=warps, **pdl_args(x, always=True))
     if keys is not None:
         y = keys
     return y if residual is None else (y, res_out)

@@ -152,31 +152,6 @@ def test_one_split_is_the_unsplit_kernel(splits, monkeypatch):
     assert torch.equal(ops.invariant_linear(x96, w96), ops.prologue_linear(x96, w96, tiles=tiles96))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("s,bk", [(2, 128), (3, 128), (4, 128), (4, 64)])
-def test_inner_ranges_equal_split_programs(s, bk, dtype):
-    """`inner`: one program walks every range (interleaved) and sums them in split order:
-    each row's bits equal the split programs' (no workspace) at 1 and 40 rows, for a plain
-    projection with a bias, the norm prologue with a residual, and gate_up's GLU; uneven
-    ranges (K 576 in 128-column tiles: 5 tiles) included."""
-    g = torch.Generator().manual_seed(s * bk)
-    rnd = _rnd(g, dtype)
-    w, b, nw = rnd(2 * 48, 576) / 7, rnd(2 * 48), rnd(576)
-    x, r = rnd(40, 576), rnd(40, 576)
-    tiles = (16, 32, bk, 4)
-    cases = [dict(bias=b), dict(norm_weight=nw, eps=1e-5, residual=r),
-             dict(norm_weight=nw, eps=1e-5, glu=True)]
-    for kw in cases:
-        for rows in (x[:1], x):
-            res = None if "residual" not in kw else kw["residual"][:len(rows)]
-            kw = dict(kw, **({} if res is None else {"residual": res}))
-            split = _parts(ops.prologue_linear(rows, w, tiles=tiles, splits=s, **kw))
-            inner = _parts(ops.prologue_linear(rows, w, tiles=tiles, splits=s, inner=True, **kw))
-            for a, c in zip(split, inner):
-                assert torch.equal(a, c), (kw.keys(), len(rows))
-    assert all(not c.any() for c in splitk._COUNTERS.values())
-
-
 @pytest.mark.skipif(DEV == "cuda", reason="the interpreter's program order")
 def test_any_program_may_fold(splits, monkeypatch):
     """The interpreter runs a tile's splits in index order, so the last split folds; with the
