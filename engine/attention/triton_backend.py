@@ -43,9 +43,10 @@ DRAFT_MIN_TILE = 16
 
 # Deterministic mode's one tile shape (rows, keys per inner step, warps), never chosen from
 # the batch or the device, so every launch compiles the same kernel and rounds a row alike.
-# 16 rows and 4 warps: the same bits as (64, 64, 8) in every launch kind measured, a
-# 64-sequence decode as fast as the default mode's (bench/results/profile/attn_tiles_61d01b8.json),
-# and figure 6 712/712 identical with it (bench/results/fig6_deterministic.json).
+# 16 rows and 4 warps: rows invariant in every launch kind measured on an H200, decode and
+# verify rows the bits of (64, 64, 8) (a prefill beside decodes not), a 64-sequence decode as
+# fast as the default mode's (bench/results/profile/attn_tiles_61d01b8.json); figure 6 712/712
+# identical with it on an H100 (bench/results/fig6_deterministic.json).
 DETERMINISTIC_TILE = (16, 64, 4)
 # Deterministic mode's keys per split, at fixed absolute positions on every device: two
 # 64-key steps, as the default mode's splits on CUDA, so a long context at small batch
@@ -173,7 +174,7 @@ class TritonAttention(AttentionBackend):
     each split reduced in 64-key steps from its start, the splits folded in order; nothing
     of this depends on the launch (rows, batch, prefill or decode, cached prefix, split
     programs) or the device, so a row rounds alike wherever it is computed. A launch of few
-    sequences with one tile each (`use_split`) spreads the splits over programs and folds
+    sequences of at most 64 query rows each (`use_split`) spreads the splits over programs and folds
     their partials in a second kernel through the same arithmetic; any other launch folds
     them in the program of the tile.
     """
@@ -232,7 +233,8 @@ class TritonAttention(AttentionBackend):
     def tile_m(self, max_query_len: int) -> int:
         """Rows per program: enough for one step's grouped heads, between 32 and 64, so decode and
         verify share one tile shape and a row reduces in the same order in both (greedy
-        speculation stays token-identical to no speculation)."""
+        speculation stays token-identical to no speculation); deterministic: always
+        `DETERMINISTIC_TILE`'s rows."""
         if self.deterministic:
             return DETERMINISTIC_TILE[0]
         return min(64, max(self.min_tile, next_pow2(max_query_len * self.group)))
@@ -249,10 +251,10 @@ class TritonAttention(AttentionBackend):
 
     def use_split(self, meta: AttentionMetadata, device: torch.device) -> int:
         """Number of splits for this launch (0: the one-pass kernel, or in the deterministic
-        mode one program per tile). Split only for contexts past `long_from`, when one tile
-        holds all of a sequence's queries and (KV head, sequence) programs alone would leave
-        most of the GPU idle; the split count covers the block table's capacity, so it is
-        static for a captured batch bucket."""
+        mode one program per tile). Split only for contexts past `long_from`, when a sequence
+        brings at most 64 query rows (one tile in the default mode) and (KV head, sequence)
+        programs alone would leave most of the GPU idle; the split count covers the block
+        table's capacity, so it is static for a captured batch bucket."""
         if (meta.block_tables is None or meta.max_query_len * self.group > 64
                 or meta.max_seq_len <= self.long_from(device)):
             return 0

@@ -193,7 +193,7 @@ def test_deterministic_split_is_fixed():
     assert det.keys_per_split(cpu) == det.keys_per_split(cuda) == DETERMINISTIC_SPLIT_KEYS
     assert DETERMINISTIC_SPLIT_KEYS % DETERMINISTIC_TILE[1] == 0
     assert {det.tile_m(n) for n in (1, 2, 8, 300)} == {16}
-    assert det.block_n(cpu) == det.block_n(cuda) == 64 and det.warps(64) == 4
+    assert det.block_n(cpu) == det.block_n(cuda) == 64 and det.warps(DETERMINISTIC_TILE[0]) == 4
     lone = _meta([(1500, 1)], BS, NUM_BLOCKS, torch.Generator().manual_seed(0))
     splits = det.use_split(lone, cpu)
     assert splits == -(-lone.block_tables.shape[1] * BS // DETERMINISTIC_SPLIT_KEYS)
