@@ -1,12 +1,12 @@
 """Deterministic mode's attention: a query row (a prompt's query at position p, all heads) is
 bit-identical as a lone decode, inside a batch of 64 decodes, as any row of a K+1-token verify,
 inside a whole or chunked prefill whose earlier keys are already in the cache, and beside a
-prefill in one launch: the Triton backend under the interpreter in fp32/fp16, the torch
-backend in fp32, and the default mode as negative control. Triton splits the keys every 64
-here (contexts of 1, below, at and past one split and of several splits; lone decodes and
-verifies spread their splits over programs, batches and prefills fold them in the tile's),
-and every `DETERMINISTIC_SPLIT_KEYS` in one test as the engine does. One KV head for 3 query
-heads: the interpreter's time grows with the programs a launch runs."""
+prefill in one launch: the Triton backend under the interpreter in fp32/fp16 (and compiled in
+bf16 on a GPU), the torch backend in fp32, and the default mode as negative control. Triton
+splits the keys every 64 here (contexts of 1, below, at and past one split and of several
+splits; lone decodes and verifies spread their splits over programs, batches and prefills fold
+them in the tile's), and every `DETERMINISTIC_SPLIT_KEYS` in one test as the engine does. One
+KV head for 3 query heads: the interpreter's time grows with the programs a launch runs."""
 
 from __future__ import annotations
 
@@ -112,10 +112,13 @@ def _mismatches(be, data, launches):
     return bad, seen
 
 
-CONFIGS = [("torch", torch.float32)]
-if triton_available():
-    CONFIGS += [("triton", torch.float32), ("triton", torch.float16)]
-    CONFIGS += [("triton", torch.bfloat16)] if DEV == "cuda" else []
+# Triton's dtypes; bf16 on a GPU only, marked so the GPU runs (`-m gpu`) take its rows.
+TRITON = [torch.float32, torch.float16] if triton_available() else []
+TRITON += ([pytest.param(torch.bfloat16, marks=pytest.mark.gpu, id="bf16")]
+           if triton_available() and DEV == "cuda" else [])
+CONFIGS = [("torch", torch.float32)] + [
+    pytest.param("triton", d.values[0], marks=d.marks, id="triton-bf16") if hasattr(d, "values")
+    else ("triton", d) for d in TRITON]
 
 
 @pytest.mark.parametrize("kind,dtype", CONFIGS)
@@ -141,9 +144,6 @@ def test_default_mode_rounds_a_row_by_its_launch(kind, dtype):
     be, data = _backend(kind, False), _prompts(dtype)
     bad, _ = _mismatches(be, data, [("prefill", next(_prefills(be, data)))])
     assert bad
-
-
-TRITON = [dtype for kind, dtype in CONFIGS if kind == "triton"]
 
 
 @pytest.mark.parametrize("dtype", TRITON)
