@@ -21,6 +21,8 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TABLE = ((1, 16, 16), (16, 16, 32), (1000000000, 32, 64))  # the module docstring's example
 # Distinct tiles at 1, 8, 64 and 2048 rows: each launch of the GPU cases takes its own.
 SPAN = ((1, 16, 16), (8, 16, 32), (64, 32, 64), (1000000000, 32, 128))
+# The same with 64-row warp-group MMA tiles at 2048 rows (32 columns: BLOCK_K 1024 fits).
+WIDE = ((1, 16, 16), (8, 16, 32), (64, 32, 64), (1000000000, 64, 32))
 
 
 @pytest.fixture
@@ -64,14 +66,14 @@ def test_table_picks_tiles_by_row_count(consts):
     ([[1, 16, 16]], "tuple of tuples"),
     (((1, 16),), "is not"),
     (((1.0, 16, 16),), "is not"),
-    (((1, 64, 16),), "BLOCK_M 64"),
+    (((1, 256, 16),), "BLOCK_M 256"),
     (((1, 8, 16),), "BLOCK_M 8"),
     (((1, 16, 24),), "BLOCK_N 24"),
     (((1, 16, 8),), "BLOCK_N 8"),
     (((0, 16, 16),), "increase"),
     (((16, 16, 32), (8, 16, 16)), "increase"),
     (((1, 16, 16), (1, 16, 32)), "increase"),
-], ids=["empty", "string", "list", "pair", "float", "bm64", "bm8", "bn24", "bn8", "zero",
+], ids=["empty", "string", "list", "pair", "float", "bm256", "bm8", "bn24", "bn8", "zero",
         "decreasing", "repeated"])
 def test_bad_tables_raise(consts, table, match):
     """A malformed table is refused with a ValueError naming what is wrong, at the first
@@ -191,8 +193,9 @@ def _alone(proj, rows) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("table,splits", [(None, 1), (None, 4), (SPAN, 1), (SPAN, 4)],
-                         ids=["default", "default-split4", "row-tiles", "row-tiles-split4"])
+@pytest.mark.parametrize("table,splits", [(None, 1), (None, 4), (SPAN, 1), (SPAN, 4), (WIDE, 1)],
+                         ids=["default", "default-split4", "row-tiles", "row-tiles-split4",
+                              "row-tiles-wide"])
 @pytest.mark.parametrize("n,k,glu,norm", LAYER_SHAPES)
 def test_rows_alone_equal_batched_gpu(consts, table, splits, n, k, glu, norm):
     """bf16 on the GPU: each row of ALONE computed alone equals, bit for bit, the same row among
@@ -214,16 +217,17 @@ def test_rows_alone_equal_batched_gpu(consts, table, splits, n, k, glu, norm):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("table", [SPAN, WIDE], ids=["span", "wide"])
 @pytest.mark.parametrize("n,k,glu,norm", LAYER_SHAPES)
-def test_row_tiles_give_the_default_bits_gpu(consts, n, k, glu, norm):
-    """The stronger form of the hypothesis behind ROW_TILES: bf16 on the GPU, SPAN's tiles give
-    every row today's bits (alone and among 2048), so setting the table would not change the
-    deterministic mode's outputs at all. Informative: the row-invariance above is what the
-    opt-in needs."""
+def test_row_tiles_give_the_default_bits_gpu(consts, table, n, k, glu, norm):
+    """The stronger form of the hypothesis behind ROW_TILES: bf16 on the GPU, SPAN's (and
+    WIDE's warp-group) tiles give every row today's bits (alone and among 2048), so setting the
+    table would not change the deterministic mode's outputs at all. Informative: the
+    row-invariance above is what the opt-in needs."""
     proj, rows = _layer(n, k, glu, norm)
     consts(None)
     want = _alone(proj, rows), _parts(proj(rows))
-    consts(SPAN)
+    consts(table)
     got = _alone(proj, rows), _parts(proj(rows))
     for i in ALONE:
         for a, b in zip(got[0][i], want[0][i]):
