@@ -66,14 +66,14 @@ def test_table_picks_tiles_by_row_count(consts):
     ([[1, 16, 16]], "tuple of tuples"),
     (((1, 16),), "is not"),
     (((1.0, 16, 16),), "is not"),
-    (((1, 256, 16),), "BLOCK_M 256"),
+    (((1, 128, 16),), "BLOCK_M 128"),
     (((1, 8, 16),), "BLOCK_M 8"),
     (((1, 16, 24),), "BLOCK_N 24"),
     (((1, 16, 8),), "BLOCK_N 8"),
     (((0, 16, 16),), "increase"),
     (((16, 16, 32), (8, 16, 16)), "increase"),
     (((1, 16, 16), (1, 16, 32)), "increase"),
-], ids=["empty", "string", "list", "pair", "float", "bm256", "bm8", "bn24", "bn8", "zero",
+], ids=["empty", "string", "list", "pair", "float", "bm128", "bm8", "bn24", "bn8", "zero",
         "decreasing", "repeated"])
 def test_bad_tables_raise(consts, table, match):
     """A malformed table is refused with a ValueError naming what is wrong, at the first
@@ -200,8 +200,9 @@ def _alone(proj, rows) -> dict:
 def test_rows_alone_equal_batched_gpu(consts, table, splits, n, k, glu, norm):
     """bf16 on the GPU: each row of ALONE computed alone equals, bit for bit, the same row among
     8, 64 and 2048 (of those that hold it), outputs and x + residual, with today's tiles and
-    with SPAN's (other tiles at each of those counts), unsplit and in 4 K-splits. ROW_TILES
-    may leave opt-in only once every row-tiles case passes."""
+    with SPAN's (other tiles at each of those counts), unsplit and in 4 K-splits, and with
+    WIDE's 64-row warp-group tiles at 2048. ROW_TILES may leave opt-in only once every
+    row-tiles case passes."""
     consts(table, splits)
     half = n // 2 if glu else n
     counts = (1, *BATCHES)
