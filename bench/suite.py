@@ -266,7 +266,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fig7-reps", type=int, default=3,
                    help="cold processes per variant and concurrency, run as no-spec/EAGLE-3 "
                         "pairs (the first alternating); a ratio is the median over pairs "
-                        "(two pairs at one stream differed by 0.03-0.1 on an H100)")
+                        "(one stream's pairs vary: bench/README.md, figure 7)")
     g.add_argument("--fig7-deadline-s", type=float, default=500.0,
                    help="start no ready process or cold pair expected to end after this many "
                         "seconds (skipped ones are listed); 500 keeps reps=3 (~400 s) "

@@ -43,10 +43,9 @@ DRAFT_MIN_TILE = 16
 
 # Deterministic mode's one tile shape (rows, keys per inner step, warps), never chosen from
 # the batch or the device, so every launch compiles the same kernel and rounds a row alike.
-# 16 rows and 4 warps: rows invariant in every launch kind measured on an H200, decode and
-# verify rows the bits of (64, 64, 8) (a prefill beside decodes not), a 64-sequence decode as
-# fast as the default mode's (bench/results/profile/attn_tiles_61d01b8.json); figure 6 712/712
-# identical with it on an H100 (bench/results/fig6_deterministic.json).
+# 16 rows and 4 warps: a row rounds alike in every launch kind
+# (tests/engine/test_attention_deterministic.py), and a batch of decodes wastes fewer rows than
+# in a 64-row tile (bench/README.md, figure 6).
 DETERMINISTIC_TILE = (16, 64, 4)
 # Deterministic mode's keys per split, at fixed absolute positions on every device: two
 # 64-key steps, as the default mode's splits on CUDA, so a long context at small batch

@@ -17,16 +17,15 @@ layer's projections (a small one without GLU walks K in fewer, longer steps: `la
 LOGITS_DOT_TILES for an LM head. ROW_TILES (opt-in, None by default) lets the decoder layer's
 projections take BLOCK_M and BLOCK_N by the launch's row count: narrow column tiles at one row
 (more programs for a latency-bound launch), 32- or 64-row tiles for a prefill (each weight tile
-read once for that many rows, not 16). BLOCK_K and the warps stay the shape's (`layer_tiles`),
-so each output element still accumulates the same k16 MMA steps in the same K order, and the
-norm prologue's per-row sums keep their layout along K (in the kernel compiled for sm_90 at
-BLOCK_M 16 to 128). At BLOCK_M 64 Triton computes `tl.dot` with Hopper's warp-group MMA instead
-of mma.sync: an H100 gave the same bits as 16-row tiles for 64-row tiles of BLOCK_K 64 and 128
-(bench/results/profile/det_tiles_e80366d.json's `tiles_det`), not yet at a shape's own BLOCK_K
-(the GPU cases' WIDE table). A tile must fit shared memory: at BLOCK_K 1024 (64, 32) does,
-(64, 64) does not (nor any 128-row tile). Inside a CUDA graph the row count is the bucket's
-padded count, not the live rows': that is only sound because the tiles do not change a row's
-bits. Whether they do not is a property of the GPU's MMA, not shown by the interpreter:
+read once for that many rows, not 16). BLOCK_K and the warps stay the shape's (`layer_tiles`), so
+each output element still accumulates the same k16 MMA steps in the same K order, and the norm
+prologue's per-row sums keep their layout along K (sm_90 code lays a row's K out alike at any
+BLOCK_M).
+At BLOCK_M 64 Triton computes `tl.dot` with Hopper's warp-group MMA instead of mma.sync; that it
+rounds alike is what the GPU cases' WIDE table checks. A tile must fit shared memory, which a
+1024-key K tile allows at (64, 32) but not (64, 64). Inside a CUDA graph the row count is the
+bucket's padded count, not the live rows': that is only sound because the tiles do not change a
+row's bits. Whether they do not is a property of the GPU's MMA, not shown by the interpreter:
 ROW_TILES stays opt-in until a GPU shows every row's bits unchanged across the table
 (tests/engine/test_invariant_row_tiles.py's GPU cases) and figure 6 stays 100% identical. Set
 it for an A/B process with, e.g.,

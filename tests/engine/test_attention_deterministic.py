@@ -112,13 +112,12 @@ def _mismatches(be, data, launches):
     return bad, seen
 
 
-# Triton's dtypes; bf16 on a GPU only, marked so the GPU runs (`-m gpu`) take its rows.
 TRITON = [torch.float32, torch.float16] if triton_available() else []
-TRITON += ([pytest.param(torch.bfloat16, marks=pytest.mark.gpu, id="bf16")]
-           if triton_available() and DEV == "cuda" else [])
-CONFIGS = [("torch", torch.float32)] + [
-    pytest.param("triton", d.values[0], marks=d.marks, id="triton-bf16") if hasattr(d, "values")
-    else ("triton", d) for d in TRITON]
+CONFIGS = [("torch", torch.float32)] + [("triton", d) for d in TRITON]
+if triton_available() and DEV == "cuda":  # bf16, marked so the GPU runs (`-m gpu`) take it
+    TRITON.append(pytest.param(torch.bfloat16, marks=pytest.mark.gpu, id="bf16"))
+    CONFIGS.append(pytest.param("triton", torch.bfloat16, marks=pytest.mark.gpu,
+                                id="triton-bf16"))
 
 
 @pytest.mark.parametrize("kind,dtype", CONFIGS)
