@@ -32,6 +32,12 @@ it for an A/B process with, e.g.,
 `--set engine.ops.invariant.ROW_TILES=((1,16,16),(16,16,32),(1000000000,32,64))` (a Python
 literal: `10**9` is not one).
 
+PREFILL_ROWS (opt-in, None by default) gives launches of at least that many rows larger tiles by
+the projection's kind (PREFILL_TILES): up to 128 rows a tile, 8 warps, and a plain
+projection's K in 64-key steps. The MMA steps of each output element stay the same k16 chain in
+K order, and a norm prologue keeps the shape's BLOCK_K, so a row's bits should not change; the
+GPU cases check that, and figure 6 with `--set engine.ops.invariant.PREFILL_ROWS=256`.
+
 Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
 whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
 range order (`engine.ops.splitk`). A row still rounds the same at any row count; the sums
@@ -66,6 +72,13 @@ LAYER_SPLITS = 1
 # a launch of m rows taking the first entry with m <= max_rows (see the module docstring).
 ROW_TILES = None
 ROW_BLOCKS_M = (16, 32, 64)  # mma.sync's row blocks, then the warp-group MMA's
+# Opt-in tiles of the decoder layer's projections in launches of at least PREFILL_ROWS rows
+# (prefill chunks, wide verifies; None: off), after ROW_TILES: (BLOCK_M, BLOCK_N, BLOCK_K,
+# warps) by the projection's kind, BLOCK_K None for the shape's. A norm prologue lays its row
+# sums out along K by BLOCK_K, and split-K cuts K in whole BLOCK_K tiles, so both keep the
+# shape's; a plain projection's K walk does not change a row's MMA steps.
+PREFILL_ROWS = None
+PREFILL_TILES = {"norm": (32, 128, None, 8), "glu": (128, 64, None, 8), "plain": (64, 64, 64, 4)}
 
 
 @lru_cache(maxsize=8)
@@ -111,20 +124,41 @@ def layer_tiles(n: int, k: int, glu: bool = False) -> tuple[int, int, int]:
     return (32, next_pow2(k, 16), warps) if k <= WHOLE_K else (16, 512, warps)
 
 
-def invariant_tiles(n: int, k: int, m: int | None = None,
-                    glu: bool = False) -> tuple[int, int, int, int]:
+def prefill_tiles(bk: int, glu: bool, norm: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of a decoder layer's projection in a launch of at least
+    PREFILL_ROWS rows, bk the shape's BLOCK_K (see PREFILL_TILES)."""
+    kind = "glu" if glu else "norm" if norm else "plain"
+    try:
+        bm, bn, wide_k, warps = PREFILL_TILES[kind]
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"PREFILL_TILES[{kind!r}] must be (BLOCK_M, BLOCK_N, BLOCK_K or None, "
+                         f"warps), not {PREFILL_TILES!r}") from None
+    keep = wide_k is None or kind != "plain" or LAYER_SPLITS > 1
+    return bm, bn, bk if keep else wide_k, warps
+
+
+def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
+                    norm: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of the deterministic projection of an [n, k] weight
-    (n: the gate's columns with `glu`) in a launch of m rows (in a CUDA graph, its bucket's
-    padded count): from the shape alone, but for a decoder layer's projection's BLOCK_M and
-    BLOCK_N by m where ROW_TILES is set (m None: only where they cannot depend on it)."""
+    (n: the gate's columns with `glu`; norm: with a norm prologue) in a launch of m rows (in a
+    CUDA graph, its bucket's padded count): from the shape alone, but for a decoder layer's
+    projection's tiles by m where ROW_TILES or PREFILL_ROWS is set (m None: only where they
+    cannot depend on it)."""
     if n >= VOCAB_RATIO * k:
         bn, bk, warps = LOGITS_DOT_TILES
         return BLOCK_M, bn, min(bk, next_pow2(k, 16)), warps
     bm, (bn, bk, warps) = BLOCK_M, layer_tiles(n, k, glu)
+    if (ROW_TILES is not None or PREFILL_ROWS is not None) and m is None:
+        raise ValueError("ROW_TILES or PREFILL_ROWS is set: a decoder layer's tiles need the "
+                         "row count")
     if ROW_TILES is not None:
-        if m is None:
-            raise ValueError("ROW_TILES is set: a decoder layer's tiles need the row count")
         bm, bn = row_tiles(ROW_TILES, m)
+    if PREFILL_ROWS is not None:
+        if isinstance(PREFILL_ROWS, bool) or not isinstance(PREFILL_ROWS, int) \
+                or PREFILL_ROWS < 1:
+            raise ValueError(f"PREFILL_ROWS must be None or a positive int, not {PREFILL_ROWS!r}")
+        if m >= PREFILL_ROWS:
+            bm, bn, bk, warps = prefill_tiles(bk, glu, norm)
     return bm, bn, min(bk, next_pow2(k, 16)), warps
 
 
@@ -151,5 +185,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n, k = weight.shape
     n = n // 2 if glu else n
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
-                           residual=residual, glu=glu, tiles=invariant_tiles(n, k, x.shape[0], glu),
+                           residual=residual, glu=glu,
+                           tiles=invariant_tiles(n, k, x.shape[0], glu, norm_weight is not None),
                            splits=invariant_splits(n, k))

@@ -27,11 +27,12 @@ WIDE = ((1, 16, 16), (8, 16, 32), (64, 32, 64), (1000000000, 64, 32))
 
 @pytest.fixture
 def consts(monkeypatch):
-    """Sets `ROW_TILES` and `LAYER_SPLITS` for one test."""
+    """Sets `ROW_TILES`, `LAYER_SPLITS` and `PREFILL_ROWS` for one test."""
 
-    def set_(table, splits: int = 1):
+    def set_(table, splits: int = 1, prefill: int | None = None):
         monkeypatch.setattr(invariant, "ROW_TILES", table)
         monkeypatch.setattr(invariant, "LAYER_SPLITS", splits)
+        monkeypatch.setattr(invariant, "PREFILL_ROWS", prefill)
 
     return set_
 
@@ -193,21 +194,23 @@ def _alone(proj, rows) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("table,splits", [(None, 1), (None, 4), (SPAN, 1), (SPAN, 4), (WIDE, 1)],
-                         ids=["default", "default-split4", "row-tiles", "row-tiles-split4",
-                              "row-tiles-wide"])
+@pytest.mark.parametrize("table,splits,prefill", [
+    (None, 1, None), (None, 4, None), (SPAN, 1, None), (SPAN, 4, None), (WIDE, 1, None),
+    (None, 1, 64), (None, 4, 64)],
+    ids=["default", "default-split4", "row-tiles", "row-tiles-split4", "row-tiles-wide",
+         "prefill", "prefill-split4"])
 @pytest.mark.parametrize("n,k,glu,norm", LAYER_SHAPES)
-def test_rows_alone_equal_batched_gpu(consts, table, splits, n, k, glu, norm):
+def test_rows_alone_equal_batched_gpu(consts, table, splits, prefill, n, k, glu, norm):
     """bf16 on the GPU: each row of ALONE computed alone equals, bit for bit, the same row among
     8, 64 and 2048 (of those that hold it), outputs and x + residual, with today's tiles and
-    with SPAN's (other tiles at each of those counts), unsplit and in 4 K-splits, and with
-    WIDE's 64-row warp-group tiles at 2048. ROW_TILES may leave opt-in only once every
-    row-tiles case passes."""
-    consts(table, splits)
+    with SPAN's (other tiles at each of those counts), unsplit and in 4 K-splits, with WIDE's
+    64-row warp-group tiles at 2048, and with PREFILL_TILES from 64 rows. ROW_TILES or
+    PREFILL_ROWS may leave opt-in only once its cases pass."""
+    consts(table, splits, prefill)
     half = n // 2 if glu else n
     counts = (1, *BATCHES)
-    assert len({invariant.invariant_tiles(half, k, m, glu) for m in counts}) == (
-        1 if table is None else len(counts))
+    distinct = {invariant.invariant_tiles(half, k, m, glu, norm) for m in counts}
+    assert len(distinct) == (len(counts) if table else 2 if prefill else 1)
     proj, rows = _layer(n, k, glu, norm)
     alone = _alone(proj, rows)
     for m in BATCHES:
@@ -218,17 +221,18 @@ def test_rows_alone_equal_batched_gpu(consts, table, splits, n, k, glu, norm):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("table", [SPAN, WIDE], ids=["span", "wide"])
+@pytest.mark.parametrize("table,prefill", [(SPAN, None), (WIDE, None), (None, 1)],
+                         ids=["span", "wide", "prefill"])
 @pytest.mark.parametrize("n,k,glu,norm", LAYER_SHAPES)
-def test_row_tiles_give_the_default_bits_gpu(consts, table, n, k, glu, norm):
-    """The stronger form of the hypothesis behind ROW_TILES: bf16 on the GPU, SPAN's (and
-    WIDE's warp-group) tiles give every row today's bits (alone and among 2048), so setting the
-    table would not change the deterministic mode's outputs at all. Informative: the
-    row-invariance above is what the opt-in needs."""
+def test_row_tiles_give_the_default_bits_gpu(consts, table, prefill, n, k, glu, norm):
+    """The stronger form of the hypothesis behind ROW_TILES and PREFILL_ROWS: bf16 on the GPU,
+    SPAN's (and WIDE's warp-group) tiles, and PREFILL_TILES at every count, give every row
+    today's bits (alone and among 2048), so setting them would not change the deterministic
+    mode's outputs at all. Informative: the row-invariance above is what the opt-in needs."""
     proj, rows = _layer(n, k, glu, norm)
     consts(None)
     want = _alone(proj, rows), _parts(proj(rows))
-    consts(table)
+    consts(table, 1, prefill)
     got = _alone(proj, rows), _parts(proj(rows))
     for i in ALONE:
         for a, b in zip(got[0][i], want[0][i]):

@@ -1,0 +1,138 @@
+"""The deterministic projections' opt-in tiles for wide launches (`invariant.PREFILL_ROWS`). On
+the CPU: from PREFILL_ROWS rows up the decoder layer's projections take PREFILL_TILES by kind
+(norm prologue, GLU epilogue, plain), a norm prologue and split-K keeping the shape's BLOCK_K;
+bad settings are refused; `invariant_linear` tells the kind; the results match torch (Triton's
+interpreter, fp32 and fp16). The GPU cases (bits alone vs among 2048, and against today's tiles)
+are in test_invariant_row_tiles.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import ops
+from engine.attention import triton_available
+from engine.ops import invariant
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
+
+
+@pytest.fixture
+def prefill(monkeypatch):
+    """Sets `PREFILL_ROWS` and `LAYER_SPLITS` for one test."""
+
+    def set_(rows, splits: int = 1):
+        monkeypatch.setattr(invariant, "PREFILL_ROWS", rows)
+        monkeypatch.setattr(invariant, "LAYER_SPLITS", splits)
+
+    return set_
+
+
+def test_wide_launches_take_the_prefill_tiles(prefill):
+    """Below PREFILL_ROWS the shape's tiles; from it PREFILL_TILES by kind: qkv (norm) and
+    gate_up (GLU) keep their BLOCK_K, o and down walk K in 64 keys unless split-K is on; an LM
+    head keeps its tiles; without a row count the tiles cannot be chosen."""
+    prefill(64)
+    norm, glu, plain = (invariant.PREFILL_TILES[k] for k in ("norm", "glu", "plain"))
+    assert plain[2] == 64 and norm[2] is None and glu[2] is None
+    shapes = {(960, 576, False, True): (*norm[:2], 1024, norm[3]),
+              (1536, 576, True, True): (*glu[:2], 128, glu[3]),
+              (576, 576, False, False): plain, (576, 1536, False, False): plain,
+              (40, 48, False, False): plain}
+    for (n, k, g, nm), wide in shapes.items():
+        bn, bk, warps = invariant.layer_tiles(n, k, g)
+        assert invariant.invariant_tiles(n, k, 63, g, nm) == (16, bn, bk, warps)
+        for m in (64, 2048):
+            assert invariant.invariant_tiles(n, k, m, g, nm) == wide
+    for m in (1, 2048):
+        assert invariant.invariant_tiles(49152, 576, m) == (16, *ops.LOGITS_DOT_TILES)
+    with pytest.raises(ValueError, match="row count"):
+        invariant.invariant_tiles(960, 576)
+    prefill(64, splits=4)
+    bk = invariant.layer_tiles(576, 1536)[1]
+    assert invariant.invariant_tiles(576, 1536, 64) == (*plain[:2], bk, plain[3])
+
+
+@pytest.mark.parametrize("rows,match", [(0, "positive int"), (True, "positive int"),
+                                        (2.5, "positive int"), ("256", "positive int")])
+def test_bad_prefill_rows_raise(prefill, rows, match):
+    """A PREFILL_ROWS that is not a positive int is refused by name at the first projection."""
+    prefill(rows)
+    with pytest.raises(ValueError, match=match):
+        invariant.invariant_tiles(960, 576, 1)
+
+
+def test_bad_prefill_tiles_raise(prefill, monkeypatch):
+    """A PREFILL_TILES without the launch's kind, or of the wrong form, is refused by name."""
+    prefill(1)
+    monkeypatch.setattr(invariant, "PREFILL_TILES", {"norm": (32, 128, None, 8)})
+    with pytest.raises(ValueError, match="PREFILL_TILES\\['plain'\\]"):
+        invariant.invariant_tiles(576, 576, 1)
+    monkeypatch.setattr(invariant, "PREFILL_TILES", {"plain": (64, 64)})
+    with pytest.raises(ValueError, match="must be"):
+        invariant.invariant_tiles(576, 576, 1)
+
+
+def test_the_documented_setting_parses():
+    """The module docstring's `--set` value is one the bench turns into PREFILL_ROWS."""
+    from bench.suite import parse_setting
+
+    text = "engine.ops.invariant.PREFILL_ROWS=256"
+    assert parse_setting(text) == ("engine.ops.invariant.PREFILL_ROWS", 256)
+    assert text in invariant.__doc__.replace("\n", " ")
+
+
+def test_invariant_linear_tells_the_kind(prefill, monkeypatch):
+    """Each wide launch reaches `prologue_linear` with its kind's tiles: a norm prologue's, a
+    GLU's, a plain projection's (also after `silu`), by x's row count."""
+    prefill(8)
+    seen = []
+    real = invariant.prologue_linear
+
+    def spy(x, w, *a, **kw):
+        seen.append((x.shape[0], kw["tiles"]))
+        return real(x, w, *a, **kw)
+
+    monkeypatch.setattr(invariant, "prologue_linear", spy)
+    g = torch.Generator().manual_seed(3)
+    w, gu, nw = torch.randn(40, 96, generator=g), torch.randn(80, 96, generator=g), torch.ones(96)
+    x = torch.randn(8, 96, generator=g)
+    ops.invariant_linear(x, w, norm_weight=nw, eps=1e-5, residual=x)
+    ops.invariant_linear(x, gu, norm_weight=nw, eps=1e-5, residual=x, glu=True)
+    ops.invariant_linear(x, w)
+    ops.invariant_linear(torch.randn(8, 192, generator=g), w, silu=True)
+    ops.invariant_linear(x[:7], w)
+    tiles = invariant.PREFILL_TILES
+    assert seen == [(8, (*tiles["norm"][:2], 128, tiles["norm"][3])),
+                    (8, (*tiles["glu"][:2], 128, tiles["glu"][3])),
+                    (8, tiles["plain"]), (8, tiles["plain"]),
+                    (7, invariant.invariant_tiles(40, 96, 7))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_tiles_match_torch(prefill, dtype):
+    """With PREFILL_ROWS 1, at 1, 9 and 130 rows (masked rows in one tile, then a second tile of
+    each size), K over a loop with a masked tail: plain with a bias, the norm of x + residual,
+    gate_up's SiLU-and-mul epilogue equal torch's to rounding and x + residual exactly."""
+    prefill(1)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    n, k = 40, 300
+    g = torch.Generator().manual_seed(5)
+
+    def rnd(*s):
+        return torch.randn(*s, generator=g).to(dtype)
+
+    w, b, nw, gu_w = rnd(n, k) / 7, rnd(n), rnd(k), rnd(2 * n, k) / 7
+    for m in (1, 9, 130):
+        x, r = rnd(m, k), rnd(m, k)
+        xf, wf = x.float(), w.float()
+        torch.testing.assert_close(ops.invariant_linear(x, w, b).float(),
+                                   F.linear(xf, wf, b.float()), **tol)
+        y, res = ops.invariant_linear(x, w, norm_weight=nw, eps=1e-5, residual=r)
+        assert torch.equal(res, (xf + r.float()).to(dtype))
+        h = F.rms_norm(res.float(), (k,), nw.float(), 1e-5)
+        torch.testing.assert_close(y.float(), F.linear(h, wf), **tol)
+        act, _ = ops.invariant_linear(x, gu_w, norm_weight=nw, eps=1e-5, residual=r, glu=True)
+        gu = F.linear(h, gu_w.float())
+        torch.testing.assert_close(act.float(), F.silu(gu[:, :n]) * gu[:, n:], **tol)
