@@ -20,8 +20,11 @@ from engine.ops.elementwise import add_rmsnorm, silu_mul
 dev, dt, L = "cuda", torch.bfloat16, 30
 # argv[2] "rows": only invariant.prefill_tiles against today's, at fewer rows too (where
 # PREFILL_ROWS should start).
+# argv[2] "one": at 1 and 8 rows, 16-row tiles with other BLOCK_N / warps (and BLOCK_K where
+# no norm prologue pins it).
 ROWS_MODE = sys.argv[2:] == ["rows"]
-ROWS = (16, 32, 64, 128, 256, 512, 2048) if ROWS_MODE else (512, 2048)
+ONE_MODE = sys.argv[2:] == ["one"]
+ROWS = (16, 32, 64, 128, 256, 512, 2048) if ROWS_MODE else (1, 8) if ONE_MODE else (512, 2048)
 SHAPES = {"qkv": (960, 576, "norm"), "o": (576, 576, "plain"),
           "gate_up": (1536, 576, "glu"), "down": (576, 1536, "plain")}
 g = torch.Generator(device=dev).manual_seed(0)
@@ -103,8 +106,13 @@ VARIANTS = {
 
 
 def variants(name):
+    n, k, kind = SHAPES[name]
+    if ONE_MODE:
+        bk = invariant.invariant_tiles(n, k, None, kind == "glu")[2]
+        bks = (256, 512, 1024) if kind == "plain" else (bk,)
+        bns = (16, 32) if kind != "norm" else (16, 32, 64)
+        return [(16, bn, b, w) for bn in bns for b in bks for w in (1, 2, 4, 8)]
     if ROWS_MODE:
-        n, k, kind = SHAPES[name]
         bk = invariant.invariant_tiles(n, k, None, kind == "glu")[2]
         return [invariant.prefill_tiles(bk, kind == "glu", kind != "plain")]
     return [(bm, bn, bk, wp) for bm, bn, bk in VARIANTS[name] for wp in (4, 8)]
