@@ -12,15 +12,15 @@ the norm itself). SiLU-and-mul is gate_up's epilogue (`glu`): each program compu
 gate and up columns and combines them as `silu_mul` would (the tiles' SiLU prologue on
 down_proj was slower); `silu=True` still runs `silu_mul` before the projection.
 
-By default the tiles come from the weight's shape alone: 16 rows, LAYER_TILES for the decoder
-layer's projections (a small one without GLU walks K in fewer, longer steps: `layer_tiles`),
-LOGITS_DOT_TILES for an LM head. ROW_TILES (opt-in, None by default) lets the decoder layer's
-projections take BLOCK_M and BLOCK_N by the launch's row count: narrow column tiles at one row
-(more programs for a latency-bound launch), 32- or 64-row tiles for a prefill (each weight tile
-read once for that many rows, not 16). BLOCK_K and the warps stay the shape's (`layer_tiles`), so
-each output element still accumulates the same k16 MMA steps in the same K order, and the norm
-prologue's per-row sums keep their layout along K (sm_90 code lays a row's K out alike at any
-BLOCK_M).
+Below PREFILL_ROWS rows the tiles come from the weight's shape alone: 16 rows, LAYER_TILES for
+the decoder layer's projections (a small one without GLU walks K in fewer, longer steps:
+`layer_tiles`), LOGITS_DOT_TILES for an LM head (at every row count). ROW_TILES (opt-in, None by
+default) lets the decoder layer's projections take BLOCK_M and BLOCK_N by the launch's row
+count: narrow column tiles at one row (more programs for a latency-bound launch), 32- or 64-row
+tiles for a prefill (each weight tile read once for that many rows, not 16). BLOCK_K and the
+warps stay the shape's (`layer_tiles`), so each output element still accumulates the same k16
+MMA steps in the same K order, and the norm prologue's per-row sums keep their layout along K
+(sm_90 code lays a row's K out alike at any BLOCK_M).
 At BLOCK_M 64 Triton computes `tl.dot` with Hopper's warp-group MMA instead of mma.sync; that it
 rounds alike is what the GPU cases' WIDE table checks. A tile must fit shared memory, which a
 1024-key K tile allows at (64, 32) but not (64, 64). Inside a CUDA graph the row count is the
@@ -32,11 +32,14 @@ it for an A/B process with, e.g.,
 `--set engine.ops.invariant.ROW_TILES=((1,16,16),(16,16,32),(1000000000,32,64))` (a Python
 literal: `10**9` is not one).
 
-PREFILL_ROWS (opt-in, None by default) gives launches of at least that many rows larger tiles by
-the projection's kind (PREFILL_TILES): up to 128 rows a tile, 8 warps, and a plain
-projection's K in 64-key steps. The MMA steps of each output element stay the same k16 chain in
-K order, and a norm prologue keeps the shape's BLOCK_K, so a row's bits should not change; the
-GPU cases check that, and figure 6 with `--set engine.ops.invariant.PREFILL_ROWS=256`.
+From PREFILL_ROWS rows (prefill chunks, wide verifies) the decoder layer's projections take
+larger tiles by kind (PREFILL_TILES): up to 128 rows a tile, 8 warps, and a plain projection's K
+in 64-key steps, each weight tile read once for that many rows. The MMA steps of each output
+element stay the same k16 chain in K order, and a norm prologue keeps the shape's BLOCK_K, so a
+row's bits do not change: the GPU cases check that on SmolLM2's and Llama-8B's shapes (alone,
+among 2048, and against the 16-row tiles), and figure 6 runs with it. Below that count the
+16-row tiles are faster. An A/B process sets it with, e.g.,
+`--set engine.ops.invariant.PREFILL_ROWS=None` (off) or `=512`.
 
 Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
 whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
@@ -72,12 +75,12 @@ LAYER_SPLITS = 1
 # a launch of m rows taking the first entry with m <= max_rows (see the module docstring).
 ROW_TILES = None
 ROW_BLOCKS_M = (16, 32, 64)  # mma.sync's row blocks, then the warp-group MMA's
-# Opt-in tiles of the decoder layer's projections in launches of at least PREFILL_ROWS rows
-# (prefill chunks, wide verifies; None: off), after ROW_TILES: (BLOCK_M, BLOCK_N, BLOCK_K,
-# warps) by the projection's kind, BLOCK_K None for the shape's. A norm prologue lays its row
-# sums out along K by BLOCK_K, and split-K cuts K in whole BLOCK_K tiles, so both keep the
-# shape's; a plain projection's K walk does not change a row's MMA steps.
-PREFILL_ROWS = None
+# Tiles of the decoder layer's projections in launches of at least PREFILL_ROWS rows (None:
+# never), after ROW_TILES: (BLOCK_M, BLOCK_N, BLOCK_K, warps) by the projection's kind, BLOCK_K
+# None for the shape's. A norm prologue lays its row sums out along K by BLOCK_K, and split-K
+# cuts K in whole BLOCK_K tiles, so both keep the shape's; a plain projection's K walk does not
+# change a row's MMA steps.
+PREFILL_ROWS = 256
 PREFILL_TILES = {"norm": (32, 128, None, 8), "glu": (128, 64, None, 8), "plain": (64, 64, 64, 4)}
 
 

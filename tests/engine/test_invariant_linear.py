@@ -78,19 +78,21 @@ def test_gate_up_epilogue_rows_do_not_depend_on_the_launch(dtype, n, k):
 
 
 def test_tiles_come_from_the_weight_shape_alone():
-    """16-row tensor-core tiles from the weight's shape, at any row count (ROW_TILES unset): a
-    small decoder-layer projection all of K in one tile up to WHOLE_K keys, else 512-key
-    tiles; GLU and large weights LAYER_TILES; an LM head its own."""
-    from engine.ops.invariant import BLOCK_M, LAYER_TILES, ROW_TILES, WHOLE_K
+    """16-row tensor-core tiles from the weight's shape below PREFILL_ROWS rows (ROW_TILES
+    unset): a small decoder-layer projection all of K in one tile up to WHOLE_K keys, else
+    512-key tiles; GLU and large weights LAYER_TILES; from PREFILL_ROWS PREFILL_TILES (their
+    own tests); an LM head its own at any count."""
+    from engine.ops.invariant import BLOCK_M, LAYER_TILES, PREFILL_ROWS, ROW_TILES, WHOLE_K
 
-    assert ROW_TILES is None and BLOCK_M == 16 and WHOLE_K == 1024
+    assert ROW_TILES is None and BLOCK_M == 16 and WHOLE_K == 1024 and PREFILL_ROWS == 256
     want = {(960, 576, False): (32, 1024), (576, 576, False): (32, 1024),
             (40, 48, False): (32, 64), (576, 1536, False): (16, 512),
             (1536, 576, True): LAYER_TILES[:2], (4096, 4096, False): LAYER_TILES[:2],
             (14336, 4096, True): LAYER_TILES[:2]}
     for (n, k, glu), (bn, bk) in want.items():
-        for m in (None, 1, 17, 2048):
+        for m in (1, 17, PREFILL_ROWS - 1):
             assert ops.invariant_tiles(n, k, m, glu) == (16, bn, bk, LAYER_TILES[2])
+        assert ops.invariant_tiles(n, k, PREFILL_ROWS, glu)[0] > 16
     for m in (None, 1, 2048):
         assert ops.invariant_tiles(49152, 576, m) == (16, *ops.LOGITS_DOT_TILES)
 

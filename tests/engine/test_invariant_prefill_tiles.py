@@ -1,5 +1,5 @@
-"""The deterministic projections' opt-in tiles for wide launches (`invariant.PREFILL_ROWS`). On
-the CPU: from PREFILL_ROWS rows up the decoder layer's projections take PREFILL_TILES by kind
+"""The deterministic projections' tiles for wide launches (`invariant.PREFILL_ROWS`). On the
+CPU: from PREFILL_ROWS rows up the decoder layer's projections take PREFILL_TILES by kind
 (norm prologue, GLU epilogue, plain), a norm prologue and split-K keeping the shape's BLOCK_K;
 bad settings are refused; `invariant_linear` tells the kind; the results match torch (Triton's
 interpreter, fp32 and fp16). The GPU cases (bits alone vs among 2048, and against today's tiles)
@@ -75,11 +75,11 @@ def test_bad_prefill_tiles_raise(prefill, monkeypatch):
 
 
 def test_the_documented_setting_parses():
-    """The module docstring's `--set` value is one the bench turns into PREFILL_ROWS."""
+    """The module docstring's `--set` value is one the bench turns into PREFILL_ROWS (off)."""
     from bench.suite import parse_setting
 
-    text = "engine.ops.invariant.PREFILL_ROWS=256"
-    assert parse_setting(text) == ("engine.ops.invariant.PREFILL_ROWS", 256)
+    text = "engine.ops.invariant.PREFILL_ROWS=None"
+    assert parse_setting(text) == ("engine.ops.invariant.PREFILL_ROWS", None)
     assert text in invariant.__doc__.replace("\n", " ")
 
 

@@ -93,7 +93,7 @@ def test_split_rows_do_not_depend_on_the_launch(splits, s, dtype, n, k, tiles):
     xr = rnd(64, 2 * k).view(64, 2, k)  # [x | residual] per row
     x = xr[:, 0].float()
     wf, bf, nwf = w.float(), b.float(), nw.float()
-    assert splitk.split_plan(k, invariant.invariant_tiles(n, k)[2], s)[0] > 1
+    assert splitk.split_plan(k, invariant.invariant_tiles(n, k, 1)[2], s)[0] > 1
 
     (y,) = _alone_equals_among_64(lambda t: ops.invariant_linear(t[:, 0], w, b), xr, True)
     torch.testing.assert_close(y.float(), F.linear(x, wf, bf), **_tol(dtype))
@@ -135,7 +135,7 @@ def test_one_split_is_the_unsplit_kernel(splits, monkeypatch):
     g = torch.Generator().manual_seed(3)
     rnd = _rnd(g, torch.float32)
     w, nw, x, r = rnd(36, 512) / 7, rnd(512), rnd(64, 512), rnd(64, 512)
-    tiles = invariant.invariant_tiles(36, 512)
+    tiles = invariant.invariant_tiles(36, 512, 1)
     kw = dict(norm_weight=nw, eps=1e-5, residual=r)
     with monkeypatch.context() as m:
         m.setattr(splitk, "workspace", lambda *a: pytest.fail("split at LAYER_SPLITS 1"))
@@ -147,7 +147,7 @@ def test_one_split_is_the_unsplit_kernel(splits, monkeypatch):
     assert torch.equal(one[1], two[1]) and not torch.equal(one[0], two[0])
     torch.testing.assert_close(one[0], two[0], atol=1e-5, rtol=1e-5)
     splits(4)
-    w96, x96, tiles96 = rnd(40, 96), x[:, :96], invariant.invariant_tiles(40, 96)
+    w96, x96, tiles96 = rnd(40, 96), x[:, :96], invariant.invariant_tiles(40, 96, 1)
     assert splitk.split_plan(96, tiles96[2], 4)[0] == 1
     assert torch.equal(ops.invariant_linear(x96, w96), ops.prologue_linear(x96, w96, tiles=tiles96))
 
