@@ -81,6 +81,9 @@ ROW_BLOCKS_M = (16, 32, 64)  # mma.sync's row blocks, then the warp-group MMA's
 # cuts K in whole BLOCK_K tiles, so both keep the shape's; a plain projection's K walk does not
 # change a row's MMA steps.
 PREFILL_ROWS = 256
+# Warps of a projection with a norm prologue (qkv, gate_up) below PREFILL_ROWS rows (None: the
+# shape's): more warps shorten a latency-bound launch of few rows. Opt-in until figure 6 runs it.
+NORM_WARPS = None
 PREFILL_TILES = {"norm": (32, 128, None, 8), "glu": (128, 64, None, 8), "plain": (64, 64, 64, 4)}
 
 
@@ -156,6 +159,10 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
                          "row count")
     if ROW_TILES is not None:
         bm, bn = row_tiles(ROW_TILES, m)
+    if norm and NORM_WARPS is not None:
+        if NORM_WARPS not in (1, 2, 4, 8, 16) or isinstance(NORM_WARPS, bool):
+            raise ValueError(f"NORM_WARPS must be None, 1, 2, 4, 8 or 16, not {NORM_WARPS!r}")
+        warps = NORM_WARPS
     if PREFILL_ROWS is not None:
         if isinstance(PREFILL_ROWS, bool) or not isinstance(PREFILL_ROWS, int) \
                 or PREFILL_ROWS < 1:

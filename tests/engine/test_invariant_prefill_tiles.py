@@ -54,6 +54,24 @@ def test_wide_launches_take_the_prefill_tiles(prefill):
     assert invariant.invariant_tiles(576, 1536, 64) == (*plain[:2], bk, plain[3])
 
 
+def test_norm_warps_below_prefill_rows(prefill, monkeypatch):
+    """NORM_WARPS gives qkv and gate_up (norm prologue) its warps below PREFILL_ROWS, their
+    BLOCK_M, BLOCK_N and BLOCK_K unchanged; a plain projection and PREFILL_TILES keep theirs; a
+    warp count Triton cannot take is refused by name."""
+    prefill(64)
+    shapes = [(960, 576, False, True), (1536, 576, True, True), (576, 576, False, False)]
+    before = {(s, m): invariant.invariant_tiles(s[0], s[1], m, *s[2:])
+              for s in shapes for m in (1, 63, 64)}
+    monkeypatch.setattr(invariant, "NORM_WARPS", 8)
+    for ((n, k, g, nm), m), old in before.items():
+        got = invariant.invariant_tiles(n, k, m, g, nm)
+        assert got == (old if m == 64 else (*old[:3], 8 if nm else old[3]))
+    assert invariant.invariant_tiles(960, 576, 1, norm=True)[3] == 8 != before[(shapes[0], 1)][3]
+    monkeypatch.setattr(invariant, "NORM_WARPS", 3)
+    with pytest.raises(ValueError, match="NORM_WARPS"):
+        invariant.invariant_tiles(960, 576, 1, norm=True)
+
+
 @pytest.mark.parametrize("rows,match", [(0, "positive int"), (True, "positive int"),
                                         (2.5, "positive int"), ("256", "positive int")])
 def test_bad_prefill_rows_raise(prefill, rows, match):

@@ -3,8 +3,9 @@ the table picks each launch's BLOCK_M and BLOCK_N by its row count for the decod
 projections only, bad tables are refused, `invariant_linear` hands the chosen tiles to
 `prologue_linear`, and the results match torch (Triton's interpreter, fp32 and fp16). On a GPU
 (bf16, SmolLM2-135M's and Llama-8B's projection shapes): each row's bits are the same alone and
-among 8, 64 and 2048 rows, with today's tiles and with a table that gives each of those counts
-other tiles, unsplit and in 4 K-splits; and whether the table's tiles give today's bits."""
+among 8, 64 and 2048 rows, with the 16-row tiles and with a table that gives each of those
+counts other tiles, unsplit and in 4 K-splits, with PREFILL_TILES (`PREFILL_ROWS`) and with
+NORM_WARPS; and whether those give the 16-row tiles' bits."""
 
 from __future__ import annotations
 
@@ -27,12 +28,13 @@ WIDE = ((1, 16, 16), (8, 16, 32), (64, 32, 64), (1000000000, 64, 32))
 
 @pytest.fixture
 def consts(monkeypatch):
-    """Sets `ROW_TILES`, `LAYER_SPLITS` and `PREFILL_ROWS` for one test."""
+    """Sets `ROW_TILES`, `LAYER_SPLITS`, `PREFILL_ROWS` and `NORM_WARPS` for one test."""
 
-    def set_(table, splits: int = 1, prefill: int | None = None):
+    def set_(table, splits: int = 1, prefill: int | None = None, warps: int | None = None):
         monkeypatch.setattr(invariant, "ROW_TILES", table)
         monkeypatch.setattr(invariant, "LAYER_SPLITS", splits)
         monkeypatch.setattr(invariant, "PREFILL_ROWS", prefill)
+        monkeypatch.setattr(invariant, "NORM_WARPS", warps)
 
     return set_
 
@@ -194,19 +196,19 @@ def _alone(proj, rows) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("table,splits,prefill", [
-    (None, 1, None), (None, 4, None), (SPAN, 1, None), (SPAN, 4, None), (WIDE, 1, None),
-    (None, 1, 64), (None, 4, 64)],
+@pytest.mark.parametrize("table,splits,prefill,warps", [
+    (None, 1, None, None), (None, 4, None, None), (SPAN, 1, None, None), (SPAN, 4, None, None),
+    (WIDE, 1, None, None), (None, 1, 64, None), (None, 4, 64, None), (None, 1, 64, 8)],
     ids=["default", "default-split4", "row-tiles", "row-tiles-split4", "row-tiles-wide",
-         "prefill", "prefill-split4"])
+         "prefill", "prefill-split4", "norm-warps8"])
 @pytest.mark.parametrize("n,k,glu,norm", LAYER_SHAPES)
-def test_rows_alone_equal_batched_gpu(consts, table, splits, prefill, n, k, glu, norm):
+def test_rows_alone_equal_batched_gpu(consts, table, splits, prefill, warps, n, k, glu, norm):
     """bf16 on the GPU: each row of ALONE computed alone equals, bit for bit, the same row among
-    8, 64 and 2048 (of those that hold it), outputs and x + residual, with today's tiles and
+    8, 64 and 2048 (of those that hold it), outputs and x + residual, with the 16-row tiles and
     with SPAN's (other tiles at each of those counts), unsplit and in 4 K-splits, with WIDE's
-    64-row warp-group tiles at 2048, and with PREFILL_TILES from 64 rows. ROW_TILES or
-    PREFILL_ROWS may leave opt-in only once its cases pass."""
-    consts(table, splits, prefill)
+    64-row warp-group tiles at 2048, with PREFILL_TILES from 64 rows, and with NORM_WARPS 8
+    below them. ROW_TILES or NORM_WARPS may leave opt-in only once its cases pass."""
+    consts(table, splits, prefill, warps)
     half = n // 2 if glu else n
     counts = (1, *BATCHES)
     distinct = {invariant.invariant_tiles(half, k, m, glu, norm) for m in counts}
@@ -221,18 +223,20 @@ def test_rows_alone_equal_batched_gpu(consts, table, splits, prefill, n, k, glu,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("table,prefill", [(SPAN, None), (WIDE, None), (None, 1)],
-                         ids=["span", "wide", "prefill"])
+@pytest.mark.parametrize("table,prefill,warps", [(SPAN, None, None), (WIDE, None, None),
+                                                  (None, 1, None), (None, None, 8)],
+                         ids=["span", "wide", "prefill", "norm-warps8"])
 @pytest.mark.parametrize("n,k,glu,norm", LAYER_SHAPES)
-def test_row_tiles_give_the_default_bits_gpu(consts, table, prefill, n, k, glu, norm):
-    """The stronger form of the hypothesis behind ROW_TILES and PREFILL_ROWS: bf16 on the GPU,
-    SPAN's (and WIDE's warp-group) tiles, and PREFILL_TILES at every count, give every row
-    today's bits (alone and among 2048), so setting them would not change the deterministic
-    mode's outputs at all. Informative: the row-invariance above is what the opt-in needs."""
+def test_row_tiles_give_the_default_bits_gpu(consts, table, prefill, warps, n, k, glu, norm):
+    """The stronger form of the hypothesis behind ROW_TILES, PREFILL_ROWS and NORM_WARPS: bf16
+    on the GPU, SPAN's (and WIDE's warp-group) tiles, PREFILL_TILES at every count, and 8 warps
+    on a norm prologue's 16-row tiles give every row the 16-row tiles' bits (alone and among
+    2048), so setting them would not change the deterministic mode's outputs at all.
+    Informative: the row-invariance above is what an opt-in needs."""
     proj, rows = _layer(n, k, glu, norm)
     consts(None)
     want = _alone(proj, rows), _parts(proj(rows))
-    consts(table, 1, prefill)
+    consts(table, 1, prefill, warps)
     got = _alone(proj, rows), _parts(proj(rows))
     for i in ALONE:
         for a, b in zip(got[0][i], want[0][i]):
