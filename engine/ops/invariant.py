@@ -84,6 +84,10 @@ PREFILL_ROWS = 256
 # Warps of a projection with a norm prologue (qkv, gate_up) below PREFILL_ROWS rows (None: the
 # shape's): more warps shorten a latency-bound launch of few rows. Opt-in until figure 6 runs it.
 NORM_WARPS = None
+# Whether an LM head takes PREFILL_TILES' plain tiles from PREFILL_ROWS rows too (a wide
+# verify's head is the largest projection; 16-row tiles compute it at a fraction of the rate).
+# Opt-in until figure 6 runs it.
+PREFILL_HEAD = False
 PREFILL_TILES = {"norm": (32, 128, None, 8), "glu": (128, 64, None, 8), "plain": (64, 64, 64, 4)}
 
 
@@ -148,21 +152,25 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of the deterministic projection of an [n, k] weight
     (n: the gate's columns with `glu`; norm: with a norm prologue) in a launch of m rows (in a
     CUDA graph, its bucket's padded count): from the shape alone, but for a decoder layer's
-    projection's tiles by m where ROW_TILES or PREFILL_ROWS is set (m None: only where they
-    cannot depend on it)."""
-    if n >= VOCAB_RATIO * k:
+    projection's tiles (and with PREFILL_HEAD an LM head's) by m where ROW_TILES or PREFILL_ROWS
+    is set (m None: only where they cannot depend on it)."""
+    head = n >= VOCAB_RATIO * k
+    if head and not PREFILL_HEAD:
         bn, bk, warps = LOGITS_DOT_TILES
         return BLOCK_M, bn, min(bk, next_pow2(k, 16)), warps
-    bm, (bn, bk, warps) = BLOCK_M, layer_tiles(n, k, glu)
     if (ROW_TILES is not None or PREFILL_ROWS is not None) and m is None:
         raise ValueError("ROW_TILES or PREFILL_ROWS is set: a decoder layer's tiles need the "
                          "row count")
-    if ROW_TILES is not None:
-        bm, bn = row_tiles(ROW_TILES, m)
-    if norm and NORM_WARPS is not None:
-        if NORM_WARPS not in (1, 2, 4, 8, 16) or isinstance(NORM_WARPS, bool):
-            raise ValueError(f"NORM_WARPS must be None, 1, 2, 4, 8 or 16, not {NORM_WARPS!r}")
-        warps = NORM_WARPS
+    if head:
+        bm, (bn, bk, warps) = BLOCK_M, LOGITS_DOT_TILES
+    else:
+        bm, (bn, bk, warps) = BLOCK_M, layer_tiles(n, k, glu)
+        if ROW_TILES is not None:
+            bm, bn = row_tiles(ROW_TILES, m)
+        if norm and NORM_WARPS is not None:
+            if NORM_WARPS not in (1, 2, 4, 8, 16) or isinstance(NORM_WARPS, bool):
+                raise ValueError(f"NORM_WARPS must be None, 1, 2, 4, 8 or 16, not {NORM_WARPS!r}")
+            warps = NORM_WARPS
     if PREFILL_ROWS is not None:
         if isinstance(PREFILL_ROWS, bool) or not isinstance(PREFILL_ROWS, int) \
                 or PREFILL_ROWS < 1:

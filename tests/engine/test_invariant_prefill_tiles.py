@@ -72,6 +72,21 @@ def test_norm_warps_below_prefill_rows(prefill, monkeypatch):
         invariant.invariant_tiles(960, 576, 1, norm=True)
 
 
+def test_prefill_head_is_opt_in(prefill, monkeypatch):
+    """An LM head keeps LOGITS_DOT_TILES at any row count (and without one) unless PREFILL_HEAD,
+    then from PREFILL_ROWS PREFILL_TILES' plain tiles; below it, and its splits, unchanged."""
+    prefill(64)
+    head = (16, *ops.LOGITS_DOT_TILES)
+    assert {invariant.invariant_tiles(49152, 576, m) for m in (None, 1, 64, 2048)} == {head}
+    monkeypatch.setattr(invariant, "PREFILL_HEAD", True)
+    assert invariant.invariant_tiles(49152, 576, 63) == head
+    for m in (64, 2048):
+        assert invariant.invariant_tiles(49152, 576, m) == invariant.PREFILL_TILES["plain"]
+    assert invariant.invariant_splits(49152, 576) == 1
+    with pytest.raises(ValueError, match="row count"):
+        invariant.invariant_tiles(49152, 576)
+
+
 @pytest.mark.parametrize("rows,match", [(0, "positive int"), (True, "positive int"),
                                         (2.5, "positive int"), ("256", "positive int")])
 def test_bad_prefill_rows_raise(prefill, rows, match):
