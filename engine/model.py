@@ -268,16 +268,17 @@ class LlamaModel(nn.Module):
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype. Through the prologue linears, the LM head takes
         16-row tensor-core tiles (`ops.LOGITS_DOT_TILES`): its weight is read once for all
-        rows of a verify step, and each row still rounds as it does alone. Deterministic: every
-        row count takes such tiles (`ops.invariant_linear`), or on the reference path one row at
-        a time. Leading dimensions other than rows (a trainer's [batch, length, hidden]) count
-        as rows."""
+        rows of a verify step, and each row still rounds as it does alone. Deterministic:
+        `ops.invariant_linear` as an LM head (such tiles at every row count unless
+        `invariant.PREFILL_HEAD`), or on the reference path one row at a time. Leading
+        dimensions other than rows (a trainer's [batch, length, hidden]) count as rows."""
         if hidden.dim() != 2:
             return self._logits(hidden.reshape(-1, hidden.shape[-1])).view(
                 *hidden.shape[:-1], -1)
         if self.deterministic:
             if self.fused:
-                return ops.invariant_linear(hidden, self.lm_head.weight, self.lm_head.bias)
+                return ops.invariant_linear(hidden, self.lm_head.weight, self.lm_head.bias,
+                                            head=True)
             return rowwise(self.lm_head, hidden)
         if self.prologue_linears and hidden.is_cuda and hidden.shape[0] in self.prologue_rows:
             return ops.prologue_linear(hidden.contiguous(), self.lm_head.weight,

@@ -14,32 +14,34 @@ down_proj was slower); `silu=True` still runs `silu_mul` before the projection.
 
 Below PREFILL_ROWS rows the tiles come from the weight's shape alone: 16 rows, LAYER_TILES for
 the decoder layer's projections (a small one without GLU walks K in fewer, longer steps:
-`layer_tiles`), LOGITS_DOT_TILES for an LM head (at every row count). ROW_TILES (opt-in, None by
-default) lets the decoder layer's projections take BLOCK_M and BLOCK_N by the launch's row
-count: narrow column tiles at one row (more programs for a latency-bound launch), 32- or 64-row
-tiles for a prefill (each weight tile read once for that many rows, not 16). BLOCK_K and the
-warps stay the shape's (`layer_tiles`), so each output element still accumulates the same k16
-MMA steps in the same K order, and the norm prologue's per-row sums keep their layout along K
-(sm_90 code lays a row's K out alike at any BLOCK_M).
+`layer_tiles`), LOGITS_DOT_TILES for an LM head (at every row count unless PREFILL_HEAD).
+ROW_TILES (opt-in, None by default) lets the decoder layer's projections take BLOCK_M and
+BLOCK_N by the launch's row count: narrow column tiles at one row (more programs for a latency-
+bound launch), 32- or 64-row tiles for a prefill (each weight tile read once for that many rows,
+not 16). BLOCK_K and the warps stay the shape's (`layer_tiles`), so each output element still
+accumulates the same k16 MMA steps in the same K order, and the norm prologue's per-row sums
+keep their layout along K where the tile holds it (`k_layout`; other tables are refused).
 At BLOCK_M 64 Triton computes `tl.dot` with Hopper's warp-group MMA instead of mma.sync; that it
 rounds alike is what the GPU cases' WIDE table checks. A tile must fit shared memory, which a
-1024-key K tile allows at (64, 32) but not (64, 64). Inside a CUDA graph the row count is the
-bucket's padded count, not the live rows': that is only sound because the tiles do not change a
-row's bits. Whether they do not is a property of the GPU's MMA, not shown by the interpreter:
-ROW_TILES stays opt-in until a GPU shows every row's bits unchanged across the table
-(tests/engine/test_invariant_row_tiles.py's GPU cases) and figure 6 stays 100% identical. Set
-it for an A/B process with, e.g.,
-`--set engine.ops.invariant.ROW_TILES=((1,16,16),(16,16,32),(1000000000,32,64))` (a Python
-literal: `10**9` is not one).
+1024-key K tile allows at (32, 128) and (64, 32), not (64, 64). Inside a CUDA graph the row
+count is the bucket's padded count, not the live rows': that is only sound because the tiles do
+not change a row's bits. Whether they do not is a property of the GPU's MMA, not shown by the
+interpreter: ROW_TILES stays opt-in until a GPU shows every row's bits unchanged across the
+table (tests/engine/test_invariant_row_tiles.py's GPU cases) and figure 6 stays 100% identical.
+Set it for an A/B process with, e.g., `--set
+engine.ops.invariant.ROW_TILES=((1,16,16),(16,16,32),(1000000000,32,64))` (a Python literal:
+`10**9` is not one).
 
-From PREFILL_ROWS rows (prefill chunks, wide verifies) the decoder layer's projections take
-larger tiles by kind (PREFILL_TILES): up to 128 rows a tile, 8 warps, and a plain projection's K
-in 64-key steps, each weight tile read once for that many rows. The MMA steps of each output
-element stay the same k16 chain in K order, and a norm prologue keeps the shape's BLOCK_K, so a
-row's bits do not change: the GPU cases check that on SmolLM2's and Llama-8B's shapes (alone,
-among 2048, and against the 16-row tiles), and figure 6 runs with it. Below that count the
-16-row tiles are faster. An A/B process sets it with, e.g.,
-`--set engine.ops.invariant.PREFILL_ROWS=None` (off) or `=512`.
+From PREFILL_ROWS rows (prefill chunks, wide verifies) on sm_90 (`prefill_suits`: other GPUs'
+shared memory or MMA are not shown), the decoder layer's projections take larger tiles by kind
+(PREFILL_TILES): up to 128 rows a tile, 8 warps with a norm prologue, a plain projection's K in
+64-key steps, each weight tile read once for that many rows. The MMA steps of each output
+element stay the same k16 chain in K order, and a norm prologue keeps the shape's BLOCK_K and
+its layout along K (where the larger tile would change it, the 16-row tiles stay), so a row's
+bits do not change: the GPU cases check that (alone, among 2048, and against the 16-row tiles;
+on an H100, SmolLM2's and Llama-8B's shapes), and figure 6 runs with it. Below that count the
+16-row tiles are faster. An A/B process sets it with, e.g., `--set
+engine.ops.invariant.PREFILL_ROWS=None` (off) or `=512`.
 
 Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
 whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
@@ -75,20 +77,25 @@ LAYER_SPLITS = 1
 # a launch of m rows taking the first entry with m <= max_rows (see the module docstring).
 ROW_TILES = None
 ROW_BLOCKS_M = (16, 32, 64)  # mma.sync's row blocks, then the warp-group MMA's
-# Tiles of the decoder layer's projections in launches of at least PREFILL_ROWS rows (None:
-# never), after ROW_TILES: (BLOCK_M, BLOCK_N, BLOCK_K, warps) by the projection's kind, BLOCK_K
-# None for the shape's. A norm prologue lays its row sums out along K by BLOCK_K, and split-K
-# cuts K in whole BLOCK_K tiles, so both keep the shape's; a plain projection's K walk does not
-# change a row's MMA steps.
+# Launches of at least PREFILL_ROWS rows (None: none) take PREFILL_TILES on sm_90, where their
+# shared memory fits and tl.dot rounds as the 16-row tiles' does (see the module docstring).
 PREFILL_ROWS = 256
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps) from PREFILL_ROWS rows by the projection's kind, BLOCK_K
+# None for the shape's: a norm prologue must keep it (its row sums are laid out along K by
+# BLOCK_K), and so must split-K (it cuts K in whole BLOCK_K tiles).
+PREFILL_TILES = {"norm": (32, 128, None, 8), "glu": (128, 64, None, 8), "plain": (64, 64, 64, 4)}
+PREFILL_BLOCKS_M = (16, 32, 64, 128)
+# BLOCK_N of the norm tile where K is walked in tiles of more than 128 keys: x and the residual
+# are double-buffered then, and 128 columns would overflow shared memory.
+NORM_LOOP_BLOCK_N = 32
 # Warps of a projection with a norm prologue (qkv, gate_up) below PREFILL_ROWS rows (None: the
-# shape's): more warps shorten a latency-bound launch of few rows. Opt-in until figure 6 runs it.
+# shape's; else 4 or 8): more warps shorten a latency-bound launch of few rows. Opt-in until
+# figure 6 runs it.
 NORM_WARPS = None
 # Whether an LM head takes PREFILL_TILES' plain tiles from PREFILL_ROWS rows too (a wide
 # verify's head is the largest projection; 16-row tiles compute it at a fraction of the rate).
 # Opt-in until figure 6 runs it.
 PREFILL_HEAD = False
-PREFILL_TILES = {"norm": (32, 128, None, 8), "glu": (128, 64, None, 8), "plain": (64, 64, 64, 4)}
 
 
 @lru_cache(maxsize=8)
@@ -134,68 +141,116 @@ def layer_tiles(n: int, k: int, glu: bool = False) -> tuple[int, int, int]:
     return (32, next_pow2(k, 16), warps) if k <= WHOLE_K else (16, 512, warps)
 
 
-def prefill_tiles(bk: int, glu: bool, norm: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of a decoder layer's projection in a launch of at least
-    PREFILL_ROWS rows, bk the shape's BLOCK_K (see PREFILL_TILES)."""
+def k_layout(bm: int, bk: int, warps: int) -> tuple[int, int] | None:
+    """How Triton lays a norm prologue's [bm, bk] tile of x along K at `warps`: (threads, warps)
+    along K after 8 keys a thread, the rest along the rows; None where they would not fit bm
+    rows (Triton then lays it out otherwise). Tiles of one bk with the same layout sum a row's
+    squares in the same order; another count along K is another order."""
+    lanes = min(32, max(1, bk // 8))
+    along = min(warps, max(1, bk // (8 * lanes)))
+    if warps % along or (32 // lanes) * (warps // along) > bm:
+        return None
+    return lanes, along
+
+
+def prefill_tiles(k: int, bk: int, glu: bool, norm: bool,
+                  head: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of a projection of K `k` in a launch of at least
+    PREFILL_ROWS rows, bk the shape's BLOCK_K (see PREFILL_TILES; ValueError if malformed)."""
     kind = "glu" if glu else "norm" if norm else "plain"
-    try:
-        bm, bn, wide_k, warps = PREFILL_TILES[kind]
-    except (KeyError, TypeError, ValueError):
-        raise ValueError(f"PREFILL_TILES[{kind!r}] must be (BLOCK_M, BLOCK_N, BLOCK_K or None, "
-                         f"warps), not {PREFILL_TILES!r}") from None
-    keep = wide_k is None or kind != "plain" or LAYER_SPLITS > 1
+    tiles = PREFILL_TILES.get(kind) if isinstance(PREFILL_TILES, dict) else None
+    form = f"PREFILL_TILES[{kind!r}] must be (BLOCK_M in {PREFILL_BLOCKS_M}, BLOCK_N, BLOCK_K " \
+           f"(None with a norm prologue), warps 4 or 8), BLOCK_N and BLOCK_K powers of two " \
+           f">= 16, not {tiles!r}"
+    if not isinstance(tiles, tuple) or len(tiles) != 4 or any(
+            type(v) is not int for v in (tiles[0], tiles[1], tiles[3])):
+        raise ValueError(form)
+    bm, bn, wide_k, warps = tiles
+    if (bm not in PREFILL_BLOCKS_M or not _pow2(bn) or warps not in (4, 8)
+            or not (wide_k is None or (kind == "plain" and type(wide_k) is int
+                                       and _pow2(wide_k)))):
+        raise ValueError(form)
+    if kind == "norm" and k > bk > 128:
+        bn = NORM_LOOP_BLOCK_N
+    keep = wide_k is None or (LAYER_SPLITS > 1 and not head)
     return bm, bn, bk if keep else wide_k, warps
 
 
+def _pow2(v: int) -> bool:
+    return v >= 16 and not v & (v - 1)
+
+
+@lru_cache(maxsize=16)
+def prefill_suits(device: torch.device) -> bool:
+    """Whether launches on `device` take PREFILL_TILES: sm_90 (their shared memory fits, and
+    its warp-group MMA rounds as mma.sync on the GPU cases), or Triton's interpreter."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) == (9, 0)
+
+
 def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
-                    norm: bool = False) -> tuple[int, int, int, int]:
+                    norm: bool = False, head: bool = False,
+                    prefill: bool = True) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of the deterministic projection of an [n, k] weight
-    (n: the gate's columns with `glu`; norm: with a norm prologue) in a launch of m rows (in a
-    CUDA graph, its bucket's padded count): from the shape alone, but for a decoder layer's
-    projection's tiles (and with PREFILL_HEAD an LM head's) by m where ROW_TILES or PREFILL_ROWS
-    is set (m None: only where they cannot depend on it)."""
-    head = n >= VOCAB_RATIO * k
-    if head and not PREFILL_HEAD:
+    (n: the gate's columns with `glu`; norm: with a norm prologue; head: an LM head, as is a
+    weight of at least VOCAB_RATIO x k rows) in a launch of m rows (in a CUDA graph, its
+    bucket's padded count): from the shape alone, but for a decoder layer's projection's tiles
+    (and with PREFILL_HEAD an LM head's) by m where ROW_TILES or PREFILL_ROWS is set (m None:
+    only where they cannot depend on it); `prefill` False (a device without PREFILL_TILES,
+    `prefill_suits`): never PREFILL_TILES. ValueError for a malformed setting."""
+    head = head or n >= VOCAB_RATIO * k
+    wide = PREFILL_ROWS is not None and prefill and (PREFILL_HEAD or not head)
+    if head and not wide:
         bn, bk, warps = LOGITS_DOT_TILES
         return BLOCK_M, bn, min(bk, next_pow2(k, 16)), warps
-    if (ROW_TILES is not None or PREFILL_ROWS is not None) and m is None:
+    if (ROW_TILES is not None and not head or wide) and m is None:
         raise ValueError("ROW_TILES or PREFILL_ROWS is set: a decoder layer's tiles need the "
                          "row count")
-    if head:
-        bm, (bn, bk, warps) = BLOCK_M, LOGITS_DOT_TILES
-    else:
-        bm, (bn, bk, warps) = BLOCK_M, layer_tiles(n, k, glu)
+    kb = next_pow2(k, 16)  # a BLOCK_K past K is cut to K's power of two
+    bn, bk, warps = LOGITS_DOT_TILES if head else layer_tiles(n, k, glu)
+    ref = k_layout(BLOCK_M, min(bk, kb), warps) if norm or glu else None
+    bm, small = BLOCK_M, (BLOCK_M, warps)
+    if not head:
         if ROW_TILES is not None:
             bm, bn = row_tiles(ROW_TILES, m)
         if norm and NORM_WARPS is not None:
-            if NORM_WARPS not in (1, 2, 4, 8, 16) or isinstance(NORM_WARPS, bool):
-                raise ValueError(f"NORM_WARPS must be None, 1, 2, 4, 8 or 16, not {NORM_WARPS!r}")
+            if type(NORM_WARPS) is not int or NORM_WARPS not in (4, 8):
+                raise ValueError(f"NORM_WARPS must be None, 4 or 8, not {NORM_WARPS!r}")
             warps = NORM_WARPS
-    if PREFILL_ROWS is not None:
-        if isinstance(PREFILL_ROWS, bool) or not isinstance(PREFILL_ROWS, int) \
-                or PREFILL_ROWS < 1:
+        if (norm or glu) and (bm, warps) != small and (
+                ref is None or k_layout(bm, min(bk, kb), warps) != ref):
+            raise ValueError(f"ROW_TILES / NORM_WARPS give tiles {(bm, bn, bk, warps)} that would "
+                             f"sum a norm's rows in another order")
+    if wide:
+        if type(PREFILL_ROWS) is not int or PREFILL_ROWS < 1:
             raise ValueError(f"PREFILL_ROWS must be None or a positive int, not {PREFILL_ROWS!r}")
         if m >= PREFILL_ROWS:
-            bm, bn, bk, warps = prefill_tiles(bk, glu, norm)
-    return bm, bn, min(bk, next_pow2(k, 16)), warps
+            tiles = prefill_tiles(k, bk, glu, norm, head)
+            # A norm's sums must keep the small tiles' order; where that cannot be told (a tiny
+            # K), those tiles stay.
+            if ref is None and not (norm or glu) or (
+                    ref is not None and k_layout(tiles[0], min(tiles[2], kb), tiles[3]) == ref):
+                bm, bn, bk, warps = tiles
+    return bm, bn, min(bk, kb), warps
 
 
-def invariant_splits(n: int, k: int) -> int:
+def invariant_splits(n: int, k: int, head: bool = False) -> int:
     """K-splits asked of the deterministic projection of an [n, k] weight, from the shape and
-    `LAYER_SPLITS` alone: the decoder layer's projections LAYER_SPLITS, an LM head none
-    (`prologue_linear` takes fewer where K has fewer tiles)."""
-    return 1 if n >= VOCAB_RATIO * k else LAYER_SPLITS
+    `LAYER_SPLITS` alone: the decoder layer's projections LAYER_SPLITS, an LM head (`head`, or
+    at least VOCAB_RATIO x k rows) none (`prologue_linear` takes fewer where K has fewer
+    tiles)."""
+    return 1 if head or n >= VOCAB_RATIO * k else LAYER_SPLITS
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                      *, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
                      residual: torch.Tensor | None = None, silu: bool = False,
-                     glu: bool = False):
+                     glu: bool = False, head: bool = False):
     """What `prologue_linear` computes with the same arguments and returns (`linear(rmsnorm(x +
     residual))`, `linear(silu_mul(x))` or `linear(x)`), each row's bits the same at any row
     count: the norm in the projection's prologue, SiLU-and-mul as its own kernel before it,
     the projection through `invariant_tiles` (of x's row count) and `invariant_splits`. glu:
-    weight is [gate | up] and the result is `silu_mul` of the projection, in its epilogue."""
+    weight is [gate | up] and the result is `silu_mul` of the projection, in its epilogue.
+    head: the weight is an LM head's."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if silu:
@@ -204,5 +259,6 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n = n // 2 if glu else n
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
                            residual=residual, glu=glu,
-                           tiles=invariant_tiles(n, k, x.shape[0], glu, norm_weight is not None),
-                           splits=invariant_splits(n, k))
+                           tiles=invariant_tiles(n, k, x.shape[0], glu, norm_weight is not None,
+                                                 head, prefill_suits(x.device)),
+                           splits=invariant_splits(n, k, head))

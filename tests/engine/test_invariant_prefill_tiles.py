@@ -20,33 +20,47 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
 
 @pytest.fixture
 def prefill(monkeypatch):
-    """Sets `PREFILL_ROWS` and `LAYER_SPLITS` for one test."""
+    """Sets `PREFILL_ROWS` and `LAYER_SPLITS` for one test; the other tile settings at their
+    defaults (ROW_TILES, NORM_WARPS None, PREFILL_HEAD off)."""
 
     def set_(rows, splits: int = 1):
         monkeypatch.setattr(invariant, "PREFILL_ROWS", rows)
         monkeypatch.setattr(invariant, "LAYER_SPLITS", splits)
+        monkeypatch.setattr(invariant, "ROW_TILES", None)
+        monkeypatch.setattr(invariant, "NORM_WARPS", None)
+        monkeypatch.setattr(invariant, "PREFILL_HEAD", False)
 
     return set_
 
 
 def test_wide_launches_take_the_prefill_tiles(prefill):
     """Below PREFILL_ROWS the shape's tiles; from it PREFILL_TILES by kind: qkv (norm) and
-    gate_up (GLU) keep their BLOCK_K, o and down walk K in 64 keys unless split-K is on; an LM
-    head keeps its tiles; without a row count the tiles cannot be chosen."""
+    gate_up (GLU) keep their BLOCK_K, a norm walking K in 512-key tiles takes
+    NORM_LOOP_BLOCK_N columns (shared memory), a norm of a tiny K whose layout along K the
+    larger tile would change keeps the 16-row tiles, o and down walk K in 64 keys unless
+    split-K is on; an LM head keeps its tiles; without a row count the tiles cannot be
+    chosen; a device without PREFILL_TILES (`prefill=False`) never takes them."""
     prefill(64)
     norm, glu, plain = (invariant.PREFILL_TILES[k] for k in ("norm", "glu", "plain"))
     assert plain[2] == 64 and norm[2] is None and glu[2] is None
+    loop = (norm[0], invariant.NORM_LOOP_BLOCK_N, 512, norm[3])
     shapes = {(960, 576, False, True): (*norm[:2], 1024, norm[3]),
               (1536, 576, True, True): (*glu[:2], 128, glu[3]),
+              (2048, 1536, False, True): loop,  # Qwen2.5-1.5B's qkv
+              (6144, 4096, False, True): (*norm[:2], 128, norm[3]),  # Llama-8B's qkv
+              (64, 32, False, True): None,  # tiny K: the 16-row tiles stay
               (576, 576, False, False): plain, (576, 1536, False, False): plain,
               (40, 48, False, False): plain}
     for (n, k, g, nm), wide in shapes.items():
         bn, bk, warps = invariant.layer_tiles(n, k, g)
-        assert invariant.invariant_tiles(n, k, 63, g, nm) == (16, bn, bk, warps)
+        small = (16, bn, min(bk, invariant.next_pow2(k, 16)), warps)
+        assert invariant.invariant_tiles(n, k, 63, g, nm) == small
         for m in (64, 2048):
-            assert invariant.invariant_tiles(n, k, m, g, nm) == wide
+            assert invariant.invariant_tiles(n, k, m, g, nm) == (wide or small)
+            assert invariant.invariant_tiles(n, k, m, g, nm, prefill=False) == small
     for m in (1, 2048):
         assert invariant.invariant_tiles(49152, 576, m) == (16, *ops.LOGITS_DOT_TILES)
+        assert invariant.invariant_tiles(32000, 4096, m, head=True) == (16, *ops.LOGITS_DOT_TILES)
     with pytest.raises(ValueError, match="row count"):
         invariant.invariant_tiles(960, 576)
     prefill(64, splits=4)
@@ -54,10 +68,21 @@ def test_wide_launches_take_the_prefill_tiles(prefill):
     assert invariant.invariant_tiles(576, 1536, 64) == (*plain[:2], bk, plain[3])
 
 
+def test_prefill_tiles_only_where_shown(monkeypatch):
+    """PREFILL_TILES on sm_90 and in Triton's interpreter (CPU), not on another GPU (their
+    shared memory overflows an sm_80 / sm_89 one, sm_100 computes them with another MMA)."""
+    suits = invariant.prefill_suits.__wrapped__
+    assert suits(torch.device("cpu"))
+    for cap, want in [((9, 0), True), ((8, 0), False), ((8, 9), False), ((10, 0), False)]:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=cap: c)
+        assert suits(torch.device("cuda", 0)) is want, cap
+
+
 def test_norm_warps_below_prefill_rows(prefill, monkeypatch):
     """NORM_WARPS gives qkv and gate_up (norm prologue) its warps below PREFILL_ROWS, their
-    BLOCK_M, BLOCK_N and BLOCK_K unchanged; a plain projection and PREFILL_TILES keep theirs; a
-    warp count Triton cannot take is refused by name."""
+    BLOCK_M, BLOCK_N and BLOCK_K unchanged; a plain projection and PREFILL_TILES keep theirs;
+    a count other than 4 or 8 is refused by name, and so is 8 where it would lay a norm's K out
+    otherwise (a 32-key K in a 16-row tile)."""
     prefill(64)
     shapes = [(960, 576, False, True), (1536, 576, True, True), (576, 576, False, False)]
     before = {(s, m): invariant.invariant_tiles(s[0], s[1], m, *s[2:])
@@ -67,24 +92,44 @@ def test_norm_warps_below_prefill_rows(prefill, monkeypatch):
         got = invariant.invariant_tiles(n, k, m, g, nm)
         assert got == (old if m == 64 else (*old[:3], 8 if nm else old[3]))
     assert invariant.invariant_tiles(960, 576, 1, norm=True)[3] == 8 != before[(shapes[0], 1)][3]
-    monkeypatch.setattr(invariant, "NORM_WARPS", 3)
-    with pytest.raises(ValueError, match="NORM_WARPS"):
-        invariant.invariant_tiles(960, 576, 1, norm=True)
+    with pytest.raises(ValueError, match="another order"):
+        invariant.invariant_tiles(64, 32, 1, norm=True)
+    for bad in (3, 16, 8.0, True):
+        monkeypatch.setattr(invariant, "NORM_WARPS", bad)
+        with pytest.raises(ValueError, match="NORM_WARPS"):
+            invariant.invariant_tiles(960, 576, 1, norm=True)
+
+
+def test_k_layout():
+    """The layout along K a norm's sums follow: 8 keys a thread, up to 32 threads, then warps
+    as K holds them; None where the tile has too few rows for the rest."""
+    assert invariant.k_layout(16, 1024, 4) == invariant.k_layout(32, 1024, 8) == (32, 4)
+    assert invariant.k_layout(16, 1024, 2) == (32, 2)  # another order: 2 warps along K
+    assert invariant.k_layout(16, 128, 4) == invariant.k_layout(128, 128, 8) == (16, 1)
+    assert invariant.k_layout(16, 128, 16) is None  # 32 rows of threads in a 16-row tile
+    assert invariant.k_layout(16, 512, 4) == invariant.k_layout(32, 512, 8) == (32, 2)
 
 
 def test_prefill_head_is_opt_in(prefill, monkeypatch):
     """An LM head keeps LOGITS_DOT_TILES at any row count (and without one) unless PREFILL_HEAD,
-    then from PREFILL_ROWS PREFILL_TILES' plain tiles; below it, and its splits, unchanged."""
+    then from PREFILL_ROWS PREFILL_TILES' plain tiles (split-K or not: a head is never split);
+    below it unchanged; a head narrower than VOCAB_RATIO x K is one by `head`."""
     prefill(64)
     head = (16, *ops.LOGITS_DOT_TILES)
     assert {invariant.invariant_tiles(49152, 576, m) for m in (None, 1, 64, 2048)} == {head}
     monkeypatch.setattr(invariant, "PREFILL_HEAD", True)
+    plain = invariant.PREFILL_TILES["plain"]
     assert invariant.invariant_tiles(49152, 576, 63) == head
     for m in (64, 2048):
-        assert invariant.invariant_tiles(49152, 576, m) == invariant.PREFILL_TILES["plain"]
-    assert invariant.invariant_splits(49152, 576) == 1
+        assert invariant.invariant_tiles(49152, 576, m) == plain
+        assert invariant.invariant_tiles(32000, 4096, m, head=True) == plain
+    assert invariant.invariant_splits(49152, 576) == invariant.invariant_splits(
+        32000, 4096, head=True) == 1
     with pytest.raises(ValueError, match="row count"):
         invariant.invariant_tiles(49152, 576)
+    prefill(64, splits=4)
+    monkeypatch.setattr(invariant, "PREFILL_HEAD", True)
+    assert invariant.invariant_tiles(49152, 576, 64) == plain
 
 
 @pytest.mark.parametrize("rows,match", [(0, "positive int"), (True, "positive int"),
@@ -96,15 +141,26 @@ def test_bad_prefill_rows_raise(prefill, rows, match):
         invariant.invariant_tiles(960, 576, 1)
 
 
-def test_bad_prefill_tiles_raise(prefill, monkeypatch):
-    """A PREFILL_TILES without the launch's kind, or of the wrong form, is refused by name."""
+@pytest.mark.parametrize("tiles", [
+    {"norm": (32, 128, None, 8)}, {"plain": (64, 64)}, {"plain": (1, 64, 64, 4)},
+    {"plain": (8, 64, 64, 4)}, {"plain": (64, 48, 64, 4)}, {"plain": (64, 64, 48, 4)},
+    {"plain": (64, 64, 64, 3)}, {"plain": (64, 64, 64.0, 4)}, ((64, 64, 64, 4),)],
+    ids=["no-kind", "pair", "bm1", "bm8", "bn48", "bk48", "warps3", "float", "tuple"])
+def test_bad_prefill_tiles_raise(prefill, monkeypatch, tiles):
+    """A PREFILL_TILES without the launch's kind, or of the wrong form (a GEMV's or too small a
+    BLOCK_M, sizes that are no power of two, warps other than 4 or 8), is refused by name."""
     prefill(1)
-    monkeypatch.setattr(invariant, "PREFILL_TILES", {"norm": (32, 128, None, 8)})
-    with pytest.raises(ValueError, match="PREFILL_TILES\\['plain'\\]"):
+    monkeypatch.setattr(invariant, "PREFILL_TILES", tiles)
+    with pytest.raises(ValueError, match="PREFILL_TILES\\['plain'\\] must be"):
         invariant.invariant_tiles(576, 576, 1)
-    monkeypatch.setattr(invariant, "PREFILL_TILES", {"plain": (64, 64)})
-    with pytest.raises(ValueError, match="must be"):
-        invariant.invariant_tiles(576, 576, 1)
+
+
+def test_a_norm_keeps_its_block_k(prefill, monkeypatch):
+    """A BLOCK_K for the norm or GLU kind is refused: their row sums follow the shape's."""
+    prefill(1)
+    monkeypatch.setattr(invariant, "PREFILL_TILES", {"norm": (32, 128, 64, 8)})
+    with pytest.raises(ValueError, match="PREFILL_TILES\\['norm'\\] must be"):
+        invariant.invariant_tiles(960, 576, 1, norm=True)
 
 
 def test_the_documented_setting_parses():
@@ -143,12 +199,14 @@ def test_invariant_linear_tells_the_kind(prefill, monkeypatch):
                     (7, invariant.invariant_tiles(40, 96, 7))]
 
 
+@pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_prefill_tiles_match_torch(prefill, dtype):
+def test_prefill_tiles_match_torch(prefill, dtype, splits):
     """With PREFILL_ROWS 1, at 1, 9 and 130 rows (masked rows in one tile, then a second tile of
-    each size), K over a loop with a masked tail: plain with a bias, the norm of x + residual,
-    gate_up's SiLU-and-mul epilogue equal torch's to rounding and x + residual exactly."""
-    prefill(1)
+    each size), K over a loop with a masked tail, unsplit and in 2 K-splits: plain with a bias,
+    the norm of x + residual, gate_up's SiLU-and-mul epilogue equal torch's to rounding and x +
+    residual exactly."""
+    prefill(1, splits)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     n, k = 40, 300
     g = torch.Generator().manual_seed(5)

@@ -162,6 +162,7 @@ LAYER_SHAPES = [
     pytest.param(576, 576, False, False, id="smol-o"),
     pytest.param(3072, 576, True, True, id="smol-gate_up"),
     pytest.param(576, 1536, False, False, id="smol-down"),
+    pytest.param(2048, 1536, False, True, id="qwen1.5b-qkv"),  # a norm walking 512-key tiles
     pytest.param(6144, 4096, False, True, id="llama8b-qkv"),
     pytest.param(4096, 4096, False, False, id="llama8b-o"),
     pytest.param(28672, 4096, True, True, id="llama8b-gate_up"),
@@ -228,11 +229,11 @@ def test_rows_alone_equal_batched_gpu(consts, table, splits, prefill, warps, n, 
                          ids=["span", "wide", "prefill", "norm-warps8"])
 @pytest.mark.parametrize("n,k,glu,norm", LAYER_SHAPES)
 def test_row_tiles_give_the_default_bits_gpu(consts, table, prefill, warps, n, k, glu, norm):
-    """The stronger form of the hypothesis behind ROW_TILES, PREFILL_ROWS and NORM_WARPS: bf16
-    on the GPU, SPAN's (and WIDE's warp-group) tiles, PREFILL_TILES at every count, and 8 warps
-    on a norm prologue's 16-row tiles give every row the 16-row tiles' bits (alone and among
-    2048), so setting them would not change the deterministic mode's outputs at all.
-    Informative: the row-invariance above is what an opt-in needs."""
+    """bf16 on the GPU: SPAN's (and WIDE's warp-group) tiles, PREFILL_TILES at every count, and
+    8 warps on a norm prologue's 16-row tiles give every row the 16-row tiles' bits (alone and
+    among 2048). Required of PREFILL_TILES (on by default: a launch of PREFILL_ROWS - 1 rows
+    and one of PREFILL_ROWS must agree); for the opt-in ROW_TILES and NORM_WARPS it says
+    setting them would not change the deterministic mode's outputs at all."""
     proj, rows = _layer(n, k, glu, norm)
     consts(None)
     want = _alone(proj, rows), _parts(proj(rows))
