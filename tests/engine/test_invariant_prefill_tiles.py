@@ -2,8 +2,8 @@
 CPU: from PREFILL_ROWS rows up the decoder layer's projections take PREFILL_TILES by kind
 (norm prologue, GLU epilogue, plain), a norm prologue and split-K keeping the shape's BLOCK_K;
 bad settings are refused; `invariant_linear` tells the kind; the results match torch (Triton's
-interpreter, fp32 and fp16). The GPU cases (bits alone vs among 2048, and against today's tiles)
-are in test_invariant_row_tiles.py."""
+interpreter, fp32 and fp16). The GPU cases (bits alone vs among 2048, and against the 16-row
+tiles) are in test_invariant_row_tiles.py."""
 
 from __future__ import annotations
 
@@ -19,18 +19,10 @@ pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
 
 
 @pytest.fixture
-def prefill(monkeypatch):
-    """Sets `PREFILL_ROWS` and `LAYER_SPLITS` for one test; the other tile settings at their
-    defaults (ROW_TILES, NORM_WARPS None, PREFILL_HEAD off)."""
-
-    def set_(rows, splits: int = 1):
-        monkeypatch.setattr(invariant, "PREFILL_ROWS", rows)
-        monkeypatch.setattr(invariant, "LAYER_SPLITS", splits)
-        monkeypatch.setattr(invariant, "ROW_TILES", None)
-        monkeypatch.setattr(invariant, "NORM_WARPS", None)
-        monkeypatch.setattr(invariant, "PREFILL_HEAD", False)
-
-    return set_
+def prefill(tile_settings):
+    """Sets `PREFILL_ROWS` and `LAYER_SPLITS` for one test, the other tile settings off
+    (conftest's `tile_settings`)."""
+    return lambda rows, splits=1: tile_settings(None, splits, rows)
 
 
 def test_wide_launches_take_the_prefill_tiles(prefill):

@@ -27,16 +27,9 @@ WIDE = ((1, 16, 16), (8, 16, 32), (64, 32, 64), (1000000000, 64, 32))
 
 
 @pytest.fixture
-def consts(monkeypatch):
-    """Sets `ROW_TILES`, `LAYER_SPLITS`, `PREFILL_ROWS` and `NORM_WARPS` for one test."""
-
-    def set_(table, splits: int = 1, prefill: int | None = None, warps: int | None = None):
-        monkeypatch.setattr(invariant, "ROW_TILES", table)
-        monkeypatch.setattr(invariant, "LAYER_SPLITS", splits)
-        monkeypatch.setattr(invariant, "PREFILL_ROWS", prefill)
-        monkeypatch.setattr(invariant, "NORM_WARPS", warps)
-
-    return set_
+def consts(tile_settings):
+    """(table, splits, prefill, warps, head): the tile settings for one test (conftest)."""
+    return tile_settings
 
 
 def _parts(out):
@@ -248,14 +241,14 @@ def test_row_tiles_give_the_default_bits_gpu(consts, table, prefill, warps, n, k
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(49152, 576), (128256, 4096)], ids=["smol-head", "llama8b-head"])
-def test_prefill_head_rows_keep_their_bits_gpu(consts, monkeypatch, n, k):
+def test_prefill_head_rows_keep_their_bits_gpu(consts, n, k):
     """bf16 on the GPU, an LM head with PREFILL_HEAD (PREFILL_TILES' plain tiles from 64 rows):
     each row of ALONE alone equals the row among 64 and 2048, and every row equals the 16-row
     LOGITS_DOT_TILES' logits (PREFILL_HEAD may leave opt-in once this and figure 6 pass)."""
     proj, rows = _layer(n, k, False, False)
     consts(None, 1, 64)
     want = _parts(proj(rows))
-    monkeypatch.setattr(invariant, "PREFILL_HEAD", True)
+    consts(None, 1, 64, None, True)
     assert invariant.invariant_tiles(n, k, 64) != invariant.invariant_tiles(n, k, 1)
     alone = _alone(proj, rows)
     for m in (64, 2048):
