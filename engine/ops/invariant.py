@@ -43,6 +43,12 @@ on an H100, SmolLM2's and Llama-8B's shapes), and figure 6 runs with it. Below t
 16-row tiles are faster. An A/B process sets it with, e.g., `--set
 engine.ops.invariant.PREFILL_ROWS=None` (off) or `=512`.
 
+NORM_K (opt-in) sums a norm's rows in chunks of that many keys whatever the tile
+(`prologue_linear(norm_k=)`): Triton lays a [BLOCK_M, 128] chunk out alike (8 keys a thread, 16
+threads along K, warps along the rows) for every BLOCK_M from 16 and BLOCK_K at 4 or 8 warps
+(compiled for sm_90), so qkv and gate_up may then take any BLOCK_K (NORM_BLOCK_K, and
+PREFILL_TILES' own), which their norm otherwise pins.
+
 Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
 whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
 range order (`engine.ops.splitk`). A row still rounds the same at any row count; the sums
@@ -96,6 +102,11 @@ NORM_WARPS = None
 # verify's head is the largest projection; 16-row tiles compute it at a fraction of the rate).
 # Opt-in until figure 6 runs it.
 PREFILL_HEAD = False
+# Opt-in: the norm prologue's row sums in chunks of NORM_K keys (`prologue_linear(norm_k=)`), an
+# order no BLOCK_K changes, so qkv and gate_up may take any BLOCK_K (unsplit): NORM_BLOCK_K below
+# PREFILL_ROWS (None: the shape's), PREFILL_TILES' own from it. Opt-in until figure 6 runs it.
+NORM_K = None
+NORM_BLOCK_K = None
 
 
 @lru_cache(maxsize=8)
@@ -153,10 +164,12 @@ def k_layout(bm: int, bk: int, warps: int) -> tuple[int, int] | None:
     return lanes, along
 
 
-def prefill_tiles(k: int, bk: int, glu: bool, norm: bool,
-                  head: bool = False) -> tuple[int, int, int, int]:
+def prefill_tiles(k: int, bk: int, glu: bool, norm: bool, head: bool = False,
+                  free_k: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of a projection of K `k` in a launch of at least
-    PREFILL_ROWS rows, bk the shape's BLOCK_K (see PREFILL_TILES; ValueError if malformed)."""
+    PREFILL_ROWS rows, bk the shape's BLOCK_K (see PREFILL_TILES; ValueError if malformed);
+    free_k: a norm's sums do not follow BLOCK_K (NORM_K), so its kind may name one (kept
+    only unsplit, as a plain projection's)."""
     kind = "glu" if glu else "norm" if norm else "plain"
     tiles = PREFILL_TILES.get(kind) if isinstance(PREFILL_TILES, dict) else None
     form = f"PREFILL_TILES[{kind!r}] must be (BLOCK_M in {PREFILL_BLOCKS_M}, BLOCK_N, BLOCK_K " \
@@ -167,13 +180,14 @@ def prefill_tiles(k: int, bk: int, glu: bool, norm: bool,
         raise ValueError(form)
     bm, bn, wide_k, warps = tiles
     if (bm not in PREFILL_BLOCKS_M or not _pow2(bn) or warps not in (4, 8)
-            or not (wide_k is None or (kind == "plain" and type(wide_k) is int
+            or not (wide_k is None or ((kind == "plain" or free_k) and type(wide_k) is int
                                        and _pow2(wide_k)))):
         raise ValueError(form)
+    if wide_k is not None and not (LAYER_SPLITS > 1 and not head):
+        bk = wide_k
     if kind == "norm" and k > bk > 128:
         bn = NORM_LOOP_BLOCK_N
-    keep = wide_k is None or (LAYER_SPLITS > 1 and not head)
-    return bm, bn, bk if keep else wide_k, warps
+    return bm, bn, bk, warps
 
 
 def _pow2(v: int) -> bool:
@@ -207,9 +221,20 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
                          "row count")
     kb = next_pow2(k, 16)  # a BLOCK_K past K is cut to K's power of two
     bn, bk, warps = LOGITS_DOT_TILES if head else layer_tiles(n, k, glu)
-    ref = k_layout(BLOCK_M, min(bk, kb), warps) if norm or glu else None
+    chunk = norm_chunk() if norm or glu else 0
+    free_k = bool(chunk) and LAYER_SPLITS == 1  # split-K cuts K in whole BLOCK_K tiles
+
+    def span(b: int) -> int:  # the width of the tiles a norm's row sums go over
+        return chunk or min(b, kb)
+
+    ref = k_layout(BLOCK_M, span(bk), warps) if norm or glu else None
     bm, small = BLOCK_M, (BLOCK_M, warps)
     if not head:
+        if free_k and NORM_BLOCK_K is not None:
+            if type(NORM_BLOCK_K) is not int or not _pow2(NORM_BLOCK_K):
+                raise ValueError(f"NORM_BLOCK_K must be None or a power of two >= 16, not "
+                                 f"{NORM_BLOCK_K!r}")
+            bk = NORM_BLOCK_K
         if ROW_TILES is not None:
             bm, bn = row_tiles(ROW_TILES, m)
         if norm and NORM_WARPS is not None:
@@ -217,20 +242,29 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
                 raise ValueError(f"NORM_WARPS must be None, 4 or 8, not {NORM_WARPS!r}")
             warps = NORM_WARPS
         if (norm or glu) and (bm, warps) != small and (
-                ref is None or k_layout(bm, min(bk, kb), warps) != ref):
+                ref is None or k_layout(bm, span(bk), warps) != ref):
             raise ValueError(f"ROW_TILES / NORM_WARPS give tiles {(bm, bn, bk, warps)} that would "
                              f"sum a norm's rows in another order")
     if wide:
         if type(PREFILL_ROWS) is not int or PREFILL_ROWS < 1:
             raise ValueError(f"PREFILL_ROWS must be None or a positive int, not {PREFILL_ROWS!r}")
         if m >= PREFILL_ROWS:
-            tiles = prefill_tiles(k, bk, glu, norm, head)
+            tiles = prefill_tiles(k, bk, glu, norm, head, bool(chunk))
             # A norm's sums must keep the small tiles' order; where that cannot be told (a tiny
             # K), those tiles stay.
             if ref is None and not (norm or glu) or (
-                    ref is not None and k_layout(tiles[0], min(tiles[2], kb), tiles[3]) == ref):
+                    ref is not None and k_layout(tiles[0], span(tiles[2]), tiles[3]) == ref):
                 bm, bn, bk, warps = tiles
     return bm, bn, min(bk, kb), warps
+
+
+def norm_chunk() -> int:
+    """NORM_K validated (0 where None)."""
+    if NORM_K is None:
+        return 0
+    if type(NORM_K) is not int or not _pow2(NORM_K):
+        raise ValueError(f"NORM_K must be None or a power of two >= 16, not {NORM_K!r}")
+    return NORM_K
 
 
 def invariant_splits(n: int, k: int, head: bool = False) -> int:
@@ -261,4 +295,5 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                            residual=residual, glu=glu,
                            tiles=invariant_tiles(n, k, x.shape[0], glu, norm_weight is not None,
                                                  head, prefill_suits(x.device)),
-                           splits=invariant_splits(n, k, head))
+                           splits=invariant_splits(n, k, head),
+                           norm_k=norm_chunk() if norm_weight is not None else 0)

@@ -102,7 +102,7 @@ if triton_available():
                                 PREC: tl.constexpr, ONE_LOAD: tl.constexpr,
                                 ARGMAX: tl.constexpr, USE_PDL: tl.constexpr,
                                 GLU: tl.constexpr = False, SPLITS: tl.constexpr = 1,
-                                SPLIT_K: tl.constexpr = 0):
+                                SPLIT_K: tl.constexpr = 0, NORM_K: tl.constexpr = 0):
         """Y[M, N] = a(X) @ W[N, K].T (+ B), a() computed per K tile and rounded where the separate
         kernels round:
         PRO 0: a(x) = x;
@@ -115,7 +115,8 @@ if triton_available():
         product rounded to Y's dtype first and combined as `silu_mul` combines them (no bias).
         SPLITS > 1: program_id(2) takes the K columns [s * SPLIT_K, (s + 1) * SPLIT_K) and the
         splits' partial tiles are summed in split order (`splitk.fold_splits`, workspace WS,
-        counters CNT) before the epilogue."""
+        counters CNT) before the epilogue. NORM_K > 0 (PRO 1, not ONE_LOAD): the row sums go
+        over K in chunks of NORM_K keys, an order no BLOCK_K changes."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = 0
@@ -148,9 +149,15 @@ if triton_available():
             rstd = tl.math.rsqrt(_row_sumsq(xs) / K + eps)
         elif PRO == 1:  # the row's mean square first: one pass over x (+ r)
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, k0 + rk0, stride_x,
-                                               stride_r, pid_n + pid_s, K, HAS_RES))
+            if NORM_K > 0:
+                rc = tl.arange(0, NORM_K)
+                for k0 in range(0, K, NORM_K):
+                    ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, k0 + rc, stride_x,
+                                                   stride_r, pid_n + pid_s, K, HAS_RES))
+            else:
+                for k0 in range(0, K, BLOCK_K):
+                    ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, k0 + rk0, stride_x,
+                                                   stride_r, pid_n + pid_s, K, HAS_RES))
             rstd = tl.math.rsqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if ONE_LOAD:
@@ -244,7 +251,8 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
                     residual: torch.Tensor | None = None, silu: bool = False,
                     dot: tuple[int, int, int] | None = None,
                     tiles: tuple[int, int, int, int] | None = None,
-                    keys: torch.Tensor | None = None, glu: bool = False, splits: int = 1):
+                    keys: torch.Tensor | None = None, glu: bool = False, splits: int = 1,
+                    norm_k: int = 0):
     """One launch for `linear(rmsnorm(x + residual))` (norm_weight given; returns (y, x +
     residual), or y without a residual), `linear(silu_mul(x))` (silu), or plain `linear(x)`.
     weight is nn.Linear's [N, K]; activations round as `add_rmsnorm` / `silu_mul` do. dot:
@@ -252,7 +260,9 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     BLOCK_N, BLOCK_K, warps) at every row count instead of `linear_tiles`'. keys ([M] int64
     place. glu: weight is [gate | up] ([2N, K]) and y = silu_mul(x' @ weight.T), [M, N] (no
     bias, no keys). splits: K cut into up to this many ranges of whole K tiles, summed in
-    range order (`splitk`); the ranges follow from K and the tiles, not from M."""
+    range order (`splitk`); the ranges follow from K and the tiles, not from M. norm_k (a
+    power of two >= 16, with norm_weight): the norm's row sums in chunks of that many keys,
+    whatever the tiles (0: in the tiles' BLOCK_K)."""
     m = x.shape[0]
     assert keys is None or (keys.shape == (m,) and keys.dtype == torch.int64)
     n, k = weight.shape
@@ -260,6 +270,8 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         assert bias is None and keys is None and not silu and n % 2 == 0
         n //= 2
     pro = 1 if norm_weight is not None else 2 if silu else 0
+    if norm_k and (pro != 1 or norm_k < 16 or norm_k & (norm_k - 1)):
+        raise ValueError(f"norm_k {norm_k} needs a norm_weight and a power of two >= 16")
     assert x.shape[1] == (2 * k if silu else k) and x.stride(1) == 1 and weight.stride(1) == 1
     y = torch.empty(m if keys is None else 1, n, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
@@ -277,8 +289,9 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             eps, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), N=n, K=k, PRO=pro,
             HAS_RES=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-            ONE_LOAD=pro == 1 and k <= bk, ARGMAX=keys is not None, GLU=glu, SPLITS=s,
-            SPLIT_K=split_k if s > 1 else 0, num_warps=warps, **pdl_args(x, always=True))
+            ONE_LOAD=pro == 1 and k <= bk and not norm_k, ARGMAX=keys is not None, GLU=glu,
+            SPLITS=s, SPLIT_K=split_k if s > 1 else 0, NORM_K=norm_k, num_warps=warps,
+            **pdl_args(x, always=True))
     if keys is not None:
         y = keys
     return y if residual is None else (y, res_out)

@@ -219,3 +219,55 @@ def test_prefill_tiles_match_torch(prefill, dtype, splits):
         act, _ = ops.invariant_linear(x, gu_w, norm_weight=nw, eps=1e-5, residual=r, glu=True)
         gu = F.linear(h, gu_w.float())
         torch.testing.assert_close(act.float(), F.silu(gu[:, :n]) * gu[:, n:], **tol)
+
+
+def test_norm_k_frees_the_norms_block_k(prefill, monkeypatch):
+    """NORM_K (the norm's sums in fixed chunks): qkv and gate_up take NORM_BLOCK_K below
+    PREFILL_ROWS and PREFILL_TILES' BLOCK_K from it (refused without NORM_K), unsplit only;
+    a NORM_K or NORM_BLOCK_K that is no power of two >= 16 is refused by name."""
+    prefill(64)
+    tiles = {"norm": (64, 64, 64, 8), "glu": (64, 64, 64, 8), "plain": (64, 64, 64, 4)}
+    monkeypatch.setattr(invariant, "PREFILL_TILES", tiles)
+    with pytest.raises(ValueError, match="PREFILL_TILES\\['norm'\\]"):
+        invariant.invariant_tiles(960, 576, 64, norm=True)
+    monkeypatch.setattr(invariant, "NORM_K", 128)
+    monkeypatch.setattr(invariant, "NORM_BLOCK_K", 1024)
+    assert invariant.invariant_tiles(960, 576, 1, norm=True) == (16, 32, 1024, 4)
+    assert invariant.invariant_tiles(1536, 576, 1, True, True) == (16, 32, 1024, 4)
+    assert invariant.invariant_tiles(960, 576, 64, norm=True) == tiles["norm"]
+    assert invariant.invariant_tiles(1536, 576, 64, True, True) == tiles["glu"]
+    prefill(64, splits=4)
+    for name, value in [("PREFILL_TILES", tiles), ("NORM_K", 128), ("NORM_BLOCK_K", 1024)]:
+        monkeypatch.setattr(invariant, name, value)
+    bk = invariant.layer_tiles(1536, 576, True)[1]
+    assert invariant.invariant_tiles(1536, 576, 1, True, True)[2] == bk
+    assert invariant.invariant_tiles(1536, 576, 64, True, True)[2] == bk
+    for name, bad in [("NORM_K", 100), ("NORM_K", True), ("NORM_BLOCK_K", 1000)]:
+        prefill(64)
+        monkeypatch.setattr(invariant, "NORM_K", 128)
+        monkeypatch.setattr(invariant, name, bad)
+        with pytest.raises(ValueError, match=name):
+            invariant.invariant_tiles(960, 576, 1, norm=True)
+
+
+def test_norm_k_rows_keep_their_bits(prefill, monkeypatch):
+    """With NORM_K 128, NORM_BLOCK_K 512 and 64-row prefill tiles of 64-key steps from 16 rows:
+    through a weight that copies its input columns (exact products), each row's normed input
+    alone equals the same row among 40, bit for bit (Triton's interpreter, fp32); x + residual
+    too."""
+    prefill(16)
+    monkeypatch.setattr(invariant, "NORM_K", 128)
+    monkeypatch.setattr(invariant, "NORM_BLOCK_K", 512)
+    monkeypatch.setattr(invariant, "PREFILL_TILES", {"norm": (64, 64, 64, 8),
+                                                     "glu": (64, 64, 64, 8),
+                                                     "plain": (64, 64, 64, 4)})
+    g = torch.Generator().manual_seed(11)
+    x, r = torch.randn(40, 300, generator=g), torch.randn(40, 300, generator=g)
+    nw, eye = 1 + 0.1 * torch.randn(300, generator=g), torch.eye(300)[:64]
+    assert invariant.invariant_tiles(64, 300, 1, norm=True) != invariant.invariant_tiles(
+        64, 300, 40, norm=True)
+    y, res = ops.invariant_linear(x, eye, norm_weight=nw, eps=1e-5, residual=r)
+    for i in (0, 15, 39):
+        yi, ri = ops.invariant_linear(x[i:i + 1], eye, norm_weight=nw, eps=1e-5,
+                                      residual=r[i:i + 1])
+        assert torch.equal(yi[0], y[i]) and torch.equal(ri[0], res[i]), i

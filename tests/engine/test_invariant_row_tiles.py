@@ -28,7 +28,7 @@ WIDE = ((1, 16, 16), (8, 16, 32), (64, 32, 64), (1000000000, 64, 32))
 
 @pytest.fixture
 def consts(tile_settings):
-    """(table, splits, prefill, warps, head): the tile settings for one test (conftest)."""
+    """(table, splits, prefill, warps, head, ...): the tile settings for one test (conftest)."""
     return tile_settings
 
 
@@ -256,3 +256,25 @@ def test_prefill_head_rows_keep_their_bits_gpu(consts, n, k):
         assert torch.equal(out[0], want[0][:m]), m
         for i in (i for i in ALONE if i < m):
             assert torch.equal(out[0][i], alone[i][0][0]), (m, i)
+
+
+# PREFILL_TILES whose norm and GLU kinds walk K in 64 keys: only with NORM_K.
+CHUNKED = {"norm": (64, 64, 64, 8), "glu": (64, 64, 64, 8), "plain": (64, 64, 64, 4)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,glu,norm", [p for p in LAYER_SHAPES if p.values[3]])
+def test_norm_k_rows_alone_equal_batched_gpu(consts, n, k, glu, norm):
+    """bf16 on the GPU, the norm's sums in 128-key chunks (NORM_K) and CHUNKED's 64-key tiles
+    from 64 rows at 8 warps: each row of ALONE alone equals the same row among 8, 64 and 2048,
+    outputs and x + residual (NORM_K may leave opt-in once these and figure 6 pass)."""
+    consts(None, 1, 64, 8, norm_k=128, tiles=CHUNKED)
+    half = n // 2 if glu else n
+    assert invariant.invariant_tiles(half, k, 64, glu, norm)[2] == 64
+    proj, rows = _layer(n, k, glu, norm)
+    alone = _alone(proj, rows)
+    for m in BATCHES:
+        out = _parts(proj(rows[:m]))
+        for i in (i for i in ALONE if i < m):
+            for a, b in zip(out, alone[i]):
+                assert torch.equal(a[i], b[0]), (m, i)
