@@ -189,6 +189,17 @@ def _alone(proj, rows) -> dict:
     return {i: _parts(proj(rows[i:i + 1])) for i in ALONE}
 
 
+def _alone_equals_batched(proj, rows) -> None:
+    """Each row of ALONE computed alone equals the same row among each of BATCHES that holds
+    it, every output bit for bit."""
+    alone = _alone(proj, rows)
+    for m in BATCHES:
+        out = _parts(proj(rows[:m]))
+        for i in (i for i in ALONE if i < m):
+            for a, b in zip(out, alone[i]):
+                assert torch.equal(a[i], b[0]), (m, i)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("table,splits,prefill,warps", [
     (None, 1, None, None), (None, 4, None, None), (SPAN, 1, None, None), (SPAN, 4, None, None),
@@ -207,13 +218,7 @@ def test_rows_alone_equal_batched_gpu(consts, table, splits, prefill, warps, n, 
     counts = (1, *BATCHES)
     distinct = {invariant.invariant_tiles(half, k, m, glu, norm) for m in counts}
     assert len(distinct) == (len(counts) if table else 2 if prefill else 1)
-    proj, rows = _layer(n, k, glu, norm)
-    alone = _alone(proj, rows)
-    for m in BATCHES:
-        out = _parts(proj(rows[:m]))
-        for i in (i for i in ALONE if i < m):
-            for a, b in zip(out, alone[i]):
-                assert torch.equal(a[i], b[0]), (m, i)
+    _alone_equals_batched(*_layer(n, k, glu, norm))
 
 
 @pytest.mark.gpu
@@ -271,10 +276,4 @@ def test_norm_k_rows_alone_equal_batched_gpu(consts, n, k, glu, norm):
     consts(None, 1, 64, 8, norm_k=128, tiles=CHUNKED)
     half = n // 2 if glu else n
     assert invariant.invariant_tiles(half, k, 64, glu, norm)[2] == 64
-    proj, rows = _layer(n, k, glu, norm)
-    alone = _alone(proj, rows)
-    for m in BATCHES:
-        out = _parts(proj(rows[:m]))
-        for i in (i for i in ALONE if i < m):
-            for a, b in zip(out, alone[i]):
-                assert torch.equal(a[i], b[0]), (m, i)
+    _alone_equals_batched(*_layer(n, k, glu, norm))
