@@ -46,8 +46,9 @@ engine.ops.invariant.PREFILL_ROWS=None` (off) or `=512`.
 NORM_K (opt-in) sums a norm's rows in chunks of that many keys whatever the tile
 (`prologue_linear(norm_k=)`): Triton lays a [BLOCK_M, 128] chunk out alike (8 keys a thread, 16
 threads along K, warps along the rows) for every BLOCK_M from 16 and BLOCK_K at 4 or 8 warps
-(compiled for sm_90), so qkv and gate_up may then take any BLOCK_K (NORM_BLOCK_K, and
-PREFILL_TILES' own), which their norm otherwise pins.
+(compiled for sm_90, bf16), so qkv and gate_up may then take another BLOCK_K, unsplit and
+within shared memory (NORM_BLOCK_K below PREFILL_ROWS, PREFILL_TILES' own from it), which
+their norm otherwise pins.
 
 Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
 whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
@@ -152,13 +153,14 @@ def layer_tiles(n: int, k: int, glu: bool = False) -> tuple[int, int, int]:
     return (32, next_pow2(k, 16), warps) if k <= WHOLE_K else (16, 512, warps)
 
 
-def k_layout(bm: int, bk: int, warps: int) -> tuple[int, int] | None:
+def k_layout(bm: int, bk: int, warps: int, keys: int = 8) -> tuple[int, int] | None:
     """How Triton lays a norm prologue's [bm, bk] tile of x along K at `warps`: (threads, warps)
-    along K after 8 keys a thread, the rest along the rows; None where they would not fit bm
-    rows (Triton then lays it out otherwise). Tiles of one bk with the same layout sum a row's
-    squares in the same order; another count along K is another order."""
-    lanes = min(32, max(1, bk // 8))
-    along = min(warps, max(1, bk // (8 * lanes)))
+    along K after `keys` a thread (16 bytes: 8 of bf16, 4 of fp32), the rest along the rows;
+    None where they would not fit bm rows (Triton then lays it out otherwise). Tiles of one bk
+    with the same layout sum a row's squares in the same order; another count along K is
+    another order."""
+    lanes = min(32, max(1, bk // keys))
+    along = min(warps, max(1, bk // (keys * lanes)))
     if warps % along or (32 // lanes) * (warps // along) > bm:
         return None
     return lanes, along
@@ -202,17 +204,18 @@ def prefill_suits(device: torch.device) -> bool:
 
 
 def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
-                    norm: bool = False, head: bool = False,
-                    prefill: bool = True) -> tuple[int, int, int, int]:
+                    norm: bool = False, head: bool = False, prefill: bool = True,
+                    elem: int = 2) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of the deterministic projection of an [n, k] weight
     (n: the gate's columns with `glu`; norm: with a norm prologue; head: an LM head, as is a
     weight of at least VOCAB_RATIO x k rows) in a launch of m rows (in a CUDA graph, its
     bucket's padded count): from the shape alone, but for a decoder layer's projection's tiles
     (and with PREFILL_HEAD an LM head's) by m where ROW_TILES or PREFILL_ROWS is set (m None:
     only where they cannot depend on it); `prefill` False (a device without PREFILL_TILES,
-    `prefill_suits`): never PREFILL_TILES. ValueError for a malformed setting."""
+    `prefill_suits`): never PREFILL_TILES, nor for activations of `elem` bytes other than 2
+    (their tiles overflow shared memory). ValueError for a malformed setting."""
     head = head or n >= VOCAB_RATIO * k
-    wide = PREFILL_ROWS is not None and prefill and (PREFILL_HEAD or not head)
+    wide = PREFILL_ROWS is not None and prefill and elem == 2 and (PREFILL_HEAD or not head)
     if head and not wide:
         bn, bk, warps = LOGITS_DOT_TILES
         return BLOCK_M, bn, min(bk, next_pow2(k, 16)), warps
@@ -221,13 +224,16 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
                          "row count")
     kb = next_pow2(k, 16)  # a BLOCK_K past K is cut to K's power of two
     bn, bk, warps = LOGITS_DOT_TILES if head else layer_tiles(n, k, glu)
+    shape_bk = bk
     chunk = norm_chunk() if norm or glu else 0
     free_k = bool(chunk) and LAYER_SPLITS == 1  # split-K cuts K in whole BLOCK_K tiles
+    keys = 16 // max(1, elem)  # a thread's keys: one 16-byte load
 
     def span(b: int) -> int:  # the width of the tiles a norm's row sums go over
         return chunk or min(b, kb)
 
-    ref = k_layout(BLOCK_M, span(bk), warps) if norm or glu else None
+    # A K off the 16-byte load's multiple loads narrower: its layout is not told here.
+    ref = k_layout(BLOCK_M, span(bk), warps, keys) if (norm or glu) and k % keys == 0 else None
     bm, small = BLOCK_M, (BLOCK_M, warps)
     if not head:
         if free_k and NORM_BLOCK_K is not None:
@@ -242,18 +248,18 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
                 raise ValueError(f"NORM_WARPS must be None, 4 or 8, not {NORM_WARPS!r}")
             warps = NORM_WARPS
         if (norm or glu) and (bm, warps) != small and (
-                ref is None or k_layout(bm, span(bk), warps) != ref):
+                ref is None or k_layout(bm, span(bk), warps, keys) != ref):
             raise ValueError(f"ROW_TILES / NORM_WARPS give tiles {(bm, bn, bk, warps)} that would "
                              f"sum a norm's rows in another order")
     if wide:
         if type(PREFILL_ROWS) is not int or PREFILL_ROWS < 1:
             raise ValueError(f"PREFILL_ROWS must be None or a positive int, not {PREFILL_ROWS!r}")
         if m >= PREFILL_ROWS:
-            tiles = prefill_tiles(k, bk, glu, norm, head, bool(chunk))
+            tiles = prefill_tiles(k, shape_bk, glu, norm, head, bool(chunk))
             # A norm's sums must keep the small tiles' order; where that cannot be told (a tiny
             # K), those tiles stay.
-            if ref is None and not (norm or glu) or (
-                    ref is not None and k_layout(tiles[0], span(tiles[2]), tiles[3]) == ref):
+            if ref is None and not (norm or glu) or (ref is not None and k_layout(
+                    tiles[0], span(tiles[2]), tiles[3], keys) == ref):
                 bm, bn, bk, warps = tiles
     return bm, bn, min(bk, kb), warps
 
@@ -294,6 +300,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
                            residual=residual, glu=glu,
                            tiles=invariant_tiles(n, k, x.shape[0], glu, norm_weight is not None,
-                                                 head, prefill_suits(x.device)),
+                                                 head, prefill_suits(x.device),
+                                                 x.element_size()),
                            splits=invariant_splits(n, k, head),
                            norm_k=norm_chunk() if norm_weight is not None else 0)

@@ -177,12 +177,12 @@ def test_invariant_linear_tells_the_kind(prefill, monkeypatch):
 
     monkeypatch.setattr(invariant, "prologue_linear", spy)
     g = torch.Generator().manual_seed(3)
-    w, gu, nw = torch.randn(40, 96, generator=g), torch.randn(80, 96, generator=g), torch.ones(96)
-    x = torch.randn(8, 96, generator=g)
+    w, gu, nw, x = (torch.randn(*s, generator=g).half() for s in [(40, 96), (80, 96), (96,),
+                                                                   (8, 96)])
     ops.invariant_linear(x, w, norm_weight=nw, eps=1e-5, residual=x)
     ops.invariant_linear(x, gu, norm_weight=nw, eps=1e-5, residual=x, glu=True)
     ops.invariant_linear(x, w)
-    ops.invariant_linear(torch.randn(8, 192, generator=g), w, silu=True)
+    ops.invariant_linear(torch.randn(8, 192, generator=g).half(), w, silu=True)
     ops.invariant_linear(x[:7], w)
     tiles = invariant.PREFILL_TILES
     assert seen == [(8, (*tiles["norm"][:2], 128, tiles["norm"][3])),
@@ -200,7 +200,7 @@ def test_prefill_tiles_match_torch(prefill, dtype, splits):
     residual exactly."""
     prefill(1, splits)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    n, k = 40, 300
+    n, k = 40, 304  # a multiple of 8 (16-byte loads), not of the tiles
     g = torch.Generator().manual_seed(5)
 
     def rnd(*s):
@@ -223,7 +223,8 @@ def test_prefill_tiles_match_torch(prefill, dtype, splits):
 
 def test_norm_k_frees_the_norms_block_k(prefill, monkeypatch):
     """NORM_K (the norm's sums in fixed chunks): qkv and gate_up take NORM_BLOCK_K below
-    PREFILL_ROWS and PREFILL_TILES' BLOCK_K from it (refused without NORM_K), unsplit only;
+    PREFILL_ROWS and PREFILL_TILES' BLOCK_K from it (refused without NORM_K; None there is the
+    shape's, not NORM_BLOCK_K), unsplit only;
     a NORM_K or NORM_BLOCK_K that is no power of two >= 16 is refused by name."""
     prefill(64)
     tiles = {"norm": (64, 64, 64, 8), "glu": (64, 64, 64, 8), "plain": (64, 64, 64, 4)}
@@ -231,11 +232,13 @@ def test_norm_k_frees_the_norms_block_k(prefill, monkeypatch):
     with pytest.raises(ValueError, match="PREFILL_TILES\\['norm'\\]"):
         invariant.invariant_tiles(960, 576, 64, norm=True)
     monkeypatch.setattr(invariant, "NORM_K", 128)
-    monkeypatch.setattr(invariant, "NORM_BLOCK_K", 1024)
-    assert invariant.invariant_tiles(960, 576, 1, norm=True) == (16, 32, 1024, 4)
-    assert invariant.invariant_tiles(1536, 576, 1, True, True) == (16, 32, 1024, 4)
+    monkeypatch.setattr(invariant, "NORM_BLOCK_K", 256)
+    assert invariant.invariant_tiles(960, 576, 1, norm=True) == (16, 32, 256, 4)
+    assert invariant.invariant_tiles(1536, 576, 1, True, True) == (16, 32, 256, 4)
     assert invariant.invariant_tiles(960, 576, 64, norm=True) == tiles["norm"]
     assert invariant.invariant_tiles(1536, 576, 64, True, True) == tiles["glu"]
+    monkeypatch.setattr(invariant, "PREFILL_TILES", {**tiles, "glu": (128, 64, None, 8)})
+    assert invariant.invariant_tiles(1536, 576, 64, True, True) == (128, 64, 128, 8)
     prefill(64, splits=4)
     for name, value in [("PREFILL_TILES", tiles), ("NORM_K", 128), ("NORM_BLOCK_K", 1024)]:
         monkeypatch.setattr(invariant, name, value)
@@ -262,12 +265,28 @@ def test_norm_k_rows_keep_their_bits(prefill, monkeypatch):
                                                      "glu": (64, 64, 64, 8),
                                                      "plain": (64, 64, 64, 4)})
     g = torch.Generator().manual_seed(11)
-    x, r = torch.randn(40, 300, generator=g), torch.randn(40, 300, generator=g)
-    nw, eye = 1 + 0.1 * torch.randn(300, generator=g), torch.eye(300)[:64]
-    assert invariant.invariant_tiles(64, 300, 1, norm=True) != invariant.invariant_tiles(
-        64, 300, 40, norm=True)
+    x, r = torch.randn(40, 304, generator=g), torch.randn(40, 304, generator=g)
+    nw, eye = 1 + 0.1 * torch.randn(304, generator=g), torch.eye(304)[:64]
+    assert invariant.invariant_tiles(64, 304, 1, norm=True) != invariant.invariant_tiles(
+        64, 304, 40, norm=True)
     y, res = ops.invariant_linear(x, eye, norm_weight=nw, eps=1e-5, residual=r)
     for i in (0, 15, 39):
         yi, ri = ops.invariant_linear(x[i:i + 1], eye, norm_weight=nw, eps=1e-5,
                                       residual=r[i:i + 1])
         assert torch.equal(yi[0], y[i]) and torch.equal(ri[0], res[i]), i
+
+
+def test_other_dtypes_keep_the_small_tiles(prefill, monkeypatch):
+    """fp32 activations (4 keys a 16-byte load, and tiles that overflow shared memory) never
+    take PREFILL_TILES; a K off the 16-byte multiple leaves a norm's layout untold, so a norm
+    projection keeps its 16-row tiles there and NORM_WARPS is refused."""
+    prefill(64)
+    small = invariant.invariant_tiles(960, 576, 1, norm=True)
+    assert invariant.invariant_tiles(960, 576, 2048, norm=True, elem=4) == small
+    assert invariant.invariant_tiles(576, 576, 2048, elem=4)[0] == 16
+    assert invariant.k_layout(16, 1024, 4, keys=4) == (32, 4) != invariant.k_layout(
+        32, 1024, 8, keys=4)
+    assert invariant.invariant_tiles(64, 300, 2048, norm=True)[0] == 16
+    monkeypatch.setattr(invariant, "NORM_WARPS", 8)
+    with pytest.raises(ValueError, match="another order"):
+        invariant.invariant_tiles(64, 300, 1, norm=True)

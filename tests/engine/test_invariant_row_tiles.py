@@ -124,7 +124,7 @@ def test_row_tiles_match_torch(consts, dtype, splits):
     x + residual exactly."""
     consts(TABLE, splits)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    n, k = 40, 300
+    n, k = 40, 304  # a multiple of 8 (16-byte loads), not of the tiles
     g = torch.Generator().manual_seed(splits)
 
     def rnd(*s):
@@ -268,12 +268,18 @@ CHUNKED = {"norm": (64, 64, 64, 8), "glu": (64, 64, 64, 8), "plain": (64, 64, 64
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block_k,splits", [(None, 1), (256, 1), (None, 4)],
+                         ids=["shape-k", "block-k256", "split4"])
 @pytest.mark.parametrize("n,k,glu,norm", [p for p in LAYER_SHAPES if p.values[3]])
-def test_norm_k_rows_alone_equal_batched_gpu(consts, n, k, glu, norm):
+def test_norm_k_rows_alone_equal_batched_gpu(consts, block_k, splits, n, k, glu, norm):
     """bf16 on the GPU, the norm's sums in 128-key chunks (NORM_K) and CHUNKED's 64-key tiles
-    from 64 rows at 8 warps: each row of ALONE alone equals the same row among 8, 64 and 2048,
-    outputs and x + residual (NORM_K may leave opt-in once these and figure 6 pass)."""
-    consts(None, 1, 64, 8, norm_k=128, tiles=CHUNKED)
+    from 64 rows at 8 warps, below them the shape's BLOCK_K or 256 (NORM_BLOCK_K), unsplit and
+    in 4 K-splits (which keep the shape's): each row of ALONE alone equals the same row among 8,
+    64 and 2048, outputs and x + residual (NORM_K may leave opt-in once these and figure 6
+    pass)."""
+    consts(None, splits, 64, 8, norm_k=128, norm_block_k=block_k, tiles=CHUNKED)
     half = n // 2 if glu else n
-    assert invariant.invariant_tiles(half, k, 64, glu, norm)[2] == 64
+    shape_k = invariant.invariant_tiles(half, k, 1, glu, norm, prefill=False)[2]
+    assert invariant.invariant_tiles(half, k, 64, glu, norm)[2] == (64 if splits == 1
+                                                                    else shape_k)
     _alone_equals_batched(*_layer(n, k, glu, norm))
