@@ -126,7 +126,7 @@ def _checked(table) -> tuple[tuple[int, int, int], ...]:
             raise ValueError(f"ROW_TILES max_rows must increase from 1: {rows} after {last}")
         if bm not in ROW_BLOCKS_M:
             raise ValueError(f"ROW_TILES BLOCK_M {bm} not in {ROW_BLOCKS_M}")
-        if bn < 16 or bn & (bn - 1):
+        if not _pow2(bn):
             raise ValueError(f"ROW_TILES BLOCK_N {bn} is not a power of two >= 16")
         last = rows
     return table
@@ -225,7 +225,8 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
     kb = next_pow2(k, 16)  # a BLOCK_K past K is cut to K's power of two
     bn, bk, warps = LOGITS_DOT_TILES if head else layer_tiles(n, k, glu)
     shape_bk = bk
-    chunk = norm_chunk() if norm or glu else 0
+    sums = norm or glu  # a norm prologue's row sums, whose order the tiles must keep
+    chunk = norm_chunk() if sums else 0
     free_k = bool(chunk) and LAYER_SPLITS == 1  # split-K cuts K in whole BLOCK_K tiles
     keys = 16 // max(1, elem)  # a thread's keys: one 16-byte load
 
@@ -233,7 +234,7 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
         return chunk or min(b, kb)
 
     # A K off the 16-byte load's multiple loads narrower: its layout is not told here.
-    ref = k_layout(BLOCK_M, span(bk), warps, keys) if (norm or glu) and k % keys == 0 else None
+    ref = k_layout(BLOCK_M, span(bk), warps, keys) if sums and k % keys == 0 else None
     bm, small = BLOCK_M, (BLOCK_M, warps)
     if not head:
         if free_k and NORM_BLOCK_K is not None:
@@ -247,7 +248,7 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
             if type(NORM_WARPS) is not int or NORM_WARPS not in (4, 8):
                 raise ValueError(f"NORM_WARPS must be None, 4 or 8, not {NORM_WARPS!r}")
             warps = NORM_WARPS
-        if (norm or glu) and (bm, warps) != small and (
+        if sums and (bm, warps) != small and (
                 ref is None or k_layout(bm, span(bk), warps, keys) != ref):
             raise ValueError(f"ROW_TILES / NORM_WARPS give tiles {(bm, bn, bk, warps)} that would "
                              f"sum a norm's rows in another order")
@@ -258,7 +259,7 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
             tiles = prefill_tiles(k, shape_bk, glu, norm, head, bool(chunk))
             # A norm's sums must keep the small tiles' order; where that cannot be told (a tiny
             # K), those tiles stay.
-            if ref is None and not (norm or glu) or (ref is not None and k_layout(
+            if not sums or (ref is not None and k_layout(
                     tiles[0], span(tiles[2]), tiles[3], keys) == ref):
                 bm, bn, bk, warps = tiles
     return bm, bn, min(bk, kb), warps

@@ -115,8 +115,8 @@ if triton_available():
         product rounded to Y's dtype first and combined as `silu_mul` combines them (no bias).
         SPLITS > 1: program_id(2) takes the K columns [s * SPLIT_K, (s + 1) * SPLIT_K) and the
         splits' partial tiles are summed in split order (`splitk.fold_splits`, workspace WS,
-        counters CNT) before the epilogue. NORM_K > 0 (PRO 1, not ONE_LOAD): the row sums go
-        over K in chunks of NORM_K keys, an order no BLOCK_K changes."""
+        counters CNT) before the epilogue. NORM_K (PRO 1, not ONE_LOAD): the row sums go over K
+        in chunks of NORM_K keys (BLOCK_K, unless `prologue_linear`'s norm_k fixes it)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_s = 0
@@ -149,15 +149,10 @@ if triton_available():
             rstd = tl.math.rsqrt(_row_sumsq(xs) / K + eps)
         elif PRO == 1:  # the row's mean square first: one pass over x (+ r)
             ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            if NORM_K > 0:
-                rc = tl.arange(0, NORM_K)
-                for k0 in range(0, K, NORM_K):
-                    ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, k0 + rc, stride_x,
-                                                   stride_r, pid_n + pid_s, K, HAS_RES))
-            else:
-                for k0 in range(0, K, BLOCK_K):
-                    ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, k0 + rk0, stride_x,
-                                                   stride_r, pid_n + pid_s, K, HAS_RES))
+            rc = tl.arange(0, NORM_K)
+            for k0 in range(0, K, NORM_K):
+                ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, k0 + rc, stride_x,
+                                               stride_r, pid_n + pid_s, K, HAS_RES))
             rstd = tl.math.rsqrt(ss / K + eps)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if ONE_LOAD:
@@ -290,7 +285,8 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             HAS_RES=residual is not None, HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn,
             BLOCK_K=bk, PREC="ieee" if x.dtype == torch.float32 else "tf32",
             ONE_LOAD=pro == 1 and k <= bk and not norm_k, ARGMAX=keys is not None, GLU=glu,
-            SPLITS=s, SPLIT_K=split_k if s > 1 else 0, NORM_K=norm_k, num_warps=warps,
+            SPLITS=s, SPLIT_K=split_k if s > 1 else 0,
+            NORM_K=(norm_k or bk) if pro == 1 else 0, num_warps=warps,
             **pdl_args(x, always=True))
     if keys is not None:
         y = keys
