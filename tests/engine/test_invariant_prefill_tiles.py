@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from engine import ops
 from engine.attention import triton_available
@@ -193,32 +192,13 @@ def test_invariant_linear_tells_the_kind(prefill, monkeypatch):
 
 @pytest.mark.parametrize("splits", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_prefill_tiles_match_torch(prefill, dtype, splits):
+def test_prefill_tiles_match_torch(prefill, invariant_matches_torch, dtype, splits):
     """With PREFILL_ROWS 1, at 1, 9 and 130 rows (masked rows in one tile, then a second tile of
     each size), K over a loop with a masked tail, unsplit and in 2 K-splits: plain with a bias,
     the norm of x + residual, gate_up's SiLU-and-mul epilogue equal torch's to rounding and x +
     residual exactly."""
     prefill(1, splits)
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    n, k = 40, 304  # a multiple of 8 (16-byte loads), not of the tiles
-    g = torch.Generator().manual_seed(5)
-
-    def rnd(*s):
-        return torch.randn(*s, generator=g).to(dtype)
-
-    w, b, nw, gu_w = rnd(n, k) / 7, rnd(n), rnd(k), rnd(2 * n, k) / 7
-    for m in (1, 9, 130):
-        x, r = rnd(m, k), rnd(m, k)
-        xf, wf = x.float(), w.float()
-        torch.testing.assert_close(ops.invariant_linear(x, w, b).float(),
-                                   F.linear(xf, wf, b.float()), **tol)
-        y, res = ops.invariant_linear(x, w, norm_weight=nw, eps=1e-5, residual=r)
-        assert torch.equal(res, (xf + r.float()).to(dtype))
-        h = F.rms_norm(res.float(), (k,), nw.float(), 1e-5)
-        torch.testing.assert_close(y.float(), F.linear(h, wf), **tol)
-        act, _ = ops.invariant_linear(x, gu_w, norm_weight=nw, eps=1e-5, residual=r, glu=True)
-        gu = F.linear(h, gu_w.float())
-        torch.testing.assert_close(act.float(), F.silu(gu[:, :n]) * gu[:, n:], **tol)
+    invariant_matches_torch(dtype, (1, 9, 130), 5)
 
 
 def test_norm_k_frees_the_norms_block_k(prefill, monkeypatch):
