@@ -14,7 +14,7 @@ down_proj was slower); `silu=True` still runs `silu_mul` before the projection.
 
 Below PREFILL_ROWS rows the tiles come from the weight's shape alone: 16 rows, LAYER_TILES for
 the decoder layer's projections (a small one without GLU walks K in fewer, longer steps:
-`layer_tiles`), LOGITS_DOT_TILES for an LM head (at every row count unless PREFILL_HEAD).
+`layer_tiles`), LOGITS_DOT_TILES for an LM head (below HEAD_ROWS: see below).
 ROW_TILES (opt-in, None by default) lets the decoder layer's projections take BLOCK_M and
 BLOCK_N by the launch's row count: narrow column tiles at one row (more programs for a latency-
 bound launch), 32- or 64-row tiles for a prefill (each weight tile read once for that many rows,
@@ -42,6 +42,11 @@ bits do not change: the GPU cases check that (alone, among 2048, and against the
 on an H100, SmolLM2's and Llama-8B's shapes), and figure 6 runs with it. Below that count the
 16-row tiles are faster. An A/B process sets it with, e.g., `--set
 engine.ops.invariant.PREFILL_ROWS=None` (off) or `=512`.
+
+From HEAD_ROWS rows (opt-in) an LM head takes HEAD_TILES, on the devices and activations that
+take PREFILL_TILES: the head's weight leaves L2 between tiles of rows (SmolLM2's 56 MB, Llama's
+1 GB), so 16-row tiles read it from memory once per 16 rows of a wide verify; larger tiles
+keep each output element's k16 MMA chain in K order (no norm prologue), so its bits stay.
 
 NORM_K (opt-in) sums a norm's rows in chunks of that many keys whatever the tile
 (`prologue_linear(norm_k=)`): Triton lays a [BLOCK_M, 128] chunk out alike (8 keys a thread, 16
@@ -99,10 +104,11 @@ NORM_LOOP_BLOCK_N = 32
 # shape's; else 4 or 8): more warps shorten a latency-bound launch of few rows. Opt-in until
 # figure 6 runs it.
 NORM_WARPS = None
-# Whether an LM head takes PREFILL_TILES' plain tiles from PREFILL_ROWS rows too (a wide
-# verify's head is the largest projection; 16-row tiles compute it at a fraction of the rate).
-# Opt-in until figure 6 runs it.
-PREFILL_HEAD = False
+# Launches of at least HEAD_ROWS rows (None: none) give an LM head HEAD_TILES (BLOCK_M,
+# BLOCK_N, BLOCK_K, warps) where PREFILL_TILES apply (`prefill_suits`, 16-bit activations): a
+# wide verify's head is its largest projection. Opt-in until figure 6 runs it.
+HEAD_ROWS = None
+HEAD_TILES = (64, 64, 64, 4)
 # Opt-in: the norm prologue's row sums in chunks of NORM_K keys (`prologue_linear(norm_k=)`), an
 # order no BLOCK_K changes, so qkv and gate_up may take any BLOCK_K (unsplit): NORM_BLOCK_K below
 # PREFILL_ROWS (None: the shape's), PREFILL_TILES' own from it. Opt-in until figure 6 runs it.
@@ -166,7 +172,7 @@ def k_layout(bm: int, bk: int, warps: int, keys: int = 8) -> tuple[int, int] | N
     return lanes, along
 
 
-def prefill_tiles(k: int, bk: int, glu: bool, norm: bool, head: bool = False,
+def prefill_tiles(k: int, bk: int, glu: bool, norm: bool,
                   free_k: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of a projection of K `k` in a launch of at least
     PREFILL_ROWS rows, bk the shape's BLOCK_K (see PREFILL_TILES; ValueError if malformed);
@@ -185,7 +191,7 @@ def prefill_tiles(k: int, bk: int, glu: bool, norm: bool, head: bool = False,
             or not (wide_k is None or ((kind == "plain" or free_k) and type(wide_k) is int
                                        and _pow2(wide_k)))):
         raise ValueError(form)
-    if wide_k is not None and not (LAYER_SPLITS > 1 and not head):
+    if wide_k is not None and LAYER_SPLITS == 1:
         bk = wide_k
     if kind == "norm" and k > bk > 128:
         bn = NORM_LOOP_BLOCK_N
@@ -210,20 +216,18 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
     (n: the gate's columns with `glu`; norm: with a norm prologue; head: an LM head, as is a
     weight of at least VOCAB_RATIO x k rows) in a launch of m rows (in a CUDA graph, its
     bucket's padded count): from the shape alone, but for a decoder layer's projection's tiles
-    (and with PREFILL_HEAD an LM head's) by m where ROW_TILES or PREFILL_ROWS is set (m None:
-    only where they cannot depend on it); `prefill` False (a device without PREFILL_TILES,
-    `prefill_suits`): never PREFILL_TILES, nor for activations of `elem` bytes other than 2
-    (their tiles overflow shared memory). ValueError for a malformed setting."""
-    head = head or n >= VOCAB_RATIO * k
-    wide = PREFILL_ROWS is not None and prefill and elem == 2 and (PREFILL_HEAD or not head)
-    if head and not wide:
-        bn, bk, warps = LOGITS_DOT_TILES
-        return BLOCK_M, bn, min(bk, next_pow2(k, 16)), warps
-    if (ROW_TILES is not None and not head or wide) and m is None:
+    by m where ROW_TILES or PREFILL_ROWS is set, an LM head's where HEAD_ROWS is (m None: only
+    where they cannot depend on it); `prefill` False (a device without PREFILL_TILES,
+    `prefill_suits`): never PREFILL_TILES or HEAD_TILES, nor for activations of `elem` bytes
+    other than 2 (their tiles overflow shared memory). ValueError for a malformed setting."""
+    kb = next_pow2(k, 16)  # a BLOCK_K past K is cut to K's power of two
+    if head or n >= VOCAB_RATIO * k:
+        return head_tiles(kb, m, prefill and elem == 2)
+    wide = PREFILL_ROWS is not None and prefill and elem == 2
+    if (ROW_TILES is not None or wide) and m is None:
         raise ValueError("ROW_TILES or PREFILL_ROWS is set: a decoder layer's tiles need the "
                          "row count")
-    kb = next_pow2(k, 16)  # a BLOCK_K past K is cut to K's power of two
-    bn, bk, warps = LOGITS_DOT_TILES if head else layer_tiles(n, k, glu)
+    bn, bk, warps = layer_tiles(n, k, glu)
     shape_bk = bk
     sums = norm or glu  # a norm prologue's row sums, whose order the tiles must keep
     chunk = norm_chunk() if sums else 0
@@ -236,33 +240,53 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
     # A K off the 16-byte load's multiple loads narrower: its layout is not told here.
     ref = k_layout(BLOCK_M, span(bk), warps, keys) if sums and k % keys == 0 else None
     bm, small = BLOCK_M, (BLOCK_M, warps)
-    if not head:
-        if free_k and NORM_BLOCK_K is not None:
-            if type(NORM_BLOCK_K) is not int or not _pow2(NORM_BLOCK_K):
-                raise ValueError(f"NORM_BLOCK_K must be None or a power of two >= 16, not "
-                                 f"{NORM_BLOCK_K!r}")
-            bk = NORM_BLOCK_K
-        if ROW_TILES is not None:
-            bm, bn = row_tiles(ROW_TILES, m)
-        if norm and NORM_WARPS is not None:
-            if type(NORM_WARPS) is not int or NORM_WARPS not in (4, 8):
-                raise ValueError(f"NORM_WARPS must be None, 4 or 8, not {NORM_WARPS!r}")
-            warps = NORM_WARPS
-        if sums and (bm, warps) != small and (
-                ref is None or k_layout(bm, span(bk), warps, keys) != ref):
-            raise ValueError(f"ROW_TILES / NORM_WARPS give tiles {(bm, bn, bk, warps)} that would "
-                             f"sum a norm's rows in another order")
+    if free_k and NORM_BLOCK_K is not None:
+        if type(NORM_BLOCK_K) is not int or not _pow2(NORM_BLOCK_K):
+            raise ValueError(f"NORM_BLOCK_K must be None or a power of two >= 16, not "
+                             f"{NORM_BLOCK_K!r}")
+        bk = NORM_BLOCK_K
+    if ROW_TILES is not None:
+        bm, bn = row_tiles(ROW_TILES, m)
+    if norm and NORM_WARPS is not None:
+        if type(NORM_WARPS) is not int or NORM_WARPS not in (4, 8):
+            raise ValueError(f"NORM_WARPS must be None, 4 or 8, not {NORM_WARPS!r}")
+        warps = NORM_WARPS
+    if sums and (bm, warps) != small and (
+            ref is None or k_layout(bm, span(bk), warps, keys) != ref):
+        raise ValueError(f"ROW_TILES / NORM_WARPS give tiles {(bm, bn, bk, warps)} that would "
+                         f"sum a norm's rows in another order")
     if wide:
         if type(PREFILL_ROWS) is not int or PREFILL_ROWS < 1:
             raise ValueError(f"PREFILL_ROWS must be None or a positive int, not {PREFILL_ROWS!r}")
         if m >= PREFILL_ROWS:
-            tiles = prefill_tiles(k, shape_bk, glu, norm, head, bool(chunk))
+            tiles = prefill_tiles(k, shape_bk, glu, norm, bool(chunk))
             # A norm's sums must keep the small tiles' order; where that cannot be told (a tiny
             # K), those tiles stay.
             if not sums or (ref is not None and k_layout(
                     tiles[0], span(tiles[2]), tiles[3], keys) == ref):
                 bm, bn, bk, warps = tiles
     return bm, bn, min(bk, kb), warps
+
+
+def head_tiles(kb: int, m: int | None, wide: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of an LM head of K's power of two `kb` in a launch of
+    m rows: HEAD_TILES from HEAD_ROWS rows where `wide` (PREFILL_TILES' devices and
+    activations), else 16 rows and LOGITS_DOT_TILES."""
+    if HEAD_ROWS is not None and wide:
+        if type(HEAD_ROWS) is not int or HEAD_ROWS < 1:
+            raise ValueError(f"HEAD_ROWS must be None or a positive int, not {HEAD_ROWS!r}")
+        t = HEAD_TILES
+        if (not isinstance(t, tuple) or len(t) != 4 or any(type(v) is not int for v in t)
+                or t[0] not in PREFILL_BLOCKS_M or not (_pow2(t[1]) and _pow2(t[2]))
+                or t[3] not in (4, 8)):
+            raise ValueError(f"HEAD_TILES must be (BLOCK_M in {PREFILL_BLOCKS_M}, BLOCK_N, "
+                             f"BLOCK_K powers of two >= 16, warps 4 or 8), not {t!r}")
+        if m is None:
+            raise ValueError("HEAD_ROWS is set: an LM head's tiles need the row count")
+        if m >= HEAD_ROWS:
+            return t[0], t[1], min(t[2], kb), t[3]
+    bn, bk, warps = LOGITS_DOT_TILES
+    return BLOCK_M, bn, min(bk, kb), warps
 
 
 def norm_chunk() -> int:

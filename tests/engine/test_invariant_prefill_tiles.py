@@ -101,26 +101,43 @@ def test_k_layout():
     assert invariant.k_layout(16, 512, 4) == invariant.k_layout(32, 512, 8) == (32, 2)
 
 
-def test_prefill_head_is_opt_in(prefill, monkeypatch):
-    """An LM head keeps LOGITS_DOT_TILES at any row count (and without one) unless PREFILL_HEAD,
-    then from PREFILL_ROWS PREFILL_TILES' plain tiles (split-K or not: a head is never split);
-    below it unchanged; a head narrower than VOCAB_RATIO x K is one by `head`."""
-    prefill(64)
+def test_head_rows_is_opt_in(tile_settings, monkeypatch):
+    """An LM head keeps LOGITS_DOT_TILES at any row count (and without one) unless HEAD_ROWS,
+    then from HEAD_ROWS HEAD_TILES (split-K or not: a head is never split), whatever
+    PREFILL_ROWS; below it unchanged, and on a device or dtype without PREFILL_TILES too; a
+    head narrower than VOCAB_RATIO x K is one by `head`."""
+    tile_settings(prefill=64)
     head = (16, *ops.LOGITS_DOT_TILES)
     assert {invariant.invariant_tiles(49152, 576, m) for m in (None, 1, 64, 2048)} == {head}
-    monkeypatch.setattr(invariant, "PREFILL_HEAD", True)
-    plain = invariant.PREFILL_TILES["plain"]
-    assert invariant.invariant_tiles(49152, 576, 63) == head
-    for m in (64, 2048):
-        assert invariant.invariant_tiles(49152, 576, m) == plain
-        assert invariant.invariant_tiles(32000, 4096, m, head=True) == plain
+    tile_settings(head=32)
+    monkeypatch.setattr(invariant, "HEAD_TILES", (128, 64, 64, 8))
+    assert invariant.invariant_tiles(49152, 576, 31) == head
+    for m in (32, 2048):
+        assert invariant.invariant_tiles(49152, 576, m) == (128, 64, 64, 8)
+        assert invariant.invariant_tiles(32000, 4096, m, head=True) == (128, 64, 64, 8)
+        assert invariant.invariant_tiles(49152, 576, m, prefill=False) == head
+        assert invariant.invariant_tiles(49152, 576, m, elem=4) == head
+    assert invariant.invariant_tiles(49152, 24, 64) == (128, 64, 32, 8)  # K's power of two
     assert invariant.invariant_splits(49152, 576) == invariant.invariant_splits(
         32000, 4096, head=True) == 1
     with pytest.raises(ValueError, match="row count"):
         invariant.invariant_tiles(49152, 576)
-    prefill(64, splits=4)
-    monkeypatch.setattr(invariant, "PREFILL_HEAD", True)
-    assert invariant.invariant_tiles(49152, 576, 64) == plain
+    tile_settings(splits=4, head=32)
+    assert invariant.invariant_tiles(49152, 576, 32) == invariant.HEAD_TILES
+
+
+@pytest.mark.parametrize("name,value,match", [
+    ("HEAD_ROWS", 0, "HEAD_ROWS must be"), ("HEAD_ROWS", 2.0, "HEAD_ROWS must be"),
+    ("HEAD_TILES", (48, 64, 64, 4), "HEAD_TILES must be"),
+    ("HEAD_TILES", (64, 64, 64, 2), "HEAD_TILES must be"),
+    ("HEAD_TILES", (64, 96, 64, 4), "HEAD_TILES must be"),
+    ("HEAD_TILES", [64, 64, 64, 4], "HEAD_TILES must be")])
+def test_bad_head_settings_raise(tile_settings, monkeypatch, name, value, match):
+    """A malformed HEAD_ROWS or HEAD_TILES is refused by name at the first LM head."""
+    tile_settings(head=16)
+    monkeypatch.setattr(invariant, name, value)
+    with pytest.raises(ValueError, match=match):
+        invariant.invariant_tiles(49152, 576, 64)
 
 
 @pytest.mark.parametrize("rows,match", [(0, "positive int"), (True, "positive int"),

@@ -226,14 +226,14 @@ def test_row_tiles_give_the_default_bits_gpu(consts, table, prefill, warps, n, k
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(49152, 576), (128256, 4096)], ids=["smol-head", "llama8b-head"])
-def test_prefill_head_rows_keep_their_bits_gpu(consts, n, k):
-    """bf16 on the GPU, an LM head with PREFILL_HEAD (PREFILL_TILES' plain tiles from 64 rows):
-    each row of ALONE alone equals the row among 64 and 2048, and every row equals the 16-row
-    LOGITS_DOT_TILES' logits (PREFILL_HEAD may leave opt-in once this and figure 6 pass)."""
+def test_head_rows_keep_their_bits_gpu(consts, n, k):
+    """bf16 on the GPU, an LM head with HEAD_ROWS 64 (HEAD_TILES from 64 rows): each row of
+    ALONE alone equals the row among 64 and 2048, and every row equals the 16-row
+    LOGITS_DOT_TILES' logits (HEAD_ROWS may leave opt-in once this and figure 6 pass)."""
     proj, rows = _layer(n, k, False, False)
     consts(None, 1, 64)
     want = _parts(proj(rows))
-    consts(None, 1, 64, None, True)
+    consts(None, 1, 64, None, 64)
     assert invariant.invariant_tiles(n, k, 64) != invariant.invariant_tiles(n, k, 1)
     alone = _alone(proj, rows)
     for m in (64, 2048):
