@@ -43,7 +43,7 @@ on an H100, SmolLM2's and Llama-8B's shapes), and figure 6 runs with it. Below t
 16-row tiles are faster. An A/B process sets it with, e.g., `--set
 engine.ops.invariant.PREFILL_ROWS=None` (off) or `=512`.
 
-From HEAD_ROWS rows (opt-in) an LM head takes HEAD_TILES, on the devices and activations that
+From HEAD_ROWS rows an LM head takes HEAD_TILES, on the devices and activations that
 take PREFILL_TILES: the head's weight leaves L2 between tiles of rows (SmolLM2's 56 MB, Llama's
 1 GB), so 16-row tiles read it from memory once per 16 rows of a wide verify; larger tiles
 keep each output element's k16 MMA chain in K order (no norm prologue), so its bits stay.
@@ -100,15 +100,18 @@ PREFILL_BLOCKS_M = (16, 32, 64, 128)
 # BLOCK_N of the norm tile where K is walked in tiles of more than 128 keys: x and the residual
 # are double-buffered then, and 128 columns would overflow shared memory.
 NORM_LOOP_BLOCK_N = 32
-# Warps of a projection with a norm prologue (qkv, gate_up) below PREFILL_ROWS rows (None: the
-# shape's; else 4 or 8): more warps shorten a latency-bound launch of few rows. Opt-in until
-# figure 6 runs it.
+# Warps of a projection with a norm prologue (qkv, gate_up) in launches of at most
+# NORM_WARPS_ROWS rows (None: the shape's; else 4 or 8): more warps shorten a latency-bound
+# launch of few rows, and lengthen one of many row blocks. Opt-in until figure 6 runs it.
 NORM_WARPS = None
+NORM_WARPS_ROWS = 16
 # Launches of at least HEAD_ROWS rows (None: none) give an LM head HEAD_TILES (BLOCK_M,
 # BLOCK_N, BLOCK_K, warps) where PREFILL_TILES apply (`prefill_suits`, 16-bit activations): a
-# wide verify's head is its largest projection. Opt-in until figure 6 runs it.
-HEAD_ROWS = None
-HEAD_TILES = (64, 64, 64, 4)
+# wide verify's head is its largest projection. On an H100, SmolLM2's head in these tiles has
+# the 16-row tiles' bits at 1-512 rows, as fast up to 16 and faster from 32
+# (profile/det_head_rows_c34f373.json).
+HEAD_ROWS = 32
+HEAD_TILES = (64, 128, 64, 4)
 # Opt-in: the norm prologue's row sums in chunks of NORM_K keys (`prologue_linear(norm_k=)`), an
 # order no BLOCK_K changes, so qkv and gate_up may take any BLOCK_K (unsplit): NORM_BLOCK_K below
 # PREFILL_ROWS (None: the shape's), PREFILL_TILES' own from it. Opt-in until figure 6 runs it.
@@ -224,9 +227,9 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
     if head or n >= VOCAB_RATIO * k:
         return head_tiles(kb, m, prefill and elem == 2)
     wide = PREFILL_ROWS is not None and prefill and elem == 2
-    if (ROW_TILES is not None or wide) and m is None:
-        raise ValueError("ROW_TILES or PREFILL_ROWS is set: a decoder layer's tiles need the "
-                         "row count")
+    if (ROW_TILES is not None or wide or norm and NORM_WARPS is not None) and m is None:
+        raise ValueError("ROW_TILES, PREFILL_ROWS or NORM_WARPS is set: a decoder layer's tiles "
+                         "need the row count")
     bn, bk, warps = layer_tiles(n, k, glu)
     shape_bk = bk
     sums = norm or glu  # a norm prologue's row sums, whose order the tiles must keep
@@ -250,7 +253,10 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
     if norm and NORM_WARPS is not None:
         if type(NORM_WARPS) is not int or NORM_WARPS not in (4, 8):
             raise ValueError(f"NORM_WARPS must be None, 4 or 8, not {NORM_WARPS!r}")
-        warps = NORM_WARPS
+        if type(NORM_WARPS_ROWS) is not int or NORM_WARPS_ROWS < 1:
+            raise ValueError(f"NORM_WARPS_ROWS must be a positive int, not {NORM_WARPS_ROWS!r}")
+        if m <= NORM_WARPS_ROWS:
+            warps = NORM_WARPS
     if sums and (bm, warps) != small and (
             ref is None or k_layout(bm, span(bk), warps, keys) != ref):
         raise ValueError(f"ROW_TILES / NORM_WARPS give tiles {(bm, bn, bk, warps)} that would "

@@ -81,8 +81,10 @@ def test_tiles_come_from_the_weight_shape_alone():
     """16-row tensor-core tiles from the weight's shape below PREFILL_ROWS rows (ROW_TILES
     unset): a small decoder-layer projection all of K in one tile up to WHOLE_K keys, else
     512-key tiles; GLU and large weights LAYER_TILES; from PREFILL_ROWS PREFILL_TILES (their
-    own tests); an LM head its own at any count."""
-    from engine.ops.invariant import BLOCK_M, LAYER_TILES, PREFILL_ROWS, ROW_TILES, WHOLE_K
+    own tests); an LM head 16-row tiles below HEAD_ROWS, HEAD_TILES from it (K cut to its
+    power of two), and without a row count none can be told."""
+    from engine.ops.invariant import (BLOCK_M, HEAD_ROWS, HEAD_TILES, LAYER_TILES,
+                                      PREFILL_ROWS, ROW_TILES, WHOLE_K)
 
     assert ROW_TILES is None and BLOCK_M == 16 and WHOLE_K == 1024 and PREFILL_ROWS == 256
     want = {(960, 576, False): (32, 1024), (576, 576, False): (32, 1024),
@@ -93,8 +95,15 @@ def test_tiles_come_from_the_weight_shape_alone():
         for m in (1, 17, PREFILL_ROWS - 1):
             assert ops.invariant_tiles(n, k, m, glu) == (16, bn, bk, LAYER_TILES[2])
         assert ops.invariant_tiles(n, k, PREFILL_ROWS, glu)[0] > 16
-    for m in (None, 1, 2048):
+    assert HEAD_ROWS == 32 and HEAD_TILES == (64, 128, 64, 4)
+    for m in (1, HEAD_ROWS - 1):
         assert ops.invariant_tiles(49152, 576, m) == (16, *ops.LOGITS_DOT_TILES)
+    for m in (HEAD_ROWS, 2048):
+        assert ops.invariant_tiles(49152, 576, m) == HEAD_TILES
+        assert ops.invariant_tiles(49152, 48, m) == (64, 128, 64, 4)
+        assert ops.invariant_tiles(49152, 24, m) == (64, 128, 32, 4)
+    with pytest.raises(ValueError, match="row count"):
+        ops.invariant_tiles(49152, 576)
 
 
 def test_invariant_linear_matches_the_gemm():

@@ -69,22 +69,32 @@ def test_prefill_tiles_only_where_shown(monkeypatch):
         assert suits(torch.device("cuda", 0)) is want, cap
 
 
-def test_norm_warps_below_prefill_rows(prefill, monkeypatch):
-    """NORM_WARPS gives qkv and gate_up (norm prologue) its warps below PREFILL_ROWS, their
-    BLOCK_M, BLOCK_N and BLOCK_K unchanged; a plain projection and PREFILL_TILES keep theirs;
-    a count other than 4 or 8 is refused by name, and so is 8 where it would lay a norm's K out
-    otherwise (a 32-key K in a 16-row tile)."""
+def test_norm_warps_at_few_rows(prefill, monkeypatch):
+    """NORM_WARPS gives qkv and gate_up (norm prologue) its warps in launches of at most
+    NORM_WARPS_ROWS rows, their BLOCK_M, BLOCK_N and BLOCK_K unchanged; more rows, a plain
+    projection and PREFILL_TILES keep theirs; without a row count the tiles cannot be chosen;
+    a count other than 4 or 8 (or a NORM_WARPS_ROWS not a positive int) is refused by name,
+    and so is 8 where it would lay a norm's K out otherwise (a 32-key K in a 16-row tile)."""
     prefill(64)
     shapes = [(960, 576, False, True), (1536, 576, True, True), (576, 576, False, False)]
     before = {(s, m): invariant.invariant_tiles(s[0], s[1], m, *s[2:])
-              for s in shapes for m in (1, 63, 64)}
+              for s in shapes for m in (1, 16, 17, 63, 64)}
     monkeypatch.setattr(invariant, "NORM_WARPS", 8)
     for ((n, k, g, nm), m), old in before.items():
         got = invariant.invariant_tiles(n, k, m, g, nm)
-        assert got == (old if m == 64 else (*old[:3], 8 if nm else old[3]))
+        assert got == ((*old[:3], 8) if nm and m <= 16 else old), (n, m)
     assert invariant.invariant_tiles(960, 576, 1, norm=True)[3] == 8 != before[(shapes[0], 1)][3]
+    monkeypatch.setattr(invariant, "NORM_WARPS_ROWS", 32)
+    assert invariant.invariant_tiles(960, 576, 17, norm=True)[3] == 8
+    with pytest.raises(ValueError, match="row count"):
+        invariant.invariant_tiles(960, 576, norm=True)
     with pytest.raises(ValueError, match="another order"):
         invariant.invariant_tiles(64, 32, 1, norm=True)
+    for bad in (0, 2.0, None):
+        monkeypatch.setattr(invariant, "NORM_WARPS_ROWS", bad)
+        with pytest.raises(ValueError, match="NORM_WARPS_ROWS"):
+            invariant.invariant_tiles(960, 576, 1, norm=True)
+    monkeypatch.setattr(invariant, "NORM_WARPS_ROWS", 16)
     for bad in (3, 16, 8.0, True):
         monkeypatch.setattr(invariant, "NORM_WARPS", bad)
         with pytest.raises(ValueError, match="NORM_WARPS"):
