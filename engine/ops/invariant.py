@@ -12,9 +12,9 @@ the norm itself). SiLU-and-mul is gate_up's epilogue (`glu`): each program compu
 gate and up columns and combines them as `silu_mul` would (the tiles' SiLU prologue on
 down_proj was slower); `silu=True` still runs `silu_mul` before the projection.
 
-Below PREFILL_ROWS rows the tiles come from the weight's shape alone: 16 rows, LAYER_TILES for
-the decoder layer's projections (a small one without GLU walks K in fewer, longer steps:
-`layer_tiles`), LOGITS_DOT_TILES for an LM head (below HEAD_ROWS: see below).
+By default the tiles come from the weight's shape alone below PREFILL_ROWS rows (an LM head's
+below HEAD_ROWS): 16 rows, LAYER_TILES for the decoder layer's projections (a small one without
+GLU walks K in fewer, longer steps: `layer_tiles`), LOGITS_DOT_TILES for an LM head.
 ROW_TILES (opt-in, None by default) lets the decoder layer's projections take BLOCK_M and
 BLOCK_N by the launch's row count: narrow column tiles at one row (more programs for a latency-
 bound launch), 32- or 64-row tiles for a prefill (each weight tile read once for that many rows,
@@ -25,10 +25,10 @@ At BLOCK_M 64 Triton computes `tl.dot` with Hopper's warp-group MMA instead of m
 rounds alike is what the GPU cases' WIDE table checks. A tile must fit shared memory, which a
 1024-key K tile allows at (32, 128) and (64, 32), not (64, 64). Inside a CUDA graph the row
 count is the bucket's padded count, not the live rows': that is only sound because the tiles do
-not change a row's bits. Whether they do not is a property of the GPU's MMA, not shown by the
-interpreter: ROW_TILES stays opt-in until a GPU shows every row's bits unchanged across the
-table (tests/engine/test_invariant_row_tiles.py's GPU cases) and figure 6 stays 100% identical.
-Set it for an A/B process with, e.g., `--set
+not change a row's bits (so too for PREFILL_TILES and HEAD_TILES). Whether they do not is a
+property of the GPU's MMA, not shown by the interpreter: ROW_TILES stays opt-in until a GPU
+shows every row's bits unchanged across the table (tests/engine/test_invariant_row_tiles.py's
+GPU cases) and figure 6 stays 100% identical. Set it for an A/B process with, e.g., `--set
 engine.ops.invariant.ROW_TILES=((1,16,16),(16,16,32),(1000000000,32,64))` (a Python literal:
 `10**9` is not one).
 
@@ -43,10 +43,12 @@ on an H100, SmolLM2's and Llama-8B's shapes), and figure 6 runs with it. Below t
 16-row tiles are faster. An A/B process sets it with, e.g., `--set
 engine.ops.invariant.PREFILL_ROWS=None` (off) or `=512`.
 
-From HEAD_ROWS rows an LM head takes HEAD_TILES, on the devices and activations that
-take PREFILL_TILES: the head's weight leaves L2 between tiles of rows (SmolLM2's 56 MB, Llama's
-1 GB), so 16-row tiles read it from memory once per 16 rows of a wide verify; larger tiles
-keep each output element's k16 MMA chain in K order (no norm prologue), so its bits stay.
+From HEAD_ROWS rows an LM head without a norm prologue or GLU takes HEAD_TILES, on the
+devices and activations that take PREFILL_TILES: the head's weight leaves L2 between tiles of
+rows (SmolLM2's 56 MB, Llama's 1 GB), so 16-row tiles read it from memory once per 16 rows of a
+wide verify. Larger tiles keep each output element's k16 MMA chain in K order; that the
+warp-group MMA rounds it alike is measured (SmolLM2's head on an H100, 1-512 rows), and the GPU
+cases check it for Llama-8B's head too.
 
 NORM_K (opt-in) sums a norm's rows in chunks of that many keys whatever the tile
 (`prologue_linear(norm_k=)`): Triton lays a [BLOCK_M, 128] chunk out alike (8 keys a thread, 16
@@ -194,7 +196,7 @@ def prefill_tiles(k: int, bk: int, glu: bool, norm: bool,
             or not (wide_k is None or ((kind == "plain" or free_k) and type(wide_k) is int
                                        and _pow2(wide_k)))):
         raise ValueError(form)
-    if wide_k is not None and LAYER_SPLITS == 1:
+    if wide_k is not None and LAYER_SPLITS <= 1:
         bk = wide_k
     if kind == "norm" and k > bk > 128:
         bn = NORM_LOOP_BLOCK_N
@@ -219,13 +221,13 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
     (n: the gate's columns with `glu`; norm: with a norm prologue; head: an LM head, as is a
     weight of at least VOCAB_RATIO x k rows) in a launch of m rows (in a CUDA graph, its
     bucket's padded count): from the shape alone, but for a decoder layer's projection's tiles
-    by m where ROW_TILES or PREFILL_ROWS is set, an LM head's where HEAD_ROWS is (m None: only
-    where they cannot depend on it); `prefill` False (a device without PREFILL_TILES,
+    by m where ROW_TILES, PREFILL_ROWS or NORM_WARPS is set, an LM head's where HEAD_ROWS is
+    (m None: only where they cannot depend on it); `prefill` False (a device without PREFILL_TILES,
     `prefill_suits`): never PREFILL_TILES or HEAD_TILES, nor for activations of `elem` bytes
     other than 2 (their tiles overflow shared memory). ValueError for a malformed setting."""
     kb = next_pow2(k, 16)  # a BLOCK_K past K is cut to K's power of two
-    if head or n >= VOCAB_RATIO * k:
-        return head_tiles(kb, m, prefill and elem == 2)
+    if head or n >= VOCAB_RATIO * k:  # a norm's sums or a GLU keep the 16-row tiles' order
+        return head_tiles(kb, m, prefill and elem == 2 and not (norm or glu))
     wide = PREFILL_ROWS is not None and prefill and elem == 2
     if (ROW_TILES is not None or wide or norm and NORM_WARPS is not None) and m is None:
         raise ValueError("ROW_TILES, PREFILL_ROWS or NORM_WARPS is set: a decoder layer's tiles "

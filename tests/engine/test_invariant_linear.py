@@ -83,8 +83,15 @@ def test_tiles_come_from_the_weight_shape_alone():
     512-key tiles; GLU and large weights LAYER_TILES; from PREFILL_ROWS PREFILL_TILES (their
     own tests); an LM head 16-row tiles below HEAD_ROWS, HEAD_TILES from it (K cut to its
     power of two), and without a row count none can be told."""
-    from engine.ops.invariant import (BLOCK_M, HEAD_ROWS, HEAD_TILES, LAYER_TILES,
-                                      PREFILL_ROWS, ROW_TILES, WHOLE_K)
+    from engine.ops.invariant import (
+        BLOCK_M,
+        HEAD_ROWS,
+        HEAD_TILES,
+        LAYER_TILES,
+        PREFILL_ROWS,
+        ROW_TILES,
+        WHOLE_K,
+    )
 
     assert ROW_TILES is None and BLOCK_M == 16 and WHOLE_K == 1024 and PREFILL_ROWS == 256
     want = {(960, 576, False): (32, 1024), (576, 576, False): (32, 1024),

@@ -111,11 +111,12 @@ def test_k_layout():
     assert invariant.k_layout(16, 512, 4) == invariant.k_layout(32, 512, 8) == (32, 2)
 
 
-def test_head_rows_is_opt_in(tile_settings, monkeypatch):
-    """An LM head keeps LOGITS_DOT_TILES at any row count (and without one) unless HEAD_ROWS,
-    then from HEAD_ROWS HEAD_TILES (split-K or not: a head is never split), whatever
-    PREFILL_ROWS; below it unchanged, and on a device or dtype without PREFILL_TILES too; a
-    head narrower than VOCAB_RATIO x K is one by `head`."""
+def test_head_tiles_from_head_rows(tile_settings, monkeypatch):
+    """An LM head keeps LOGITS_DOT_TILES at any row count (and without one) where HEAD_ROWS is
+    None, else from HEAD_ROWS HEAD_TILES (split-K or not: a head is never split; PREFILL_ROWS
+    on or off); below it unchanged, and on a device or dtype without PREFILL_TILES too, and
+    with a norm prologue or GLU (their sums keep the 16-row tiles' order); a head narrower than
+    VOCAB_RATIO x K is one by `head`."""
     tile_settings(prefill=64)
     head = (16, *ops.LOGITS_DOT_TILES)
     assert {invariant.invariant_tiles(49152, 576, m) for m in (None, 1, 64, 2048)} == {head}
@@ -132,7 +133,9 @@ def test_head_rows_is_opt_in(tile_settings, monkeypatch):
         32000, 4096, head=True) == 1
     with pytest.raises(ValueError, match="row count"):
         invariant.invariant_tiles(49152, 576)
-    tile_settings(splits=4, head=32)
+    for kw in ({"norm": True}, {"glu": True}):
+        assert invariant.invariant_tiles(49152, 576, 64, **kw) == head
+    tile_settings(splits=4, prefill=256, head=32)
     assert invariant.invariant_tiles(49152, 576, 32) == invariant.HEAD_TILES
 
 

@@ -5,7 +5,7 @@ projections only, bad tables are refused, `invariant_linear` hands the chosen ti
 (bf16, SmolLM2-135M's and Llama-8B's projection shapes): each row's bits are the same alone and
 among 8, 64 and 2048 rows, with the 16-row tiles and with a table that gives each of those
 counts other tiles, unsplit and in 4 K-splits, with PREFILL_TILES (`PREFILL_ROWS`) and with
-NORM_WARPS; and whether those give the 16-row tiles' bits."""
+NORM_WARPS; and whether those give the 16-row tiles' bits; an LM head's HEAD_TILES likewise."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ TABLE = ((1, 16, 16), (16, 16, 32), (1000000000, 32, 64))  # the module docstrin
 SPAN = ((1, 16, 16), (8, 16, 32), (64, 32, 64), (1000000000, 32, 128))
 # The same with 64-row warp-group MMA tiles at 2048 rows (32 columns: BLOCK_K 1024 fits).
 WIDE = ((1, 16, 16), (8, 16, 32), (64, 32, 64), (1000000000, 64, 32))
+SHIPPED_HEAD_ROWS, SHIPPED_HEAD_TILES = invariant.HEAD_ROWS, invariant.HEAD_TILES
 
 
 @pytest.fixture
@@ -226,17 +227,22 @@ def test_row_tiles_give_the_default_bits_gpu(consts, table, prefill, warps, n, k
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", [(49152, 576), (128256, 4096)], ids=["smol-head", "llama8b-head"])
-def test_head_rows_keep_their_bits_gpu(consts, n, k):
-    """bf16 on the GPU, an LM head with HEAD_ROWS 64 (HEAD_TILES from 64 rows): each row of
-    ALONE alone equals the row among 64 and 2048, and every row equals the 16-row
-    LOGITS_DOT_TILES' logits (HEAD_ROWS may leave opt-in once this and figure 6 pass)."""
+def test_head_tiles_keep_their_bits_gpu(consts, n, k):
+    """bf16 on the GPU, an LM head at the shipped HEAD_ROWS and HEAD_TILES: each row of ALONE
+    alone equals the row among HEAD_ROWS - 1, HEAD_ROWS, 64 and 2048 rows, and every row equals
+    the 16-row LOGITS_DOT_TILES' logits (HEAD_ROWS None). Required: the default switches tiles
+    at HEAD_ROWS, and a CUDA graph's padded bucket may cross it."""
+    rows_from = SHIPPED_HEAD_ROWS
     proj, rows = _layer(n, k, False, False)
     consts(None, 1, 64)
     want = _parts(proj(rows))
-    consts(None, 1, 64, None, 64)
-    assert invariant.invariant_tiles(n, k, 64) != invariant.invariant_tiles(n, k, 1)
+    consts(None, 1, 64, None, rows_from)
+    assert invariant.HEAD_TILES == SHIPPED_HEAD_TILES
+    assert invariant.invariant_tiles(n, k, rows_from) == SHIPPED_HEAD_TILES[:2] + (
+        min(SHIPPED_HEAD_TILES[2], k), SHIPPED_HEAD_TILES[3])
+    assert invariant.invariant_tiles(n, k, rows_from - 1) == (16, *ops.LOGITS_DOT_TILES)
     alone = _alone(proj, rows)
-    for m in (64, 2048):
+    for m in (rows_from - 1, rows_from, 64, 2048):
         out = _parts(proj(rows[:m]))
         assert torch.equal(out[0], want[0][:m]), m
         for i in (i for i in ALONE if i < m):
