@@ -26,11 +26,17 @@ def spec_engine(base: Engine, head: Eagle3Head | None, **spec) -> Engine:
     return Engine(cfg, weights_of=base, draft_head=head)
 
 
+# Draft vocabulary of the heads whose steps run in Triton's interpreter, which costs per
+# program: their LM head is a GEMV of 4 column programs at 64 ids, 32 at random_head's 128
+# (same kernel, argmax fold included). These tests compare paths; any vocabulary does.
+FAST_VOCAB = 64
+
+
 def looping_setup(n: int, copies: int, max_tokens: int):
     """A tiny engine, a random head, n prompts each a short pattern repeated `copies` times,
     greedy params and the plain engine's outputs for them."""
     base = tiny_engine(0, max_num_batched_tokens=64)
-    head = random_head(base)
+    head = random_head(base, draft_vocab=FAST_VOCAB)
     prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * copies for i in range(n)]
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
     return base, head, prompts, sp, [c.token_ids for c in base.generate(prompts, sp)]
@@ -245,7 +251,7 @@ def test_fused_step_equals_the_step_by_step_path(k=3):
     step-by-step path, every step leaves the same tokens, KV progress and next drafts, for
     sequences whose drafts are accepted partly, fully or not at all."""
     base = tiny_engine(0, max_num_batched_tokens=64)
-    head = random_head(base)
+    head = random_head(base, draft_vocab=FAST_VOCAB)
     # Two sequences (a bucket of 2): the head below gets one's drafts accepted, not the other's.
     prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 2 for i in (0, 2)]
     sp = SamplingParams(temperature=0, max_tokens=200)
@@ -312,7 +318,7 @@ def test_fused_step_is_lossless_to_the_end(dynamic, num_blocks, beside, n, k=4):
     cache so small that requests are preempted: output equals plain decoding, blocks all
     come back."""
     base = tiny_engine(0, max_num_batched_tokens=64)
-    head = random_head(base)
+    head = random_head(base, draft_vocab=FAST_VOCAB)
     prompts, params = arriving_requests(n)
     ref = [c.token_ids for c in base.generate(prompts, params)]
     eng = fast_engine(base, head, num_tokens=k, dynamic=dynamic, num_blocks=num_blocks,
@@ -489,7 +495,7 @@ def test_dense_levels_from_a_batch_size_are_lossless():
     from engine.spec.fused import level_sets
 
     base = tiny_engine(0, max_num_batched_tokens=64)
-    head = random_head(base)
+    head = random_head(base, draft_vocab=FAST_VOCAB)
     prompts = [[(7 * i + j) % 50 for j in range(5 + 3 * i)] * 2 for i in range(4)]
     # Ends far enough apart that K reaches the batch's level before a request's end caps it
     # (6 tokens left at 3 sequences, 8 at 2), the last request alone for a few steps.
