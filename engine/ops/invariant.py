@@ -70,7 +70,7 @@ import torch
 
 from engine.attention.triton_backend import next_pow2
 from engine.ops.elementwise import silu_mul
-from engine.ops.prologue import LINEAR_MAX_WEIGHT, LOGITS_DOT_TILES, prologue_linear
+from engine.ops.prologue import LINEAR_MAX_WEIGHT, LOGITS_DOT_TILES, prologue_linear, tile_width
 
 BLOCK_M = 16  # rows of a tile by default: the smallest tensor-core block, so one row wastes least
 VOCAB_RATIO = 16  # N / K from which a weight is an LM head: LOGITS_DOT_TILES
@@ -137,7 +137,7 @@ def _checked(table) -> tuple[tuple[int, int, int], ...]:
             raise ValueError(f"ROW_TILES max_rows must increase from 1: {rows} after {last}")
         if bm not in ROW_BLOCKS_M:
             raise ValueError(f"ROW_TILES BLOCK_M {bm} not in {ROW_BLOCKS_M}")
-        if not _pow2(bn):
+        if not tile_width(bn):
             raise ValueError(f"ROW_TILES BLOCK_N {bn} is not a power of two >= 16")
         last = rows
     return table
@@ -192,9 +192,9 @@ def prefill_tiles(k: int, bk: int, glu: bool, norm: bool,
             type(v) is not int for v in (tiles[0], tiles[1], tiles[3])):
         raise ValueError(form)
     bm, bn, wide_k, warps = tiles
-    if (bm not in PREFILL_BLOCKS_M or not _pow2(bn) or warps not in (4, 8)
+    if (not _wide_tile(bm, bn, warps)
             or not (wide_k is None or ((kind == "plain" or free_k) and type(wide_k) is int
-                                       and _pow2(wide_k)))):
+                                       and tile_width(wide_k)))):
         raise ValueError(form)
     if wide_k is not None and LAYER_SPLITS <= 1:
         bk = wide_k
@@ -203,8 +203,9 @@ def prefill_tiles(k: int, bk: int, glu: bool, norm: bool,
     return bm, bn, bk, warps
 
 
-def _pow2(v: int) -> bool:
-    return v >= 16 and not v & (v - 1)
+def _wide_tile(bm: int, bn: int, warps: int) -> bool:
+    """Whether a PREFILL_TILES or HEAD_TILES entry's BLOCK_M, BLOCK_N and warps are allowed."""
+    return bm in PREFILL_BLOCKS_M and tile_width(bn) and warps in (4, 8)
 
 
 @lru_cache(maxsize=16)
@@ -246,7 +247,7 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
     ref = k_layout(BLOCK_M, span(bk), warps, keys) if sums and k % keys == 0 else None
     bm, small = BLOCK_M, (BLOCK_M, warps)
     if free_k and NORM_BLOCK_K is not None:
-        if type(NORM_BLOCK_K) is not int or not _pow2(NORM_BLOCK_K):
+        if type(NORM_BLOCK_K) is not int or not tile_width(NORM_BLOCK_K):
             raise ValueError(f"NORM_BLOCK_K must be None or a power of two >= 16, not "
                              f"{NORM_BLOCK_K!r}")
         bk = NORM_BLOCK_K
@@ -285,8 +286,7 @@ def head_tiles(kb: int, m: int | None, wide: bool) -> tuple[int, int, int, int]:
             raise ValueError(f"HEAD_ROWS must be None or a positive int, not {HEAD_ROWS!r}")
         t = HEAD_TILES
         if (not isinstance(t, tuple) or len(t) != 4 or any(type(v) is not int for v in t)
-                or t[0] not in PREFILL_BLOCKS_M or not (_pow2(t[1]) and _pow2(t[2]))
-                or t[3] not in (4, 8)):
+                or not (_wide_tile(t[0], t[1], t[3]) and tile_width(t[2]))):
             raise ValueError(f"HEAD_TILES must be (BLOCK_M in {PREFILL_BLOCKS_M}, BLOCK_N, "
                              f"BLOCK_K powers of two >= 16, warps 4 or 8), not {t!r}")
         if m is None:
@@ -301,7 +301,7 @@ def norm_chunk() -> int:
     """NORM_K validated (0 where None)."""
     if NORM_K is None:
         return 0
-    if type(NORM_K) is not int or not _pow2(NORM_K):
+    if type(NORM_K) is not int or not tile_width(NORM_K):
         raise ValueError(f"NORM_K must be None or a power of two >= 16, not {NORM_K!r}")
     return NORM_K
 

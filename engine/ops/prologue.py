@@ -29,6 +29,12 @@ GEMV_WARPS = 4  # warps of a GEMV program of a projection that is not wider than
 LOGITS_DOT_TILES = (64, 128, 4)
 DOT_MAX_ROWS = 16  # rows a launch with `dot` tiles computes in its one 16-row block
 
+
+def tile_width(v: int) -> bool:
+    """Whether v is a power of two >= 16: a tile's BLOCK_N / BLOCK_K or a norm chunk."""
+    return v >= 16 and not v & (v - 1)
+
+
 if triton_available():
     import triton.language as tl
 
@@ -265,7 +271,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         assert bias is None and keys is None and not silu and n % 2 == 0
         n //= 2
     pro = 1 if norm_weight is not None else 2 if silu else 0
-    if norm_k and (pro != 1 or norm_k < 16 or norm_k & (norm_k - 1)):
+    if norm_k and (pro != 1 or not tile_width(norm_k)):
         raise ValueError(f"norm_k {norm_k} needs a norm_weight and a power of two >= 16")
     assert x.shape[1] == (2 * k if silu else k) and x.stride(1) == 1 and weight.stride(1) == 1
     y = torch.empty(m if keys is None else 1, n, dtype=x.dtype, device=x.device)
