@@ -48,8 +48,9 @@ def _row_independent_dots() -> None:
 
 
 def _lighter_interpreter() -> None:
-    """Two costs of Triton's interpreter that change no result (together about a third of
-    the time of the tests that run kernels on the CPU):
+    """Costs of Triton's interpreter that change no result: these two (together about a third
+    of the time of the tests that run kernels on the CPU), then the per-op bookkeeping of the
+    functions below it (about another third of what was left):
 
     - Its options turn on `sanitize_overflow` while `debug` stays off, so every 32-bit
       integer add, sub and mul is recomputed in 64 bits and compared with the bounds for a
@@ -79,6 +80,138 @@ def _lighter_interpreter() -> None:
                 interpreter._patch_attr(pkg, name, member, builder, scope)
 
     interpreter._patch_builtin = patch_builtin
+    interpreter._patch_attr = _builtin_wrapper(interpreter)
+    _device_calls_keep_the_launchs_patches(interpreter)
+    _np_dtypes_found_once(interpreter)
+    _block_types_checked_once(interpreter.tl.core)
+    _tensor_shapes_made_once(interpreter.tl.core)
+
+
+def _builtin_wrapper(interpreter):
+    """`_patch_attr` as the interpreter has it, each patched builtin passing the interpreter's
+    semantic in place of any `_semantic` given, without copying the keywords into a new dict on
+    every call."""
+
+    def patch_attr(obj, name, member, builder, scope):
+        def new_member(*args, **kwargs):
+            kwargs.pop("_semantic", None)  # (a dict of this call's own)
+            return member(*args, **kwargs, _semantic=interpreter.interpreter_semantic)
+
+        scope.set_attr(obj, name, new_member)
+
+    return patch_attr
+
+
+def _device_calls_keep_the_launchs_patches(interpreter) -> None:
+    """Every call of a device function inside a kernel patches the language modules of its
+    module's globals again (builtins, tensor methods, range, reduce: the same functions the
+    launch running it patched, never restored by the call), and finds those modules by
+    scanning the globals each time. Inside a launch on the same thread that patched the same
+    modules, a device call patches nothing (the launch's patches stay in place until it
+    restores them); modules the launch did not patch are patched as before."""
+    import inspect
+    import threading
+
+    tl = interpreter.tl
+    real_patch_lang = interpreter._patch_lang
+    langs_of: dict = {}
+    launch: dict = {"patched": None, "thread": None}
+
+    def patch_lang(fn):
+        langs = langs_of.get(fn)
+        if langs is None:
+            langs = langs_of[fn] = frozenset(
+                id(v) for v in fn.__globals__.values()
+                if inspect.ismodule(v) and v in [tl, tl.core])
+        patched, me = launch["patched"], threading.get_ident()
+        if patched is not None and launch["thread"] == me and langs <= patched:
+            return interpreter._LangPatchScope()  # nothing to restore
+        scope = real_patch_lang(fn)
+        if patched is None:  # a kernel launch: until its restore, device calls reuse it
+            launch["patched"], launch["thread"] = set(langs), me
+
+            def restore(scope=scope):
+                try:
+                    interpreter._LangPatchScope.restore(scope)
+                finally:
+                    launch["patched"], launch["thread"] = None, None
+
+            scope.restore = restore
+        elif launch["thread"] == me:
+            patched.update(langs)
+        return scope
+
+    interpreter._patch_lang = patch_lang
+
+
+def _np_dtypes_found_once(interpreter) -> None:
+    """The interpreter maps a Triton dtype to numpy's by building a dict of every dtype on each
+    call: each dtype's answer, found once, is kept, keyed by the dtype's class and name (a
+    block type's or pointer's name spells its element type's)."""
+    real = interpreter._get_np_dtype
+    found: dict = {}
+
+    def get_np_dtype(tt_dtype):
+        key = (type(tt_dtype), getattr(tt_dtype, "name", None))
+        np_dtype = found.get(key)
+        if np_dtype is None:
+            np_dtype = real(tt_dtype)
+            if key[1] is not None:
+                found[key] = np_dtype
+        return np_dtype
+
+    interpreter._get_np_dtype = get_np_dtype
+
+
+def _block_types_checked_once(core) -> None:
+    """Every op of every interpreted program makes block types for its result, each unwrapping
+    and checking its shape (a power of two per dimension, at most Triton's element count) and
+    spelling its name. For a shape of plain ints already seen with the same element type, the
+    checked shape, count and name it got then are set again; others are made as before."""
+    real_init = core.block_type.__init__
+    made: dict = {}
+
+    def init(self, element_ty, shape):
+        try:
+            key = (type(element_ty), element_ty.name, *shape)
+            hit = made.get(key) if all(type(d) is int for d in shape) else None
+        except (AttributeError, TypeError):
+            key, hit = None, None
+        if hit is None:
+            real_init(self, element_ty, shape)
+            if key is not None and all(type(d) is int for d in shape):
+                made[key] = (self.shape, self.numel, self.name)
+            return
+        self.element_ty = element_ty
+        self.shape, self.numel, self.name = hit
+
+    core.block_type.__init__ = init
+
+
+def _tensor_shapes_made_once(core) -> None:
+    """Every tensor an interpreted op makes spells its shape as a Triton tuple of constexprs
+    whose tuple type it works out element by element, and its element count as a constexpr.
+    For a shape already seen, the tensor takes the constexprs (values, never changed) and the
+    tuple type made then, in a tuple of its own; the attributes are the same as before."""
+    real_init = core.tensor.__init__
+    made: dict = {}
+
+    def init(self, handle, type):
+        dims = type.shape if type.is_block() else ()
+        hit = made.get(dims) if isinstance(dims, tuple) else None
+        if hit is None:
+            real_init(self, handle, type)
+            if isinstance(dims, tuple):
+                made[dims] = (list(self.shape.values), self.shape.type, self.numel)
+            return
+        values, tuple_type, numel = hit
+        self.handle = handle
+        self.numel = numel
+        self.type = type
+        self.dtype = type.scalar
+        self.shape = core.tuple(values, tuple_type)
+
+    core.tensor.__init__ = init
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
