@@ -85,6 +85,7 @@ def _lighter_interpreter() -> None:
     _np_dtypes_found_once(interpreter)
     _block_types_checked_once(interpreter.tl.core)
     _tensor_shapes_made_once(interpreter.tl.core)
+    _equal_blocks_not_broadcast(interpreter)
 
 
 def _builtin_wrapper(interpreter):
@@ -212,6 +213,28 @@ def _tensor_shapes_made_once(core) -> None:
         self.shape = core.tuple(values, tuple_type)
 
     core.tensor.__init__ = init
+
+
+def _equal_blocks_not_broadcast(interpreter) -> None:
+    """The semantic's broadcast of two operands compares a block's shape (a tuple) with the
+    result's (a list), never equal, so every op on two blocks of one shape broadcasts both to
+    the shape they have: a read-only numpy view of the same values under an equal block type.
+    Blocks of one shape and element types whose handles hold scalar dtypes are returned as
+    they are; the values every op computes from them are the same."""
+    semantic = interpreter.interpreter_semantic
+    real = type(semantic).broadcast_impl_value
+    block_type = interpreter.tl.core.block_type
+
+    def broadcast_impl_value(self, lhs, rhs):
+        lt, rt = lhs.type, rhs.type
+        if (self is semantic and isinstance(lt, block_type) and isinstance(rt, block_type)
+                and lt.shape == rt.shape
+                and not isinstance(lhs.handle.dtype, block_type)
+                and not isinstance(rhs.handle.dtype, block_type)):
+            return lhs, rhs
+        return real(self, lhs, rhs)
+
+    type(semantic).broadcast_impl_value = broadcast_impl_value
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
