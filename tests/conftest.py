@@ -198,12 +198,16 @@ def _tensor_shapes_made_once(core) -> None:
     made: dict = {}
 
     def init(self, handle, type):
-        dims = type.shape if type.is_block() else ()
-        hit = made.get(dims) if isinstance(dims, tuple) else None
+        if type.is_block():
+            dims = getattr(type.shape, "values", type.shape)  # a Triton tuple's ints
+            key = (*dims,) if all(d.__class__ is int for d in dims) else None
+        else:
+            key = ()
+        hit = made.get(key) if key is not None else None
         if hit is None:
             real_init(self, handle, type)
-            if isinstance(dims, tuple):
-                made[dims] = (list(self.shape.values), self.shape.type, self.numel)
+            if key is not None:
+                made[key] = (list(self.shape.values), self.shape.type, self.numel)
             return
         values, tuple_type, numel = hit
         self.handle = handle
@@ -216,11 +220,10 @@ def _tensor_shapes_made_once(core) -> None:
 
 
 def _equal_blocks_not_broadcast(interpreter) -> None:
-    """The semantic's broadcast of two operands compares a block's shape (a tuple) with the
-    result's (a list), never equal, so every op on two blocks of one shape broadcasts both to
-    the shape they have: a read-only numpy view of the same values under an equal block type.
-    Blocks of one shape and element types whose handles hold scalar dtypes are returned as
-    they are; the values every op computes from them are the same."""
+    """The semantic's broadcast of two operands returns two blocks of one shape as they are,
+    after building the result's shape dimension by dimension and comparing it with each
+    operand's (Triton tuples of constexprs): blocks of one shape whose handles hold scalar
+    dtypes are returned as they are at once."""
     semantic = interpreter.interpreter_semantic
     real = type(semantic).broadcast_impl_value
     block_type = interpreter.tl.core.block_type
