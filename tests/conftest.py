@@ -116,7 +116,7 @@ def _device_calls_keep_the_launchs_patches(interpreter) -> None:
     tl = interpreter.tl
     real_patch_lang = interpreter._patch_lang
     langs_of: dict = {}
-    launch: dict = {"patched": None, "thread": None}
+    launch = threading.local()  # per thread: the modules its running launch patched
 
     def patch_lang(fn):
         langs = langs_of.get(fn)
@@ -124,21 +124,21 @@ def _device_calls_keep_the_launchs_patches(interpreter) -> None:
             langs = langs_of[fn] = frozenset(
                 id(v) for v in fn.__globals__.values()
                 if inspect.ismodule(v) and v in [tl, tl.core])
-        patched, me = launch["patched"], threading.get_ident()
-        if patched is not None and launch["thread"] == me and langs <= patched:
+        patched = getattr(launch, "patched", None)
+        if patched is not None and langs <= patched:
             return interpreter._LangPatchScope()  # nothing to restore
         scope = real_patch_lang(fn)
         if patched is None:  # a kernel launch: until its restore, device calls reuse it
-            launch["patched"], launch["thread"] = set(langs), me
+            launch.patched = set(langs)
 
             def restore(scope=scope):
                 try:
                     interpreter._LangPatchScope.restore(scope)
                 finally:
-                    launch["patched"], launch["thread"] = None, None
+                    launch.patched = None
 
             scope.restore = restore
-        elif launch["thread"] == me:
+        else:
             patched.update(langs)
         return scope
 
