@@ -107,16 +107,33 @@ def _device_calls_keep_the_launchs_patches(interpreter) -> None:
     """Every call of a device function inside a kernel patches the language modules of its
     module's globals again (builtins, tensor methods, range, reduce: the same functions the
     launch running it patched, never restored by the call), and finds those modules by
-    scanning the globals each time. Inside a launch on the same thread that patched the same
-    modules, a device call patches nothing (the launch's patches stay in place until it
-    restores them); modules the launch did not patch are patched as before."""
+    scanning the globals each time. Inside a launch that patched the same modules, a device
+    call patches nothing (the launch's patches stay in place until it restores them); modules
+    the launch did not patch, functions that see no language module (the interpreter's own
+    error), calls outside a launch and calls after a nested launch's restore patch as before.
+    Launches are serialised: the patches are the process's, and one thread's restore would
+    unpatch another's running kernel."""
     import inspect
     import threading
 
     tl = interpreter.tl
     real_patch_lang = interpreter._patch_lang
+    real_call = interpreter.GridExecutor.__call__
     langs_of: dict = {}
-    launch = threading.local()  # per thread: the modules its running launch patched
+    lock = threading.RLock()
+    # Per thread: `starting` while a launch's own patch is next, `patched` the modules the
+    # running launch (and its device calls) patched, None outside a launch.
+    launch = threading.local()
+
+    def call(self, *args, **kwargs):
+        with lock:
+            outer = getattr(launch, "patched", None)
+            launch.patched, launch.starting = None, True
+            try:
+                return real_call(self, *args, **kwargs)
+            finally:
+                # A nested launch's restore undid patches the outer launch may rely on.
+                launch.patched, launch.starting = (None if outer is None else set()), False
 
     def patch_lang(fn):
         langs = langs_of.get(fn)
@@ -125,23 +142,16 @@ def _device_calls_keep_the_launchs_patches(interpreter) -> None:
                 id(v) for v in fn.__globals__.values()
                 if inspect.ismodule(v) and v in [tl, tl.core])
         patched = getattr(launch, "patched", None)
-        if patched is not None and langs <= patched:
+        if langs and patched is not None and langs <= patched:
             return interpreter._LangPatchScope()  # nothing to restore
         scope = real_patch_lang(fn)
-        if patched is None:  # a kernel launch: until its restore, device calls reuse it
-            launch.patched = set(langs)
-
-            def restore(scope=scope):
-                try:
-                    interpreter._LangPatchScope.restore(scope)
-                finally:
-                    launch.patched = None
-
-            scope.restore = restore
-        else:
+        if getattr(launch, "starting", False):  # the launch's own patch
+            launch.patched, launch.starting = set(langs), False
+        elif patched is not None:
             patched.update(langs)
         return scope
 
+    interpreter.GridExecutor.__call__ = call
     interpreter._patch_lang = patch_lang
 
 
@@ -173,11 +183,13 @@ def _block_types_checked_once(core) -> None:
     made: dict = {}
 
     def init(self, element_ty, shape):
-        try:
-            key = (type(element_ty), element_ty.name, *shape)
-            hit = made.get(key) if all(type(d) is int for d in shape) else None
-        except (AttributeError, TypeError):
-            key, hit = None, None
+        key, hit = None, None
+        if isinstance(shape, (list, core.tuple)):  # others fail the real check: it raises
+            try:
+                key = (type(element_ty), element_ty.name, *shape)
+                hit = made.get(key) if all(type(d) is int for d in shape) else None
+            except (AttributeError, TypeError):
+                key, hit = None, None
         if hit is None:
             real_init(self, element_ty, shape)
             if key is not None and all(type(d) is int for d in shape):
