@@ -183,16 +183,15 @@ def _block_types_checked_once(core) -> None:
     made: dict = {}
 
     def init(self, element_ty, shape):
-        key, hit = None, None
-        if isinstance(shape, (list, core.tuple)):  # others fail the real check: it raises
-            try:
-                key = (type(element_ty), element_ty.name, *shape)
-                hit = made.get(key) if all(type(d) is int for d in shape) else None
-            except (AttributeError, TypeError):
-                key, hit = None, None
+        # Kept: a list or Triton tuple (others fail the real check) of plain ints, of a named type.
+        name = getattr(element_ty, "name", None)
+        key = ((type(element_ty), name, *shape) if name is not None
+               and isinstance(shape, (list, core.tuple)) and all(type(d) is int for d in shape)
+               else None)
+        hit = made.get(key) if key is not None else None
         if hit is None:
             real_init(self, element_ty, shape)
-            if key is not None and all(type(d) is int for d in shape):
+            if key is not None:
                 made[key] = (self.shape, self.numel, self.name)
             return
         self.element_ty = element_ty
