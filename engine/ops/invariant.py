@@ -227,7 +227,7 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
     `prefill_suits`): never PREFILL_TILES or HEAD_TILES, nor for activations of `elem` bytes
     other than 2 (their tiles overflow shared memory). ValueError for a malformed setting."""
     kb = next_pow2(k, 16)  # a BLOCK_K past K is cut to K's power of two
-    if head or n >= VOCAB_RATIO * k:  # a norm's sums or a GLU keep the 16-row tiles' order
+    if is_head(n, k, head):  # a norm's sums or a GLU keep the 16-row tiles' order
         return head_tiles(kb, m, prefill and elem == 2 and not (norm or glu))
     wide = PREFILL_ROWS is not None and prefill and elem == 2
     if (ROW_TILES is not None or wide or norm and NORM_WARPS is not None) and m is None:
@@ -311,7 +311,12 @@ def invariant_splits(n: int, k: int, head: bool = False) -> int:
     `LAYER_SPLITS` alone: the decoder layer's projections LAYER_SPLITS, an LM head (`head`, or
     at least VOCAB_RATIO x k rows) none (`prologue_linear` takes fewer where K has fewer
     tiles)."""
-    return 1 if head or n >= VOCAB_RATIO * k else LAYER_SPLITS
+    return 1 if is_head(n, k, head) else LAYER_SPLITS
+
+
+def is_head(n: int, k: int, head: bool = False) -> bool:
+    """Whether an [n, k] weight is an LM head's: `head`, or at least VOCAB_RATIO x k rows."""
+    return head or n >= VOCAB_RATIO * k
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
