@@ -21,6 +21,7 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
   --platform manylinux2014_x86_64 -d "$tmp/pack/whl" \
   transformers==5.25.0 gguf==0.19.0 tokenizers==0.23.3 safetensors==0.8.0
 rm -f "$tmp"/pack/whl/numpy-*.whl  # the machine's torch brings the numpy it was built with
+rm -f "$tmp"/pack/whl/hf_xet-*.whl  # downloads only (4 MB); without it the tar fits 5 parts
 tar -C "$tmp/pack" -cf "$tmp/all.tar" models whl
 rm -rf "$out" && mkdir -p "$out"
 split -b "$part" -d "$tmp/all.tar" "$tmp/part."
