@@ -23,10 +23,13 @@ accumulates the same k16 MMA steps in the same K order, and the norm prologue's 
 keep their layout along K where the tile holds it (`k_layout`; other tables are refused).
 At BLOCK_M 64 Triton computes `tl.dot` with Hopper's warp-group MMA instead of mma.sync; that it
 rounds alike is what the GPU cases' WIDE table checks. A tile must fit shared memory, which a
-1024-key K tile allows at (32, 128) and (64, 32), not (64, 64). Inside a CUDA graph the row
-count is the bucket's padded count, not the live rows': that is only sound because the tiles do
-not change a row's bits (so too for PREFILL_TILES and HEAD_TILES). Whether they do not is a
-property of the GPU's MMA, not shown by the interpreter: ROW_TILES stays opt-in until a GPU
+1024-key K tile allows at (32, 128) and (64, 32), not (64, 64); a norm walking K in longer
+tiles than 128 keys takes at most 32 x NORM_LOOP_BLOCK_N (x and the residual are
+double-buffered: Qwen-1.5B's qkv at 32 x 128 would need 297 KB of 227). Inside a CUDA graph
+the row count is the bucket's padded count, not the live rows': that is only sound because the
+tiles do not change a row's bits (so too for PREFILL_TILES, HEAD_TILES and NORM_WARPS).
+Whether they do not is a property of the GPU's MMA, not shown by the interpreter: ROW_TILES
+stays opt-in until a GPU
 shows every row's bits unchanged across the table (tests/engine/test_invariant_row_tiles.py's
 GPU cases) and figure 6 stays 100% identical. Set it for an A/B process with, e.g., `--set
 engine.ops.invariant.ROW_TILES=((1,16,16),(16,16,32),(1000000000,32,64))` (a Python literal:
@@ -103,9 +106,11 @@ PREFILL_BLOCKS_M = (16, 32, 64, 128)
 # are double-buffered then, and 128 columns would overflow shared memory.
 NORM_LOOP_BLOCK_N = 32
 # Warps of a projection with a norm prologue (qkv, gate_up) in launches of at most
-# NORM_WARPS_ROWS rows (None: the shape's; else 4 or 8): more warps shorten a latency-bound
-# launch of few rows, and lengthen one of many row blocks. Opt-in until figure 6 runs it.
-NORM_WARPS = None
+# NORM_WARPS_ROWS rows (None: the shape's; else 4 or 8), where the tile lays the norm's K out
+# as at the shape's warps (elsewhere those stay): more warps shorten a latency-bound launch of
+# few rows (one stream 8% faster on an H100, same bits: profile/det64_nw8_33b1cef.json) and
+# lengthen one of many row blocks.
+NORM_WARPS = 8
 NORM_WARPS_ROWS = 16
 # Launches of at least HEAD_ROWS rows (None: none) give an LM head HEAD_TILES (BLOCK_M,
 # BLOCK_N, BLOCK_K, warps) where PREFILL_TILES apply (`prefill_suits`, 16-bit activations): a
@@ -253,17 +258,20 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
         bk = NORM_BLOCK_K
     if ROW_TILES is not None:
         bm, bn = row_tiles(ROW_TILES, m)
+        if norm and k > bk > 128:  # x and the residual double-buffered: as in prefill_tiles
+            bm, bn = min(bm, 32), min(bn, NORM_LOOP_BLOCK_N)
     if norm and NORM_WARPS is not None:
         if type(NORM_WARPS) is not int or NORM_WARPS not in (4, 8):
             raise ValueError(f"NORM_WARPS must be None, 4 or 8, not {NORM_WARPS!r}")
         if type(NORM_WARPS_ROWS) is not int or NORM_WARPS_ROWS < 1:
             raise ValueError(f"NORM_WARPS_ROWS must be a positive int, not {NORM_WARPS_ROWS!r}")
-        if m <= NORM_WARPS_ROWS:
+        if m <= NORM_WARPS_ROWS and ref is not None and k_layout(
+                bm, span(bk), NORM_WARPS, keys) == ref:
             warps = NORM_WARPS
     if sums and (bm, warps) != small and (
             ref is None or k_layout(bm, span(bk), warps, keys) != ref):
-        raise ValueError(f"ROW_TILES / NORM_WARPS give tiles {(bm, bn, bk, warps)} that would "
-                         f"sum a norm's rows in another order")
+        raise ValueError(f"ROW_TILES give tiles {(bm, bn, bk, warps)} that would sum a "
+                         f"norm's rows in another order")
     if wide:
         if type(PREFILL_ROWS) is not int or PREFILL_ROWS < 1:
             raise ValueError(f"PREFILL_ROWS must be None or a positive int, not {PREFILL_ROWS!r}")

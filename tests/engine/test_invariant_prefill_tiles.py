@@ -73,8 +73,9 @@ def test_norm_warps_at_few_rows(prefill, monkeypatch):
     """NORM_WARPS gives qkv and gate_up (norm prologue) its warps in launches of at most
     NORM_WARPS_ROWS rows, their BLOCK_M, BLOCK_N and BLOCK_K unchanged; more rows, a plain
     projection and PREFILL_TILES keep theirs; without a row count the tiles cannot be chosen;
-    a count other than 4 or 8 (or a NORM_WARPS_ROWS not a positive int) is refused by name,
-    and so is 8 where it would lay a norm's K out otherwise (a 32-key K in a 16-row tile)."""
+    a count other than 4 or 8 (or a NORM_WARPS_ROWS not a positive int) is refused by name;
+    where 8 would lay a norm's K out otherwise (a 32-key K in a 16-row tile) the shape's warps
+    stay."""
     prefill(64)
     shapes = [(960, 576, False, True), (1536, 576, True, True), (576, 576, False, False)]
     before = {(s, m): invariant.invariant_tiles(s[0], s[1], m, *s[2:])
@@ -88,8 +89,7 @@ def test_norm_warps_at_few_rows(prefill, monkeypatch):
     assert invariant.invariant_tiles(960, 576, 17, norm=True)[3] == 8
     with pytest.raises(ValueError, match="row count"):
         invariant.invariant_tiles(960, 576, norm=True)
-    with pytest.raises(ValueError, match="another order"):
-        invariant.invariant_tiles(64, 32, 1, norm=True)
+    assert invariant.invariant_tiles(64, 32, 1, norm=True)[3] == invariant.layer_tiles(64, 32)[2]
     for bad in (0, 2.0, None):
         monkeypatch.setattr(invariant, "NORM_WARPS_ROWS", bad)
         with pytest.raises(ValueError, match="NORM_WARPS_ROWS"):
@@ -289,7 +289,7 @@ def test_norm_k_rows_keep_their_bits(prefill, monkeypatch):
 def test_other_dtypes_keep_the_small_tiles(prefill, monkeypatch):
     """fp32 activations (4 keys a 16-byte load, and tiles that overflow shared memory) never
     take PREFILL_TILES; a K off the 16-byte multiple leaves a norm's layout untold, so a norm
-    projection keeps its 16-row tiles there and NORM_WARPS is refused."""
+    projection keeps its 16-row tiles there, NORM_WARPS leaving their warps too."""
     prefill(64)
     small = invariant.invariant_tiles(960, 576, 1, norm=True)
     assert invariant.invariant_tiles(960, 576, 2048, norm=True, elem=4) == small
@@ -298,5 +298,21 @@ def test_other_dtypes_keep_the_small_tiles(prefill, monkeypatch):
         32, 1024, 8, keys=4)
     assert invariant.invariant_tiles(64, 300, 2048, norm=True)[0] == 16
     monkeypatch.setattr(invariant, "NORM_WARPS", 8)
-    with pytest.raises(ValueError, match="another order"):
-        invariant.invariant_tiles(64, 300, 1, norm=True)
+    assert invariant.invariant_tiles(64, 300, 1, norm=True) == invariant.invariant_tiles(
+        64, 300, 2048, norm=True)
+
+
+def test_norm_warps_by_default():
+    """By default qkv and gate_up take 8 warps up to NORM_WARPS_ROWS rows (their GPU cases
+    give the 4-warp tiles' bits), the shape's from then on; a norm of a tiny K keeps its warps
+    rather than failing (a model of any width runs deterministic)."""
+    assert invariant.NORM_WARPS == 8
+    qkv, gate_up = (960, 576, False, True), (1536, 576, True, True)
+    for n, k, glu, norm in (qkv, gate_up):
+        shape_warps = invariant.layer_tiles(n, k, glu)[2]
+        assert invariant.invariant_tiles(n, k, 1, glu, norm)[3] == 8 != shape_warps
+        rows = invariant.NORM_WARPS_ROWS + 1
+        assert invariant.invariant_tiles(n, k, rows, glu, norm)[3] == shape_warps
+    assert invariant.invariant_tiles(576, 576, 1)[3] == invariant.layer_tiles(576, 576)[2]
+    for k in (32, 48, 300):
+        assert invariant.invariant_tiles(64, k, 1, norm=True)[3] == invariant.layer_tiles(64, k)[2]

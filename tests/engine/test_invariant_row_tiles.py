@@ -56,6 +56,22 @@ def test_table_picks_tiles_by_row_count(consts):
         invariant.invariant_tiles(960, 576, 9)
 
 
+def test_a_norm_walking_long_k_tiles_stays_within_shared_memory(consts):
+    """A norm prologue walking K in 512-key tiles (Qwen-1.5B's qkv) takes at most 32 rows and
+    NORM_LOOP_BLOCK_N columns of a table's tiles (SPAN's 32 x 128 and WIDE's 64 x 32 overflow
+    an H100's shared memory there), its BLOCK_K and warps the shape's; other projections
+    take the table's."""
+    n, k = 2048, 1536
+    bk, warps = invariant.layer_tiles(n, k)[1:]
+    assert k > bk > 128
+    for table in (SPAN, WIDE):
+        consts(table)
+        assert invariant.invariant_tiles(n, k, 2048, norm=True) == (
+            32, invariant.NORM_LOOP_BLOCK_N, bk, warps)
+        assert invariant.invariant_tiles(n, k, 2048)[:2] == table[-1][1:]
+        assert invariant.invariant_tiles(960, 576, 2048, norm=True)[:2] == table[-1][1:]
+
+
 @pytest.mark.parametrize("table,match", [
     ((), "must be None or"),
     ("((1,16,16),(10**9,32,64))", "must be None or"),  # what --set makes of a non-literal
@@ -193,7 +209,8 @@ def test_rows_alone_equal_batched_gpu(consts, table, splits, prefill, warps, n, 
     8, 64 and 2048 (of those that hold it), outputs and x + residual, with the 16-row tiles and
     with SPAN's (other tiles at each of those counts), unsplit and in 4 K-splits, with WIDE's
     64-row warp-group tiles at 2048, with PREFILL_TILES from 64 rows, and with NORM_WARPS 8
-    below them. ROW_TILES or NORM_WARPS may leave opt-in only once its cases pass."""
+    below them (NORM_WARPS 8 is the default: these cases passed on an H100). ROW_TILES may
+    leave opt-in only once its cases pass."""
     consts(table, splits, prefill, warps)
     half = n // 2 if glu else n
     counts = (1, *BATCHES)
@@ -210,9 +227,10 @@ def test_rows_alone_equal_batched_gpu(consts, table, splits, prefill, warps, n, 
 def test_row_tiles_give_the_default_bits_gpu(consts, table, prefill, warps, n, k, glu, norm):
     """bf16 on the GPU: SPAN's (and WIDE's warp-group) tiles, PREFILL_TILES at every count, and
     8 warps on a norm prologue's 16-row tiles give every row the 16-row tiles' bits (alone and
-    among 2048). Required of PREFILL_TILES (on by default: a launch of PREFILL_ROWS - 1 rows
-    and one of PREFILL_ROWS must agree); for the opt-in ROW_TILES and NORM_WARPS it says
-    setting them would not change the deterministic mode's outputs at all."""
+    among 2048). Required of PREFILL_TILES and NORM_WARPS (on by default: a launch of
+    PREFILL_ROWS - 1 rows and one of PREFILL_ROWS must agree, and one of NORM_WARPS_ROWS and
+    one more); for the opt-in ROW_TILES it says setting them would not change the
+    deterministic mode's outputs at all."""
     proj, rows = _layer(n, k, glu, norm)
     consts(None)
     want = _alone(proj, rows), _parts(proj(rows))
