@@ -314,5 +314,8 @@ def test_norm_warps_by_default():
         rows = invariant.NORM_WARPS_ROWS + 1
         assert invariant.invariant_tiles(n, k, rows, glu, norm)[3] == shape_warps
     assert invariant.invariant_tiles(576, 576, 1)[3] == invariant.layer_tiles(576, 576)[2]
+    # fp32 (4 keys a load): 8 warps would lay qkv's K out in 8 warps, not 4, so 4 stay
+    assert invariant.k_layout(16, 1024, 8, keys=4) != invariant.k_layout(16, 1024, 4, keys=4)
+    assert invariant.invariant_tiles(960, 576, 1, norm=True, elem=4)[3] == 4
     for k in (32, 48, 300):
         assert invariant.invariant_tiles(64, k, 1, norm=True)[3] == invariant.layer_tiles(64, k)[2]

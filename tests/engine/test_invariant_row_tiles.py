@@ -200,9 +200,11 @@ def _alone_equals_batched(proj, rows) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("table,splits,prefill,warps", [
     (None, 1, None, None), (None, 4, None, None), (SPAN, 1, None, None), (SPAN, 4, None, None),
-    (WIDE, 1, None, None), (None, 1, 64, None), (None, 4, 64, None), (None, 1, 64, 8)],
+    (WIDE, 1, None, None), (None, 1, 64, None), (None, 4, 64, None), (None, 1, 64, 8),
+    (SPAN, 1, None, 8), (None, 4, 64, 8)],
     ids=["default", "default-split4", "row-tiles", "row-tiles-split4", "row-tiles-wide",
-         "prefill", "prefill-split4", "norm-warps8"])
+         "prefill", "prefill-split4", "norm-warps8", "row-tiles-norm-warps8",
+         "split4-norm-warps8"])
 @pytest.mark.parametrize("n,k,glu,norm", LAYER_SHAPES)
 def test_rows_alone_equal_batched_gpu(consts, table, splits, prefill, warps, n, k, glu, norm):
     """bf16 on the GPU: each row of ALONE computed alone equals, bit for bit, the same row among
