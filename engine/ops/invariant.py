@@ -250,6 +250,10 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
 
     # A K off the 16-byte load's multiple loads narrower: its layout is not told here.
     ref = k_layout(BLOCK_M, span(bk), warps, keys) if sums and k % keys == 0 else None
+
+    def keeps(b: int, b_k: int, w: int) -> bool:  # sums a norm's rows as the 16-row tiles do
+        return ref is not None and k_layout(b, span(b_k), w, keys) == ref
+
     bm, small = BLOCK_M, (BLOCK_M, warps)
     if free_k and NORM_BLOCK_K is not None:
         if type(NORM_BLOCK_K) is not int or not tile_width(NORM_BLOCK_K):
@@ -265,11 +269,9 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
             raise ValueError(f"NORM_WARPS must be None, 4 or 8, not {NORM_WARPS!r}")
         if type(NORM_WARPS_ROWS) is not int or NORM_WARPS_ROWS < 1:
             raise ValueError(f"NORM_WARPS_ROWS must be a positive int, not {NORM_WARPS_ROWS!r}")
-        if m <= NORM_WARPS_ROWS and ref is not None and k_layout(
-                bm, span(bk), NORM_WARPS, keys) == ref:
+        if m <= NORM_WARPS_ROWS and keeps(bm, bk, NORM_WARPS):
             warps = NORM_WARPS
-    if sums and (bm, warps) != small and (
-            ref is None or k_layout(bm, span(bk), warps, keys) != ref):
+    if sums and (bm, warps) != small and not keeps(bm, bk, warps):
         raise ValueError(f"ROW_TILES give tiles {(bm, bn, bk, warps)} that would sum a "
                          f"norm's rows in another order")
     if wide:
@@ -279,8 +281,7 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
             tiles = prefill_tiles(k, shape_bk, glu, norm, bool(chunk))
             # A norm's sums must keep the small tiles' order; where that cannot be told (a tiny
             # K), those tiles stay.
-            if not sums or (ref is not None and k_layout(
-                    tiles[0], span(tiles[2]), tiles[3], keys) == ref):
+            if not sums or keeps(tiles[0], tiles[2], tiles[3]):
                 bm, bn, bk, warps = tiles
     return bm, bn, min(bk, kb), warps
 
