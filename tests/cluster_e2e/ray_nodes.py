@@ -28,10 +28,19 @@ NODE_PORTS = ("node-manager", "object-manager", "dashboard-agent-listen", "dashb
 NODE_GPUS = "4,5,6,7"
 
 
+_GIVEN: set[int] = set()  # ports free_port handed out in this process
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now that this process has not handed out before: two picks can return the
+    same port, and Ray refuses a node whose components share one."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def torch_threads() -> int:
