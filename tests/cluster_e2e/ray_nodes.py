@@ -73,23 +73,30 @@ class RayNodes:
             f.write(secrets.token_hex(32))
         self.env = {**client_env(), "RAY_AUTH_MODE": "token",
                     "RAY_AUTH_TOKEN_PATH": self.token_path}
-        self.gcs, self.dash = free_port(), free_port()
-        self.address = f"127.0.0.1:{self.gcs}"
-        self.dashboard = f"http://127.0.0.1:{self.dash}"
         self.procs: list[subprocess.Popen] = []
-        head = ["--head", f"--port={self.gcs}", "--dashboard-host=127.0.0.1",
-                f"--dashboard-port={self.dash}", f"--ray-client-server-port={free_port()}"]
-        try:
-            self.add(head_cpus, head_resources, head)
-        except BaseException:
-            self.close()
-            raise
+        for attempt in (1, 2):  # a head that exits before it is up gets fresh ports once
+            self.gcs, self.dash = free_port(), free_port()
+            self.address = f"127.0.0.1:{self.gcs}"
+            self.dashboard = f"http://127.0.0.1:{self.dash}"
+            head = ["--head", f"--port={self.gcs}", "--dashboard-host=127.0.0.1",
+                    f"--dashboard-port={self.dash}", f"--ray-client-server-port={free_port()}"]
+            try:
+                self.add(head_cpus, head_resources, head)
+                return
+            except AssertionError:
+                if attempt == 2:
+                    self.close()
+                    raise
+            except BaseException:
+                self.close()
+                raise
 
     def add(self, cpus: int, resources: str | None = None, flags: list[str] | None = None):
         """Start a node (a worker node of this head unless `flags` says --head) with `cpus`
         CPUs and `resources` (JSON), once its processes are up. A worker node that exits
         before it is up is tried once more on fresh ports (another process may have taken
-        one of those `free_port` picked); the error carries `ray start`'s output."""
+        one of those `free_port` picked; the head is retried by `__init__`, whose ports its
+        address names); the error carries `ray start`'s output."""
         # A head turns token auth on where it finds a token (Ray's default); a node joining
         # it is told to.
         env = self.env if flags is None else {k: v for k, v in self.env.items()
