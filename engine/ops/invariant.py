@@ -235,9 +235,9 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
     if is_head(n, k, head):  # a norm's sums or a GLU keep the 16-row tiles' order
         return head_tiles(kb, m, prefill and elem == 2 and not (norm or glu))
     wide = PREFILL_ROWS is not None and prefill and elem == 2
-    if (ROW_TILES is not None or wide or norm and NORM_WARPS is not None) and m is None:
-        raise ValueError("ROW_TILES, PREFILL_ROWS or NORM_WARPS is set: a decoder layer's tiles "
-                         "need the row count")
+    if (ROW_TILES is not None or wide) and m is None:
+        raise ValueError("ROW_TILES or PREFILL_ROWS is set: a decoder layer's tiles need the "
+                         "row count")
     bn, bk, warps = layer_tiles(n, k, glu)
     shape_bk = bk
     sums = norm or glu  # a norm prologue's row sums, whose order the tiles must keep
@@ -269,8 +269,12 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
             raise ValueError(f"NORM_WARPS must be None, 4 or 8, not {NORM_WARPS!r}")
         if type(NORM_WARPS_ROWS) is not int or NORM_WARPS_ROWS < 1:
             raise ValueError(f"NORM_WARPS_ROWS must be a positive int, not {NORM_WARPS_ROWS!r}")
-        if m <= NORM_WARPS_ROWS and keeps(bm, bk, NORM_WARPS):
-            warps = NORM_WARPS
+        if NORM_WARPS != warps and keeps(bm, bk, NORM_WARPS):
+            if m is None:
+                raise ValueError("NORM_WARPS is set: a norm projection's tiles need the row "
+                                 "count")
+            if m <= NORM_WARPS_ROWS:
+                warps = NORM_WARPS
     if sums and (bm, warps) != small and not keeps(bm, bk, warps):
         raise ValueError(f"ROW_TILES give tiles {(bm, bn, bk, warps)} that would sum a "
                          f"norm's rows in another order")

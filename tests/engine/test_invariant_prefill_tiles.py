@@ -305,7 +305,8 @@ def test_other_dtypes_keep_the_small_tiles(prefill, monkeypatch):
 def test_norm_warps_by_default():
     """By default qkv and gate_up take 8 warps up to NORM_WARPS_ROWS rows (their GPU cases
     give the 4-warp tiles' bits), the shape's from then on; a norm of a tiny K keeps its warps
-    rather than failing (a model of any width runs deterministic)."""
+    rather than failing (a model of any width runs deterministic), and its tiles, which no row
+    count changes, are told without one (on a device without PREFILL_TILES, whose tiles do)."""
     assert invariant.NORM_WARPS == 8
     qkv, gate_up = (960, 576, False, True), (1536, 576, True, True)
     for n, k, glu, norm in (qkv, gate_up):
@@ -319,3 +320,7 @@ def test_norm_warps_by_default():
     assert invariant.invariant_tiles(960, 576, 1, norm=True, elem=4)[3] == 4
     for k in (32, 48, 300):
         assert invariant.invariant_tiles(64, k, 1, norm=True)[3] == invariant.layer_tiles(64, k)[2]
+        assert invariant.invariant_tiles(64, k, norm=True, prefill=False) == (
+            invariant.invariant_tiles(64, k, 1, norm=True))
+    with pytest.raises(ValueError, match="NORM_WARPS is set"):
+        invariant.invariant_tiles(960, 576, norm=True, prefill=False)
