@@ -217,7 +217,10 @@ def test_rows_alone_equal_batched_gpu(consts, table, splits, prefill, warps, n, 
     half = n // 2 if glu else n
     counts = (1, *BATCHES)
     distinct = {invariant.invariant_tiles(half, k, m, glu, norm) for m in counts}
-    assert len(distinct) == (len(counts) if table else 2 if prefill else 1)
+    # ROW_TILES: other tiles at each count, but where a norm walks K in >128-key tiles its
+    # cap (at most 32 x NORM_LOOP_BLOCK_N) makes the two largest alike
+    capped = norm and k > invariant.layer_tiles(half, k, glu)[1] > 128
+    assert len(distinct) == ((len(counts) - capped) if table else 2 if prefill else 1)
     _alone_equals_batched(*_layer(n, k, glu, norm))
 
 
