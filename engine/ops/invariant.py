@@ -13,12 +13,14 @@ gate and up columns and combines them as `silu_mul` would (the tiles' SiLU prolo
 down_proj was slower); `silu=True` still runs `silu_mul` before the projection.
 
 By default the tiles come from the weight's shape alone below PREFILL_ROWS rows (an LM head's
-below HEAD_ROWS): 16 rows, LAYER_TILES for the decoder layer's projections (a small one without
-GLU walks K in fewer, longer steps: `layer_tiles`), LOGITS_DOT_TILES for an LM head.
+below HEAD_ROWS), NORM_WARPS' warps at few rows aside: 16 rows, LAYER_TILES for the decoder
+layer's projections (a small one without GLU walks K in fewer, longer steps: `layer_tiles`),
+LOGITS_DOT_TILES for an LM head.
 ROW_TILES (opt-in, None by default) lets the decoder layer's projections take BLOCK_M and
 BLOCK_N by the launch's row count: narrow column tiles at one row (more programs for a latency-
 bound launch), 32- or 64-row tiles for a prefill (each weight tile read once for that many rows,
-not 16). BLOCK_K and the warps stay the shape's (`layer_tiles`), so each output element still
+not 16). BLOCK_K and the warps stay what they are without it (`layer_tiles`, NORM_WARPS,
+NORM_BLOCK_K), so each output element still
 accumulates the same k16 MMA steps in the same K order, and the norm prologue's per-row sums
 keep their layout along K where the tile holds it (`k_layout`; other tables are refused).
 At BLOCK_M 64 Triton computes `tl.dot` with Hopper's warp-group MMA instead of mma.sync; that it
@@ -164,7 +166,7 @@ def layer_tiles(n: int, k: int, glu: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, warps) of a decoder layer's projection of an [n, k] weight (n: the
     gate's columns with `glu`), from its shape alone (see WHOLE_K)."""
     bn, bk, warps = LAYER_TILES
-    if glu or n * k > LINEAR_MAX_WEIGHT or LAYER_SPLITS > 1:  # split-K walks K in LAYER_TILES
+    if glu or n * k > LINEAR_MAX_WEIGHT or layer_splits() > 1:  # split-K walks K in LAYER_TILES
         return bn, bk, warps
     return (32, next_pow2(k, 16), warps) if k <= WHOLE_K else (16, 512, warps)
 
@@ -201,7 +203,7 @@ def prefill_tiles(k: int, bk: int, glu: bool, norm: bool,
             or not (wide_k is None or ((kind == "plain" or free_k) and type(wide_k) is int
                                        and tile_width(wide_k)))):
         raise ValueError(form)
-    if wide_k is not None and LAYER_SPLITS <= 1:
+    if wide_k is not None and layer_splits() <= 1:
         bk = wide_k
     if kind == "norm" and k > bk > 128:
         bn = NORM_LOOP_BLOCK_N
@@ -242,7 +244,7 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
     shape_bk = bk
     sums = norm or glu  # a norm prologue's row sums, whose order the tiles must keep
     chunk = norm_chunk() if sums else 0
-    free_k = bool(chunk) and LAYER_SPLITS == 1  # split-K cuts K in whole BLOCK_K tiles
+    free_k = bool(chunk) and layer_splits() == 1  # split-K cuts K in whole BLOCK_K tiles
     keys = 16 // max(1, elem)  # a thread's keys: one 16-byte load
 
     def span(b: int) -> int:  # the width of the tiles a norm's row sums go over
@@ -255,14 +257,15 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
         return ref is not None and k_layout(b, span(b_k), w, keys) == ref
 
     bm, small = BLOCK_M, (BLOCK_M, warps)
+    if NORM_BLOCK_K is not None and (type(NORM_BLOCK_K) is not int
+                                     or not tile_width(NORM_BLOCK_K)):
+        raise ValueError(f"NORM_BLOCK_K must be None or a power of two >= 16, not "
+                         f"{NORM_BLOCK_K!r}")
     if free_k and NORM_BLOCK_K is not None:
-        if type(NORM_BLOCK_K) is not int or not tile_width(NORM_BLOCK_K):
-            raise ValueError(f"NORM_BLOCK_K must be None or a power of two >= 16, not "
-                             f"{NORM_BLOCK_K!r}")
         bk = NORM_BLOCK_K
     if ROW_TILES is not None:
         bm, bn = row_tiles(ROW_TILES, m)
-        if norm and k > bk > 128:  # x and the residual double-buffered: as in prefill_tiles
+        if norm and k > bk > 128:  # x and the residual double-buffered (prefill_tiles: "norm")
             bm, bn = min(bm, 32), min(bn, NORM_LOOP_BLOCK_N)
     if norm and NORM_WARPS is not None:
         if type(NORM_WARPS) is not int or NORM_WARPS not in (4, 8):
@@ -281,12 +284,11 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
     if wide:
         if type(PREFILL_ROWS) is not int or PREFILL_ROWS < 1:
             raise ValueError(f"PREFILL_ROWS must be None or a positive int, not {PREFILL_ROWS!r}")
-        if m >= PREFILL_ROWS:
-            tiles = prefill_tiles(k, shape_bk, glu, norm, bool(chunk))
-            # A norm's sums must keep the small tiles' order; where that cannot be told (a tiny
-            # K), those tiles stay.
-            if not sums or keeps(tiles[0], tiles[2], tiles[3]):
-                bm, bn, bk, warps = tiles
+        tiles = prefill_tiles(k, shape_bk, glu, norm, bool(chunk))  # checked at any count
+        # A norm's sums must keep the small tiles' order; where that cannot be told (a tiny
+        # K), those tiles stay.
+        if m >= PREFILL_ROWS and (not sums or keeps(tiles[0], tiles[2], tiles[3])):
+            bm, bn, bk, warps = tiles
     return bm, bn, min(bk, kb), warps
 
 
@@ -324,7 +326,14 @@ def invariant_splits(n: int, k: int, head: bool = False) -> int:
     `LAYER_SPLITS` alone: the decoder layer's projections LAYER_SPLITS, an LM head (`head`, or
     at least VOCAB_RATIO x k rows) none (`prologue_linear` takes fewer where K has fewer
     tiles)."""
-    return 1 if is_head(n, k, head) else LAYER_SPLITS
+    return 1 if is_head(n, k, head) else layer_splits()
+
+
+def layer_splits() -> int:
+    """LAYER_SPLITS validated (a positive int)."""
+    if type(LAYER_SPLITS) is not int or LAYER_SPLITS < 1:
+        raise ValueError(f"LAYER_SPLITS must be a positive int, not {LAYER_SPLITS!r}")
+    return LAYER_SPLITS
 
 
 def is_head(n: int, k: int, head: bool = False) -> bool:

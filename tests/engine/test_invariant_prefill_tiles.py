@@ -226,7 +226,7 @@ def test_prefill_tiles_match_torch(prefill, invariant_matches_torch, dtype, spli
     """With PREFILL_ROWS 1, at 1, 9 and 130 rows (masked rows in one tile, then a second tile of
     each size), K over a loop with a masked tail, unsplit and in 2 K-splits: plain with a bias,
     the norm of x + residual, gate_up's SiLU-and-mul epilogue equal torch's to rounding and x +
-    residual exactly."""
+    residual exactly (fp32 keeps the 16-row tiles: `test_other_dtypes_keep_the_small_tiles`)."""
     prefill(1, splits)
     invariant_matches_torch(dtype, (1, 9, 130), 5)
 
@@ -266,8 +266,8 @@ def test_norm_k_frees_the_norms_block_k(prefill, monkeypatch):
 def test_norm_k_rows_keep_their_bits(prefill, monkeypatch):
     """With NORM_K 128, NORM_BLOCK_K 512 and 64-row prefill tiles of 64-key steps from 16 rows:
     through a weight that copies its input columns (exact products), each row's normed input
-    alone equals the same row among 40, bit for bit (Triton's interpreter, fp32); x + residual
-    too."""
+    alone equals the same row among 40, bit for bit (Triton's interpreter, fp16: 32-bit
+    activations never take the prefill tiles); x + residual too."""
     prefill(16)
     monkeypatch.setattr(invariant, "NORM_K", 128)
     monkeypatch.setattr(invariant, "NORM_BLOCK_K", 512)
@@ -275,10 +275,11 @@ def test_norm_k_rows_keep_their_bits(prefill, monkeypatch):
                                                      "glu": (64, 64, 64, 8),
                                                      "plain": (64, 64, 64, 4)})
     g = torch.Generator().manual_seed(11)
-    x, r = torch.randn(40, 304, generator=g), torch.randn(40, 304, generator=g)
-    nw, eye = 1 + 0.1 * torch.randn(304, generator=g), torch.eye(304)[:64]
-    assert invariant.invariant_tiles(64, 304, 1, norm=True) != invariant.invariant_tiles(
-        64, 304, 40, norm=True)
+    x, r = (torch.randn(40, 304, generator=g).half() for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(304, generator=g)).half()
+    eye = torch.eye(304, dtype=torch.float16)[:64]
+    alone, among = (invariant.invariant_tiles(64, 304, m, norm=True, elem=2) for m in (1, 40))
+    assert alone[:3] == (16, 32, 512) and among[:3] == (64, 64, 64), (alone, among)
     y, res = ops.invariant_linear(x, eye, norm_weight=nw, eps=1e-5, residual=r)
     for i in (0, 15, 39):
         yi, ri = ops.invariant_linear(x[i:i + 1], eye, norm_weight=nw, eps=1e-5,
@@ -324,3 +325,27 @@ def test_norm_warps_by_default():
             invariant.invariant_tiles(64, k, 1, norm=True))
     with pytest.raises(ValueError, match="NORM_WARPS is set"):
         invariant.invariant_tiles(960, 576, norm=True, prefill=False)
+
+
+def test_malformed_settings_are_refused_at_any_row_count(prefill, monkeypatch):
+    """A malformed LAYER_SPLITS, NORM_BLOCK_K (with or without NORM_K) or PREFILL_TILES entry is
+    refused by name at one row as at many, not first when a launch would use it."""
+    prefill(64)
+    for bad in (0, -3, 2.0, True):
+        monkeypatch.setattr(invariant, "LAYER_SPLITS", bad)
+        for call in (lambda: invariant.invariant_tiles(960, 576, 1, norm=True),
+                     lambda: invariant.invariant_tiles(576, 576, 1),
+                     lambda: invariant.invariant_splits(960, 576)):
+            with pytest.raises(ValueError, match="LAYER_SPLITS"):
+                call()
+    monkeypatch.setattr(invariant, "LAYER_SPLITS", 1)
+    monkeypatch.setattr(invariant, "NORM_BLOCK_K", 1000)
+    with pytest.raises(ValueError, match="NORM_BLOCK_K"):
+        invariant.invariant_tiles(960, 576, 1, norm=True)
+    monkeypatch.setattr(invariant, "NORM_BLOCK_K", None)
+    monkeypatch.setattr(invariant, "PREFILL_TILES", {**invariant.PREFILL_TILES,
+                                                     "plain": (64, 64, 48, 4)})
+    for m in (1, 63, 64):
+        with pytest.raises(ValueError, match="PREFILL_TILES"):
+            invariant.invariant_tiles(576, 576, m)
+    assert invariant.invariant_tiles(960, 576, 1, norm=True)[0] == 16  # other kinds unaffected

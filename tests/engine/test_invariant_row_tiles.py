@@ -38,7 +38,8 @@ def _parts(out):
 
 def test_table_picks_tiles_by_row_count(consts):
     """The first entry whose max_rows holds the launch's rows gives BLOCK_M and BLOCK_N; BLOCK_K
-    and the warps stay the shape's, an LM head keeps its tiles, the splits follow the shape."""
+    and the warps stay the shape's (no norm prologue here, whose warps NORM_WARPS sets), an LM
+    head keeps its tiles, the splits follow the shape."""
     consts(TABLE)
     want = {0: (16, 16), 1: (16, 16), 2: (16, 32), 16: (16, 32), 17: (32, 64), 2048: (32, 64)}
     for m, (bm, bn) in want.items():
