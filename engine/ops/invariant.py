@@ -192,17 +192,15 @@ def prefill_tiles(k: int, bk: int, glu: bool, norm: bool,
     only unsplit, as a plain projection's)."""
     kind = "glu" if glu else "norm" if norm else "plain"
     tiles = PREFILL_TILES.get(kind) if isinstance(PREFILL_TILES, dict) else None
-    form = f"PREFILL_TILES[{kind!r}] must be (BLOCK_M in {PREFILL_BLOCKS_M}, BLOCK_N, BLOCK_K " \
-           f"(None with a norm prologue), warps 4 or 8), BLOCK_N and BLOCK_K powers of two " \
-           f">= 16, not {tiles!r}"
     if not isinstance(tiles, tuple) or len(tiles) != 4 or any(
-            type(v) is not int for v in (tiles[0], tiles[1], tiles[3])):
-        raise ValueError(form)
+            type(v) is not int for v in (tiles[0], tiles[1], tiles[3])) or not (
+            _wide_tile(tiles[0], tiles[1], tiles[3])
+            and (tiles[2] is None or ((kind == "plain" or free_k) and type(tiles[2]) is int
+                                      and tile_width(tiles[2])))):
+        raise ValueError(f"PREFILL_TILES[{kind!r}] must be (BLOCK_M in {PREFILL_BLOCKS_M}, "
+                         f"BLOCK_N, BLOCK_K (None with a norm prologue), warps 4 or 8), BLOCK_N "
+                         f"and BLOCK_K powers of two >= 16, not {tiles!r}")
     bm, bn, wide_k, warps = tiles
-    if (not _wide_tile(bm, bn, warps)
-            or not (wide_k is None or ((kind == "plain" or free_k) and type(wide_k) is int
-                                       and tile_width(wide_k)))):
-        raise ValueError(form)
     if wide_k is not None and layer_splits() <= 1:
         bk = wide_k
     if kind == "norm" and k > bk > 128:
