@@ -74,35 +74,32 @@ class RayNodes:
         self.env = {**client_env(), "RAY_AUTH_MODE": "token",
                     "RAY_AUTH_TOKEN_PATH": self.token_path}
         self.procs: list[subprocess.Popen] = []
-        for attempt in (1, 2):  # a head that exits before it is up gets fresh ports once
-            self.gcs, self.dash = free_port(), free_port()
-            self.address = f"127.0.0.1:{self.gcs}"
-            self.dashboard = f"http://127.0.0.1:{self.dash}"
-            head = ["--head", f"--port={self.gcs}", "--dashboard-host=127.0.0.1",
-                    f"--dashboard-port={self.dash}", f"--ray-client-server-port={free_port()}"]
-            try:
-                self.add(head_cpus, head_resources, head)
-                return
-            except AssertionError:
-                if attempt == 2:
-                    self.close()
-                    raise
-            except BaseException:
-                self.close()
-                raise
+        try:
+            self.add(head_cpus, head_resources, head=True)
+        except BaseException:
+            self.close()
+            raise
 
-    def add(self, cpus: int, resources: str | None = None, flags: list[str] | None = None):
-        """Start a node (a worker node of this head unless `flags` says --head) with `cpus`
-        CPUs and `resources` (JSON), once its processes are up. A worker node that exits
-        before it is up is tried once more on fresh ports (another process may have taken
-        one of those `free_port` picked; the head is retried by `__init__`, whose ports its
-        address names); the error carries `ray start`'s output."""
+    def add(self, cpus: int, resources: str | None = None, head: bool = False):
+        """Start a node (a worker node of this head unless `head`) with `cpus` CPUs and
+        `resources` (JSON), once its processes are up. A node that exits before it is up is
+        tried once more on fresh ports (another process may have taken one of those
+        `free_port` picked; a head's address and dashboard follow its ports); the error
+        carries `ray start`'s output."""
         # A head turns token auth on where it finds a token (Ray's default); a node joining
         # it is told to.
-        env = self.env if flags is None else {k: v for k, v in self.env.items()
-                                              if k != "RAY_AUTH_MODE"}
+        env = {k: v for k, v in self.env.items() if k != "RAY_AUTH_MODE"} if head else self.env
         for attempt in (1, 2):
-            argv = [RAY, "start", "--block", *(flags or [f"--address={self.address}"]),
+            if head:
+                self.gcs, self.dash = free_port(), free_port()
+                self.address = f"127.0.0.1:{self.gcs}"
+                self.dashboard = f"http://127.0.0.1:{self.dash}"
+                flags = ["--head", f"--port={self.gcs}", "--dashboard-host=127.0.0.1",
+                         f"--dashboard-port={self.dash}",
+                         f"--ray-client-server-port={free_port()}"]
+            else:
+                flags = [f"--address={self.address}"]
+            argv = [RAY, "start", "--block", *flags,
                     "--node-ip-address=127.0.0.1", f"--num-cpus={cpus}",
                     "--disable-usage-stats", f"--temp-dir={self.root}/ray",
                     *[f"--{name}-port={free_port()}" for name in NODE_PORTS],
@@ -118,7 +115,7 @@ class RayNodes:
                     return proc
                 lines.append(line)
             code = proc.wait()  # stays in self.procs: close() clears what it left
-            if flags is not None or attempt == 2:
+            if attempt == 2:
                 tail = "".join(lines[-20:])
                 raise AssertionError(
                     f"ray start {' '.join(argv[3:5])} exited with {code}:\n{tail}")
