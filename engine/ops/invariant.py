@@ -203,9 +203,15 @@ def prefill_tiles(k: int, bk: int, glu: bool, norm: bool,
     bm, bn, wide_k, warps = tiles
     if wide_k is not None and layer_splits() <= 1:
         bk = wide_k
-    if kind == "norm" and k > bk > 128:
+    if kind == "norm" and norm_loops(k, bk):
         bn = NORM_LOOP_BLOCK_N
     return bm, bn, bk, warps
+
+
+def norm_loops(k: int, bk: int) -> bool:
+    """Whether a norm prologue walks K in tiles of more than 128 keys: x and the residual are
+    double-buffered then, so its tiles take at most NORM_LOOP_BLOCK_N columns."""
+    return k > bk > 128
 
 
 def _wide_tile(bm: int, bn: int, warps: int) -> bool:
@@ -263,7 +269,7 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
         bk = NORM_BLOCK_K
     if ROW_TILES is not None:
         bm, bn = row_tiles(ROW_TILES, m)
-        if norm and k > bk > 128:  # x and the residual double-buffered (prefill_tiles: "norm")
+        if norm and norm_loops(k, bk):
             bm, bn = min(bm, 32), min(bn, NORM_LOOP_BLOCK_N)
     if norm and NORM_WARPS is not None:
         if type(NORM_WARPS) is not int or NORM_WARPS not in (4, 8):
