@@ -1,10 +1,10 @@
-"""Host→device staging without stalls, and CUDA graphs for fixed-shape steps.
+"""Packed step inputs and CUDA graphs for fixed-shape steps.
 
 Each step's metadata is packed into one int64 buffer, staged through a ring of pinned host
-buffers so the copy is asynchronous; a slot is reused only after its copy finished (an event per
-slot). `GraphSet` captures a forward once per (batch bucket, longest query, long-context flag)
-and replays it as one launch; padding sequences have no queries and padding rows skip the KV
-store (slot -1), so they never touch real requests.
+buffers (`engine.staging`) so the copy is asynchronous. `GraphSet` captures a forward once per
+(batch bucket, longest query, long-context flag) and replays it as one launch; padding
+sequences have no queries and padding rows skip the KV store (slot -1), so they never touch
+real requests.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch
 from engine import collector
 from engine.attention import AttentionMetadata
 from engine.attention.triton_backend import long_context
+from engine.staging import HostStager
 
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
@@ -24,81 +25,6 @@ BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 def bucket_for(n: int, buckets: Sequence[int]) -> int | None:
     """The smallest bucket that holds n, or None."""
     return next((b for b in buckets if b >= n), None)
-
-
-class HostStager:
-    """Copies int64 host arrays to the device through a ring of pinned buffers."""
-
-    def __init__(self, device: str, size: int, slots: int = 16):
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self.size = size
-        # Zeroed, never uninitialized: `GraphSet._fill` leaves parts of a slot as they were.
-        self.host = [torch.zeros(size, dtype=torch.int64, pin_memory=self.cuda)
-                     for _ in range(slots)]
-        self.events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]
-        self.used = [False] * slots
-        self.i = 0
-        self._out: list[torch.Tensor | None] = [None] * slots  # pinned buffers for `fetch`
-        self._out_events = [torch.cuda.Event() if self.cuda else None for _ in range(slots)]
-        self._out_i = 0
-
-    def slot(self, n: int) -> tuple[torch.Tensor, int]:
-        """A pinned host buffer of at least n elements that no pending copy still reads."""
-        if n > self.size:  # grow every slot; rare (a larger prefill chunk than seen before)
-            self.size = max(n, 2 * self.size)
-            self.host = [torch.zeros(self.size, dtype=torch.int64, pin_memory=self.cuda)
-                         for _ in self.host]
-            self.used = [False] * len(self.host)
-        i = self.i
-        self.i = (i + 1) % len(self.host)
-        if self.cuda and self.used[i]:
-            self.events[i].synchronize()
-        return self.host[i], i
-
-    def copy(self, i: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=True)
-        if self.cuda:
-            self.events[i].record(torch.cuda.current_stream(dst.device))
-            self.used[i] = True
-
-    def fetch(self, t: torch.Tensor):
-        """Start copying int64 device tensor t to the host without waiting; returns a callable
-        that waits for the copy and gives t's values as a list. At most `slots` - 1 fetches
-        may be outstanding."""
-        if not self.cuda:
-            return t.tolist
-        n = t.numel()
-        i = self._out_i
-        self._out_i = (i + 1) % len(self._out)
-        buf = self._out[i]
-        if buf is None or buf.numel() < n:
-            buf = self._out[i] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
-        dst = buf[:n]
-        dst.copy_(t.reshape(-1), non_blocking=True)
-        ev = self._out_events[i]  # (its last fetch, `slots` fetches ago, was read)
-        ev.record(torch.cuda.current_stream(t.device))
-
-        def wait() -> list[int]:
-            ev.synchronize()
-            return dst.tolist()
-
-        return wait
-
-    def index(self, values: list[int]) -> torch.Tensor:
-        """Integers (row indices, token ids) as an int64 device tensor, without a sync."""
-        return self.to_device(np.asarray(values, dtype=np.int64))
-
-    def to_device(self, arr: np.ndarray) -> torch.Tensor:
-        """A new device tensor holding arr (int64)."""
-        n = arr.shape[0]
-        if not self.cuda:
-            return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int64))
-        host, i = self.slot(n)
-        host.numpy()[:n] = arr
-        out = torch.empty(n, dtype=torch.int64, device=self.device)
-        self.copy(i, host[:n], out)
-        return out
 
 
 class PackedInputs:
@@ -261,7 +187,7 @@ class GraphSet:
         self.off = dict(zip(("ids", "pos", "slots", "starts", "lens", "tables"), offs))
         self.buf = torch.zeros(self.size, dtype=torch.int64, device=self.device)
         self.extras = [torch.zeros(tm, w, dtype=dt, device=self.device) for w, dt in extras]
-        self.stager = HostStager(device, self.size)
+        self.stager = HostStager(device, self.size, ahead=False)  # pinned at capture
         self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         # Buckets above this many sequences replay their short-context graph for long
         # contexts too: no attention backend splits there (None: every bucket has both).
@@ -297,7 +223,6 @@ class GraphSet:
 
     def _fill(self, inp: PackedInputs, b: int, q: int) -> None:
         """Stage inp into the static buffer of bucket (b sequences, q queries at most each).
-
         Real sequences keep their own query counts; rows past the real tokens skip the KV store, and
         padded sequences have no queries or context, so attention returns at once for them."""
         o = self.off
@@ -392,6 +317,7 @@ class GraphSet:
     def capture(self, b: int, q: int, long: bool = False) -> None:
         """Capture (off CUDA: register for eager runs) the graph of one bucket."""
         GraphSet.captures += 1
+        self.stager.pin()  # start-up work, not the first replays
         if not self.capturable:
             self.graphs[(b, q, long)] = (None, None)
             return

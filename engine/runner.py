@@ -8,7 +8,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import ResourceExhaustedError
-from engine.graphs import GraphSet, HostStager, PackedInputs, pack, to_device
+from engine.graphs import GraphSet, PackedInputs, pack, to_device
 from engine.model import LlamaModel
 from engine.scheduler import Batch
 from engine.spec.lookup import store_tokens
@@ -18,6 +18,7 @@ from engine.spec.verify import (
     verify_sampled_device,
     verify_seeded_device,
 )
+from engine.staging import HostStager
 
 
 class ForwardOutput:

@@ -179,13 +179,13 @@ def _prepare_for(eng: Engine, batch: int) -> None:
             log.info("generate: %d more CUDA graphs, for batches of up to %d sequences, in "
                      "%.1f s", n, batch, time.perf_counter() - t0)
         return
+    t0 = time.perf_counter()  # making the graph sets of the keys is preparation too
     keys = pending_graphs(eng, sizes)
     if not keys:
         jit_watch.warn_after()
         _mark_ready(eng, None, time.perf_counter(), 0.0)
         return
     if eng.warming is not None or warming.wanted(eng, keys):
-        t0 = time.perf_counter()
         n = warming.begin(eng, keys)
         _mark_ready(eng, None, t0, time.perf_counter() - t0)
         eng.prepared_for = batch

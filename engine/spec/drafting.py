@@ -10,13 +10,14 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
-from engine.graphs import GraphSet, HostStager, pack, to_device
+from engine.graphs import GraphSet, pack, to_device
 from engine.model import LlamaModel
 from engine.runner import prefill_graph_set
 from engine.sampler import gumbel_tokens, processed_probs, sample_from
 from engine.sequence import Sequence
 from engine.spec.eagle3 import Eagle3Head
 from engine.spec.fused import chain_steps
+from engine.staging import HostStager
 
 
 @dataclass

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.graphs import HostStager, PackedInputs, TableRows, pack_next
+from engine.graphs import PackedInputs, TableRows, pack_next
 from engine.spec.budget import DraftBudget
 from engine.spec.fused import (
     FusedHandle,
@@ -22,6 +22,7 @@ from engine.spec.fused import (
 )
 from engine.spec.policy import KPolicy
 from engine.spec.verify import VerifyResult
+from engine.staging import HostStager
 
 _TABLE = attrgetter("block_table")
 

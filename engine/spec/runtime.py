@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
-from engine.graphs import HostStager
 from engine.model import LlamaModel
 from engine.sequence import Sequence
 from engine.spec.budget import DraftBudget
@@ -21,6 +20,7 @@ from engine.spec.launcher import FusedLauncher
 from engine.spec.ngram import NgramDrafter
 from engine.spec.policy import KPolicy
 from engine.spec.stats import SpecStats
+from engine.staging import HostStager
 
 __all__ = ["Span", "SpecRunner"]
 

@@ -6,6 +6,8 @@ one."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 import engine.warmup as warmup
@@ -123,3 +125,55 @@ def test_a_speculative_engine_captures_only_what_plain_decoding_replays(monkeypa
     assert set(target.graphs) == {(4, 1, False)} and not head.graphs
     assert eng.ready is not None and eng.prepared_for == 3 and eng.pipe is eng.plain
     assert [(g, k) for g, k in eng.warming.pending] == keys[:2] + keys[3:]
+
+
+def test_the_ready_time_counts_making_the_pending_graph_sets(monkeypatch):
+    """A warming engine's `ready` covers `pending_graphs` too (where EAGLE-3's graph sets are
+    made), so what a first call serves after it is only serving."""
+    from dataclasses import replace
+
+    from engine.config import SpecConfig
+    from engine.spec.runtime import SpecRunner
+    from engine.testing import random_head
+
+    base = tiny_engine(0)
+    eng = Engine(replace(base.config, spec=SpecConfig(num_tokens=2, dynamic=False)),
+                 weights_of=base, draft_head=random_head(base))
+    target, head = Capturable(), Capturable()
+    keys = [(target, (4, 1, False)), (head, (4, 1, False))]
+
+    def slow_pending(e, sizes=None, long_context=None):
+        time.sleep(0.2)
+        return [(g, k) for g, k in keys if k not in g.graphs]
+
+    monkeypatch.setattr(warmup, "pending_graphs", slow_pending)
+    monkeypatch.setattr(SpecRunner, "graphs", head)
+    monkeypatch.setattr(eng.runner, "graphs", target)
+    warmup.prepare_on_first_use(eng, 3)
+    assert eng.warming is not None and eng.ready.total >= 0.2
+
+
+def test_a_graph_sets_stager_pins_its_slots_when_used():
+    """A graph set's stager holds no host buffers until the set is captured or run (a warming
+    engine's pending sets pin nothing); a slot comes zeroed, and a larger request than the
+    slots hold drops them all for larger ones. Other stagers pin every slot at once."""
+    from engine.staging import HostStager
+
+    assert all(h is not None for h in HostStager("cpu", 8, slots=3).host)
+    s = HostStager("cpu", 8, slots=3, ahead=False)
+    assert s.host == [None] * 3
+    buf, i = s.slot(5)
+    assert i == 0 and buf.shape == (8,) and not buf.any() and s.host[1:] == [None] * 2
+    buf[:] = 7
+    s.slot(8)
+    buf, i = s.slot(20)
+    assert i == 2 and buf.shape == (20,) and not buf.any() and s.size == 20
+    assert s.host[0] is None and s.host[1] is None
+    s.pin()
+    assert all(h is not None and h.shape == (20,) for h in s.host)
+    from engine.graphs import GraphSet
+
+    g = GraphSet(lambda *a: (), "cpu", max_batch=2, query_lens=(1,), max_blocks=2)
+    assert g.stager.host == [None] * len(g.stager.host)
+    g.capture(1, 1)
+    assert all(h is not None for h in g.stager.host)

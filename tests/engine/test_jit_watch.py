@@ -91,7 +91,8 @@ def test_staged_views_are_16_byte_aligned_whatever_the_counts(n_tokens, n_seqs):
     Triton compiles a kernel variant per pointer alignment, so views whose alignment followed
     the counts compiled kernels in the middle of serving. Values survive the padding; the
     graph sets' static buffers are laid out alike."""
-    from engine.graphs import GraphSet, HostStager, pack, to_device
+    from engine.graphs import GraphSet, pack, to_device
+    from engine.staging import HostStager
 
     qlens = [n_tokens // n_seqs + (i < n_tokens % n_seqs) for i in range(n_seqs)]
     qlens = [q for q in qlens if q] or [1]
