@@ -62,6 +62,10 @@ threads along K, warps along the rows) for every BLOCK_M from 16 and BLOCK_K at 
 within shared memory (NORM_BLOCK_K below PREFILL_ROWS, PREFILL_TILES' own from it), which
 their norm otherwise pins.
 
+PREFILL_NORM_APART (opt-in) takes a norm out of a wide launch's projection (`norm_apart`):
+`prologue_norm` computes each row as the tiles of a row alone would, so the projection that
+follows may walk K as a plain or GLU one does.
+
 Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
 whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
 range order (`engine.ops.splitk`). A row still rounds the same at any row count; the sums
@@ -75,7 +79,13 @@ import torch
 
 from engine.attention.triton_backend import next_pow2
 from engine.ops.elementwise import silu_mul
-from engine.ops.prologue import LINEAR_MAX_WEIGHT, LOGITS_DOT_TILES, prologue_linear, tile_width
+from engine.ops.prologue import (
+    LINEAR_MAX_WEIGHT,
+    LOGITS_DOT_TILES,
+    prologue_linear,
+    prologue_norm,
+    tile_width,
+)
 
 BLOCK_M = 16  # rows of a tile by default: the smallest tensor-core block, so one row wastes least
 VOCAB_RATIO = 16  # N / K from which a weight is an LM head: LOGITS_DOT_TILES
@@ -126,6 +136,12 @@ HEAD_TILES = (64, 128, 64, 4)
 # PREFILL_ROWS (None: the shape's), PREFILL_TILES' own from it. Opt-in until figure 6 runs it.
 NORM_K = None
 NORM_BLOCK_K = None
+# Opt-in: where a decoder layer's norm projection (qkv, gate_up) takes PREFILL_TILES, its norm
+# runs as a launch of its own in the tiles a row alone takes (`prologue_norm`: the same sums
+# and roundings) and the projection in the plain or GLU kind's tiles: with the norm in its
+# prologue, qkv keeps its whole-K tile (72 us at 2048 rows on an H100, cuBLAS 10 us:
+# profile/det64_nw8_33b1cef.json). Opt-in until the GPU cases and figure 6 run it.
+PREFILL_NORM_APART = False
 
 
 @lru_cache(maxsize=8)
@@ -354,17 +370,32 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     count: the norm in the projection's prologue, SiLU-and-mul as its own kernel before it,
     the projection through `invariant_tiles` (of x's row count) and `invariant_splits`. glu:
     weight is [gate | up] and the result is `silu_mul` of the projection, in its epilogue.
-    head: the weight is an LM head's."""
+    head: the weight is an LM head's. Where `norm_apart`, the norm runs as its own launch."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if silu:
         x = silu_mul(x)
     n, k = weight.shape
     n = n // 2 if glu else n
+    wide = prefill_suits(x.device)
+    if norm_weight is not None and norm_apart(n, k, x.shape[0], head, wide, x.element_size()):
+        # the norm in the tiles a row alone takes, then the projection of its output
+        one = invariant_tiles(n, k, 1, glu, True, head, wide, x.element_size())
+        a = prologue_norm(x, norm_weight, eps, residual, one, norm_chunk())
+        y = invariant_linear(a[0] if residual is not None else a, weight, bias, glu=glu)
+        return y if residual is None else (y, a[1])
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
                            residual=residual, glu=glu,
                            tiles=invariant_tiles(n, k, x.shape[0], glu, norm_weight is not None,
-                                                 head, prefill_suits(x.device),
-                                                 x.element_size()),
+                                                 head, wide, x.element_size()),
                            splits=invariant_splits(n, k, head),
                            norm_k=norm_chunk() if norm_weight is not None else 0)
+
+
+def norm_apart(n: int, k: int, m: int, head: bool, prefill: bool, elem: int) -> bool:
+    """Whether a norm projection of an [n, k] weight in a launch of m rows runs its norm apart
+    (PREFILL_NORM_APART): a decoder layer's, where PREFILL_TILES apply (`invariant_tiles`)."""
+    if type(PREFILL_NORM_APART) is not bool:
+        raise ValueError(f"PREFILL_NORM_APART must be True or False, not {PREFILL_NORM_APART!r}")
+    return (PREFILL_NORM_APART and type(PREFILL_ROWS) is int and prefill and elem == 2
+            and not is_head(n, k, head) and m >= PREFILL_ROWS)  # else `invariant_tiles` checks

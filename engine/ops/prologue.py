@@ -188,6 +188,41 @@ if triton_available():
         _epilogue(acc, acc2, B, Y, KEYS, rm, rn, m_ok, n_ok, pid_n, stride_y, HAS_BIAS,
                   BLOCK_N, ARGMAX, GLU)
 
+    @triton.jit(do_not_specialize=["M"])
+    def _prologue_norm_kernel(X, R, NW, Y, RES_OUT, M, eps, stride_x, stride_r,
+                              K: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_K: tl.constexpr, ONE_LOAD: tl.constexpr,
+                              NORM_K: tl.constexpr, USE_PDL: tl.constexpr):
+        """Y[M, K] = rmsnorm(X + R) * NW (X + R also to RES_OUT), each row as
+        `_prologue_linear_kernel`'s PRO 1 prologue computes it at the same BLOCK_M, BLOCK_K,
+        NORM_K, ONE_LOAD and warps: the same tiles of x loaded, summed and rounded alike."""
+        pid_m = tl.program_id(0)
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rk0 = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        if ONE_LOAD:
+            xs = _prologue_sum(X, R, RES_OUT, rm, m_ok, rk0, stride_x, stride_r, 0, K, HAS_RES)
+            rstd = tl.math.rsqrt(_row_sumsq(xs) / K + eps)
+            a = _prologue_norm(xs, NW, rk0, rstd, K)
+            tl.store(Y + rm[:, None] * K + rk0[None, :], a,
+                     mask=m_ok[:, None] & (rk0 < K)[None, :])
+        else:
+            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+            rc = tl.arange(0, NORM_K)
+            for k0 in range(0, K, NORM_K):
+                ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, k0 + rc, stride_x,
+                                               stride_r, 0, K, HAS_RES))
+            rstd = tl.math.rsqrt(ss / K + eps)
+            for k0 in range(0, K, BLOCK_K):
+                rk = k0 + rk0
+                a = _prologue_act(X, R, NW, rm, m_ok, rk, stride_x, stride_r, rstd, K, 1,
+                                  HAS_RES)
+                tl.store(Y + rm[:, None] * K + rk[None, :], a,
+                         mask=m_ok[:, None] & (rk < K)[None, :])
+
     @triton.jit
     def _epilogue(acc, acc2, B, Y, KEYS, rm, rn, m_ok, n_ok, pid_n, stride_y,
                   HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, ARGMAX: tl.constexpr,
@@ -296,4 +331,27 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
             **pdl_args(x, always=True))
     if keys is not None:
         y = keys
+    return y if residual is None else (y, res_out)
+
+
+def prologue_norm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  residual: torch.Tensor | None, tiles: tuple[int, int, int, int],
+                  norm_k: int = 0):
+    """`rmsnorm(x + residual) * norm_weight` as a launch of its own, each row's bits those of
+    `prologue_linear`'s norm prologue at `tiles` (BLOCK_M, BLOCK_N unused, BLOCK_K, warps)
+    and norm_k: a wide launch's projection can then take tiles whose layout along K would
+    sum the norm in another order. Returns (y, x + residual), or y without a residual."""
+    m, k = x.shape
+    assert x.stride(1) == 1 and (not norm_k or tile_width(norm_k))
+    y = torch.empty(m, k, dtype=x.dtype, device=x.device)
+    res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if residual is not None \
+        else None
+    if m:
+        bm, _, bk, warps = tiles
+        r = residual if residual is not None else x
+        _prologue_norm_kernel[(triton.cdiv(m, bm),)](
+            x, r, norm_weight, y, res_out if res_out is not None else y, m, eps, x.stride(0),
+            r.stride(0), K=k, HAS_RES=residual is not None, BLOCK_M=bm, BLOCK_K=bk,
+            ONE_LOAD=k <= bk and not norm_k, NORM_K=norm_k or bk, num_warps=warps,
+            **pdl_args(x, always=True))
     return y if residual is None else (y, res_out)

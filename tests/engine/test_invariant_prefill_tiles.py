@@ -349,3 +349,49 @@ def test_malformed_settings_are_refused_at_any_row_count(prefill, monkeypatch):
         with pytest.raises(ValueError, match="PREFILL_TILES"):
             invariant.invariant_tiles(576, 576, m)
     assert invariant.invariant_tiles(960, 576, 1, norm=True)[0] == 16  # other kinds unaffected
+
+
+@pytest.mark.parametrize("glu", [False, True], ids=["qkv", "gate_up"])
+def test_a_norm_apart_keeps_each_rows_bits(prefill, monkeypatch, glu):
+    """PREFILL_NORM_APART: from PREFILL_ROWS rows a norm projection runs `prologue_norm` in the
+    tiles a row alone takes, then the projection in its kind's tiles without the norm (a
+    qkv-like weight walks K in the plain kind's 64 keys); each row alone equals it among 40,
+    outputs and x + residual, bit for bit (Triton's interpreter, fp16); below PREFILL_ROWS,
+    and without the setting, the norm stays in the prologue."""
+    prefill(16)
+    monkeypatch.setattr(invariant, "PREFILL_NORM_APART", True)
+    norms, tiles = [], []
+    real_norm, real_linear = invariant.prologue_norm, invariant.prologue_linear
+    monkeypatch.setattr(invariant, "prologue_norm",
+                        lambda x, *a, **kw: norms.append(x.shape[0]) or real_norm(x, *a, **kw))
+    monkeypatch.setattr(invariant, "prologue_linear", lambda x, w, *a, **kw: tiles.append(
+        (x.shape[0], kw["tiles"])) or real_linear(x, w, *a, **kw))
+    g = torch.Generator().manual_seed(5)
+    x, r = (torch.randn(40, 304, generator=g).half() for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(304, generator=g)).half()
+    w = (torch.randn(96 if glu else 48, 304, generator=g) / 17).half()
+    y, res = ops.invariant_linear(x, w, norm_weight=nw, eps=1e-5, residual=r, glu=glu)
+    kind = invariant.PREFILL_TILES["glu" if glu else "plain"]
+    assert norms == [40] and tiles[0][0] == 40 and tiles[0][1][:2] == kind[:2]
+    assert tiles[0][1][2] == (invariant.layer_tiles(48, 304, True)[1] if glu else kind[2])
+    for i in (0, 15, 39):
+        yi, ri = ops.invariant_linear(x[i:i + 1], w, norm_weight=nw, eps=1e-5,
+                                      residual=r[i:i + 1], glu=glu)
+        assert torch.equal(yi[0], y[i]) and torch.equal(ri[0], res[i]), i
+    assert norms == [40]  # one row: the norm in the prologue
+    monkeypatch.setattr(invariant, "PREFILL_NORM_APART", False)
+    y2, res2 = ops.invariant_linear(x, w, norm_weight=nw, eps=1e-5, residual=r, glu=glu)
+    assert norms == [40] and torch.equal(res2, res)
+    torch.testing.assert_close(y2, y, atol=2e-2, rtol=2e-2)
+    monkeypatch.setattr(invariant, "PREFILL_NORM_APART", 1)
+    with pytest.raises(ValueError, match="PREFILL_NORM_APART"):
+        ops.invariant_linear(x, w, norm_weight=nw, eps=1e-5, residual=r, glu=glu)
+
+
+def test_a_norm_apart_matches_torch(prefill, monkeypatch, invariant_matches_torch):
+    """With PREFILL_NORM_APART from 16 rows, `invariant_linear` still equals torch to rounding
+    (fp32 keeps the prologue: 32-bit activations never take PREFILL_TILES; fp16 runs apart)."""
+    prefill(16)
+    monkeypatch.setattr(invariant, "PREFILL_NORM_APART", True)
+    for dtype in (torch.float32, torch.float16):
+        invariant_matches_torch(dtype, (1, 40), 3)

@@ -5,7 +5,8 @@ projections only, bad tables are refused, `invariant_linear` hands the chosen ti
 (bf16, SmolLM2-135M's and Llama-8B's projection shapes): each row's bits are the same alone and
 among 8, 64 and 2048 rows, with the 16-row tiles and with a table that gives each of those
 counts other tiles, unsplit and in 4 K-splits, with PREFILL_TILES (`PREFILL_ROWS`) and with
-NORM_WARPS; and whether those give the 16-row tiles' bits; an LM head's HEAD_TILES likewise."""
+NORM_WARPS; and whether those give the 16-row tiles' bits; an LM head's HEAD_TILES likewise;
+a norm apart from its projection (PREFILL_NORM_APART) likewise."""
 
 from __future__ import annotations
 
@@ -271,6 +272,24 @@ def test_head_tiles_keep_their_bits_gpu(consts, n, k):
         assert torch.equal(out[0], want[0][:m]), m
         for i in (i for i in ALONE if i < m):
             assert torch.equal(out[0][i], alone[i][0][0]), (m, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,glu,norm", [p for p in LAYER_SHAPES if p.values[3]])
+def test_a_norm_apart_gives_the_default_bits_gpu(consts, monkeypatch, n, k, glu, norm):
+    """bf16 on the GPU, PREFILL_NORM_APART with PREFILL_TILES from 64 rows (the norm its own
+    launch at 64 and 2048 rows): each row of ALONE alone equals it among 8, 64 and 2048, and
+    all 2048 rows have the bits of the 16-row tiles with the norm in their prologue. What must
+    hold before it leaves opt-in."""
+    proj, rows = _layer(n, k, glu, norm)
+    consts(None)
+    want = _parts(proj(rows))
+    consts(None, 1, 64)
+    monkeypatch.setattr(invariant, "PREFILL_NORM_APART", True)
+    assert invariant.norm_apart(n // 2 if glu else n, k, 64, False, True, 2)
+    _alone_equals_batched(proj, rows)
+    for a, b in zip(_parts(proj(rows)), want):
+        assert torch.equal(a, b)
 
 
 # PREFILL_TILES whose norm and GLU kinds walk K in 64 keys: only with NORM_K.
