@@ -223,6 +223,7 @@ class GraphSet:
 
     def _fill(self, inp: PackedInputs, b: int, q: int) -> None:
         """Stage inp into the static buffer of bucket (b sequences, q queries at most each).
+
         Real sequences keep their own query counts; rows past the real tokens skip the KV store, and
         padded sequences have no queries or context, so attention returns at once for them."""
         o = self.off

@@ -13,7 +13,8 @@ class HostStager:
 
     def __init__(self, device: str, size: int, slots: int = 16, ahead: bool = True):
         """`ahead`: pin every slot now (else at `pin`, or each at its first use: a graph set
-        made before its graphs are wanted pins nothing until then, ~0.25 ms a slot)."""
+        made before its graphs are wanted pins nothing until then, ~0.25 ms a slot). Slots
+        grown for a larger request are pinned again each at its first use."""
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.size = size

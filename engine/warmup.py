@@ -183,7 +183,7 @@ def _prepare_for(eng: Engine, batch: int) -> None:
     keys = pending_graphs(eng, sizes)
     if not keys:
         jit_watch.warn_after()
-        _mark_ready(eng, None, time.perf_counter(), 0.0)
+        _mark_ready(eng, None, t0, 0.0)
         return
     if eng.warming is not None or warming.wanted(eng, keys):
         n = warming.begin(eng, keys)

@@ -356,10 +356,13 @@ def test_a_norm_apart_keeps_each_rows_bits(prefill, monkeypatch, glu):
     """PREFILL_NORM_APART: from PREFILL_ROWS rows a norm projection runs `prologue_norm` in the
     tiles a row alone takes, then the projection in its kind's tiles without the norm (a
     qkv-like weight walks K in the plain kind's 64 keys); each row alone equals it among 40,
-    outputs and x + residual, bit for bit (Triton's interpreter, fp16); below PREFILL_ROWS,
-    and without the setting, the norm stays in the prologue."""
+    outputs and x + residual, bit for bit (Triton's interpreter, fp16, the plain kind at the
+    shape's BLOCK_K: the interpreter's dot sums another BLOCK_K in another order, which the GPU
+    case checks); below PREFILL_ROWS, and without the setting, the norm stays in the
+    prologue."""
     prefill(16)
     monkeypatch.setattr(invariant, "PREFILL_NORM_APART", True)
+    monkeypatch.setitem(invariant.PREFILL_TILES, "plain", (64, 64, None, 4))
     norms, tiles = [], []
     real_norm, real_linear = invariant.prologue_norm, invariant.prologue_linear
     monkeypatch.setattr(invariant, "prologue_norm",
@@ -373,8 +376,8 @@ def test_a_norm_apart_keeps_each_rows_bits(prefill, monkeypatch, glu):
     y, res = ops.invariant_linear(x, w, norm_weight=nw, eps=1e-5, residual=r, glu=glu)
     kind = invariant.PREFILL_TILES["glu" if glu else "plain"]
     assert norms == [40] and tiles[0][0] == 40 and tiles[0][1][:2] == kind[:2]
-    assert tiles[0][1][2] == (invariant.layer_tiles(48, 304, True)[1] if glu else kind[2])
-    for i in (0, 15, 39):
+    assert tiles[0][1][2] == invariant.layer_tiles(48, 304, glu)[1]
+    for i in range(40):
         yi, ri = ops.invariant_linear(x[i:i + 1], w, norm_weight=nw, eps=1e-5,
                                       residual=r[i:i + 1], glu=glu)
         assert torch.equal(yi[0], y[i]) and torch.equal(ri[0], res[i]), i
@@ -395,3 +398,27 @@ def test_a_norm_apart_matches_torch(prefill, monkeypatch, invariant_matches_torc
     monkeypatch.setattr(invariant, "PREFILL_NORM_APART", True)
     for dtype in (torch.float32, torch.float16):
         invariant_matches_torch(dtype, (1, 40), 3)
+
+
+@pytest.mark.parametrize("k,bk,norm_k", [(304, 512, 0), (304, 128, 0), (304, 128, 64),
+                                         (96, 128, 32)],
+                         ids=["one-load", "k-tiles", "norm-k", "one-tile-norm-k"])
+@pytest.mark.parametrize("residual", [True, False])
+def test_prologue_norm_is_the_prologues_norm(k, bk, norm_k, residual):
+    """`prologue_norm` at given tiles and norm_k equals, bit for bit, what `prologue_linear`'s
+    norm prologue computes at them: its projection through an identity weight in fp32 (each
+    output is one product by 1, exact), K in one load, in BLOCK_K tiles, in NORM_K chunks;
+    x + residual too (Triton's interpreter)."""
+    from engine.ops.prologue import prologue_norm
+
+    g = torch.Generator().manual_seed(k + bk + norm_k)
+    x, r = (torch.randn(20, k, generator=g) for _ in range(2))
+    nw = 1 + 0.1 * torch.randn(k, generator=g)
+    tiles, res = (16, 32, bk, 4), r if residual else None
+    got = prologue_norm(x, nw, 1e-5, res, tiles, norm_k)
+    want = ops.prologue_linear(x, torch.eye(k), norm_weight=nw, eps=1e-5, residual=res,
+                               tiles=tiles, norm_k=norm_k)
+    for a, b in zip(*((t,) if not residual else t for t in (got, want))):
+        assert torch.equal(a, b)
+    h = torch.nn.functional.rms_norm(x + r if residual else x, (k,), nw, 1e-5)
+    torch.testing.assert_close(got[0] if residual else got, h, atol=1e-5, rtol=1e-5)
