@@ -59,17 +59,17 @@ def _forward(model, seqs):
         return hidden, model.logits(hidden)
 
 
-def _one_row_vs_many(model):
+def _one_row_vs_many(model, dtype=torch.float32):
     """Token 9 of a prompt: (its hidden and logits decoded alone after a prefill of tokens 0-8,
     the same row inside the prompt's 12-row prefill beside two other sequences)."""
     cfg = model.cfg
     shape = (cfg.num_layers, 2, 64, BLOCK, cfg.num_kv_heads, cfg.head_dim)
     prompt = [(5 * i + 1) % cfg.vocab_size for i in range(12)]
     other = [(3 * i + 2) % cfg.vocab_size for i in range(7)]
-    model.kv = torch.zeros(shape)
+    model.kv = torch.zeros(shape, dtype=dtype)
     _forward(model, [(prompt[:9], 0)])
     h1, l1 = _forward(model, [(prompt[9:10], 9)])
-    model.kv = torch.zeros(shape)
+    model.kv = torch.zeros(shape, dtype=dtype)
     h, lg = _forward(model, [(other, 0), (prompt, 0), (other[:2], 0)])
     row = len(other) + 9
     return (h1[0], l1[0]), (h[row], lg[row])
@@ -122,3 +122,24 @@ def test_fused_path_default_mode_differs():
     (h1, l1), (h, lg) = _one_row_vs_many(model)
     assert not torch.equal(l1, lg)
     torch.testing.assert_close(l1, lg, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_fused_path_with_the_norm_apart(tile_settings, monkeypatch):
+    """fp16, PREFILL_TILES from 16 rows with the norm apart (PREFILL_NORM_APART; the plain kind
+    at the shape's BLOCK_K, which the interpreter's dot needs for equal sums): the 21-row
+    prefill's qkv and gate_up norms run as launches of their own, and the token's
+    hidden state and logits still equal its one-row decode's, bit for bit."""
+    from engine.ops import invariant, prologue
+
+    tile_settings(None, 1, 16)
+    monkeypatch.setattr(invariant, "PREFILL_NORM_APART", True)
+    monkeypatch.setitem(invariant.PREFILL_TILES, "plain", (64, 64, None, 4))
+    apart = []
+    real = prologue.prologue_norm
+    monkeypatch.setattr(invariant, "prologue_norm",
+                        lambda x, *a, **k: apart.append(x.shape[0]) or real(x, *a, **k))
+    model = _model(RowAttention, True).half()
+    (h1, l1), (h, lg) = _one_row_vs_many(model, torch.float16)
+    assert apart == [21] * 2 * model.cfg.num_layers, apart
+    assert torch.equal(h1, h) and torch.equal(l1, lg)
