@@ -140,7 +140,9 @@ NORM_BLOCK_K = None
 # runs as a launch of its own in the tiles a row alone takes (`prologue_norm`: the same sums
 # and roundings) and the projection in the plain or GLU kind's tiles: with the norm in its
 # prologue, qkv keeps its whole-K tile (72 us at 2048 rows on an H100, cuBLAS 10 us:
-# profile/det64_nw8_33b1cef.json). Opt-in until the GPU cases and figure 6 run it.
+# profile/det64_nw8_33b1cef.json). "plain": gate_up then projects [gate | up] as one plain
+# projection and `silu_mul` rounds as its GLU epilogue would. Opt-in until the GPU cases and
+# figure 6 run it.
 PREFILL_NORM_APART = False
 
 
@@ -382,7 +384,11 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         # the norm in the tiles a row alone takes, then the projection of its output
         one = invariant_tiles(n, k, 1, glu, True, head, wide, x.element_size())
         a = prologue_norm(x, norm_weight, eps, residual, one, norm_chunk())
-        y = invariant_linear(a[0] if residual is not None else a, weight, bias, glu=glu)
+        normed = a[0] if residual is not None else a
+        if glu and PREFILL_NORM_APART == "plain":
+            y = silu_mul(invariant_linear(normed, weight))
+        else:
+            y = invariant_linear(normed, weight, bias, glu=glu)
         return y if residual is None else (y, a[1])
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
                            residual=residual, glu=glu,
@@ -395,7 +401,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def norm_apart(n: int, k: int, m: int, head: bool, prefill: bool, elem: int) -> bool:
     """Whether a norm projection of an [n, k] weight in a launch of m rows runs its norm apart
     (PREFILL_NORM_APART): a decoder layer's, where PREFILL_TILES apply (`invariant_tiles`)."""
-    if type(PREFILL_NORM_APART) is not bool:
-        raise ValueError(f"PREFILL_NORM_APART must be True or False, not {PREFILL_NORM_APART!r}")
+    if type(PREFILL_NORM_APART) is not bool and PREFILL_NORM_APART != "plain":
+        raise ValueError(f"PREFILL_NORM_APART must be True, False or 'plain', not "
+                         f"{PREFILL_NORM_APART!r}")
     return (PREFILL_NORM_APART and type(PREFILL_ROWS) is int and prefill and elem == 2
             and not is_head(n, k, head) and m >= PREFILL_ROWS)  # else `invariant_tiles` checks

@@ -351,18 +351,21 @@ def test_malformed_settings_are_refused_at_any_row_count(prefill, monkeypatch):
     assert invariant.invariant_tiles(960, 576, 1, norm=True)[0] == 16  # other kinds unaffected
 
 
-@pytest.mark.parametrize("glu", [False, True], ids=["qkv", "gate_up"])
-def test_a_norm_apart_keeps_each_rows_bits(prefill, monkeypatch, glu):
+@pytest.mark.parametrize("glu,apart", [(False, True), (True, True), (True, "plain")],
+                         ids=["qkv", "gate_up", "gate_up-plain"])
+def test_a_norm_apart_keeps_each_rows_bits(prefill, monkeypatch, glu, apart):
     """PREFILL_NORM_APART: from PREFILL_ROWS rows a norm projection runs `prologue_norm` in the
     tiles a row alone takes, then the projection in its kind's tiles without the norm (a
     qkv-like weight walks K in the plain kind's 64 keys); each row alone equals it among 40,
     outputs and x + residual, bit for bit (Triton's interpreter, fp16, the plain kind at the
     shape's BLOCK_K: the interpreter's dot sums another BLOCK_K in another order, which the GPU
     case checks); below PREFILL_ROWS, and without the setting, the norm stays in the
-    prologue."""
+    prologue. "plain": gate_up's [gate | up] is one plain projection (here at GLU's 128 keys),
+    then `silu_mul`."""
     prefill(16)
-    monkeypatch.setattr(invariant, "PREFILL_NORM_APART", True)
-    monkeypatch.setitem(invariant.PREFILL_TILES, "plain", (64, 64, None, 4))
+    monkeypatch.setattr(invariant, "PREFILL_NORM_APART", apart)
+    monkeypatch.setitem(invariant.PREFILL_TILES, "plain", (64, 64, None if apart is True
+                                                           else 128, 4))
     norms, tiles = [], []
     real_norm, real_linear = invariant.prologue_norm, invariant.prologue_linear
     monkeypatch.setattr(invariant, "prologue_norm",
@@ -374,9 +377,9 @@ def test_a_norm_apart_keeps_each_rows_bits(prefill, monkeypatch, glu):
     nw = (1 + 0.1 * torch.randn(304, generator=g)).half()
     w = (torch.randn(96 if glu else 48, 304, generator=g) / 17).half()
     y, res = ops.invariant_linear(x, w, norm_weight=nw, eps=1e-5, residual=r, glu=glu)
-    kind = invariant.PREFILL_TILES["glu" if glu else "plain"]
+    kind = invariant.PREFILL_TILES["glu" if glu and apart is True else "plain"]
     assert norms == [40] and tiles[0][0] == 40 and tiles[0][1][:2] == kind[:2]
-    assert tiles[0][1][2] == invariant.layer_tiles(48, 304, glu)[1]
+    assert tiles[0][1][2] == (128 if apart == "plain" else invariant.layer_tiles(48, 304, glu)[1])
     for i in range(40):
         yi, ri = ops.invariant_linear(x[i:i + 1], w, norm_weight=nw, eps=1e-5,
                                       residual=r[i:i + 1], glu=glu)
@@ -386,7 +389,7 @@ def test_a_norm_apart_keeps_each_rows_bits(prefill, monkeypatch, glu):
     y2, res2 = ops.invariant_linear(x, w, norm_weight=nw, eps=1e-5, residual=r, glu=glu)
     assert norms == [40] and torch.equal(res2, res)
     torch.testing.assert_close(y2, y, atol=2e-2, rtol=2e-2)
-    monkeypatch.setattr(invariant, "PREFILL_NORM_APART", 1)
+    monkeypatch.setattr(invariant, "PREFILL_NORM_APART", "yes")
     with pytest.raises(ValueError, match="PREFILL_NORM_APART"):
         ops.invariant_linear(x, w, norm_weight=nw, eps=1e-5, residual=r, glu=glu)
 

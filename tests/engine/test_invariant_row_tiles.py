@@ -275,21 +275,22 @@ def test_head_tiles_keep_their_bits_gpu(consts, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits,norm_k", [(1, None), (4, None), (1, 128)],
-                         ids=["unsplit", "split4", "norm-k"])
+@pytest.mark.parametrize("splits,norm_k,apart", [(1, None, True), (4, None, True),
+                                                  (1, 128, True), (1, None, "plain")],
+                         ids=["unsplit", "split4", "norm-k", "plain-glu"])
 @pytest.mark.parametrize("n,k,glu,norm", [p for p in LAYER_SHAPES if p.values[3]])
-def test_a_norm_apart_gives_the_default_bits_gpu(consts, monkeypatch, splits, norm_k, n, k,
-                                                 glu, norm):
+def test_a_norm_apart_gives_the_default_bits_gpu(consts, monkeypatch, splits, norm_k, apart, n,
+                                                 k, glu, norm):
     """bf16 on the GPU, PREFILL_NORM_APART with PREFILL_TILES from 64 rows (the norm its own
-    launch at 64 and 2048 rows), unsplit, in 4 K-splits and with NORM_K 128: each row of ALONE
-    alone equals it among 8, 64 and 2048, and all 2048 rows have the bits of the 16-row tiles
-    with the norm in their prologue (same splits and NORM_K). What must hold before it leaves
-    opt-in."""
+    launch at 64 and 2048 rows), unsplit, in 4 K-splits, with NORM_K 128, and "plain" (gate_up
+    one plain projection and silu_mul): each row of ALONE alone equals it among 8, 64 and 2048,
+    and all 2048 rows have the bits of the 16-row tiles with the norm in their prologue (same
+    splits and NORM_K). What must hold before it leaves opt-in."""
     proj, rows = _layer(n, k, glu, norm)
     consts(None, splits, norm_k=norm_k)
     want = _parts(proj(rows))
     consts(None, splits, 64, norm_k=norm_k)
-    monkeypatch.setattr(invariant, "PREFILL_NORM_APART", True)
+    monkeypatch.setattr(invariant, "PREFILL_NORM_APART", apart)
     assert invariant.norm_apart(n // 2 if glu else n, k, 64, False, True, 2)
     _alone_equals_batched(proj, rows)
     for a, b in zip(_parts(proj(rows)), want):
