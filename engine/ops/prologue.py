@@ -62,6 +62,20 @@ if triton_available():
         return tl.sum(xf * xf, 1)
 
     @triton.jit
+    def _chunked_rstd(X, R, RES_OUT, rm, m_ok, stride_x, stride_r, pid, eps, K: tl.constexpr,
+                      NORM_K: tl.constexpr, BLOCK_M: tl.constexpr, HAS_RES: tl.constexpr):
+        """rsqrt(mean square + eps) of the rows rm of x (+ r), the squares summed over K in
+        NORM_K-key chunks in order (x + r also to RES_OUT where pid is 0): a norm prologue's
+        first pass where K is not one load, in `_prologue_linear_kernel` and
+        `_prologue_norm_kernel` alike."""
+        ss = tl.zeros([BLOCK_M], dtype=tl.float32)
+        rc = tl.arange(0, NORM_K)
+        for k0 in range(0, K, NORM_K):
+            ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, k0 + rc, stride_x, stride_r,
+                                           pid, K, HAS_RES))
+        return tl.math.rsqrt(ss / K + eps)
+
+    @triton.jit
     def _prologue_norm(a, NW, rk, rstd, K: tl.constexpr):
         """rmsnorm of the rows a (x + r already summed) over the K columns rk, times NW,
         rounded as `add_rmsnorm` rounds it."""
@@ -154,12 +168,8 @@ if triton_available():
                                HAS_RES)
             rstd = tl.math.rsqrt(_row_sumsq(xs) / K + eps)
         elif PRO == 1:  # the row's mean square first: one pass over x (+ r)
-            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            rc = tl.arange(0, NORM_K)
-            for k0 in range(0, K, NORM_K):
-                ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, k0 + rc, stride_x,
-                                               stride_r, pid_n + pid_s, K, HAS_RES))
-            rstd = tl.math.rsqrt(ss / K + eps)
+            rstd = _chunked_rstd(X, R, RES_OUT, rm, m_ok, stride_x, stride_r, pid_n + pid_s,
+                                 eps, K, NORM_K, BLOCK_M, HAS_RES)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if ONE_LOAD:
             a = _prologue_norm(xs, NW, rk0, rstd, K)
@@ -210,12 +220,8 @@ if triton_available():
             tl.store(Y + rm[:, None] * K + rk0[None, :], a,
                      mask=m_ok[:, None] & (rk0 < K)[None, :])
         else:
-            ss = tl.zeros([BLOCK_M], dtype=tl.float32)
-            rc = tl.arange(0, NORM_K)
-            for k0 in range(0, K, NORM_K):
-                ss += _row_sumsq(_prologue_sum(X, R, RES_OUT, rm, m_ok, k0 + rc, stride_x,
-                                               stride_r, 0, K, HAS_RES))
-            rstd = tl.math.rsqrt(ss / K + eps)
+            rstd = _chunked_rstd(X, R, RES_OUT, rm, m_ok, stride_x, stride_r, 0, eps, K, NORM_K,
+                                 BLOCK_M, HAS_RES)
             for k0 in range(0, K, BLOCK_K):
                 rk = k0 + rk0
                 a = _prologue_act(X, R, NW, rm, m_ok, rk, stride_x, stride_r, rstd, K, 1,
