@@ -97,19 +97,25 @@ class Capturable:
         self.graphs[(b, q, long)] = None
 
 
+def _speculative_engine() -> Engine:
+    """A tiny engine speculating with a random EAGLE-3 head at a fixed K of 2."""
+    from dataclasses import replace
+
+    from engine.config import SpecConfig
+    from engine.testing import random_head
+
+    base = tiny_engine(0)
+    return Engine(replace(base.config, spec=SpecConfig(num_tokens=2, dynamic=False)),
+                  weights_of=base, draft_head=random_head(base))
+
+
 def test_a_speculative_engine_captures_only_what_plain_decoding_replays(monkeypatch):
     """With the head's graphs enabled, the first call captures the target's decode graphs at
     one query (and its prefill graphs) only; verify graphs of longer queries and the head's
     wait while the engine warms (tests/engine/test_spec_warming.py)."""
-    from dataclasses import replace
-
-    from engine.config import SpecConfig
     from engine.spec.runtime import SpecRunner
-    from engine.testing import random_head
 
-    base = tiny_engine(0)
-    eng = Engine(replace(base.config, spec=SpecConfig(num_tokens=2, dynamic=False)),
-                 weights_of=base, draft_head=random_head(base))
+    eng = _speculative_engine()
     target, head = Capturable(), Capturable()
     keys = [(target, (4, q, False)) for q in (3, 2, 1)] + [(head, (4, 1, False))]
     monkeypatch.setattr(warmup, "pending_graphs", lambda e, sizes=None, long_context=None:
@@ -130,15 +136,9 @@ def test_a_speculative_engine_captures_only_what_plain_decoding_replays(monkeypa
 def test_the_ready_time_counts_making_the_pending_graph_sets(monkeypatch):
     """A warming engine's `ready` covers `pending_graphs` too (where EAGLE-3's graph sets are
     made), so what a first call serves after it is only serving."""
-    from dataclasses import replace
-
-    from engine.config import SpecConfig
     from engine.spec.runtime import SpecRunner
-    from engine.testing import random_head
 
-    base = tiny_engine(0)
-    eng = Engine(replace(base.config, spec=SpecConfig(num_tokens=2, dynamic=False)),
-                 weights_of=base, draft_head=random_head(base))
+    eng = _speculative_engine()
     target, head = Capturable(), Capturable()
     keys = [(target, (4, 1, False)), (head, (4, 1, False))]
 
