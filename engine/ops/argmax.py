@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from engine.attention.triton_backend import next_pow2, pdl_args, triton, triton_available
+from engine.attention.triton_backend import cdiv, next_pow2, pdl_args, triton, triton_available
 
 # Rows wider than ARGMAX_SPLIT (a target vocabulary) take the two-launch argmax: chunks of
 # ARGMAX_CHUNK values side by side, then each row's first maximum over its chunks; one
@@ -146,7 +146,7 @@ def argmax_rows(x: torch.Tensor, offsets: torch.Tensor | None = None,
 
 def _argmax_split(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     t, v = x.shape
-    chunks = triton.cdiv(v, ARGMAX_CHUNK)
+    chunks = cdiv(v, ARGMAX_CHUNK)
     pm = torch.empty(t, chunks, dtype=torch.float32, device=x.device)
     pi = torch.empty(t, chunks, dtype=torch.int64, device=x.device)
     _argmax_part_kernel[(t, chunks)](x, pm, pi, x.stride(0), V=v, BLOCK=ARGMAX_CHUNK,

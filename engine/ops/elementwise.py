@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.triton_backend import next_pow2, pdl_args, sm_count, triton, triton_available
+from engine.attention.triton_backend import (
+    cdiv,
+    next_pow2,
+    pdl_args,
+    sm_count,
+    triton,
+    triton_available,
+)
 from engine.ops.argmax import Keyed
 
 # Launch options of kernels whose rounding must follow torch's op by op (the rotary ones: each
@@ -233,7 +240,7 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
     t, h, d = x.shape
     if t:
         bh = _rope_heads(t, h, x.device)
-        _rope_kernel[(t, triton.cdiv(h, bh))](
+        _rope_kernel[(t, cdiv(h, bh))](
             x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0), NH=h, HALF=d // 2,
             BLOCK_H=bh, BLOCK=next_pow2(d // 2, 1), num_warps=_rope_warps(bh, d),
             **ROUND_LIKE_TORCH)
@@ -268,7 +275,7 @@ def rope_store_(heads: torch.Tensor, num_q: int, num_kv: int, positions: torch.T
     kc, vc = kv_cache[0], kv_cache[1]
     if t:
         bh = _rope_heads(t, nh, heads.device)
-        _rope_store_kernel[(t, triton.cdiv(nh, bh))](
+        _rope_store_kernel[(t, cdiv(nh, bh))](
             heads, cos, sin, positions, kc, vc, slots, heads.stride(0), heads.stride(1),
             cos.stride(0), kc.stride(1), NQ=num_q, NKV=num_kv, HALF=d // 2, BLOCK_H=bh,
             BLOCK=next_pow2(d // 2, 1), num_warps=_rope_warps(bh, d), **pdl_args(heads),
@@ -285,7 +292,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     if t:
         block = min(1024, next_pow2(n, 1))
-        _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, y, gate_up.stride(0), N=n,
+        _silu_mul_kernel[(t, cdiv(n, block))](gate_up, y, gate_up.stride(0), N=n,
                                                     BLOCK=block, num_warps=4,
                                                     EARLY=not 1 < t <= SILU_LATE_ROWS,
                                                     **pdl_args(gate_up))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.triton_backend import next_pow2, pdl_args, triton, triton_available
+from engine.attention.triton_backend import cdiv, next_pow2, pdl_args, triton, triton_available
 from engine.ops.prologue import LINEAR_MAX_WEIGHT
 
 GEMV_MAX_ROWS = 1  # rows that take `gemv_rows`: at more, its fp32 products on CUDA cores limit it
@@ -186,7 +186,7 @@ def gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
         x = x.contiguous()
     bn, bk, warps = tiles or large_choice(weight)["one"] or GEMV_TILES
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _gemv_rows_kernel[(triton.cdiv(n, bn),)](
+    _gemv_rows_kernel[(cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, n, x.stride(0), weight.stride(0),
         y.stride(0), K=k, M=m, HAS_BIAS=bias is not None, BLOCK_N=bn,
         BLOCK_K=min(bk, next_pow2(k, 16)), num_warps=warps, **pdl_args(x, always=True))
@@ -212,7 +212,7 @@ def gemv_silu(x: torch.Tensor, weight: torch.Tensor,
     n = n2 // 2
     bn, bk, warps = tiles or large_choice(weight).get("silu") or GEMV_TILES
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_silu_kernel[(triton.cdiv(n, bn),)](
+    _gemv_silu_kernel[(cdiv(n, bn),)](
         x.contiguous(), weight, y, n, weight.stride(0), K=k, BLOCK_N=bn,
         BLOCK_K=min(bk, next_pow2(k, 16)), num_warps=warps, **pdl_args(x, always=True))
     return y
@@ -231,7 +231,7 @@ def dot_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     bn, bk, stages, warps = tiles or DOT_ROWS_TILES
     bk = min(bk, next_pow2(k, 16))
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _dot_rows_kernel[(triton.cdiv(n, bn),)](
+    _dot_rows_kernel[(cdiv(n, bn),)](
         x, weight, bias if bias is not None else weight, y, m, n, x.stride(0),
         weight.stride(0), y.stride(0), K=k, HAS_BIAS=bias is not None, BLOCK_N=bn,
         BLOCK_K=bk, STAGES=stages, PREC="ieee" if x.dtype == torch.float32 else "tf32",

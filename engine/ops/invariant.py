@@ -74,6 +74,7 @@ differ from the unsplit ones in fp32 order only. The splits never follow the row
 from __future__ import annotations
 
 from functools import lru_cache
+from operator import itemgetter
 
 import torch
 
@@ -314,6 +315,22 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
     return bm, bn, min(bk, kb), warps
 
 
+def cached_tiles(*args) -> tuple[int, int, int, int]:
+    """`invariant_tiles(*args)`, remembered per snapshot of this module's settings (a prefill
+    chunk's eager forward asks for them at every launch)."""
+    g = globals()
+    try:
+        return _tiles_at(_SETTINGS(g), tuple(tuple(g[name].items()) if isinstance(g[name], dict)
+                                             else g[name] for name in _TABLES), *args)
+    except TypeError:  # an unhashable (malformed) setting: `invariant_tiles` says which
+        return invariant_tiles(*args)
+
+
+@lru_cache(maxsize=4096)
+def _tiles_at(settings: tuple, tables: tuple, *args) -> tuple[int, int, int, int]:
+    return invariant_tiles(*args)
+
+
 def head_tiles(kb: int, m: int | None, wide: bool) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of an LM head of K's power of two `kb` in a launch of
     m rows: HEAD_TILES from HEAD_ROWS rows where `wide` (PREFILL_TILES' devices and
@@ -382,7 +399,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     wide = prefill_suits(x.device)
     if norm_weight is not None and norm_apart(n, k, x.shape[0], head, wide, x.element_size()):
         # the norm in the tiles a row alone takes, then the projection of its output
-        one = invariant_tiles(n, k, 1, glu, True, head, wide, x.element_size())
+        one = cached_tiles(n, k, 1, glu, True, head, wide, x.element_size())
         a = prologue_norm(x, norm_weight, eps, residual, one, norm_chunk())
         normed = a[0] if residual is not None else a
         if glu and PREFILL_NORM_APART == "plain":
@@ -392,8 +409,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         return y if residual is None else (y, a[1])
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
                            residual=residual, glu=glu,
-                           tiles=invariant_tiles(n, k, x.shape[0], glu, norm_weight is not None,
-                                                 head, wide, x.element_size()),
+                           tiles=cached_tiles(n, k, x.shape[0], glu, norm_weight is not None,
+                                              head, wide, x.element_size()),
                            splits=invariant_splits(n, k, head),
                            norm_k=norm_chunk() if norm_weight is not None else 0)
 
@@ -406,3 +423,8 @@ def norm_apart(n: int, k: int, m: int, head: bool, prefill: bool, elem: int) -> 
                          f"{PREFILL_NORM_APART!r}")
     return (PREFILL_NORM_APART and type(PREFILL_ROWS) is int and prefill and elem == 2
             and not is_head(n, k, head) and m >= PREFILL_ROWS)  # else `invariant_tiles` checks
+
+
+# What `cached_tiles` keys on: the upper-case settings, the dict ones (tables) by their items.
+_TABLES = tuple(k for k, v in globals().items() if k.isupper() and isinstance(v, dict))
+_SETTINGS = itemgetter(*(k for k in globals() if k.isupper() and k not in _TABLES))

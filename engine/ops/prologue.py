@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.triton_backend import next_pow2, pdl_args, triton, triton_available
+from engine.attention.triton_backend import (
+    BoundLaunch,
+    cdiv,
+    next_pow2,
+    pdl_args,
+    triton,
+    triton_available,
+)
 from engine.ops import splitk
 
 # Row counts the prologue linears serve before calibration: single-stream decode, where a
@@ -252,6 +259,10 @@ if triton_available():
             tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
                      mask=m_ok[:, None] & n_ok[None, :])
 
+    # Launched from Python every eager forward (prefill chunks past the graphs' sizes):
+    # past Triton's binding, straight to the compiled variant.
+    _LINEAR, _NORM = BoundLaunch(_prologue_linear_kernel), BoundLaunch(_prologue_norm_kernel)
+
 
 def prologue_suits(weights, bound: int | None = None) -> bool:
     """Whether projections of these weight shapes ([N, K] each) take the prologue linears:
@@ -321,10 +332,10 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         bm, bn, bk, warps = tiles or linear_tiles(m, n, k, dot)
         assert bm == 1 or bm >= 16, "row blocks are GEMVs (1) or tl.dot tiles (16+)"
         r = residual if residual is not None else x
-        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        grid = (cdiv(m, bm), cdiv(n, bn))
         s, split_k = splitk.split_plan(k, bk, splits)
         ws, cnt = splitk.workspace(x, grid[0] * grid[1], s, glu, bm, bn) if s > 1 else (y, y)
-        _prologue_linear_kernel[grid + (s,)](
+        _LINEAR[grid + (s,)](
             x, r, norm_weight if norm_weight is not None else weight,
             weight, bias if bias is not None else weight, y,
             res_out if res_out is not None else y, keys if keys is not None else y, ws, cnt, m,
@@ -355,7 +366,7 @@ def prologue_norm(x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     if m:
         bm, _, bk, warps = tiles
         r = residual if residual is not None else x
-        _prologue_norm_kernel[(triton.cdiv(m, bm),)](
+        _NORM[(cdiv(m, bm),)](
             x, r, norm_weight, y, res_out if res_out is not None else y, m, eps, x.stride(0),
             r.stride(0), K=k, HAS_RES=residual is not None, BLOCK_M=bm, BLOCK_K=bk,
             ONE_LOAD=k <= bk and not norm_k, NORM_K=norm_k or bk, num_warps=warps,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.triton_backend import triton, triton_available
+from engine.attention.triton_backend import cdiv, triton, triton_available
 
 # Counters per (device, size class): a CUDA graph keeps the address it captured, so a buffer,
 # once made, lives as long as the process and is never replaced.
@@ -70,9 +70,9 @@ if triton_available():
 def split_plan(k: int, block_k: int, splits: int) -> tuple[int, int]:
     """(S, columns per split) of a K of k in tiles of block_k asked to split `splits` ways:
     ranges of whole tiles, as even as they go, and no empty range (S <= splits)."""
-    tiles = triton.cdiv(k, block_k)
-    per = triton.cdiv(tiles, max(1, splits))
-    return triton.cdiv(tiles, per), per * block_k
+    tiles = cdiv(k, block_k)
+    per = cdiv(tiles, max(1, splits))
+    return cdiv(tiles, per), per * block_k
 
 
 def counters(device: torch.device, tiles: int) -> torch.Tensor:
