@@ -204,6 +204,12 @@ class BoundLaunch:
         self.fast += 1
 
 
+if triton is not None:  # the attention launches of an eager forward, past Triton's JIT
+    _STORE_KV, _PAGED, _PAGED_SPLIT, _FIXED_SPLIT = map(BoundLaunch, (
+        kern.store_kv_kernel, kern.paged_attention_kernel, kern.paged_attention_split_kernel,
+        kern.fixed_split_attention_kernel))
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for host code: `triton.cdiv` costs a JIT-function call (~1.5 us)."""
     return -(-a // b)
@@ -267,8 +273,8 @@ class TritonAttention(AttentionBackend):
         k = k.reshape(t, row)
         v = v.reshape(t, row)
         kc, vc = kv_cache[0], kv_cache[1]
-        kern.store_kv_kernel[(t,)](k, v, kc, vc, meta.slot_mapping, k.stride(0), v.stride(0),
-                                   kc.stride(1), ROW=row, BLOCK=next_pow2(row))
+        _STORE_KV[(t,)](k, v, kc, vc, meta.slot_mapping, k.stride(0), v.stride(0),
+                        kc.stride(1), ROW=row, BLOCK=next_pow2(row))
 
     def keys_per_split(self, device: torch.device) -> int:
         """Keys per split: this backend's `split_keys`, else the deterministic mode's one size
@@ -342,7 +348,7 @@ class TritonAttention(AttentionBackend):
         grid = (cdiv(meta.max_query_len * self.group, block_m), self.num_kv_heads,
                 meta.num_seqs)
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
-        kern.paged_attention_kernel[grid](
+        _PAGED[grid](
             q, kc, vc, out, meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
@@ -368,7 +374,7 @@ class TritonAttention(AttentionBackend):
         acc, ml = self._partials(q, splits) if programs > 1 else self._partials(q[:1, :1], 1)
         block_m, precision = DETERMINISTIC_TILE[0], "ieee" if q.dtype == torch.float32 else "tf32"
         tiles = cdiv(meta.max_query_len * self.group, block_m)
-        kern.fixed_split_attention_kernel[(tiles * programs, self.num_kv_heads, meta.num_seqs)](
+        _FIXED_SPLIT[(tiles * programs, self.num_kv_heads, meta.num_seqs)](
             q, kc, vc, out, acc, ml, meta.query_start, meta.seq_lens, meta.block_tables,
             self.scale, programs, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             kc.stride(0), kc.stride(1), kc.stride(2), meta.block_tables.stride(0),
@@ -389,7 +395,7 @@ class TritonAttention(AttentionBackend):
         programs = self.split_programs(splits, meta.num_seqs, q.device)
         # Tiles, key blocks and warps as the one-pass kernel's: a context within one split
         # reduces in the same order on both paths.
-        kern.paged_attention_split_kernel[(programs, self.num_kv_heads, meta.num_seqs)](
+        _PAGED_SPLIT[(programs, self.num_kv_heads, meta.num_seqs)](
             q, kc, vc, acc, ml, meta.query_start, meta.seq_lens, meta.block_tables, self.scale,
             q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), kc.stride(2),
             meta.block_tables.stride(0), acc.stride(0), acc.stride(1), acc.stride(2),

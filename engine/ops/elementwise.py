@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.triton_backend import (
+    BoundLaunch,
     cdiv,
     next_pow2,
     pdl_args,
@@ -198,6 +199,9 @@ if triton_available():
         tl.store(Y + row * N + col, y, mask=mask)
         if USE_PDL and not EARLY:
             tl.extra.cuda.gdc_launch_dependents()
+    # Launched from Python every eager forward: past Triton's JIT (`BoundLaunch`).
+    _ADD_RMSNORM, _ROPE_STORE, _SILU_MUL = map(BoundLaunch, (
+        _add_rmsnorm_kernel, _rope_store_kernel, _silu_mul_kernel))
 
 
 def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -208,9 +212,9 @@ def add_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res_out = torch.empty_like(x) if residual is not None else y
     if t:
         r = residual if residual is not None else x
-        _add_rmsnorm_kernel[(t,)](x, r, weight, y, res_out, x.stride(0), r.stride(0),
-                                  y.stride(0), eps, N=n, BLOCK=next_pow2(n, 1),
-                                  HAS_RES=residual is not None, num_warps=4, **pdl_args(x))
+        _ADD_RMSNORM[(t,)](x, r, weight, y, res_out, x.stride(0), r.stride(0),
+                           y.stride(0), eps, N=n, BLOCK=next_pow2(n, 1),
+                           HAS_RES=residual is not None, num_warps=4, **pdl_args(x))
     return y if residual is None else (y, res_out)
 
 
@@ -275,7 +279,7 @@ def rope_store_(heads: torch.Tensor, num_q: int, num_kv: int, positions: torch.T
     kc, vc = kv_cache[0], kv_cache[1]
     if t:
         bh = _rope_heads(t, nh, heads.device)
-        _rope_store_kernel[(t, cdiv(nh, bh))](
+        _ROPE_STORE[(t, cdiv(nh, bh))](
             heads, cos, sin, positions, kc, vc, slots, heads.stride(0), heads.stride(1),
             cos.stride(0), kc.stride(1), NQ=num_q, NKV=num_kv, HALF=d // 2, BLOCK_H=bh,
             BLOCK=next_pow2(d // 2, 1), num_warps=_rope_warps(bh, d), **pdl_args(heads),
@@ -292,8 +296,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     if t:
         block = min(1024, next_pow2(n, 1))
-        _silu_mul_kernel[(t, cdiv(n, block))](gate_up, y, gate_up.stride(0), N=n,
-                                                    BLOCK=block, num_warps=4,
-                                                    EARLY=not 1 < t <= SILU_LATE_ROWS,
-                                                    **pdl_args(gate_up))
+        _SILU_MUL[(t, cdiv(n, block))](gate_up, y, gate_up.stride(0), N=n, BLOCK=block,
+                                       num_warps=4, EARLY=not 1 < t <= SILU_LATE_ROWS,
+                                       **pdl_args(gate_up))
     return y
