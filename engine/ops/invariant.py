@@ -142,8 +142,9 @@ NORM_BLOCK_K = None
 # and roundings) and the projection in the plain or GLU kind's tiles: with the norm in its
 # prologue, qkv keeps its whole-K tile (72 us at 2048 rows on an H100, cuBLAS 10 us:
 # profile/det64_nw8_33b1cef.json). "plain": gate_up then projects [gate | up] as one plain
-# projection and `silu_mul` rounds as its GLU epilogue would. Opt-in until the GPU cases and
-# figure 6 run it.
+# projection and `silu_mul` rounds as its GLU epilogue would. Opt-in: same bits on an H100, the
+# kernels 1.2-2.6x faster at 256-2048 rows, but SmolLM2's host-bound eager prefill pays more for
+# the extra launch than it saves (profile/det_host_time_98129b8.json).
 PREFILL_NORM_APART = False
 
 
