@@ -155,8 +155,8 @@ class BoundLaunch:
     own binder specializes the arguments (so the variant is the one the JIT picks), then the
     compiled variant's launcher runs directly, skipping the rest of the JIT's per-call work
     (the options' cache key, the globals check, launch metadata), about half a launch's host
-    time. The JIT's launch under the interpreter, launch or pre-run hooks, debug knobs, or a
-    Triton without the expected internals."""
+    time. The JIT's launch under the interpreter, launch or pre-run hooks, debug knobs, for a
+    kernel that reads module globals, or a Triton without the expected internals."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
@@ -175,19 +175,20 @@ class BoundLaunch:
     def launch(self, grid: tuple[int, ...], args: tuple, kw: dict) -> None:
         kn, caches = self._knobs, getattr(self.fn, "device_caches", None)
         if (kn is None or caches is None or getattr(self.fn, "pre_run_hooks", None)
-                or kn.runtime.debug or kn.runtime.add_stages_inspection_hook is not None
+                or kn.runtime.debug
+                or getattr(kn.runtime, "add_stages_inspection_hook", None) is not None
                 or not (_no_hooks(kn.runtime.launch_enter_hook)
                         and _no_hooks(kn.runtime.launch_exit_hook))):
             self.fn[grid](*args, **kw)
             return
         device = self._driver.active.get_current_device()
-        if device not in caches:  # the device's first launch makes its binder
+        if device not in caches or len(caches[device]) != 5:  # first launch, or another Triton
             self.fn[grid](*args, **kw)
             return
         params, spec, options = caches[device][4](*args, **kw)
         try:
-            key = (device, tuple(spec), tuple(options.items()),
-                   kn.compilation.instrumentation_mode,
+            key = (device, tuple(spec), tuple((k, type(v), v) for k, v in options.items()),
+                   getattr(kn.compilation, "instrumentation_mode", None),
                    getattr(kn.compilation, "fpsan_homomorphic_casts", None))
             k = self.compiled.get(key)
         except TypeError:  # an unhashable constexpr
@@ -195,10 +196,12 @@ class BoundLaunch:
             return
         if k is None:
             k = self.fn[grid](*args, **kw)
-            if hasattr(k, "run") and hasattr(k, "packed_metadata"):
+            # a kernel reading module globals keeps the JIT's check that they did not change
+            if (hasattr(k, "run") and hasattr(k, "packed_metadata")
+                    and not getattr(self.fn, "used_global_vals", None)):
                 self.compiled[key] = k
             return
-        g = tuple(grid) + (1, 1)
+        g = tuple(grid(params) if callable(grid) else grid) + (1, 1)
         k.run(g[0], g[1], g[2], self._driver.active.get_current_stream(device), k.function,
               k.packed_metadata, None, None, None, *params.values())
         self.fast += 1

@@ -321,14 +321,16 @@ def cached_tiles(*args) -> tuple[int, int, int, int]:
     chunk's eager forward asks for them at every launch)."""
     g = globals()
     try:
-        return _tiles_at(_SETTINGS(g), tuple(tuple(g[name].items()) if isinstance(g[name], dict)
-                                             else g[name] for name in _TABLES), *args)
+        settings = _SETTINGS(g)  # with their types: 256.0 == 256 but only one is valid
+        return _tiles_at(settings, tuple(map(type, settings)),
+                         tuple(tuple(g[name].items()) if isinstance(g[name], dict) else g[name]
+                               for name in _TABLES), *args)
     except TypeError:  # an unhashable (malformed) setting: `invariant_tiles` says which
         return invariant_tiles(*args)
 
 
 @lru_cache(maxsize=4096)
-def _tiles_at(settings: tuple, tables: tuple, *args) -> tuple[int, int, int, int]:
+def _tiles_at(settings: tuple, types: tuple, tables: tuple, *args) -> tuple[int, int, int, int]:
     return invariant_tiles(*args)
 
 

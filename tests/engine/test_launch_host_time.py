@@ -8,9 +8,10 @@ import math
 import pytest
 import torch
 
+from engine import ops
 from engine.attention import triton_available
 from engine.attention.triton_backend import cdiv
-from engine.ops import invariant, prologue
+from engine.ops import elementwise, invariant, prologue
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
 
@@ -43,9 +44,11 @@ def test_cached_tiles_follow_every_setting(monkeypatch):
 
 
 def test_cached_tiles_still_refuse_a_malformed_setting(monkeypatch):
-    """A malformed setting, hashable or not, gets `invariant_tiles`' ValueError every call."""
-    for name, value in (("PREFILL_ROWS", "256"), ("ROW_TILES", [[4096, 16, 32]]),
-                        ("NORM_K", 24)):
+    """A malformed setting, hashable or not, or equal to a valid one remembered (256.0 and
+    256), gets `invariant_tiles`' ValueError every call."""
+    invariant.cached_tiles(960, 576, 2048, False, True, False, True, 2)  # remembered valid
+    for name, value in (("PREFILL_ROWS", "256"), ("PREFILL_ROWS", 256.0),
+                        ("ROW_TILES", [[4096, 16, 32]]), ("NORM_K", 24)):
         with monkeypatch.context() as mp:
             mp.setattr(invariant, name, value)
             for _ in range(2):
@@ -65,14 +68,8 @@ def test_cdiv_is_the_ceiling():
 
 def _jit_only(monkeypatch):
     """Route prologue launches through Triton's JIT launch alone (the reference)."""
-    class Jit:
-        def __init__(self, fn):
-            self.fn = fn
-
-        def __getitem__(self, grid):
-            return self.fn[grid]
-    monkeypatch.setattr(prologue, "_LINEAR", Jit(prologue._prologue_linear_kernel))
-    monkeypatch.setattr(prologue, "_NORM", Jit(prologue._prologue_norm_kernel))
+    monkeypatch.setattr(prologue, "_LINEAR", _Jit(prologue._prologue_linear_kernel))
+    monkeypatch.setattr(prologue, "_NORM", _Jit(prologue._prologue_norm_kernel))
 
 
 @pytest.mark.gpu
@@ -117,3 +114,50 @@ def test_bound_launches_write_what_the_jit_writes_gpu(monkeypatch, apart):
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
     run()
     assert prologue._LINEAR.fast == fast
+
+
+class _Jit:
+    """Launches through Triton's JIT alone: the reference a BoundLaunch must match."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        return self.fn[grid]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_bound_elementwise_launches_write_what_the_jit_writes_gpu(monkeypatch, dtype):
+    """add_rmsnorm, silu_mul and rope_store_ past the JIT (their `fast` counts grow) write the
+    JIT's bits."""
+    dev, g = "cuda", torch.Generator(device="cuda").manual_seed(3)
+    bound = {"_ADD_RMSNORM": elementwise._add_rmsnorm_kernel,
+             "_SILU_MUL": elementwise._silu_mul_kernel,
+             "_ROPE_STORE": elementwise._rope_store_kernel}
+    x, r = (torch.randn(300, 576, device=dev, generator=g).to(dtype) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(576, device=dev, generator=g)).to(dtype)
+    gu = torch.randn(300, 3072, device=dev, generator=g).to(dtype)
+    heads = torch.randn(40, 15, 64, device=dev, generator=g).to(dtype)
+    cos, sin = (torch.rand(128, 64, device=dev, generator=g) for _ in range(2))
+    pos = torch.randint(0, 128, (40,), device=dev, generator=g)
+    slots = torch.randperm(64, device=dev, generator=g)[:40]
+
+    def run():
+        cache = torch.zeros(2, 16, 4, 3, 64, dtype=dtype, device=dev)
+        h = ops.rope_store_(heads.clone(), 9, 3, pos, cos, sin, cache, slots)
+        return (*ops.add_rmsnorm(x, w, 1e-5, r), ops.add_rmsnorm(x, w, 1e-5),
+                ops.silu_mul(gu), h, cache)
+
+    run(), run()  # each variant's first launches, through the JIT
+    fast = {name: getattr(elementwise, name).fast for name in bound}
+    got = run()
+    for name in bound:
+        assert getattr(elementwise, name).fast > fast[name], name
+    with monkeypatch.context() as mp:
+        for name, fn in bound.items():
+            mp.setattr(elementwise, name, _Jit(fn))
+        want = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
