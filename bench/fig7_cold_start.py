@@ -98,7 +98,7 @@ def build(args, spawned: float) -> tuple[object, dict]:
     now = time.perf_counter()
     return eng, {"imported_s": rnd(imported, 3), "import_s": rnd(t1 - t0, 3),
                  "build_s": rnd(now - t1, 3), "built_s": rnd(time.time() - spawned, 3),
-                 "build_started": t1}
+                 "build_started": t1, "build_phases": eng.build_phases}
 
 
 def workload(eng, args, c: int):

@@ -46,6 +46,7 @@ class Engine:
         """Build from HF-named `state_dict`, or share the weights of engine `weights_of`."""
         self.config = cfg = config
         m = cfg.model
+        laps = warmup.Laps()  # where the build's time goes (figure 7 reports it)
         backend = get_backend(cfg.backend_name)(m.num_heads, m.num_kv_heads, m.head_dim,
                                                 cfg.block_size, deterministic=cfg.deterministic)
         # Weights given (loaded or shared) are assigned: none are drawn at random first.
@@ -60,6 +61,7 @@ class Engine:
         elif state_dict is not None:
             loader.load_weights(self.model, state_dict, cfg.device)
         self.model.eval()
+        laps.lap("model")  # on CUDA: the device's start, the weights' copy
         self.num_blocks = cfg.num_blocks or cache_blocks(cfg)
         self.kv_cache = allocate_kv_cache(cfg, self.num_blocks)
         self.blocks = BlockManager(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -67,16 +69,19 @@ class Engine:
         # Token ids by KV slot, for drafting from the context on the device (lookup.py).
         self.token_store = token_store(self.num_blocks * cfg.block_size, cfg.device) \
             if needs_token_store(cfg.spec) else None
+        laps.lap("kv_cache")
         self.runner = ModelRunner(cfg, self.model, self.kv_cache, self.token_store)
         self.spec = SpecRunner(cfg, self.model, self.kv_cache,
                                engine_draft_head(cfg, self.model, draft_head),
                                self.token_store) if cfg.spec else None
+        laps.lap("runners")
         if cfg.use_cuda_graphs:
             k = cfg.spec.num_tokens if cfg.spec else 0
             self.runner.enable_graphs(min(cfg.max_num_seqs, 256), range(1, k + 2),
-                                      self.spec.aux_layers if self.spec else ())
+                                      self.spec.aux_layers if self.spec else (), laps)
             if self.spec is not None:
                 self.spec.enable_graphs(min(cfg.max_num_seqs, 256))
+            laps.lap("graph_sets")
         # Plain greedy decodes launched one step ahead (the fused path of a no-spec engine,
         # and of a speculative one while it warms).
         self.plain = PlainSteps(cfg, self.runner)
@@ -106,15 +111,22 @@ class Engine:
         self.stepper = Stepper(self)
         self.overlap = Overlap(self)
         self.post = Postprocessor(self)
+        laps.lap("rest")
+        self.build_phases = laps.seconds  # host seconds (`from_pretrained` adds read_weights)
 
     @classmethod
     def from_pretrained(cls, model: str | None = None, **overrides) -> Engine:
         """Load a checkpoint (None → the embedded SmolLM2-135M-Instruct) and build the engine."""
+        t0 = time.perf_counter()
         src = loader.Source(loader.resolve(model))  # a GGUF is parsed here, once
         cfg = EngineConfig(model=src.config(), **overrides)
         if needs_token_store(cfg.spec):  # compiles while the weights load
             compile_store_ahead(cfg.device)
-        return cls(cfg, src.state_dict(cfg.dtype), src.tokenizer())
+        state, tokenizer = src.state_dict(cfg.dtype), src.tokenizer()
+        read = round(time.perf_counter() - t0, 3)
+        eng = cls(cfg, state, tokenizer)
+        eng.build_phases = {"read_weights": read, **eng.build_phases}
+        return eng
 
     def with_config(self, **overrides) -> Engine:
         """A fresh engine (own KV cache and queues) sharing this one's weights, and its

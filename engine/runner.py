@@ -119,7 +119,11 @@ class ModelRunner:
         # graphs are captured, so longer queries (short prefill chunks) take the prefill graphs.
         self.plain_only = False
 
-    def enable_graphs(self, max_batch: int, query_lens, aux_layers: tuple[int, ...]) -> GraphSet:
+    def enable_graphs(self, max_batch: int, query_lens, aux_layers: tuple[int, ...],
+                      laps=None) -> GraphSet:
+        """The graph sets of this model (captured later), after timing on this GPU which row
+        counts take the prologue linears and which kernels the large projections take
+        (`laps`, a `warmup.Laps`: the time of each)."""
         model, kv = self.model, self.kv_cache
         if model.prologue_linears and model.prologue_calibration is None:
             # Before any capture: which row counts take the prologue linears on this GPU.
@@ -128,12 +132,16 @@ class ModelRunner:
             except Exception as e:  # keep the uncalibrated default (one row)
                 warnings.warn(f"prologue-linear calibration failed, keeping "
                               f"{sorted(model.prologue_rows)} rows: {e!r}", stacklevel=2)
+            if laps is not None:
+                laps.lap("calibrate_prologue_rows")
         if model.large_linear_tuning is None:
             try:  # large projections: our kernels or cuBLAS, per shape on this GPU
                 model.tune_large_linears()
             except Exception as e:  # noqa: BLE001 - keep the defaults (ops.LARGE_LINEAR)
                 warnings.warn(f"large-linear tuning failed, keeping the defaults: {e!r}",
                               stacklevel=2)
+            if laps is not None:
+                laps.lap("tune_large_linears")
 
         tokens = self.tokens
 

@@ -41,6 +41,20 @@ class Ready:
         return f"ready in {self.total:.1f} s (load {self.load:.1f} s, graphs {self.graphs:.1f} s)"
 
 
+class Laps:
+    """Host seconds each part of a build took, in order (`Engine.build_phases`); a part timed
+    twice adds up."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self._t, 3)
+        self._t = now
+
+
 def split_max_seqs(eng: Engine) -> int:
     """The most sequences any attention of the model (or draft head) splits keys for:
     larger buckets need no split-KV graph variant."""

@@ -44,6 +44,9 @@ def test_each_variant_and_concurrency_ran_in_a_fresh_process_of_its_own(fig7):
         for r in rows + [fig7["ready"][v]]:
             assert 0 < r["python_started_s"] < r["imported_s"] < r["built_s"] <= r["ready_s"]
             assert r["ready_s"] < r["process_s"]
+            # Where the build went: its phases, reading the weights first, make up build_s.
+            assert list(r["build_phases"])[0] == "read_weights"
+            assert abs(sum(r["build_phases"].values()) - r["build_s"]) < 0.05 * r["build_s"] + 0.05
             # Read through the engine's metric and jit_watch alike; none on a CPU.
             assert r["compiles_after_ready"] == r["compiles_after_ready_metric"] == 0
             dirs.add(r["triton_cache_dir"])

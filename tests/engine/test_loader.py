@@ -4,6 +4,7 @@ without drawing random ones first, and equals the one filled over random weights
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import numpy as np
@@ -25,7 +26,8 @@ TEXTS = ["Hello world", "  two  spaces\n\tand tab", "<|im_start|>user\nhi<|im_en
 
 def test_from_pretrained_parses_the_gguf_once(monkeypatch):
     """One `GgufFile` per build, and no other reader of the file (gguf's or transformers',
-    both of which map it with numpy) runs beside it."""
+    both of which map it with numpy) runs beside it; the build's phases (`build_phases`,
+    reading the weights first) add up to its time."""
     opened, mapped = [], []
     parse = gguf_file.GgufFile.__init__
     memmap = np.memmap
@@ -40,7 +42,13 @@ def test_from_pretrained_parses_the_gguf_once(monkeypatch):
 
     monkeypatch.setattr(gguf_file.GgufFile, "__init__", counting_parse)
     monkeypatch.setattr(np, "memmap", counting_memmap)
+    t0 = time.perf_counter()
     eng = Engine.from_pretrained(dtype=torch.float32, device="cpu", num_blocks=64)
+    wall = time.perf_counter() - t0
+    phases = eng.build_phases
+    assert list(phases) == ["read_weights", "model", "kv_cache", "runners", "rest"], phases
+    assert phases["read_weights"] > 0 and min(phases.values()) >= 0
+    assert abs(sum(phases.values()) - wall) < 0.05 * wall + 0.05, (phases, wall)
     ck = loader.embedded_checkpoint()
     assert [p.endswith(ck.gguf_file) for p in opened] == [True]
     assert mapped == []
