@@ -399,21 +399,24 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         x = silu_mul(x)
     n, k = weight.shape
     n = n // 2 if glu else n
-    wide = prefill_suits(x.device)
-    if norm_weight is not None and norm_apart(n, k, x.shape[0], head, wide, x.element_size()):
+    m, elem, wide = x.shape[0], x.element_size(), prefill_suits(x.device)
+    if norm_weight is not None and norm_apart(n, k, m, head, wide, elem):
         # the norm in the tiles a row alone takes, then the projection of its output
-        one = cached_tiles(n, k, 1, glu, True, head, wide, x.element_size())
-        a = prologue_norm(x, norm_weight, eps, residual, one, norm_chunk())
+        a = prologue_norm(x, norm_weight, eps, residual,
+                          cached_tiles(n, k, 1, glu, True, head, wide, elem), norm_chunk())
         normed = a[0] if residual is not None else a
-        if glu and PREFILL_NORM_APART == "plain":
-            y = silu_mul(invariant_linear(normed, weight))
-        else:
-            y = invariant_linear(normed, weight, bias, glu=glu)
+        plain = glu and PREFILL_NORM_APART == "plain"  # [gate | up] plain, then silu_mul
+        if plain:
+            n, glu = 2 * n, False
+        y = prologue_linear(normed, weight, bias, glu=glu,
+                            tiles=cached_tiles(n, k, m, glu, False, head, wide, elem),
+                            splits=invariant_splits(n, k, head))
+        y = silu_mul(y) if plain else y
         return y if residual is None else (y, a[1])
     return prologue_linear(x, weight, bias, norm_weight=norm_weight, eps=eps,
                            residual=residual, glu=glu,
-                           tiles=cached_tiles(n, k, x.shape[0], glu, norm_weight is not None,
-                                              head, wide, x.element_size()),
+                           tiles=cached_tiles(n, k, m, glu, norm_weight is not None, head, wide,
+                                              elem),
                            splits=invariant_splits(n, k, head),
                            norm_k=norm_chunk() if norm_weight is not None else 0)
 
