@@ -173,31 +173,11 @@ class BoundLaunch:
         return lambda *args, **kw: self.launch(grid, args, kw)
 
     def launch(self, grid: tuple[int, ...], args: tuple, kw: dict) -> None:
-        kn, caches = self._knobs, getattr(self.fn, "device_caches", None)
-        if (kn is None or caches is None or getattr(self.fn, "pre_run_hooks", None)
-                or kn.runtime.debug
-                or getattr(kn.runtime, "add_stages_inspection_hook", None) is not None
-                or not (_no_hooks(kn.runtime.launch_enter_hook)
-                        and _no_hooks(kn.runtime.launch_exit_hook))):
-            self.fn[grid](*args, **kw)
-            return
-        device = self._driver.active.get_current_device()
-        if device not in caches or len(caches[device]) != 5:  # first launch, or another Triton
-            self.fn[grid](*args, **kw)
-            return
-        params, spec, options = caches[device][4](*args, **kw)
-        try:
-            key = (device, tuple(spec), tuple((k, type(v), v) for k, v in options.items()),
-                   getattr(kn.compilation, "instrumentation_mode", None),
-                   getattr(kn.compilation, "fpsan_homomorphic_casts", None))
-            k = self.compiled.get(key)
-        except TypeError:  # an unhashable constexpr
-            self.fn[grid](*args, **kw)
-            return
-        if k is None:
+        device, key, params, k = self._find(args, kw)
+        if k is None:  # the JIT's launch, its variant kept where the next may skip it
             k = self.fn[grid](*args, **kw)
             # a kernel reading module globals keeps the JIT's check that they did not change
-            if (hasattr(k, "run") and hasattr(k, "packed_metadata")
+            if (key is not None and hasattr(k, "run") and hasattr(k, "packed_metadata")
                     and not getattr(self.fn, "used_global_vals", None)):
                 self.compiled[key] = k
             return
@@ -205,6 +185,28 @@ class BoundLaunch:
         k.run(g[0], g[1], g[2], self._driver.active.get_current_stream(device), k.function,
               k.packed_metadata, None, None, None, *params.values())
         self.fast += 1
+
+    def _find(self, args: tuple, kw: dict) -> tuple:
+        """(device, key of the compiled variant, bound arguments, the variant compiled
+        before or None) through Triton's binder; key None where the JIT must launch."""
+        kn, caches = self._knobs, getattr(self.fn, "device_caches", None)
+        if (kn is None or caches is None or getattr(self.fn, "pre_run_hooks", None)
+                or kn.runtime.debug
+                or getattr(kn.runtime, "add_stages_inspection_hook", None) is not None
+                or not (_no_hooks(kn.runtime.launch_enter_hook)
+                        and _no_hooks(kn.runtime.launch_exit_hook))):
+            return None, None, None, None
+        device = self._driver.active.get_current_device()
+        if device not in caches or len(caches[device]) != 5:  # first launch, or another Triton
+            return device, None, None, None
+        params, spec, options = caches[device][4](*args, **kw)
+        key = (device, tuple(spec), tuple((k, type(v), v) for k, v in options.items()),
+               getattr(kn.compilation, "instrumentation_mode", None),
+               getattr(kn.compilation, "fpsan_homomorphic_casts", None))
+        try:
+            return device, key, params, self.compiled.get(key)
+        except TypeError:  # an unhashable constexpr
+            return device, None, None, None
 
 
 if triton is not None:  # the attention launches of an eager forward, past Triton's JIT
@@ -328,13 +330,13 @@ class TritonAttention(AttentionBackend):
         if meta.num_seqs > self.max_split_seqs(device):
             return 0
         capacity = meta.block_tables.shape[1] * self.block_size
-        splits = -(-capacity // self.keys_per_split(device))
+        splits = cdiv(capacity, self.keys_per_split(device))
         return splits if splits > 1 else 0
 
     def split_programs(self, splits: int, num_seqs: int, device: torch.device) -> int:
         """Programs per (KV head, sequence) of a split launch: about four per multiprocessor
         in all (fewer leave too few loads in flight), each taking every P-th split."""
-        per = -(-4 * sm_count(device) // (self.num_kv_heads * num_seqs))
+        per = cdiv(4 * sm_count(device), self.num_kv_heads * num_seqs)
         return max(1, min(splits, per))
 
     def attend(self, q, kv_cache, meta: AttentionMetadata) -> torch.Tensor:

@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from engine.attention.triton_backend import next_pow2, no_specialize, triton, triton_available
+from engine.attention.triton_backend import cdiv, next_pow2, no_specialize, triton, triton_available
 from engine.spec import ngram
 
 if triton_available():
@@ -102,8 +102,8 @@ def store_tokens(store: torch.Tensor, ids: torch.Tensor, slots: torch.Tensor,
         kernel = ids.is_cuda and triton_available()
     if kernel:
         _await_compile(store.device)
-        _store_kernel[(triton.cdiv(n, STORE_BLOCK),)](store, ids, slots, n, store.shape[0] - 1,
-                                                     BLOCK=STORE_BLOCK, num_warps=4)
+        _store_kernel[(cdiv(n, STORE_BLOCK),)](store, ids, slots, n, store.shape[0] - 1,
+                                               BLOCK=STORE_BLOCK, num_warps=4)
         return
     idx = torch.where(slots[:n] >= 0, slots[:n], store.shape[0] - 1)
     store.index_copy_(0, idx, ids.to(store.dtype))
