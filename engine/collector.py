@@ -21,10 +21,19 @@ def freeze_long_lived() -> int:
     """Collect once, then exempt every object alive now from later collections; returns how
     many are frozen. For a process that keeps its engine for life (a node, `tandem serve`):
     frozen objects that later become cyclic garbage are never freed, so a process that
-    discards engines calls `unfreeze` first (the benchmarks' `free_memory`)."""
+    discards engines calls `unfreeze` first (the benchmarks' `free_memory`). At exit they go
+    back to the collector, so the interpreter's last collection frees them (frozen Triton
+    objects would otherwise be reported as leaked by its bindings)."""
+    global _unfreeze_at_exit
     gc.collect()
     gc.freeze()
+    if not _unfreeze_at_exit:
+        atexit.register(gc.unfreeze)
+        _unfreeze_at_exit = True
     return gc.get_freeze_count()
+
+
+_unfreeze_at_exit = False
 
 
 def unfreeze() -> None:
