@@ -213,11 +213,15 @@ def cmd_serve(args) -> int:
 
         use_cache_dir(cfg.engine.triton_cache_dir)  # before anything compiles
         started = time.perf_counter()
-        engine = Engine.from_pretrained(cfg.model.path, **engine_kwargs(cfg, "colocated"))
-        # graphs, frozen objects, compiles logged and counted from here on
-        engine.prepare_to_serve(progress=True, started=started)
-        print(f"engine {engine.ready}", file=sys.stderr, flush=True)
-        backend = LocalBackend(engine, cfg.router.chat_special_tokens)
+
+        def make() -> Engine:  # on the engine's own thread (`EngineLoop`)
+            engine = Engine.from_pretrained(cfg.model.path, **engine_kwargs(cfg, "colocated"))
+            # graphs, frozen objects, compiles logged and counted from here on
+            engine.prepare_to_serve(progress=True, started=started)
+            return engine
+
+        backend = LocalBackend(make, cfg.router.chat_special_tokens)
+        print(f"engine {backend.engine.ready}", file=sys.stderr, flush=True)
         close = backend.close
     else:
         from cluster import launcher

@@ -1,5 +1,9 @@
 """An engine on its own thread: requests in, outputs out to each caller's asyncio queue. Every
-engine call goes through this thread. Colocated serving and both node kinds use it."""
+engine call goes through this thread. Colocated serving and both node kinds use it, and build
+their engine on it too (`make`): a CPU engine's matrix products then all come from one thread.
+GNU OpenMP gives each thread that runs a parallel region its own team of workers; with two
+teams on the machine's cores (a build on the main thread, then steps on this one) the workers
+sleep between products instead of spinning, and decode ran 1.5x slower."""
 
 from __future__ import annotations
 
@@ -23,16 +27,25 @@ def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 class EngineLoop:
     """Owns the engine: only this thread calls into it after start()."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine | None = None, make: Callable[[], Engine] | None = None):
+        """engine: one built already; or make: what builds it (and prepares it to serve), run
+        on this loop's thread by `start`."""
+        if (engine is None) == (make is None):
+            raise ValueError("EngineLoop takes an engine or a make function, one of them")
         self.engine = engine
+        self._make = make
+        self._made: concurrent.futures.Future = concurrent.futures.Future()
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.subs: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
         self.on_step = None  # optional callback(engine) after every step (metrics)
 
     def start(self) -> None:
+        """Start the thread; with `make`, returns once the engine is made there (`engine`),
+        raising what make raised."""
         self._thread.start()
+        self._made.result()
 
     def stop(self) -> None:
         self._stop.set()
@@ -82,6 +95,16 @@ class EngineLoop:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self.inbox.put(("call", fn, fut, None))
         return await asyncio.wrap_future(fut)
+
+    def _main(self) -> None:
+        if self._make is not None:
+            try:
+                self.engine = self._make()
+            except BaseException as e:  # reaches `start`'s caller
+                self._made.set_exception(e)
+                return
+        self._made.set_result(None)
+        self._run()
 
     def _run(self) -> None:
         eng = self.engine

@@ -188,17 +188,23 @@ class Node(Liveness):
         from kvtransfer.layout import BlockLayout
 
         started = time.perf_counter()
-        use_cpu_threads(engine_kwargs.get("device"), cpu_threads)  # before the engine's threads
-        self.engine = Engine.from_pretrained(model, **on_own_gpu(engine_types(engine_kwargs)))
-        # graphs captured, objects frozen, compiles logged and counted from here on
-        self.engine.prepare_to_serve(started=started)
+
+        def make() -> Engine:  # on the engine's own thread (`EngineLoop`)
+            # here: a thread's OpenMP products keep the thread count it had at its first
+            use_cpu_threads(engine_kwargs.get("device"), cpu_threads)
+            engine = Engine.from_pretrained(model, **on_own_gpu(engine_types(engine_kwargs)))
+            # graphs captured, objects frozen, compiles logged and counted from here on
+            engine.prepare_to_serve(started=started)
+            return engine
+
+        self.loop = EngineLoop(make=make)
+        self.loop.start()
+        self.engine = self.loop.engine
         print(f"{role} node {self.engine.ready}", file=sys.stderr, flush=True)
         self.metrics, self.metrics_port = serve_metrics(role, metrics_port, metrics_host,
                                                         self.engine.config.model.name)
-        self.loop = EngineLoop(self.engine)
         self.loop.on_step = self.metrics.engine_step
         self.metrics.watch_engine(self.engine)
-        self.loop.start()
         self.layout = BlockLayout.from_engine_config(self.engine.config)
 
     async def stats(self) -> dict:

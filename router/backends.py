@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from engine import Engine
 from engine.loop import EngineLoop
@@ -10,14 +11,16 @@ from node_common.node import engine_info
 
 
 class LocalBackend:
-    """Colocated: tokenizes with the engine's tokenizer, generates on its engine thread."""
+    """Colocated: tokenizes with the engine's tokenizer, generates on its engine thread.
+    `engine`: built already, or a function that builds it, run on that thread (`EngineLoop`'s
+    make: serving builds there)."""
 
-    def __init__(self, engine: Engine, chat_special_tokens: bool = False):
-        self.engine = engine
-        self.encoder = dataclasses.replace(engine.prompt_encoder(),
-                                           chat_special_tokens=chat_special_tokens)
-        self.loop = EngineLoop(engine)
+    def __init__(self, engine: Engine | Callable[[], Engine], chat_special_tokens: bool = False):
+        self.loop = EngineLoop(engine) if isinstance(engine, Engine) else EngineLoop(make=engine)
         self.loop.start()
+        self.engine = self.loop.engine
+        self.encoder = dataclasses.replace(self.engine.prompt_encoder(),
+                                           chat_special_tokens=chat_special_tokens)
 
     def encode(self, prompt) -> list[int]:
         return self.encoder(prompt)
