@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.affinity import serial_torch
 from kvtransfer.layout import BLOCKS_DIM
 
 
@@ -130,7 +131,8 @@ def gather(kv: torch.Tensor, layers: tuple[int, int], ids: torch.Tensor,
     if use_kernel(kv):
         copy_blocks(src, dst, ids, gather=True)
     else:
-        torch.index_select(src, 1, ids, out=dst)
+        with serial_torch():  # off the engine's thread: no OpenMP team of this thread's
+            torch.index_select(src, 1, ids, out=dst)
     return dst.view((layers[1] - layers[0], 2, len(ids)) + tuple(kv.shape[3:]))
 
 
@@ -144,7 +146,8 @@ def scatter(kv: torch.Tensor, layers: tuple[int, int], ids: Sequence[int] | torc
     if use_kernel(kv):
         copy_blocks(dst, src, ids, gather=False)
     else:
-        dst.index_copy_(1, ids, src)
+        with serial_torch():
+            dst.index_copy_(1, ids, src)
 
 
 # ---- the block copy kernel -------------------------------------------------------------------
