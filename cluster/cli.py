@@ -220,7 +220,11 @@ def cmd_serve(args) -> int:
             engine.prepare_to_serve(progress=True, started=started)
             return engine
 
-        backend = LocalBackend(make, cfg.router.chat_special_tokens)
+        try:
+            backend = LocalBackend(chat_special_tokens=cfg.router.chat_special_tokens, make=make)
+        except KeyboardInterrupt:  # the build goes on on its thread: leave without waiting
+            print("interrupted while loading", file=sys.stderr, flush=True)
+            os._exit(130)
         print(f"engine {backend.engine.ready}", file=sys.stderr, flush=True)
         close = backend.close
     else:

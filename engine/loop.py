@@ -45,7 +45,11 @@ class EngineLoop:
         """Start the thread; with `make`, returns once the engine is made there (`engine`),
         raising what make raised."""
         self._thread.start()
-        self._made.result()
+        try:
+            self._made.result()
+        except BaseException:  # make failed, or the wait was interrupted: never serve after
+            self._stop.set()
+            raise
 
     def stop(self) -> None:
         self._stop.set()

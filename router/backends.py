@@ -12,11 +12,12 @@ from node_common.node import engine_info
 
 class LocalBackend:
     """Colocated: tokenizes with the engine's tokenizer, generates on its engine thread.
-    `engine`: built already, or a function that builds it, run on that thread (`EngineLoop`'s
-    make: serving builds there)."""
+    `engine` built already, or `make`, a function that builds it, run on that thread
+    (`EngineLoop`: serving builds there)."""
 
-    def __init__(self, engine: Engine | Callable[[], Engine], chat_special_tokens: bool = False):
-        self.loop = EngineLoop(engine) if isinstance(engine, Engine) else EngineLoop(make=engine)
+    def __init__(self, engine: Engine | None = None, chat_special_tokens: bool = False,
+                 make: Callable[[], Engine] | None = None):
+        self.loop = EngineLoop(engine, make=make)
         self.loop.start()
         self.engine = self.loop.engine
         self.encoder = dataclasses.replace(self.engine.prompt_encoder(),

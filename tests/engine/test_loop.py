@@ -84,7 +84,7 @@ def test_make_errors_reach_start_and_the_arguments_are_one_or_the_other():
     with pytest.raises(RuntimeError, match="no weights here"):
         loop.start()
     loop._thread.join(timeout=10)
-    assert not loop._thread.is_alive()  # no loop without an engine
+    assert not loop._thread.is_alive() and loop._stop.is_set()  # no loop without an engine
     with pytest.raises(ValueError, match="one of them"):
         EngineLoop()
     with pytest.raises(ValueError, match="one of them"):
