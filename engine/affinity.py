@@ -68,7 +68,8 @@ def use_cpu_threads(device: str | None, count: int | None = 0) -> int | None:
 @contextmanager
 def serial_torch() -> Iterator[None]:
     """Torch ops inside run on the calling thread alone (no OpenMP team), its thread count
-    restored after."""
+    restored after. Torch's process-wide default is 1 meanwhile: a thread that runs its first
+    parallel op then keeps one thread, so engines set theirs first (`use_cpu_threads`)."""
     import torch
 
     prev = torch.get_num_threads()
