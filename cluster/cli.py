@@ -364,7 +364,7 @@ def cmd_remote_generate(args) -> int:
     tps = (n - 1) / (end - first) if first and n > 1 and end > first else 0.0
     acc = last.usage.accepted_draft_tokens if last and last.usage else 0
     print(f"\n\n[{n} tokens, finish={last.finish_reason if last else None}, TTFT "
-          f"{((first or end) - t0) * 1000:.0f} ms, {tps:.1f} tokens/s, {acc} draft tokens "
+          f"{((first or end) - t0) * 1000:.0f} ms, decode {tps:.1f} tokens/s, {acc} draft tokens "
           f"accepted, via {args.address}]", file=sys.stderr)
     return 0
 
