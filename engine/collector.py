@@ -24,16 +24,12 @@ def freeze_long_lived() -> int:
     discards engines calls `unfreeze` first (the benchmarks' `free_memory`). At exit they go
     back to the collector, so the interpreter's last collection frees them (frozen Triton
     objects would otherwise be reported as leaked by its bindings)."""
-    global _unfreeze_at_exit
     gc.collect()
     gc.freeze()
-    if not _unfreeze_at_exit:
-        atexit.register(gc.unfreeze)
-        _unfreeze_at_exit = True
     return gc.get_freeze_count()
 
 
-_unfreeze_at_exit = False
+atexit.register(gc.unfreeze)  # nothing to do in a process that froze nothing
 
 
 def unfreeze() -> None:

@@ -190,7 +190,7 @@ class Node(Liveness):
         started = time.perf_counter()
 
         def make() -> Engine:  # on the engine's own thread (`EngineLoop`)
-            # here: a thread's OpenMP products keep the thread count it had at its first
+            # here: a thread keeps the torch thread count it had at its first parallel op
             use_cpu_threads(engine_kwargs.get("device"), cpu_threads)
             engine = Engine.from_pretrained(model, **on_own_gpu(engine_types(engine_kwargs)))
             # graphs captured, objects frozen, compiles logged and counted from here on
