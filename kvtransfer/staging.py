@@ -12,6 +12,7 @@ import concurrent.futures
 import queue
 import threading
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 import torch
 
@@ -180,8 +181,11 @@ def copy_blocks(kv_rows: torch.Tensor, packed: torch.Tensor, ids: torch.Tensor,
         return
     a, b = _bits(kv_rows), _bits(packed)
     grid = (r * n, -(-e // COPY_TILE))
-    copy_blocks_kernel[grid](a, b, ids, n, e, a.stride(0), a.stride(1), b.stride(0),
-                             b.stride(1), GATHER=gather, TILE=COPY_TILE)
+    # Triton launches on the current device: make it the tensors' (a transport thread's current
+    # device may be another GPU of the process).
+    with torch.cuda.device(kv_rows.device) if kv_rows.is_cuda else nullcontext():
+        copy_blocks_kernel[grid](a, b, ids, n, e, a.stride(0), a.stride(1), b.stride(0),
+                                 b.stride(1), GATHER=gather, TILE=COPY_TILE)
 
 
 class StagingPool:
