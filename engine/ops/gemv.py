@@ -124,13 +124,14 @@ if triton_available():
     def _dot_rows_kernel(X, W, B, Y, M, N, stride_x, stride_w, stride_y, K: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          STAGES: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
-                         USE_PDL: tl.constexpr):
-        """Y[M, N] = X[M, K] @ W[N, K].T (+ B) for M <= 16: one 16-row tensor-core block per
-        program over BLOCK_N columns, Triton's software pipeline keeping STAGES weight tiles
-        in flight. Rows past M are masked (zeros): mma rows are independent, so each row
-        rounds alike whatever M."""
+                         USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr = 16):
+        """Y[M, N] = X[M, K] @ W[N, K].T (+ B): a BLOCK_M-row tensor-core block per program
+        (program_id(1): the row block) over BLOCK_N columns, Triton's software pipeline keeping
+        STAGES weight tiles in flight. Rows past M are masked (zeros): mma rows are independent,
+        so each row rounds alike whatever M; each output accumulates its k16 MMA steps in K
+        order whatever the tile."""
         pid = tl.program_id(0)
-        rm = tl.arange(0, 16)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
@@ -138,7 +139,7 @@ if triton_available():
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             k_ok = (k0 + rk < K) | EVEN_K  # no K mask (vector loads) where tiles divide K
             x = tl.load(X + rm[:, None] * stride_x + (k0 + rk)[None, :],
@@ -223,20 +224,28 @@ def dot_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     """x @ weight.T (+ bias) for at most 16 rows in one 16-row tensor-core block per program
     (`_dot_rows_kernel`; rows past the count masked, so each row rounds alike whatever the
     count). tiles: (BLOCK_N, BLOCK_K, STAGES, warps)."""
+    assert 1 <= x.shape[0] <= DOT_ROWS_MAX
+    return dot_tiles(x, weight, bias, (16, *(tiles or DOT_ROWS_TILES)))
+
+
+def dot_tiles(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              tiles: tuple[int, int, int, int, int]) -> torch.Tensor:
+    """x @ weight.T (+ bias) at any row count in tensor-core tiles (BLOCK_M, BLOCK_N, BLOCK_K,
+    STAGES, warps) of `_dot_rows_kernel`."""
     m, k = x.shape
     n = weight.shape[0]
-    assert 1 <= m <= DOT_ROWS_MAX and weight.shape[1] == k and weight.stride(1) == 1
+    assert weight.shape[1] == k and weight.stride(1) == 1
     if x.stride(1) != 1:
         x = x.contiguous()
-    bn, bk, stages, warps = tiles or DOT_ROWS_TILES
+    bm, bn, bk, stages, warps = tiles
     bk = min(bk, next_pow2(k, 16))
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    _dot_rows_kernel[(cdiv(n, bn),)](
-        x, weight, bias if bias is not None else weight, y, m, n, x.stride(0),
-        weight.stride(0), y.stride(0), K=k, HAS_BIAS=bias is not None, BLOCK_N=bn,
-        BLOCK_K=bk, STAGES=stages, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        EVEN_K=k % bk == 0, num_warps=warps,
-        **pdl_args(x, always=True))
+    if m:
+        _dot_rows_kernel[(cdiv(n, bn), cdiv(m, bm))](
+            x, weight, bias if bias is not None else weight, y, m, n, x.stride(0),
+            weight.stride(0), y.stride(0), K=k, HAS_BIAS=bias is not None, BLOCK_N=bn,
+            BLOCK_K=bk, STAGES=stages, PREC="ieee" if x.dtype == torch.float32 else "tf32",
+            EVEN_K=k % bk == 0, BLOCK_M=bm, num_warps=warps, **pdl_args(x, always=True))
     return y
 
 

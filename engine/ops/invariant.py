@@ -66,6 +66,9 @@ PREFILL_NORM_APART (opt-in) takes a norm out of a wide launch's projection (`nor
 `prologue_norm` computes each row as the tiles of a row alone would, so the projection that
 follows may walk K as a plain or GLU one does.
 
+A large model's decoder-layer projections (`LARGE_WEIGHT`) take another kernel on PREFILL_TILES'
+devices: `dot_tiles`, pipelined, tiles by row count (LARGE_TILES), the same k16 chain.
+
 Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
 whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
 range order (`engine.ops.splitk`). A row still rounds the same at any row count; the sums
@@ -79,7 +82,8 @@ from operator import itemgetter
 import torch
 
 from engine.attention.triton_backend import next_pow2
-from engine.ops.elementwise import silu_mul
+from engine.ops.elementwise import add_rmsnorm, silu_mul
+from engine.ops.gemv import dot_tiles
 from engine.ops.prologue import (
     LINEAR_MAX_WEIGHT,
     LOGITS_DOT_TILES,
@@ -146,6 +150,17 @@ NORM_BLOCK_K = None
 # kernels 1.2-2.6x faster at 256-2048 rows, but SmolLM2's host-bound eager prefill pays more for
 # the extra launch than it saves (profile/det_host_time_98129b8.json).
 PREFILL_NORM_APART = False
+# A decoder layer's projection of more than LARGE_WEIGHT elements (a large model's; None: none)
+# in 16-bit activations on PREFILL_TILES' devices runs in `dot_tiles`' pipelined tensor-core
+# tiles by row count (LARGE_TILES), its norm and SiLU-and-mul as launches of their own
+# (`add_rmsnorm`, `silu_mul`: a row a program). The software pipeline keeps weight tiles in
+# flight, which the latency-bound tiles above do not, and each output still accumulates its k16
+# MMA steps in K order: on an H100, each row of Llama-8B's projections has the same bits at
+# every tile and 1-2048 rows, 1.4-3x faster than the 16-row tiles (profile/bigdet_31cd1b6.json).
+LARGE_WEIGHT = LINEAR_MAX_WEIGHT
+# ((max_rows, (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps)), ...) in increasing max_rows, None
+# (any count) last.
+LARGE_TILES = ((16, (16, 32, 256, 5, 4)), (128, (64, 64, 64, 4, 4)), (None, (128, 128, 64, 4, 8)))
 
 
 @lru_cache(maxsize=8)
@@ -354,6 +369,30 @@ def head_tiles(kb: int, m: int | None, wide: bool) -> tuple[int, int, int, int]:
     return BLOCK_M, bn, min(bk, kb), warps
 
 
+def large_tiles(n: int, k: int, m: int, glu: bool, head: bool, wide: bool, elem: int
+                ) -> tuple[int, int, int, int, int] | None:
+    """`dot_tiles`' tiles of a decoder layer's projection of an [n, k] weight (n: the gate's
+    columns with `glu`) in a launch of m rows where it takes them (`LARGE_WEIGHT`: a weight that
+    large, not an LM head's, 16-bit activations, a device taking PREFILL_TILES: `wide`), else
+    None. ValueError for a malformed setting."""
+    if LARGE_WEIGHT is None:
+        return None
+    if type(LARGE_WEIGHT) is not int or LARGE_WEIGHT < 0:
+        raise ValueError(f"LARGE_WEIGHT must be None or an int >= 0, not {LARGE_WEIGHT!r}")
+    if is_head(n, k, head) or not wide or elem != 2 or (2 if glu else 1) * n * k <= LARGE_WEIGHT:
+        return None
+    table = LARGE_TILES
+    ok = isinstance(table, tuple) and table and table[-1][0] is None and all(
+        isinstance(e, tuple) and len(e) == 2 and isinstance(e[1], tuple) and len(e[1]) == 5
+        and all(type(v) is int and v > 0 for v in e[1]) and e[1][0] in PREFILL_BLOCKS_M
+        and tile_width(e[1][1]) and tile_width(e[1][2]) and e[1][4] in (4, 8)
+        and (e[0] is None or type(e[0]) is int) for e in table)
+    if not ok:
+        raise ValueError(f"LARGE_TILES must be ((max_rows, (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, "
+                         f"warps)), ..., (None, tiles)), not {table!r}")
+    return next(t for rows, t in table if rows is None or m <= rows)
+
+
 def norm_chunk() -> int:
     """NORM_K validated (0 where None)."""
     if NORM_K is None:
@@ -392,7 +431,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     count: the norm in the projection's prologue, SiLU-and-mul as its own kernel before it,
     the projection through `invariant_tiles` (of x's row count) and `invariant_splits`. glu:
     weight is [gate | up] and the result is `silu_mul` of the projection, in its epilogue.
-    head: the weight is an LM head's. Where `norm_apart`, the norm runs as its own launch."""
+    head: the weight is an LM head's. Where `norm_apart`, the norm runs as its own launch;
+    where `large_tiles`, so do the norm and SiLU-and-mul, and the projection takes `dot_tiles`."""
     if x.stride(1) != 1:
         x = x.contiguous()
     if silu:
@@ -400,6 +440,15 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     n, k = weight.shape
     n = n // 2 if glu else n
     m, elem, wide = x.shape[0], x.element_size(), prefill_suits(x.device)
+    big = large_tiles(n, k, m, glu, head, wide, elem)
+    if big is not None:  # the norm and SiLU-and-mul a row a program, then pipelined tiles
+        res = None
+        if norm_weight is not None:
+            a = add_rmsnorm(x, norm_weight, eps, residual)
+            x, res = (a, None) if residual is None else a
+        y = dot_tiles(x, weight, bias, big)
+        y = silu_mul(y) if glu else y
+        return y if res is None else (y, res)
     if norm_weight is not None and norm_apart(n, k, m, head, wide, elem):
         # the norm in the tiles a row alone takes, then the projection of its output
         a = prologue_norm(x, norm_weight, eps, residual,

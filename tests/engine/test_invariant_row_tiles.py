@@ -6,7 +6,8 @@ projections only, bad tables are refused, `invariant_linear` hands the chosen ti
 among 8, 64 and 2048 rows, with the 16-row tiles and with a table that gives each of those
 counts other tiles, unsplit and in 4 K-splits, with PREFILL_TILES (`PREFILL_ROWS`) and with
 NORM_WARPS; and whether those give the 16-row tiles' bits; an LM head's HEAD_TILES likewise;
-a norm apart from its projection (PREFILL_NORM_APART) likewise."""
+a norm apart from its projection (PREFILL_NORM_APART) likewise; a large model's weights in
+`dot_tiles` (LARGE_WEIGHT) likewise, and its plain projections with the 16-row tiles' bits."""
 
 from __future__ import annotations
 
@@ -317,3 +318,36 @@ def test_norm_k_rows_alone_equal_batched_gpu(consts, block_k, splits, n, k, glu,
     assert invariant.invariant_tiles(half, k, 64, glu, norm)[2] == (64 if splits == 1
                                                                     else shape_k)
     _alone_equals_batched(*_layer(n, k, glu, norm))
+
+
+LARGE_SHAPES = [p for p in LAYER_SHAPES if p.id.startswith("llama8b")]
+SHIPPED_LARGE = invariant.LARGE_WEIGHT
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,glu,norm", LARGE_SHAPES)
+def test_large_rows_alone_equal_batched_gpu(consts, n, k, glu, norm):
+    """bf16 on the GPU, a large model's weights at the shipped LARGE_WEIGHT and LARGE_TILES
+    (`dot_tiles`, the norm and SiLU-and-mul apart): each row of ALONE alone equals the same row
+    among 8, 64 and 2048, outputs and x + residual, each count of (1, 64, 2048) at other
+    tiles. Required: a CUDA graph's padded bucket may cross LARGE_TILES' bounds."""
+    consts(None, large=SHIPPED_LARGE)
+    half = n // 2 if glu else n
+    assert len({invariant.large_tiles(half, k, m, glu, False, True, 2)
+                for m in (1, 64, 2048)}) == 3
+    _alone_equals_batched(*_layer(n, k, glu, norm))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k,glu,norm", [p for p in LARGE_SHAPES if not p.values[3]])
+def test_large_plain_gives_the_16_row_bits_gpu(consts, n, k, glu, norm):
+    """bf16 on the GPU: a large plain projection (o, down) in `dot_tiles` gives every row the
+    16-row tiles' bits, alone and among 2048 (the same k16 MMA steps in K order)."""
+    proj, rows = _layer(n, k, glu, norm)
+    consts(None)
+    want = _alone(proj, rows), _parts(proj(rows))
+    consts(None, large=SHIPPED_LARGE)
+    got = _alone(proj, rows), _parts(proj(rows))
+    for i in ALONE:
+        assert torch.equal(got[0][i][0], want[0][i][0]), i
+    assert torch.equal(got[1][0], want[1][0])

@@ -1,0 +1,98 @@
+"""The deterministic projections of a large model's weights (`invariant.LARGE_WEIGHT`): which
+launches take `dot_tiles`' pipelined tiles (LARGE_TILES by row count), bad settings refused by
+name, and results equal to torch's with the norm and SiLU-and-mul apart (Triton's interpreter,
+fp16). The GPU cases (each row's bits alone and among 2048, bf16, Llama-8B's shapes) are in
+test_invariant_row_tiles.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import ops
+from engine.attention import triton_available
+from engine.ops import invariant
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
+SHIPPED = invariant.LARGE_WEIGHT
+SMALL_TILES = ((1, (16, 32, 32, 2, 4)), (None, (32, 64, 64, 2, 4)))  # interpreter-sized
+
+
+def test_large_weights_take_the_pipelined_tiles(tile_settings):
+    """A decoder layer's weight above LARGE_WEIGHT elements (gate_up counting both halves)
+    takes LARGE_TILES' entry for its row count, in 16-bit activations on PREFILL_TILES'
+    devices; a small model's weights, an LM head, fp32 activations, another GPU and
+    LARGE_WEIGHT None keep the other tiles."""
+    tile_settings(large=SHIPPED)
+    table = invariant.LARGE_TILES
+    assert table[-1][0] is None
+    for m in (1, 16, 17, 128, 129, 2048):
+        want = next(t for rows, t in table if rows is None or m <= rows)
+        for n, k, glu in [(6144, 4096, False), (4096, 14336, False), (14336, 4096, True)]:
+            assert invariant.large_tiles(n, k, m, glu, False, True, 2) == want
+    assert invariant.large_tiles(6144, 4096, 1, False, False, True, 2)[0] == 16
+    assert invariant.large_tiles(6144, 4096, 2048, False, False, True, 2)[0] > 16
+    assert invariant.large_tiles(1024, 2048, 1, True, False, True, 2) is None  # 2 x 2M: 4M
+    assert invariant.large_tiles(1024, 4096, 1, True, False, True, 2) is not None  # 2 x 4M
+    for args in [(960, 576, 1, False, False, True, 2),  # SmolLM2's qkv
+                 (128256, 4096, 1, False, False, True, 2),  # an LM head by its shape
+                 (4096, 4096, 1, False, True, True, 2),  # one said to be a head
+                 (4096, 4096, 1, False, False, True, 4),  # fp32
+                 (4096, 4096, 1, False, False, False, 2)]:  # not sm_90
+        assert invariant.large_tiles(*args) is None, args
+    tile_settings(large=None)
+    assert invariant.large_tiles(4096, 4096, 1, False, False, True, 2) is None
+
+
+@pytest.mark.parametrize("name,value", [
+    ("LARGE_WEIGHT", -1), ("LARGE_WEIGHT", 1.5), ("LARGE_WEIGHT", "4M"),
+    ("LARGE_TILES", ((16, (16, 32, 256, 5, 4)),)),  # no catch-all last
+    ("LARGE_TILES", ((None, (16, 48, 256, 5, 4)),)),  # BLOCK_N not a power of two
+    ("LARGE_TILES", ((None, (24, 32, 256, 5, 4)),)),  # BLOCK_M not an MMA's
+    ("LARGE_TILES", ((None, (16, 32, 256, 5, 2)),)),  # warps
+    ("LARGE_TILES", ((None, (16, 32, 256, 5)),)), ("LARGE_TILES", None)])
+def test_bad_large_settings_raise(tile_settings, monkeypatch, name, value):
+    """A malformed LARGE_WEIGHT or LARGE_TILES is refused by name at the first large weight."""
+    tile_settings(large=SHIPPED)
+    monkeypatch.setattr(invariant, name, value)
+    with pytest.raises(ValueError, match=name):
+        invariant.large_tiles(4096, 4096, 1, False, False, True, 2)
+
+
+def test_large_path_matches_torch(tile_settings, invariant_matches_torch, monkeypatch):
+    """With LARGE_WEIGHT 0 (every decoder weight large) and interpreter-sized LARGE_TILES, at
+    1, 9 and 130 rows (one tile, then both): plain with a bias, the norm of x + residual and
+    gate_up's SiLU-and-mul equal torch's to rounding and x + residual exactly, every launch
+    through `dot_tiles` at its count's tiles."""
+    tile_settings(large=0)
+    monkeypatch.setattr(invariant, "LARGE_TILES", SMALL_TILES)
+    seen = []
+    real = invariant.dot_tiles
+
+    def spy(x, w, b, tiles):
+        seen.append((x.shape[0], tiles))
+        return real(x, w, b, tiles)
+
+    monkeypatch.setattr(invariant, "dot_tiles", spy)
+    invariant_matches_torch(torch.float16, (1, 9, 130), 7)
+    assert {m for m, _ in seen} == {1, 9, 130} and len(seen) == 9
+    assert all(t == (SMALL_TILES[0][1] if m == 1 else SMALL_TILES[1][1]) for m, t in seen)
+
+
+def test_large_path_rows_keep_their_bits(tile_settings, monkeypatch):
+    """Through a weight that copies its input columns (exact products), each row's normed input
+    and x + residual alone equal the same row among 40 (16-row tiles alone, 32-row ones among
+    them; Triton's interpreter, fp16)."""
+    tile_settings(large=0)
+    monkeypatch.setattr(invariant, "LARGE_TILES", SMALL_TILES)
+    g = torch.Generator().manual_seed(5)
+    x, r = (torch.randn(40, 304, generator=g).half() for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(304, generator=g)).half()
+    eye = torch.eye(304, dtype=torch.float16)[:64]
+    y, res = ops.invariant_linear(x, eye, norm_weight=nw, eps=1e-5, residual=r)
+    want, want_res = ops.add_rmsnorm(x, nw, 1e-5, r)
+    assert torch.equal(y, want[:, :64]) and torch.equal(res, want_res)
+    for i in (0, 15, 39):
+        yi, ri = ops.invariant_linear(x[i:i + 1], eye, norm_weight=nw, eps=1e-5,
+                                      residual=r[i:i + 1])
+        assert torch.equal(yi[0], y[i]) and torch.equal(ri[0], res[i]), i
