@@ -67,7 +67,9 @@ PREFILL_NORM_APART (opt-in) takes a norm out of a wide launch's projection (`nor
 follows may walk K as a plain or GLU one does.
 
 A large model's decoder-layer projections (`LARGE_WEIGHT`) take another kernel on PREFILL_TILES'
-devices: `dot_tiles`, pipelined, tiles by row count (LARGE_TILES), the same k16 chain.
+devices: `dot_tiles`, pipelined, tiles by row count (LARGE_TILES), the same k16 chain. The
+settings above (split-K, ROW_TILES, PREFILL_ROWS, NORM_WARPS, NORM_K, PREFILL_NORM_APART) do not
+reach them.
 
 Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
 whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
@@ -150,13 +152,14 @@ NORM_BLOCK_K = None
 # kernels 1.2-2.6x faster at 256-2048 rows, but SmolLM2's host-bound eager prefill pays more for
 # the extra launch than it saves (profile/det_host_time_98129b8.json).
 PREFILL_NORM_APART = False
-# A decoder layer's projection of more than LARGE_WEIGHT elements (a large model's; None: none)
-# in 16-bit activations on PREFILL_TILES' devices runs in `dot_tiles`' pipelined tensor-core
-# tiles by row count (LARGE_TILES), its norm and SiLU-and-mul as launches of their own
-# (`add_rmsnorm`, `silu_mul`: a row a program). The software pipeline keeps weight tiles in
-# flight, which the latency-bound tiles above do not, and each output still accumulates its k16
-# MMA steps in K order: on an H100, each row of Llama-8B's projections has the same bits at
-# every tile and 1-2048 rows, 1.4-3x faster than the 16-row tiles (profile/bigdet_31cd1b6.json).
+# A decoder layer's projection of more than LARGE_WEIGHT elements (None: none; Llama-8B's, and
+# Qwen-1.5B's gate_up and down) in 16-bit activations on PREFILL_TILES' devices runs in
+# `dot_tiles`' pipelined tensor-core tiles by row count (LARGE_TILES), its norm and SiLU-and-mul as
+# launches of their own (`add_rmsnorm`, `silu_mul`: a row a program). The software pipeline keeps
+# weight tiles in flight, which the latency-bound tiles above do not, and each output still
+# accumulates its k16 MMA steps in K order: on an H100, each row of Llama-8B's projections has the
+# same bits at every tile and 1-2048 rows, 1.4-3x faster than the 16-row tiles
+# (profile/bigdet_31cd1b6.json).
 LARGE_WEIGHT = LINEAR_MAX_WEIGHT
 # ((max_rows, (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps)), ...) in increasing max_rows, None
 # (any count) last.
@@ -382,14 +385,15 @@ def large_tiles(n: int, k: int, m: int, glu: bool, head: bool, wide: bool, elem:
     if is_head(n, k, head) or not wide or elem != 2 or (2 if glu else 1) * n * k <= LARGE_WEIGHT:
         return None
     table = LARGE_TILES
-    ok = isinstance(table, tuple) and table and table[-1][0] is None and all(
+    ok = isinstance(table, tuple) and len(table) > 0 and all(
         isinstance(e, tuple) and len(e) == 2 and isinstance(e[1], tuple) and len(e[1]) == 5
         and all(type(v) is int and v > 0 for v in e[1]) and e[1][0] in PREFILL_BLOCKS_M
-        and tile_width(e[1][1]) and tile_width(e[1][2]) and e[1][4] in (4, 8)
-        and (e[0] is None or type(e[0]) is int) for e in table)
-    if not ok:
+        and tile_width(e[1][1]) and tile_width(e[1][2]) and e[1][4] in (4, 8) for e in table)
+    bounds = [e[0] for e in table] if ok else []
+    if not (ok and bounds[-1] is None and all(type(b) is int and b >= 1 for b in bounds[:-1])
+            and bounds[:-1] == sorted(set(bounds[:-1]))):
         raise ValueError(f"LARGE_TILES must be ((max_rows, (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, "
-                         f"warps)), ..., (None, tiles)), not {table!r}")
+                         f"warps)), ..., (None, tiles)), max_rows increasing, not {table!r}")
     return next(t for rows, t in table if rows is None or m <= rows)
 
 
@@ -442,6 +446,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     m, elem, wide = x.shape[0], x.element_size(), prefill_suits(x.device)
     big = large_tiles(n, k, m, glu, head, wide, elem)
     if big is not None:  # the norm and SiLU-and-mul a row a program, then pipelined tiles
+        assert (residual is None or norm_weight is not None) and not (glu and bias is not None)
         res = None
         if norm_weight is not None:
             a = add_rmsnorm(x, norm_weight, eps, residual)

@@ -50,7 +50,12 @@ def test_large_weights_take_the_pipelined_tiles(tile_settings):
     ("LARGE_TILES", ((None, (16, 48, 256, 5, 4)),)),  # BLOCK_N not a power of two
     ("LARGE_TILES", ((None, (24, 32, 256, 5, 4)),)),  # BLOCK_M not an MMA's
     ("LARGE_TILES", ((None, (16, 32, 256, 5, 2)),)),  # warps
-    ("LARGE_TILES", ((None, (16, 32, 256, 5)),)), ("LARGE_TILES", None)])
+    ("LARGE_TILES", ((None, (16, 32, 256, 5)),)), ("LARGE_TILES", None),
+    ("LARGE_TILES", (16, 32, 256, 5, 4)),  # one entry's tiles, not a table
+    ("LARGE_TILES", ((128, (16, 32, 256, 5, 4)), (16, (64, 64, 64, 4, 4)),
+                     (None, (128, 128, 64, 4, 8)))),  # max_rows decreasing
+    ("LARGE_TILES", ((0, (16, 32, 256, 5, 4)), (None, (128, 128, 64, 4, 8)))),
+    ("LARGE_TILES", ())])
 def test_bad_large_settings_raise(tile_settings, monkeypatch, name, value):
     """A malformed LARGE_WEIGHT or LARGE_TILES is refused by name at the first large weight."""
     tile_settings(large=SHIPPED)

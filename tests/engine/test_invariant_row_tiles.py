@@ -320,8 +320,12 @@ def test_norm_k_rows_alone_equal_batched_gpu(consts, block_k, splits, n, k, glu,
     _alone_equals_batched(*_layer(n, k, glu, norm))
 
 
-LARGE_SHAPES = [p for p in LAYER_SHAPES if p.id.startswith("llama8b")]
+LARGE_SHAPES = [p for p in LAYER_SHAPES if p.id.startswith("llama8b")] + [
+    pytest.param(9728, 896, True, True, id="qwen0.5b-gate_up"),  # K off the 256-key tiles
+    pytest.param(1536, 8960, False, False, id="qwen1.5b-down")]
 SHIPPED_LARGE = invariant.LARGE_WEIGHT
+# Counts that leave the 64- and 128-row tiles' last row block part full, beside BATCHES.
+PART_BATCHES = (100, 2000)
 
 
 @pytest.mark.gpu
@@ -329,13 +333,21 @@ SHIPPED_LARGE = invariant.LARGE_WEIGHT
 def test_large_rows_alone_equal_batched_gpu(consts, n, k, glu, norm):
     """bf16 on the GPU, a large model's weights at the shipped LARGE_WEIGHT and LARGE_TILES
     (`dot_tiles`, the norm and SiLU-and-mul apart): each row of ALONE alone equals the same row
-    among 8, 64 and 2048, outputs and x + residual, each count of (1, 64, 2048) at other
-    tiles. Required: a CUDA graph's padded bucket may cross LARGE_TILES' bounds."""
+    among 8, 64, 100, 2000 and 2048 (last row blocks full and part full), outputs and x +
+    residual, each count of (1, 64, 2048) at other tiles. Required: a CUDA graph's padded
+    bucket may cross LARGE_TILES' bounds."""
     consts(None, large=SHIPPED_LARGE)
     half = n // 2 if glu else n
     assert len({invariant.large_tiles(half, k, m, glu, False, True, 2)
                 for m in (1, 64, 2048)}) == 3
-    _alone_equals_batched(*_layer(n, k, glu, norm))
+    proj, rows = _layer(n, k, glu, norm)
+    _alone_equals_batched(proj, rows)
+    alone = _alone(proj, rows)
+    for m in PART_BATCHES:
+        out = _parts(proj(rows[:m]))
+        for i in (i for i in ALONE if i < m):
+            for a, b in zip(out, alone[i]):
+                assert torch.equal(a[i], b[0]), (m, i)
 
 
 @pytest.mark.gpu
