@@ -189,11 +189,11 @@ def _alone(proj, rows) -> dict:
     return {i: _parts(proj(rows[i:i + 1])) for i in ALONE}
 
 
-def _alone_equals_batched(proj, rows) -> None:
-    """Each row of ALONE computed alone equals the same row among each of BATCHES that holds
+def _alone_equals_batched(proj, rows, batches=BATCHES) -> None:
+    """Each row of ALONE computed alone equals the same row among each of `batches` that holds
     it, every output bit for bit."""
     alone = _alone(proj, rows)
-    for m in BATCHES:
+    for m in batches:
         out = _parts(proj(rows[:m]))
         for i in (i for i in ALONE if i < m):
             for a, b in zip(out, alone[i]):
@@ -340,14 +340,7 @@ def test_large_rows_alone_equal_batched_gpu(consts, n, k, glu, norm):
     half = n // 2 if glu else n
     assert len({invariant.large_tiles(half, k, m, glu, False, True, 2)
                 for m in (1, 64, 2048)}) == 3
-    proj, rows = _layer(n, k, glu, norm)
-    _alone_equals_batched(proj, rows)
-    alone = _alone(proj, rows)
-    for m in PART_BATCHES:
-        out = _parts(proj(rows[:m]))
-        for i in (i for i in ALONE if i < m):
-            for a, b in zip(out, alone[i]):
-                assert torch.equal(a[i], b[0]), (m, i)
+    _alone_equals_batched(*_layer(n, k, glu, norm), batches=BATCHES + PART_BATCHES)
 
 
 @pytest.mark.gpu
