@@ -67,7 +67,7 @@ PREFILL_NORM_APART (opt-in) takes a norm out of a wide launch's projection (`nor
 follows may walk K as a plain or GLU one does.
 
 A large model's decoder-layer projections (`LARGE_WEIGHT`) take another kernel on PREFILL_TILES'
-devices: `dot_tiles`, pipelined, tiles by row count (LARGE_TILES), the same k16 chain. The
+devices: `dot_tiles`, pipelined, tiles by rows and columns (LARGE_TILES), the same k16 chain. The
 settings above (split-K, ROW_TILES, PREFILL_ROWS, NORM_WARPS, NORM_K, PREFILL_NORM_APART) do not
 reach them.
 
@@ -154,16 +154,21 @@ NORM_BLOCK_K = None
 PREFILL_NORM_APART = False
 # A decoder layer's projection of more than LARGE_WEIGHT elements (None: none; Llama-8B's, and
 # Qwen-1.5B's gate_up and down) in 16-bit activations on PREFILL_TILES' devices runs in
-# `dot_tiles`' pipelined tensor-core tiles by row count (LARGE_TILES), its norm and SiLU-and-mul as
-# launches of their own (`add_rmsnorm`, `silu_mul`: a row a program). The software pipeline keeps
-# weight tiles in flight, which the latency-bound tiles above do not, and each output still
-# accumulates its k16 MMA steps in K order: on an H100, each row of Llama-8B's projections has the
-# same bits at every tile and 1-2048 rows, 1.4-3x faster than the 16-row tiles
+# `dot_tiles`' pipelined tensor-core tiles by rows and columns (LARGE_TILES), its norm and
+# SiLU-and-mul as launches of their own (`add_rmsnorm`, `silu_mul`: a row a program). The software
+# pipeline keeps weight tiles in flight, which the latency-bound tiles above do not, and each
+# output still accumulates its k16 MMA steps in K order: on an H100, each row of Llama-8B's
+# projections has the same bits at every tile and 1-2048 rows, 1.4-3x faster than the 16-row tiles
 # (profile/bigdet_31cd1b6.json).
 LARGE_WEIGHT = LINEAR_MAX_WEIGHT
-# ((max_rows, (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps)), ...) in increasing max_rows, None
-# (any count) last.
-LARGE_TILES = ((16, (16, 32, 256, 5, 4)), (128, (64, 64, 64, 4, 4)), (None, (128, 128, 64, 4, 8)))
+# ((max_rows, min_cols, (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps)), ...): a launch of m rows
+# computing c columns ([gate | up]'s both halves) takes the first entry with m <= max_rows and
+# c >= min_cols; max_rows never decreasing, (None, 0, tiles) last. At 64 rows on an H100,
+# 16-row tiles give the narrower projections more programs, 64-row ones suit gate_up's 28672
+# columns (a layer 188 us, against 223 in 64-row tiles alone; cuBLAS 172).
+LARGE_TILES = ((16, 0, (16, 32, 256, 5, 4)), (64, 16384, (64, 128, 64, 3, 8)),
+               (64, 0, (16, 64, 128, 4, 4)), (128, 0, (64, 64, 64, 4, 4)),
+               (None, 0, (128, 128, 64, 4, 8)))
 
 
 @lru_cache(maxsize=8)
@@ -386,15 +391,20 @@ def large_tiles(n: int, k: int, m: int, glu: bool, head: bool, wide: bool, elem:
         return None
     table = LARGE_TILES
     ok = isinstance(table, tuple) and len(table) > 0 and all(
-        isinstance(e, tuple) and len(e) == 2 and isinstance(e[1], tuple) and len(e[1]) == 5
-        and all(type(v) is int and v > 0 for v in e[1]) and e[1][0] in PREFILL_BLOCKS_M
-        and tile_width(e[1][1]) and tile_width(e[1][2]) and e[1][4] in (4, 8) for e in table)
+        isinstance(e, tuple) and len(e) == 3 and type(e[1]) is int and e[1] >= 0
+        and isinstance(e[2], tuple) and len(e[2]) == 5
+        and all(type(v) is int and v > 0 for v in e[2]) and e[2][0] in PREFILL_BLOCKS_M
+        and tile_width(e[2][1]) and tile_width(e[2][2]) and e[2][4] in (4, 8) for e in table)
     bounds = [e[0] for e in table] if ok else []
-    if not (ok and bounds[-1] is None and all(type(b) is int and b >= 1 for b in bounds[:-1])
-            and bounds[:-1] == sorted(set(bounds[:-1]))):
-        raise ValueError(f"LARGE_TILES must be ((max_rows, (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, "
-                         f"warps)), ..., (None, tiles)), max_rows increasing, not {table!r}")
-    return next(t for rows, t in table if rows is None or m <= rows)
+    if not (ok and bounds[-1] is None and table[-1][1] == 0
+            and all(type(b) is int and b >= 1 for b in bounds[:-1])
+            and bounds[:-1] == sorted(bounds[:-1])):
+        raise ValueError(f"LARGE_TILES must be ((max_rows, min_cols, (BLOCK_M, BLOCK_N, BLOCK_K, "
+                         f"STAGES, warps)), ..., (None, 0, tiles)), max_rows never decreasing, "
+                         f"not {table!r}")
+    cols = 2 * n if glu else n
+    return next(t for rows, least, t in table
+                if (rows is None or m <= rows) and cols >= least)
 
 
 def norm_chunk() -> int:

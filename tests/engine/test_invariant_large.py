@@ -15,21 +15,27 @@ from engine.ops import invariant
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
 SHIPPED = invariant.LARGE_WEIGHT
-SMALL_TILES = ((1, (16, 32, 32, 2, 4)), (None, (32, 64, 64, 2, 4)))  # interpreter-sized
+SMALL_TILES = ((1, 0, (16, 32, 32, 2, 4)), (None, 0, (32, 64, 64, 2, 4)))  # interpreter-sized
 
 
 def test_large_weights_take_the_pipelined_tiles(tile_settings):
     """A decoder layer's weight above LARGE_WEIGHT elements (gate_up counting both halves)
-    takes LARGE_TILES' entry for its row count, in 16-bit activations on PREFILL_TILES'
-    devices; a small model's weights, an LM head, fp32 activations, another GPU and
-    LARGE_WEIGHT None keep the other tiles."""
+    takes LARGE_TILES' first entry for its row count and columns ([gate | up]'s both halves), in
+    16-bit activations on PREFILL_TILES' devices; a small model's weights, an LM head, fp32
+    activations, another GPU and LARGE_WEIGHT None keep the other tiles."""
     tile_settings(large=SHIPPED)
     table = invariant.LARGE_TILES
-    assert table[-1][0] is None
-    for m in (1, 16, 17, 128, 129, 2048):
-        want = next(t for rows, t in table if rows is None or m <= rows)
+    assert table[-1][:2] == (None, 0)
+    for m in (1, 16, 17, 64, 65, 128, 129, 2048):
         for n, k, glu in [(6144, 4096, False), (4096, 14336, False), (14336, 4096, True)]:
+            cols = 2 * n if glu else n
+            want = next(t for rows, least, t in table
+                        if (rows is None or m <= rows) and cols >= least)
             assert invariant.large_tiles(n, k, m, glu, False, True, 2) == want
+    # at 17-64 rows gate_up's 28672 columns take 64-row tiles, the narrower 16-row ones
+    wide, narrow = (invariant.large_tiles(n, 4096, 64, g, False, True, 2)
+                    for n, g in [(14336, True), (6144, False)])
+    assert wide[0] == 64 and narrow[0] == 16 and wide != narrow
     assert invariant.large_tiles(6144, 4096, 1, False, False, True, 2)[0] == 16
     assert invariant.large_tiles(6144, 4096, 2048, False, False, True, 2)[0] > 16
     assert invariant.large_tiles(1024, 2048, 1, True, False, True, 2) is None  # 2 x 2M: 4M
@@ -46,15 +52,18 @@ def test_large_weights_take_the_pipelined_tiles(tile_settings):
 
 @pytest.mark.parametrize("name,value", [
     ("LARGE_WEIGHT", -1), ("LARGE_WEIGHT", 1.5), ("LARGE_WEIGHT", "4M"),
-    ("LARGE_TILES", ((16, (16, 32, 256, 5, 4)),)),  # no catch-all last
-    ("LARGE_TILES", ((None, (16, 48, 256, 5, 4)),)),  # BLOCK_N not a power of two
-    ("LARGE_TILES", ((None, (24, 32, 256, 5, 4)),)),  # BLOCK_M not an MMA's
-    ("LARGE_TILES", ((None, (16, 32, 256, 5, 2)),)),  # warps
-    ("LARGE_TILES", ((None, (16, 32, 256, 5)),)), ("LARGE_TILES", None),
-    ("LARGE_TILES", (16, 32, 256, 5, 4)),  # one entry's tiles, not a table
-    ("LARGE_TILES", ((128, (16, 32, 256, 5, 4)), (16, (64, 64, 64, 4, 4)),
-                     (None, (128, 128, 64, 4, 8)))),  # max_rows decreasing
-    ("LARGE_TILES", ((0, (16, 32, 256, 5, 4)), (None, (128, 128, 64, 4, 8)))),
+    ("LARGE_TILES", ((16, 0, (16, 32, 256, 5, 4)),)),  # no catch-all last
+    ("LARGE_TILES", ((None, 4096, (16, 32, 256, 5, 4)),)),  # a catch-all with min_cols
+    ("LARGE_TILES", ((None, 0, (16, 48, 256, 5, 4)),)),  # BLOCK_N not a power of two
+    ("LARGE_TILES", ((None, 0, (24, 32, 256, 5, 4)),)),  # BLOCK_M not an MMA's
+    ("LARGE_TILES", ((None, 0, (16, 32, 256, 5, 2)),)),  # warps
+    ("LARGE_TILES", ((None, 0, (16, 32, 256, 5)),)), ("LARGE_TILES", None),
+    ("LARGE_TILES", ((None, (16, 32, 256, 5, 4)),)),  # no min_cols
+    ("LARGE_TILES", ((None, -1, (16, 32, 256, 5, 4)),)),
+    ("LARGE_TILES", (16, 0, (16, 32, 256, 5, 4))),  # one entry, not a table
+    ("LARGE_TILES", ((128, 0, (16, 32, 256, 5, 4)), (16, 0, (64, 64, 64, 4, 4)),
+                     (None, 0, (128, 128, 64, 4, 8)))),  # max_rows decreasing
+    ("LARGE_TILES", ((0, 0, (16, 32, 256, 5, 4)), (None, 0, (128, 128, 64, 4, 8)))),
     ("LARGE_TILES", ())])
 def test_bad_large_settings_raise(tile_settings, monkeypatch, name, value):
     """A malformed LARGE_WEIGHT or LARGE_TILES is refused by name at the first large weight."""
@@ -81,7 +90,7 @@ def test_large_path_matches_torch(tile_settings, invariant_matches_torch, monkey
     monkeypatch.setattr(invariant, "dot_tiles", spy)
     invariant_matches_torch(torch.float16, (1, 9, 130), 7)
     assert {m for m, _ in seen} == {1, 9, 130} and len(seen) == 9
-    assert all(t == (SMALL_TILES[0][1] if m == 1 else SMALL_TILES[1][1]) for m, t in seen)
+    assert all(t == (SMALL_TILES[0][2] if m == 1 else SMALL_TILES[1][2]) for m, t in seen)
 
 
 def test_large_path_rows_keep_their_bits(tile_settings, monkeypatch):
