@@ -66,10 +66,9 @@ PREFILL_NORM_APART (opt-in) takes a norm out of a wide launch's projection (`nor
 `prologue_norm` computes each row as the tiles of a row alone would, so the projection that
 follows may walk K as a plain or GLU one does.
 
-A large model's decoder-layer projections (`LARGE_WEIGHT`) take another kernel on PREFILL_TILES'
-devices: `dot_tiles`, pipelined, tiles by rows and columns (LARGE_TILES), the same k16 chain. The
-settings above (split-K, ROW_TILES, PREFILL_ROWS, NORM_WARPS, NORM_K, PREFILL_NORM_APART) do not
-reach them.
+A large model's layer projections (`LARGE_WEIGHT`) take pipelined `dot_tiles` on PREFILL_TILES'
+devices (LARGE_TILES), the same k16 chain; split-K, ROW_TILES, PREFILL_ROWS, NORM_WARPS, NORM_K
+and PREFILL_NORM_APART do not reach them.
 
 Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
 whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
@@ -152,20 +151,15 @@ NORM_BLOCK_K = None
 # kernels 1.2-2.6x faster at 256-2048 rows, but SmolLM2's host-bound eager prefill pays more for
 # the extra launch than it saves (profile/det_host_time_98129b8.json).
 PREFILL_NORM_APART = False
-# A decoder layer's projection of more than LARGE_WEIGHT elements (None: none; Llama-8B's, and
-# Qwen-1.5B's gate_up and down) in 16-bit activations on PREFILL_TILES' devices runs in
-# `dot_tiles`' pipelined tensor-core tiles by rows and columns (LARGE_TILES), its norm and
-# SiLU-and-mul as launches of their own (`add_rmsnorm`, `silu_mul`: a row a program). The software
-# pipeline keeps weight tiles in flight, which the latency-bound tiles above do not, and each
-# output still accumulates its k16 MMA steps in K order: on an H100, each row of Llama-8B's
-# projections has the same bits at every tile and 1-2048 rows, 1.4-3x faster than the 16-row tiles
-# (profile/bigdet_31cd1b6.json).
+# A decoder layer's projection of over LARGE_WEIGHT elements (None: none; Llama-8B's, Qwen-1.5B's
+# gate_up and down), 16-bit, on PREFILL_TILES' devices: `dot_tiles` (LARGE_TILES), norm and SiLU
+# apart (a row a program). Pipelined, each output's k16 MMA steps in K order: on an H100, each
+# row of Llama-8B's the same bits at any tile and 1-2048 rows, 1.4-3x the 16-row tiles' speed.
 LARGE_WEIGHT = LINEAR_MAX_WEIGHT
-# ((max_rows, min_cols, (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps)), ...): a launch of m rows
-# computing c columns ([gate | up]'s both halves) takes the first entry with m <= max_rows and
-# c >= min_cols; max_rows never decreasing, (None, 0, tiles) last. At 64 rows on an H100,
-# 16-row tiles give the narrower projections more programs, 64-row ones suit gate_up's 28672
-# columns (a layer 188 us, against 223 in 64-row tiles alone; cuBLAS 172).
+# ((max_rows, min_cols, (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps)), ...): m rows of c columns
+# ([gate | up] both) take the first entry with m <= max_rows and c >= min_cols, (None, 0, tiles)
+# last. On an H100 at 64 rows (profile/bigdet_31cd1b6.json) 16-row tiles suit narrow projections,
+# 64-row ones gate_up's 28672 columns: a layer 188 us (all 64-row: 223; cuBLAS 172).
 LARGE_TILES = ((16, 0, (16, 32, 256, 5, 4)), (64, 16384, (64, 128, 64, 3, 8)),
                (64, 0, (16, 64, 128, 4, 4)), (128, 0, (64, 64, 64, 4, 4)),
                (None, 0, (128, 128, 64, 4, 8)))
@@ -380,16 +374,26 @@ def head_tiles(kb: int, m: int | None, wide: bool) -> tuple[int, int, int, int]:
 def large_tiles(n: int, k: int, m: int, glu: bool, head: bool, wide: bool, elem: int
                 ) -> tuple[int, int, int, int, int] | None:
     """`dot_tiles`' tiles of a decoder layer's projection of an [n, k] weight (n: the gate's
-    columns with `glu`) in a launch of m rows where it takes them (`LARGE_WEIGHT`: a weight that
-    large, not an LM head's, 16-bit activations, a device taking PREFILL_TILES: `wide`), else
-    None. ValueError for a malformed setting."""
+    columns with `glu`) in a launch of m rows where it takes them (`LARGE_WEIGHT`; not an LM
+    head, 16-bit, `wide`: PREFILL_TILES' devices), else None. ValueError: a malformed setting."""
     if LARGE_WEIGHT is None:
         return None
     if type(LARGE_WEIGHT) is not int or LARGE_WEIGHT < 0:
         raise ValueError(f"LARGE_WEIGHT must be None or an int >= 0, not {LARGE_WEIGHT!r}")
-    if is_head(n, k, head) or not wide or elem != 2 or (2 if glu else 1) * n * k <= LARGE_WEIGHT:
+    cols = 2 * n if glu else n  # [gate | up]'s both halves
+    if is_head(n, k, head) or not wide or elem != 2 or cols * k <= LARGE_WEIGHT:
         return None
-    table = LARGE_TILES
+    try:
+        table = _large_checked(LARGE_TILES)
+    except TypeError:  # unhashable, so no table: checked uncached to say so
+        table = _large_checked.__wrapped__(LARGE_TILES)
+    return next(t for rows, least, t in table
+                if (rows is None or m <= rows) and cols >= least)
+
+
+@lru_cache(maxsize=8)
+def _large_checked(table):
+    """table if a valid LARGE_TILES, else ValueError (once a table, not per launch)."""
     ok = isinstance(table, tuple) and len(table) > 0 and all(
         isinstance(e, tuple) and len(e) == 3 and type(e[1]) is int and e[1] >= 0
         and isinstance(e[2], tuple) and len(e[2]) == 5
@@ -402,9 +406,7 @@ def large_tiles(n: int, k: int, m: int, glu: bool, head: bool, wide: bool, elem:
         raise ValueError(f"LARGE_TILES must be ((max_rows, min_cols, (BLOCK_M, BLOCK_N, BLOCK_K, "
                          f"STAGES, warps)), ..., (None, 0, tiles)), max_rows never decreasing, "
                          f"not {table!r}")
-    cols = 2 * n if glu else n
-    return next(t for rows, least, t in table
-                if (rows is None or m <= rows) and cols >= least)
+    return table
 
 
 def norm_chunk() -> int:
@@ -457,10 +459,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     big = large_tiles(n, k, m, glu, head, wide, elem)
     if big is not None:  # the norm and SiLU-and-mul a row a program, then pipelined tiles
         assert (residual is None or norm_weight is not None) and not (glu and bias is not None)
-        res = None
-        if norm_weight is not None:
-            a = add_rmsnorm(x, norm_weight, eps, residual)
-            x, res = (a, None) if residual is None else a
+        a = add_rmsnorm(x, norm_weight, eps, residual) if norm_weight is not None else x
+        x, res = (a, None) if residual is None else a
         y = dot_tiles(x, weight, bias, big)
         y = silu_mul(y) if glu else y
         return y if res is None else (y, res)

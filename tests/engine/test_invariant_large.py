@@ -64,7 +64,7 @@ def test_large_weights_take_the_pipelined_tiles(tile_settings):
     ("LARGE_TILES", ((128, 0, (16, 32, 256, 5, 4)), (16, 0, (64, 64, 64, 4, 4)),
                      (None, 0, (128, 128, 64, 4, 8)))),  # max_rows decreasing
     ("LARGE_TILES", ((0, 0, (16, 32, 256, 5, 4)), (None, 0, (128, 128, 64, 4, 8)))),
-    ("LARGE_TILES", ())])
+    ("LARGE_TILES", ()), ("LARGE_TILES", [(None, 0, (16, 32, 256, 5, 4))])])  # a list
 def test_bad_large_settings_raise(tile_settings, monkeypatch, name, value):
     """A malformed LARGE_WEIGHT or LARGE_TILES is refused by name at the first large weight."""
     tile_settings(large=SHIPPED)
