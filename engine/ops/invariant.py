@@ -165,7 +165,13 @@ LARGE_TILES = ((16, 0, (16, 32, 256, 5, 4)), (64, 16384, (64, 128, 64, 3, 8)),
                (None, 0, (128, 128, 64, 4, 8)))
 
 
-@lru_cache(maxsize=8)
+def _by_value(check):
+    """check(table) memoized by the table's repr: equal and same-hashed (True, 1) told apart."""
+    seen: dict[str, object] = {}
+    return lambda table: seen.get(key := repr(table)) or seen.setdefault(key, check(table))
+
+
+@_by_value
 def _checked(table) -> tuple[tuple[int, int, int], ...]:
     """table if it is a valid ROW_TILES, else ValueError."""
     form = "((max_rows, BLOCK_M, BLOCK_N), ...) of ints in increasing max_rows"
@@ -189,10 +195,6 @@ def _checked(table) -> tuple[tuple[int, int, int], ...]:
 
 def row_tiles(table, m: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) of a launch of m rows by the ROW_TILES table `table` (validated)."""
-    try:
-        hash(table)
-    except TypeError:
-        raise ValueError(f"ROW_TILES must be a tuple of tuples, not {table!r}") from None
     for rows, bm, bn in _checked(table):
         if m <= rows:
             return bm, bn
@@ -383,15 +385,11 @@ def large_tiles(n: int, k: int, m: int, glu: bool, head: bool, wide: bool, elem:
     cols = 2 * n if glu else n  # [gate | up]'s both halves
     if is_head(n, k, head) or not wide or elem != 2 or cols * k <= LARGE_WEIGHT:
         return None
-    try:
-        table = _large_checked(LARGE_TILES)
-    except TypeError:  # unhashable, so no table: checked uncached to say so
-        table = _large_checked.__wrapped__(LARGE_TILES)
-    return next(t for rows, least, t in table
+    return next(t for rows, least, t in _large_checked(LARGE_TILES)
                 if (rows is None or m <= rows) and cols >= least)
 
 
-@lru_cache(maxsize=8)
+@_by_value
 def _large_checked(table):
     """table if a valid LARGE_TILES, else ValueError (once a table, not per launch)."""
     ok = isinstance(table, tuple) and len(table) > 0 and all(

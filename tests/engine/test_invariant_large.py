@@ -15,6 +15,7 @@ from engine.ops import invariant
 
 pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
 SHIPPED = invariant.LARGE_WEIGHT
+SHIPPED_TILES = invariant.LARGE_TILES
 SMALL_TILES = ((1, 0, (16, 32, 32, 2, 4)), (None, 0, (32, 64, 64, 2, 4)))  # interpreter-sized
 
 
@@ -70,6 +71,19 @@ def test_bad_large_settings_raise(tile_settings, monkeypatch, name, value):
     tile_settings(large=SHIPPED)
     monkeypatch.setattr(invariant, name, value)
     with pytest.raises(ValueError, match=name):
+        invariant.large_tiles(4096, 4096, 1, False, False, True, 2)
+
+
+def test_a_bool_large_table_is_refused_after_the_equal_int_one(tile_settings, monkeypatch):
+    """min_cols False equals and hashes as 0: the validation's memo, filled by the shipped
+    table, still refuses the table holding it."""
+    tile_settings(large=SHIPPED)
+    assert invariant.large_tiles(4096, 4096, 1, False, False, True, 2) is not None
+    (rows, cols, tiles), *rest = invariant.LARGE_TILES
+    assert cols == 0
+    monkeypatch.setattr(invariant, "LARGE_TILES", ((rows, False, tiles), *rest))
+    assert invariant.LARGE_TILES == SHIPPED_TILES
+    with pytest.raises(ValueError, match="LARGE_TILES"):
         invariant.large_tiles(4096, 4096, 1, False, False, True, 2)
 
 

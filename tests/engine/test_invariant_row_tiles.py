@@ -78,7 +78,7 @@ def test_a_norm_walking_long_k_tiles_stays_within_shared_memory(consts):
 @pytest.mark.parametrize("table,match", [
     ((), "must be None or"),
     ("((1,16,16),(10**9,32,64))", "must be None or"),  # what --set makes of a non-literal
-    ([[1, 16, 16]], "tuple of tuples"),
+    ([[1, 16, 16]], "must be None or"),
     (((1, 16),), "is not"),
     (((1.0, 16, 16),), "is not"),
     (((1, 128, 16),), "BLOCK_M 128"),
@@ -95,6 +95,15 @@ def test_bad_tables_raise(consts, table, match):
     projection of a decoder layer's shape."""
     consts(table)
     with pytest.raises(ValueError, match=match):
+        invariant.invariant_tiles(960, 576, 1)
+
+
+def test_a_bool_is_refused_after_the_equal_int_table_passed(consts):
+    """(True, 16, 16) equals and hashes as (1, 16, 16): the validation's memo tells them apart."""
+    consts(((1, 16, 16), (10**9, 32, 64)))
+    assert invariant.invariant_tiles(960, 576, 1)[:2] == (16, 16)
+    consts(((True, 16, 16), (10**9, 32, 64)))
+    with pytest.raises(ValueError, match="is not"):
         invariant.invariant_tiles(960, 576, 1)
 
 
