@@ -124,3 +124,22 @@ def test_large_path_rows_keep_their_bits(tile_settings, monkeypatch):
         yi, ri = ops.invariant_linear(x[i:i + 1], eye, norm_weight=nw, eps=1e-5,
                                       residual=r[i:i + 1])
         assert torch.equal(yi[0], y[i]) and torch.equal(ri[0], res[i]), i
+
+
+@pytest.mark.parametrize("group", [1, 2, 3, 8])
+def test_dot_tiles_grid_order_covers_every_tile_alike(monkeypatch, group):
+    """`dot_tiles` walks GROUP_M row blocks per column block, the last group part-full (5 row
+    blocks x 3 column blocks): every output is written, equal to torch's to rounding and bit
+    for bit to the column-blocks-first order's (Triton's interpreter, fp32)."""
+    from engine.ops import gemv
+
+    g = torch.Generator().manual_seed(11)
+    x, w, b = torch.randn(70, 64, generator=g), torch.randn(48, 64, generator=g), \
+        torch.randn(48, generator=g)
+    tiles = (16, 16, 32, 2, 4)
+    monkeypatch.setattr(gemv, "DOT_GROUP_M", 1)
+    ref = gemv.dot_tiles(x, w, b, tiles)
+    monkeypatch.setattr(gemv, "DOT_GROUP_M", group)
+    y = gemv.dot_tiles(x, w, b, tiles)
+    torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    assert torch.equal(y, ref)
