@@ -156,6 +156,7 @@ PREFILL_NORM_APART = False
 # apart (a row a program). Pipelined, each output's k16 MMA steps in K order: on an H100, each
 # row of Llama-8B's the same bits at any tile and 1-2048 rows, 1.4-3x the 16-row tiles' speed.
 LARGE_WEIGHT = LINEAR_MAX_WEIGHT
+LARGE_HEADS = False  # opt-in: an LM head over LARGE_WEIGHT takes them too, at every count
 # ((max_rows, min_cols, (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps)), ...): m rows of c columns
 # ([gate | up] both) take the first entry with m <= max_rows and c >= min_cols, (None, 0, tiles)
 # last. On an H100 at 64 rows (profile/bigdet_31cd1b6.json) 16-row tiles suit narrow projections,
@@ -376,14 +377,15 @@ def head_tiles(kb: int, m: int | None, wide: bool) -> tuple[int, int, int, int]:
 def large_tiles(n: int, k: int, m: int, glu: bool, head: bool, wide: bool, elem: int
                 ) -> tuple[int, int, int, int, int] | None:
     """`dot_tiles`' tiles of a decoder layer's projection of an [n, k] weight (n: the gate's
-    columns with `glu`) in a launch of m rows where it takes them (`LARGE_WEIGHT`; not an LM
-    head, 16-bit, `wide`: PREFILL_TILES' devices), else None. ValueError: a malformed setting."""
+    columns with `glu`; an LM head's with LARGE_HEADS) in a launch of m rows where it takes them
+    (`LARGE_WEIGHT`, 16-bit, `wide`: PREFILL_TILES' devices), else None; ValueError: bad setting."""
     if LARGE_WEIGHT is None:
         return None
-    if type(LARGE_WEIGHT) is not int or LARGE_WEIGHT < 0:
-        raise ValueError(f"LARGE_WEIGHT must be None or an int >= 0, not {LARGE_WEIGHT!r}")
+    if type(LARGE_WEIGHT) is not int or LARGE_WEIGHT < 0 or type(LARGE_HEADS) is not bool:
+        raise ValueError(f"LARGE_WEIGHT {LARGE_WEIGHT!r}: None or an int >= 0; LARGE_HEADS: a bool")
     cols = 2 * n if glu else n  # [gate | up]'s both halves
-    if is_head(n, k, head) or not wide or elem != 2 or cols * k <= LARGE_WEIGHT:
+    if (is_head(n, k, head) and not LARGE_HEADS) or not wide or elem != 2 \
+            or cols * k <= LARGE_WEIGHT:
         return None
     return next(t for rows, least, t in _large_checked(LARGE_TILES)
                 if (rows is None or m <= rows) and cols >= least)

@@ -51,6 +51,45 @@ def test_large_weights_take_the_pipelined_tiles(tile_settings):
     assert invariant.large_tiles(4096, 4096, 1, False, False, True, 2) is None
 
 
+def test_large_heads_take_the_pipelined_tiles_where_opted_in(tile_settings, monkeypatch):
+    """LARGE_HEADS: an LM head over LARGE_WEIGHT takes LARGE_TILES by rows and columns like a
+    layer's weight, SmolLM2's and Llama-8B's alike; a head at or under it, fp32 activations
+    and another GPU still do not; a non-bool refused by name."""
+    tile_settings(large=SHIPPED)
+    monkeypatch.setattr(invariant, "LARGE_HEADS", True)
+    for n, k in [(49152, 576), (128256, 4096)]:
+        for m in (1, 64, 384):
+            want = invariant.large_tiles(n, k, m, False, False, True, 2)
+            assert want is not None and invariant.large_tiles(n, k, m, False, True, True,
+                                                              2) == want
+        assert invariant.large_tiles(n, k, 1, False, True, True, 4) is None
+        assert invariant.large_tiles(n, k, 1, False, True, False, 2) is None
+    assert invariant.large_tiles(4096, 576, 1, False, True, True, 2) is None  # 2.4M: small
+    monkeypatch.setattr(invariant, "LARGE_HEADS", 1)
+    with pytest.raises(ValueError, match="LARGE_HEADS"):
+        invariant.large_tiles(128256, 4096, 1, False, True, True, 2)
+
+
+def test_large_head_logits_match_torch_and_keep_rows(tile_settings, monkeypatch):
+    """With LARGE_HEADS and interpreter-sized LARGE_TILES, an LM head's logits through
+    `invariant_linear` go through `dot_tiles`, equal torch's to rounding, and each row alone
+    equals the same row among 40 (Triton's interpreter, fp16)."""
+    tile_settings(large=0)
+    monkeypatch.setattr(invariant, "LARGE_TILES", SMALL_TILES)
+    monkeypatch.setattr(invariant, "LARGE_HEADS", True)
+    seen = []
+    real = invariant.dot_tiles
+    monkeypatch.setattr(invariant, "dot_tiles",
+                        lambda x, w, b, t: seen.append(x.shape[0]) or real(x, w, b, t))
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(40, 64, generator=g).half(), (torch.randn(1024, 64, generator=g) / 8).half()
+    y = ops.invariant_linear(x, w, head=True)
+    torch.testing.assert_close(y.float(), x.float() @ w.float().T, rtol=2e-2, atol=2e-2)
+    for i in (0, 17, 39):
+        assert torch.equal(ops.invariant_linear(x[i:i + 1], w, head=True)[0], y[i]), i
+    assert seen == [40, 1, 1, 1]
+
+
 @pytest.mark.parametrize("name,value", [
     ("LARGE_WEIGHT", -1), ("LARGE_WEIGHT", 1.5), ("LARGE_WEIGHT", "4M"),
     ("LARGE_TILES", ((16, 0, (16, 32, 256, 5, 4)),)),  # no catch-all last

@@ -365,3 +365,15 @@ def test_large_plain_gives_the_16_row_bits_gpu(consts, n, k, glu, norm):
     for i in ALONE:
         assert torch.equal(got[0][i][0], want[0][i][0]), i
     assert torch.equal(got[1][0], want[1][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [pytest.param(49152, 576, id="smol-head"),
+                                 pytest.param(128256, 4096, id="llama8b-head")])
+def test_large_heads_rows_alone_equal_batched_gpu(consts, monkeypatch, n, k):
+    """bf16 on the GPU, LARGE_HEADS on: an LM head (by its shape) in `dot_tiles` gives each row
+    of ALONE alone the bits it has among 8, 64, 100 and 384 rows (verify widths)."""
+    consts(None, large=SHIPPED_LARGE)
+    monkeypatch.setattr(invariant, "LARGE_HEADS", True)
+    assert invariant.large_tiles(n, k, 384, False, False, True, 2) is not None
+    _alone_equals_batched(*_layer(n, k, False, False), batches=(8, 64, 100, 384))
