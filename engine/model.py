@@ -270,8 +270,9 @@ class LlamaModel(nn.Module):
         16-row tensor-core tiles (`ops.LOGITS_DOT_TILES`): its weight is read once for all
         rows of a verify step, and each row still rounds as it does alone. Deterministic:
         `ops.invariant_linear` as an LM head (such tiles below `invariant.HEAD_ROWS`, and at
-        every count off sm_90 or in fp32), or on the reference path one row at a time. Leading
-        dimensions other than rows (a trainer's [batch, length, hidden]) count as rows."""
+        every count off sm_90 or in fp32; `dot_tiles` with `invariant.LARGE_HEADS`), or on the
+        reference path one row at a time. Leading dimensions other than rows (a trainer's
+        [batch, length, hidden]) count as rows."""
         if hidden.dim() != 2:
             return self._logits(hidden.reshape(-1, hidden.shape[-1])).view(
                 *hidden.shape[:-1], -1)

@@ -157,8 +157,9 @@ if triton_available():
             acc = tl.dot(x, tl.trans(w), acc, input_precision=PREC)
         if HAS_BIAS:
             acc += tl.load(B + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(Y + rm[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
-                 mask=m_ok[:, None] & n_ok[None, :])
+        # 64-bit row offsets: a 128256-wide head's output passes 2**31 elements at 16.7k rows
+        tl.store(Y + rm[:, None].to(tl.int64) * stride_y + rn[None, :],
+                 acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
 def large_suits(weight: torch.Tensor) -> bool:

@@ -1,79 +1,69 @@
-"""Row-invariant projections of the deterministic mode (`EngineConfig.deterministic`): at any
-row count, each row of a projection is computed by the same kernel in the same K order with
-fp32 accumulation, so its bits are the same whether it is alone, in a verify step or in a
-prefill chunk. No choice by timing (a restarted process must pick the same tiles).
+"""Row-invariant projections of the deterministic mode (`EngineConfig.deterministic`): at any row
+count, each row of a projection is computed by the same kernel in the same K order with fp32
+accumulation, so its bits are the same whether it is alone, in a verify step or in a prefill chunk.
+No choice by timing (a restarted process must pick the same tiles).
 
-A projection is `prologue_linear` with tensor-core tiles: rows past the count are masked
-to zeros and an MMA computes each output row from its own inputs, so the rows of a tile do not
-mix. A norm before it is the kernel's prologue: each tile computes its rows' mean squares
-over all of K in a fixed order, one row at a time, so a row's norm does not depend on the
-tile's other rows either (a separate norm launch per projection cost a decode step more than
-the norm itself). SiLU-and-mul is gate_up's epilogue (`glu`): each program computes matching
-gate and up columns and combines them as `silu_mul` would (the tiles' SiLU prologue on
-down_proj was slower); `silu=True` still runs `silu_mul` before the projection.
+A projection is `prologue_linear` with tensor-core tiles: rows past the count are masked to zeros
+and an MMA computes each output row from its own inputs, so the rows of a tile do not mix. A norm
+before it is the kernel's prologue: each tile computes its rows' mean squares over all of K in a
+fixed order, one row at a time, so a row's norm does not depend on the tile's other rows either (a
+separate norm launch per projection cost a decode step more than the norm itself). SiLU-and-mul is
+gate_up's epilogue (`glu`): each program computes matching gate and up columns and combines them as
+`silu_mul` would (the tiles' SiLU prologue on down_proj was slower); `silu=True` still runs
+`silu_mul` before the projection.
 
-By default the tiles come from the weight's shape alone below PREFILL_ROWS rows (an LM head's
-below HEAD_ROWS), NORM_WARPS' warps at few rows aside: 16 rows, LAYER_TILES for the decoder
-layer's projections (a small one without GLU walks K in fewer, longer steps: `layer_tiles`),
-LOGITS_DOT_TILES for an LM head.
-ROW_TILES (opt-in, None by default) lets the decoder layer's projections take BLOCK_M and
-BLOCK_N by the launch's row count: narrow column tiles at one row (more programs for a latency-
-bound launch), 32- or 64-row tiles for a prefill (each weight tile read once for that many rows,
-not 16). BLOCK_K and the warps stay what they are without it (`layer_tiles`, NORM_WARPS,
-NORM_BLOCK_K), so each output element still
-accumulates the same k16 MMA steps in the same K order, and the norm prologue's per-row sums
-keep their layout along K where the tile holds it (`k_layout`; other tables are refused).
-At BLOCK_M 64 Triton computes `tl.dot` with Hopper's warp-group MMA instead of mma.sync; that it
-rounds alike is what the GPU cases' WIDE table checks. A tile must fit shared memory, which a
-1024-key K tile allows at (32, 128) and (64, 32), not (64, 64); a norm walking K in longer
-tiles than 128 keys takes at most 32 x NORM_LOOP_BLOCK_N (x and the residual are
-double-buffered: Qwen-1.5B's qkv at 32 x 128 would need 297 KB of 227). Inside a CUDA graph
-the row count is the bucket's padded count, not the live rows': that is only sound because the
-tiles do not change a row's bits (so too for PREFILL_TILES, HEAD_TILES and NORM_WARPS).
-Whether they do not is a property of the GPU's MMA, not shown by the interpreter: ROW_TILES
-stays opt-in until a GPU
-shows every row's bits unchanged across the table (tests/engine/test_invariant_row_tiles.py's
-GPU cases) and figure 6 stays 100% identical. Set it for an A/B process with, e.g., `--set
+By default the tiles come from the weight's shape alone below PREFILL_ROWS rows (an LM head's below
+HEAD_ROWS), NORM_WARPS' warps at few rows aside: 16 rows, LAYER_TILES for the decoder layer's
+projections (a small one without GLU walks K in fewer, longer steps: `layer_tiles`),
+LOGITS_DOT_TILES for an LM head. ROW_TILES (opt-in, None by default) lets the decoder layer's
+projections take BLOCK_M and BLOCK_N by the launch's row count: narrow column tiles at one row
+(more programs for a latency-bound launch), 32- or 64-row tiles for a prefill (each weight tile
+read once for that many rows, not 16). BLOCK_K and the warps stay what they are without it
+(`layer_tiles`, NORM_WARPS, NORM_BLOCK_K), so each output element still accumulates the same k16
+MMA steps in the same K order, and the norm prologue's per-row sums keep their layout along K where
+the tile holds it (`k_layout`; other tables are refused). At BLOCK_M 64 Triton computes `tl.dot`
+with Hopper's warp-group MMA instead of mma.sync; that it rounds alike is what the GPU cases' WIDE
+table checks. A tile must fit shared memory, which a 1024-key K tile allows at (32, 128) and (64,
+32), not (64, 64); a norm walking K in longer tiles than 128 keys takes at most 32 x
+NORM_LOOP_BLOCK_N (x and the residual are double-buffered: Qwen-1.5B's qkv at 32 x 128 would need
+297 KB of 227). Inside a CUDA graph the row count is the bucket's padded count, not the live rows':
+that is only sound because the tiles do not change a row's bits (so too for PREFILL_TILES,
+HEAD_TILES and NORM_WARPS). Whether they do not is a property of the GPU's MMA, not shown by the
+interpreter: ROW_TILES stays opt-in until a GPU shows every row's bits unchanged across the table
+(tests/engine/test_invariant_row_tiles.py's GPU cases) and figure 6 stays 100% identical. Set it
+for an A/B process with, e.g., `--set
 engine.ops.invariant.ROW_TILES=((1,16,16),(16,16,32),(1000000000,32,64))` (a Python literal:
 `10**9` is not one).
 
 From PREFILL_ROWS rows (prefill chunks, wide verifies) on sm_90 (`prefill_suits`: other GPUs'
 shared memory or MMA are not shown), the decoder layer's projections take larger tiles by kind
 (PREFILL_TILES): up to 128 rows a tile, 8 warps with a norm prologue, a plain projection's K in
-64-key steps, each weight tile read once for that many rows. The MMA steps of each output
-element stay the same k16 chain in K order, and a norm prologue keeps the shape's BLOCK_K and
-its layout along K (where the larger tile would change it, the 16-row tiles stay), so a row's
-bits do not change: the GPU cases check that (alone, among 2048, and against the 16-row tiles;
-on an H100, SmolLM2's and Llama-8B's shapes), and figure 6 runs with it. Below that count the
-16-row tiles are faster. An A/B process sets it with, e.g., `--set
-engine.ops.invariant.PREFILL_ROWS=None` (off) or `=512`.
+64-key steps, each weight tile read once for that many rows. The MMA steps of each output element
+stay the same k16 chain in K order, and a norm prologue keeps the shape's BLOCK_K and its layout
+along K (where the larger tile would change it, the 16-row tiles stay), so a row's bits do not
+change: the GPU cases check that (alone, among 2048, and against the 16-row tiles; on an H100,
+SmolLM2's and Llama-8B's shapes), and figure 6 runs with it. Below that count the 16-row tiles are
+faster. An A/B process sets it with, e.g., `--set engine.ops.invariant.PREFILL_ROWS=None` (off) or
+`=512`.
 
-From HEAD_ROWS rows an LM head without a norm prologue or GLU takes HEAD_TILES, on the
-devices and activations that take PREFILL_TILES: the head's weight leaves L2 between tiles of
-rows (SmolLM2's 56 MB, Llama's 1 GB), so 16-row tiles read it from memory once per 16 rows of a
-wide verify. Larger tiles keep each output element's k16 MMA chain in K order; that the
-warp-group MMA rounds it alike is measured (SmolLM2's head on an H100, 1-512 rows), and the GPU
-cases check it for Llama-8B's head too.
+From HEAD_ROWS rows an LM head without a norm prologue or GLU takes HEAD_TILES, on the devices and
+activations that take PREFILL_TILES: the head's weight leaves L2 between tiles of rows (SmolLM2's
+56 MB, Llama's 1 GB), so 16-row tiles read it from memory once per 16 rows of a wide verify. Larger
+tiles keep each output element's k16 MMA chain in K order; that the warp-group MMA rounds it alike
+is measured (SmolLM2's head on an H100, 1-512 rows), and the GPU cases check it for Llama-8B's head
+too.
 
-NORM_K (opt-in) sums a norm's rows in chunks of that many keys whatever the tile
-(`prologue_linear(norm_k=)`): Triton lays a [BLOCK_M, 128] chunk out alike (8 keys a thread, 16
-threads along K, warps along the rows) for every BLOCK_M from 16 and BLOCK_K at 4 or 8 warps
-(compiled for sm_90, bf16), so qkv and gate_up may then take another BLOCK_K, unsplit and
-within shared memory (NORM_BLOCK_K below PREFILL_ROWS, PREFILL_TILES' own from it), which
-their norm otherwise pins.
+NORM_K and PREFILL_NORM_APART (opt-in) free a norm projection's BLOCK_K: the norm's row sums in
+fixed chunks of keys (Triton lays a [BLOCK_M, 128] chunk out alike for every BLOCK_M from 16 at 4
+or 8 warps: sm_90, bf16), or the norm as a launch of its own, each row as a row alone's tiles.
 
-PREFILL_NORM_APART (opt-in) takes a norm out of a wide launch's projection (`norm_apart`):
-`prologue_norm` computes each row as the tiles of a row alone would, so the projection that
-follows may walk K as a plain or GLU one does.
+A large model's layer projections (`LARGE_WEIGHT`; its LM head too with LARGE_HEADS, opt-in) take
+pipelined `dot_tiles` on PREFILL_TILES' devices (LARGE_TILES), the same k16 chain; no other setting
+reaches them.
 
-A large model's layer projections (`LARGE_WEIGHT`) take pipelined `dot_tiles` on PREFILL_TILES'
-devices (LARGE_TILES), the same k16 chain; split-K, ROW_TILES, PREFILL_ROWS, NORM_WARPS, NORM_K
-and PREFILL_NORM_APART do not reach them.
-
-Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of
-whole tiles fixed by the weight's shape, each range one program, the partial tiles summed in
-range order (`engine.ops.splitk`). A row still rounds the same at any row count; the sums
-differ from the unsplit ones in fp32 order only. The splits never follow the row count."""
+Split-K is opt-in (`LAYER_SPLITS`): the decoder layer's projections then cut K into ranges of whole
+tiles fixed by the weight's shape, each range one program, the partial tiles summed in range order
+(`engine.ops.splitk`): a row rounds alike at any row count, in another fp32 order than unsplit."""
 
 from __future__ import annotations
 
@@ -167,9 +157,16 @@ LARGE_TILES = ((16, 0, (16, 32, 256, 5, 4)), (64, 16384, (64, 128, 64, 3, 8)),
 
 
 def _by_value(check):
-    """check(table) memoized by the table's repr: equal and same-hashed (True, 1) told apart."""
+    """check(table) memoized by repr (True == 1 but not alike), the last table by identity."""
     seen: dict[str, object] = {}
-    return lambda table: seen.get(key := repr(table)) or seen.setdefault(key, check(table))
+    last: list = [None, None]
+
+    def checked(table):
+        if table is not last[0]:
+            key = repr(table)
+            last[:] = table, seen.get(key) or seen.setdefault(key, check(table))
+        return last[1]
+    return checked
 
 
 @_by_value
@@ -339,6 +336,8 @@ def invariant_tiles(n: int, k: int, m: int | None = None, glu: bool = False,
 def cached_tiles(*args) -> tuple[int, int, int, int]:
     """`invariant_tiles(*args)`, remembered per snapshot of this module's settings (a prefill
     chunk's eager forward asks for them at every launch)."""
+    if ROW_TILES is not None:  # checked by entry types, which the snapshot's key does not hold
+        _checked(ROW_TILES)
     g = globals()
     try:
         settings = _SETTINGS(g)  # with their types: 256.0 == 256 but only one is valid
@@ -379,10 +378,11 @@ def large_tiles(n: int, k: int, m: int, glu: bool, head: bool, wide: bool, elem:
     """`dot_tiles`' tiles of a decoder layer's projection of an [n, k] weight (n: the gate's
     columns with `glu`; an LM head's with LARGE_HEADS) in a launch of m rows where it takes them
     (`LARGE_WEIGHT`, 16-bit, `wide`: PREFILL_TILES' devices), else None; ValueError: bad setting."""
+    if type(LARGE_WEIGHT) not in (int, type(None)) or (LARGE_WEIGHT or 0) < 0 \
+            or type(LARGE_HEADS) is not bool:
+        raise ValueError(f"LARGE_WEIGHT {LARGE_WEIGHT!r}: None or an int >= 0; LARGE_HEADS: a bool")
     if LARGE_WEIGHT is None:
         return None
-    if type(LARGE_WEIGHT) is not int or LARGE_WEIGHT < 0 or type(LARGE_HEADS) is not bool:
-        raise ValueError(f"LARGE_WEIGHT {LARGE_WEIGHT!r}: None or an int >= 0; LARGE_HEADS: a bool")
     cols = 2 * n if glu else n  # [gate | up]'s both halves
     if (is_head(n, k, head) and not LARGE_HEADS) or not wide or elem != 2 \
             or cols * k <= LARGE_WEIGHT:

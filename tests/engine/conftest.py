@@ -8,18 +8,19 @@ import pytest
 @pytest.fixture
 def tile_settings(monkeypatch):
     """Sets the deterministic projections' tile settings (`engine.ops.invariant`) for one test:
-    ROW_TILES, LAYER_SPLITS, PREFILL_ROWS, NORM_WARPS, HEAD_ROWS, NORM_K, NORM_BLOCK_K and
-    LARGE_WEIGHT, each at its off value (None, 1, None, None, None, None, None, None) unless
-    given, and PREFILL_TILES where given."""
+    ROW_TILES, LAYER_SPLITS, PREFILL_ROWS, NORM_WARPS, HEAD_ROWS, NORM_K, NORM_BLOCK_K,
+    LARGE_WEIGHT and LARGE_HEADS, each at its off value (None, 1, None, None, None, None, None,
+    None, False) unless given, and PREFILL_TILES where given."""
     from engine.ops import invariant
 
     def set_(table=None, splits: int = 1, prefill: int | None = None, warps: int | None = None,
              head: int | None = None, norm_k: int | None = None, norm_block_k: int | None = None,
-             tiles: dict | None = None, large: int | None = None):
+             tiles: dict | None = None, large: int | None = None, large_heads: bool = False):
         for name, value in [("ROW_TILES", table), ("LAYER_SPLITS", splits),
                             ("PREFILL_ROWS", prefill), ("NORM_WARPS", warps),
                             ("HEAD_ROWS", head), ("NORM_K", norm_k),
-                            ("NORM_BLOCK_K", norm_block_k), ("LARGE_WEIGHT", large)]:
+                            ("NORM_BLOCK_K", norm_block_k), ("LARGE_WEIGHT", large),
+                            ("LARGE_HEADS", large_heads)]:
             monkeypatch.setattr(invariant, name, value)
         if tiles is not None:
             monkeypatch.setattr(invariant, "PREFILL_TILES", tiles)

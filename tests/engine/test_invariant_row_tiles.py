@@ -100,11 +100,12 @@ def test_bad_tables_raise(consts, table, match):
 
 def test_a_bool_is_refused_after_the_equal_int_table_passed(consts):
     """(True, 16, 16) equals and hashes as (1, 16, 16): the validation's memo tells them apart."""
-    consts(((1, 16, 16), (10**9, 32, 64)))
-    assert invariant.invariant_tiles(960, 576, 1)[:2] == (16, 16)
-    consts(((True, 16, 16), (10**9, 32, 64)))
-    with pytest.raises(ValueError, match="is not"):
-        invariant.invariant_tiles(960, 576, 1)
+    for tiles in (invariant.invariant_tiles, invariant.cached_tiles):  # the launches' path
+        consts(((1, 16, 16), (10**9, 32, 64)))
+        assert tiles(960, 576, 1)[:2] == (16, 16)
+        consts(((True, 16, 16), (10**9, 32, 64)))
+        with pytest.raises(ValueError, match="is not"):
+            tiles(960, 576, 1)
 
 
 def test_the_documented_setting_parses_to_a_valid_table():
