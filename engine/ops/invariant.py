@@ -146,7 +146,7 @@ PREFILL_NORM_APART = False
 # apart (a row a program). Pipelined, each output's k16 MMA steps in K order: on an H100, each
 # row of Llama-8B's the same bits at any tile and 1-2048 rows, 1.4-3x the 16-row tiles' speed.
 LARGE_WEIGHT = LINEAR_MAX_WEIGHT
-LARGE_HEADS = False  # opt-in: an LM head over LARGE_WEIGHT takes them too, at every count
+LARGE_HEADS = False  # LM heads too: Llama-8B's faster, SmolLM2's not (profile/large_heads_*)
 # ((max_rows, min_cols, (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, warps)), ...): m rows of c columns
 # ([gate | up] both) take the first entry with m <= max_rows and c >= min_cols, (None, 0, tiles)
 # last. On an H100 at 64 rows (profile/bigdet_31cd1b6.json) 16-row tiles suit narrow projections,
