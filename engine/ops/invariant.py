@@ -82,6 +82,13 @@ from engine.ops.prologue import (
     prologue_norm,
     tile_width,
 )
+from engine.ops.tile_tables import (
+    PREFILL_BLOCKS_M,
+    k_layout,
+    valid_large_tiles,
+    valid_row_tiles,
+    wide_tile,
+)
 
 BLOCK_M = 16  # rows of a tile by default: the smallest tensor-core block, so one row wastes least
 VOCAB_RATIO = 16  # N / K from which a weight is an LM head: LOGITS_DOT_TILES
@@ -101,7 +108,6 @@ LAYER_SPLITS = 1
 # tiles above at every count), or ((max_rows, BLOCK_M, BLOCK_N), ...) in increasing max_rows,
 # a launch of m rows taking the first entry with m <= max_rows (see the module docstring).
 ROW_TILES = None
-ROW_BLOCKS_M = (16, 32, 64)  # mma.sync's row blocks, then the warp-group MMA's
 # Launches of at least PREFILL_ROWS rows (None: none) take PREFILL_TILES on sm_90, where their
 # shared memory fits and tl.dot rounds as the 16-row tiles' does (see the module docstring).
 PREFILL_ROWS = 256
@@ -109,7 +115,6 @@ PREFILL_ROWS = 256
 # None for the shape's: a norm prologue must keep it (its row sums are laid out along K by
 # BLOCK_K), and so must split-K (it cuts K in whole BLOCK_K tiles).
 PREFILL_TILES = {"norm": (32, 128, None, 8), "glu": (128, 64, None, 8), "plain": (64, 64, 64, 4)}
-PREFILL_BLOCKS_M = (16, 32, 64, 128)
 # BLOCK_N of the norm tile where K is walked in tiles of more than 128 keys: x and the residual
 # are double-buffered then, and 128 columns would overflow shared memory.
 NORM_LOOP_BLOCK_N = 32
@@ -156,44 +161,9 @@ LARGE_TILES = ((16, 0, (16, 32, 256, 5, 4)), (64, 16384, (64, 128, 64, 3, 8)),
                (None, 0, (128, 128, 64, 4, 8)))
 
 
-def _by_value(check):
-    """check(table) memoized by repr (True == 1 but not alike), the last table by identity."""
-    seen: dict[str, object] = {}
-    last: list = [None, None]
-
-    def checked(table):
-        if table is not last[0]:
-            key = repr(table)
-            last[:] = table, seen.get(key) or seen.setdefault(key, check(table))
-        return last[1]
-    return checked
-
-
-@_by_value
-def _checked(table) -> tuple[tuple[int, int, int], ...]:
-    """table if it is a valid ROW_TILES, else ValueError."""
-    form = "((max_rows, BLOCK_M, BLOCK_N), ...) of ints in increasing max_rows"
-    if not isinstance(table, tuple) or not table:
-        raise ValueError(f"ROW_TILES must be None or {form}, not {table!r}")
-    last = 0
-    for entry in table:
-        if (not isinstance(entry, tuple) or len(entry) != 3
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in entry)):
-            raise ValueError(f"ROW_TILES entry {entry!r} is not (max_rows, BLOCK_M, BLOCK_N)")
-        rows, bm, bn = entry
-        if rows <= last:
-            raise ValueError(f"ROW_TILES max_rows must increase from 1: {rows} after {last}")
-        if bm not in ROW_BLOCKS_M:
-            raise ValueError(f"ROW_TILES BLOCK_M {bm} not in {ROW_BLOCKS_M}")
-        if not tile_width(bn):
-            raise ValueError(f"ROW_TILES BLOCK_N {bn} is not a power of two >= 16")
-        last = rows
-    return table
-
-
 def row_tiles(table, m: int) -> tuple[int, int]:
     """(BLOCK_M, BLOCK_N) of a launch of m rows by the ROW_TILES table `table` (validated)."""
-    for rows, bm, bn in _checked(table):
+    for rows, bm, bn in valid_row_tiles(table):
         if m <= rows:
             return bm, bn
     raise ValueError(f"ROW_TILES covers up to {table[-1][0]} rows, not {m}")
@@ -208,19 +178,6 @@ def layer_tiles(n: int, k: int, glu: bool = False) -> tuple[int, int, int]:
     return (32, next_pow2(k, 16), warps) if k <= WHOLE_K else (16, 512, warps)
 
 
-def k_layout(bm: int, bk: int, warps: int, keys: int = 8) -> tuple[int, int] | None:
-    """How Triton lays a norm prologue's [bm, bk] tile of x along K at `warps`: (threads, warps)
-    along K after `keys` a thread (16 bytes: 8 of bf16, 4 of fp32), the rest along the rows;
-    None where they would not fit bm rows (Triton then lays it out otherwise). Tiles of one bk
-    with the same layout sum a row's squares in the same order; another count along K is
-    another order."""
-    lanes = min(32, max(1, bk // keys))
-    along = min(warps, max(1, bk // (keys * lanes)))
-    if warps % along or (32 // lanes) * (warps // along) > bm:
-        return None
-    return lanes, along
-
-
 def prefill_tiles(k: int, bk: int, glu: bool, norm: bool,
                   free_k: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps) of a projection of K `k` in a launch of at least
@@ -231,7 +188,7 @@ def prefill_tiles(k: int, bk: int, glu: bool, norm: bool,
     tiles = PREFILL_TILES.get(kind) if isinstance(PREFILL_TILES, dict) else None
     if not isinstance(tiles, tuple) or len(tiles) != 4 or any(
             type(v) is not int for v in (tiles[0], tiles[1], tiles[3])) or not (
-            _wide_tile(tiles[0], tiles[1], tiles[3])
+            wide_tile(tiles[0], tiles[1], tiles[3])
             and (tiles[2] is None or ((kind == "plain" or free_k) and type(tiles[2]) is int
                                       and tile_width(tiles[2])))):
         raise ValueError(f"PREFILL_TILES[{kind!r}] must be (BLOCK_M in {PREFILL_BLOCKS_M}, "
@@ -249,11 +206,6 @@ def norm_loops(k: int, bk: int) -> bool:
     """Whether a norm prologue walks K in tiles of more than 128 keys: x and the residual are
     double-buffered then, so its tiles take at most NORM_LOOP_BLOCK_N columns."""
     return k > bk > 128
-
-
-def _wide_tile(bm: int, bn: int, warps: int) -> bool:
-    """Whether a PREFILL_TILES or HEAD_TILES entry's BLOCK_M, BLOCK_N and warps are allowed."""
-    return bm in PREFILL_BLOCKS_M and tile_width(bn) and warps in (4, 8)
 
 
 @lru_cache(maxsize=16)
@@ -337,7 +289,7 @@ def cached_tiles(*args) -> tuple[int, int, int, int]:
     """`invariant_tiles(*args)`, remembered per snapshot of this module's settings (a prefill
     chunk's eager forward asks for them at every launch)."""
     if ROW_TILES is not None:  # checked by entry types, which the snapshot's key does not hold
-        _checked(ROW_TILES)
+        valid_row_tiles(ROW_TILES)
     g = globals()
     try:
         settings = _SETTINGS(g)  # with their types: 256.0 == 256 but only one is valid
@@ -362,7 +314,7 @@ def head_tiles(kb: int, m: int | None, wide: bool) -> tuple[int, int, int, int]:
             raise ValueError(f"HEAD_ROWS must be None or a positive int, not {HEAD_ROWS!r}")
         t = HEAD_TILES
         if (not isinstance(t, tuple) or len(t) != 4 or any(type(v) is not int for v in t)
-                or not (_wide_tile(t[0], t[1], t[3]) and tile_width(t[2]))):
+                or not (wide_tile(t[0], t[1], t[3]) and tile_width(t[2]))):
             raise ValueError(f"HEAD_TILES must be (BLOCK_M in {PREFILL_BLOCKS_M}, BLOCK_N, "
                              f"BLOCK_K powers of two >= 16, warps 4 or 8), not {t!r}")
         if m is None:
@@ -387,26 +339,8 @@ def large_tiles(n: int, k: int, m: int, glu: bool, head: bool, wide: bool, elem:
     if (is_head(n, k, head) and not LARGE_HEADS) or not wide or elem != 2 \
             or cols * k <= LARGE_WEIGHT:
         return None
-    return next(t for rows, least, t in _large_checked(LARGE_TILES)
+    return next(t for rows, least, t in valid_large_tiles(LARGE_TILES)
                 if (rows is None or m <= rows) and cols >= least)
-
-
-@_by_value
-def _large_checked(table):
-    """table if a valid LARGE_TILES, else ValueError (once a table, not per launch)."""
-    ok = isinstance(table, tuple) and len(table) > 0 and all(
-        isinstance(e, tuple) and len(e) == 3 and type(e[1]) is int and e[1] >= 0
-        and isinstance(e[2], tuple) and len(e[2]) == 5
-        and all(type(v) is int and v > 0 for v in e[2]) and e[2][0] in PREFILL_BLOCKS_M
-        and tile_width(e[2][1]) and tile_width(e[2][2]) and e[2][4] in (4, 8) for e in table)
-    bounds = [e[0] for e in table] if ok else []
-    if not (ok and bounds[-1] is None and table[-1][1] == 0
-            and all(type(b) is int and b >= 1 for b in bounds[:-1])
-            and bounds[:-1] == sorted(bounds[:-1])):
-        raise ValueError(f"LARGE_TILES must be ((max_rows, min_cols, (BLOCK_M, BLOCK_N, BLOCK_K, "
-                         f"STAGES, warps)), ..., (None, 0, tiles)), max_rows never decreasing, "
-                         f"not {table!r}")
-    return table
 
 
 def norm_chunk() -> int:
