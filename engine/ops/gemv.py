@@ -127,8 +127,7 @@ if triton_available():
     def _dot_rows_kernel(X, W, B, Y, M, N, stride_x, stride_w, stride_y, K: tl.constexpr,
                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          STAGES: tl.constexpr, PREC: tl.constexpr, EVEN_K: tl.constexpr,
-                         USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr,
-                         GROUP_M: tl.constexpr = 1):
+                         USE_PDL: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
         """Y[M, N] = X[M, K] @ W[N, K].T (+ B): a BLOCK_M-row tensor-core block per program
         over BLOCK_N columns, Triton's software pipeline keeping STAGES weight tiles in flight;
         programs walk GROUP_M row blocks per column block, so those share its weight tiles in

@@ -52,8 +52,8 @@ def valid_large_tiles(table):
     ok = isinstance(table, tuple) and len(table) > 0 and all(
         isinstance(e, tuple) and len(e) == 3 and type(e[1]) is int and e[1] >= 0
         and isinstance(e[2], tuple) and len(e[2]) == 5
-        and all(type(v) is int and v > 0 for v in e[2]) and e[2][0] in PREFILL_BLOCKS_M
-        and tile_width(e[2][1]) and tile_width(e[2][2]) and e[2][4] in (4, 8) for e in table)
+        and all(type(v) is int and v > 0 for v in e[2])
+        and wide_tile(e[2][0], e[2][1], e[2][4]) and tile_width(e[2][2]) for e in table)
     bounds = [e[0] for e in table] if ok else []
     if not (ok and bounds[-1] is None and table[-1][1] == 0
             and all(type(b) is int and b >= 1 for b in bounds[:-1])
@@ -78,5 +78,6 @@ def k_layout(bm: int, bk: int, warps: int, keys: int = 8) -> tuple[int, int] | N
 
 
 def wide_tile(bm: int, bn: int, warps: int) -> bool:
-    """Whether a PREFILL_TILES or HEAD_TILES entry's BLOCK_M, BLOCK_N and warps are allowed."""
+    """Whether a PREFILL_TILES, HEAD_TILES or LARGE_TILES entry's BLOCK_M, BLOCK_N and warps are
+    allowed."""
     return bm in PREFILL_BLOCKS_M and tile_width(bn) and warps in (4, 8)
