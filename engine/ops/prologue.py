@@ -28,10 +28,8 @@ LINEAR_MAX_WEIGHT = 4 << 20
 # The same bound for a draft head's LM head (its GEMV folds the argmax in): 7281 draft ids of
 # SmolLM2's 576-wide head. Its own, so a larger draft vocabulary can be measured on that path.
 LM_HEAD_MAX_WEIGHT = LINEAR_MAX_WEIGHT
-# Up to this many rows a projection runs GEMV programs: each of GEMV_ROW_BLOCK rows (at most
-# the launch's rows, to a power of two) and one column block.
+# Up to this many rows a projection runs one GEMV program per row and column block.
 GEMV_ROWS = 8
-GEMV_ROW_BLOCK = 1
 GEMV_WARPS = 4  # warps of a GEMV program of a projection that is not wider than long
 # 16-row tensor-core tiles (BLOCK_N, BLOCK_K, warps) of the LM head: its weight is too large
 # to stay in L2 between one row's GEMV and the next, so it is read once for all rows.
@@ -95,12 +93,9 @@ if triton_available():
 
     @triton.jit
     def _mac(acc, a, w, BLOCK_M: tl.constexpr, PREC: tl.constexpr):
-        """acc + a @ w.T: a GEMV's products summed along K (BLOCK_M 1; 2-8 rows: each row's on
-        CUDA cores from the one weight tile), else tl.dot."""
+        """acc + a @ w.T: a GEMV's products summed along K (BLOCK_M 1), else tl.dot."""
         if BLOCK_M == 1:
             return acc + tl.sum(a.to(tl.float32) * w.to(tl.float32), 1)[None, :]
-        if BLOCK_M < 16:
-            return acc + tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], 2)
         return tl.dot(a, tl.trans(w), acc, input_precision=PREC)
 
     @triton.jit
@@ -289,12 +284,12 @@ def linear_tiles(m: int, n: int, k: int, dot: tuple[int, int, int] | None = None
         bn, bk, warps = dot
         return 16, bn, min(bk, next_pow2(k, 16)), warps
     if m <= GEMV_ROWS:
-        bm, bk = min(GEMV_ROW_BLOCK, next_pow2(m, 1)), min(1024, next_pow2(k, 16))
+        bk = min(1024, next_pow2(k, 16))
         if n >= 4 * k:
-            return bm, 8, bk, 1
+            return 1, 8, bk, 1
         if 2 * n >= 3 * k:
-            return bm, 4, bk, 1
-        return bm, gemv_block_n(n, k), bk, GEMV_WARPS
+            return 1, 4, bk, 1
+        return 1, gemv_block_n(n, k), bk, GEMV_WARPS
     return 16, 32, min(128, next_pow2(k, 16)), 4
 
 
@@ -335,7 +330,7 @@ def prologue_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     res_out = torch.empty_like(x) if residual is not None else None
     if m:
         bm, bn, bk, warps = tiles or linear_tiles(m, n, k, dot)
-        assert bm in (1, 2, 4, 8) or bm >= 16, "row blocks: GEMVs (1-8 rows) or tl.dot (16+)"
+        assert bm == 1 or bm >= 16, "row blocks are GEMVs (1) or tl.dot tiles (16+)"
         r = residual if residual is not None else x
         grid = (cdiv(m, bm), cdiv(n, bn))
         s, split_k = splitk.split_plan(k, bk, splits)
