@@ -13,6 +13,7 @@ from tandem_proto.v1 import generation_pb2 as pb
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context end
 MAX_CHOICES = 16  # n, and prompts x n of one completions request
+SEEDS = 1 << 63  # the engine's seeds are [0, 2**63): a signed 64-bit seed is taken modulo that
 FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                 pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error"}
 # OpenAI's fields that change the output in ways this server does not offer: refused, not
@@ -96,7 +97,7 @@ def _choices(body: dict, rid: str, prompts: list[pb.GenerateRequest], default_ma
             req.CopyFrom(p)
             req.sampling.CopyFrom(sampling)
             if n > 1 and sampling.HasField("seed"):  # n draws, not n copies of one draw
-                req.sampling.seed = (sampling.seed + j) % (1 << 64)
+                req.sampling.seed = (sampling.seed + j) % SEEDS
             out.append(req)
     for i, req in enumerate(out):
         req.request_id = rid if len(out) == 1 else f"{rid}-{i}"
@@ -119,11 +120,15 @@ def _sampling(body: dict, default_max: int, max_key: str) -> pb.SamplingParams:
     s.max_tokens = min(m if m is not None else default_max, (1 << 32) - 1)
     seed = _get(body, "seed", int)
     if seed is not None:
-        s.seed = seed % (1 << 64)
+        if not -(1 << 63) <= seed < (1 << 63):
+            raise ApiError(f"seed must be a 64-bit signed integer, got {clip(repr(seed), 40)}",
+                           param="seed")
+        s.seed = seed % SEEDS
     stop = _get(body, "stop", (str, list))
     for i, one in enumerate([stop] if isinstance(stop, str) else stop or ()):
         if not isinstance(one, str):
             raise ApiError(f"stop[{i}] must be a string", param="stop")
+        _unicode(one, "stop")
     s.stop.extend([stop] if isinstance(stop, str) else stop or ())
     # vLLM's extensions that tandem's own API has too
     k = _get(body, "top_k", int)
@@ -137,7 +142,7 @@ def _sampling(body: dict, default_max: int, max_key: str) -> pb.SamplingParams:
 def _prompts(prompt) -> list[pb.GenerateRequest]:
     """A completions prompt: a string, token ids, or a list of either."""
     if isinstance(prompt, str):
-        return [pb.GenerateRequest(text=prompt)]
+        return [pb.GenerateRequest(text=_unicode(prompt, "prompt"))]
     if not prompt:
         raise ApiError("prompt is empty", param="prompt")
     if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
@@ -147,7 +152,7 @@ def _prompts(prompt) -> list[pb.GenerateRequest]:
     out = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
-            out.append(pb.GenerateRequest(text=p))
+            out.append(pb.GenerateRequest(text=_unicode(p, "prompt")))
         elif isinstance(p, list) and p:
             out.append(pb.GenerateRequest(token_ids=pb.TokenIds(ids=_ids(p, f"prompt[{i}]"))))
         else:
@@ -176,7 +181,18 @@ def _message(m, i: int) -> pb.ChatMessage:
     if not isinstance(content, str):
         raise ApiError(f"messages[{i}].content must be a string or a list of text parts",
                        param="messages")
-    return pb.ChatMessage(role=role, content=content)
+    return pb.ChatMessage(role=_unicode(role, "messages"), content=_unicode(content, "messages"))
+
+
+def _unicode(text: str, param: str) -> str:
+    """text, if it encodes as UTF-8: JSON's escapes can spell lone surrogates (half an emoji),
+    which no protobuf string holds."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ApiError(f"{param} holds {text[e.start:e.end]!a} at {e.start}: not valid "
+                       "Unicode (a lone surrogate)", param=param) from None
+    return text
 
 
 def _ids(values: list, param: str) -> list[int]:
@@ -211,8 +227,12 @@ def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not math.isfinite(value) or not lo <= value <= hi:
+    try:
+        ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+              and math.isfinite(value) and lo <= value <= hi)
+    except OverflowError:  # an integer beyond float's range
+        ok = False
+    if not ok:
         raise ApiError(f"{key} must be a number from {lo:g} to {hi:g}, got "
                        f"{clip(repr(value), 40)}", param=key)
     return float(value)

@@ -121,6 +121,11 @@ class OpenAIServer:
             if e.status < 400:
                 raise
             err = ApiError(f"{request.method} {request.path}: {e.reason}", e.status)
+        except Exception:  # a fault of the server's: still OpenAI's error JSON, and logged
+            if request.get("streaming"):  # the 200 went out: aiohttp ends the connection
+                raise
+            log.exception("%s %s failed", request.method, request.path)
+            err = ApiError("internal server error (logged)", 500)
         # refused before the servicer saw it: counted here (401 by the auth's own count)
         if self.service.metrics is not None and err.status != 401:
             self.service.metrics.count_error(_GRPC_CODE.get(err.status, "INTERNAL"))
@@ -271,6 +276,7 @@ async def _streamed(request, kind, rid, model, n, per_prompt, first, outs,
     created, tally = _created(), _Tally(per_prompt)
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
+    request["streaming"] = True
 
     async def send(obj) -> None:
         await response.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode()
@@ -310,7 +316,7 @@ async def _json(request: web.Request):
     raw = await request.read()
     try:
         return json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # (nested past the parser's depth)
         raise ApiError("the request body is not valid JSON") from None
 
 

@@ -18,12 +18,23 @@ def test_sampling_fields_reach_the_request():
                             "max_completion_tokens": 9}, "r1", 2048)
     s = req.sampling
     assert (s.temperature, s.top_p) == (0.7, 0.9)
-    assert s.seed == (1 << 64) - 1  # taken modulo 2**64, as the gRPC field holds it
+    assert s.seed == (1 << 63) - 1  # a signed 64-bit seed, taken modulo 2**63 (the engine's range)
     assert list(s.stop) == ["\n\n", "END"]
     assert s.max_tokens == 9  # max_completion_tokens wins over the older max_tokens
     assert req.request_id == "r1" and req.chat.messages[0].content == "hi"
     (one,) = completion_requests({"prompt": "x", "stop": "END"}, "r2", 2048)
     assert list(one.sampling.stop) == ["END"]
+
+
+def test_any_signed_64_bit_seed_maps_into_the_engines_range():
+    top = (1 << 63) - 1
+    reqs = completion_requests({"prompt": "x", "seed": top, "n": 2}, "r", 2048)
+    assert [r.sampling.seed for r in reqs] == [top, 0]  # choice i: seed + i, wrapped
+    (low,) = completion_requests({"prompt": "x", "seed": -(1 << 63)}, "r", 2048)
+    assert low.sampling.seed == 0
+    with pytest.raises(ApiError, match="64-bit") as e:
+        completion_requests({"prompt": "x", "seed": -(1 << 63) - 1}, "r", 2048)
+    assert e.value.param == "seed"
 
 
 def test_left_out_fields_take_openais_defaults():

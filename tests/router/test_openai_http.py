@@ -143,6 +143,8 @@ def test_seeded_sampling_repeats_and_n_draws_differ(api):
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, None),
     ({"messages": []}, None),
+    ({"temperature": 10**400}, "temperature"),  # past float's range
+    ({"seed": 1 << 63}, "seed"),  # past a signed 64-bit integer
 ])
 def test_bad_fields_are_400_naming_the_field(api, kw, param):
     body = {"model": api.model, "messages": CHAT, **kw}
@@ -176,6 +178,39 @@ def test_errors_keep_openais_shape_for_any_input(api):
     status, out = api.raw("POST", "/v1/completions", b'{"model": "m", "prompt": "' +
                           b"y" * (api.http.max_body + 1) + b'"}')
     assert status == 413 and "larger than" in out["error"]["message"]
+    # nested past the JSON parser's depth: not valid JSON, not a crash
+    status, out = api.raw("POST", "/v1/completions", b"[" * 5000 + b"]" * 5000)
+    assert status == 400 and "not valid JSON" in out["error"]["message"]
+
+
+@pytest.mark.parametrize("path, field, param", [
+    ("/v1/completions", '"prompt": "a\\ud800b"', "prompt"),
+    ("/v1/completions", '"prompt": ["ok", "\\udfff"]', "prompt"),
+    ("/v1/completions", '"prompt": "a", "stop": ["\\ud83d"]', "stop"),
+    ("/v1/chat/completions", '"messages": [{"role": "user", "content": "\\ud83d!"}]',
+     "messages"),
+])
+def test_lone_surrogates_are_400_naming_the_field(api, path, field, param):
+    """JSON's escapes can spell half an emoji, which is no Unicode text."""
+    body = f'{{"model": "{api.model}", "max_tokens": 2, {field}}}'.encode()
+    status, out = api.raw("POST", path, body)
+    assert status == 400 and out["error"]["param"] == param, out
+    assert "lone surrogate" in out["error"]["message"]
+
+
+def test_a_server_fault_is_a_500_in_openais_shape(api, monkeypatch):
+    import router.openai_http as http
+
+    def broken(*_a, **_k):
+        raise RuntimeError("broken converter")
+
+    monkeypatch.setattr(http, "completion_requests", broken)
+    status, out = api.raw("POST", "/v1/completions", json.dumps(
+        {"model": api.model, "prompt": "hi"}).encode())
+    assert status == 500 and out["error"]["type"] == "server_error", out
+    assert "broken" not in out["error"]["message"]  # the log has it, not the client
+    status, _ = api.raw("GET", "/v1/models")  # the server goes on
+    assert status == 200
 
 
 def test_bearer_tokens_are_the_grpc_ports(smol_engine):
