@@ -57,6 +57,16 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode()).digest()
 
 
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
+    """The token of the first `authorization` entry if it reads `Bearer <token>` (the scheme
+    in any case, spaces around the token dropped), else None."""
+    value = next((v for k, v in metadata if k == "authorization"), None)
+    if not isinstance(value, str):
+        return None
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
 class BearerAuth(grpc.aio.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) any call without a valid `authorization: Bearer <token>`.
 
@@ -83,11 +93,8 @@ class BearerAuth(grpc.aio.ServerInterceptor):
         """Whether a call of `method` ("/package.Service/Method") with `metadata` may go on."""
         if self.health_open and method.startswith(HEALTH_PREFIX):
             return True
-        value = next((v for k, v in metadata if k == "authorization"), None)
-        if not isinstance(value, str):
-            return False
-        scheme, _, token = value.partition(" ")
-        return scheme.lower() == "bearer" and self._valid(token.strip())
+        token = bearer_token(metadata)
+        return token is not None and self._valid(token)
 
     def _valid(self, token: str) -> bool:
         d, ok = _digest(token), False

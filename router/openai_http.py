@@ -73,6 +73,7 @@ class OpenAIServer:
 
     def __init__(self, service: GenerationService, auth=None):
         self.service, self.auth = service, auth
+        service.clients_by_token |= auth is not None
         self.created = int(time.time())
         self._ids = itertools.count()
         self.max_body = service.limits.max_prompt_chars * 8 + (1 << 20)  # JSON escapes, fields

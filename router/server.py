@@ -20,6 +20,7 @@ import grpc
 from engine import InvalidRequestError, ResourceExhaustedError
 from engine.metrics import RequestTimer
 from router.admission import Admission
+from router.auth import BearerAuth, bearer_token
 from router.convert import FINISH, continuation_of, prompt_of, sampling_of, spec_cap_of
 from router.limits import Limits, clip, detail
 from router.shadow import ShadowCheck
@@ -60,6 +61,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.draining = False  # refuse new requests (UNAVAILABLE): the server is going away
         self._closing = asyncio.Event()  # set: cut the running streams (`drain`)
         self.health: Health | None = None  # set by `start_server`
+        # The per-client cap counts by bearer token where a token checker guards the doors
+        # (`start_server`, `OpenAIServer`), else by peer address: unchecked tokens are free.
+        self.clients_by_token = False
         # Tokenizing a long prompt takes a while: never on the event loop.
         self._tokenize = ThreadPoolExecutor(2, thread_name_prefix="tandem-tokenize")
         if metrics is not None:
@@ -87,7 +91,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.limits.check(request)
             rid = rid or f"r{next(self._ids)}-{int(t0 * 1e6) % 10**9}"
             deadline = None if self.request_timeout_s is None else t0 + self.request_timeout_s
-            async with self.admission.slot(_client_of(context)) as waited:
+            async with self.admission.slot(_client_of(context, self.clients_by_token)) as waited:
                 if self.metrics is not None:
                     self.metrics.queue_seconds.observe(waited)
                 async for resp in self._generate(rid, request, t0, deadline):
@@ -307,12 +311,13 @@ def _left_of(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.perf_counter())
 
 
-def _client_of(context) -> str:
-    """Who a request counts against for the per-client cap: its bearer token (hashed) when it
-    sent one, else its peer's address without the port."""
-    for key, value in context.invocation_metadata() or ():
-        if key == "authorization":
-            return "token:" + hashlib.sha256(str(value).encode()).hexdigest()[:16]
+def _client_of(context, by_token: bool) -> str:
+    """Who a request counts against for the per-client cap: its bearer token (hashed; the
+    token as the auth check reads it) where tokens are checked, else its peer's address
+    without the port."""
+    token = bearer_token(context.invocation_metadata() or ()) if by_token else None
+    if token is not None:
+        return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
     peer = context.peer() or ""
     return peer.rsplit(":", 1)[0] if peer.count(":") > 1 else peer
 
@@ -395,6 +400,7 @@ async def start_server(service: GenerationService, host: str = "127.0.0.1", port
 
     server = grpc.aio.server(interceptors=list(interceptors))
     _count_refusals(service, interceptors)
+    service.clients_by_token |= any(isinstance(i, BearerAuth) for i in interceptors)
     add_service(service, server)
     hs = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)

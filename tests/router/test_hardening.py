@@ -245,6 +245,40 @@ def test_admission_is_first_in_first_out_and_caps_each_client():
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("auth", [False, True])
+def test_the_per_client_cap_holds_however_the_token_is_spelled(auth):
+    """One client, one slot: with tokens checked, every spelling of the same bearer token
+    counts as one client; with none checked, made-up tokens count as their peer address."""
+    from router.auth import BearerAuth
+
+    s = StubServed(SlowBackend(tokens=50, gap_s=0.1),
+                   admission=Admission(8, max_queued=8, per_client=1),
+                   server_kw={"interceptors": (BearerAuth(["s3cret"]),)} if auth else None)
+    spellings = ["Bearer s3cret", "bearer  s3cret", "BEARER s3cret ", "Bearer other"]
+    try:
+        def call(value):
+            with grpc.insecure_channel(s.target) as ch:
+                stub = pb_grpc.GenerationStub(ch)
+                return list(stub.Generate(pb.GenerateRequest(text="hi"), timeout=30,
+                                          metadata=(("authorization", value),)))
+
+        first = threading.Thread(target=lambda: call(spellings[0]))
+        first.start()
+        _until(lambda: s.service.admission.running == 1)
+        for value in spellings[1:]:
+            with pytest.raises(grpc.RpcError) as e:
+                call(value)
+            code = e.value.code()
+            if auth and value == "Bearer other":  # a wrong token: turned away at the door
+                assert code == grpc.StatusCode.UNAUTHENTICATED
+            else:
+                assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, (value, e.value.details())
+        assert s.service.admission.running == 1
+        first.join(30)
+    finally:
+        s.close()
+
+
 def _health(target: str) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
