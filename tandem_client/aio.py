@@ -11,7 +11,7 @@ import grpc.aio
 
 from tandem_client._base import ChannelOptions, ClientBase
 from tandem_client._retry import Deadline, Progress, RetryPolicy
-from tandem_client.errors import from_rpc_error
+from tandem_client.errors import error_for, from_rpc_error
 from tandem_client.types import Chunk, Completion, Message, ModelInfo
 from tandem_proto.v1 import generation_pb2 as pb
 
@@ -24,8 +24,10 @@ class AsyncStream(AsyncIterator[Chunk]):
     """
 
     def __init__(self, start: Callable[[pb.GenerateRequest, Deadline], Any], policy: RetryPolicy,
-                 deadline: Deadline, progress: Progress) -> None:
+                 deadline: Deadline, progress: Progress,
+                 closed: Callable[[], bool] = lambda: False) -> None:
         self._start, self._policy, self._deadline = start, policy, deadline
+        self._closed = closed  # whether the client was closed (its calls cancelled)
         self._progress = progress  # what arrived: the next attempt continues after it
         self._call: Any = None  # the current attempt's grpc.aio call; None between attempts
         self._attempt = 0
@@ -50,10 +52,17 @@ class AsyncStream(AsyncIterator[Chunk]):
                 continue
             except asyncio.CancelledError:
                 # grpc.aio raises this from read() when the call is cancelled. If we cancelled
-                # it, the stream just ends; if the task itself is being cancelled, propagate.
-                if not self._cancelled.is_set() or _task_cancelling():
+                # it, the stream just ends; if the task itself is being cancelled, propagate;
+                # if the client was closed under it, fail as the sync client does.
+                if _task_cancelling():
                     raise
-                break
+                if self._cancelled.is_set():
+                    break
+                if self._closed():
+                    self._call, self._done = None, True
+                    raise error_for(grpc.StatusCode.CANCELLED,
+                                    "the client was closed during the call") from None
+                raise
             if resp is grpc.aio.EOF:
                 self._done = True
                 break
@@ -113,6 +122,8 @@ class AsyncClient(ClientBase[AsyncStream]):
     ...         print(chunk.text, end="")
     """
 
+    _closing = False  # set by `close`
+
     def _make_channel(self, target: str, credentials: grpc.ChannelCredentials | None,
                       options: ChannelOptions) -> grpc.aio.Channel:
         if credentials is None:
@@ -121,7 +132,8 @@ class AsyncClient(ClientBase[AsyncStream]):
 
     def _open(self, request: pb.GenerateRequest, deadline: Deadline) -> AsyncStream:
         start = lambda req, d: self._stub.Generate(req, **self._call_kwargs(d))
-        return AsyncStream(start, self._policy, deadline, Progress(request, self.resume))
+        return AsyncStream(start, self._policy, deadline, Progress(request, self.resume),
+                           lambda: self._closing)
 
     async def complete(self, prompt: str | None = None, **kwargs: Any) -> Completion:
         """Generate to the end and return the joined chunks. Takes `generate`'s arguments.
@@ -152,7 +164,9 @@ class AsyncClient(ClientBase[AsyncStream]):
             await asyncio.sleep(delay)
 
     async def close(self) -> None:
-        """Close the channel; calls still in flight are cancelled."""
+        """Close the channel; calls still in flight are cancelled (their streams raise
+        `RequestCancelledError`)."""
+        self._closing = True
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncClient:

@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-_TOKEN = re.compile(r"^[\x21-\x7e]+$")  # what a gRPC metadata value can carry, no spaces
+_TOKEN = re.compile(r"[\x21-\x7e]+")  # a whole token (fullmatch): printable ASCII, no spaces
 Pem = str | Path | bytes  # a path to a PEM file, or the PEM itself
 
 
@@ -66,8 +66,9 @@ def channel_security(credentials: grpc.ChannelCredentials | None, tls: TLS | boo
         credentials, options = tls.credentials(), tls.options()
     if token is None:
         return credentials, (), options
-    if not _TOKEN.match(token):
-        raise ValueError("token: printable ASCII without spaces (it travels as a gRPC header)")
+    if not _TOKEN.fullmatch(token):
+        raise ValueError("token: printable ASCII without spaces or a line end (it travels as a "
+                         "gRPC header)")
     if credentials is None:
         return None, (("authorization", f"Bearer {token}"),), options
     call = grpc.access_token_call_credentials(token)

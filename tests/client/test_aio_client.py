@@ -7,7 +7,13 @@ import asyncio
 import grpc
 import pytest
 
-from tandem_client import AsyncClient, DeadlineExceededError, InvalidArgumentError, UnavailableError
+from tandem_client import (
+    AsyncClient,
+    DeadlineExceededError,
+    InvalidArgumentError,
+    RequestCancelledError,
+    UnavailableError,
+)
 
 from .conftest import FAST_RETRY
 
@@ -75,6 +81,30 @@ def test_cancelling_the_task_propagates_and_cancels_the_rpc(fake):
             return await asyncio.to_thread(fake.client_gone.wait, 5)
 
     assert run(main())
+
+
+def test_closing_the_client_under_a_reader_raises_request_cancelled(fake):
+    """As the sync client: a TandemError in the reader, not a bare CancelledError in a task
+    nobody cancelled."""
+    fake.mode = "endless"
+
+    async def main():
+        c = AsyncClient(fake.target)
+        stream = c.generate("x")
+        await stream.__anext__()
+
+        async def reader():
+            async for _ in stream:
+                pass
+
+        task = asyncio.ensure_future(reader())
+        await asyncio.sleep(0.1)
+        await c.close()
+        with pytest.raises(RequestCancelledError) as e:
+            await task
+        assert not task.cancelled() and "closed" in str(e.value)
+
+    run(main())
 
 
 def test_deadline_exceeded(fake):

@@ -55,7 +55,7 @@ def test_unauthenticated_is_an_authentication_error_never_retried(fake, make):
     assert len(fake.requests) == 1
 
 
-@pytest.mark.parametrize("token", ["with space", "", "naïve", "line\nbreak"])
+@pytest.mark.parametrize("token", ["with space", "", "naïve", "line\nbreak", "read-from-a-file\n"])
 def test_a_token_a_header_cannot_carry_is_refused_at_once(token):
     with pytest.raises(ValueError, match="token"):
         Client("127.0.0.1:1", token=token)
