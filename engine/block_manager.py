@@ -88,7 +88,10 @@ class BlockManager:
             seq.block_table.append(bid)
             seq.block_hashes.append(h)
             parent, hit = h, hit + bs
-        seq.num_computed = seq.num_cached_tokens = hit
+        seq.num_computed = hit
+        # usage reports prompt tokens: a continuation's or a preempted request's own output
+        # may be cached too
+        seq.num_cached_tokens = min(hit, seq.num_prompt_tokens)
         return hit
 
     def count_lookup(self, seq: Sequence) -> None:
@@ -96,7 +99,7 @@ class BlockManager:
         admission, however many steps it waited for room at the head of the queue."""
         if self.enable_prefix_caching:
             self.prefix_queried_tokens += len(seq)
-            self.prefix_hit_tokens += seq.num_cached_tokens
+            self.prefix_hit_tokens += seq.num_computed  # (just matched: every token found)
 
     def commit(self, seq: Sequence) -> None:
         """Register hashes of blocks that became full and computed, so later requests reuse them."""

@@ -191,6 +191,9 @@ def test_a_continuation_streams_only_what_follows(served):
         assert [t for r in got for t in r.token_ids] == ids[cut:]
         assert {r.request_id for r in got} == {f"cut{cut}"}
         assert got[-1].usage.completion_tokens == 12 and got[-1].usage.prompt_tokens == 4
+        # the prompt's block came from the cache; the continuation's own (cached too) are
+        # no prompt tokens
+        assert got[-1].usage.cached_tokens == 4
         assert got[-1].finish_reason == pb.FINISH_REASON_LENGTH
     served.engine.blocks.check_all_free()
 
