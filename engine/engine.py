@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -22,7 +23,7 @@ from engine.output import Completion, EngineStats, RequestOutput
 from engine.overlap import Overlap
 from engine.plain_steps import PlainSteps
 from engine.postprocess import Postprocessor
-from engine.prompt import PromptEncoder
+from engine.prompt import PromptEncoder, is_one_prompt
 from engine.runner import ModelRunner, allocate_kv_cache, cache_blocks
 from engine.sampler import new_generator
 from engine.scheduler import Scheduler
@@ -31,6 +32,8 @@ from engine.spec.lookup import compile_store_ahead, needs_token_store, token_sto
 from engine.spec.runtime import SpecRunner
 from engine.step import Stepper
 from engine.tokenizer import Detokenizer
+
+log = logging.getLogger("tandem.engine")
 
 
 class Engine:
@@ -169,11 +172,14 @@ class Engine:
         seq.hold, seq.max_draft = hold, max_draft
         detok = self._resume(seq, *resume) if resume is not None else None
         seq.arrival_step = self.stats.steps
-        self.seqs[seq.request_id] = seq
-        if not params.greedy:
-            self.generators[seq.request_id] = new_generator(params.seed, self.config.device)
+        gen = None if params.greedy else new_generator(params.seed, self.config.device)
         if self.tokenizer is not None:
-            self.detoks[seq.request_id] = detok or Detokenizer(self.tokenizer, seq.token_ids)
+            detok = detok or Detokenizer(self.tokenizer, seq.token_ids)
+        self.seqs[seq.request_id] = seq  # (from here on nothing fails: it is all registered)
+        if gen is not None:
+            self.generators[seq.request_id] = gen
+        if detok is not None:
+            self.detoks[seq.request_id] = detok
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -302,36 +308,61 @@ class Engine:
         `use_tqdm`: a progress bar (a string: the bar's label). First, the graphs its batches
         replay that nothing captured yet (`warmup.prepare_on_first_use`); after, a warming
         engine's share of its speculative graphs (`warming.after_generate`)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = [prompts] if is_one_prompt(prompts) else list(prompts)
         plist = params if isinstance(params, list) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequestError("one SamplingParams per prompt, or a single one")
         running = len(prompts) + sum(not s.finished for s in self.seqs.values())
         warmup.prepare_on_first_use(self, min(running, self.config.max_num_seqs))
-        rids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        seqs = {rid: self.seqs[rid] for rid in rids}
-        bar = tqdm(total=len(seqs), disable=not use_tqdm, unit="req",
-                   desc=use_tqdm if isinstance(use_tqdm, str) else "generate")
-        while any(not s.finished for s in seqs.values()):
-            for out in self.step():
-                if out.finished and out.request_id in seqs:
-                    bar.update(1)
-        bar.close()
+        seqs: dict[str, Sequence] = {}
+        try:  # a bad prompt, an interrupt or a fault: none of this call's requests stay behind
+            for p, sp in zip(prompts, plist):
+                rid = self.add_request(p, sp)
+                seqs[rid] = self.seqs[rid]
+            bar = tqdm(total=len(seqs), disable=not use_tqdm, unit="req",
+                       desc=use_tqdm if isinstance(use_tqdm, str) else "generate")
+            while any(not s.finished for s in seqs.values()):
+                for out in self.step():
+                    if out.finished and out.request_id in seqs:
+                        bar.update(1)
+            bar.close()
+        except BaseException:
+            self._abort_quietly([rid for rid, s in seqs.items() if not s.finished])
+            raise
         warming.after_generate(self)
         return [Completion(rid, s.token_ids[: s.num_prompt_tokens], s.output_ids, s.text,
                            s.finish_reason, s.num_cached_tokens, s.num_accepted,
                            s.num_verify_steps) for rid, s in seqs.items()]
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Generate one request, yielding its outputs as they come (other requests keep going)."""
+        """Generate one request, yielding its outputs as they come (other requests keep going).
+        Leaving the loop early (break, close) aborts the request; aborted meanwhile, it ends
+        with a last, empty output."""
         rid = self.add_request(prompt, params)
-        while True:
-            for out in self.step():
-                if out.request_id == rid:
-                    yield out
-                    if out.finished:
-                        return
+        seq = self.seqs[rid]
+        try:
+            while True:
+                for out in self.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+                if seq.finished:  # `abort` emits nothing for it
+                    yield RequestOutput(rid, [], "", True, seq.finish_reason,
+                                        seq.num_prompt_tokens, seq.num_output_tokens,
+                                        seq.num_cached_tokens)
+                    return
+        finally:
+            if not seq.finished:
+                self._abort_quietly([rid])
+
+    def _abort_quietly(self, rids: list[str]) -> None:
+        """Abort `rids` while an error propagates: a second error must not hide the first."""
+        for rid in rids:
+            try:
+                self.abort(rid)
+            except Exception:  # noqa: BLE001 - the original error is what the caller sees
+                log.exception("aborting %s after an error", rid)
 
 
 def engine_draft_head(cfg: EngineConfig, model, given):

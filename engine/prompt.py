@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError, ResourceExhaustedError
@@ -20,15 +22,17 @@ class PromptEncoder:
     chat_special_tokens: bool = False
 
     def __call__(self, prompt: str | list[int] | list[dict]) -> list[int]:
+        if hasattr(prompt, "tolist") and not isinstance(prompt, list):  # numpy, torch
+            prompt = prompt.tolist()
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
             ids = self._tok().encode(prompt)
-        elif prompt and isinstance(prompt[0], dict):
-            ids = self._tok().apply_chat(list(prompt),
+        elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            ids = self._tok().apply_chat(chat_messages(prompt),
                                          specials_in_content=self.chat_special_tokens)
         else:
-            ids = [int(t) for t in prompt]
+            ids = token_ids(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
@@ -45,3 +49,47 @@ class PromptEncoder:
         if self.tokenizer is None:
             raise InvalidRequestError("this engine has no tokenizer: send token ids")
         return self.tokenizer
+
+
+def is_one_prompt(prompts) -> bool:
+    """Whether `generate`'s argument is one prompt (text, token ids or a conversation), not a
+    list of them."""
+    if hasattr(prompts, "tolist") and not isinstance(prompts, list):  # numpy, torch
+        return getattr(prompts, "ndim", 1) <= 1
+    return isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and bool(prompts)
+                                        and isinstance(prompts[0], (numbers.Integral, dict)))
+
+
+def token_ids(prompt) -> list[int]:
+    """A token-id prompt as ints: ints or integer scalars (numpy, 0-d tensors), never bools,
+    floats or strings."""
+    try:
+        if isinstance(prompt, (str, bytes, dict)):
+            raise TypeError
+        ids = [operator.index(t) for t in prompt]
+    except TypeError:
+        raise InvalidRequestError(f"a prompt is text, token ids or chat messages, got "
+                                  f"{prompt!r:.60}") from None
+    if any(isinstance(t, bool) for t in prompt):
+        raise InvalidRequestError("token ids are integers, not bools")
+    return ids
+
+
+def chat_messages(messages) -> list[dict]:
+    """Chat messages checked: each a dict with a string role and content (content may be a
+    list of text parts, joined)."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequestError(f"message {i} must be a dict with a string 'role', got "
+                                      f"{m!r:.60}")
+        content = m.get("content")
+        if isinstance(content, list) and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise InvalidRequestError(f"message {i}: content must be a string or a list of "
+                                      f"text parts, got {content!r:.60}")
+        out.append({**m, "content": content})
+    return out

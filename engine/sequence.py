@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import math
+import numbers
+import operator
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -24,10 +27,21 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        fix = functools.partial(object.__setattr__, self)
+        for name in ("temperature", "top_p"):
+            fix(name, _number(name, getattr(self, name)))
+        for name in ("top_k", "max_tokens", "seed"):
+            if name != "seed" or self.seed is not None:
+                fix(name, _integer(name, getattr(self, name)))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        fix("stop", tuple(_items("stop", stop)))
+        if any(not isinstance(s, str) for s in self.stop):
+            raise InvalidRequestError(f"stop holds {_first_not(self.stop, str)!r}: stop "
+                                      "strings are str")
+        fix("stop_token_ids", tuple(_integer("stop_token_ids", t)
+                                    for t in _items("stop_token_ids", self.stop_token_ids)))
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -44,6 +58,36 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r:.40}")
+    return float(value)
+
+
+def _integer(name: str, value) -> int:
+    """value as an int: ints and integer scalars (numpy, 0-d tensors), never bools or floats."""
+    if isinstance(value, bool) or isinstance(value, float):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r:.40}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r:.40}") from None
+
+
+def _items(name: str, value) -> tuple:
+    """A sequence field's items (None: none)."""
+    if value is None:
+        return ()
+    try:
+        return tuple(value)
+    except TypeError:
+        raise InvalidRequestError(f"{name} must be a list, got {value!r:.40}") from None
+
+
+def _first_not(values, kind):
+    return next(v for v in values if not isinstance(v, kind))
 
 
 class Status(enum.Enum):

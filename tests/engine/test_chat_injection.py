@@ -92,3 +92,31 @@ def test_the_spec_built_tokenizer_shields_chat_as_the_transformers_one(base_toke
         for trusted in (False, True):
             assert router.apply_chat(chat(content), specials_in_content=trusted) == \
                 tok.apply_chat(chat(content), specials_in_content=trusted)
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "user"}], [{"role": "user", "content": None}], [{"content": "hi"}],
+    [{"role": "user", "content": "hi"}, "oops"], [{"role": "user", "content": [{"type": "image"}]}],
+])
+def test_malformed_messages_are_invalid_requests(base_tokenizer, messages):
+    from engine.errors import InvalidRequestError
+
+    enc = PromptEncoder(base_tokenizer, 49152, 2048, 16, 64)
+    with pytest.raises(InvalidRequestError, match="message"):
+        enc(messages)
+
+
+def test_text_parts_read_as_their_text(base_tokenizer):
+    enc = PromptEncoder(base_tokenizer, 49152, 2048, 16, 64)
+    parts = [{"type": "text", "text": "Name two "}, {"type": "text", "text": "colors."}]
+    assert enc([{"role": "user", "content": parts}]) == enc(
+        [{"role": "user", "content": "Name two colors."}])
+
+
+def test_generate_takes_one_conversation_as_one_prompt(smol_engine):
+    from engine import SamplingParams
+
+    chat = [{"role": "user", "content": "Say hi."}]
+    g = SamplingParams(temperature=0, max_tokens=4)
+    (one,) = smol_engine.generate(chat, g)
+    assert one.token_ids == smol_engine.generate([chat], g)[0].token_ids

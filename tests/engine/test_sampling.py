@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,6 +59,10 @@ def test_exponential_race_samples_the_distribution():
     {"temperature": -0.1}, {"top_p": 1.5}, {"top_p": 0.0}, {"top_k": -1},
     {"max_tokens": 0}, {"max_tokens": -3}, {"stop": ("",)}, {"seed": -1},
     {"temperature": float("nan")},
+    # wrong types: refused here, not by a step that would then fail every later call
+    {"stop": [13]}, {"stop": 5}, {"top_k": 2.5}, {"seed": 1.5}, {"max_tokens": None},
+    {"max_tokens": "5"}, {"temperature": "0.5"}, {"temperature": True}, {"top_p": None},
+    {"stop_token_ids": [1.0]}, {"ignore_eos": 1},
 ])
 def test_bad_sampling_params_raise(kwargs):
     with pytest.raises(InvalidRequestError):
@@ -75,6 +80,51 @@ def test_bad_prompts_raise_and_leave_nothing_behind():
     with pytest.raises(ResourceExhaustedError):
         small.add_request(list(range(1, 30)), SamplingParams())
     assert not eng.has_unfinished() and not eng.seqs
+    eng.blocks.check_all_free()
+
+
+def test_sampling_params_take_none_lists_and_integer_scalars():
+    p = SamplingParams(stop=None, stop_token_ids=None, top_k=np.int64(3), seed=torch.tensor(5),
+                       max_tokens=np.int32(4), temperature=np.float32(0.5))
+    assert (p.stop, p.stop_token_ids, p.top_k, p.seed, p.max_tokens) == ((), (), 3, 5, 4)
+    assert type(p.top_k) is int and type(p.temperature) is float
+
+
+def test_a_bad_prompt_in_a_batch_leaves_nothing_behind():
+    eng = tiny_engine(2)
+    g = SamplingParams(temperature=0, max_tokens=8)
+    for bad in ([[1, 2, 3], [5, 9999]], [[1, 2, 3], [1.5, 2]], [[1, 2, 3], None], [[4], [True]]):
+        with pytest.raises(InvalidRequestError):
+            eng.generate(bad, g)
+        assert not eng.seqs and not eng.has_unfinished()
+        eng.blocks.check_all_free()
+    assert len(eng.generate([[7, 8]], g)[0].token_ids) == 8  # the engine goes on
+
+
+def test_token_ids_may_come_as_numpy_or_torch():
+    eng = tiny_engine(2)
+    g = SamplingParams(temperature=0, max_tokens=6)
+    want = eng.generate([1, 2, 3], g)[0].token_ids
+    for prompt in (np.array([1, 2, 3]), torch.tensor([1, 2, 3]), [np.int64(1), 2, 3]):
+        assert eng.generate(prompt, g)[0].token_ids == want
+    both = eng.generate(np.array([[1, 2, 3], [1, 2, 3]]), g)
+    assert [c.token_ids for c in both] == [want, want]
+
+
+def test_leaving_a_stream_early_aborts_it_and_an_abort_ends_it():
+    eng = tiny_engine(2)
+    g = SamplingParams(temperature=0, max_tokens=50)
+    for _ in eng.stream([1, 2, 3], g):
+        break
+    assert not eng.seqs
+    eng.blocks.check_all_free()
+    outs = []
+    for out in eng.stream([1, 2, 3], g):
+        outs.append(out)
+        if len(outs) == 2:
+            eng.abort(out.request_id)
+        assert len(outs) < 10, "the stream went on after its abort"
+    assert outs[-1].finished and outs[-1].finish_reason == "cancelled" and len(outs) == 3
     eng.blocks.check_all_free()
 
 
