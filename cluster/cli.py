@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -180,6 +181,31 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _check_paths(cfg) -> None:
+    """FileNotFoundError for a missing model or head folder where they load here."""
+    if cfg.mode != "colocated" and (cfg.ray_address or os.environ.get("RAY_ADDRESS")):
+        return  # another node's disk
+    if cfg.model.path is not None:
+        from engine.loader import resolve
+
+        resolve(cfg.model.path)
+    head = cfg.speculation.head
+    if cfg.speculation.method == "eagle3" and head is not None and not os.path.isfile(
+            os.path.join(head, "config.json")):
+        raise FileNotFoundError(f"speculation.head: no EAGLE-3 head in {head!r} (want a "
+                                "folder with config.json and model.safetensors)")
+
+
+def _one_line(e: BaseException) -> str:
+    """An error in one line (of Ray's wrapped ones, with an actor's traceback: its cause)."""
+    text = str(e).strip()
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    if len(lines) > 1:
+        named = [x for x in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b.*:", x)]
+        return (named[-1] if named else lines[-1])[:500]
+    return f"{type(e).__name__}: {text}"[:500]
+
+
 def cmd_serve(args) -> int:
     """Serve tandem.v1.Generation until interrupted: the disaggregated cluster (Ray prefill and
     decode actors, KV over UCX) or, with --colocated, one engine in this process."""
@@ -195,10 +221,7 @@ def cmd_serve(args) -> int:
     sets = list(args.set) + (["mode=colocated"] if args.colocated else [])
     try:
         cfg = apply_overrides(load_config(args.config), sets)
-        if cfg.mode == "colocated" and cfg.model.path is not None:
-            from engine.loader import resolve
-
-            resolve(cfg.model.path)  # here, not on some other node: check before loading
+        _check_paths(cfg)  # before anything loads
         security = server_security(cfg.security)  # PEM and token files read before loading
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -225,6 +248,9 @@ def cmd_serve(args) -> int:
         except KeyboardInterrupt:  # the build goes on on its thread: leave without waiting
             print("interrupted while loading", file=sys.stderr, flush=True)
             os._exit(130)
+        except Exception as e:  # noqa: BLE001 - the engine refused its config (size, device)
+            print(f"error: the engine did not start: {_one_line(e)}", file=sys.stderr)
+            return 2
         print(f"engine {backend.engine.ready}", file=sys.stderr, flush=True)
         close = backend.close
     else:
@@ -234,6 +260,9 @@ def cmd_serve(args) -> int:
             cluster = launcher.start_from_config(cfg)
         except ConnectionError as e:  # no Ray cluster there, or it wants a token (`join`)
             print(f"error: {e}", file=sys.stderr)
+            return 2
+        except Exception as e:  # noqa: BLE001 - an actor's engine refused its config
+            print(f"error: the cluster did not start: {_one_line(e)}", file=sys.stderr)
             return 2
         backend, close = cluster.backend, cluster.shutdown
         for name, p in zip(cfg.components()[1:], cluster.metrics_ports):
@@ -252,14 +281,14 @@ def cmd_serve(args) -> int:
 
     async def run() -> int:
         """Serve until the demo is done, a signal, or the workers are lost (then 3)."""
-        service = GenerationService.from_config(backend, cfg.router, metrics)
-        server, bound = await start_server(service, host, port, **security)
+        service, server = GenerationService.from_config(backend, cfg.router, metrics), None
         try:  # the demo takes a free HTTP port unless given one: it only talks gRPC
+            server, bound = await start_server(service, host, port, **security)
             http = await _start_http(service, cfg, host, 0 if args.demo and args.http_port
                                      is None else args.http_port, security)
         except OSError as e:
-            print(f"error: the HTTP port: {e}", file=sys.stderr)
-            await server.stop(0)
+            print(f"error: the {'HTTP' if server else 'gRPC'} port: {e}", file=sys.stderr)
+            await server.stop(0) if server else None
             service.close()
             return 2
         info = backend.info()
@@ -269,10 +298,15 @@ def cmd_serve(args) -> int:
             args.address, args.chat, args.prompt = f"{host}:{bound}", args.demo, None
             done = asyncio.Event()
             loop = asyncio.get_running_loop()
+            result = [2]
 
             def demo() -> None:
-                cmd_remote_generate(args)
-                loop.call_soon_threadsafe(done.set)
+                try:
+                    result[0] = cmd_remote_generate(args)
+                except Exception as e:  # noqa: BLE001 - reported, and the server still stops
+                    print(f"\nerror: {_one_line(e)}", file=sys.stderr)
+                finally:
+                    loop.call_soon_threadsafe(done.set)
 
             threading.Thread(target=demo, daemon=True).start()
             await done.wait()
@@ -293,6 +327,8 @@ def cmd_serve(args) -> int:
         if http is not None:
             await http.stop()
         service.close()
+        if args.demo:
+            return result[0]  # the demo's own status: 0 when its completion came
         return 3 if lost is not None and lost.done() else 0
 
     status = 0
@@ -357,7 +393,7 @@ def cmd_remote_generate(args) -> int:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 last = chunk
-    except TandemError as e:
+    except (TandemError, ValueError) as e:  # ValueError: a flag out of its field's range
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
     end = time.perf_counter()

@@ -24,6 +24,7 @@ TRANSPORTS = ("ucx", "ucx-tcp")
 PROGRESS_MODES = ("thread", "thread-polling")
 PULL_ENGINES = ("dst", "src")  # kvtransfer.ipc.ENGINES (not imported: config loads no torch)
 ENGINE_ROLES = ("prefill", "decode", "colocated")
+MAX_REPLICAS = 1024  # of one role: a bound for typos (each replica is a process)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -153,7 +154,8 @@ class RoleSection(_Section):
     resources: dict | None = None
 
     def _validate(self) -> None:
-        _require(self.replicas >= 1, f"replicas must be >= 1, got {self.replicas}")
+        _require(1 <= self.replicas <= MAX_REPLICAS,
+                 f"replicas must be in 1..{MAX_REPLICAS}, got {self.replicas}")
         _require(self.max_restarts >= -1, f"max_restarts must be >= -1, got {self.max_restarts}")
         _require(all(isinstance(k, str) and k not in ("CPU", "GPU") and type(v) in (int, float)
                      and v > 0 for k, v in (self.resources or {}).items()),
@@ -426,6 +428,8 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
         data = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:  # a folder, unreadable, not UTF-8 text
+        raise ConfigError(f"{path}: cannot read it as a config file: {e}") from None
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     return data or {}

@@ -398,7 +398,8 @@ async def start_server(service: GenerationService, host: str = "127.0.0.1", port
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
-    server = grpc.aio.server(interceptors=list(interceptors))
+    # no SO_REUSEPORT: a second server on a port in use fails to bind instead of sharing it
+    server = grpc.aio.server(interceptors=list(interceptors), options=[("grpc.so_reuseport", 0)])
     _count_refusals(service, interceptors)
     service.clients_by_token |= any(isinstance(i, BearerAuth) for i in interceptors)
     add_service(service, server)
@@ -409,8 +410,11 @@ async def start_server(service: GenerationService, host: str = "127.0.0.1", port
              reflection.SERVICE_NAME, REFLECTION_V1)
     _add_reflection(server, names)
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, credentials) if credentials is not None
-             else server.add_insecure_port(address))
+    try:
+        bound = (server.add_secure_port(address, credentials) if credentials is not None
+                 else server.add_insecure_port(address))
+    except RuntimeError as e:  # grpc's "Failed to bind": the port is taken or not ours
+        raise OSError(f"cannot listen on {address} (in use?): {e}") from None
     await server.start()
     service.health = Health(hs)
     await service.health.set_all(True)

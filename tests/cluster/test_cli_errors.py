@@ -46,19 +46,44 @@ def test_cuda_asked_for_without_cuda_is_refused(capsys):
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--colocated", "--set", "decode.replicas=-1"], "decode.replicas must be >= 1"),
+    (["--colocated", "--set", "decode.replicas=-1"], "decode.replicas must be in 1..1024"),
     (["--set", "nonsense"], "is not of the form section.key=value"),
     (["--config", "/nonexistent/tandem.yaml"], "/nonexistent/tandem.yaml"),
     (["--colocated", "--set", "model.path=/nonexistent/model"], "no model at"),
+    (["--colocated", "--set", "speculation.head=/nonexistent/head"], "no EAGLE-3 head"),
+    (["--set", "speculation.head=/nonexistent/head"], "no EAGLE-3 head"),  # before Ray starts
+    (["--set", "decode.replicas=100000000"], "decode.replicas must be in 1..1024"),
+    (["--config", "/"], "cannot read it as a config file"),
 ])
 def test_serve_refuses_a_bad_config_in_one_line(argv, says, capsys, monkeypatch):
     import engine
 
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(engine.Engine, "from_pretrained",
                         lambda *a, **k: pytest.fail("weights loaded for a refused config"))
     assert main(["serve", *argv]) == 2
     err = capsys.readouterr().err
     assert says in err and "Traceback" not in err
+
+
+def test_an_engine_that_refuses_its_config_is_one_line(capsys, monkeypatch):
+    import engine
+
+    def refuse(*a, **k):
+        raise ValueError("max_model_len 1000000 is beyond the model's 8192")
+
+    monkeypatch.setattr(engine.Engine, "from_pretrained", refuse)
+    assert main(["serve", "--colocated", "--port", "0", "--demo", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the engine did not start: ValueError: max_model_len 1000000" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", [["--seed", "-1"], ["--max-tokens", "-1"], ["--top-k", "-1"]])
+def test_generate_against_a_server_refuses_out_of_range_flags_in_one_line(flag, capsys):
+    assert main(["generate", "--address", "127.0.0.1:1", *flag, "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
 
 
 def test_status_of_no_server_says_so_in_one_line(capsys):
@@ -119,3 +144,41 @@ def test_serve_binds_grpc_and_http_on_the_host_given(capsys, monkeypatch):
     assert main(["serve", "--colocated", "--host", "127.0.0.2", "--port", "0",
                  "--set", "metrics.enabled=false", "--demo", "hi"]) == 0
     assert seen == {"host": "127.0.0.2", "grpc": [True, False], "http": [True, False]}
+
+
+@pytest.mark.parametrize("outcome", ["fails", "raises"])
+def test_serve_demo_exits_with_the_demos_status(outcome, capsys, monkeypatch):
+    """A demo whose completion failed (or that raised) stops the server and exits 2."""
+    import engine
+    from cluster import cli
+    from engine.testing import tiny_engine
+
+    monkeypatch.setattr(engine.Engine, "from_pretrained", lambda *a, **k: tiny_engine(0))
+
+    def demo(args) -> int:
+        if outcome == "raises":
+            raise ValueError("Value out of range: -1")
+        return 2
+
+    monkeypatch.setattr(cli, "cmd_remote_generate", demo)
+    assert main(["serve", "--colocated", "--port", "0", "--set", "metrics.enabled=false",
+                 "--demo", "hi"]) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_second_server_on_a_port_in_use_is_refused(capsys, monkeypatch):
+    import socket
+
+    import engine
+    from engine.testing import tiny_engine
+
+    monkeypatch.setattr(engine.Engine, "from_pretrained", lambda *a, **k: tiny_engine(0))
+    with socket.socket() as s:  # a port another server listens on, as gRPC's own would
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert main(["serve", "--colocated", "--port", str(port), "--set",
+                     "metrics.enabled=false", "--demo", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "error: the gRPC port: cannot listen on" in err and "Traceback" not in err
