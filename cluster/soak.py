@@ -219,8 +219,10 @@ def _config(args) -> SoakConfig:
         raise ValueError("--cancel-fraction must be in [0, 1]")
     if getattr(args, "replicas", 1) < 1:
         raise ValueError("--replicas must be >= 1")
-    if args.streams < 1 or args.minutes <= 0 or not 1 <= args.min_tokens <= args.max_tokens:
-        raise ValueError("want --streams >= 1, --minutes > 0, 1 <= --min-tokens <= --max-tokens")
+    if (args.streams < 1 or not args.minutes > 0 or args.prompts < 1
+            or not 1 <= args.min_tokens <= args.max_tokens):
+        raise ValueError("want --streams >= 1, --minutes > 0, --prompts >= 1, 1 <= --min-tokens "
+                         "<= --max-tokens")
     return SoakConfig(streams=args.streams, seconds=args.minutes * 60,
                       cancel_fraction=args.cancel_fraction, seed=args.seed, faults=faults,
                       rounds=args.fault_rounds, prompts=args.prompts,

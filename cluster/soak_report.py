@@ -118,9 +118,12 @@ def report(cfg: SoakConfig, pool: list[Item], records: list[Record], faults: lis
 
 
 def clean(result: dict) -> bool:
-    """No lost or duplicated token, no output differing from the fault-free run, no block
-    left in use."""
-    return (result["tokens"]["lost"] == 0 and result["tokens"]["duplicated"] == 0
+    """Streams ran, each completed or was cancelled by the soak (none failed or was cut),
+    no lost or duplicated token, no output differing from the fault-free run, no block left
+    in use."""
+    return (result["completed_streams"] > 0
+            and set(result["outcomes"]) <= {"completed", "cancelled"}
+            and result["tokens"]["lost"] == 0 and result["tokens"]["duplicated"] == 0
             and result["outputs_differing"] == 0 and not result["leaked_blocks"])
 
 

@@ -60,3 +60,24 @@ def test_engine_settings_carry_the_placement():
     assert engine_kwargs(64, "cuda", "bfloat16", 0.25)["gpu_memory_utilization"] == 0.125
     assert engine_kwargs(64, "cuda", "bfloat16", 0.25, True)["deterministic"] is True
     assert "deterministic" not in kw
+
+
+@pytest.mark.parametrize("argv", [("--minutes", "nan"), ("--prompts", "0"), ("--minutes", "0")])
+def test_a_soak_that_could_not_run_is_refused(argv, capsys):
+    assert soak.cmd_soak(_args(*argv)) == 2
+    assert "want --streams" in capsys.readouterr().err
+
+
+def _result(outcomes, completed=1, lost=0):
+    return {"completed_streams": completed, "outcomes": outcomes, "outputs_differing": 0,
+            "tokens": {"lost": lost, "duplicated": 0}, "leaked_blocks": 0}
+
+
+def test_a_soak_is_clean_only_if_streams_completed_and_none_failed():
+    from cluster.soak_report import clean
+
+    assert clean(_result({"completed": 3, "cancelled": 1}))
+    assert not clean(_result({"UNAVAILABLE": 1}, completed=0))  # nothing was served
+    assert not clean(_result({"completed": 3, "INTERNAL": 1}))
+    assert not clean(_result({"completed": 3, "truncated": 1}))
+    assert not clean(_result({"completed": 3}, lost=2))
