@@ -109,6 +109,26 @@ def test_the_image_matches_the_chart_and_copies_what_exists():
     assert {p.rstrip("*") for p in packages} <= set(copied)
 
 
+def test_the_images_command_serves_on_every_interface():
+    """The Dockerfile's CMD: a valid config whose gRPC, HTTP and metrics ports listen beyond
+    the container's loopback, on the ports it exposes."""
+    import json
+
+    from cluster.config import apply_overrides, load_config
+
+    text = open(os.path.join(ROOT, "deploy", "Dockerfile")).read().replace("\\\n", " ")
+    cmd = json.loads(next(line for line in text.splitlines() if line.startswith("CMD "))[4:])
+    assert cmd[:2] == ["tandem", "serve"]
+    args = dict(zip(cmd[2::2], cmd[3::2]))
+    sets = [v for k, v in zip(cmd[2::2], cmd[3::2]) if k == "--set"]
+    cfg = apply_overrides(load_config(args["--config"].replace("/opt/tandem/", ROOT + "/")), sets)
+    assert args["--host"] == "0.0.0.0" and cfg.metrics.host == "0.0.0.0"
+    exposed = {int(p) for line in text.splitlines() if line.startswith("EXPOSE ")
+               for p in line.split()[1:]}
+    ports = {cfg.router.port, cfg.router.http_port, *cfg.metrics_ports().values()}
+    assert ports <= exposed, ports - exposed
+
+
 @pytest.mark.parametrize("setting, message", [
     ("config.mode=nonsense", "config.mode must be one of"),
     ("router.port=-1", "router.port: Must be greater than or equal to 1"),
