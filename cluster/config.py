@@ -62,8 +62,8 @@ class ModelSection(_Section):
         _choice("dtype", self.dtype, DTYPES)
         _require(self.max_model_len is None or self.max_model_len > 0,
                  f"max_model_len must be > 0, got {self.max_model_len}")
-        _require(self.block_size > 0 and not self.block_size & (self.block_size - 1),
-                 f"block_size must be a power of two, got {self.block_size}")
+        _require(0 < self.block_size <= 1024 and not self.block_size & (self.block_size - 1),
+                 f"block_size must be a power of two up to 1024, got {self.block_size}")
 
 
 @dataclass(frozen=True)

@@ -142,10 +142,22 @@ def test_the_images_command_serves_on_every_interface():
     ("serviceMonitor.interval=often", "serviceMonitor.interval: Does not match pattern"),
     ("tritonCache.mountPath=cache", "tritonCache.mountPath: Does not match pattern"),
     ("tritonCache.size=1Gi", "Additional property size is not allowed"),
+    # what cluster/config.py refuses at start, refused at install
+    ("config.model.block_size=3", "config.model.block_size must be one of"),
+    ("config.decode.resources.CPU=1", 'Property name of "CPU" does not match'),
+    ("config.security.tls_key=/tls/key.pem", "Has a dependency on tls_cert"),
 ])
 def test_bad_values_fail_lint(setting, message):
     done = lint(setting)
     assert done.returncode != 0 and message in done.stdout, done.stdout
+
+
+def test_gpus_are_a_share_of_one_or_whole_ones():
+    def ok(value: str) -> bool:
+        return helm("lint", "--strict", CHART, "--set-json",
+                    f"config.decode.num_gpus={value}").returncode == 0
+
+    assert ok("0.5") and ok("2") and not ok("1.5")
 
 
 def _json_types(hint) -> set[str]:
@@ -163,7 +175,8 @@ def test_the_schema_follows_cluster_config():
     choices = {"mode": C.MODES, "model.dtype": C.DTYPES, "prefill.device": C.DEVICES,
                "decode.device": C.DEVICES, "speculation.method": C.SPEC_METHODS,
                "transfer.transport": C.TRANSPORTS, "transfer.progress_mode": C.PROGRESS_MODES,
-               "transfer.pull_engine": C.PULL_ENGINES}
+               "transfer.pull_engine": C.PULL_ENGINES,
+               "model.block_size": tuple(1 << i for i in range(11))}  # config: powers of two
 
     def check(cls, node, prefix):
         hints = get_type_hints(cls)
@@ -174,7 +187,7 @@ def test_the_schema_follows_cluster_config():
             if is_dataclass(hint):
                 check(hint, sub, f"{key}.")
                 continue
-            types = {t for alt in sub.get("oneOf", [sub]) for t in
+            types = {t for alt in sub.get("oneOf", sub.get("anyOf", [sub])) for t in
                      ([alt["type"]] if isinstance(alt["type"], str) else alt["type"])}
             assert types == _json_types(hint), prefix + key
             assert tuple(sub.get("enum", ())) == choices.get(prefix + key, ()), prefix + key
@@ -189,11 +202,12 @@ def test_the_router_is_probed_with_grpc_health():
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"] == {"port": 50051}, probe
     # Health behind TLS or a token: Kubernetes' gRPC probe can do neither, so TCP.
-    for setting in ("config.security.tls_cert=/certs/tls.crt",
-                    "config.security.health_open=false"):
-        c = _head_container(render(setting, "config.security.tls_key=/certs/tls.key"))
+    for settings in (("config.security.tls_cert=/certs/tls.crt",
+                      "config.security.tls_key=/certs/tls.key"),
+                     ("config.security.health_open=false",)):
+        c = _head_container(render(*settings))
         assert c["readinessProbe"]["tcpSocket"] == {"port": "grpc"} and "grpc" not in \
-            c["readinessProbe"], setting
+            c["readinessProbe"], settings
     assert "readinessProbe" not in _head_container(render("router.probes.enabled=false"))
     done = helm("template", "demo", CHART, "--set", "job.submissionMode=K8sJobMode")
     assert done.returncode != 0 and "SidecarMode" in done.stderr
