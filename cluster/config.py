@@ -308,8 +308,8 @@ class SecuritySection(_Section):
 
 @dataclass(frozen=True)
 class ClusterConfig(_Section):
-    """The whole deployment. In colocated mode the decode section describes the engines (each
-    does prefill and decode) and the prefill section is unused."""
+    """The whole deployment. In colocated mode the decode section describes the one engine
+    (in the serving process, doing prefill and decode) and the prefill section is unused."""
 
     model: ModelSection = field(default_factory=ModelSection)
     engine: EngineSection = field(default_factory=EngineSection)
@@ -325,6 +325,9 @@ class ClusterConfig(_Section):
 
     def _validate(self) -> None:
         _choice("mode", self.mode, MODES)
+        _require(self.mode != "colocated" or self.decode.replicas == 1,
+                 f"colocated mode serves one engine in the serving process: decode.replicas "
+                 f"must be 1, got {self.decode.replicas}")
         base, n = self.metrics.port_base, len(self.components())
         _require(base == 0 or base + n - 1 <= 65535,
                  f"metrics.port_base={base} leaves no room for {n} components below 65536")

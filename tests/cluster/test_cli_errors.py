@@ -53,6 +53,7 @@ def test_cuda_asked_for_without_cuda_is_refused(capsys):
     (["--colocated", "--set", "speculation.head=/nonexistent/head"], "no EAGLE-3 head"),
     (["--set", "speculation.head=/nonexistent/head"], "no EAGLE-3 head"),  # before Ray starts
     (["--set", "decode.replicas=100000000"], "decode.replicas must be in 1..1024"),
+    (["--colocated", "--set", "decode.replicas=2"], "decode.replicas must be 1, got 2"),
     (["--config", "/"], "cannot read it as a config file"),
 ])
 def test_serve_refuses_a_bad_config_in_one_line(argv, says, capsys, monkeypatch):

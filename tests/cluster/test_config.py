@@ -39,7 +39,7 @@ def test_config_is_frozen():
 
 
 def test_yaml_file_round_trip(tmp_path):
-    d = {"mode": "colocated", "decode": {"replicas": 3, "kv_cache_bytes": "64MiB"},
+    d = {"mode": "colocated", "decode": {"replicas": 1, "kv_cache_bytes": "64MiB"},
          "speculation": {"method": "ngram", "num_tokens": 3}, "metrics": {"port_base": 9500}}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(d))
@@ -185,8 +185,10 @@ def test_metrics_ports_follow_components():
     cfg = load_config(None, {"decode.replicas": 2, "metrics.port_base": 9000})
     assert cfg.metrics_ports() == {"router": 9000, "prefill-0": 9001, "decode-0": 9002,
                                    "decode-1": 9003}
-    colo = apply_overrides(cfg, ["mode=colocated"])
-    assert colo.components() == ["router", "colocated-0", "colocated-1"]
+    colo = apply_overrides(cfg, ["mode=colocated", "decode.replicas=1"])
+    assert colo.components() == ["router", "colocated-0"]
+    with pytest.raises(ConfigError, match="decode.replicas must be 1"):  # one engine
+        apply_overrides(cfg, ["mode=colocated"])
     assert set(ClusterConfig().metrics_ports().values()) == {0}
     with pytest.raises(ConfigError, match="port_base"):
         load_config(None, {"metrics.port_base": 65535})

@@ -18,6 +18,8 @@ from cluster.config import load_config
 from tests.deploy.chart import CHART, ROOT, helm, lint, needs_helm, render
 
 pytestmark = needs_helm
+# colocated mode as the chart can serve it: one engine on the head pod's CPUs
+COLOCATED = ("config.mode=colocated", "config.decode.device=cpu", "config.decode.num_gpus=0")
 
 
 def router_config(docs: dict[str, dict], tmp_path) -> object:
@@ -90,8 +92,10 @@ def test_a_config_booking_more_gpus_than_the_workers_have_is_refused():
     done = helm("template", "demo", CHART, "--set", "config.decode.replicas=2")
     assert done.returncode != 0
     assert "config books 3 GPUs" in done.stderr and "have 2" in done.stderr
-    # Colocated mode books the decode section only.
-    assert "RayJob" in render("config.mode=colocated", "config.decode.replicas=2")
+    # Colocated mode: one engine on the head pod, which has no GPU.
+    done = helm("template", "demo", CHART, "--set", "config.mode=colocated")
+    assert done.returncode != 0 and "on the head pod, which has no GPU" in done.stderr
+    assert "RayJob" in render(*COLOCATED)
 
 
 def test_the_image_matches_the_chart_and_copies_what_exists():
@@ -252,7 +256,7 @@ def test_each_node_actor_has_its_metrics_port_on_the_workers(tmp_path):
     scraped = [r for r in rules if {"port": "metrics", "protocol": "TCP"} in r.get("ports", [])]
     assert [p["port"] for p in scraped[0]["ports"]] == ["metrics", *expected]
     # Colocated: the engine runs in the router, so no node ports and no PodMonitor.
-    docs = render("config.mode=colocated", "podMonitor.enabled=true")
+    docs = render(*COLOCATED, "podMonitor.enabled=true")
     assert _worker_ports(docs) == {} and "PodMonitor" not in docs
     # Metrics off: no metrics port anywhere.
     docs = render("config.metrics.enabled=false", "serviceMonitor.enabled=true")
@@ -311,7 +315,7 @@ def test_tritons_kernel_cache_is_a_volume_where_the_engines_run(tmp_path):
     assert router_config(docs, tmp_path).engine.triton_cache_dir == "/kc"
     _, volumes = _cache_volumes(_templates(docs)[1])
     assert volumes == [{"name": "triton-cache", "persistentVolumeClaim": {"claimName": "kernels"}}]
-    head, workers = _templates(render("config.mode=colocated"))
+    head, workers = _templates(render(*COLOCATED))
     assert _cache_volumes(head)[0] == [{"name": "triton-cache", "mountPath": path}]
     assert _cache_volumes(workers) == ([], [])
     docs = render("tritonCache.enabled=false", "config.engine.triton_cache_dir=/own")

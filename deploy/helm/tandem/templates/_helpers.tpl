@@ -51,12 +51,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- toYaml $cfg -}}
 {{- end -}}
 
-{{/* Fails the render when the config books more GPUs than the GPU workers have. */}}
+{{/* Fails the render when the config books more GPUs than the GPU workers have, or, in
+colocated mode (one engine in the router's process on the head pod, which has no GPU), any GPU
+or more than one replica. */}}
 {{- define "tandem.checkGpus" -}}
 {{- $cfg := .Values.config | default dict -}}
-{{- $roles := list "decode" -}}
-{{- if ne (get $cfg "mode" | default "disaggregated") "colocated" -}}
-{{- $roles = list "prefill" "decode" -}}
+{{- $roles := list "prefill" "decode" -}}
+{{- if include "tandem.engineOnHead" . -}}
+{{- $dec := get $cfg "decode" | default dict -}}
+{{- if or (eq (get $dec "device" | default "auto") "cuda") (gt (float64 (get $dec "num_gpus" | default 0)) 0.0) (gt (int (get $dec "replicas" | default 1)) 1) -}}
+{{- fail "config.mode=colocated runs one engine in the router's process on the head pod, which has no GPU: set config.decode.device=cpu, num_gpus=0 and replicas=1, or serve disaggregated" -}}
+{{- end -}}
+{{- $roles = list -}}
 {{- end -}}
 {{- $need := 0.0 -}}
 {{- range $role := $roles -}}
