@@ -336,8 +336,8 @@ class Engine:
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Generate one request, yielding its outputs as they come (other requests keep going).
-        Leaving the loop early (break, close) aborts the request; aborted meanwhile, it ends
-        with a last, empty output."""
+        Leaving the loop early (break, close) aborts the request, so close it on the thread
+        that steps the engine; aborted meanwhile, it ends with a last, empty output."""
         rid = self.add_request(prompt, params)
         seq = self.seqs[rid]
         try:
@@ -347,10 +347,12 @@ class Engine:
                         yield out
                         if out.finished:
                             return
-                if seq.finished:  # `abort` emits nothing for it
+                # finished with no output left to come (an output held for the next step
+                # is `_carry`'s): aborted, which emits nothing for it
+                if seq.finished and all(o.request_id != rid for o in self._carry):
                     yield RequestOutput(rid, [], "", True, seq.finish_reason,
                                         seq.num_prompt_tokens, seq.num_output_tokens,
-                                        seq.num_cached_tokens)
+                                        seq.num_cached_tokens, seq.num_accepted)
                     return
         finally:
             if not seq.finished:

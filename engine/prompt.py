@@ -56,8 +56,10 @@ def is_one_prompt(prompts) -> bool:
     list of them."""
     if hasattr(prompts, "tolist") and not isinstance(prompts, list):  # numpy, torch
         return getattr(prompts, "ndim", 1) <= 1
-    return isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and bool(prompts)
-                                        and isinstance(prompts[0], (numbers.Integral, dict)))
+    if isinstance(prompts, (str, dict)):  # (a lone message dict: refused as a prompt)
+        return True
+    return isinstance(prompts, (list, tuple)) and bool(prompts) and (
+        isinstance(prompts[0], (numbers.Integral, dict)) or getattr(prompts[0], "ndim", 1) == 0)
 
 
 def token_ids(prompt) -> list[int]:

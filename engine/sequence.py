@@ -60,7 +60,13 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def _scalar(value):
+    """A 0-d tensor or array as its Python value; anything else as is."""
+    return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
+
+
 def _number(name: str, value) -> float:
+    value = _scalar(value)
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise InvalidRequestError(f"{name} must be a number, got {value!r:.40}")
     return float(value)
@@ -68,6 +74,7 @@ def _number(name: str, value) -> float:
 
 def _integer(name: str, value) -> int:
     """value as an int: ints and integer scalars (numpy, 0-d tensors), never bools or floats."""
+    value = _scalar(value)
     if isinstance(value, bool) or isinstance(value, float):
         raise InvalidRequestError(f"{name} must be an integer, got {value!r:.40}")
     try:

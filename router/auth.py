@@ -61,7 +61,7 @@ def bearer_token(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
     """The token of the first `authorization` entry if it reads `Bearer <token>` (the scheme
     in any case, spaces around the token dropped), else None."""
     value = next((v for k, v in metadata if k == "authorization"), None)
-    if not isinstance(value, str):
+    if not isinstance(value, str) or not value.isascii():  # (undecodable bytes: surrogates)
         return None
     scheme, _, token = value.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None

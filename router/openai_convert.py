@@ -128,7 +128,7 @@ def _sampling(body: dict, default_max: int, max_key: str) -> pb.SamplingParams:
     for i, one in enumerate([stop] if isinstance(stop, str) else stop or ()):
         if not isinstance(one, str):
             raise ApiError(f"stop[{i}] must be a string", param="stop")
-        _unicode(one, "stop")
+        unicode_text(one, "stop")
     s.stop.extend([stop] if isinstance(stop, str) else stop or ())
     # vLLM's extensions that tandem's own API has too
     k = _get(body, "top_k", int)
@@ -142,7 +142,7 @@ def _sampling(body: dict, default_max: int, max_key: str) -> pb.SamplingParams:
 def _prompts(prompt) -> list[pb.GenerateRequest]:
     """A completions prompt: a string, token ids, or a list of either."""
     if isinstance(prompt, str):
-        return [pb.GenerateRequest(text=_unicode(prompt, "prompt"))]
+        return [pb.GenerateRequest(text=unicode_text(prompt, "prompt"))]
     if not prompt:
         raise ApiError("prompt is empty", param="prompt")
     if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
@@ -152,7 +152,7 @@ def _prompts(prompt) -> list[pb.GenerateRequest]:
     out = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):
-            out.append(pb.GenerateRequest(text=_unicode(p, "prompt")))
+            out.append(pb.GenerateRequest(text=unicode_text(p, "prompt")))
         elif isinstance(p, list) and p:
             out.append(pb.GenerateRequest(token_ids=pb.TokenIds(ids=_ids(p, f"prompt[{i}]"))))
         else:
@@ -181,10 +181,11 @@ def _message(m, i: int) -> pb.ChatMessage:
     if not isinstance(content, str):
         raise ApiError(f"messages[{i}].content must be a string or a list of text parts",
                        param="messages")
-    return pb.ChatMessage(role=_unicode(role, "messages"), content=_unicode(content, "messages"))
+    return pb.ChatMessage(role=unicode_text(role, "messages"),
+                          content=unicode_text(content, "messages"))
 
 
-def _unicode(text: str, param: str) -> str:
+def unicode_text(text: str, param: str) -> str:
     """text, if it encodes as UTF-8: JSON's escapes can spell lone surrogates (half an emoji),
     which no protobuf string holds."""
     try:

@@ -26,6 +26,7 @@ from router.openai_convert import (
     completion_requests,
     envelope,
     finish_name,
+    unicode_text,
     usage,
 )
 from router.server import GenerationService
@@ -52,8 +53,9 @@ class Call:
     """What `GenerationService.Generate` reads of a gRPC context, for an HTTP request: the
     caller's bearer token and address (the per-client cap), and `abort`."""
 
-    def __init__(self, request: web.Request):
+    def __init__(self, request: web.Request, token_checked: bool):
         self._auth = request.headers.get("Authorization")
+        self.token_checked = token_checked  # this door's: the per-client cap may trust it
         remote = request.remote or "unknown"
         self._peer = f"ipv6:[{remote}]:0" if ":" in remote else f"ipv4:{remote}:0"
 
@@ -73,7 +75,6 @@ class OpenAIServer:
 
     def __init__(self, service: GenerationService, auth=None):
         self.service, self.auth = service, auth
-        service.clients_by_token |= auth is not None
         self.created = int(time.time())
         self._ids = itertools.count()
         self.max_body = service.limits.max_prompt_chars * 8 + (1 << 20)  # JSON escapes, fields
@@ -179,12 +180,13 @@ class OpenAIServer:
             check_model(body, info["model"])
         rid = request.headers.get("X-Request-Id") or \
             f"{kind[:4]}{next(self._ids)}-{time.time_ns() % 10**9}"
+        unicode_text(rid, "X-Request-Id")  # header bytes that are no UTF-8 arrive as surrogates
         reqs = convert(body, rid, info["max_model_len"])
         per_prompt = body.get("n") or 1  # choices per prompt (checked by `convert`)
         stream = body.get("stream")
         if stream not in (None, True, False):
             raise ApiError("stream must be a boolean", param="stream")
-        outs = _merged(self.service, reqs, Call(request))
+        outs = _merged(self.service, reqs, Call(request, self.auth is not None))
         try:
             # The first output (or the refusal) before any header: a refused request gets its
             # HTTP status, not a 200 with an error event.

@@ -61,8 +61,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         self.draining = False  # refuse new requests (UNAVAILABLE): the server is going away
         self._closing = asyncio.Event()  # set: cut the running streams (`drain`)
         self.health: Health | None = None  # set by `start_server`
-        # The per-client cap counts by bearer token where a token checker guards the doors
-        # (`start_server`, `OpenAIServer`), else by peer address: unchecked tokens are free.
+        # The per-client cap counts by bearer token where a token checker guards the gRPC
+        # door (`start_server`; the HTTP door's calls say for themselves), else by peer
+        # address: unchecked tokens are free.
         self.clients_by_token = False
         # Tokenizing a long prompt takes a while: never on the event loop.
         self._tokenize = ThreadPoolExecutor(2, thread_name_prefix="tandem-tokenize")
@@ -91,7 +92,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.limits.check(request)
             rid = rid or f"r{next(self._ids)}-{int(t0 * 1e6) % 10**9}"
             deadline = None if self.request_timeout_s is None else t0 + self.request_timeout_s
-            async with self.admission.slot(_client_of(context, self.clients_by_token)) as waited:
+            by_token = getattr(context, "token_checked", self.clients_by_token)  # (its door's)
+            async with self.admission.slot(_client_of(context, by_token)) as waited:
                 if self.metrics is not None:
                     self.metrics.queue_seconds.observe(waited)
                 async for resp in self._generate(rid, request, t0, deadline):

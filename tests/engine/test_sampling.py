@@ -128,6 +128,35 @@ def test_leaving_a_stream_early_aborts_it_and_an_abort_ends_it():
     eng.blocks.check_all_free()
 
 
+def test_aborting_another_request_mid_stream_loses_none_of_this_ones_output():
+    """An abort drains the step in flight: the streamed request's last output, held for the
+    next step, still arrives."""
+    eng = tiny_engine(2)
+    g = SamplingParams(temperature=0, max_tokens=3)
+    want = eng.generate([1, 2, 3], g)[0].token_ids
+    other = eng.add_request([4, 5, 6], SamplingParams(temperature=0, max_tokens=40))
+    got, outs = [], []
+    for out in eng.stream([1, 2, 3], g):
+        outs.append(out)
+        got += out.token_ids
+        if len(got) == 2:
+            eng.abort(other)
+    assert got == want and outs[-1].finished and outs[-1].finish_reason == "length"
+    eng.blocks.check_all_free()
+
+
+def test_scalars_and_odd_prompt_shapes():
+    assert SamplingParams(temperature=torch.tensor(0.5), top_k=torch.tensor(3)).top_k == 3
+    eng = tiny_engine(2)
+    g = SamplingParams(temperature=0, max_tokens=4)
+    want = eng.generate([1, 2, 3], g)[0].token_ids
+    assert eng.generate([torch.tensor(1), torch.tensor(2), torch.tensor(3)], g)[0].token_ids \
+        == want
+    with pytest.raises(InvalidRequestError):  # one message is not a prompt
+        eng.generate({"role": "user", "content": "hi"}, g)
+    assert not eng.seqs
+
+
 def test_text_prompts_need_a_tokenizer():
     eng = tiny_engine(2)
     with pytest.raises(InvalidRequestError):

@@ -213,6 +213,13 @@ def test_a_server_fault_is_a_500_in_openais_shape(api, monkeypatch):
     assert status == 200
 
 
+def test_a_request_id_header_that_is_no_utf8_is_a_400(api):
+    status, out = api.raw("POST", "/v1/completions", json.dumps(
+        {"model": api.model, "prompt": "hi", "max_tokens": 2}).encode(),
+        headers={"X-Request-Id": "r\xff1"})
+    assert status == 400 and out["error"]["param"] == "X-Request-Id", out
+
+
 def test_bearer_tokens_are_the_grpc_ports(smol_engine):
     auth = BearerAuth(["s3cret"])
     a = Api(smol_engine, auth=auth)
@@ -224,6 +231,8 @@ def test_bearer_tokens_are_the_grpc_ports(smol_engine):
         out = a.client("s3cret").completions.create(model=a.model, prompt=[1, 2, 3],
                                                     max_tokens=2, temperature=0)
         assert out.usage.completion_tokens == 2 and auth.refused == 1
+        # header bytes that are no UTF-8 (they arrive as surrogates): refused, not a 500
+        assert a.raw("GET", "/v1/models", headers={"Authorization": "Bearer s3cr\xff"})[0] == 401
     finally:
         a.close()
 
