@@ -32,6 +32,7 @@ from router.openai_convert import (
 from router.server import GenerationService
 
 log = logging.getLogger("tandem.router")
+STREAMING = web.RequestKey("streaming", bool)  # set once a stream's 200 went out
 _GRPC_CODE = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
               413: "INVALID_ARGUMENT"}  # an HTTP refusal's gRPC status name, for the metrics
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -124,7 +125,7 @@ class OpenAIServer:
                 raise
             err = ApiError(f"{request.method} {request.path}: {e.reason}", e.status)
         except Exception:  # a fault of the server's: still OpenAI's error JSON, and logged
-            if request.get("streaming"):  # the 200 went out: aiohttp ends the connection
+            if request.get(STREAMING):  # the 200 went out: aiohttp ends the connection
                 raise
             log.exception("%s %s failed", request.method, request.path)
             err = ApiError("internal server error (logged)", 500)
@@ -279,7 +280,7 @@ async def _streamed(request, kind, rid, model, n, per_prompt, first, outs,
     created, tally = _created(), _Tally(per_prompt)
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
-    request["streaming"] = True
+    request[STREAMING] = True
 
     async def send(obj) -> None:
         await response.write(b"data: " + json.dumps(obj, separators=(",", ":")).encode()
