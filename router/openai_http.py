@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -33,6 +34,7 @@ from router.server import GenerationService
 
 log = logging.getLogger("tandem.router")
 STREAMING = web.RequestKey("streaming", bool)  # set once a stream's 200 went out
+CONTEXT_FULL = re.compile(r"prompt has \d+ tokens; the context holds")  # engine/prompt.py's
 _GRPC_CODE = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
               413: "INVALID_ARGUMENT"}  # an HTTP refusal's gRPC status name, for the metrics
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
@@ -47,7 +49,10 @@ class Aborted(Exception):
         self.code = code
 
     def api_error(self) -> ApiError:
-        return ApiError.of_status(self.code, str(self))
+        err = ApiError.of_status(self.code, str(self))
+        if self.code == grpc.StatusCode.INVALID_ARGUMENT and CONTEXT_FULL.search(str(self)):
+            err.code = "context_length_exceeded"  # OpenAI's code, which clients trim history on
+        return err
 
 
 class Call:

@@ -213,6 +213,12 @@ def test_a_server_fault_is_a_500_in_openais_shape(api, monkeypatch):
     assert status == 200
 
 
+def test_a_prompt_past_the_context_is_openais_context_length_exceeded(api):
+    with pytest.raises(openai.BadRequestError) as e:
+        api.client().completions.create(model=api.model, prompt=[1] * 9000, max_tokens=2)
+    assert e.value.code == "context_length_exceeded" and "the context holds" in str(e.value)
+
+
 def test_a_request_id_header_that_is_no_utf8_is_a_400(api):
     status, out = api.raw("POST", "/v1/completions", json.dumps(
         {"model": api.model, "prompt": "hi", "max_tokens": 2}).encode(),
