@@ -269,8 +269,8 @@ def cmd_serve(args) -> int:
             if p is not None:
                 print(f"{name} metrics on http://{cfg.metrics.host}:{p}/metrics",
                       file=sys.stderr)
-    metrics = Metrics("router", model_name=backend.info()["model"]) if cfg.metrics.enabled \
-        else None
+    metrics = Metrics("colocated" if cfg.mode == "colocated" else "router",  # (one process)
+                      model_name=backend.info()["model"]) if cfg.metrics.enabled else None
     if cfg.mode != "colocated":
         backend.metrics = metrics  # streams moved off dead workers
     elif metrics is not None:  # one process: the engine's gauges and counters are the router's

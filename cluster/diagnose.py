@@ -326,7 +326,7 @@ def render(s: Scrape, findings: list[Finding]) -> str:
 
 def run(args) -> int:
     """`tandem diagnose`: 0 healthy, 1 a problem found, 2 the endpoints could not be read."""
-    if args.window <= 0 and not args.once:
+    if not args.window > 0 and not args.once:  # (nan too)
         print("error: --window must be > 0 seconds", file=sys.stderr)
         return 2
     try:

@@ -3,6 +3,7 @@ counters, gauges and histograms did in between."""
 
 from __future__ import annotations
 
+import http.client
 import math
 import sys
 import time
@@ -135,6 +136,9 @@ def fetch(url: str, timeout: float = 5.0) -> tuple[Samples, frozenset[str]]:
         fams = list(text_string_to_metric_families(text))
         samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
                    for fam in fams for x in fam.samples}
+    except http.client.HTTPException as e:  # a port that speaks no HTTP (the gRPC one?)
+        raise ScrapeError(f"cannot read {url}: no HTTP reply there ({type(e).__name__}; "
+                          "the gRPC port, not the metrics one?)") from None
     except (OSError, ValueError) as e:  # URLError and timeouts are OSErrors
         raise ScrapeError(f"cannot read {url}: {getattr(e, 'reason', None) or e}") from None
     if not any(name.startswith("tandem_") for name, _ in samples):

@@ -53,7 +53,7 @@ class ApiError(Exception):
 def check_model(body: dict, served: str) -> None:
     model = _get(body, "model", str, required=True)
     if model != served:
-        raise ApiError(f"the model {clip(model)!r} does not exist; this server serves "
+        raise ApiError(f"the model {clip(model)} does not exist; this server serves "
                        f"{served!r}", 404, "model", code="model_not_found")
 
 

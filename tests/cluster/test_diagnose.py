@@ -267,6 +267,30 @@ def test_an_unreachable_endpoint_exits_2_with_one_line(dep, capsys):
                                 "[Errno 111] Connection refused"]
 
 
+def test_a_port_that_speaks_no_http_exits_2_with_one_line(capsys):
+    """The gRPC port given by mistake (`tandem status` takes that one): not an HTTP reply."""
+    import threading
+
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+
+        def garbage():
+            conn, _ = srv.accept()
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"\x00\x00\x06\x04\x00\x00\x00\x00\x00not http\r\n\r\n")
+
+        t = threading.Thread(target=garbage, daemon=True)
+        t.start()
+        assert main(["diagnose", "--address", f"127.0.0.1:{port}", "--once"]) == 2
+        t.join(10)
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: cannot read http://127.0.0.1:{port}/metrics") and \
+        len(err.splitlines()) == 1
+
+
 def test_an_endpoint_without_tandem_metrics_exits_2(capsys):
     server, _ = start_http_server(0, addr="127.0.0.1", registry=CollectorRegistry())
     try:
@@ -322,6 +346,7 @@ def test_diagnose_reads_a_running_config(during, capsys, tmp_path):
      "metrics.enabled is false"),
     (["--config", "/nonexistent/topology.yaml"], "No such file"),
     (["--address", "127.0.0.1:9", "--window", "0"], "--window must be > 0"),
+    (["--address", "127.0.0.1:9", "--window", "nan"], "--window must be > 0"),
 ])
 def test_what_leaves_nothing_to_read_exits_2_in_one_line(capsys, argv, says):
     assert main(["diagnose", *argv]) == 2

@@ -216,3 +216,11 @@ def test_the_checks_catch_mistakes(exported):
     with pytest.raises(ValueError):
         check_query("sum(rate(tandem_requests_total[5m])", exported)
     assert "instance" not in grouping_labels("sum by (job) (tandem_queue_depth)")
+
+
+def test_router_series_are_read_in_colocated_serving_too():
+    """`tandem serve --colocated` labels its one registry `colocated` (engine and router in one
+    process): a query for the router's series admits that role too."""
+    text = open(DASHBOARD).read().replace('\\"', '"') + open(ALERTS).read()
+    assert 'role="router"' not in text
+    assert 'role=~"router|colocated"' in text
