@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -278,6 +279,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "random EAGLE-3 head: a smoke test, e.g. --device cpu")
 
 
+def _bad_run_args(args) -> str | None:
+    """What is wrong with the device, the concurrencies or --out (None: nothing), before any
+    figure runs."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", str(args.device)):
+        return f"--device: {args.device!r} is not cpu, cuda or cuda:N"
+    try:
+        conc = [int(c) for c in str(args.concurrency).split(",")]
+    except ValueError:
+        conc = []
+    if not conc or min(conc) < 1:
+        return f"--concurrency wants positive counts like 1,8,64, got {args.concurrency!r}"
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        return f"--out {args.out}: a file, not a folder"
+    parent = os.path.dirname(os.path.abspath(args.out))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"--out {args.out}: {parent} is a file"
+    return None
+
+
 def run(args) -> int:
     torch = lazy_torch()
     if args.device is None:
@@ -291,8 +313,14 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     bad = [n for n in nums if n not in FIGURES]
-    if bad:
-        print(f"error: no figure {bad}; have {sorted(FIGURES)}", file=sys.stderr)
+    if bad or not nums:
+        print(f"error: no figure {bad or args.figures!r}; have {sorted(FIGURES)}",
+              file=sys.stderr)
+        return 2
+    nums = list(dict.fromkeys(nums))  # each once, in the order asked
+    why = _bad_run_args(args)
+    if why:
+        print(f"error: {why}", file=sys.stderr)
         return 2
     try:
         settings = apply_settings(args.set)

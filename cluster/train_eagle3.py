@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import sys
 import time
 from dataclasses import replace
 
@@ -47,7 +49,7 @@ def run(args) -> int:
     """The CLI entry: self-distil (or load the records), train, evaluate, save."""
     bad = _refused(args)
     if bad:  # before the model loads and the target answers for minutes
-        print(f"error: {bad}")
+        print(f"error: {bad}", file=sys.stderr)
         return 2
     stop = _stopper(args)
     torch.manual_seed(args.seed)
@@ -61,6 +63,10 @@ def run(args) -> int:
                                     num_blocks=pool if device.startswith("cuda") else None)
     train_p, eval_p, held = _prompts(args)
     m = engine.config.model
+    if args.draft_vocab > m.vocab_size:  # before the target answers for minutes
+        print(f"error: --draft-vocab {args.draft_vocab}: the model has {m.vocab_size} ids",
+              file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     key = _records_key(args, engine, train_p, eval_p)
     got = _records(args, engine, train_p, eval_p, device, key, stop)
@@ -175,6 +181,19 @@ def _refused(args) -> str | None:
         return bad
     if args.init and not os.path.isfile(os.path.join(args.init, "config.json")):
         return f"--init {args.init}: no EAGLE-3 head there (config.json missing)"
+    out = getattr(args, "out", None)
+    if out and os.path.exists(out) and not os.path.isdir(out):
+        return f"--out {out}: a file, not a folder"
+    device = getattr(args, "device", None)
+    if device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        return f"--device: {device!r} is not cpu, cuda or cuda:N"
+    if getattr(args, "model", None) is not None:
+        from engine.loader import resolve
+
+        try:
+            resolve(args.model)
+        except FileNotFoundError as e:
+            return f"--model: {e}"
     return None
 
 
@@ -322,13 +341,16 @@ def _bad_numbers(args) -> str | None:
                 "--log-every": "log_every", "--lr": "lr"}
     for flag, name in positive.items():
         v = getattr(args, name, None)
-        if v is not None and not v > 0:
+        if v is not None and not (v > 0 and math.isfinite(v)):
             return f"{flag} must be positive, got {v}"
     for flag, name in {"--max-seconds": "max_seconds", "--num-prompts": "num_prompts",
                        "--stop-after": "stop_after"}.items():
         v = getattr(args, name, None)
-        if v is not None and not v > 0:
+        if v is not None and not (v > 0 and math.isfinite(v)):
             return f"{flag} must be positive where given, got {v}"
+    v = getattr(args, "k_eval", None)
+    if v is not None and v < 1:
+        return f"--k-eval must be at least 1, got {v}"
     v = getattr(args, "eval_prompts", None)
     if v is not None and v < 0:
         return f"--eval-prompts must be 0 or more, got {v}"

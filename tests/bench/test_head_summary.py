@@ -3,6 +3,8 @@
 import json
 import shutil
 
+import pytest
+
 
 def test_head_summary_names_the_shipped_head_and_tells_heads_apart(tmp_path):
     from bench.common import head_summary
@@ -109,3 +111,19 @@ def settings_restored(monkeypatch, module, env: str) -> None:
     for child processes in `env` (empty now: none), back as they were."""
     monkeypatch.setattr(module, "FIG5_UCX_TIMEOUT_S", module.FIG5_UCX_TIMEOUT_S)
     monkeypatch.setenv(env, "")
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--figures", ""], "no figure"), (["--figures", ","], "no figure"),
+    (["--figures", "3", "--concurrency", "0,-1"], "--concurrency wants positive counts"),
+    (["--figures", "3", "--concurrency", "abc"], "--concurrency wants positive counts"),
+    (["--figures", "6", "--device", "tpu"], "--device: 'tpu' is not cpu"),
+    (["--figures", "6", "--out", __file__], "a file, not a folder"),
+    (["--figures", "6", "--out", __file__ + "/x"], "is a file"),
+])
+def test_bad_run_arguments_are_refused_before_any_figure_runs(argv, says, capsys):
+    from bench.suite import main
+
+    args = argv if "--device" in argv else ["--device", "cpu", *argv]
+    assert main(args) == 2
+    assert says in capsys.readouterr().err

@@ -244,11 +244,11 @@ def test_data_only_without_a_records_file_is_refused(capsys):
     from cluster.train_eagle3 import run
 
     assert run(SimpleNamespace(data_only=True, records=None)) == 2
-    assert "--data-only needs --records" in capsys.readouterr().out
+    assert "--data-only needs --records" in capsys.readouterr().err
     # --lm-head-only fits an existing head: refused before any self-distillation
     assert run(SimpleNamespace(data_only=False, records=None, lm_head_only=True,
                                init=None)) == 2
-    assert "--lm-head-only fits the LM head of an --init head" in capsys.readouterr().out
+    assert "--lm-head-only fits the LM head of an --init head" in capsys.readouterr().err
 
 
 def test_vocab_extension_keeps_trained_rows_and_the_fit_moves_only_new_ones():
@@ -309,9 +309,15 @@ def test_bad_numbers_and_a_missing_head_are_refused_before_the_model_loads(capsy
                                ("max_seconds", 0.0, "--max-seconds must be positive"),
                                ("eval_prompts", -1, "--eval-prompts must be 0 or more"),
                                ("init", str(tmp_path), "no EAGLE-3 head there"),
-                               ("revocab", True, "--revocab rebuilds the draft vocabulary")]:
+                               ("revocab", True, "--revocab rebuilds the draft vocabulary"),
+                               ("max_seconds", float("inf"), "--max-seconds must be positive"),
+                               ("lr", float("inf"), "--lr must be positive"),
+                               ("k_eval", 0, "--k-eval must be at least 1"),
+                               ("device", "tpu", "--device: 'tpu' is not cpu"),
+                               ("out", __file__, "a file, not a folder"),
+                               ("model", "/nonexistent/model", "--model: no model at")]:
         assert run(SimpleNamespace(**{**ok, field: value})) == 2
-        assert text in capsys.readouterr().out
+        assert text in capsys.readouterr().err
 
 
 def test_engine_acceptance_speculates_from_its_first_step(monkeypatch):
