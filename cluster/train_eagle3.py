@@ -181,6 +181,14 @@ def _refused(args) -> str | None:
         return bad
     if args.init and not os.path.isfile(os.path.join(args.init, "config.json")):
         return f"--init {args.init}: no EAGLE-3 head there (config.json missing)"
+    if args.init:
+        try:
+            with open(os.path.join(args.init, "config.json")) as f:
+                json.load(f)
+        except (OSError, ValueError) as e:  # (JSONDecodeError, UnicodeDecodeError)
+            return f"--init {args.init}: config.json is not readable JSON ({e})"
+    if getattr(args, "domains", None) == "":
+        return "--domains is empty: name domains like code,chat or leave the flag out"
     out = getattr(args, "out", None)
     if out and os.path.exists(out) and not os.path.isdir(out):
         return f"--out {out}: a file, not a folder"

@@ -300,6 +300,9 @@ def test_bad_numbers_and_a_missing_head_are_refused_before_the_model_loads(capsy
 
     from cluster.train_eagle3 import run
 
+    bad_init = tmp_path / "bad_init"
+    bad_init.mkdir()
+    (bad_init / "config.json").write_text("garbage")
     ok = dict(data_only=False, records=None, lm_head_only=False, init=None, draft_vocab=4096,
               max_tokens=256, unroll=5, epochs=4, batch_size=16, log_every=100, lr=1e-3,
               max_seconds=None, num_prompts=None, eval_prompts=32)
@@ -315,7 +318,9 @@ def test_bad_numbers_and_a_missing_head_are_refused_before_the_model_loads(capsy
                                ("k_eval", 0, "--k-eval must be at least 1"),
                                ("device", "tpu", "--device: 'tpu' is not cpu"),
                                ("out", __file__, "a file, not a folder"),
-                               ("model", "/nonexistent/model", "--model: no model at")]:
+                               ("model", "/nonexistent/model", "--model: no model at"),
+                               ("init", str(bad_init), "config.json is not readable JSON"),
+                               ("domains", "", "--domains is empty")]:
         assert run(SimpleNamespace(**{**ok, field: value})) == 2
         assert text in capsys.readouterr().err
 
