@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 import traceback
@@ -58,6 +57,7 @@ from bench.fig4_kv_transfer import fig_kv_transfer, plot_kv
 from bench.fig5_itl_disagg import fig_itl_disagg, plot_itl
 from bench.fig6_deterministic import fig_deterministic, plot_deterministic
 from bench.fig7_cold_start import fig_cold_start, plot_cold_start
+from cluster.engine_args import bad_device
 
 FIGURES = {
     1: ("single_stream", fig_single_stream, plot_single_stream),
@@ -282,8 +282,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _bad_run_args(args) -> str | None:
     """What is wrong with the device, the concurrencies or --out (None: nothing), before any
     figure runs."""
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", str(args.device)):
-        return f"--device: {args.device!r} is not cpu, cuda or cuda:N"
+    if why := bad_device(str(args.device)):
+        return why
     try:
         conc = [int(c) for c in str(args.concurrency).split(",")]
     except ValueError:

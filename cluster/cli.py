@@ -94,11 +94,12 @@ def engine_settings(args) -> tuple[str, str, object]:
     weights load: a bad value raises ValueError with one line that names the flag."""
     import torch
 
+    from cluster.engine_args import bad_device
     from engine.config import SpecConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
-        raise ValueError(f"--device: {device!r} is not cpu, cuda or cuda:N")
+    if why := bad_device(device):
+        raise ValueError(why)
     if device != "cpu" and not torch.cuda.is_available():
         raise ValueError(f"--device {device}: no CUDA device here (use --device cpu)")
     dtype = DTYPES[args.dtype] if args.dtype else ("float32" if device == "cpu" else "bfloat16")
@@ -311,7 +312,6 @@ def cmd_serve(args) -> int:
             threading.Thread(target=demo, daemon=True).start()
             await done.wait()
             await server.stop(1)
-            lost = None
         else:
             lost = None if cfg.mode == "colocated" else asyncio.ensure_future(
                 service.supervise(give_up_s=cfg.router.worker_loss_exit_s))

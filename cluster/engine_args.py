@@ -4,6 +4,7 @@ name, the speculation config as a dict), as the router process sends them to its
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from cluster.config import ClusterConfig, SpecSection
@@ -55,3 +56,9 @@ def spec_fields(spec: SpecSection) -> dict[str, Any]:
     return {"method": spec.method, "num_tokens": spec.num_tokens, "head": spec.head,
             "dynamic": spec.dynamic, "context_drafts": spec.context_drafts,
             "collapse_below": spec.collapse_below}
+
+
+def bad_device(device: str) -> str | None:
+    """Why a --device value names no device an engine runs on (None: cpu, cuda or cuda:N)."""
+    return None if re.fullmatch(r"cpu|cuda(:\d+)?", device) else \
+        f"--device: {device!r} is not cpu, cuda or cuda:N"

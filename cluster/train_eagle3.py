@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import sys
 import time
 from dataclasses import replace
@@ -35,6 +34,7 @@ from cluster.eagle3.loop import head_backend, train
 from cluster.eagle3.records import draft_vocab, load_records, save_records, self_distill
 from cluster.eagle3.ttt import evaluate
 from cluster.eagle3.vocab import extend_vocab, fit_lm_head, revise_vocab
+from cluster.engine_args import bad_device
 from engine import Engine, EngineConfig, SamplingParams, ops
 from engine.config import SpecConfig
 from engine.spec.eagle3 import Eagle3Config, Eagle3Head
@@ -179,12 +179,12 @@ def _refused(args) -> str | None:
     bad = _bad_numbers(args) or _bad_domains(args)
     if bad:
         return bad
-    if args.init and not os.path.isfile(os.path.join(args.init, "config.json")):
-        return f"--init {args.init}: no EAGLE-3 head there (config.json missing)"
     if args.init:
         try:
             with open(os.path.join(args.init, "config.json")) as f:
                 json.load(f)
+        except FileNotFoundError:
+            return f"--init {args.init}: no EAGLE-3 head there (config.json missing)"
         except (OSError, ValueError) as e:  # (JSONDecodeError, UnicodeDecodeError)
             return f"--init {args.init}: config.json is not readable JSON ({e})"
     if getattr(args, "domains", None) == "":
@@ -193,8 +193,8 @@ def _refused(args) -> str | None:
     if out and os.path.exists(out) and not os.path.isdir(out):
         return f"--out {out}: a file, not a folder"
     device = getattr(args, "device", None)
-    if device is not None and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        return f"--device: {device!r} is not cpu, cuda or cuda:N"
+    if device is not None and (why := bad_device(device)):
+        return why
     if getattr(args, "model", None) is not None:
         from engine.loader import resolve
 
