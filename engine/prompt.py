@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import numbers
-import operator
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError, ResourceExhaustedError
+from engine.sequence import integer
 
 
 @dataclass
@@ -63,18 +63,11 @@ def is_one_prompt(prompts) -> bool:
 
 
 def token_ids(prompt) -> list[int]:
-    """A token-id prompt as ints: ints or integer scalars (numpy, 0-d tensors), never bools,
-    floats or strings."""
-    try:
-        if isinstance(prompt, (str, bytes, dict)):
-            raise TypeError
-        ids = [operator.index(t) for t in prompt]
-    except TypeError:
+    """A token-id prompt as ints (`integer`'s: never bools, floats or strings)."""
+    if isinstance(prompt, (str, bytes, dict)) or not hasattr(prompt, "__iter__"):
         raise InvalidRequestError(f"a prompt is text, token ids or chat messages, got "
-                                  f"{prompt!r:.60}") from None
-    if any(isinstance(t, bool) for t in prompt):
-        raise InvalidRequestError("token ids are integers, not bools")
-    return ids
+                                  f"{prompt!r:.60}")
+    return [integer("a token id", t) for t in prompt]
 
 
 def chat_messages(messages) -> list[dict]:

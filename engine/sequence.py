@@ -32,13 +32,13 @@ class SamplingParams:
             fix(name, _number(name, getattr(self, name)))
         for name in ("top_k", "max_tokens", "seed"):
             if name != "seed" or self.seed is not None:
-                fix(name, _integer(name, getattr(self, name)))
+                fix(name, integer(name, getattr(self, name)))
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         fix("stop", tuple(_items("stop", stop)))
         if any(not isinstance(s, str) for s in self.stop):
             raise InvalidRequestError(f"stop holds {_first_not(self.stop, str)!r}: stop "
                                       "strings are str")
-        fix("stop_token_ids", tuple(_integer("stop_token_ids", t)
+        fix("stop_token_ids", tuple(integer("stop_token_ids", t)
                                     for t in _items("stop_token_ids", self.stop_token_ids)))
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
@@ -72,15 +72,16 @@ def _number(name: str, value) -> float:
     return float(value)
 
 
-def _integer(name: str, value) -> int:
-    """value as an int: ints and integer scalars (numpy, 0-d tensors), never bools or floats."""
+def integer(name: str, value) -> int:
+    """value as an int: ints and integer scalars (numpy, 0-d tensors), never bools, floats or
+    strings (InvalidRequestError naming `name`)."""
     value = _scalar(value)
-    if isinstance(value, bool) or isinstance(value, float):
-        raise InvalidRequestError(f"{name} must be an integer, got {value!r:.40}")
     try:
-        return operator.index(value)
+        if not isinstance(value, bool):
+            return operator.index(value)
     except TypeError:
-        raise InvalidRequestError(f"{name} must be an integer, got {value!r:.40}") from None
+        pass
+    raise InvalidRequestError(f"{name} must be an integer, got {value!r:.40}")
 
 
 def _items(name: str, value) -> tuple:
