@@ -20,6 +20,7 @@ again goes on where the last one stopped, on the same schedule:
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -110,6 +111,10 @@ def run(args) -> int:
     recipe.update(info)
     save_head(head, args.out, dtype=torch.bfloat16, target=m)
     _write(args.out, recipe)  # the head is safe before the (slower) acceptance runs
+    del tr, ev, init  # the records and the optimizer's memory go back to the device: on an
+    gc.collect()  # 80 GB GPU the acceptance engines' first launches otherwise run out of it
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     ks = sorted({1, 3, args.k_eval})
     accept = {d: [engine_acceptance(engine, head, ps[: args.eval_prompts], k, args.max_tokens)
                   for k in ks] for d, ps in (held or {None: eval_p}).items()}
