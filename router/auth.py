@@ -12,17 +12,17 @@ import hashlib
 import hmac
 import logging
 import os
-import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import grpc
 
+from tandem_client.security import is_token
+
 log = logging.getLogger("tandem.router")
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 DENIED = "missing or invalid bearer token"  # the same for both: no hint of which it was
-_TOKEN = re.compile(r"[\x21-\x7e]+")  # a whole token (fullmatch): printable ASCII, no spaces
 
 
 def load_tokens(tokens_file: str | None = None, tokens_env: str | None = None) -> list[str]:
@@ -46,7 +46,7 @@ def load_tokens(tokens_file: str | None = None, tokens_env: str | None = None) -
 def _checked(where: str, tokens: Iterable[str]) -> list[str]:
     out = list(tokens)
     for i, t in enumerate(out):
-        if not _TOKEN.fullmatch(t):
+        if not is_token(t):
             raise ValueError(f"{where}: token {i + 1} holds a space or a character a gRPC "
                              "header cannot carry (printable ASCII only)")
     return out

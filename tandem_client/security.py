@@ -10,6 +10,12 @@ from typing import Any
 import grpc
 
 _TOKEN = re.compile(r"[\x21-\x7e]+")  # a whole token (fullmatch): printable ASCII, no spaces
+
+
+def is_token(text: str) -> bool:
+    """Whether `text` can travel as a bearer token in a gRPC header: printable ASCII, no
+    spaces or line ends (the server's token files follow the same rule)."""
+    return _TOKEN.fullmatch(text) is not None
 Pem = str | Path | bytes  # a path to a PEM file, or the PEM itself
 
 
@@ -66,7 +72,7 @@ def channel_security(credentials: grpc.ChannelCredentials | None, tls: TLS | boo
         credentials, options = tls.credentials(), tls.options()
     if token is None:
         return credentials, (), options
-    if not _TOKEN.fullmatch(token):
+    if not is_token(token):
         raise ValueError("token: printable ASCII without spaces or a line end (it travels as a "
                          "gRPC header)")
     if credentials is None:
