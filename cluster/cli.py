@@ -94,7 +94,7 @@ def engine_settings(args) -> tuple[str, str, object]:
     weights load: a bad value raises ValueError with one line that names the flag."""
     import torch
 
-    from cluster.engine_args import bad_device
+    from cluster.engine_args import bad_device, missing_head
     from engine.config import SpecConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,9 +105,8 @@ def engine_settings(args) -> tuple[str, str, object]:
     dtype = DTYPES[args.dtype] if args.dtype else ("float32" if device == "cpu" else "bfloat16")
     if args.spec_head and args.spec != "eagle3":
         raise ValueError("--spec-head needs --spec eagle3")
-    if args.spec_head and not os.path.isfile(os.path.join(args.spec_head, "config.json")):
-        raise ValueError(f"--spec-head: no EAGLE-3 head in {args.spec_head!r} "
-                         "(want a folder with config.json and model.safetensors)")
+    if args.spec_head and (why := missing_head(args.spec_head)):
+        raise ValueError(f"--spec-head: {why}")
     try:
         spec = None if args.spec == "none" else SpecConfig(
             method=args.spec, head=args.spec_head, num_tokens=args.spec_tokens)
@@ -190,11 +189,11 @@ def _check_paths(cfg) -> None:
         from engine.loader import resolve
 
         resolve(cfg.model.path)
+    from cluster.engine_args import missing_head
+
     head = cfg.speculation.head
-    if cfg.speculation.method == "eagle3" and head is not None and not os.path.isfile(
-            os.path.join(head, "config.json")):
-        raise FileNotFoundError(f"speculation.head: no EAGLE-3 head in {head!r} (want a "
-                                "folder with config.json and model.safetensors)")
+    if cfg.speculation.method == "eagle3" and head is not None and (why := missing_head(head)):
+        raise FileNotFoundError(f"speculation.head: {why}")
 
 
 def _one_line(e: BaseException) -> str:

@@ -4,6 +4,7 @@ name, the speculation config as a dict), as the router process sends them to its
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -62,3 +63,11 @@ def bad_device(device: str) -> str | None:
     """Why a --device value names no device an engine runs on (None: cpu, cuda or cuda:N)."""
     return None if re.fullmatch(r"cpu|cuda(:\d+)?", device) else \
         f"--device: {device!r} is not cpu, cuda or cuda:N"
+
+
+def missing_head(folder: str) -> str | None:
+    """Why `folder` holds no EAGLE-3 head to load (None: it has a config.json), for the
+    CLI's one-line refusals before an engine starts."""
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        return None
+    return f"no EAGLE-3 head in {folder!r} (want a folder with config.json and model.safetensors)"

@@ -35,7 +35,7 @@ from cluster.eagle3.loop import head_backend, train
 from cluster.eagle3.records import draft_vocab, load_records, save_records, self_distill
 from cluster.eagle3.ttt import evaluate
 from cluster.eagle3.vocab import extend_vocab, fit_lm_head, revise_vocab
-from cluster.engine_args import bad_device
+from cluster.engine_args import bad_device, missing_head
 from engine import Engine, EngineConfig, SamplingParams, ops
 from engine.config import SpecConfig
 from engine.spec.eagle3 import Eagle3Config, Eagle3Head
@@ -184,12 +184,12 @@ def _refused(args) -> str | None:
     bad = _bad_numbers(args) or _bad_domains(args)
     if bad:
         return bad
+    if args.init and (why := missing_head(args.init)):
+        return f"--init: {why}"
     if args.init:
         try:
             with open(os.path.join(args.init, "config.json")) as f:
                 json.load(f)
-        except FileNotFoundError:
-            return f"--init {args.init}: no EAGLE-3 head there (config.json missing)"
         except (OSError, ValueError) as e:  # (JSONDecodeError, UnicodeDecodeError)
             return f"--init {args.init}: config.json is not readable JSON ({e})"
     if getattr(args, "domains", None) == "":

@@ -311,7 +311,7 @@ def test_bad_numbers_and_a_missing_head_are_refused_before_the_model_loads(capsy
                                ("batch_size", 0, "--batch-size must be positive"),
                                ("max_seconds", 0.0, "--max-seconds must be positive"),
                                ("eval_prompts", -1, "--eval-prompts must be 0 or more"),
-                               ("init", str(tmp_path), "no EAGLE-3 head there"),
+                               ("init", str(tmp_path), "--init: no EAGLE-3 head in"),
                                ("revocab", True, "--revocab rebuilds the draft vocabulary"),
                                ("max_seconds", float("inf"), "--max-seconds must be positive"),
                                ("lr", float("inf"), "--lr must be positive"),
