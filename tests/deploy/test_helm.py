@@ -98,6 +98,14 @@ def test_a_config_booking_more_gpus_than_the_workers_have_is_refused():
     assert "RayJob" in render(*COLOCATED)
 
 
+def test_a_metrics_port_base_without_room_for_the_node_actors_is_refused():
+    """The server refuses metrics ports past 65535 at start; the chart refuses to render them."""
+    done = helm("template", "demo", CHART, "--set", "metrics.portBase=65535")
+    assert done.returncode != 0
+    assert "metrics.portBase=65535 leaves no room" in done.stderr and "65536" in done.stderr
+    assert "RayJob" in render("metrics.portBase=65533")  # prefill-0 and decode-0 fit
+
+
 def test_the_image_matches_the_chart_and_copies_what_exists():
     """deploy/Dockerfile (not built here: no Docker) installs the Ray the chart names, and
     every path it copies exists, as do the sources the package needs."""

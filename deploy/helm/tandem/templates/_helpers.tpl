@@ -156,7 +156,11 @@ no node actors: its engine runs in the router. */}}
 {{- range $role := list "prefill" "decode" -}}
 {{- $n := int (get (get $cfg $role | default dict) "replicas" | default 1) -}}
 {{- range $i := until $n -}}
-{{- $ports = append $ports (dict "name" (printf "%s-%d" $role $i) "port" (add $.Values.metrics.portBase $k)) -}}
+{{- $port := add $.Values.metrics.portBase $k -}}
+{{- if gt $port 65535 -}}
+{{- fail (printf "metrics.portBase=%v leaves no room for the node actors' metrics ports (%s-%d would get %v; ports end at 65535)" $.Values.metrics.portBase $role $i $port) -}}
+{{- end -}}
+{{- $ports = append $ports (dict "name" (printf "%s-%d" $role $i) "port" $port) -}}
 {{- $k = add $k 1 -}}
 {{- end -}}
 {{- end -}}
