@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass
 
-from engine.errors import InvalidRequestError, ResourceExhaustedError
+from engine.errors import InvalidRequestError, ResourceExhaustedError, context_full
 from engine.sequence import integer
 
 
@@ -38,9 +38,7 @@ class PromptEncoder:
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise InvalidRequestError(f"prompt token ids must be in [0, {self.vocab_size})")
         if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt has {len(ids)} tokens; the context holds {self.max_model_len} "
-                "(prompt plus at least one generated token)")
+            raise context_full(len(ids), self.max_model_len)
         if -(-(len(ids) + 1) // self.block_size) > self.num_blocks:
             raise ResourceExhaustedError(f"prompt of {len(ids)} tokens exceeds the KV cache")
         return ids

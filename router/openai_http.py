@@ -12,7 +12,6 @@ import contextlib
 import itertools
 import json
 import logging
-import re
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +19,7 @@ from collections.abc import AsyncIterator
 import grpc
 from aiohttp import web
 
+from engine.errors import CONTEXT_FULL
 from router.openai_convert import (
     ApiError,
     chat_requests,
@@ -34,7 +34,6 @@ from router.server import GenerationService
 
 log = logging.getLogger("tandem.router")
 STREAMING = web.RequestKey("streaming", bool)  # set once a stream's 200 went out
-CONTEXT_FULL = re.compile(r"prompt has \d+ tokens; the context holds")  # engine/prompt.py's
 _GRPC_CODE = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
               413: "INVALID_ARGUMENT"}  # an HTTP refusal's gRPC status name, for the metrics
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
