@@ -32,7 +32,13 @@ import torch
 
 from cluster.eagle3 import resume
 from cluster.eagle3.loop import head_backend, train
-from cluster.eagle3.records import draft_vocab, load_records, save_records, self_distill
+from cluster.eagle3.records import (
+    SavedFileError,
+    draft_vocab,
+    load_records,
+    save_records,
+    self_distill,
+)
 from cluster.eagle3.ttt import evaluate
 from cluster.eagle3.vocab import extend_vocab, fit_lm_head, revise_vocab
 from cluster.engine_args import bad_device, missing_head
@@ -70,7 +76,12 @@ def run(args) -> int:
         return 2
     t0 = time.perf_counter()
     key = _records_key(args, engine, train_p, eval_p)
-    got = _records(args, engine, train_p, eval_p, device, key, stop)
+    try:  # a saved state or records file that cannot be used: refused before any distilling
+        resumed = _resumed(args, key)
+        got = _records(args, engine, train_p, eval_p, device, key, stop)
+    except SavedFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if got is None:
         return _unfinished("self-distillation")
     tr, ev = got
@@ -103,7 +114,7 @@ def run(args) -> int:
         head, info = train(engine, tr, ev, vocab_ids, unroll=args.unroll, epochs=args.epochs,
                            lr=args.lr, batch_size=args.batch_size, log_every=args.log_every,
                            init=init, max_seconds=args.max_seconds, checkpoint=checkpoint,
-                           stop=stop, **_resumed(args, key))
+                           stop=stop, **resumed)
         if info["stopped"]:
             save_head(head, args.out, dtype=torch.bfloat16, target=m)
             _write(args.out, {**recipe, **info, "unfinished": True})

@@ -98,9 +98,30 @@ def save_records(path: str, key: dict, train_records: list[Record],
     torch.save({"key": key, "train": pack(train_records), "eval": pack(eval_records)}, path)
 
 
+class SavedFileError(ValueError):
+    """A records or training-state file that cannot be used: unreadable, not one this tool
+    wrote, or made from other prompts or settings."""
+
+
+def read_saved(path: str, *fields: str) -> dict:
+    """A file `save_records` or `--resume` wrote, loaded; SavedFileError where it is torn,
+    empty or another program's (a dict holding `fields` is what they write)."""
+    try:
+        got = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError, RuntimeError (zip), EOFError, OSError, ...
+        why = f"{e.strerror}" if isinstance(e, OSError) and e.strerror else "torn, or not " \
+            f"a file torch wrote: {type(e).__name__}"  # torch's own text runs to a page
+        raise SavedFileError(f"{path} cannot be read ({why}): delete it to make it again, or "
+                             "use another --out") from None
+    if not isinstance(got, dict) or any(f not in got for f in fields):
+        raise SavedFileError(f"{path} is not a file train-eagle3 wrote: delete it to make it "
+                             "again, or use another --out")
+    return got
+
+
 def load_records(path: str, key: dict) -> tuple[list[Record], list[Record]]:
     """`save_records`' records; refuses a file made from other prompts, model or length."""
-    got = torch.load(path, map_location="cpu", weights_only=True)
+    got = read_saved(path, "key", "train", "eval")
     if got["key"] != key:
-        raise ValueError(f"{path} holds records of {got['key']}, not {key}")
+        raise SavedFileError(f"{path} holds records of {got['key']}, not {key}")
     return unpack(got["train"]), unpack(got["eval"])

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from cluster.eagle3.records import Record, pack, unpack
+from cluster.eagle3.records import Record, SavedFileError, pack, read_saved, unpack
 
 CHUNK = 1024  # prompts self-distilled, then written, at a time
 
@@ -38,9 +38,9 @@ def distill_chunks(folder: str, part: str, key: dict, prompts: list,
         path = os.path.join(folder, f"{part}-{n:05d}.pt")
         digest = hashlib.sha1(json.dumps([key, ps], sort_keys=True).encode()).hexdigest()
         if os.path.exists(path):
-            got = torch.load(path, map_location="cpu", weights_only=True)
+            got = read_saved(path, "digest", "records")
             if got["digest"] != digest:
-                raise ValueError(f"{path} holds records of other prompts or settings: resume "
+                raise SavedFileError(f"{path} holds records of other prompts or settings: resume "
                                  "with the same arguments, or use another --out")
             out += unpack(got["records"])
             continue
@@ -62,8 +62,9 @@ def load_state(path: str, key: dict) -> dict | None:
     """`save_state`'s state (None where there is no file); refuses one of other settings."""
     if not os.path.exists(path):
         return None
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = read_saved(path, "key", "head", "opt", "sched", "step", "plan", "history",
+                       "seconds")
     if state.pop("key") != key:
-        raise ValueError(f"{path} was saved by a run of other settings: resume with the same "
+        raise SavedFileError(f"{path} was saved by a run of other settings: resume with the same "
                          "arguments, or use another --out")
     return state

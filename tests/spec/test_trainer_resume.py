@@ -148,5 +148,38 @@ def test_the_command_cut_short_and_run_again_equals_one_run(monkeypatch, tmp_pat
     assert rb["held_out_engine_acceptance"]["chat"][0] == {"k": 1, "prompts": 2}
     assert set(rb["held_out_engine_acceptance"]) == {"chat", "math"}
     # other settings on the same folder are refused rather than mixed in
-    with pytest.raises(ValueError, match="other"):
-        _cli(monkeypatch, cut, "--resume", "--max-tokens", "9")
+    assert _cli(monkeypatch, cut, "--resume", "--max-tokens", "9") == 2
+
+
+def test_unusable_saved_files_are_refused_in_one_line_before_distilling(monkeypatch, tmp_path,
+                                                                        capsys):
+    """A torn, empty or foreign resume.pt or records chunk: exit status 2 and one line naming
+    the file, before the target answers a prompt (not a traceback after minutes of it)."""
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    assert _cli(monkeypatch, out, "--resume", "--stop-after", "60", stop_at=4) == 3
+    state, chunk = os.path.join(out, "resume.pt"), os.path.join(out, "records", "train-00000.pt")
+    assert os.path.exists(state) and os.path.exists(chunk)
+    os.remove(os.path.join(out, "records", "eval-00000.pt"))  # a part left to distil
+    with open(chunk, "rb") as f:
+        whole_chunk = f.read()
+
+    def no_distilling(*a, **kw):
+        raise AssertionError("the target answered before the refusal")
+
+    monkeypatch.setattr(train_eagle3, "self_distill", no_distilling)
+    capsys.readouterr()
+    for path, write, says in [
+            (state, lambda f: f.write(b"not a torch file"), "cannot be read"),
+            (state, lambda f: None, "cannot be read"),  # empty
+            (state, lambda f: torch.save(torch.zeros(2), f), "not a file train-eagle3 wrote"),
+            (state, lambda f: torch.save({"key": 1}, f), "not a file train-eagle3 wrote"),
+            (chunk, lambda f: f.write(whole_chunk[: len(whole_chunk) // 2]), "cannot be read")]:
+        keep = open(path, "rb").read()
+        with open(path, "wb") as f:
+            write(f)
+        assert _cli(monkeypatch, out, "--resume") == 2
+        err = [x for x in capsys.readouterr().err.splitlines() if "req/s" not in x and x]
+        assert len(err) == 1 and err[0].startswith(f"error: {path} ") and says in err[0], err
+        with open(path, "wb") as f:
+            f.write(keep)
