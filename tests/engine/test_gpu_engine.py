@@ -398,3 +398,40 @@ def test_a_speculative_engine_warms_through_its_first_generate(random_smol):
     assert sum(c.verify_steps for c in second) > 0 and eng.spec.fused_runs > 0
     assert in_steps and not any(in_steps)
     eng.blocks.check_all_free()
+
+
+@pytest.mark.parametrize("spec", [None, (4, False)], ids=["plain", "k4"])
+def test_streams_keep_their_output_when_an_abort_drains_the_step_in_flight(random_smol, spec):
+    """On CUDA a decode step launches before the last is read, so an abort drains the step in
+    flight and holds its outputs for the next step: a stream beside the aborted request still
+    gets every token (equal to the torch backend's), the aborted stream ends with a last
+    output, and no block stays in use."""
+    from engine import SamplingParams
+    from engine.config import SpecConfig
+
+    g = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = random_smol.generate(PROMPTS[0], g)[0].token_ids
+    kw = {} if spec is None else {"spec": SpecConfig(num_tokens=spec[0], dynamic=spec[1])}
+    eng = random_smol.with_config(attention_backend="triton", cuda_graphs=True, **kw)
+    assert eng.capture_graphs(range(1, 3)) > 0
+    other = eng.add_request(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=200,
+                                                       ignore_eos=True))
+    got, outs, drained = [], [], None
+    for out in eng.stream(PROMPTS[0], g):
+        outs.append(out)
+        got += out.token_ids
+        if len(got) >= 5 and drained is None:
+            eng.abort(other)
+            drained = [o.request_id for o in eng._carry]  # the step in flight's outputs
+    assert outs[0].request_id in drained  # the path under test ran
+    assert got == want and outs[-1].finished and outs[-1].finish_reason == "length"
+    assert eng.overlap.inflight is None
+    outs = []
+    for out in eng.stream(PROMPTS[2], g):
+        outs.append(out)
+        if len(outs) == 3:
+            eng.abort(out.request_id)
+        assert len(outs) < 30, "the stream went on after its abort"
+    assert outs[-1].finished and outs[-1].finish_reason == "cancelled"
+    assert not eng.seqs
+    eng.blocks.check_all_free()
