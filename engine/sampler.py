@@ -40,6 +40,7 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams,
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass before it already reaches top_p; the first always stays.
         drop = probs.cumsum(-1) - probs >= params.top_p
+        drop[..., 0] = False  # a top_p that rounds to 0 in fp32 (1e-300) would drop it too
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, idx, sorted_logits)
     return logits

@@ -38,8 +38,14 @@ def test_processed_probs_top_k_top_p():
     assert torch.allclose(p, torch.tensor([[5 / 7, 2 / 7, 0, 0, 0]]))
     p = processed_probs(logits, SamplingParams(top_p=0.8))  # 0.5+0.2 < 0.8 → keep 3
     assert torch.allclose(p, torch.tensor([[0.5, 0.2, 0.15, 0, 0]]) / 0.85)
-    p = processed_probs(logits, SamplingParams(top_p=0.1))  # at least one token stays
-    assert torch.allclose(p, torch.tensor([[1.0, 0, 0, 0, 0]]))
+    for top_p in (0.1, 1e-300, 5e-324):  # at least one token stays (fp32 rounds these to 0)
+        p = processed_probs(logits, SamplingParams(top_p=top_p))
+        assert torch.equal(p, torch.tensor([[1.0, 0, 0, 0, 0]]))
+    eng = tiny_engine(1)  # a tiny top_p samples the greedy tokens, not NaN's id 0
+    greedy = eng.generate([[3, 1, 4]], SamplingParams(temperature=0, max_tokens=8))[0]
+    tiny = eng.generate([[3, 1, 4]], SamplingParams(temperature=1.0, top_p=1e-300, seed=1,
+                                                    max_tokens=8))[0]
+    assert tiny.token_ids == greedy.token_ids
     p = processed_probs(logits, SamplingParams(temperature=0.5))
     q = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05]) ** 2
     assert torch.allclose(p[0], q / q.sum())
