@@ -91,14 +91,17 @@ class ClientBase(ABC, Generic[StreamT]):
         model's template) or `token_ids`. Sampling arguments left None keep the server's defaults
         (temperature 1.0; 0 is greedy). `speculation` ("none", "eagle3", "ngram") and
         `num_speculative_tokens` override speculative decoding for this request (speed only, not
-        outputs). `timeout` overrides the client's deadline. Argument shapes raise TypeError /
-        ValueError here; bad values raise InvalidArgumentError from the server.
+        outputs). `timeout` overrides the client's deadline. Wrong shapes and what the wire
+        cannot carry (negative counts, lone surrogates) raise TypeError / ValueError here, naming
+        the argument; other bad values raise InvalidArgumentError from the server. A negative
+        `seed` (down to -2**63) is taken modulo 2**63, as the OpenAI endpoint takes it.
         """
         sampling = _request.sampling_params(
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
             stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
-        req = pb.GenerateRequest(request_id=request_id or "", sampling=sampling,
-                                 **_request.prompt_fields(prompt, messages, token_ids))
+        with _request.named("request_id"):
+            req = pb.GenerateRequest(request_id=request_id or "", sampling=sampling)
+        req.MergeFrom(pb.GenerateRequest(**_request.prompt_fields(prompt, messages, token_ids)))
         spec = _request.speculation(speculation, num_speculative_tokens)
         if spec is not None:
             req.speculation.CopyFrom(spec)

@@ -1,12 +1,28 @@
-"""Python arguments → GenerateRequest. Only shape is checked here; the server validates values."""
+"""Python arguments → GenerateRequest. Shapes and what the wire cannot carry (a negative count, a
+lone surrogate) are refused here, naming the argument; the server validates values."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tandem_client.types import SPECULATION, Message, SpeculationMethod
 from tandem_proto.v1 import generation_pb2 as pb
+
+SEEDS = 1 << 63  # the server's seeds: a negative one is taken modulo this, as the OpenAI door does
+
+
+@contextlib.contextmanager
+def named(name: str) -> Iterator[None]:
+    """A value protobuf refuses (out of its field's range, a lone surrogate, a wrong type) as
+    a ValueError / TypeError that names the argument, not protobuf's bare message."""
+    try:
+        yield
+    except TypeError as e:
+        raise TypeError(f"{name}: {e}") from None
+    except ValueError as e:  # UnicodeEncodeError included
+        raise ValueError(f"{name}: {e}") from None
 
 
 def prompt_fields(prompt: str | None, messages: Sequence[Message] | None,
@@ -21,14 +37,21 @@ def prompt_fields(prompt: str | None, messages: Sequence[Message] | None,
         if not isinstance(prompt, str):  # a list here is almost surely token ids or messages
             raise TypeError(f"prompt must be a str, not {type(prompt).__name__}; "
                             "use messages= or token_ids=")
+        with named("prompt"):
+            pb.GenerateRequest(text=prompt)
         return {"text": prompt}
     if messages is not None:
-        try:
-            chat = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages]
-        except (KeyError, TypeError) as e:
-            raise TypeError('messages must be mappings with "role" and "content"') from e
+        chat = []
+        for i, m in enumerate(messages):
+            try:
+                role, content = m["role"], m["content"]
+            except (KeyError, TypeError) as e:
+                raise TypeError('messages must be mappings with "role" and "content"') from e
+            with named(f"messages[{i}]"):
+                chat.append(pb.ChatMessage(role=role, content=content))
         return {"chat": pb.ChatMessages(messages=chat)}
-    return {"token_ids": pb.TokenIds(ids=list(token_ids or ()))}
+    with named("token_ids"):
+        return {"token_ids": pb.TokenIds(ids=list(token_ids or ()))}
 
 
 def sampling_params(*, temperature: float | None, top_p: float | None, top_k: int | None,
@@ -38,11 +61,21 @@ def sampling_params(*, temperature: float | None, top_p: float | None, top_k: in
     """SamplingParams with only the given fields set: the rest keep the server's defaults."""
     if isinstance(stop, str):
         stop = [stop]
+    if isinstance(seed, int) and not isinstance(seed, bool) and -(1 << 63) <= seed < 0:
+        seed %= SEEDS
     fields: dict[str, Any] = {
         "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
         "max_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_token_ids,
         "ignore_eos": ignore_eos}
-    return pb.SamplingParams(**{k: v for k, v in fields.items() if v is not None})
+    out = pb.SamplingParams()
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) and name != "ignore_eos":  # True would travel as 1
+            raise TypeError(f"{name} must be a number, not a bool")
+        with named(name):
+            out.MergeFrom(pb.SamplingParams(**{name: value}))
+    return out
 
 
 def speculation(method: SpeculationMethod | None, num_tokens: int | None) -> pb.Speculation | None:
@@ -53,5 +86,8 @@ def speculation(method: SpeculationMethod | None, num_tokens: int | None) -> pb.
         raise ValueError(f"speculation must be one of {sorted(SPECULATION)}, got {method!r}")
     spec = pb.Speculation(method=SPECULATION[method or "default"])
     if num_tokens is not None:
-        spec.num_tokens = num_tokens
+        if isinstance(num_tokens, bool):
+            raise TypeError("num_speculative_tokens must be an integer, not a bool")
+        with named("num_speculative_tokens"):
+            spec.num_tokens = num_tokens
     return spec

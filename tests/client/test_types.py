@@ -32,6 +32,36 @@ def test_a_prompt_of_the_wrong_shape_is_a_type_error_at_call_time(client, kw):
         client.generate(prompt, **kw)
 
 
+@pytest.mark.parametrize("kw, error, says", [
+    ({"seed": -(1 << 63) - 1}, ValueError, "seed: "), ({"seed": 1 << 64}, ValueError, "seed: "),
+    ({"max_tokens": -1}, ValueError, "max_tokens: "), ({"top_k": -1}, ValueError, "top_k: "),
+    ({"max_tokens": 1 << 32}, ValueError, "max_tokens: "),
+    ({"stop_token_ids": [3, -1]}, ValueError, "stop_token_ids: "),
+    ({"token_ids": [-1]}, ValueError, "token_ids: "),
+    ({"num_speculative_tokens": -1}, ValueError, "num_speculative_tokens: "),
+    ({"stop": ["ok", "a\ud800"]}, ValueError, "stop: "),
+    ({"prompt": "a\ud800"}, ValueError, "prompt: "),
+    ({"messages": [{"role": "user", "content": "x\ud800"}]}, ValueError, "messages[0]: "),
+    ({"request_id": "r\ud800"}, ValueError, "request_id: "),
+    ({"temperature": True}, TypeError, "temperature must be a number"),
+    ({"top_k": "3"}, TypeError, "top_k: ")])
+def test_values_the_wire_cannot_carry_name_their_argument(client, kw, error, says):
+    kw = {"prompt": "x"} | kw if "messages" not in kw and "token_ids" not in kw else kw
+    with pytest.raises(error) as e:
+        client.generate(kw.pop("prompt", None), **kw)
+    assert str(e.value).startswith(says), str(e.value)
+
+
+def test_a_signed_seed_travels_as_the_openai_door_maps_it():
+    from tandem_client._request import sampling_params
+
+    none = dict.fromkeys(["temperature", "top_p", "top_k", "max_tokens", "stop",
+                          "stop_token_ids", "ignore_eos"])
+    assert sampling_params(seed=-1, **none).seed == (1 << 63) - 1
+    assert sampling_params(seed=-(1 << 63), **none).seed == 0
+    assert sampling_params(seed=7, **none).seed == 7
+
+
 def test_unknown_speculation_method_is_a_value_error(client):
     with pytest.raises(ValueError, match="eagle3"):
         client.generate("x", speculation="medusa")
