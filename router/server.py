@@ -132,8 +132,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         if more is None:
             return ids, None
         made, chars = more
-        ids = await loop.run_in_executor(self._tokenize, self.backend.encode, ids + made)
-        return ids, (len(made), chars)
+        try:  # the prompt alone passed: what fails now is the continuation's
+            whole = await loop.run_in_executor(self._tokenize, self.backend.encode, ids + made)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"continuation.token_ids ({len(made)} after a prompt of "
+                                      f"{len(ids)} tokens): {e}") from None
+        return whole, (len(made), chars)
 
     async def _stream(self, rid, ids, params, cap, resume, t0, deadline):
         timer = None
@@ -267,6 +271,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         return self.admission.queued + getattr(self.backend, "kv_waiting", 0)
 
     async def GetModelInfo(self, request, context):
+        if request is None:  # bytes that do not parse (`_lenient`), as Generate answers them
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "the request is not a valid ModelInfoRequest")
         i = self.backend.info()
         return pb.ModelInfo(model=i["model"], vocab_size=i["vocab_size"],
                             max_model_len=i["max_model_len"], block_size=i["block_size"],

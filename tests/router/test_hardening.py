@@ -103,6 +103,16 @@ def test_bytes_that_do_not_parse_are_invalid_argument(served, data):
     assert _ok(served.target)
 
 
+def test_model_info_answers_bytes_that_do_not_parse_as_generate_does(served):
+    with grpc.insecure_channel(served.target) as ch:
+        info = ch.unary_unary("/tandem.v1.Generation/GetModelInfo")
+        with pytest.raises(grpc.RpcError) as e:
+            info(b"\xff\xff\xff", timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid ModelInfoRequest" in e.value.details()
+        assert pb.ModelInfo.FromString(info(b"", timeout=30)).vocab_size > 0
+
+
 class SlowBackend:
     """Tokenizes in `encode_s` seconds (a stand-in for a long prompt's tokenizer) and then
     streams `tokens` one every `gap_s`; or fails with `error` (unit-test stand-in)."""

@@ -209,6 +209,8 @@ def test_bad_continuations_are_invalid_argument(served, continuation, match):
     with pytest.raises(grpc.RpcError) as e:
         _call(served.target, req)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
+    if match in ("token ids", "context"):  # the engine's refusal, which names the
+        assert e.value.details().startswith("continuation.token_ids (")  # continuation
     with Client(served.target) as c:
         assert c.complete(token_ids=[1, 2], temperature=0, max_tokens=3).token_ids
     served.engine.blocks.check_all_free()
