@@ -231,10 +231,15 @@ def mix(spec: str, path: str | None = None, seed: int = 0
     sets = domains(path)
     train, held = [], {}
     for part in spec.split(","):
-        name, _, count = part.strip().partition(":")
-        if name not in sets or name in held:
-            raise ValueError(f"domain {name!r} unknown or named twice: pick from {DOMAINS}")
+        name, colon, count = part.strip().partition(":")
+        if name in held:
+            raise ValueError(f"domain {name!r} named twice")
+        if name not in sets:
+            raise ValueError(f"domain {name!r} unknown: pick from {DOMAINS}")
         tr, held[name] = sets[name]
+        if colon and not count:
+            raise ValueError(f"domain {name}: a count after ':' ({name}:500), or the name "
+                             "alone for all its prompts")
         n = int(count) if count.isdigit() else 0 if count else len(tr)
         if not 0 < n <= len(tr):
             raise ValueError(f"domain {name}: {count} prompts asked, 1..{len(tr)} held")

@@ -11,8 +11,9 @@ The prompts: the general set (`--prompt-set`), or a mix of domains (`--domains`,
 `cluster.prompt_sets.domains()`: code completion, multi-turn chat, JSON, summarization of long
 inputs, math, general), each evaluated on its own held-out side. A run that must fit calls of
 limited time takes `--resume --stop-after SECONDS`: it keeps its records a chunk at a time and
-its training state in --out, and ends with exit status 3 until done; the same command run
-again goes on where the last one stopped, on the same schedule:
+its training state in --out, and ends with exit status 3 until done (each run finishes at
+least one chunk or step first, so a short limit still gets on); the same command run again
+goes on where the last one stopped, on the same schedule:
 
     until tandem train-eagle3 --domains code,chat,json,summarize,math,general:3000 \
         --ignore-eos --out runs/head --resume --stop-after 420; do [ $? = 3 ] || break; done
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import sys
 import time
@@ -31,6 +31,7 @@ from dataclasses import replace
 import torch
 
 from cluster.eagle3 import resume
+from cluster.eagle3.checks import refused
 from cluster.eagle3.loop import head_backend, train
 from cluster.eagle3.records import (
     SavedFileError,
@@ -41,7 +42,6 @@ from cluster.eagle3.records import (
 )
 from cluster.eagle3.ttt import evaluate
 from cluster.eagle3.vocab import extend_vocab, fit_lm_head, revise_vocab
-from cluster.engine_args import bad_device, missing_head
 from engine import Engine, EngineConfig, SamplingParams, ops
 from engine.config import SpecConfig
 from engine.spec.eagle3 import Eagle3Config, Eagle3Head
@@ -54,9 +54,14 @@ UNFINISHED = 3  # exit status of a run --stop-after ended: the same command goes
 
 def run(args) -> int:
     """The CLI entry: self-distil (or load the records), train, evaluate, save."""
-    bad = _refused(args)
+    bad = refused(args)
     if bad:  # before the model loads and the target answers for minutes
         print(f"error: {bad}", file=sys.stderr)
+        return 2
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as e:
+        print(f"error: --out {args.out}: {e.strerror or e}", file=sys.stderr)
         return 2
     stop = _stopper(args)
     torch.manual_seed(args.seed)
@@ -64,15 +69,25 @@ def run(args) -> int:
     # On a GPU a KV pool for DISTIL_SEQS answers of up to DISTIL_SEQ_TOKENS, not 85% of the
     # GPU: the training that follows keeps the records on the device.
     pool = DISTIL_SEQS * -(-DISTIL_SEQ_TOKENS // EngineConfig.block_size)
-    engine = Engine.from_pretrained(args.model, device=device, dtype=torch.float32,
-                                    enable_prefix_caching=False, max_num_seqs=DISTIL_SEQS,
-                                    max_num_batched_tokens=8192,
-                                    num_blocks=pool if device.startswith("cuda") else None)
+    try:
+        engine = Engine.from_pretrained(args.model, device=device, dtype=torch.float32,
+                                        enable_prefix_caching=False, max_num_seqs=DISTIL_SEQS,
+                                        max_num_batched_tokens=8192,
+                                        num_blocks=pool if device.startswith("cuda") else None)
+    except Exception as e:  # noqa: BLE001 - not a model the engine reads (format, header, size)
+        print(f"error: --model {args.model or '(embedded)'}: {_line(e)}", file=sys.stderr)
+        return 2
     train_p, eval_p, held = _prompts(args)
     m = engine.config.model
     if args.draft_vocab > m.vocab_size:  # before the target answers for minutes
         print(f"error: --draft-vocab {args.draft_vocab}: the model has {m.vocab_size} ids",
               file=sys.stderr)
+        return 2
+    try:  # a head of another shape or layout: refused before the target answers for minutes
+        init = load_head(args.init, m, head_backend(engine.config.block_size),
+                         device=device) if args.init else None
+    except Exception as e:  # noqa: BLE001 - missing weights, a config of another target, ...
+        print(f"error: --init {args.init}: {_line(e)}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     key = _records_key(args, engine, train_p, eval_p)
@@ -90,7 +105,7 @@ def run(args) -> int:
         print(f"records: {len(tr)} + {len(ev)} in {t_data:.1f} s -> "
               f"{args.records or os.path.join(args.out, 'records')}")
         return 0
-    init, added = _initial_head(args, engine, tr, device)
+    init, added = _grown(args, init, tr)
     vocab_ids = init.draft_to_target.cpu() if init is not None else \
         draft_vocab(tr, args.draft_vocab, m.vocab_size)
     if len(vocab_ids) * m.hidden_size > ops.LINEAR_MAX_WEIGHT:
@@ -127,8 +142,11 @@ def run(args) -> int:
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     ks = sorted({1, 3, args.k_eval})
-    accept = {d: [engine_acceptance(engine, head, ps[: args.eval_prompts], k, args.max_tokens)
-                  for k in ks] for d, ps in (held or {None: eval_p}).items()}
+    sets = {d: ps[: args.eval_prompts] for d, ps in (held or {None: eval_p}).items()}
+    accept = {d: [engine_acceptance(engine, head, ps, k, args.max_tokens) for k in ks]
+              if ps else None for d, ps in sets.items()}  # None: no prompt to measure on
+    if not any(sets.values()):
+        print("held-out engine acceptance: not measured (no held-out prompts)")
     recipe["held_out_engine_acceptance"] = accept if held else accept[None]
     _write(args.out, recipe)
     print(json.dumps({"held_out_engine_acceptance": recipe["held_out_engine_acceptance"]},
@@ -179,64 +197,6 @@ def _unfinished(what: str) -> int:
     return UNFINISHED
 
 
-def _refused(args) -> str | None:
-    """Why the CLI's arguments are refused before anything loads (None: they are not)."""
-    resuming = getattr(args, "resume", False)
-    if args.data_only and not (args.records or resuming):
-        return "--data-only needs --records FILE (or --resume) to write the records to"
-    if args.lm_head_only and not args.init:
-        return "--lm-head-only fits the LM head of an --init head"
-    if getattr(args, "revocab", False) and not args.init:
-        return "--revocab rebuilds the draft vocabulary of an --init head"
-    if getattr(args, "stop_after", None) and not resuming:
-        return "--stop-after needs --resume: a run it ends is continued by the next"
-    if resuming and args.lm_head_only:
-        return "--resume does not apply to --lm-head-only (a fit of minutes)"
-    bad = _bad_numbers(args) or _bad_domains(args)
-    if bad:
-        return bad
-    if args.init and (why := missing_head(args.init)):
-        return f"--init: {why}"
-    if args.init:
-        try:
-            with open(os.path.join(args.init, "config.json")) as f:
-                json.load(f)
-        except (OSError, ValueError) as e:  # (JSONDecodeError, UnicodeDecodeError)
-            return f"--init {args.init}: config.json is not readable JSON ({e})"
-    if getattr(args, "domains", None) == "":
-        return "--domains is empty: name domains like code,chat or leave the flag out"
-    out = getattr(args, "out", None)
-    if out and os.path.exists(out) and not os.path.isdir(out):
-        return f"--out {out}: a file, not a folder"
-    device = getattr(args, "device", None)
-    if device is not None and (why := bad_device(device)):
-        return why
-    if getattr(args, "model", None) is not None:
-        from engine.loader import resolve
-
-        try:
-            resolve(args.model)
-        except FileNotFoundError as e:
-            return f"--model: {e}"
-    return None
-
-
-def _bad_domains(args) -> str | None:
-    """What is wrong with --domains, if anything (None: nothing, or no --domains)."""
-    if not getattr(args, "domains", None):
-        return None
-    if args.num_prompts or args.name_split or args.prompt_set != "base":
-        return ("--domains chooses the prompts itself: drop --prompt-set, --name-split and "
-                "--num-prompts (its general domain is the extended set, name split)")
-    from cluster import prompt_sets
-
-    try:
-        prompt_sets.mix(args.domains)
-    except ValueError as e:
-        return f"--domains {args.domains}: {e}"
-    return None
-
-
 def _records_key(args, engine: Engine, train_p: list, eval_p: list) -> dict:
     """What records are made from: records of another key hold other answers."""
     key = {"target": engine.config.model.name, "prompt_set": args.prompt_set,
@@ -277,9 +237,11 @@ def _records(args, engine: Engine, train_p: list, eval_p: list, device: str, key
     parts.append(("eval", eval_p, distil("held-out")))
     if getattr(args, "resume", False):
         folder = os.path.join(args.out, "records")
-        got = [resume.distill_chunks(folder, part, key, ps, fn, stop) for part, ps, fn in parts]
-        if any(g is None for g in got):
-            return None
+        got = []
+        for part, ps, fn in parts:
+            got.append(resume.distill_chunks(folder, part, key, ps, fn, stop))
+            if got[-1] is None:  # stopped: the next part waits for the next run
+                return None
     else:
         got = [fn(ps) for _, ps, fn in parts]
     tr, ev = [r for g in got[:-1] for r in g], got[-1]
@@ -288,14 +250,17 @@ def _records(args, engine: Engine, train_p: list, eval_p: list, device: str, key
     return tr, ev
 
 
-def _initial_head(args, engine: Engine, tr, device: str):
+def _line(e: BaseException) -> str:
+    """An exception as one line: its type and its message's first line."""
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+
+
+def _grown(args, init, tr):
     """The --init head (None without one), its draft vocabulary grown to --draft-vocab ids
     where that is larger (with --revocab: rebuilt from these records' answers), and the
     target ids that added (None where the vocabulary stayed as it was)."""
-    if not args.init:
+    if init is None:
         return None, None
-    init = load_head(args.init, engine.config.model, head_backend(engine.config.block_size),
-                     device=device)
     revise = getattr(args, "revocab", False)
     if args.draft_vocab <= init.cfg.draft_vocab_size and not revise:
         return init, None
@@ -356,32 +321,6 @@ def engine_acceptance(engine: Engine, head: Eagle3Head, prompts: list, k: int,
                                     zip(st.accepted_per_pos, st.drafted_per_pos)],
             "verify_steps": st.verify_steps, "kv_blocks": blocks + 8,
             "seconds": round(time.perf_counter() - t0, 2)}
-
-
-def _bad_numbers(args) -> str | None:
-    """What is wrong with the CLI's counts and rates, if anything (None: nothing)."""
-    positive = {"--draft-vocab": "draft_vocab", "--max-tokens": "max_tokens",
-                "--unroll": "unroll", "--epochs": "epochs", "--batch-size": "batch_size",
-                "--log-every": "log_every", "--lr": "lr"}
-    for flag, name in positive.items():
-        v = getattr(args, name, None)
-        if v is not None and not (v > 0 and math.isfinite(v)):
-            return f"{flag} must be positive, got {v}"
-    for flag, name in {"--max-seconds": "max_seconds", "--num-prompts": "num_prompts",
-                       "--stop-after": "stop_after"}.items():
-        v = getattr(args, name, None)
-        if v is not None and not (v > 0 and math.isfinite(v)):
-            return f"{flag} must be positive where given, got {v}"
-    v = getattr(args, "k_eval", None)
-    if v is not None and v < 1:
-        return f"--k-eval must be at least 1, got {v}"
-    v = getattr(args, "eval_prompts", None)
-    if v is not None and v < 0:
-        return f"--eval-prompts must be 0 or more, got {v}"
-    v = getattr(args, "sampled", None)
-    if v is not None and not (math.isfinite(v) and v >= 0):
-        return f"--sampled must be a temperature >= 0, got {v}"
-    return None
 
 
 def _write(folder: str, recipe: dict) -> None:

@@ -103,7 +103,7 @@ class SavedFileError(ValueError):
     wrote, or made from other prompts or settings."""
 
 
-def read_saved(path: str, *fields: str) -> dict:
+def read_saved(path: str, *fields: str, redo: str = "or use another --out") -> dict:
     """A file `save_records` or `--resume` wrote, loaded; SavedFileError where it is torn,
     empty or another program's (a dict holding `fields` is what they write)."""
     try:
@@ -111,17 +111,17 @@ def read_saved(path: str, *fields: str) -> dict:
     except Exception as e:  # UnpicklingError, RuntimeError (zip), EOFError, OSError, ...
         why = f"{e.strerror}" if isinstance(e, OSError) and e.strerror else "torn, or not " \
             f"a file torch wrote: {type(e).__name__}"  # torch's own text runs to a page
-        raise SavedFileError(f"{path} cannot be read ({why}): delete it to make it again, or "
-                             "use another --out") from None
+        raise SavedFileError(f"{path} cannot be read ({why}): delete it to make it again, "
+                             f"{redo}") from None
     if not isinstance(got, dict) or any(f not in got for f in fields):
         raise SavedFileError(f"{path} is not a file train-eagle3 wrote: delete it to make it "
-                             "again, or use another --out")
+                             f"again, {redo}")
     return got
 
 
 def load_records(path: str, key: dict) -> tuple[list[Record], list[Record]]:
     """`save_records`' records; refuses a file made from other prompts, model or length."""
-    got = read_saved(path, "key", "train", "eval")
+    got = read_saved(path, "key", "train", "eval", redo="or name another --records file")
     if got["key"] != key:
         raise SavedFileError(f"{path} holds records of {got['key']}, not {key}")
     return unpack(got["train"]), unpack(got["eval"])

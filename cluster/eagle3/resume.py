@@ -29,10 +29,12 @@ def distill_chunks(folder: str, part: str, key: dict, prompts: list,
                    chunk: int | None = None) -> list[Record] | None:
     """`distil(prompts)` a chunk at a time, each chunk's records written to
     folder/{part}-NNNNN.pt as it finishes; chunks already there (made from the same `key` and
-    prompts) are loaded instead. None where `stop()` ended it before the last chunk."""
+    prompts) are loaded instead. None where `stop()`, asked once a chunk is done, ended it
+    before the last chunk."""
     chunk = chunk or CHUNK
     os.makedirs(folder, exist_ok=True)
     out: list[Record] = []
+    made = False  # a run distils at least one chunk before `stop()` may end it: progress
     for n, i in enumerate(range(0, len(prompts), chunk)):
         ps = prompts[i : i + chunk]
         path = os.path.join(folder, f"{part}-{n:05d}.pt")
@@ -44,11 +46,12 @@ def distill_chunks(folder: str, part: str, key: dict, prompts: list,
                                  "with the same arguments, or use another --out")
             out += unpack(got["records"])
             continue
-        if stop is not None and stop():
+        if stop is not None and made and stop():
             return None
         recs = distil(ps)
         _save({"digest": digest, "records": pack(recs)}, path)
         out += recs
+        made = True
     return out
 
 

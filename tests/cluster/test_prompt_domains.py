@@ -133,7 +133,7 @@ def test_a_mix_takes_counts_and_refuses_unknown_domains():
                                          + sets["math"][0]]
     for bad, why in [("poetry", "unknown"), ("code,code", "named twice"),
                      ("code:0", "1..2000"), ("code:99999", "1..2000"),
-                     ("code:x", "1..2000")]:
+                     ("code:x", "1..2000"), ("code:", "a count after ':'")]:
         with pytest.raises(ValueError, match=why):
             prompt_sets.mix(bad)
 

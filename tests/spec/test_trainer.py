@@ -146,7 +146,7 @@ def test_sampled_answers_give_other_contexts_for_the_same_prompts():
 def test_sampled_must_be_a_temperature():
     from types import SimpleNamespace
 
-    from cluster.train_eagle3 import _bad_numbers
+    from cluster.eagle3.checks import bad_numbers as _bad_numbers
 
     assert _bad_numbers(SimpleNamespace(sampled=0.7)) is None
     assert "--sampled" in _bad_numbers(SimpleNamespace(sampled=-1.0))
@@ -303,6 +303,12 @@ def test_bad_numbers_and_a_missing_head_are_refused_before_the_model_loads(capsy
     bad_init = tmp_path / "bad_init"
     bad_init.mkdir()
     (bad_init / "config.json").write_text("garbage")
+    list_init = tmp_path / "list_init"
+    list_init.mkdir()
+    (list_init / "config.json").write_text("[1, 2]")
+    finished = tmp_path / "finished"
+    finished.mkdir()
+    (finished / "training.json").write_text('{"steps": 8}')
     ok = dict(data_only=False, records=None, lm_head_only=False, init=None, draft_vocab=4096,
               max_tokens=256, unroll=5, epochs=4, batch_size=16, log_every=100, lr=1e-3,
               max_seconds=None, num_prompts=None, eval_prompts=32)
@@ -320,9 +326,20 @@ def test_bad_numbers_and_a_missing_head_are_refused_before_the_model_loads(capsy
                                ("out", __file__, "a file, not a folder"),
                                ("model", "/nonexistent/model", "--model: no model at"),
                                ("init", str(bad_init), "config.json is not readable JSON"),
-                               ("domains", "", "--domains is empty")]:
+                               ("domains", "", "--domains is empty"),
+                               ("init", str(list_init), "holds no JSON object"),
+                               ("records", str(tmp_path), "a folder; name a file"),
+                               ("records", "/nonexistent/dir/r.pt", "its folder does not"),
+                               ("out", str(finished), "holds a finished head")]:
         assert run(SimpleNamespace(**{**ok, field: value})) == 2
         assert text in capsys.readouterr().err
+    # an unfinished run's folder is no finished head; --resume continues even a finished one
+    (finished / "training.json").write_text('{"unfinished": true}')
+    assert run(SimpleNamespace(**{**ok, "out": str(finished), "draft_vocab": 0})) == 2
+    assert "--draft-vocab" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert run(SimpleNamespace(**{**ok, "device": "cuda"})) == 2
+        assert "no CUDA device here" in capsys.readouterr().err
 
 
 def test_engine_acceptance_speculates_from_its_first_step(monkeypatch):

@@ -84,7 +84,8 @@ def test_distillation_cut_short_resumes_from_the_chunks_it_wrote(tmp_path):
     assert made == [2, 2, 1] and len(whole) == 5
     made.clear()
     cut = str(tmp_path / "b")
-    assert resume.distill_chunks(cut, "train", key, prompts, distil, _stop_after(2),
+    # stop() is asked once a chunk is done: a run always makes one, whatever the limit
+    assert resume.distill_chunks(cut, "train", key, prompts, distil, lambda: True,
                                  chunk=2) is None
     assert made == [2] and sorted(os.listdir(cut)) == ["train-00000.pt"]
     made.clear()
@@ -134,7 +135,7 @@ def test_the_command_cut_short_and_run_again_equals_one_run(monkeypatch, tmp_pat
     os.makedirs(whole)
     os.makedirs(cut)
     assert _cli(monkeypatch, whole, "--resume") == 0
-    assert _cli(monkeypatch, cut, "--resume", "--stop-after", "60", stop_at=2) == 3
+    assert _cli(monkeypatch, cut, "--resume", "--stop-after", "60", stop_at=1) == 3
     assert sorted(os.listdir(os.path.join(cut, "records"))) == ["train-00000.pt"]
     assert _cli(monkeypatch, cut, "--resume", "--stop-after", "60", stop_at=4) == 3
     with open(os.path.join(cut, "training.json")) as f:
@@ -183,3 +184,26 @@ def test_unusable_saved_files_are_refused_in_one_line_before_distilling(monkeypa
         assert len(err) == 1 and err[0].startswith(f"error: {path} ") and says in err[0], err
         with open(path, "wb") as f:
             f.write(keep)
+
+
+def test_an_init_head_of_another_shape_is_refused_before_distilling(monkeypatch, tmp_path,
+                                                                      capsys):
+    """An --init head of another target's shape is refused in one line once the target
+    loads, before it answers a prompt; with no held-out prompt the acceptance is recorded as
+    not measured (None), not as 0."""
+    out, init = str(tmp_path / "run"), "assets/eagle3-smollm2-135m-instruct"
+    real = train_eagle3.self_distill
+
+    def no_distilling(*a, **kw):
+        raise AssertionError("the target answered before the refusal")
+
+    monkeypatch.setattr(train_eagle3, "self_distill", no_distilling)
+    capsys.readouterr()
+    assert _cli(monkeypatch, out, "--init", init) == 2
+    err = [x for x in capsys.readouterr().err.splitlines() if "req/s" not in x and x]
+    assert len(err) == 1 and err[0].startswith(f"error: --init {init}: ValueError: ")
+    assert "do not fit the target" in err[0]
+    monkeypatch.setattr(train_eagle3, "self_distill", real)
+    assert _cli(monkeypatch, out, "--eval-prompts", "0") == 0
+    with open(os.path.join(out, "training.json")) as f:
+        assert json.load(f)["held_out_engine_acceptance"] == {"chat": None, "math": None}
