@@ -145,14 +145,13 @@ def cmd_generate(args) -> int:
         return 2
     try:
         settings = engine_settings(args)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print("loading model…", file=sys.stderr, flush=True)
-    try:
+        print("loading model…", file=sys.stderr, flush=True)
         engine = build_engine(args, settings)
-    except FileNotFoundError as e:  # --model or the head's weights
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as e:  # bad settings; no model or head there
+        print(f"error: {_one_line(e) if len(str(e).splitlines()) > 1 else e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - a file the loader cannot parse (struct.error, ...)
+        print(f"error: {_one_line(e)}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     first = None
@@ -222,6 +221,7 @@ def cmd_serve(args) -> int:
     try:
         cfg = apply_overrides(load_config(args.config), sets)
         _check_paths(cfg)  # before anything loads
+        subcommands.check_ports(args, cfg)
         security = server_security(cfg.security)  # PEM and token files read before loading
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("generate", help="stream one completion in the terminal")
     g.add_argument("prompt", nargs="?", default=None, help="raw prompt text")
     g.add_argument("--chat", default=None, help="a user message, rendered with the chat template")
-    g.add_argument("--address", default=None,
+    g.add_argument("--address", default=None, type=subcommands.grpc_address,
                    help="host:port of a running tandem server (default: run the engine here)")
     _add_model_args(g)
     _add_sampling_args(g)
@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_sampling_args(sv)
     sv.set_defaults(fn=cmd_serve)
     st = sub.add_parser("status", help="health and model of a running server")
-    st.add_argument("--address", default="127.0.0.1:50051")
+    st.add_argument("--address", default="127.0.0.1:50051", type=subcommands.grpc_address)
     _add_client_security_args(st)
     st.set_defaults(fn=cmd_status)
     argv = list(argv if argv is not None else sys.argv[1:])

@@ -1,8 +1,10 @@
 """The `tandem` subcommands beside generate, serve and status: train-eagle3, bench, diagnose
-and soak, each registered from its own module (`cluster.cli` builds the parser)."""
+and soak, each registered from its own module (`cluster.cli` builds the parser); and the
+checks of --address and of serve's ports that run before anything connects or loads."""
 
 from __future__ import annotations
 
+import re
 import sys
 
 # Subcommands whose modules import torch at their top, with their help: registered in full
@@ -62,3 +64,50 @@ def add_parsers(sub, argv: list[str]) -> None:
     from cluster import soak
 
     soak.add_parser(sub)
+
+
+SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")  # gRPC's own forms
+
+
+def grpc_address(text: str) -> str:
+    """argparse type of --address: HOST:PORT (port 1..65535), [IPv6]:PORT, or a host alone
+    (port 50051, not gRPC's 443); gRPC's scheme forms (dns:, unix:, ...) pass as they are."""
+    import argparse
+
+    if text.startswith(SCHEMES):
+        return text
+    m = re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+)(?::(\S*))?", text)
+    if m is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not HOST:PORT (an IPv6 address goes in brackets: [::1]:50051)")
+    host, port = m.group(1), m.group(2)
+    if port is None:
+        return f"{host}:50051"
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: the port must be 1..65535")
+    return text
+
+
+def check_ports(args, cfg) -> None:
+    """ValueError where serve's gRPC or HTTP port cannot be bound (in use, or a host that is
+    not this machine's): found before minutes of loading, not after."""
+    import socket
+
+    host = args.host if args.host is not None else cfg.router.host
+    ports = {"gRPC": args.port if args.port is not None else cfg.router.port}
+    if cfg.router.http and not args.demo:
+        ports["HTTP"] = args.http_port if args.http_port is not None else cfg.router.http_port
+    for what, port in ports.items():
+        try:
+            infos = socket.getaddrinfo(host, port or None, type=socket.SOCK_STREAM)
+        except socket.gaierror as e:
+            raise ValueError(f"--host {host}: not an address here ({e.strerror})") from None
+        if not port:
+            continue  # 0: a free one
+        family, kind, proto, _, where = infos[0]
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            try:
+                s.bind(where)
+            except OSError as e:
+                raise ValueError(f"the {what} port {host}:{port}: {e.strerror}") from None

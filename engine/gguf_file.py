@@ -5,6 +5,7 @@ file one time instead of once per config, tokenizer and weights."""
 from __future__ import annotations
 
 import mmap
+import os
 import re
 import struct
 from typing import TYPE_CHECKING
@@ -36,9 +37,18 @@ class GgufFile:
     def __init__(self, path: str):
         self.path = path
         with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < 24:
+                raise ValueError(f"{path} is not a GGUF file (shorter than its header)")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         if self._map[:4] != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
+        try:
+            self._parse()
+        except (struct.error, UnicodeDecodeError, IndexError, KeyError) as e:
+            raise ValueError(f"{path}: a torn or malformed GGUF file ({e})") from None
+
+    def _parse(self) -> None:
+        path = self.path
         version, n_tensors, n_keys = struct.unpack_from("<IQQ", self._map, 4)
         if version not in (2, 3):
             raise ValueError(f"{path}: GGUF version {version} is not supported")
@@ -94,7 +104,11 @@ class GgufFile:
         qtype = GGMLQuantizationType(kind)
         block, size = GGML_QUANT_SIZES[qtype]
         row = shape[-1] // block * size
-        raw = np.frombuffer(self._map, np.uint8, int(np.prod(shape[:-1])) * row, offset)
+        n = int(np.prod(shape[:-1])) * row
+        if offset + n > len(self._map):
+            raise ValueError(f"{self.path}: tensor {name} ends past the file's end (a torn "
+                             "download?)")
+        raw = np.frombuffer(self._map, np.uint8, n, offset)
         return dequantize(raw.reshape(*shape[:-1], row), qtype)
 
 

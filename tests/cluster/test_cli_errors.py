@@ -3,6 +3,7 @@ before (or instead of) loading any weights; never a traceback."""
 
 import pytest
 
+from cluster import subcommands
 from cluster.cli import main
 
 
@@ -36,6 +37,39 @@ def test_generate_without_a_prompt_refuses_before_loading(capsys, monkeypatch):
     assert "give a prompt or --chat" in capsys.readouterr().err
 
 
+def test_a_model_file_the_loader_cannot_parse_is_one_line(capsys, tmp_path):
+    """Not a GGUF, empty, a header alone, a file cut short: one line naming the file."""
+    import os
+
+    from engine import loader
+
+    ck = loader.embedded_checkpoint()
+    with open(os.path.join(ck.folder, ck.gguf_file), "rb") as f:
+        head = f.read(16 << 20)  # the metadata and the first tensors, not all of them
+    for name, data, says in [("text.gguf", b"hello\n", "is not a GGUF file"),
+                             ("empty.gguf", b"", "shorter than its header"),
+                             ("header.gguf", head[:4096], "a torn or malformed GGUF file"),
+                             ("cut.gguf", head, "ends past the file's end")]:
+        path = tmp_path / name
+        path.write_bytes(data)
+        assert main(["generate", "--device", "cpu", "--model", str(path), "hi"]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {path}" in err and says in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("address, says", [
+    ("127.0.0.1:99999", "the port must be 1..65535"), ("localhost:", "the port must be"),
+    ("", "is not HOST:PORT"), ("::1", "an IPv6 address goes in brackets")])
+def test_an_address_gRPC_would_rewrite_is_refused(address, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["status", "--address", address])
+    assert e.value.code == 2 and says in capsys.readouterr().err
+    # a host alone means tandem's port, not gRPC's 443; gRPC's own target forms pass
+    assert subcommands.grpc_address("localhost") == "localhost:50051"
+    assert subcommands.grpc_address("[::1]:7") == "[::1]:7"
+    assert subcommands.grpc_address("unix:/tmp/t.sock") == "unix:/tmp/t.sock"
+
+
 def test_cuda_asked_for_without_cuda_is_refused(capsys):
     import torch
 
@@ -55,6 +89,7 @@ def test_cuda_asked_for_without_cuda_is_refused(capsys):
     (["--set", "decode.replicas=100000000"], "decode.replicas must be in 1..1024"),
     (["--colocated", "--set", "decode.replicas=2"], "decode.replicas must be 1, got 2"),
     (["--config", "/"], "cannot read it as a config file"),
+    (["--colocated", "--host", "no.such.host.invalid"], "--host no.such.host.invalid: not an"),
 ])
 def test_serve_refuses_a_bad_config_in_one_line(argv, says, capsys, monkeypatch):
     import engine
@@ -173,13 +208,22 @@ def test_a_second_server_on_a_port_in_use_is_refused(capsys, monkeypatch):
     import engine
     from engine.testing import tiny_engine
 
-    monkeypatch.setattr(engine.Engine, "from_pretrained", lambda *a, **k: tiny_engine(0))
     with socket.socket() as s:  # a port another server listens on, as gRPC's own would
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        assert main(["serve", "--colocated", "--port", str(port), "--set",
-                     "metrics.enabled=false", "--demo", "hi"]) == 2
+        argv = ["serve", "--colocated", "--port", str(port), "--set", "metrics.enabled=false",
+                "--demo", "hi"]
+        built = []
+        monkeypatch.setattr(engine.Engine, "from_pretrained",
+                            lambda *a, **k: built.append(1) or tiny_engine(0))
+        assert main(argv) == 2  # found before the engine loads
+        err = capsys.readouterr().err
+        assert f"error: the gRPC port 127.0.0.1:{port}: Address already in use" in err
+        assert not built and "Traceback" not in err
+        # taken between that check and the bind (a race): refused once loaded, as cleanly
+        monkeypatch.setattr(subcommands, "check_ports", lambda args, cfg: None)
+        assert main(argv) == 2
     err = capsys.readouterr().err
     assert "error: the gRPC port: cannot listen on" in err and "Traceback" not in err
