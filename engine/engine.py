@@ -194,6 +194,10 @@ class Engine:
             raise InvalidRequestError(f"resume: {num_output} output tokens already reach "
                                       f"max_tokens={seq.params.max_tokens}")
         seq.num_prompt_tokens = len(seq.token_ids) - num_output
+        ends = set(seq.params.stop_token_ids) | set(() if seq.params.ignore_eos else self.eos_ids)
+        if ended := [t for t in seq.token_ids[seq.num_prompt_tokens :] if t in ends]:
+            raise InvalidRequestError(f"resume: the output holds a stop token ({ended[0]}): "
+                                      "the stream it continues had finished")
         detok = None
         if self.tokenizer is not None:
             detok = Detokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens])

@@ -216,6 +216,24 @@ def test_bad_continuations_are_invalid_argument(served, continuation, match):
     served.engine.blocks.check_all_free()
 
 
+def test_a_continuation_past_a_stop_token_is_invalid_argument(served):
+    """Output holding the model's end token or a stop id had finished: continuing it would
+    generate past the end."""
+    eos = 5
+    served.engine.eos_ids.add(eos)  # the tiny random model has no end token of its own
+    for made, extra in [([7, eos], {}), ([7, 9], {"stop_token_ids": [9]})]:
+        req = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingParams(
+            max_tokens=6, **extra), continuation=pb.Continuation(token_ids=made))
+        with pytest.raises(grpc.RpcError) as e:
+            _call(served.target, req)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "stop token" in e.value.details() and "had finished" in e.value.details()
+    ok = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), sampling=pb.SamplingParams(
+        max_tokens=6, ignore_eos=True), continuation=pb.Continuation(token_ids=[7, eos]))
+    assert _call(served.target, ok)  # past the end token on purpose: ignore_eos
+    served.engine.blocks.check_all_free()
+
+
 def test_a_stream_goes_on_when_its_server_dies(smol_engine):
     """The router's server dies mid-stream and a new one comes up on its port: the SDK's
     stream continues after what it received, and the whole of it (text, tokens, usage) is
