@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from engine.errors import CONTEXT_FULL
 from router.openai_convert import (
@@ -35,9 +37,27 @@ from router.server import GenerationService
 log = logging.getLogger("tandem.router")
 STREAMING = web.RequestKey("streaming", bool)  # set once a stream's 200 went out
 _GRPC_CODE = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
-              413: "INVALID_ARGUMENT"}  # an HTTP refusal's gRPC status name, for the metrics
+              408: "DEADLINE_EXCEEDED", 413: "INVALID_ARGUMENT"}  # an HTTP refusal's gRPC status name, for the metrics
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
+# A connection that sends no whole request for IDLE_S seconds is closed, and a request body
+# must arrive within BODY_S: a stalled client cannot hold a descriptor for an hour.
+IDLE_S, BODY_S = 75.0, 60.0
+
+
+class _ClientFaults(logging.Filter):
+    """aiohttp logs each malformed request (a bad Content-Length, a header past its limit) with
+    a traceback before any handler runs: the client's fault, one line at debug instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            log.debug("HTTP: a malformed request: %s", exc)
+            return False
+        return True
+
+
+logging.getLogger("aiohttp.server").addFilter(_ClientFaults())
 
 
 class Aborted(Exception):
@@ -98,7 +118,8 @@ class OpenAIServer:
         """Bind and serve; returns the port (`port` 0: a free one)."""
         # handler_cancellation: a client that hangs up cancels its handler, which cancels
         # its generation (the engine frees its KV blocks) as a cancelled gRPC call does.
-        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(self.app, access_log=None, handler_cancellation=True,
+                                     keepalive_timeout=IDLE_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port, ssl_context=ssl_context)
         await site.start()
@@ -188,9 +209,13 @@ class OpenAIServer:
         unicode_text(rid, "X-Request-Id")  # header bytes that are no UTF-8 arrive as surrogates
         reqs = convert(body, rid, info["max_model_len"])
         per_prompt = body.get("n") or 1  # choices per prompt (checked by `convert`)
-        stream = body.get("stream")
-        if stream not in (None, True, False):
+        stream, opts = body.get("stream"), body.get("stream_options")
+        if stream is not None and not isinstance(stream, bool):  # (1 == True in Python)
             raise ApiError("stream must be a boolean", param="stream")
+        if opts is not None and (not stream or not isinstance(opts, dict) or not isinstance(
+                opts.get("include_usage", False), bool)):
+            raise ApiError("stream_options must be an object like {\"include_usage\": true}, "
+                           "and only with stream true", param="stream_options")
         outs = _merged(self.service, reqs, Call(request, self.auth is not None))
         try:
             # The first output (or the refusal) before any header: a refused request gets its
@@ -198,10 +223,8 @@ class OpenAIServer:
             first = await anext(outs, None)
             if not stream:
                 return await _whole(kind, rid, info["model"], len(reqs), per_prompt, first, outs)
-            opts = body.get("stream_options") or {}
             return await _streamed(request, kind, rid, info["model"], len(reqs), per_prompt,
-                                   first, outs, bool(isinstance(opts, dict)
-                                                     and opts.get("include_usage")))
+                                   first, outs, bool((opts or {}).get("include_usage")))
         finally:
             await outs.aclose()
 
@@ -321,7 +344,12 @@ async def _streamed(request, kind, rid, model, n, per_prompt, first, outs,
 
 
 async def _json(request: web.Request):
-    raw = await request.read()
+    try:
+        raw = await asyncio.wait_for(request.read(), BODY_S)
+    except asyncio.TimeoutError:
+        raise ApiError(f"the request body did not arrive within {BODY_S:g} s", 408) from None
+    except RequestPayloadError as e:  # torn chunks, a Content-Encoding the bytes do not follow
+        raise ApiError(f"the request body cannot be read: {e}") from None
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):  # (nested past the parser's depth)

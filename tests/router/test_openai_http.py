@@ -183,6 +183,62 @@ def test_errors_keep_openais_shape_for_any_input(api):
     assert status == 400 and "not valid JSON" in out["error"]["message"]
 
 
+def test_loose_stream_flags_and_unreadable_bodies_are_400(api):
+    body = {"model": api.model, "messages": CHAT, "max_tokens": 2}
+    for extra, param in [({"stream": 1}, "stream"), ({"stream": 0}, "stream"),
+                         ({"stream_options": {"include_usage": True}}, "stream_options"),
+                         ({"stream": True, "stream_options": "yes"}, "stream_options"),
+                         ({"stream": True, "stream_options": {"include_usage": "false"}},
+                          "stream_options")]:
+        status, out = api.raw("POST", "/v1/chat/completions", json.dumps(
+            {**body, **extra}).encode())
+        assert status == 400 and out["error"]["param"] == param, (extra, out)
+    errors = api.served.service.metrics
+    before = errors and errors.errors.labels(*errors.bound, "INTERNAL")._value.get()
+    status, out = api.raw("POST", "/v1/chat/completions", json.dumps(body).encode(),
+                          headers={"Content-Encoding": "gzip"})  # the bytes are no gzip
+    assert status == 400 and "cannot be read" in out["error"]["message"], out
+    assert not errors or errors.errors.labels(*errors.bound, "INTERNAL")._value.get() == before
+
+
+def test_a_stalled_client_is_cut_off(smol_engine, monkeypatch):
+    """A body that stops coming is a 408 after BODY_S; a connection that never sends a whole
+    request is closed after IDLE_S: neither holds a descriptor for long."""
+    import socket
+    import time
+
+    from router import openai_http
+
+    monkeypatch.setattr(openai_http, "BODY_S", 0.5)
+    monkeypatch.setattr(openai_http, "IDLE_S", 1.0)
+    a = Api(smol_engine)
+    try:
+        with socket.create_connection(("127.0.0.1", a.port), timeout=30) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Length: 1000\r\n\r\n{")
+            assert s.recv(65536).startswith(b"HTTP/1.1 408")
+        with socket.create_connection(("127.0.0.1", a.port), timeout=30) as s:
+            t0 = time.monotonic()
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and no more
+            assert s.recv(65536) == b"" and time.monotonic() - t0 < 20
+        assert a.raw("GET", "/health")[0] == 200
+    finally:
+        a.close()
+
+
+def test_a_malformed_request_logs_no_traceback(api, caplog):
+    import logging
+    import socket
+
+    with caplog.at_level(logging.DEBUG):
+        with socket.create_connection(("127.0.0.1", api.port), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n")
+            assert s.recv(65536).startswith(b"HTTP/1.")  # aiohttp's own 400
+        assert api.raw("GET", "/health")[0] == 200
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "a malformed request" in caplog.text
+
+
 @pytest.mark.parametrize("path, field, param", [
     ("/v1/completions", '"prompt": "a\\ud800b"', "prompt"),
     ("/v1/completions", '"prompt": ["ok", "\\udfff"]', "prompt"),
