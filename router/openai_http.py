@@ -36,8 +36,9 @@ from router.server import GenerationService
 
 log = logging.getLogger("tandem.router")
 STREAMING = web.RequestKey("streaming", bool)  # set once a stream's 200 went out
+# an HTTP refusal's gRPC status name, for the metrics
 _GRPC_CODE = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
-              408: "DEADLINE_EXCEEDED", 413: "INVALID_ARGUMENT"}  # an HTTP refusal's gRPC status name, for the metrics
+              408: "DEADLINE_EXCEEDED", 413: "INVALID_ARGUMENT"}
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 # A connection that sends no whole request for IDLE_S seconds is closed, and a request body
