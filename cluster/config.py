@@ -16,6 +16,8 @@ from typing import Any, get_args, get_type_hints
 
 import yaml
 
+from cluster.yaml_strict import load as strict_yaml
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 SPEC_METHODS = ("eagle3", "ngram", "none")
@@ -396,8 +398,6 @@ def apply_overrides(cfg: ClusterConfig, items: list[str]) -> ClusterConfig:
     return config_from_dict(d)
 
 
-# ---- helpers ---------------------------------------------------------------------------------
-
 def _section(name: str, value: Any) -> _Section:
     cls = _SECTIONS[name]
     value = _mapping(value, f"section {name!r}")
@@ -428,7 +428,7 @@ def _check_keys(d: dict[str, Any], cls: type, where: str) -> None:
 
 def _read_yaml(path: str | Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = strict_yaml(Path(path).read_text())
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
     except (OSError, UnicodeDecodeError) as e:  # a folder, unreadable, not UTF-8 text

@@ -85,6 +85,21 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
         load_config(path)
 
 
+def test_a_key_given_twice_in_a_file_is_refused(tmp_path):
+    """YAML's loaders keep the last of two equal keys without a word: a setting pasted below
+    an older one would win or vanish silently."""
+    path = tmp_path / "twice.yaml"
+    for text, key, line in [("router:\n  port: 1\n  port: 2\n", "port", 3),
+                            ("router: {port: 1}\ndecode: {}\nrouter: {host: x}\n", "router", 3)]:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=rf"twice\.yaml: .*'{key}' is given twice \(line "
+                                              rf"{line}\)"):
+            load_config(path)
+    path.write_text("router:\n  port: 1\ndecode:\n  port_like: {a: 1, b: 2}\n")
+    with pytest.raises(ConfigError, match="port_like"):  # distinct keys reach the key check
+        load_config(path)
+
+
 @pytest.mark.parametrize("d, field", [
     ({"decode": {"replicas": 0}}, "decode.replicas"),
     ({"decode": {"replicas": "two"}}, "decode.replicas"),
