@@ -140,7 +140,11 @@ class OpenAIServer:
             self._authorize(request)
             return await handler(request)
         except Aborted as e:  # the servicer ended it and counted it
-            return _error(e.api_error())
+            err = e.api_error()
+            if err.code == "context_length_exceeded":  # the field OpenAI names for it
+                err.param = "messages" if request.path.endswith("/chat/completions") else \
+                    "prompt"
+            return _error(err)
         except ApiError as e:
             err = e
         except web.HTTPRequestEntityTooLarge:

@@ -273,6 +273,11 @@ def test_a_prompt_past_the_context_is_openais_context_length_exceeded(api):
     with pytest.raises(openai.BadRequestError) as e:
         api.client().completions.create(model=api.model, prompt=[1] * 9000, max_tokens=2)
     assert e.value.code == "context_length_exceeded" and "the context holds" in str(e.value)
+    assert e.value.param == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        api.client().chat.completions.create(model=api.model, max_tokens=2, messages=[
+            {"role": "user", "content": "seven " * 9000}])
+    assert e.value.code == "context_length_exceeded" and e.value.param == "messages"
 
 
 def test_a_request_id_header_that_is_no_utf8_is_a_400(api):
