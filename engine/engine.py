@@ -202,6 +202,9 @@ class Engine:
         if self.tokenizer is not None:
             detok = Detokenizer(self.tokenizer, seq.token_ids[: seq.num_prompt_tokens])
             seq.text = detok.step(seq.token_ids)
+            if hit := next((s for s in seq.params.stop if s and s in seq.text), None):
+                raise InvalidRequestError(f"resume: the output holds the stop string {hit!r}: "
+                                          "the stream it continues had finished")
         seq.num_emitted_chars = min(emitted_chars, len(seq.text))
         return detok
 

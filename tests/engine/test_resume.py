@@ -62,4 +62,15 @@ def test_resume_refuses_what_cannot_be_a_resumed_request(smol_engine, chat_ids):
                           ((2, -1), "characters"), ((5, 0), "max_tokens")):
         with pytest.raises(InvalidRequestError, match=match):
             smol_engine.add_request(prompt, SamplingParams(max_tokens=5), resume=resume)
+    # output past a stop (the end token, a stop id, a stop string) had finished
+    eos = min(smol_engine.eos_ids)
+    made = smol_engine.generate(prompt, SamplingParams(temperature=0, max_tokens=6,
+                                                       ignore_eos=True))[0]
+    for ids, params in [(prompt + [eos, 7], SamplingParams(max_tokens=9)),
+                        (prompt + made.token_ids[:3], SamplingParams(
+                            max_tokens=9, stop_token_ids=[made.token_ids[1]])),
+                        (prompt + made.token_ids, SamplingParams(
+                            max_tokens=9, stop=[made.text[1:4]]))]:
+        with pytest.raises(InvalidRequestError, match="the stream it continues had finished"):
+            smol_engine.add_request(ids, params, resume=(len(ids) - len(prompt), 0))
     assert not smol_engine.has_unfinished()
