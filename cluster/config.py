@@ -440,7 +440,7 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
 
 def _parse_value(item: str, raw: str) -> Any:
     try:
-        return yaml.safe_load(raw)
+        return strict_yaml(raw)
     except yaml.YAMLError:
         raise ConfigError(f"override {item!r}: value is not valid YAML") from None
 

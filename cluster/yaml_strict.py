@@ -1,9 +1,11 @@
 """YAML as the topology config reads it: PyYAML's safe loader, except that a key given twice in
-one mapping is an error. YAML's loaders keep the last one without a word, so a setting pasted
-below an older one would silently win or be lost."""
+one mapping is an error (YAML's loaders keep the last one without a word, so a setting pasted
+below an older one would silently win or be lost), and that only true and false are booleans,
+as in YAML 1.2: `--set speculation.method=off` is the word off, not False."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -25,6 +27,12 @@ def _mapping(loader: StrictLoader, node: yaml.MappingNode, deep: bool = False) -
 
 
 StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+_BOOL = "tag:yaml.org,2002:bool"
+StrictLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in rules if tag != _BOOL]
+    for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+StrictLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
 
 
 def load(text: str) -> Any:

@@ -85,6 +85,24 @@ def test_unknown_key_in_file_names_the_file(tmp_path):
         load_config(path)
 
 
+def test_only_true_and_false_are_booleans(tmp_path):
+    """YAML 1.1 reads yes/no/on/off as booleans: `--set speculation.method=off` became False
+    ("must be str, got False"). Here they are words, and a bool field says what it got."""
+    cfg = load_config(None)
+    with pytest.raises(ConfigError, match="speculation.method must be one of .*got 'off'"):
+        apply_overrides(cfg, ["speculation.method=off"])
+    with pytest.raises(ConfigError, match="router.http must be bool, got 'yes'"):
+        apply_overrides(cfg, ["router.http=yes"])
+    assert apply_overrides(cfg, ["router.http=false"]).router.http is False
+    path = tmp_path / "words.yaml"
+    path.write_text("router:\n  http: on\n")
+    with pytest.raises(ConfigError, match="router.http must be bool, got 'on'"):
+        load_config(path)
+    path.write_text("router:\n  http: False\n")
+    assert load_config(path).router.http is False
+    assert yaml.safe_load("on") is True  # PyYAML's own loader is left as it was
+
+
 def test_a_key_given_twice_in_a_file_is_refused(tmp_path):
     """YAML's loaders keep the last of two equal keys without a word: a setting pasted below
     an older one would win or vanish silently."""
