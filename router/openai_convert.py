@@ -9,11 +9,11 @@ import math
 import grpc
 
 from router.limits import clip
+from tandem_client.types import SEEDS
 from tandem_proto.v1 import generation_pb2 as pb
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the context end
 MAX_CHOICES = 16  # n, and prompts x n of one completions request
-SEEDS = 1 << 63  # the engine's seeds are [0, 2**63): a signed 64-bit seed is taken modulo that
 FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
                 pb.FINISH_REASON_CANCELLED: "cancelled", pb.FINISH_REASON_ERROR: "error"}
 # OpenAI's fields that change the output in ways this server does not offer: refused, not

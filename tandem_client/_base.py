@@ -99,9 +99,10 @@ class ClientBase(ABC, Generic[StreamT]):
         sampling = _request.sampling_params(
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens,
             stop=stop, stop_token_ids=stop_token_ids, ignore_eos=ignore_eos)
+        req = _request.prompt_request(prompt, messages, token_ids)
         with _request.named("request_id"):
-            req = pb.GenerateRequest(request_id=request_id or "", sampling=sampling)
-        req.MergeFrom(pb.GenerateRequest(**_request.prompt_fields(prompt, messages, token_ids)))
+            req.request_id = request_id or ""
+        req.sampling.CopyFrom(sampling)
         spec = _request.speculation(speculation, num_speculative_tokens)
         if spec is not None:
             req.speculation.CopyFrom(spec)

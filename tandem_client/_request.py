@@ -7,10 +7,8 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tandem_client.types import SPECULATION, Message, SpeculationMethod
+from tandem_client.types import SEEDS, SPECULATION, Message, SpeculationMethod
 from tandem_proto.v1 import generation_pb2 as pb
-
-SEEDS = 1 << 63  # the server's seeds: a negative one is taken modulo this, as the OpenAI door does
 
 
 @contextlib.contextmanager
@@ -25,9 +23,9 @@ def named(name: str) -> Iterator[None]:
         raise ValueError(f"{name}: {e}") from None
 
 
-def prompt_fields(prompt: str | None, messages: Sequence[Message] | None,
-                  token_ids: Sequence[int] | None) -> dict:
-    """The `prompt` oneof: exactly one of text, chat or token ids."""
+def prompt_request(prompt: str | None, messages: Sequence[Message] | None,
+                   token_ids: Sequence[int] | None) -> pb.GenerateRequest:
+    """A GenerateRequest holding the `prompt` oneof: exactly one of text, chat or token ids."""
     given = [name for name, v in (("prompt", prompt), ("messages", messages),
                                   ("token_ids", token_ids)) if v is not None]
     if len(given) != 1:
@@ -38,8 +36,7 @@ def prompt_fields(prompt: str | None, messages: Sequence[Message] | None,
             raise TypeError(f"prompt must be a str, not {type(prompt).__name__}; "
                             "use messages= or token_ids=")
         with named("prompt"):
-            pb.GenerateRequest(text=prompt)
-        return {"text": prompt}
+            return pb.GenerateRequest(text=prompt)
     if messages is not None:
         chat = []
         for i, m in enumerate(messages):
@@ -49,9 +46,9 @@ def prompt_fields(prompt: str | None, messages: Sequence[Message] | None,
                 raise TypeError('messages must be mappings with "role" and "content"') from e
             with named(f"messages[{i}]"):
                 chat.append(pb.ChatMessage(role=role, content=content))
-        return {"chat": pb.ChatMessages(messages=chat)}
+        return pb.GenerateRequest(chat=pb.ChatMessages(messages=chat))
     with named("token_ids"):
-        return {"token_ids": pb.TokenIds(ids=list(token_ids or ()))}
+        return pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(token_ids or ())))
 
 
 def sampling_params(*, temperature: float | None, top_p: float | None, top_k: int | None,

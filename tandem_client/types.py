@@ -12,6 +12,7 @@ FinishReason = Literal["stop", "length", "cancelled", "error"]
 SpeculationMethod = Literal["default", "none", "eagle3", "ngram"]
 Message = Mapping[str, str]
 """One chat turn: {"role": "user", "content": "..."} (OpenAI style)."""
+SEEDS = 1 << 63  # the server's seeds are [0, SEEDS): a signed 64-bit one is taken modulo it
 
 _FINISH: dict[int, FinishReason | None] = {
     pb.FINISH_REASON_UNSPECIFIED: None,
