@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 
 from cluster import subcommands
+from cluster.subcommands import one_line
 
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16"}
@@ -94,14 +94,12 @@ def engine_settings(args) -> tuple[str, str, object]:
     weights load: a bad value raises ValueError with one line that names the flag."""
     import torch
 
-    from cluster.engine_args import bad_device, missing_head
+    from cluster.engine_args import missing_head, unusable_device
     from engine.config import SpecConfig
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if why := bad_device(device):
+    if why := unusable_device(device):
         raise ValueError(why)
-    if device != "cpu" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA device here (use --device cpu)")
     dtype = DTYPES[args.dtype] if args.dtype else ("float32" if device == "cpu" else "bfloat16")
     if args.spec_head and args.spec != "eagle3":
         raise ValueError("--spec-head needs --spec eagle3")
@@ -148,10 +146,10 @@ def cmd_generate(args) -> int:
         print("loading model…", file=sys.stderr, flush=True)
         engine = build_engine(args, settings)
     except (ValueError, FileNotFoundError) as e:  # bad settings; no model or head there
-        print(f"error: {_one_line(e) if len(str(e).splitlines()) > 1 else e}", file=sys.stderr)
+        print(f"error: {one_line(e) if len(str(e).splitlines()) > 1 else e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - a file the loader cannot parse (struct.error, ...)
-        print(f"error: {_one_line(e)}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     first = None
@@ -193,16 +191,6 @@ def _check_paths(cfg) -> None:
     head = cfg.speculation.head
     if cfg.speculation.method == "eagle3" and head is not None and (why := missing_head(head)):
         raise FileNotFoundError(f"speculation.head: {why}")
-
-
-def _one_line(e: BaseException) -> str:
-    """An error in one line (of Ray's wrapped ones, with an actor's traceback: its cause)."""
-    text = str(e).strip()
-    lines = [x.strip() for x in text.splitlines() if x.strip()]
-    if len(lines) > 1:
-        named = [x for x in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b.*:", x)]
-        return (named[-1] if named else lines[-1])[:500]
-    return f"{type(e).__name__}: {text}"[:500]
 
 
 def cmd_serve(args) -> int:
@@ -249,7 +237,7 @@ def cmd_serve(args) -> int:
             print("interrupted while loading", file=sys.stderr, flush=True)
             os._exit(130)
         except Exception as e:  # noqa: BLE001 - the engine refused its config (size, device)
-            print(f"error: the engine did not start: {_one_line(e)}", file=sys.stderr)
+            print(f"error: the engine did not start: {one_line(e)}", file=sys.stderr)
             return 2
         print(f"engine {backend.engine.ready}", file=sys.stderr, flush=True)
         close = backend.close
@@ -262,7 +250,7 @@ def cmd_serve(args) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         except Exception as e:  # noqa: BLE001 - an actor's engine refused its config
-            print(f"error: the cluster did not start: {_one_line(e)}", file=sys.stderr)
+            print(f"error: the cluster did not start: {one_line(e)}", file=sys.stderr)
             return 2
         backend, close = cluster.backend, cluster.shutdown
         for name, p in zip(cfg.components()[1:], cluster.metrics_ports):
@@ -304,7 +292,7 @@ def cmd_serve(args) -> int:
                 try:
                     result[0] = cmd_remote_generate(args)
                 except Exception as e:  # noqa: BLE001 - reported, and the server still stops
-                    print(f"\nerror: {_one_line(e)}", file=sys.stderr)
+                    print(f"\nerror: {one_line(e)}", file=sys.stderr)
                 finally:
                     loop.call_soon_threadsafe(done.set)
 

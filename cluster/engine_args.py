@@ -65,6 +65,17 @@ def bad_device(device: str) -> str | None:
         f"--device: {device!r} is not cpu, cuda or cuda:N"
 
 
+def unusable_device(device: str) -> str | None:
+    """`bad_device`, or why this machine cannot run on it (CUDA asked for, none here)."""
+    if why := bad_device(device):
+        return why
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {device}: no CUDA device here (use --device cpu)"
+    return None
+
+
 def missing_head(folder: str) -> str | None:
     """Why `folder` holds no EAGLE-3 head to load (None: it has a config.json), for the
     CLI's one-line refusals before an engine starts."""

@@ -1,6 +1,7 @@
 """The `tandem` subcommands beside generate, serve and status: train-eagle3, bench, diagnose
-and soak, each registered from its own module (`cluster.cli` builds the parser); and the
-checks of --address and of serve's ports that run before anything connects or loads."""
+and soak, each registered from its own module (`cluster.cli` builds the parser); and what the
+commands share: the checks of --address and of serve's ports that run before anything
+connects or loads, and errors told in one line."""
 
 from __future__ import annotations
 
@@ -111,3 +112,13 @@ def check_ports(args, cfg) -> None:
                 s.bind(where)
             except OSError as e:
                 raise ValueError(f"the {what} port {host}:{port}: {e.strerror}") from None
+
+
+def one_line(e: BaseException) -> str:
+    """An error in one line (of Ray's wrapped ones, with an actor's traceback: its cause)."""
+    text = str(e).strip()
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    if len(lines) > 1:
+        named = [x for x in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b.*:", x)]
+        return (named[-1] if named else lines[-1])[:500]
+    return f"{type(e).__name__}: {text}"[:500]

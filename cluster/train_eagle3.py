@@ -42,6 +42,7 @@ from cluster.eagle3.records import (
 )
 from cluster.eagle3.ttt import evaluate
 from cluster.eagle3.vocab import extend_vocab, fit_lm_head, revise_vocab
+from cluster.subcommands import one_line
 from engine import Engine, EngineConfig, SamplingParams, ops
 from engine.config import SpecConfig
 from engine.spec.eagle3 import Eagle3Config, Eagle3Head
@@ -75,7 +76,7 @@ def run(args) -> int:
                                         max_num_batched_tokens=8192,
                                         num_blocks=pool if device.startswith("cuda") else None)
     except Exception as e:  # noqa: BLE001 - not a model the engine reads (format, header, size)
-        print(f"error: --model {args.model or '(embedded)'}: {_line(e)}", file=sys.stderr)
+        print(f"error: --model {args.model or '(embedded)'}: {one_line(e)}", file=sys.stderr)
         return 2
     train_p, eval_p, held = _prompts(args)
     m = engine.config.model
@@ -87,7 +88,7 @@ def run(args) -> int:
         init = load_head(args.init, m, head_backend(engine.config.block_size),
                          device=device) if args.init else None
     except Exception as e:  # noqa: BLE001 - missing weights, a config of another target, ...
-        print(f"error: --init {args.init}: {_line(e)}", file=sys.stderr)
+        print(f"error: --init {args.init}: {one_line(e)}", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
     key = _records_key(args, engine, train_p, eval_p)
@@ -248,11 +249,6 @@ def _records(args, engine: Engine, train_p: list, eval_p: list, device: str, key
     if args.records:
         save_records(args.records, key, tr, ev)
     return tr, ev
-
-
-def _line(e: BaseException) -> str:
-    """An exception as one line: its type and its message's first line."""
-    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
 
 
 def _grown(args, init, tr):

@@ -8,7 +8,7 @@ import json
 import math
 import os
 
-from cluster.engine_args import bad_device, missing_head
+from cluster.engine_args import missing_head, unusable_device
 
 
 def refused(args) -> str | None:
@@ -24,8 +24,9 @@ def refused(args) -> str | None:
         return "--stop-after needs --resume: a run it ends is continued by the next"
     if resuming and args.lm_head_only:
         return "--resume does not apply to --lm-head-only (a fit of minutes)"
+    device = getattr(args, "device", None)
     return (bad_numbers(args) or bad_domains(args) or _bad_init(args) or _bad_paths(args)
-            or _bad_device(args))
+            or (unusable_device(device) if device is not None else None))
 
 
 def _bad_init(args) -> str | None:
@@ -72,19 +73,6 @@ def _bad_paths(args) -> str | None:
             resolve(args.model)
         except FileNotFoundError as e:
             return f"--model: {e}"
-    return None
-
-
-def _bad_device(args) -> str | None:
-    device = getattr(args, "device", None)
-    if device is None:
-        return None
-    if why := bad_device(device):
-        return why
-    import torch
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        return f"--device {device}: no CUDA device here (use --device cpu)"
     return None
 
 

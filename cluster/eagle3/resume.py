@@ -42,8 +42,8 @@ def distill_chunks(folder: str, part: str, key: dict, prompts: list,
         if os.path.exists(path):
             got = read_saved(path, "digest", "records")
             if got["digest"] != digest:
-                raise SavedFileError(f"{path} holds records of other prompts or settings: resume "
-                                 "with the same arguments, or use another --out")
+                raise SavedFileError(f"{path} holds records of other prompts or settings: "
+                                     "resume with the same arguments, or use another --out")
             out += unpack(got["records"])
             continue
         if stop is not None and made and stop():
@@ -68,6 +68,6 @@ def load_state(path: str, key: dict) -> dict | None:
     state = read_saved(path, "key", "head", "opt", "sched", "step", "plan", "history",
                        "seconds")
     if state.pop("key") != key:
-        raise SavedFileError(f"{path} was saved by a run of other settings: resume with the same "
-                         "arguments, or use another --out")
+        raise SavedFileError(f"{path} was saved by a run of other settings: resume with the "
+                             "same arguments, or use another --out")
     return state
