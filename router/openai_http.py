@@ -68,10 +68,12 @@ class Aborted(Exception):
         super().__init__(details)
         self.code = code
 
-    def api_error(self) -> ApiError:
+    def api_error(self, path: str = "") -> ApiError:
+        """The OpenAI error of this status for a request to `path`."""
         err = ApiError.of_status(self.code, str(self))
         if self.code == grpc.StatusCode.INVALID_ARGUMENT and CONTEXT_FULL.search(str(self)):
             err.code = "context_length_exceeded"  # OpenAI's code, which clients trim history on
+            err.param = "messages" if path.endswith("/chat/completions") else "prompt"
         return err
 
 
@@ -140,11 +142,7 @@ class OpenAIServer:
             self._authorize(request)
             return await handler(request)
         except Aborted as e:  # the servicer ended it and counted it
-            err = e.api_error()
-            if err.code == "context_length_exceeded":  # the field OpenAI names for it
-                err.param = "messages" if request.path.endswith("/chat/completions") else \
-                    "prompt"
-            return _error(err)
+            return _error(e.api_error(request.path))
         except ApiError as e:
             err = e
         except web.HTTPRequestEntityTooLarge:
@@ -341,7 +339,7 @@ async def _streamed(request, kind, rid, model, n, per_prompt, first, outs,
         if include_usage:
             await send(chunk([], tally.usage()))
     except (Aborted, ApiError) as e:  # after the 200 went out: an error event ends the stream
-        err = e if isinstance(e, ApiError) else e.api_error()
+        err = e if isinstance(e, ApiError) else e.api_error(request.path)
         await send(err.body())
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
