@@ -138,8 +138,10 @@ def run(args) -> int:
     recipe.update(info)
     save_head(head, args.out, dtype=torch.bfloat16, target=m)
     _write(args.out, recipe)  # the head is safe before the (slower) acceptance runs
-    del tr, ev, init  # the records and the optimizer's memory go back to the device: on an
-    gc.collect()  # 80 GB GPU the acceptance engines' first launches otherwise run out of it
+    # The records, the optimizer and any resumed state go back to the device: on an 80 GB GPU
+    # the acceptance engines' first launches otherwise ran out of memory.
+    del tr, ev, got, init, resumed
+    gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
     ks = sorted({1, 3, args.k_eval})

@@ -5,8 +5,10 @@ gives the same records, step count, history and bit-equal head as one uninterrup
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import weakref
 
 import pytest
 import torch
@@ -98,9 +100,11 @@ def test_distillation_cut_short_resumes_from_the_chunks_it_wrote(tmp_path):
         resume.distill_chunks(cut, "train", {"max_tokens": 13}, prompts, distil, chunk=2)
 
 
-def _cli(monkeypatch, out: str, *extra: str, stop_at: int | None = None) -> int:
+def _cli(monkeypatch, out: str, *extra: str, stop_at: int | None = None,
+         acceptance=None) -> int:
     """`tandem train-eagle3` on the tiny target, a two-domain mix of chat messages, chunks
-    of 4 prompts; `stop_at`: the run's `stop()` ends it at that question."""
+    of 4 prompts; `stop_at`: the run's `stop()` ends it at that question; `acceptance`: in
+    place of the held-out acceptance runs."""
     eng, _, _ = _distilled(["x"], 1, 1)
     eng.tokenizer = _Tok()
     monkeypatch.setattr(train_eagle3.Engine, "from_pretrained", lambda *a, **kw: eng)
@@ -115,8 +119,8 @@ def _cli(monkeypatch, out: str, *extra: str, stop_at: int | None = None) -> int:
     monkeypatch.setattr(resume, "CHUNK", 4)
     monkeypatch.setattr(train_eagle3, "_stopper",
                         lambda args: _stop_after(stop_at) if stop_at else None)
-    monkeypatch.setattr(train_eagle3, "engine_acceptance",
-                        lambda engine, head, ps, k, n: {"k": k, "prompts": len(ps)})
+    monkeypatch.setattr(train_eagle3, "engine_acceptance", acceptance or (
+        lambda engine, head, ps, k, n: {"k": k, "prompts": len(ps)}))
     p = argparse.ArgumentParser()
     train_eagle3.add_parser(p.add_subparsers(), "train an EAGLE-3 head")
     argv = ["train-eagle3", "--domains", "chat,math", "--out", out, "--device", "cpu",
@@ -150,6 +154,49 @@ def test_the_command_cut_short_and_run_again_equals_one_run(monkeypatch, tmp_pat
     assert set(rb["held_out_engine_acceptance"]) == {"chat", "math"}
     # other settings on the same folder are refused rather than mixed in
     assert _cli(monkeypatch, cut, "--resume", "--max-tokens", "9") == 2
+
+
+def test_records_optimizer_and_resumed_state_are_freed_before_the_acceptance_runs(
+        monkeypatch, tmp_path):
+    """By the held-out acceptance runs, train-eagle3 holds no record, no optimizer and no state
+    a resumed run loaded: on an 80 GB GPU they held the memory those runs' engines needed."""
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    assert _cli(monkeypatch, out, "--resume", "--stop-after", "60", stop_at=4) == 3
+    assert os.path.exists(os.path.join(out, "resume.pt"))
+    loaded, made = [], []
+    load_state, distill_chunks = resume.load_state, resume.distill_chunks
+
+    def tensors(obj):  # every tensor in nested dicts and lists
+        if isinstance(obj, torch.Tensor):
+            return [obj]
+        items = obj.values() if isinstance(obj, dict) else obj if isinstance(
+            obj, (list, tuple)) else []
+        return [t for it in items for t in tensors(it)]
+
+    def watched_state(path, key):
+        st = load_state(path, key)
+        loaded.extend(weakref.ref(t) for t in tensors(st))
+        return st
+
+    def watched_records(*a, **kw):
+        recs = distill_chunks(*a, **kw)
+        made.extend(weakref.ref(r.aux) for r in recs or [])
+        return recs
+
+    alive = []
+
+    def acceptance(engine, head, ps, k, n):
+        gc.collect()
+        optimizers = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)]
+        alive.append((sum(r() is not None for r in loaded + made), len(optimizers)))
+        return {"k": k}
+
+    monkeypatch.setattr(resume, "load_state", watched_state)
+    monkeypatch.setattr(resume, "distill_chunks", watched_records)
+    assert _cli(monkeypatch, out, "--resume", acceptance=acceptance) == 0
+    assert loaded and made  # the run did load a state and its records
+    assert alive and alive == [(0, 0)] * len(alive)
 
 
 def test_unusable_saved_files_are_refused_in_one_line_before_distilling(monkeypatch, tmp_path,
