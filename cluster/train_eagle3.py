@@ -140,10 +140,13 @@ def run(args) -> int:
     _write(args.out, recipe)  # the head is safe before the (slower) acceptance runs
     # The records, the optimizer and any resumed state go back to the device: on an 80 GB GPU
     # the acceptance engines' first launches otherwise ran out of memory.
+    held_gb = _device_gb(device)
     del tr, ev, got, init, resumed
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+        print(f"device memory: {held_gb:.1f} GB reserved by training, "
+              f"{_device_gb(device):.1f} GB for the held-out acceptance runs")
     ks = sorted({1, 3, args.k_eval})
     sets = {d: ps[: args.eval_prompts] for d, ps in (held or {None: eval_p}).items()}
     accept = {d: [engine_acceptance(engine, head, ps, k, args.max_tokens) for k in ks]
@@ -319,6 +322,11 @@ def engine_acceptance(engine: Engine, head: Eagle3Head, prompts: list, k: int,
                                     zip(st.accepted_per_pos, st.drafted_per_pos)],
             "verify_steps": st.verify_steps, "kv_blocks": blocks + 8,
             "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _device_gb(device: str) -> float:
+    """GB the allocator holds on a CUDA device (0 elsewhere)."""
+    return torch.cuda.memory_reserved(device) / 1e9 if device.startswith("cuda") else 0.0
 
 
 def _write(folder: str, recipe: dict) -> None:
