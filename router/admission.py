@@ -28,6 +28,12 @@ class Admission:
     def queued(self) -> int:
         return len(self._waiters)
 
+    @property
+    def room(self) -> int:
+        """The most requests one client can have running or queued at once."""
+        most = self.max_running + self.max_queued
+        return min(most, self.per_client) if self.per_client else most
+
     @asynccontextmanager
     async def slot(self, client: str = "") -> AsyncIterator[float]:
         """Hold a running slot for the body; yields the seconds spent waiting for it."""

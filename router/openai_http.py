@@ -212,6 +212,11 @@ class OpenAIServer:
         unicode_text(rid, "X-Request-Id")  # header bytes that are no UTF-8 arrive as surrogates
         reqs = convert(body, rid, info["max_model_len"])
         per_prompt = body.get("n") or 1  # choices per prompt (checked by `convert`)
+        room = self.service.admission.room
+        if len(reqs) > room:  # one request per choice: past the room, some always fail (429)
+            raise ApiError(f"{len(reqs)} choices in all: this server takes at most {room} "
+                           "requests of one client at once", param="n" if per_prompt > 1
+                           else "prompt")
         stream, opts = body.get("stream"), body.get("stream_options")
         if stream is not None and not isinstance(stream, bool):  # (1 == True in Python)
             raise ApiError("stream must be a boolean", param="stream")

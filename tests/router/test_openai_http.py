@@ -327,6 +327,31 @@ def test_a_full_queue_is_429_and_a_hang_up_frees_the_engine(smol_engine):
         a.close()
 
 
+def test_more_choices_than_the_server_admits_at_once_is_a_400_naming_n(smol_engine):
+    """Each choice is a request of its own: n past what one client may have running or
+    queued would always end in a 429, so it is refused as a bad request instead."""
+    a = Api(smol_engine, admission=Admission(8, max_queued=8, per_client=2))
+    try:
+        c = a.client()
+        out = c.completions.create(model=a.model, prompt="hi", max_tokens=2, n=2)
+        assert len(out.choices) == 2
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=a.model, prompt="hi", max_tokens=2, n=3)
+        assert e.value.body["param"] == "n" and "at most 2 requests" in e.value.message
+        with pytest.raises(openai.BadRequestError) as e:  # three prompts, one choice each
+            c.completions.create(model=a.model, prompt=["a", "b", "c"], max_tokens=2)
+        assert e.value.body["param"] == "prompt"
+        smol_engine.blocks.check_all_free()
+    finally:
+        a.close()
+    a = Api(smol_engine, admission=Admission(1, 0, 5.0))  # one running, none queued
+    try:
+        with pytest.raises(openai.BadRequestError):
+            a.client().chat.completions.create(model=a.model, messages=CHAT, max_tokens=2, n=2)
+    finally:
+        a.close()
+
+
 def test_refusals_before_the_servicer_are_counted(smol_engine):
     from prometheus_client.parser import text_string_to_metric_families
 
