@@ -47,18 +47,24 @@ IDLE_S, BODY_S = 75.0, 60.0
 
 
 class _ClientFaults(logging.Filter):
-    """aiohttp logs each malformed request (a bad Content-Length, a header past its limit) with
-    a traceback before any handler runs: the client's fault, one line at debug instead."""
+    """aiohttp logs each malformed request (a bad Content-Length, a header past its limit)
+    with a traceback before any handler runs, and a body that does not follow its
+    Content-Encoding again as it discards the rest after the 400: the client's fault, one
+    line at debug instead."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, HttpProcessingError):
+        if isinstance(exc, (HttpProcessingError, RequestPayloadError)):
             log.debug("HTTP: a malformed request: %s", exc)
             return False
         return True
 
 
 logging.getLogger("aiohttp.server").addFilter(_ClientFaults())
+
+
+class ClientGone(Exception):
+    """The client hung up while its request body was on the way: nobody to answer."""
 
 
 class Aborted(Exception):
@@ -143,6 +149,12 @@ class OpenAIServer:
             return await handler(request)
         except Aborted as e:  # the servicer ended it and counted it
             return _error(e.api_error(request.path))
+        except ClientGone:  # counted as a gRPC call its caller cancelled, not a server fault
+            log.debug("%s %s: the client left before its body arrived", request.method,
+                      request.path)
+            if self.service.metrics is not None:
+                self.service.metrics.count_error("CANCELLED")
+            return _error(ApiError("the client closed the connection", 400))
         except ApiError as e:
             err = e
         except web.HTTPRequestEntityTooLarge:
@@ -357,7 +369,10 @@ async def _json(request: web.Request):
     except asyncio.TimeoutError:
         raise ApiError(f"the request body did not arrive within {BODY_S:g} s", 408) from None
     except RequestPayloadError as e:  # torn chunks, a Content-Encoding the bytes do not follow
-        raise ApiError(f"the request body cannot be read: {e}") from None
+        why = getattr(e.__cause__, "message", None) or str(e)  # aiohttp's, without its status
+        raise ApiError(f"the request body cannot be read: {' '.join(why.split())}") from None
+    except ConnectionResetError:  # the client hung up before its body arrived
+        raise ClientGone from None
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):  # (nested past the parser's depth)

@@ -239,6 +239,41 @@ def test_a_malformed_request_logs_no_traceback(api, caplog):
     assert "a malformed request" in caplog.text
 
 
+def test_unreadable_and_abandoned_bodies_log_no_traceback_and_count_no_fault(smol_engine,
+                                                                            caplog):
+    """A body that does not follow its Content-Encoding: a 400 with one line of aiohttp's
+    reason (aiohttp logged it again, with a traceback, as it discarded the rest); a client that
+    hangs up before its body arrived: counted CANCELLED, not INTERNAL, and no traceback."""
+    import logging
+    import socket
+
+    from engine.metrics import Metrics
+
+    m = Metrics("router")
+    api = Api(smol_engine, metrics=m)
+
+    def count(code):
+        return m.errors.labels(*m.bound, code)._value.get()
+
+    try:
+        with caplog.at_level(logging.DEBUG):
+            status, out = api.raw("POST", "/v1/completions", b"not gzip at all",
+                                  headers={"Content-Encoding": "gzip"})
+            assert status == 400 and out["error"]["message"] == (
+                "the request body cannot be read: Can not decode content-encoding: gzip"), out
+            with socket.create_connection(("127.0.0.1", api.port), timeout=30) as s:
+                s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                          b"application/json\r\nContent-Length: 500\r\n\r\n{\"prompt\": \"x\"")
+            end = time.monotonic() + 30
+            while not count("CANCELLED") and time.monotonic() < end:
+                time.sleep(0.02)
+            assert api.raw("GET", "/health")[0] == 200
+    finally:
+        api.close()
+    assert (count("CANCELLED"), count("INTERNAL"), count("INVALID_ARGUMENT")) == (1, 0, 1)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
 @pytest.mark.parametrize("path, field, param", [
     ("/v1/completions", '"prompt": "a\\ud800b"', "prompt"),
     ("/v1/completions", '"prompt": ["ok", "\\udfff"]', "prompt"),
