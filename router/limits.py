@@ -4,6 +4,7 @@ error and echoed values are clipped, so a request cannot forge or bloat its refu
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -72,6 +73,16 @@ def clip(value: object, n: int = ECHO_CHARS) -> str:
     """`value` as a short, inert string to echo: repr-escaped (no newlines or control
     characters survive), cut to about `n` characters."""
     s = repr(value) if isinstance(value, str) else repr(str(value))
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def shown(value: object, n: int = ECHO_CHARS) -> str:
+    """A JSON value of a request as its JSON text, ASCII-escaped and cut to about `n`
+    characters: 2.0 echoes as 2.0 and "5" as "5", not quoted again as `clip` quotes."""
+    try:
+        s = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError):  # not JSON's: (no request value)
+        return clip(value, n)
     return s if len(s) <= n else s[: n - 1] + "…"
 
 

@@ -8,7 +8,7 @@ import math
 
 import grpc
 
-from router.limits import clip
+from router.limits import clip, shown
 from tandem_client.types import SEEDS
 from tandem_proto.v1 import generation_pb2 as pb
 
@@ -71,7 +71,7 @@ def chat_requests(body, rid: str, max_model_len: int) -> list[pb.GenerateRequest
         else "max_tokens"
     fmt = _get(body, "response_format", dict)
     if fmt is not None and fmt.get("type", "text") != "text":
-        raise ApiError(f"response_format {clip(str(fmt.get('type')))!r} is not supported "
+        raise ApiError(f"response_format {shown(fmt.get('type'))} is not supported "
                        "(only text)", param="response_format")
     choice = body.get("tool_choice")
     if choice not in (None, "none"):
@@ -87,8 +87,8 @@ def _choices(body: dict, rid: str, prompts: list[pb.GenerateRequest], default_ma
     n = _get(body, "n", int)
     n = 1 if n is None else n
     if not 1 <= n or len(prompts) * n > MAX_CHOICES:
-        raise ApiError(f"n={n} for {len(prompts)} prompt(s): at most {MAX_CHOICES} choices "
-                       "in all", param="n")
+        raise ApiError(f"n={shown(n, 40)} for {len(prompts)} prompt(s): at most "
+                       f"{MAX_CHOICES} choices in all", param="n")
     sampling = _sampling(body, default_max, max_key)
     out = []
     for p in prompts:
@@ -116,12 +116,12 @@ def _sampling(body: dict, default_max: int, max_key: str) -> pb.SamplingParams:
         s.top_p = p
     m = _get(body, max_key, int)
     if m is not None and m < 1:
-        raise ApiError(f"{max_key} must be at least 1, got {m}", param=max_key)
+        raise ApiError(f"{max_key} must be at least 1, got {shown(m, 40)}", param=max_key)
     s.max_tokens = min(m if m is not None else default_max, (1 << 32) - 1)
     seed = _get(body, "seed", int)
     if seed is not None:
         if not -(1 << 63) <= seed < (1 << 63):
-            raise ApiError(f"seed must be a 64-bit signed integer, got {clip(repr(seed), 40)}",
+            raise ApiError(f"seed must be a 64-bit signed integer, got {shown(seed, 40)}",
                            param="seed")
         s.seed = seed % SEEDS
     stop = _get(body, "stop", (str, list))
@@ -199,7 +199,7 @@ def unicode_text(text: str, param: str) -> str:
 def _ids(values: list, param: str) -> list[int]:
     for v in values:
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < (1 << 32):
-            raise ApiError(f"{param} holds {clip(repr(v))}: token ids are integers from 0",
+            raise ApiError(f"{param} holds {shown(v)}: token ids are integers from 0",
                            param=param)
     return values
 
@@ -220,7 +220,7 @@ def _get(body: dict, key: str, types, required: bool = False):
     if isinstance(value, bool) and bool not in types or not isinstance(value, types):
         names = " or ".join({int: "an integer", str: "a string", list: "an array",
                              dict: "an object", bool: "a boolean"}[t] for t in types)
-        raise ApiError(f"{key} must be {names}, got {clip(repr(value), 40)}", param=key)
+        raise ApiError(f"{key} must be {names}, got {shown(value, 40)}", param=key)
     return value
 
 
@@ -235,7 +235,7 @@ def _number(body: dict, key: str, lo: float, hi: float) -> float | None:
         ok = False
     if not ok:
         raise ApiError(f"{key} must be a number from {lo:g} to {hi:g}, got "
-                       f"{clip(repr(value), 40)}", param=key)
+                       f"{shown(value, 40)}", param=key)
     return float(value)
 
 

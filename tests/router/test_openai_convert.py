@@ -37,6 +37,29 @@ def test_any_signed_64_bit_seed_maps_into_the_engines_range():
     assert e.value.param == "seed"
 
 
+@pytest.mark.parametrize("body, param, echoed", [
+    ({"max_tokens": 2.0}, "max_tokens", "got 2.0"),
+    ({"max_tokens": "5"}, "max_tokens", 'got "5"'),
+    ({"max_tokens": -(10 ** 80)}, "max_tokens", "got -100000"),
+    ({"n": 10 ** 300}, "n", "n=100000"),
+    ({"temperature": "hot"}, "temperature", 'got "hot"'),
+    ({"response_format": {"type": "json_object"}}, "response_format",
+     'response_format "json_object" is not'),
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt": None, "seed": 2.5}, "seed",
+     "got 2.5"),
+    ({"prompt": [[1, "two"]]}, "prompt[0]", 'holds "two"'),
+])
+def test_refused_values_are_echoed_as_their_json_cut_short(body, param, echoed):
+    """A refused value is echoed as the JSON it was sent as (2.0, "5"), not quoted twice as
+    if a string had been sent, and cut to a few dozen characters however long it is."""
+    convert = chat_requests if "response_format" in body or "messages" in body \
+        else completion_requests
+    with pytest.raises(ApiError) as e:
+        convert({"prompt": "x", "messages": CHAT, **body}, "r", 2048)
+    assert e.value.param == param and echoed in str(e.value), str(e.value)
+    assert len(str(e.value)) < 120
+
+
 def test_left_out_fields_take_openais_defaults():
     (chat,) = chat_requests({"messages": CHAT}, "r", 2048)
     (text,) = completion_requests({"prompt": "x"}, "r", 2048)
