@@ -19,6 +19,7 @@ from cluster.eagle3 import resume
 from cluster.eagle3.loop import train
 from cluster.eagle3.records import draft_vocab, self_distill
 from engine.spec.eagle3 import Eagle3Config
+from engine.testing import tiny_engine
 from tests.spec.test_trainer import _distilled, _Tok
 
 
@@ -101,11 +102,11 @@ def test_distillation_cut_short_resumes_from_the_chunks_it_wrote(tmp_path):
 
 
 def _cli(monkeypatch, out: str, *extra: str, stop_at: int | None = None,
-         acceptance=None) -> int:
-    """`tandem train-eagle3` on the tiny target, a two-domain mix of chat messages, chunks
-    of 4 prompts; `stop_at`: the run's `stop()` ends it at that question; `acceptance`: in
-    place of the held-out acceptance runs."""
-    eng, _, _ = _distilled(["x"], 1, 1)
+         acceptance=None, engine=None) -> int:
+    """`tandem train-eagle3` on the tiny target (or `engine`), a two-domain mix of chat
+    messages, chunks of 4 prompts; `stop_at`: the run's `stop()` ends it at that question;
+    `acceptance`: in place of the held-out acceptance runs."""
+    eng = engine or _distilled(["x"], 1, 1)[0]
     eng.tokenizer = _Tok()
     monkeypatch.setattr(train_eagle3.Engine, "from_pretrained", lambda *a, **kw: eng)
 
@@ -156,6 +157,28 @@ def test_the_command_cut_short_and_run_again_equals_one_run(monkeypatch, tmp_pat
     assert _cli(monkeypatch, cut, "--resume", "--max-tokens", "9") == 2
 
 
+def _tensors(obj) -> list:
+    """Every tensor in nested dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(
+        obj, (list, tuple)) else []
+    return [t for it in items for t in _tensors(it)]
+
+
+def _watch_records(monkeypatch) -> list:
+    """Weak references to the aux tensors of every record the run self-distils."""
+    made, distill_chunks = [], resume.distill_chunks
+
+    def watched(*a, **kw):
+        recs = distill_chunks(*a, **kw)
+        made.extend(weakref.ref(r.aux) for r in recs or [])
+        return recs
+
+    monkeypatch.setattr(resume, "distill_chunks", watched)
+    return made
+
+
 def test_records_optimizer_and_resumed_state_are_freed_before_the_acceptance_runs(
         monkeypatch, tmp_path):
     """By the held-out acceptance runs, train-eagle3 holds no record, no optimizer and no state
@@ -164,25 +187,12 @@ def test_records_optimizer_and_resumed_state_are_freed_before_the_acceptance_run
     os.makedirs(out)
     assert _cli(monkeypatch, out, "--resume", "--stop-after", "60", stop_at=4) == 3
     assert os.path.exists(os.path.join(out, "resume.pt"))
-    loaded, made = [], []
-    load_state, distill_chunks = resume.load_state, resume.distill_chunks
-
-    def tensors(obj):  # every tensor in nested dicts and lists
-        if isinstance(obj, torch.Tensor):
-            return [obj]
-        items = obj.values() if isinstance(obj, dict) else obj if isinstance(
-            obj, (list, tuple)) else []
-        return [t for it in items for t in tensors(it)]
+    loaded, load_state = [], resume.load_state
 
     def watched_state(path, key):
         st = load_state(path, key)
-        loaded.extend(weakref.ref(t) for t in tensors(st))
+        loaded.extend(weakref.ref(t) for t in _tensors(st))
         return st
-
-    def watched_records(*a, **kw):
-        recs = distill_chunks(*a, **kw)
-        made.extend(weakref.ref(r.aux) for r in recs or [])
-        return recs
 
     alive = []
 
@@ -193,10 +203,40 @@ def test_records_optimizer_and_resumed_state_are_freed_before_the_acceptance_run
         return {"k": k}
 
     monkeypatch.setattr(resume, "load_state", watched_state)
-    monkeypatch.setattr(resume, "distill_chunks", watched_records)
+    made = _watch_records(monkeypatch)
     assert _cli(monkeypatch, out, "--resume", acceptance=acceptance) == 0
     assert loaded and made  # the run did load a state and its records
     assert alive and alive == [(0, 0)] * len(alive)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_run_on_the_gpu_ends_with_acceptance_and_its_records_freed(monkeypatch, tmp_path,
+                                                                    capsys):
+    """On CUDA (records in bf16 on the device, held-out runs through the Triton kernels): the
+    command ends with exit status 0 and acceptance per domain, and by then no record is alive
+    and the allocator has handed back the training's cache."""
+    eng = tiny_engine(0, device="cuda", block_size=16, max_num_seqs=32,
+                      enable_prefix_caching=False)
+    made, seen, real = _watch_records(monkeypatch), [], train_eagle3.engine_acceptance
+
+    def acceptance(engine, head, ps, k, n):
+        gc.collect()
+        seen.append((sum(r() is not None for r in made), torch.cuda.memory_reserved(),
+                     torch.cuda.max_memory_reserved()))
+        return real(engine, head, ps, k, n)
+
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    assert _cli(monkeypatch, out, "--resume", "--device", "cuda", engine=eng,
+                acceptance=acceptance) == 0, capsys.readouterr().err
+    assert made and seen and seen[0][0] == 0 and seen[0][1] < seen[0][2], seen
+    assert "GB for the held-out acceptance runs" in capsys.readouterr().out
+    with open(os.path.join(out, "training.json")) as f:
+        got = json.load(f)["held_out_engine_acceptance"]
+    assert set(got) == {"chat", "math"}
+    assert all(r["verify_steps"] > 0 and r["acceptance_length"] >= 1 for rs in got.values()
+               for r in rs), got
 
 
 def test_unusable_saved_files_are_refused_in_one_line_before_distilling(monkeypatch, tmp_path,
