@@ -223,6 +223,12 @@ class OpenAIServer:
             f"{kind[:4]}{next(self._ids)}-{time.time_ns() % 10**9}"
         unicode_text(rid, "X-Request-Id")  # header bytes that are no UTF-8 arrive as surrogates
         reqs = convert(body, rid, info["max_model_len"])
+        # each choice's id is the request's with "-i" after it: the header keeps room for that
+        room = self.service.limits.max_request_id_bytes - (len(f"-{len(reqs) - 1}")
+                                                           if len(reqs) > 1 else 0)
+        if len(rid.encode()) > room:
+            raise ApiError(f"X-Request-Id has {len(rid.encode())} bytes; the limit is {room} "
+                           f"for {len(reqs)} choice(s)")
         per_prompt = body.get("n") or 1  # choices per prompt (checked by `convert`)
         room = self.service.admission.room
         if len(reqs) > room:  # one request per choice: past the room, some always fail (429)

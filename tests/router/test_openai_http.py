@@ -362,6 +362,17 @@ def test_a_full_queue_is_429_and_a_hang_up_frees_the_engine(smol_engine):
         a.close()
 
 
+def test_a_request_id_header_keeps_room_for_the_choices_suffixes(api):
+    """Choice i of n runs as "<X-Request-Id>-i": the header's limit leaves room for that, and
+    the refusal names the header and the size the client sent."""
+    body = json.dumps({"model": api.model, "prompt": "hi", "max_tokens": 1, "n": 2}).encode()
+    status, out = api.raw("POST", "/v1/completions", body, headers={"X-Request-Id": "r" * 191})
+    assert status == 400 and out["error"]["message"] == (
+        "X-Request-Id has 191 bytes; the limit is 190 for 2 choice(s)"), out
+    status, out = api.raw("POST", "/v1/completions", body, headers={"X-Request-Id": "r" * 190})
+    assert status == 200 and len(out["choices"]) == 2, out
+
+
 def test_more_choices_than_the_server_admits_at_once_is_a_400_naming_n(smol_engine):
     """Each choice is a request of its own: n past what one client may have running or
     queued would always end in a 429, so it is refused as a bad request instead."""
