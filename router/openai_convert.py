@@ -60,6 +60,9 @@ def check_model(body: dict, served: str) -> None:
 def completion_requests(body, rid: str, max_model_len: int) -> list[pb.GenerateRequest]:
     """One GenerateRequest per choice of a /v1/completions body (prompts x n)."""
     prompts = _prompts(_get(_object(body), "prompt", (str, list), required=True))
+    lp = body.get("logprobs")
+    if isinstance(lp, int) and not isinstance(lp, bool):  # 0 too: the chosen tokens' own
+        raise ApiError("logprobs is not supported by this server", param="logprobs")
     return _choices(body, rid, prompts, COMPLETION_MAX_TOKENS, "max_tokens")
 
 
@@ -82,7 +85,9 @@ def chat_requests(body, rid: str, max_model_len: int) -> list[pb.GenerateRequest
 def _choices(body: dict, rid: str, prompts: list[pb.GenerateRequest], default_max: int,
              max_key: str) -> list[pb.GenerateRequest]:
     for key in UNSUPPORTED:
-        if body.get(key) not in (None, False, 0, [], {}):
+        v = body.get(key)
+        if v not in (None, False, 0, [], {}) and not (key == "best_of" and v == 1 and
+                                                      not isinstance(v, bool)):  # OpenAI's default
             raise ApiError(f"{key} is not supported by this server", param=key)
     n = _get(body, "n", int)
     n = 1 if n is None else n

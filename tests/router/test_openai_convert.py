@@ -60,6 +60,18 @@ def test_refused_values_are_echoed_as_their_json_cut_short(body, param, echoed):
     assert len(str(e.value)) < 120
 
 
+def test_openais_defaults_of_unsupported_fields_pass_and_the_rest_are_refused():
+    """best_of 1 is OpenAI's default (no choice made among draws); a completions logprobs of
+    0 asks for the chosen tokens' logprobs, which this server does not give."""
+    assert len(completion_requests({"prompt": "x", "best_of": 1}, "r", 2048)) == 1
+    assert len(chat_requests({"messages": CHAT, "logprobs": False}, "r", 2048)) == 1
+    for body, param in [({"best_of": 2}, "best_of"), ({"best_of": True}, "best_of"),
+                        ({"logprobs": 0}, "logprobs"), ({"logprobs": 3}, "logprobs")]:
+        with pytest.raises(ApiError) as e:
+            completion_requests({"prompt": "x", **body}, "r", 2048)
+        assert e.value.param == param and "not supported" in str(e.value)
+
+
 def test_left_out_fields_take_openais_defaults():
     (chat,) = chat_requests({"messages": CHAT}, "r", 2048)
     (text,) = completion_requests({"prompt": "x"}, "r", 2048)
