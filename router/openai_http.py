@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import json
 import logging
+import re
 import ssl
 import time
 from collections.abc import AsyncIterator
@@ -75,12 +76,29 @@ class Aborted(Exception):
         self.code = code
 
     def api_error(self, path: str = "") -> ApiError:
-        """The OpenAI error of this status for a request to `path`."""
-        err = ApiError.of_status(self.code, str(self))
+        """The OpenAI error of this status for a request to `path`: a bound of the gRPC
+        request (`router.limits`) is named by the HTTP field it came from."""
+        chat = path.endswith("/chat/completions")
+        message, param = str(self), None
+        if self.code == grpc.StatusCode.INVALID_ARGUMENT:
+            if hit := _GRPC_FIELD.match(message):
+                param = "messages" if hit[1].startswith("chat") or (
+                    chat and hit[1] in ("text", "token_ids")) else _HTTP_FIELD[hit[1]]
+                message = param + message[len(hit[1]):] if hit[1] != "chat content" \
+                    else message
+        err = ApiError.of_status(self.code, message)
+        err.param = param
         if self.code == grpc.StatusCode.INVALID_ARGUMENT and CONTEXT_FULL.search(str(self)):
             err.code = "context_length_exceeded"  # OpenAI's code, which clients trim history on
-            err.param = "messages" if path.endswith("/chat/completions") else "prompt"
+            err.param = "messages" if chat else "prompt"
         return err
+
+
+# `router.limits`' gRPC field names -> the OpenAI request's (chat.* -> messages)
+_HTTP_FIELD = {"sampling.stop_token_ids": "stop_token_ids", "sampling.stop": "stop",
+               "token_ids": "prompt", "text": "prompt"}
+_GRPC_FIELD = re.compile(r"(sampling\.stop_token_ids|sampling\.stop|token_ids|text|"
+                         r"chat\.messages|chat content)(?=[ \[])")
 
 
 class Call:

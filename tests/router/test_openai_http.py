@@ -362,6 +362,27 @@ def test_a_full_queue_is_429_and_a_hang_up_frees_the_engine(smol_engine):
         a.close()
 
 
+def test_the_request_bounds_name_the_http_fields(api):
+    """The gRPC request's bounds (`router.limits`), met through the HTTP door, name the
+    OpenAI field the value came in (stop, not sampling.stop) in the message and as param."""
+    c = api.client()
+    for kw, param, start in [
+            ({"stop": [f"s{i}" for i in range(17)]}, "stop", "stop has 17 strings"),
+            ({"stop": ["x" * 600]}, "stop", "stop[0] has 600 characters"),
+            ({"messages": CHAT * 513}, "messages", "messages has 513 messages"),
+            ({"messages": [{"role": "user", "content": "x" * 200_000}] * 2}, "messages",
+             "chat content has 400000 characters")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(**{"model": api.model, "messages": CHAT,
+                                         "max_tokens": 1, **kw})
+        assert e.value.body["param"] == param and e.value.body["message"].startswith(start), \
+            e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=api.model, prompt="x" * 300_000, max_tokens=1)
+    assert e.value.body["param"] == "prompt"
+    assert e.value.body["message"].startswith("prompt has 300000")
+
+
 def test_a_request_id_header_keeps_room_for_the_choices_suffixes(api):
     """Choice i of n runs as "<X-Request-Id>-i": the header's limit leaves room for that, and
     the refusal names the header and the size the client sent."""
