@@ -106,6 +106,7 @@ def run(args) -> int:
         print(f"records: {len(tr)} + {len(ev)} in {t_data:.1f} s -> "
               f"{args.records or os.path.join(args.out, 'records')}")
         return 0
+    engine = _weights_only(engine)  # self-distillation's KV pool and graphs go back
     init, added = _grown(args, init, tr)
     vocab_ids = init.draft_to_target.cpu() if init is not None else \
         draft_vocab(tr, args.draft_vocab, m.vocab_size)
@@ -145,8 +146,9 @@ def run(args) -> int:
     gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
-        print(f"device memory: {held_gb:.1f} GB reserved by training, "
-              f"{_device_gb(device):.1f} GB for the held-out acceptance runs")
+        print(f"device memory: {held_gb:.1f} GB reserved while training; for the held-out "
+              f"acceptance runs {_device_gb(device):.1f} GB reserved, "
+              f"{torch.cuda.mem_get_info(device)[0] / 1e9:.1f} GB free")
     ks = sorted({1, 3, args.k_eval})
     sets = {d: ps[: args.eval_prompts] for d, ps in (held or {None: eval_p}).items()}
     accept = {d: [engine_acceptance(engine, head, ps, k, args.max_tokens) for k in ks]
@@ -322,6 +324,13 @@ def engine_acceptance(engine: Engine, head: Eagle3Head, prompts: list, k: int,
                                     zip(st.accepted_per_pos, st.drafted_per_pos)],
             "verify_steps": st.verify_steps, "kv_blocks": blocks + 8,
             "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _weights_only(engine: Engine) -> Engine:
+    """An engine on `engine`'s weights with a few KV blocks and no graphs, for training and
+    the acceptance runs: self-distillation's pool (DISTIL_SEQS answers) and captured graphs
+    are freed with `engine`."""
+    return Engine(replace(engine.config, num_blocks=8, cuda_graphs=False), weights_of=engine)
 
 
 def _device_gb(device: str) -> float:

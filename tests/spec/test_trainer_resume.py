@@ -181,8 +181,9 @@ def _watch_records(monkeypatch) -> list:
 
 def test_records_optimizer_and_resumed_state_are_freed_before_the_acceptance_runs(
         monkeypatch, tmp_path):
-    """By the held-out acceptance runs, train-eagle3 holds no record, no optimizer and no state
-    a resumed run loaded: on an 80 GB GPU they held the memory those runs' engines needed."""
+    """By the held-out acceptance runs, train-eagle3 holds no record, no optimizer, no state
+    a resumed run loaded and no self-distillation KV pool: on an 80 GB GPU they held the
+    memory those runs' engines needed."""
     out = str(tmp_path / "run")
     os.makedirs(out)
     assert _cli(monkeypatch, out, "--resume", "--stop-after", "60", stop_at=4) == 3
@@ -196,17 +197,21 @@ def test_records_optimizer_and_resumed_state_are_freed_before_the_acceptance_run
 
     alive = []
 
-    def acceptance(engine, head, ps, k, n):
+    def optimizers():  # alive in this process (another test's may linger: compared before)
         gc.collect()
-        optimizers = [o for o in gc.get_objects() if isinstance(o, torch.optim.Optimizer)]
-        alive.append((sum(r() is not None for r in loaded + made), len(optimizers)))
+        return sum(isinstance(o, torch.optim.Optimizer) for o in gc.get_objects())
+
+    def acceptance(engine, head, ps, k, n):
+        alive.append((sum(r() is not None for r in loaded + made), optimizers() - before,
+                      engine.config.num_blocks))  # not self-distillation's KV pool either
         return {"k": k}
 
     monkeypatch.setattr(resume, "load_state", watched_state)
     made = _watch_records(monkeypatch)
+    before = optimizers()
     assert _cli(monkeypatch, out, "--resume", acceptance=acceptance) == 0
     assert loaded and made  # the run did load a state and its records
-    assert alive and alive == [(0, 0)] * len(alive)
+    assert alive and alive == [(0, 0, 8)] * len(alive)
 
 
 @pytest.mark.gpu
@@ -214,24 +219,22 @@ def test_records_optimizer_and_resumed_state_are_freed_before_the_acceptance_run
 def test_a_run_on_the_gpu_ends_with_acceptance_and_its_records_freed(monkeypatch, tmp_path,
                                                                     capsys):
     """On CUDA (records in bf16 on the device, held-out runs through the Triton kernels): the
-    command ends with exit status 0 and acceptance per domain, and by then no record is alive
-    and the allocator has handed back the training's cache."""
+    command ends with exit status 0 and acceptance per domain, no record alive by then."""
     eng = tiny_engine(0, device="cuda", block_size=16, max_num_seqs=32,
                       enable_prefix_caching=False)
     made, seen, real = _watch_records(monkeypatch), [], train_eagle3.engine_acceptance
 
     def acceptance(engine, head, ps, k, n):
         gc.collect()
-        seen.append((sum(r() is not None for r in made), torch.cuda.memory_reserved(),
-                     torch.cuda.max_memory_reserved()))
+        seen.append(sum(r() is not None for r in made))
         return real(engine, head, ps, k, n)
 
     out = str(tmp_path / "run")
     os.makedirs(out)
     assert _cli(monkeypatch, out, "--resume", "--device", "cuda", engine=eng,
                 acceptance=acceptance) == 0, capsys.readouterr().err
-    assert made and seen and seen[0][0] == 0 and seen[0][1] < seen[0][2], seen
-    assert "GB for the held-out acceptance runs" in capsys.readouterr().out
+    assert made and seen and not any(seen), seen
+    assert "GB free" in capsys.readouterr().out  # the device memory line
     with open(os.path.join(out, "training.json")) as f:
         got = json.load(f)["held_out_engine_acceptance"]
     assert set(got) == {"chat", "math"}
