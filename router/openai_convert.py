@@ -61,7 +61,7 @@ def completion_requests(body, rid: str, max_model_len: int) -> list[pb.GenerateR
     """One GenerateRequest per choice of a /v1/completions body (prompts x n)."""
     prompts = _prompts(_get(_object(body), "prompt", (str, list), required=True))
     lp = body.get("logprobs")
-    if isinstance(lp, int) and not isinstance(lp, bool):  # 0 too: the chosen tokens' own
+    if isinstance(lp, (int, float)) and not isinstance(lp, bool):  # 0: the chosen tokens'
         raise ApiError("logprobs is not supported by this server", param="logprobs")
     return _choices(body, rid, prompts, COMPLETION_MAX_TOKENS, "max_tokens")
 
@@ -84,13 +84,13 @@ def chat_requests(body, rid: str, max_model_len: int) -> list[pb.GenerateRequest
 
 def _choices(body: dict, rid: str, prompts: list[pb.GenerateRequest], default_max: int,
              max_key: str) -> list[pb.GenerateRequest]:
-    for key in UNSUPPORTED:
-        v = body.get(key)
-        if v not in (None, False, 0, [], {}) and not (key == "best_of" and v == 1 and
-                                                      not isinstance(v, bool)):  # OpenAI's default
-            raise ApiError(f"{key} is not supported by this server", param=key)
     n = _get(body, "n", int)
     n = 1 if n is None else n
+    for key in UNSUPPORTED:
+        v = body.get(key)
+        if v not in (None, False, 0, [], {}) and not (  # best_of n: every draw is a choice
+                key == "best_of" and v == n and not isinstance(v, bool)):
+            raise ApiError(f"{key} is not supported by this server", param=key)
     if not 1 <= n or len(prompts) * n > MAX_CHOICES:
         raise ApiError(f"n={shown(n, 40)} for {len(prompts)} prompt(s): at most "
                        f"{MAX_CHOICES} choices in all", param="n")

@@ -37,6 +37,7 @@ from router.server import GenerationService
 
 log = logging.getLogger("tandem.router")
 STREAMING = web.RequestKey("streaming", bool)  # set once a stream's 200 went out
+BODY_LOST = web.RequestKey("body_lost", bool)  # set where the client left during its body
 # an HTTP refusal's gRPC status name, for the metrics
 _GRPC_CODE = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
               408: "DEADLINE_EXCEEDED", 413: "INVALID_ARGUMENT"}
@@ -81,11 +82,13 @@ class Aborted(Exception):
         chat = path.endswith("/chat/completions")
         message, param = str(self), None
         if self.code == grpc.StatusCode.INVALID_ARGUMENT:
-            if hit := _GRPC_FIELD.match(message):
+            if (hit := _GRPC_FIELD.match(message)) and hit[1] == "request_id":
+                message = "X-Request-Id" + message[len(hit[1]):]  # a header, not a param
+            elif hit:
                 param = "messages" if hit[1].startswith("chat") or (
                     chat and hit[1] in ("text", "token_ids")) else _HTTP_FIELD[hit[1]]
                 message = param + message[len(hit[1]):] if hit[1] != "chat content" \
-                    else message
+                    else "messages' content" + message[len(hit[1]):]
         err = ApiError.of_status(self.code, message)
         err.param = param
         if self.code == grpc.StatusCode.INVALID_ARGUMENT and CONTEXT_FULL.search(str(self)):
@@ -98,7 +101,7 @@ class Aborted(Exception):
 _HTTP_FIELD = {"sampling.stop_token_ids": "stop_token_ids", "sampling.stop": "stop",
                "token_ids": "prompt", "text": "prompt"}
 _GRPC_FIELD = re.compile(r"(sampling\.stop_token_ids|sampling\.stop|token_ids|text|"
-                         r"chat\.messages|chat content)(?=[ \[])")
+                         r"chat\.messages|chat content|request_id)(?=[ \[])")
 
 
 class Call:
@@ -168,11 +171,12 @@ class OpenAIServer:
         except Aborted as e:  # the servicer ended it and counted it
             return _error(e.api_error(request.path))
         except ClientGone:  # counted as a gRPC call its caller cancelled, not a server fault
-            log.debug("%s %s: the client left before its body arrived", request.method,
-                      request.path)
-            if self.service.metrics is not None:
-                self.service.metrics.count_error("CANCELLED")
+            self._client_left(request)
             return _error(ApiError("the client closed the connection", 400))
+        except asyncio.CancelledError:
+            if request.get(BODY_LOST):
+                self._client_left(request)
+            raise
         except ApiError as e:
             err = e
         except web.HTTPRequestEntityTooLarge:
@@ -191,6 +195,12 @@ class OpenAIServer:
         if self.service.metrics is not None and err.status != 401:
             self.service.metrics.count_error(_GRPC_CODE.get(err.status, "INTERNAL"))
         return _error(err)
+
+    def _client_left(self, request: web.Request) -> None:
+        log.debug("%s %s: the client left before its body arrived", request.method,
+                  request.path)
+        if self.service.metrics is not None:
+            self.service.metrics.count_error("CANCELLED")
 
     def _authorize(self, request: web.Request) -> None:
         if self.auth is None:
@@ -241,10 +251,10 @@ class OpenAIServer:
             f"{kind[:4]}{next(self._ids)}-{time.time_ns() % 10**9}"
         unicode_text(rid, "X-Request-Id")  # header bytes that are no UTF-8 arrive as surrogates
         reqs = convert(body, rid, info["max_model_len"])
-        # each choice's id is the request's with "-i" after it: the header keeps room for that
-        room = self.service.limits.max_request_id_bytes - (len(f"-{len(reqs) - 1}")
-                                                           if len(reqs) > 1 else 0)
-        if len(rid.encode()) > room:
+        # each choice's id is the header's with "-i" after it: the header keeps room for that
+        room = self.service.limits.max_request_id_bytes - max(
+            len(r.request_id.encode()) for r in reqs) + len(rid.encode())
+        if "X-Request-Id" in request.headers and len(rid.encode()) > room:
             raise ApiError(f"X-Request-Id has {len(rid.encode())} bytes; the limit is {room} "
                            f"for {len(reqs)} choice(s)")
         per_prompt = body.get("n") or 1  # choices per prompt (checked by `convert`)
@@ -397,6 +407,9 @@ async def _json(request: web.Request):
         raise ApiError(f"the request body cannot be read: {' '.join(why.split())}") from None
     except ConnectionResetError:  # the client hung up before its body arrived
         raise ClientGone from None
+    except asyncio.CancelledError:  # the same hang-up, as the handler's cancellation (3.12+)
+        request[BODY_LOST] = True
+        raise
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):  # (nested past the parser's depth)

@@ -61,12 +61,14 @@ def test_refused_values_are_echoed_as_their_json_cut_short(body, param, echoed):
 
 
 def test_openais_defaults_of_unsupported_fields_pass_and_the_rest_are_refused():
-    """best_of 1 is OpenAI's default (no choice made among draws); a completions logprobs of
-    0 asks for the chosen tokens' logprobs, which this server does not give."""
+    """best_of equal to n (OpenAI's default 1) makes no choice among draws; a completions
+    logprobs of 0 asks for the chosen tokens' logprobs, which this server does not give."""
     assert len(completion_requests({"prompt": "x", "best_of": 1}, "r", 2048)) == 1
+    assert len(completion_requests({"prompt": "x", "best_of": 3, "n": 3}, "r", 2048)) == 3
     assert len(chat_requests({"messages": CHAT, "logprobs": False}, "r", 2048)) == 1
     for body, param in [({"best_of": 2}, "best_of"), ({"best_of": True}, "best_of"),
-                        ({"logprobs": 0}, "logprobs"), ({"logprobs": 3}, "logprobs")]:
+                        ({"best_of": 1, "n": 3}, "best_of"), ({"logprobs": 0}, "logprobs"),
+                        ({"logprobs": 0.0}, "logprobs"), ({"logprobs": 3}, "logprobs")]:
         with pytest.raises(ApiError) as e:
             completion_requests({"prompt": "x", **body}, "r", 2048)
         assert e.value.param == param and "not supported" in str(e.value)

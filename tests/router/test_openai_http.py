@@ -240,7 +240,8 @@ def test_a_malformed_request_logs_no_traceback(api, caplog):
 
 
 def test_unreadable_and_abandoned_bodies_log_no_traceback_and_count_no_fault(smol_engine,
-                                                                            caplog):
+                                                                            caplog,
+                                                                            monkeypatch):
     """A body that does not follow its Content-Encoding: a 400 with one line of aiohttp's
     reason (aiohttp logged it again, with a traceback, as it discarded the rest); a client that
     hangs up before its body arrived: counted CANCELLED, not INTERNAL, and no traceback."""
@@ -268,9 +269,21 @@ def test_unreadable_and_abandoned_bodies_log_no_traceback_and_count_no_fault(smo
             while not count("CANCELLED") and time.monotonic() < end:
                 time.sleep(0.02)
             assert api.raw("GET", "/health")[0] == 200
+            # From Python 3.12 the hang-up reaches the body's read as the handler's
+            # cancellation: counted the same way.
+            from aiohttp import web_request
+
+            async def cancelled(self):
+                raise asyncio.CancelledError
+
+            monkeypatch.setattr(web_request.BaseRequest, "read", cancelled)
+            with pytest.raises(Exception):  # noqa: B017 - the connection ends unanswered
+                api.raw("POST", "/v1/completions", b"{}")
+            monkeypatch.undo()
+            assert api.raw("GET", "/health")[0] == 200
     finally:
         api.close()
-    assert (count("CANCELLED"), count("INTERNAL"), count("INVALID_ARGUMENT")) == (1, 0, 1)
+    assert (count("CANCELLED"), count("INTERNAL"), count("INVALID_ARGUMENT")) == (2, 0, 1)
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
@@ -371,7 +384,7 @@ def test_the_request_bounds_name_the_http_fields(api):
             ({"stop": ["x" * 600]}, "stop", "stop[0] has 600 characters"),
             ({"messages": CHAT * 513}, "messages", "messages has 513 messages"),
             ({"messages": [{"role": "user", "content": "x" * 200_000}] * 2}, "messages",
-             "chat content has 400000 characters")]:
+             "messages' content has 400000 characters")]:
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(**{"model": api.model, "messages": CHAT,
                                          "max_tokens": 1, **kw})
@@ -392,6 +405,8 @@ def test_a_request_id_header_keeps_room_for_the_choices_suffixes(api):
         "X-Request-Id has 191 bytes; the limit is 190 for 2 choice(s)"), out
     status, out = api.raw("POST", "/v1/completions", body, headers={"X-Request-Id": "r" * 190})
     assert status == 200 and len(out["choices"]) == 2, out
+    status, out = api.raw("POST", "/v1/completions", body, headers={"X-Request-Id": "a\tb"})
+    assert status == 400 and out["error"]["message"].startswith("X-Request-Id holds"), out
 
 
 def test_more_choices_than_the_server_admits_at_once_is_a_400_naming_n(smol_engine):
