@@ -43,7 +43,7 @@ from cluster.eagle3.records import (
 from cluster.eagle3.ttt import evaluate
 from cluster.eagle3.vocab import extend_vocab, fit_lm_head, revise_vocab
 from cluster.subcommands import one_line
-from engine import Engine, EngineConfig, SamplingParams, ops
+from engine import Engine, EngineConfig, SamplingParams, jit_watch, ops
 from engine.config import SpecConfig
 from engine.spec.eagle3 import Eagle3Config, Eagle3Head
 from engine.spec.head_io import load_head, save_head
@@ -151,8 +151,9 @@ def run(args) -> int:
               f"{torch.cuda.mem_get_info(device)[0] / 1e9:.1f} GB free")
     ks = sorted({1, 3, args.k_eval})
     sets = {d: ps[: args.eval_prompts] for d, ps in (held or {None: eval_p}).items()}
-    accept = {d: [engine_acceptance(engine, head, ps, k, args.max_tokens) for k in ks]
-              if ps else None for d, ps in sets.items()}  # None: no prompt to measure on
+    with jit_watch.starting_up():  # eager engines of their own: their compiles stall nobody
+        accept = {d: [engine_acceptance(engine, head, ps, k, args.max_tokens) for k in ks]
+                  if ps else None for d, ps in sets.items()}  # None: no prompt to measure on
     if not any(sets.values()):
         print("held-out engine acceptance: not measured (no held-out prompts)")
     recipe["held_out_engine_acceptance"] = accept if held else accept[None]
