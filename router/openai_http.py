@@ -258,10 +258,11 @@ class OpenAIServer:
             raise ApiError(f"X-Request-Id has {len(rid.encode())} bytes; the limit is {room} "
                            f"for {len(reqs)} choice(s)")
         per_prompt = body.get("n") or 1  # choices per prompt (checked by `convert`)
-        room = self.service.admission.room
-        if len(reqs) > room:  # one request per choice: past the room, some always fail (429)
-            raise ApiError(f"{len(reqs)} choices in all: this server takes at most {room} "
-                           "requests of one client at once", param="n" if per_prompt > 1
+        adm = self.service.admission
+        if len(reqs) > adm.room:  # one request per choice: past the room, some always fail
+            whose = "of one client" if adm.room == adm.per_client else "in all"
+            raise ApiError(f"{len(reqs)} choices in all: this server takes at most {adm.room} "
+                           f"requests {whose} at once", param="n" if per_prompt > 1
                            else "prompt")
         stream, opts = body.get("stream"), body.get("stream_options")
         if stream is not None and not isinstance(stream, bool):  # (1 == True in Python)

@@ -428,8 +428,9 @@ def test_more_choices_than_the_server_admits_at_once_is_a_400_naming_n(smol_engi
         a.close()
     a = Api(smol_engine, admission=Admission(1, 0, 5.0))  # one running, none queued
     try:
-        with pytest.raises(openai.BadRequestError):
+        with pytest.raises(openai.BadRequestError) as e:
             a.client().chat.completions.create(model=a.model, messages=CHAT, max_tokens=2, n=2)
+        assert "at most 1 requests in all" in e.value.message
     finally:
         a.close()
 
