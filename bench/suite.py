@@ -57,7 +57,7 @@ from bench.fig4_kv_transfer import fig_kv_transfer, plot_kv
 from bench.fig5_itl_disagg import fig_itl_disagg, plot_itl
 from bench.fig6_deterministic import fig_deterministic, plot_deterministic
 from bench.fig7_cold_start import fig_cold_start, plot_cold_start
-from cluster.engine_args import bad_device
+from cluster.engine_args import unusable_device
 
 FIGURES = {
     1: ("single_stream", fig_single_stream, plot_single_stream),
@@ -75,11 +75,13 @@ def setting(path: str):
     import importlib
 
     module, _, name = path.strip().rpartition(".")
-    if not module or not name:
+    if not module or not name or module.startswith(".") or ".." in module:
         raise ValueError(f"{path!r} is not module.NAME")
     mod = importlib.import_module(module)
     if not hasattr(mod, name):
         raise AttributeError(f"{module} has no {name}")
+    if callable(getattr(mod, name)) or isinstance(getattr(mod, name), type(importlib)):
+        raise ValueError(f"{path} is not a constant (a function, class or module)")
     return mod, name
 
 
@@ -91,11 +93,16 @@ def parse_setting(item: str) -> tuple[str, object]:
     path, sep, raw = item.partition("=")
     if not sep:
         raise ValueError(f"{item!r} is not module.NAME=VALUE")
-    setting(path)
+    old = getattr(*setting(path))
     try:
-        return path.strip(), ast.literal_eval(raw.strip())
+        value = ast.literal_eval(raw.strip())
     except (ValueError, SyntaxError):
-        return path.strip(), raw.strip()
+        value = raw.strip()
+    number = (int, float)
+    if isinstance(old, bool) and not isinstance(value, bool) or isinstance(old, number) and (
+            isinstance(value, bool) or not isinstance(value, number)):
+        raise ValueError(f"{path.strip()} is {type(old).__name__} {old!r}, got {value!r}")
+    return path.strip(), value
 
 
 def apply_settings(items: list[str]) -> dict:
@@ -117,6 +124,25 @@ def apply_inherited() -> dict:
     return apply_settings(json.loads(os.environ.get(SETTINGS_ENV) or "[]"))
 
 
+def count(text: str) -> int:
+    """argparse type: a whole number of at least 1 (a count, a size, repetitions)."""
+    n = whole(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"wants a whole number of at least 1, got {text!r}")
+    return n
+
+
+def whole(text: str) -> int:
+    """argparse type: a whole number of at least 0."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"wants a whole number, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"wants a whole number of at least 0, got {text!r}")
+    return n
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--figures", default="1,2,3,4,5",
                    help="comma-separated figure numbers: 1 single_stream, 2 llama8b_shape, "
@@ -129,9 +155,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                    help="default bfloat16 on cuda, float32 on cpu")
-    p.add_argument("--num-blocks", type=int, default=8192,
+    p.add_argument("--num-blocks", type=count, default=8192,
                    help="KV blocks (of 16 tokens) per SmolLM2 engine variant")
-    p.add_argument("--prompt-offset", type=int, default=0,
+    p.add_argument("--prompt-offset", type=whole, default=0,
                    help="first held-out prompt used")
     p.add_argument("--dynamic-k", type=int, default=7, help="max K for dynamic EAGLE-3")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
@@ -141,23 +167,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-drafts", choices=("on", "off"), default=None,
                    help="EAGLE-3 drafts from the context too (SpecConfig.context_drafts; "
                         "default: its default). Figure 1 runs both.")
-    p.add_argument("--quiet-cpus", type=int, default=4, metavar="N",
+    p.add_argument("--quiet-cpus", type=whole, default=4, metavar="N",
                    help="on a GPU, keep the host thread on the N quietest CPUs, timed at start, "
                         "less busy ones (engine/affinity.py; 0: leave the affinity alone)")
     p.add_argument("--accept-model", choices=("geometric", "runs"), default="geometric",
                    help="how dynamic K predicts a K-draft step's tokens (SpecConfig)")
     g = p.add_argument_group("figure 1 (single stream)")
-    g.add_argument("--fig1-prompts", type=int, default=16,
+    g.add_argument("--fig1-prompts", type=count, default=16,
                    help="held-out prompts, one at a time (acceptance, and so the ratios, "
                         "move with the text)")
-    g.add_argument("--fig1-hf-prompts", type=int, default=4, metavar="N",
+    g.add_argument("--fig1-hf-prompts", type=whole, default=4, metavar="N",
                    help="the HF baselines generate the first N prompts (0: all)")
-    g.add_argument("--fig1-tokens", type=int, default=256)
+    g.add_argument("--fig1-tokens", type=count, default=256)
     g.add_argument("--fig1-domains", default="all", metavar="D,D",
                    help="the headline's domains (cluster/prompt_sets.py: code, chat, json, "
                         "summarize, math, general; default all): the engine's default "
                         "speculation against none on each held-out split")
-    g.add_argument("--fig1-domain-prompts", type=int, default=16, metavar="N",
+    g.add_argument("--fig1-domain-prompts", type=count, default=16, metavar="N",
                    help="held-out prompts per domain, one at a time")
     g.add_argument("--fig1-domain-variants",
                    default="eagle3_k5_context,eagle3_k7_context,eagle3_dynamic_k7_context",
@@ -172,17 +198,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-hf-compile", action="store_true",
                    help="skip the HF static cache + torch.compile baseline (minutes of compile)")
     g = p.add_argument_group("figure 2 (Llama-3.1-8B shape)")
-    g.add_argument("--fig2-context", type=int, default=512, help="tokens already in the KV")
-    g.add_argument("--fig2-reps", type=int, default=50)
-    g.add_argument("--fig2-max-batch", type=int, default=64)
-    g.add_argument("--fig2-blocks", type=int, default=2048)
-    g.add_argument("--fig2-decode-tokens", type=int, default=128,
+    g.add_argument("--fig2-context", type=whole, default=512, help="tokens already in the KV")
+    g.add_argument("--fig2-reps", type=count, default=50)
+    g.add_argument("--fig2-max-batch", type=count, default=64)
+    g.add_argument("--fig2-blocks", type=count, default=2048)
+    g.add_argument("--fig2-decode-tokens", type=count, default=128,
                    help="engine.step() decode steps timed at batch 1")
     g.add_argument("--hbm-gib", type=float, default=4.0, help="size of the bandwidth copy")
     g = p.add_argument_group("figure 3 (concurrency)")
     g.add_argument("--concurrency", default="1,2,4,8,16,32,64")
-    g.add_argument("--fig3-tokens", type=int, default=128)
-    g.add_argument("--fig3-reps", type=int, default=3)
+    g.add_argument("--fig3-tokens", type=count, default=128)
+    g.add_argument("--fig3-reps", type=count, default=3)
     g.add_argument("--fig3-candidate", action="append", default=None,
                    metavar="FIELD=VALUE,...",
                    help="one more variant: the engine's default speculation with these "
@@ -196,22 +222,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "model saw them (batch size, drafts per sequence, ms, tokens, path, "
                         "timed)")
     g = p.add_argument_group("figure 4 (KV transfer)")
-    g.add_argument("--fig4-reps", type=int, default=10)
+    g.add_argument("--fig4-reps", type=count, default=10)
     g.add_argument("--fig4-progress", default="thread", choices=("thread", "thread-polling"),
                    help="ucxx progress mode of the UCX rows (this process and the receivers)")
     g = p.add_argument_group("figure 5 (ITL, colocated vs disaggregated)")
     g.add_argument("--fig5-model", default="llama8b", choices=("llama8b", "tiny"),
                    help="random-weight model shape (tiny: a CPU smoke test)")
-    g.add_argument("--fig5-streams", type=int, default=8, help="background decode streams")
-    g.add_argument("--fig5-short-len", type=int, default=128, help="their prompt tokens")
-    g.add_argument("--fig5-arrivals", type=int, default=8, help="long prompts that arrive")
-    g.add_argument("--fig5-prompt-len", type=int, default=8192, help="tokens per long prompt")
+    g.add_argument("--fig5-streams", type=count, default=8, help="background decode streams")
+    g.add_argument("--fig5-short-len", type=count, default=128, help="their prompt tokens")
+    g.add_argument("--fig5-arrivals", type=count, default=8, help="long prompts that arrive")
+    g.add_argument("--fig5-prompt-len", type=count, default=8192, help="tokens per long prompt")
     g.add_argument("--fig5-interval-ms", type=float, default=500.0, help="between arrivals")
-    g.add_argument("--fig5-long-tokens", type=int, default=16,
+    g.add_argument("--fig5-long-tokens", type=count, default=16,
                    help="tokens each long request decodes")
-    g.add_argument("--fig5-max-steps", type=int, default=2000,
+    g.add_argument("--fig5-max-steps", type=count, default=2000,
                    help="max tokens of a background stream (it is aborted at the end)")
-    g.add_argument("--fig5-step-limit", type=int, default=5000,
+    g.add_argument("--fig5-step-limit", type=count, default=5000,
                    help="stop a run after this many steps even if unfinished")
     g.add_argument("--fig5-deadline-s", type=float, default=60.0,
                    help="stop a measured run after this many seconds even if unfinished")
@@ -230,25 +256,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tiny sizes (tiny random model, 2 streams, 2 prompts of 128 tokens): "
                         "a smoke test of the mechanics, e.g. with --device cpu")
     g = p.add_argument_group("figure 6 (deterministic mode against the default)")
-    g.add_argument("--fig6-prompts", type=int, default=32,
+    g.add_argument("--fig6-prompts", type=count, default=32,
                    help="held-out code-completion prompts (stdlib signatures + docstrings)")
-    g.add_argument("--fig6-tokens", type=int, default=256,
+    g.add_argument("--fig6-tokens", type=count, default=256,
                    help="greedy tokens of the references, speculation rows and restart")
-    g.add_argument("--fig6-short-tokens", type=int, default=128,
+    g.add_argument("--fig6-short-tokens", type=count, default=128,
                    help="tokens of the stream, cache, chunking, disaggregation and sampling rows")
-    g.add_argument("--fig6-min-len", type=int, default=64, help="shortest prompt, about")
-    g.add_argument("--fig6-max-len", type=int, default=2048, help="longest prompt, about")
+    g.add_argument("--fig6-min-len", type=count, default=64, help="shortest prompt, about")
+    g.add_argument("--fig6-max-len", type=count, default=2048, help="longest prompt, about")
     g.add_argument("--fig6-streams", default="64,8", metavar="MANY,FEW",
                    help="concurrent streams of the stream rows and the cost table")
-    g.add_argument("--fig6-stagger", type=int, default=2,
+    g.add_argument("--fig6-stagger", type=whole, default=2,
                    help="engine steps between arrivals in the stream rows")
-    g.add_argument("--fig6-chunk", type=int, default=96,
+    g.add_argument("--fig6-chunk", type=count, default=96,
                    help="max_num_batched_tokens of the chunked-prefill row")
     g.add_argument("--fig6-seed", type=int, default=1234, help="seed of prompt 0 (i: +i)")
     g.add_argument("--fig6-ks", default="1,2,3,4,5,6,7", help="EAGLE-3 fixed K rows")
-    g.add_argument("--fig6-cost-prompts", type=int, default=8,
+    g.add_argument("--fig6-cost-prompts", type=count, default=8,
                    help="prompts of the cost table's one-stream measure")
-    g.add_argument("--fig6-cost-reps", type=int, default=2)
+    g.add_argument("--fig6-cost-reps", type=count, default=2)
     g.add_argument("--fig6-deadline-s", type=float, default=390.0,
                    help="start no comparison after this many seconds (skipped ones are listed)")
     g.add_argument("--fig6-smoke", action="store_true",
@@ -261,10 +287,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="each process's TRITON_CACHE_DIR: cold = a fresh empty folder per "
                         "process; warm = this process's (TRITON_CACHE_DIR, else Triton's "
                         "default), shared")
-    g.add_argument("--fig7-ready-reps", type=int, default=3,
+    g.add_argument("--fig7-ready-reps", type=count, default=3,
                    help="after prepare_to_serve and one request, the same request this many "
                         "times (its median: the steady latency)")
-    g.add_argument("--fig7-reps", type=int, default=3,
+    g.add_argument("--fig7-reps", type=count, default=3,
                    help="cold processes per variant and concurrency, run as no-spec/EAGLE-3 "
                         "pairs (the first alternating); a ratio is the median over pairs "
                         "(one stream's pairs vary: bench/README.md, figure 7)")
@@ -279,17 +305,43 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "random EAGLE-3 head: a smoke test, e.g. --device cpu")
 
 
-def _bad_run_args(args) -> str | None:
-    """What is wrong with the device, the concurrencies or --out (None: nothing), before any
-    figure runs."""
-    if why := bad_device(str(args.device)):
-        return why
+def _counts(text: str, n: int | None = None) -> list[int] | None:
+    """The positive counts of a "1,8,64" list (exactly n of them where n is given), or None."""
     try:
-        conc = [int(c) for c in str(args.concurrency).split(",")]
+        got = [int(c) for c in str(text).split(",")]
     except ValueError:
-        conc = []
-    if not conc or min(conc) < 1:
-        return f"--concurrency wants positive counts like 1,8,64, got {args.concurrency!r}"
+        return None
+    return got if got and min(got) >= 1 and n in (None, len(got)) else None
+
+
+def _bad_run_args(args, nums: list[int]) -> str | None:
+    """What is wrong with the device, the model and head, the figures' lists or --out (None:
+    nothing), before any figure runs."""
+    if why := unusable_device(str(args.device)):
+        return why
+    for item in args.set:
+        try:
+            parse_setting(item)
+        except (ValueError, ImportError, AttributeError) as e:
+            return f"--set: {e}"
+    for flag, path in (("--model", args.model), ("--head", args.head)):
+        if path is not None and not os.path.exists(path):
+            return f"{flag} {path}: no such file or folder"
+    lists = [("--concurrency", args.concurrency, None, 3 in nums or 7 in nums),
+             ("--fig6-streams", args.fig6_streams, 2, 6 in nums),
+             ("--fig6-ks", args.fig6_ks, None, 6 in nums),
+             ("--fig7-concurrency", args.fig7_concurrency, None, 7 in nums)]
+    for flag, text, n, used in lists:
+        if used and _counts(text, n) is None:
+            return (f"{flag} wants positive counts like 1,8" + (f" ({n} of them)" if n else "")
+                    + f", got {text!r}")
+    if 1 in nums:
+        from bench.fig1_single_stream import domain_names
+
+        try:
+            domain_names(args.fig1_domains)
+        except ValueError as e:
+            return str(e)
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         return f"--out {args.out}: a file, not a folder"
     parent = os.path.dirname(os.path.abspath(args.out))
@@ -297,6 +349,12 @@ def _bad_run_args(args) -> str | None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"--out {args.out}: {parent} is a file"
+    try:  # made now, so that no figure's result is lost for want of it
+        os.makedirs(args.out or ".", exist_ok=True)
+    except OSError as e:
+        return f"--out {args.out!r}: {e.strerror or e}"
+    if not args.out or not os.access(args.out, os.W_OK | os.X_OK):
+        return f"--out {args.out!r}: not a folder this process can write in"
     return None
 
 
@@ -318,7 +376,7 @@ def run(args) -> int:
               file=sys.stderr)
         return 2
     nums = list(dict.fromkeys(nums))  # each once, in the order asked
-    why = _bad_run_args(args)
+    why = _bad_run_args(args, nums)
     if why:
         print(f"error: {why}", file=sys.stderr)
         return 2

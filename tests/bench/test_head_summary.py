@@ -1,6 +1,7 @@
 """bench.common.head_summary: which EAGLE-3 head a figure ran, written into its JSON."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -120,10 +121,45 @@ def settings_restored(monkeypatch, module, env: str) -> None:
     (["--figures", "6", "--device", "tpu"], "--device: 'tpu' is not cpu"),
     (["--figures", "6", "--out", __file__], "a file, not a folder"),
     (["--figures", "6", "--out", __file__ + "/x"], "is a file"),
+    (["--figures", "2", "--out", "/proc/tandem-bench"], "--out '/proc/tandem-bench'"),
+    (["--figures", "2", "--out", ""], "not a folder this process can write in"),
+    (["--figures", "1", "--model", "/nonexistent/m.gguf"], "--model /nonexistent/m.gguf: no"),
+    (["--figures", "1", "--head", "/nonexistent"], "--head /nonexistent: no such"),
+    (["--figures", "3,1", "--fig1-domains", "bogus"], "--fig1-domains: unknown ['bogus']"),
+    (["--figures", "6", "--fig6-streams", "abc"], "--fig6-streams wants positive counts"),
+    (["--figures", "6", "--fig6-streams", "8"], "(2 of them)"),
+    (["--figures", "7", "--fig7-concurrency", ""], "--fig7-concurrency wants"),
+    (["--figures", "2", "--set", "..X=1"], "--set: '..X' is not module.NAME"),
+    (["--figures", "2", "--set", "bench.fig5_process.FIG5_UCX_TIMEOUT_S=6O"],
+     "FIG5_UCX_TIMEOUT_S is float 60.0, got '6O'"),
+    (["--figures", "2", "--set", "torch.cuda.is_available=1"], "is not a constant"),
 ])
-def test_bad_run_arguments_are_refused_before_any_figure_runs(argv, says, capsys):
+def test_bad_run_arguments_are_refused_before_any_figure_runs(argv, says, capsys, tmp_path,
+                                                              monkeypatch):
     from bench.suite import main
 
+    monkeypatch.chdir(tmp_path)  # a figure that ran anyway writes here, not into the repo
     args = argv if "--device" in argv else ["--device", "cpu", *argv]
     assert main(args) == 2
     assert says in capsys.readouterr().err
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("flag, value", [("--fig3-reps", "0"), ("--num-blocks", "-1"),
+                                         ("--fig1-tokens", "x"), ("--prompt-offset", "-2")])
+def test_counts_and_sizes_are_checked_as_they_are_parsed(flag, value, capsys):
+    from bench.suite import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--device", "cpu", "--figures", "3", flag, value])
+    assert e.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_cuda_asked_for_without_cuda_is_refused_before_any_figure_runs(capsys, monkeypatch):
+    import torch
+
+    from bench.suite import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # (on any machine)
+    assert main(["--device", "cuda", "--figures", "2", "--out", "/tmp"]) == 2
+    assert "no CUDA device here" in capsys.readouterr().err
