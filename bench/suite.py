@@ -98,9 +98,9 @@ def parse_setting(item: str) -> tuple[str, object]:
         value = ast.literal_eval(raw.strip())
     except (ValueError, SyntaxError):
         value = raw.strip()
-    number = (int, float)
-    if isinstance(old, bool) and not isinstance(value, bool) or isinstance(old, number) and (
-            isinstance(value, bool) or not isinstance(value, number)):
+    number = (int, float)  # None passes: a setting's "off"
+    if value is not None and (isinstance(old, bool) and not isinstance(value, bool) or isinstance(
+            old, number) and (isinstance(value, bool) or not isinstance(value, number))):
         raise ValueError(f"{path.strip()} is {type(old).__name__} {old!r}, got {value!r}")
     return path.strip(), value
 
