@@ -161,7 +161,9 @@ def add_parser(sub) -> None:
     p = sub.add_parser("soak", help="concurrent streams for minutes while faults are injected; "
                                     "checks outputs and KV leaks, writes JSON",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--address", default=None,
+    from cluster.subcommands import grpc_address
+
+    p.add_argument("--address", default=None, type=grpc_address,
                    help="a running server to stream from (no faults: they need this process's "
                         "cluster; default: start one here)")
     p.add_argument("--streams", type=int, default=64, help="concurrent streams")
@@ -197,9 +199,13 @@ def add_parser(sub) -> None:
 
 def placement(args) -> tuple[str, str, float]:
     """(device, dtype, GPU share per actor) of the soak's actors."""
+    from cluster.engine_args import unusable_device
+
     gpu = args.device.startswith("cuda")
     if not gpu and args.device != "cpu":
         raise ValueError(f"--device: cpu or cuda, got {args.device!r}")
+    if gpu and (why := unusable_device(args.device)):  # else the actors wait for a GPU forever
+        raise ValueError(why)
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     share = args.gpu_share
     if share is None:  # Ray takes fractions to four decimals
@@ -229,10 +235,28 @@ def _config(args) -> SoakConfig:
                       min_tokens=args.min_tokens, max_tokens=args.max_tokens)
 
 
+def _out(args) -> str:
+    """The JSON file the soak writes, its folder made now: a path it cannot write is refused
+    before the soak, not after its minutes."""
+    out = args.out or os.path.join("bench", "results", "soak_" + datetime.datetime.now()
+                                   .strftime("%Y%m%d-%H%M%S") + ".json")
+    if os.path.isdir(out):
+        raise ValueError(f"--out {out}: a folder; name the JSON file")
+    folder = os.path.dirname(os.path.abspath(out))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {out}: {e.strerror or e}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"--out {out}: {folder} is not writable")
+    return out
+
+
 def cmd_soak(args) -> int:
     try:
         cfg = _config(args)
         device, dtype, share = placement(args)
+        out = _out(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -258,9 +282,6 @@ def cmd_soak(args) -> int:
     finally:
         if served is not None:
             served.close()
-    out = args.out or os.path.join("bench", "results", "soak_" + datetime.datetime.now()
-                                   .strftime("%Y%m%d-%H%M%S") + ".json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")

@@ -28,7 +28,10 @@ def test_actors_stay_on_the_cpu_in_fp32_by_default():
     assert soak.placement(_args()) == ("cpu", "float32", 0.0)
 
 
-def test_on_a_gpu_the_actors_share_it_in_bf16():
+def test_on_a_gpu_the_actors_share_it_in_bf16(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # (on any machine)
     assert soak.placement(_args("--device", "cuda", "--replicas", "2")) == \
         ("cuda", "bfloat16", 0.25)
     assert soak.placement(_args("--device", "cuda:0", "--replicas", "3")) == \
@@ -41,12 +44,32 @@ def test_on_a_gpu_the_actors_share_it_in_bf16():
                                        (("--device", "cuda", "--gpu-share", "0"), "--gpu-share"),
                                        (("--gpu-share", "1.5"), "--gpu-share"),
                                        (("--gpu-share", "0.5"), "--gpu-share")])
-def test_bad_placement_is_a_clear_error(argv, word, capsys):
+def test_bad_placement_is_a_clear_error(argv, word, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     args = _args(*argv)
     with pytest.raises(ValueError, match=word):
         soak.placement(args)
     assert soak.cmd_soak(args) == 2
     assert word in capsys.readouterr().err
+
+
+def test_what_would_fail_late_is_refused_before_the_cluster_starts(capsys, monkeypatch,
+                                                                    tmp_path):
+    """CUDA without a GPU (the actors waited for one forever), an --out that is a folder or
+    cannot be written (found after the soak's minutes), and a malformed --address."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv, says in [(("--device", "cuda"), "no CUDA device here"),
+                       (("--out", str(tmp_path)), "a folder; name the JSON file"),
+                       (("--out", "/proc/tandem/soak.json"), "--out /proc/tandem/soak.json")]:
+        assert soak.cmd_soak(_args(*argv)) == 2
+        assert says in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _args("--address", "a b")
+    assert "--address" in capsys.readouterr().err
 
 
 def test_engine_settings_carry_the_placement():
