@@ -302,7 +302,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def targets_of(args) -> list[tuple[str | None, str]]:
     """(component name or None, URL) of every endpoint the flags name."""
     if args.address:
-        return [(None, url_of(a)) for a in args.address]
+        if args.set:
+            raise ScrapeError("--set overrides --config's values; with --address there are none")
+        try:
+            return [(None, url_of(a)) for a in args.address]
+        except ValueError as e:  # urlsplit's: an unclosed [IPv6 bracket, ...
+            raise ScrapeError(f"--address: {e}") from None
     from cluster.config import ConfigError, apply_overrides, load_config
 
     try:
@@ -326,9 +331,11 @@ def render(s: Scrape, findings: list[Finding]) -> str:
 
 def run(args) -> int:
     """`tandem diagnose`: 0 healthy, 1 a problem found, 2 the endpoints could not be read."""
-    if not args.window > 0 and not args.once:  # (nan too)
-        print("error: --window must be > 0 seconds", file=sys.stderr)
-        return 2
+    for flag, value in (("--window", None if args.once else args.window),
+                        ("--itl-slo-ms", args.itl_slo_ms), ("--ttft-slo-ms", args.ttft_slo_ms)):
+        if value is not None and not (math.isfinite(value) and value > 0):  # (nan, inf too)
+            print(f"error: {flag} must be a number > 0, got {value:g}", file=sys.stderr)
+            return 2
     try:
         s = collect(targets_of(args), None if args.once else args.window)
     except ScrapeError as e:

@@ -345,8 +345,13 @@ def test_diagnose_reads_a_running_config(during, capsys, tmp_path):
     (["--config", "deploy/examples/local.yaml", "--set", "metrics.enabled=false"],
      "metrics.enabled is false"),
     (["--config", "/nonexistent/topology.yaml"], "No such file"),
-    (["--address", "127.0.0.1:9", "--window", "0"], "--window must be > 0"),
-    (["--address", "127.0.0.1:9", "--window", "nan"], "--window must be > 0"),
+    (["--address", "127.0.0.1:9", "--window", "0"], "--window must be a number > 0"),
+    (["--address", "127.0.0.1:9", "--window", "nan"], "--window must be a number > 0"),
+    (["--address", "127.0.0.1:9", "--window", "inf"], "--window must be a number > 0"),
+    (["--address", "127.0.0.1:9", "--once", "--itl-slo-ms", "nan"], "--itl-slo-ms must be"),
+    (["--address", "127.0.0.1:9", "--once", "--ttft-slo-ms", "-5"], "--ttft-slo-ms must be"),
+    (["--address", "http://[::1", "--once"], "--address: Invalid IPv6 URL"),
+    (["--address", "127.0.0.1:9", "--once", "--set", "x=1"], "--set overrides --config's"),
 ])
 def test_what_leaves_nothing_to_read_exits_2_in_one_line(capsys, argv, says):
     assert main(["diagnose", *argv]) == 2
