@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -239,6 +240,17 @@ class EngineConfig:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "kv_cache_bytes", "max_model_len",
+                     "max_num_seqs", "max_num_batched_tokens", "num_draft_layers",
+                     "admission_delay_steps", "admission_share"):
+            v = getattr(self, name)  # (NaN rows admitted nothing: generate waited forever)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
+                raise TypeError(f"{name} must be an int, got {v!r}")
+        if not isinstance(self.spec, SpecConfig | None):
+            raise TypeError(f"spec must be a SpecConfig or None, got {self.spec!r}")
+        if not isinstance(self.dtype, torch.dtype) or not isinstance(self.device, str):
+            raise TypeError(f"dtype must be a torch.dtype and device a str, got {self.dtype!r} "
+                            f"and {self.device!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_model_len is None:

@@ -27,7 +27,7 @@ from engine.prompt import PromptEncoder, is_one_prompt
 from engine.runner import ModelRunner, allocate_kv_cache, cache_blocks
 from engine.sampler import new_generator
 from engine.scheduler import Scheduler
-from engine.sequence import SamplingParams, Sequence
+from engine.sequence import SamplingParams, Sequence, integer
 from engine.spec.lookup import compile_store_ahead, needs_token_store, token_store
 from engine.spec.runtime import SpecRunner
 from engine.step import Stepper
@@ -165,8 +165,14 @@ class Engine:
         were already generated and their first `chars` characters streamed; they count as output
         (max_tokens, usage) and their text is rebuilt, so stop strings and held-back text carry
         on unchanged."""
-        params = params or SamplingParams()
-        if request_id is not None and (request_id in self.seqs or request_id in self.held):
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {params!r:.80}")
+        if max_draft is not None and integer("max_draft", max_draft) < 0:  # (a bad one broke
+            raise InvalidRequestError(f"max_draft must be >= 0, got {max_draft}")  # every step)
+        max_draft = None if max_draft is None else integer("max_draft", max_draft)
+        if request_id is not None and (request_id in self.seqs or request_id in self.held
+                                       or request_id in self.reserved):
             raise InvalidRequestError(f"request id {request_id!r} is already running")
         seq = Sequence(self.encode_prompt(prompt), params, request_id)
         seq.hold, seq.max_draft = hold, max_draft
@@ -315,8 +321,11 @@ class Engine:
         `use_tqdm`: a progress bar (a string: the bar's label). First, the graphs its batches
         replay that nothing captured yet (`warmup.prepare_on_first_use`); after, a warming
         engine's share of its speculative graphs (`warming.after_generate`)."""
+        if prompts is None or isinstance(prompts, int):
+            raise InvalidRequestError(f"prompts must be a prompt or a list of them, got "
+                                      f"{prompts!r}")
         prompts = [prompts] if is_one_prompt(prompts) else list(prompts)
-        plist = params if isinstance(params, list) else [params] * len(prompts)
+        plist = params if isinstance(params, list | tuple) else [params] * len(prompts)
         if len(plist) != len(prompts):
             raise InvalidRequestError("one SamplingParams per prompt, or a single one")
         running = len(prompts) + sum(not s.finished for s in self.seqs.values())

@@ -27,7 +27,7 @@ class PromptEncoder:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty")
-            ids = self._tok().encode(prompt)
+            ids = self._tok().encode(unicode_text(prompt, "the prompt"))
         elif isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
             ids = self._tok().apply_chat(chat_messages(prompt),
                                          specials_in_content=self.chat_special_tokens)
@@ -84,5 +84,16 @@ def chat_messages(messages) -> list[dict]:
         if not isinstance(content, str):
             raise InvalidRequestError(f"message {i}: content must be a string or a list of "
                                       f"text parts, got {content!r:.60}")
-        out.append({**m, "content": content})
+        out.append({**m, "content": unicode_text(content, f"message {i}'s content")})
     return out
+
+
+def unicode_text(text: str, what: str) -> str:
+    """`text`, refused where it holds a lone surrogate (half of a UTF-16 pair, as JSON's
+    escapes and Python strings can spell): no tokenizer encodes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{what} holds a lone surrogate at character {e.start}: it "
+                                  "is no Unicode text") from None
+    return text

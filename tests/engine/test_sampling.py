@@ -176,3 +176,47 @@ def test_duplicate_request_id_is_refused():
     eng.add_request([1, 2], SamplingParams(), request_id="x")
     with pytest.raises(InvalidRequestError):
         eng.add_request([1, 2], SamplingParams(), request_id="x")
+    eng.reserve("y", 8)  # a prefill's reserved blocks count as running too
+    with pytest.raises(InvalidRequestError):
+        eng.add_request([1, 2], SamplingParams(), request_id="y")
+
+
+def test_bad_arguments_of_the_python_api_raise_naming_them_and_break_nothing():
+    """A bad max_draft used to be kept and fail every later step of a speculative engine; a
+    NaN max_num_seqs admitted nothing (generate waited forever); other types failed deep in
+    torch or as AttributeErrors."""
+    from engine.config import SpecConfig
+
+    eng = tiny_engine(0, spec=SpecConfig(method="ngram", num_tokens=3))
+    for kw, says in [({"max_draft": 2.5}, "max_draft must be an integer"),
+                     ({"max_draft": "a"}, "max_draft must be an integer"),
+                     ({"max_draft": -1}, "max_draft must be >= 0"),
+                     ({"params": {"temperature": 0}}, "params must be a SamplingParams")]:
+        with pytest.raises(InvalidRequestError, match=says):
+            eng.add_request([5, 6, 7, 5, 6], **kw)
+    for prompts in (None, 5):
+        with pytest.raises(InvalidRequestError, match="prompts must be"):
+            eng.generate(prompts)
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    assert len(eng.generate([[1, 2, 3], [4, 5]], (greedy, greedy))) == 2  # a tuple of params
+    assert eng.add_request([5, 6, 7, 5, 6], greedy, max_draft=np.int64(2))
+    while eng.has_unfinished():
+        eng.step()
+    eng.blocks.check_all_free()
+    for field, value in [("max_num_seqs", float("nan")), ("block_size", 4.0),
+                         ("num_blocks", True), ("spec", "ngram"), ("dtype", "float16"),
+                         ("device", None)]:
+        with pytest.raises(TypeError, match=field):
+            tiny_engine(0, **{field: value})
+
+
+def test_text_with_a_lone_surrogate_is_refused_naming_where(smol_engine):
+    """Half of a UTF-16 pair (JSON's escapes can spell one) is no Unicode text: refused before
+    the tokenizer, which raised a bare TypeError."""
+    for prompt, says in [("abc\ud800", "the prompt holds a lone surrogate at character 3"),
+                         ([{"role": "user", "content": "ok"},
+                           {"role": "user", "content": "x\udfff"}],
+                          "message 1's content holds a lone surrogate")]:
+        with pytest.raises(InvalidRequestError, match=says):
+            smol_engine.generate(prompt, SamplingParams(max_tokens=2))
+    smol_engine.blocks.check_all_free()
