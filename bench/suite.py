@@ -58,6 +58,7 @@ from bench.fig5_itl_disagg import fig_itl_disagg, plot_itl
 from bench.fig6_deterministic import fig_deterministic, plot_deterministic
 from bench.fig7_cold_start import fig_cold_start, plot_cold_start
 from cluster.engine_args import unusable_device
+from cluster.subcommands import unwritable
 
 FIGURES = {
     1: ("single_stream", fig_single_stream, plot_single_stream),
@@ -349,13 +350,8 @@ def _bad_run_args(args, nums: list[int]) -> str | None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         return f"--out {args.out}: {parent} is a file"
-    try:  # made now, so that no figure's result is lost for want of it
-        os.makedirs(args.out or ".", exist_ok=True)
-    except OSError as e:
-        return f"--out {args.out!r}: {e.strerror or e}"
-    if not args.out or not os.access(args.out, os.W_OK | os.X_OK):
-        return f"--out {args.out!r}: not a folder this process can write in"
-    return None
+    why = unwritable(args.out) if args.out else "not a folder this process can write in"
+    return f"--out {args.out!r}: {why}" if why else None  # (made now: no result lost for it)
 
 
 def run(args) -> int:

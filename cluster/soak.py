@@ -201,11 +201,9 @@ def placement(args) -> tuple[str, str, float]:
     """(device, dtype, GPU share per actor) of the soak's actors."""
     from cluster.engine_args import unusable_device
 
-    gpu = args.device.startswith("cuda")
-    if not gpu and args.device != "cpu":
-        raise ValueError(f"--device: cpu or cuda, got {args.device!r}")
-    if gpu and (why := unusable_device(args.device)):  # else the actors wait for a GPU forever
+    if why := unusable_device(args.device):  # CUDA without one: the actors waited forever
         raise ValueError(why)
+    gpu = args.device.startswith("cuda")
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     share = args.gpu_share
     if share is None:  # Ray takes fractions to four decimals
@@ -238,17 +236,14 @@ def _config(args) -> SoakConfig:
 def _out(args) -> str:
     """The JSON file the soak writes, its folder made now: a path it cannot write is refused
     before the soak, not after its minutes."""
+    from cluster.subcommands import unwritable
+
     out = args.out or os.path.join("bench", "results", "soak_" + datetime.datetime.now()
                                    .strftime("%Y%m%d-%H%M%S") + ".json")
     if os.path.isdir(out):
         raise ValueError(f"--out {out}: a folder; name the JSON file")
-    folder = os.path.dirname(os.path.abspath(out))
-    try:
-        os.makedirs(folder, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--out {out}: {e.strerror or e}") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {out}: {folder} is not writable")
+    if why := unwritable(os.path.dirname(os.path.abspath(out))):
+        raise ValueError(f"--out {out}: {why}")
     return out
 
 

@@ -5,6 +5,7 @@ connects or loads, and errors told in one line."""
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -122,3 +123,14 @@ def one_line(e: BaseException) -> str:
         named = [x for x in lines if re.match(r"^[A-Za-z_.]*(Error|Exception)\b.*:", x)]
         return (named[-1] if named else lines[-1])[:500]
     return f"{type(e).__name__}: {text}"[:500]
+
+
+def unwritable(folder: str) -> str | None:
+    """Why this process cannot write files into `folder` (None: it can; the folder is made
+    now where missing), for refusing an output path before minutes of work, not after."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None if os.access(folder, os.W_OK | os.X_OK) else \
+        "not a folder this process can write in"

@@ -168,9 +168,10 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {params!r:.80}")
-        if max_draft is not None and integer("max_draft", max_draft) < 0:  # (a bad one broke
-            raise InvalidRequestError(f"max_draft must be >= 0, got {max_draft}")  # every step)
-        max_draft = None if max_draft is None else integer("max_draft", max_draft)
+        if max_draft is not None:  # (a bad one, kept, broke every later step)
+            max_draft = integer("max_draft", max_draft)
+            if max_draft < 0:
+                raise InvalidRequestError(f"max_draft must be >= 0, got {max_draft}")
         if request_id is not None and (request_id in self.seqs or request_id in self.held
                                        or request_id in self.reserved):
             raise InvalidRequestError(f"request id {request_id!r} is already running")

@@ -72,23 +72,25 @@ def _at_most(field: str, n: int, limit: int, unit: str) -> None:
 def clip(value: object, n: int = ECHO_CHARS) -> str:
     """`value` as a short, inert string to echo: repr-escaped (no newlines or control
     characters survive), cut to about `n` characters."""
-    s = repr(value) if isinstance(value, str) else repr(str(value))
-    return s if len(s) <= n else s[: n - 1] + "…"
+    return _cut(repr(value) if isinstance(value, str) else repr(str(value)), n)
 
 
 def shown(value: object, n: int = ECHO_CHARS) -> str:
     """A JSON value of a request as its JSON text, ASCII-escaped and cut to about `n`
     characters: 2.0 echoes as 2.0 and "5" as "5", not quoted again as `clip` quotes."""
     try:
-        s = json.dumps(value, ensure_ascii=True)
+        return _cut(json.dumps(value, ensure_ascii=True), n)
     except (TypeError, ValueError):  # not JSON's: (no request value)
         return clip(value, n)
-    return s if len(s) <= n else s[: n - 1] + "…"
 
 
 def detail(message: str) -> str:
     """An error's details as sent to a caller: one line, printable, at most
     `MAX_DETAIL_CHARS` characters."""
     flat = "".join(c if c.isprintable() else " " for c in _ANSI.sub("", message))
-    flat = " ".join(flat.split())
-    return flat if len(flat) <= MAX_DETAIL_CHARS else flat[: MAX_DETAIL_CHARS - 1] + "…"
+    return _cut(" ".join(flat.split()), MAX_DETAIL_CHARS)
+
+
+def _cut(s: str, n: int) -> str:
+    """s, or its first n - 1 characters and an ellipsis."""
+    return s if len(s) <= n else s[: n - 1] + "…"

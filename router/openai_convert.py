@@ -8,6 +8,7 @@ import math
 
 import grpc
 
+from engine import InvalidRequestError, prompt
 from router.limits import clip, shown
 from tandem_client.types import SEEDS
 from tandem_proto.v1 import generation_pb2 as pb
@@ -194,11 +195,9 @@ def unicode_text(text: str, param: str) -> str:
     """text, if it encodes as UTF-8: JSON's escapes can spell lone surrogates (half an emoji),
     which no protobuf string holds."""
     try:
-        text.encode()
-    except UnicodeEncodeError as e:
-        raise ApiError(f"{param} holds {text[e.start:e.end]!a} at {e.start}: not valid "
-                       "Unicode (a lone surrogate)", param=param) from None
-    return text
+        return prompt.unicode_text(text, param)
+    except InvalidRequestError as e:
+        raise ApiError(str(e), param=param) from None
 
 
 def _ids(values: list, param: str) -> list[int]:

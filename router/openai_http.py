@@ -65,10 +65,6 @@ class _ClientFaults(logging.Filter):
 logging.getLogger("aiohttp.server").addFilter(_ClientFaults())
 
 
-class ClientGone(Exception):
-    """The client hung up while its request body was on the way: nobody to answer."""
-
-
 class Aborted(Exception):
     """`context.abort` of a call made through `Call`: the status the gRPC call would end with."""
 
@@ -79,29 +75,26 @@ class Aborted(Exception):
     def api_error(self, path: str = "") -> ApiError:
         """The OpenAI error of this status for a request to `path`: a bound of the gRPC
         request (`router.limits`) is named by the HTTP field it came from."""
-        chat = path.endswith("/chat/completions")
         message, param = str(self), None
-        if self.code == grpc.StatusCode.INVALID_ARGUMENT:
-            if (hit := _GRPC_FIELD.match(message)) and hit[1] == "request_id":
-                message = "X-Request-Id" + message[len(hit[1]):]  # a header, not a param
-            elif hit:
-                param = "messages" if hit[1].startswith("chat") or (
-                    chat and hit[1] in ("text", "token_ids")) else _HTTP_FIELD[hit[1]]
-                message = param + message[len(hit[1]):] if hit[1] != "chat content" \
-                    else "messages' content" + message[len(hit[1]):]
+        invalid = self.code == grpc.StatusCode.INVALID_ARGUMENT
+        if invalid and (hit := _GRPC_FIELD.match(message)):
+            name, param = _HTTP_FIELD[hit[1]]
+            message = name + message[hit.end():]
         err = ApiError.of_status(self.code, message)
         err.param = param
-        if self.code == grpc.StatusCode.INVALID_ARGUMENT and CONTEXT_FULL.search(str(self)):
+        if invalid and CONTEXT_FULL.search(str(self)):
             err.code = "context_length_exceeded"  # OpenAI's code, which clients trim history on
-            err.param = "messages" if chat else "prompt"
+            err.param = "messages" if path.endswith("/chat/completions") else "prompt"
         return err
 
 
-# `router.limits`' gRPC field names -> the OpenAI request's (chat.* -> messages)
-_HTTP_FIELD = {"sampling.stop_token_ids": "stop_token_ids", "sampling.stop": "stop",
-               "token_ids": "prompt", "text": "prompt"}
-_GRPC_FIELD = re.compile(r"(sampling\.stop_token_ids|sampling\.stop|token_ids|text|"
-                         r"chat\.messages|chat content|request_id)(?=[ \[])")
+# `router.limits`' gRPC field names -> (the name the HTTP request gave it, its param)
+_HTTP_FIELD = {"sampling.stop_token_ids": ("stop_token_ids", "stop_token_ids"),
+               "sampling.stop": ("stop", "stop"), "token_ids": ("prompt", "prompt"),
+               "text": ("prompt", "prompt"), "chat.messages": ("messages", "messages"),
+               "chat content": ("messages' content", "messages"),
+               "request_id": ("X-Request-Id", None)}  # a header, not a param
+_GRPC_FIELD = re.compile("(" + "|".join(map(re.escape, _HTTP_FIELD)) + r")(?=[ \[])")
 
 
 class Call:
@@ -170,11 +163,8 @@ class OpenAIServer:
             return await handler(request)
         except Aborted as e:  # the servicer ended it and counted it
             return _error(e.api_error(request.path))
-        except ClientGone:  # counted as a gRPC call its caller cancelled, not a server fault
-            self._client_left(request)
-            return _error(ApiError("the client closed the connection", 400))
-        except asyncio.CancelledError:
-            if request.get(BODY_LOST):
+        except asyncio.CancelledError:  # a client that left mid-body: counted as a gRPC call
+            if request.get(BODY_LOST):  # its caller cancelled, not as a server fault
                 self._client_left(request)
             raise
         except ApiError as e:
@@ -406,11 +396,9 @@ async def _json(request: web.Request):
     except RequestPayloadError as e:  # torn chunks, a Content-Encoding the bytes do not follow
         why = getattr(e.__cause__, "message", None) or str(e)  # aiohttp's, without its status
         raise ApiError(f"the request body cannot be read: {' '.join(why.split())}") from None
-    except ConnectionResetError:  # the client hung up before its body arrived
-        raise ClientGone from None
-    except asyncio.CancelledError:  # the same hang-up, as the handler's cancellation (3.12+)
-        request[BODY_LOST] = True
-        raise
+    except (ConnectionResetError, asyncio.CancelledError):  # the client hung up before its
+        request[BODY_LOST] = True  # body arrived (from 3.12 as the handler's cancellation):
+        raise asyncio.CancelledError from None  # nobody to answer
     try:
         return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError):  # (nested past the parser's depth)
